@@ -1,0 +1,230 @@
+"""The operator spec: the one place a linear-attention variant is described.
+
+An :class:`OpSpec` fixes the mathematics of a family (update rule, gate kind, chunk size)
+and which per-call options the family accepts. An :class:`Options` value holds the
+per-call switches (trace-time flags in the kernels). :class:`HeadMap` checks the
+query/key heads against the value heads (GVA).
+
+Recurrence denoted by a spec, per token t and value head h (S in R^{K x V}, K-first):
+
+    gate   none:   S <- S
+           scalar: S <- exp(g[t, h]) * S                 (g: [.., HV], natural log)
+           key:    S <- diag(exp(g[t, h, :])) @ S          (g: [.., HV, K])
+    rule   additive: S <- S + k v^T
+           delta:    S <- S + k (beta (v - S^T k))^T
+    output o = S^T (scale * q)
+
+With ``state_v_first`` the state is stored transposed ([.., V, K]); the maths is the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+
+class SpecError(ValueError):
+    """A spec, option set or shape that cannot describe a valid operator."""
+
+
+class Rule(str, enum.Enum):
+    ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
+    DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
+
+
+class Gate(str, enum.Enum):
+    NONE = "none"       # no decay
+    SCALAR = "scalar"   # one log decay per value head and token: g [.., HV]
+    KEY = "key"         # one log decay per key channel: g [.., HV, K]
+
+
+class StateLayout(str, enum.Enum):
+    K_FIRST = "k_first"   # [N, HV, K, V]
+    V_FIRST = "v_first"   # [N, HV, V, K]
+
+
+#: option name -> what it needs from the spec (checked in OpSpec.__post_init__)
+OPTION_NAMES = ("l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
+                "state_v_first")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-call switches. Each is a trace-time flag of the generated kernels.
+
+    l2norm_qk:        q, k <- x * rsqrt(sum x^2 + 1e-6) inside the kernel
+    beta_sigmoid:     beta <- sigmoid(beta) inside the kernel
+    allow_neg_eigval: beta <- 2 * sigmoid(beta) (requires beta_sigmoid)
+    gate_in_kernel:   g <- -exp(A_log) * softplus(g + dt_bias) inside the kernel
+    state_v_first:    states are [N, HV, V, K] instead of [N, HV, K, V]
+    """
+    l2norm_qk: bool = False
+    beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    gate_in_kernel: bool = False
+    state_v_first: bool = False
+
+    def __post_init__(self):
+        for name in OPTION_NAMES:
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"option {name} must be a bool, got {getattr(self, name)!r}")
+        if self.allow_neg_eigval and not self.beta_sigmoid:
+            raise SpecError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
+                            "(beta becomes 2 * sigmoid(beta))")
+
+    @property
+    def layout(self) -> StateLayout:
+        return StateLayout.V_FIRST if self.state_v_first else StateLayout.K_FIRST
+
+    def enabled(self) -> tuple[str, ...]:
+        return tuple(n for n in OPTION_NAMES if getattr(self, n))
+
+    def key(self) -> str:
+        return "-".join(self.enabled()) or "plain"
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """H query/key heads shared by HV value heads; value head h reads key head h // (HV // H)."""
+    H: int
+    HV: int
+
+    def __post_init__(self):
+        if not (isinstance(self.H, int) and isinstance(self.HV, int)) or self.H < 1 or self.HV < 1:
+            raise SpecError(f"head counts must be positive integers, got H={self.H!r}, HV={self.HV!r}")
+        if self.HV % self.H != 0:
+            raise SpecError(f"HV % H != 0: {self.HV} value heads cannot share {self.H} key heads "
+                            "evenly (GVA needs HV to be a multiple of H)")
+
+    @property
+    def group(self) -> int:
+        return self.HV // self.H
+
+    def key_head(self, hv: int) -> int:
+        return hv // self.group
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operator family.
+
+    name:        the op's name on the command line (``gdn``); also the generated folder
+    rule, gate:  the recurrence (see the module docstring)
+    chunk_size:  tokens per chunk of the chunked forms
+    supports:    which :class:`Options` switches a call may turn on
+    gva:         whether HV may exceed H
+    default_scale: "rsqrt_k" (K ** -0.5, fla's default) or a number
+    """
+    name: str
+    rule: Rule
+    gate: Gate
+    chunk_size: int = 64
+    supports: frozenset = field(default_factory=frozenset)
+    gva: bool = True
+    default_scale: object = "rsqrt_k"
+    doc: str = ""
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise SpecError(f"spec name must be an identifier, got {self.name!r}")
+        object.__setattr__(self, "rule", _coerce(Rule, self.rule, "rule"))
+        object.__setattr__(self, "gate", _coerce(Gate, self.gate, "gate"))
+        object.__setattr__(self, "supports", frozenset(self.supports))
+        unknown = self.supports - set(OPTION_NAMES)
+        if unknown:
+            raise SpecError(f"unknown options {sorted(unknown)}; valid: {list(OPTION_NAMES)}")
+        if self.chunk_size not in (16, 32, 64):
+            raise SpecError(f"chunk_size must be 16, 32 or 64, got {self.chunk_size}")
+        if self.gate is Gate.NONE and "gate_in_kernel" in self.supports:
+            raise SpecError(f"{self.name}: gate_in_kernel needs a gate (gate is 'none')")
+        if self.rule is Rule.ADDITIVE and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
+            raise SpecError(f"{self.name}: beta options need the delta rule (rule is 'additive')")
+        if "allow_neg_eigval" in self.supports and "beta_sigmoid" not in self.supports:
+            raise SpecError(f"{self.name}: allow_neg_eigval needs beta_sigmoid")
+        if not (self.default_scale == "rsqrt_k" or
+                (isinstance(self.default_scale, (int, float)) and self.default_scale > 0)):
+            raise SpecError(f"default_scale must be 'rsqrt_k' or a positive number, "
+                            f"got {self.default_scale!r}")
+
+    # -- derived facts -------------------------------------------------------------------
+    @property
+    def has_beta(self) -> bool:
+        return self.rule is Rule.DELTA
+
+    @property
+    def has_gate(self) -> bool:
+        return self.gate is not Gate.NONE
+
+    def scale_for(self, K: int, scale=None) -> float:
+        """The scale a call uses: the given one, else the spec's default."""
+        if scale is None:
+            return K ** -0.5 if self.default_scale == "rsqrt_k" else float(self.default_scale)
+        if not isinstance(scale, (int, float)) or not scale > 0:
+            raise SpecError(f"scale must be a positive number, got {scale!r}")
+        return float(scale)
+
+    def check_options(self, options: Options) -> Options:
+        bad = [n for n in options.enabled() if n not in self.supports]
+        if bad:
+            raise SpecError(f"{self.name} does not support {bad}; it supports "
+                            f"{sorted(self.supports) or 'no options'}")
+        return options
+
+    def check_heads(self, H: int, HV: int) -> HeadMap:
+        hm = HeadMap(H, HV)
+        if not self.gva and HV != H:
+            raise SpecError(f"{self.name} has no GVA: value heads ({HV}) must equal heads ({H})")
+        return hm
+
+    def gate_shape(self, B: int, T: int, HV: int, K: int) -> tuple:
+        """Shape of g for this spec ((), for no gate)."""
+        return {Gate.NONE: (), Gate.SCALAR: (B, T, HV), Gate.KEY: (B, T, HV, K)}[self.gate]
+
+    # -- identity ------------------------------------------------------------------------
+    def as_dict(self) -> dict:
+        return {"name": self.name, "rule": self.rule.value, "gate": self.gate.value,
+                "chunk_size": self.chunk_size, "supports": sorted(self.supports),
+                "gva": self.gva, "default_scale": self.default_scale}
+
+    @property
+    def key(self) -> str:
+        """Readable identity: ``gdn_delta_scalar_c64``."""
+        return f"{self.name}_{self.rule.value}_{self.gate.value}_c{self.chunk_size}"
+
+    @property
+    def hash(self) -> str:
+        """Content hash of everything that shapes generated code (not the doc)."""
+        blob = json.dumps(self.as_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **kw) -> "OpSpec":
+        return dataclasses.replace(self, **kw)
+
+
+def _coerce(enum_cls, value, what):
+    try:
+        return enum_cls(value)
+    except ValueError:
+        valid = ", ".join(repr(e.value) for e in enum_cls)
+        raise SpecError(f"unknown {what} {value!r}; valid: {valid}") from None
+
+
+def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The six rule x gate combinations, each with every option its maths allows.
+
+    Used by tests and by the generator's coverage check: every combination must flow
+    through the references and the generator, not just the four named families.
+    """
+    out = []
+    for rule in Rule:
+        for gate in Gate:
+            sup = {"l2norm_qk", "state_v_first"}
+            if rule is Rule.DELTA:
+                sup |= {"beta_sigmoid", "allow_neg_eigval"}
+            if gate is not Gate.NONE:
+                sup |= {"gate_in_kernel"}
+            out.append(OpSpec(name=f"{rule.value}_{gate.value}", rule=rule, gate=gate,
+                              chunk_size=chunk_size, supports=frozenset(sup)))
+    return out
