@@ -1,6 +1,11 @@
 """The spec DSL and the references derived from it."""
 from .spec import (Gate, HeadMap, OpSpec, Options, Rule, SpecError, StateLayout,
                    all_rule_gate_specs, OPTION_NAMES)
+from .preprocess import Prepared, prepare, prepare_vjp
+from .recurrent import random_inputs, recurrent_backward, recurrent_forward
+from .chunked import chunked_forward
 
 __all__ = ["Gate", "HeadMap", "OpSpec", "Options", "Rule", "SpecError", "StateLayout",
-           "all_rule_gate_specs", "OPTION_NAMES"]
+           "all_rule_gate_specs", "OPTION_NAMES",
+           "Prepared", "prepare", "prepare_vjp",
+           "random_inputs", "recurrent_forward", "recurrent_backward", "chunked_forward"]

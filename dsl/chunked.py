@@ -1,0 +1,165 @@
+"""The chunked NumPy fp64 reference forward: the algorithm the kernels implement.
+
+Tokens are cut into chunks of C = chunk_size (the spec's, 64 by default); chunks restart
+at every sequence start under cu_seqlens. Options are applied once by
+:mod:`~linattn.dsl.preprocess` (q carries the scale, g is per key channel). Per chunk
+and value head, with S the state entering the chunk ([K, V], K-first), rows i, j in
+[0, L), L <= C, and E_ij = exp(g_cum_i - g_cum_j) masked to i >= j (<= 1 for decays):
+
+  1. gate cumsum        g_cum_i = sum_{s <= i} g_s                   (within the chunk)
+  2. intra-chunk WY     (delta rule only)
+                        A = (I + strict_tril(beta_i sum_k k_i k_j E_ij))^-1
+                        w = A (beta * k * exp(g_cum)),   u = A (beta * v)
+  3. inter-chunk state  h[chunk] = S;  v_new = u - w S  (delta) or v (additive)
+                        S <- exp(g_last) S + (k * exp(g_last - g_cum))^T v_new
+  4. output             o = (q * exp(g_cum)) S + tril_incl(sum_k q_i k_j E_ij) v_new
+
+Only exponentials of g_cum (<= 0) and of differences g_i - g_j with i >= j are taken, so
+long decays never overflow. The stage functions below act on one chunk for all value
+heads at once ([HV, L, ..] arrays); :mod:`~linattn.dsl.chunked_bwd` reuses them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .preprocess import check_call, prepare, state_from_k_first
+from .recurrent import _initial_states
+from .spec import Gate, OpSpec, Options, Rule
+
+
+class Chunk(NamedTuple):
+    """Tokens [start, end) of sequence n in batch row b; slot = its index in h."""
+    n: int
+    b: int
+    start: int
+    end: int
+    slot: int
+
+
+def chunk_table(dims, chunk_size: int) -> tuple[list, int]:
+    """Chunks of every sequence, and NC, the number of chunk slots per batch row.
+
+    Fixed length: slots count the chunks of each batch row (h is [B, NC, ..]); varlen
+    (B == 1): slots count chunks over all sequences in order (h is [1, NC_total, ..]).
+    """
+    chunks, next_slot = [], [0] * dims.B
+    for seg in dims.segments:
+        for s in range(seg.start, seg.end, chunk_size):
+            chunks.append(Chunk(seg.n, seg.b, s, min(s + chunk_size, seg.end), next_slot[seg.b]))
+            next_slot[seg.b] += 1
+    return chunks, max(next_slot, default=0)
+
+
+def chunk_inputs(eff, c: Chunk):
+    """The chunk's effective inputs as head-major arrays: q, k, g [HV, L, K], v [HV, L, V],
+    beta [HV, L] (or None)."""
+    take = lambda x: np.swapaxes(x[c.b, c.start:c.end], 0, 1)  # noqa: E731
+    beta = None if eff.beta is None else take(eff.beta)
+    return take(eff.q), take(eff.k), take(eff.v), take(eff.g), beta
+
+
+# -- stages (one chunk, all heads) -----------------------------------------------------------
+
+def gate_cumsum(g):
+    """Stage 1: within-chunk cumulative log decay, [HV, L, K]."""
+    return np.cumsum(g, axis=1)
+
+
+def pair_decays(g_cum, strict=False):
+    """E[h, i, j, k] = exp(g_cum_i - g_cum_j) for i >= j (i > j if strict), else 0."""
+    L = g_cum.shape[1]
+    keep = np.tril(np.ones((L, L), dtype=bool), -1 if strict else 0)[None, :, :, None]
+    diff = g_cum[:, :, None, :] - g_cum[:, None, :, :]
+    return np.where(keep, np.exp(np.where(keep, diff, -np.inf)), 0.0)
+
+
+def wy_representation(k, v, beta, g_cum, E):
+    """Stage 2 (delta rule): A [HV, L, L], w [HV, L, K], u [HV, L, V]."""
+    L = k.shape[1]
+    strict = np.tril(np.ones((L, L)), -1)
+    kk = np.einsum("hik,hjk,hijk->hij", k, k, E) * strict
+    A = np.linalg.inv(np.eye(L) + beta[:, :, None] * kk)
+    w = A @ (beta[:, :, None] * k * np.exp(g_cum))
+    u = A @ (beta[:, :, None] * v)
+    return A, w, u
+
+
+def new_values(rule, v, w, u, S):
+    """Stage 3a: the values the chunk writes into the state, [HV, L, V]."""
+    return u - w @ S if rule is Rule.DELTA else v
+
+
+def advance_state(k, g_cum, S, v_new):
+    """Stage 3b: the state leaving the chunk, [HV, K, V]."""
+    g_last = g_cum[:, -1, :]
+    k_decayed = k * np.exp(g_last[:, None, :] - g_cum)
+    return np.exp(g_last)[:, :, None] * S + np.swapaxes(k_decayed, 1, 2) @ v_new
+
+
+def chunk_output(q, k, g_cum, E, S, v_new):
+    """Stage 4: o [HV, L, V] (q already carries the scale)."""
+    qk = np.einsum("hik,hjk,hijk->hij", q, k, E)
+    return (q * np.exp(g_cum)) @ S + qk @ v_new
+
+
+# -- the whole forward -----------------------------------------------------------------------
+
+def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
+                    scale=None, initial_state=None, cu_seqlens=None, A_log=None,
+                    dt_bias=None, chunk_size=None) -> dict:
+    """Chunk-wise forward in fp64, with the intermediates the kernels produce.
+
+    Arguments as :func:`~linattn.dsl.recurrent.recurrent_forward`, plus chunk_size
+    (default spec.chunk_size). Returns a dict:
+      o           [B, T, HV, V]
+      final_state [N, HV, K, V] ([N, HV, V, K] with state_v_first)
+      g_cum       within-chunk cumsum of the effective log gate, g's shape ([B, T, HV] or
+                  [B, T, HV, K]); None without a gate
+      A           [B, T, HV, C]: row t holds row (t - chunk start) of its chunk's inverse,
+                  columns past the chunk's length are 0 (delta rule; None for additive)
+      w [B, T, HV, K], u [B, T, HV, V]   (delta rule; None for additive)
+      v_new       [B, T, HV, V] (u - w h, undecayed; v for additive)
+      h           state entering each chunk, [B, NC, HV, K, V] ([.., V, K] with
+                  state_v_first); varlen: [1, NC_total, ..] with chunks numbered globally
+      prepared    the effective inputs (:class:`~linattn.dsl.preprocess.Prepared`)
+    """
+    C = chunk_size or spec.chunk_size
+    dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
+    eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
+    B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
+    h0 = _initial_states(dims, options, initial_state)
+    chunks, NC = chunk_table(dims, C)
+    delta = spec.rule is Rule.DELTA
+    o = np.zeros((B, T, HV, V))
+    g_cum_all = np.zeros((B, T, HV, K))
+    A_all = np.zeros((B, T, HV, C)) if delta else None
+    w_all = np.zeros((B, T, HV, K)) if delta else None
+    u_all = np.zeros((B, T, HV, V)) if delta else None
+    v_new_all = np.zeros((B, T, HV, V))
+    h = np.zeros((B, NC, HV, K, V))
+    final = h0.copy()
+    put = lambda dst, c, x: dst.__setitem__((c.b, slice(c.start, c.end)), np.swapaxes(x, 0, 1))  # noqa: E731
+    for c in chunks:
+        S = final[c.n] if c.start == dims.segments[c.n].start else S
+        qc, kc, vc, gc, bc = chunk_inputs(eff, c)
+        g_cum = gate_cumsum(gc)
+        E = pair_decays(g_cum)
+        w = u = None
+        if delta:
+            A, w, u = wy_representation(kc, vc, bc, g_cum, E)
+            put(A_all[..., :c.end - c.start], c, A)
+            put(w_all, c, w)
+            put(u_all, c, u)
+        h[c.b, c.slot] = S
+        v_new = new_values(spec.rule, vc, w, u, S)
+        put(o, c, chunk_output(qc, kc, g_cum, E, S, v_new))
+        put(g_cum_all, c, g_cum)
+        put(v_new_all, c, v_new)
+        S = advance_state(kc, g_cum, S, v_new)
+        final[c.n] = S
+    g_cum_out = {Gate.NONE: None, Gate.SCALAR: g_cum_all[..., 0], Gate.KEY: g_cum_all}[spec.gate]
+    return dict(o=o, final_state=state_from_k_first(options, final), g_cum=g_cum_out,
+                A=A_all, w=w_all, u=u_all, v_new=v_new_all,
+                h=state_from_k_first(options, h), prepared=eff)

@@ -1,0 +1,256 @@
+"""Raw call inputs -> the effective inputs every reference consumes, and the way back.
+
+One implementation shared by the recurrent, chunked and kernel-checking code, so the
+per-call options (:class:`~linattn.dsl.spec.Options`) are applied in exactly one place.
+
+Effective inputs (:class:`Prepared`, NumPy fp64, GVA already expanded to the value heads):
+
+    q    [B, T, HV, K]   scale * l2norm?(q[.., key_head(hv), :])      (scale folded in)
+    k    [B, T, HV, K]   l2norm?(k[.., key_head(hv), :])
+    v    [B, T, HV, V]   v
+    g    [B, T, HV, K]   per-key-channel natural-log decay: the key gate as given, the
+                         scalar gate broadcast over K, zeros for no gate; with
+                         gate_in_kernel  g <- -exp(A_log[hv]) * softplus(g + dt_bias)
+    beta [B, T, HV]      delta rule: sigmoid?(beta) (* 2 with allow_neg_eigval);
+                         None for the additive rule
+
+``prepare_vjp`` maps gradients of these back to the raw inputs (folding the GVA groups,
+the l2norm, the sigmoid, the gate activation and the gate broadcast).
+
+:func:`check_call` validates shapes and returns :class:`Dims`, including the sequence
+segments (one per batch row, or one per cu_seqlens sequence with B == 1).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .spec import Gate, OpSpec, Options, Rule, SpecError
+
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+class Prepared(NamedTuple):
+    """Effective inputs of the recurrence (see the module docstring for shapes)."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    g: np.ndarray
+    beta: Optional[np.ndarray]
+
+
+class Segment(NamedTuple):
+    """One sequence: batch row b, tokens [start, end), state index n."""
+    n: int
+    b: int
+    start: int
+    end: int
+
+
+class Dims(NamedTuple):
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+    segments: tuple
+
+
+# -- validation ----------------------------------------------------------------------------
+
+def _shape(x, name, want):
+    x = np.asarray(x)
+    if x.shape != tuple(want):
+        raise SpecError(f"{name} must have shape {tuple(want)}, got {x.shape}")
+    return x
+
+
+def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
+               initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None) -> Dims:
+    """Validate one call's inputs against the spec; return its :class:`Dims`.
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g spec.gate_shape; beta [B, T, HV] (delta only);
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first); cu_seqlens [N+1];
+    A_log [HV], dt_bias [HV] (scalar gate) or [HV*K] (key gate) with gate_in_kernel.
+    """
+    spec.check_options(options)
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    if q.ndim != 4:
+        raise SpecError(f"q must be [B, T, H, K], got shape {q.shape}")
+    B, T, H, K = q.shape
+    _shape(k, "k", q.shape)
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise SpecError(f"v must be [B={B}, T={T}, HV, V], got shape {v.shape}")
+    HV, V = v.shape[2:]
+    spec.check_heads(H, HV)
+    if spec.has_gate:
+        if g is None:
+            raise SpecError(f"{spec.name} has a {spec.gate.value} gate: g is required")
+        _shape(g, "g", spec.gate_shape(B, T, HV, K))
+    elif g is not None:
+        raise SpecError(f"{spec.name} has no gate: g must be None")
+    if spec.has_beta:
+        if beta is None:
+            raise SpecError(f"{spec.name} uses the delta rule: beta is required")
+        _shape(beta, "beta", (B, T, HV))
+    elif beta is not None:
+        raise SpecError(f"{spec.name} uses the additive rule: beta must be None")
+    if options.gate_in_kernel:
+        if A_log is None:
+            raise SpecError("gate_in_kernel needs A_log [HV]")
+        _shape(A_log, "A_log", (HV,))
+        if dt_bias is not None:
+            n_bias = HV * K if spec.gate is Gate.KEY else HV
+            if np.asarray(dt_bias).size != n_bias:
+                raise SpecError(f"dt_bias must have {n_bias} elements "
+                                f"({'HV*K' if spec.gate is Gate.KEY else 'HV'}), "
+                                f"got shape {np.shape(dt_bias)}")
+    if cu_seqlens is None:
+        segments = tuple(Segment(b, b, 0, T) for b in range(B))
+    else:
+        cu = np.asarray(cu_seqlens)
+        if B != 1:
+            raise SpecError(f"with cu_seqlens the batch size must be 1, got B={B}")
+        if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != T or np.any(np.diff(cu) < 0):
+            raise SpecError(f"cu_seqlens must be [N+1] nondecreasing from 0 to T={T}, "
+                            f"got {cu.tolist()}")
+        segments = tuple(Segment(n, 0, int(cu[n]), int(cu[n + 1])) for n in range(cu.size - 1))
+    N = len(segments)
+    if initial_state is not None:
+        want = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
+        _shape(initial_state, "initial_state", want)
+    return Dims(B, T, H, HV, K, V, N, segments)
+
+
+# -- state layout ---------------------------------------------------------------------------
+
+def state_to_k_first(options: Options, s):
+    """[.., K, V] view of a state given in the options' layout (None passes through)."""
+    if s is None:
+        return None
+    s = np.asarray(s, dtype=np.float64)
+    return np.swapaxes(s, -1, -2) if options.state_v_first else s
+
+
+def state_from_k_first(options: Options, s):
+    """A [.., K, V] state in the options' layout ([.., V, K] with state_v_first)."""
+    return np.ascontiguousarray(np.swapaxes(s, -1, -2)) if options.state_v_first else s
+
+
+# -- elementwise pieces -----------------------------------------------------------------------
+
+def softplus(x):
+    """fla's softplus: x where x > 20, else log1p(exp(x))."""
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x > SOFTPLUS_THRESHOLD, x, np.log1p(np.exp(np.minimum(x, SOFTPLUS_THRESHOLD))))
+
+
+def softplus_grad(x):
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x > SOFTPLUS_THRESHOLD, 1.0, sigmoid(x))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
+
+
+def l2norm(x):
+    """x * 1/sqrt(sum(x^2) + 1e-6) over the last dim."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def l2norm_vjp(x, dy):
+    r = 1.0 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+    return r * dy - x * r ** 3 * np.sum(x * dy, axis=-1, keepdims=True)
+
+
+def _dt_bias_table(spec, HV, K, dt_bias):
+    """dt_bias as an array broadcastable against g ([HV] or [HV, K]); zeros when absent."""
+    shape = (HV, K) if spec.gate is Gate.KEY else (HV,)
+    if dt_bias is None:
+        return np.zeros(shape)
+    return np.asarray(dt_bias, dtype=np.float64).reshape(shape)
+
+
+def expand_heads(x, HV):
+    """[B, T, H, D] -> [B, T, HV, D]: value head hv reads key head hv // (HV // H)."""
+    return np.repeat(x, HV // x.shape[2], axis=2)
+
+
+def fold_heads(dx, H):
+    """Adjoint of expand_heads: [B, T, HV, D] -> [B, T, H, D] summing each group."""
+    B, T, HV, D = dx.shape
+    return dx.reshape(B, T, H, HV // H, D).sum(axis=3)
+
+
+# -- the forward map and its VJP -------------------------------------------------------------
+
+def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=None,
+            A_log=None, dt_bias=None) -> Prepared:
+    """Raw inputs -> :class:`Prepared` (fp64; q carries the scale; g always [B,T,HV,K])."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    s = spec.scale_for(K, scale)
+    if options.l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    q_eff = s * expand_heads(q, HV)
+    k_eff = expand_heads(k, HV)
+    g_eff = np.zeros((B, T, HV, K))
+    if spec.has_gate:
+        g_act = np.asarray(g, dtype=np.float64)
+        if options.gate_in_kernel:
+            x = g_act + _dt_bias_table(spec, HV, K, dt_bias)
+            a = np.exp(np.asarray(A_log, dtype=np.float64))
+            a = a[:, None] if spec.gate is Gate.KEY else a
+            g_act = -a * softplus(x)
+        g_eff += g_act[..., None] if spec.gate is Gate.SCALAR else g_act
+    beta_eff = None
+    if spec.rule is Rule.DELTA:
+        beta_eff = np.asarray(beta, dtype=np.float64)
+        if options.beta_sigmoid:
+            beta_eff = sigmoid(beta_eff) * (2.0 if options.allow_neg_eigval else 1.0)
+    return Prepared(q_eff, k_eff, v, g_eff, beta_eff)
+
+
+def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, dt_bias,
+                grads: Prepared) -> dict:
+    """Gradients of the effective inputs (a :class:`Prepared`) -> raw-input gradients.
+
+    Returns dict(dq [B,T,H,K], dk [B,T,H,K], dv [B,T,HV,V], dg (g's shape or None),
+    dbeta ([B,T,HV] or None), dA_log ([HV] or None), ddt_bias (dt_bias's shape or None)).
+    """
+    q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
+    H, K = q.shape[2], q.shape[3]
+    HV = np.shape(v)[2]
+    s = spec.scale_for(K, scale)
+    dq = fold_heads(s * grads.q, H)
+    dk = fold_heads(grads.k, H)
+    if options.l2norm_qk:
+        dq, dk = l2norm_vjp(q, dq), l2norm_vjp(k, dk)
+    out = dict(dq=dq, dk=dk, dv=np.array(grads.v, dtype=np.float64), dg=None, dbeta=None,
+               dA_log=None, ddt_bias=None)
+    if spec.has_gate:
+        dg = grads.g.sum(axis=-1) if spec.gate is Gate.SCALAR else np.array(grads.g)
+        if options.gate_in_kernel:
+            x = np.asarray(g, dtype=np.float64) + _dt_bias_table(spec, HV, K, dt_bias)
+            a = np.exp(np.asarray(A_log, dtype=np.float64))
+            a = a[:, None] if spec.gate is Gate.KEY else a
+            g_act = -a * softplus(x)
+            dA = (dg * g_act).sum(axis=(0, 1))
+            out["dA_log"] = dA.sum(axis=-1) if spec.gate is Gate.KEY else dA
+            dg = -a * softplus_grad(x) * dg
+            if dt_bias is not None:
+                out["ddt_bias"] = dg.sum(axis=(0, 1)).reshape(np.shape(dt_bias))
+        out["dg"] = dg
+    if spec.rule is Rule.DELTA:
+        dbeta = np.array(grads.beta, dtype=np.float64)
+        if options.beta_sigmoid:
+            sg = sigmoid(beta)
+            dbeta = dbeta * (2.0 if options.allow_neg_eigval else 1.0) * sg * (1.0 - sg)
+        out["dbeta"] = dbeta
+    return out

@@ -1,0 +1,157 @@
+"""The NumPy fp64 references check each other: recurrent == chunked, forward and backward.
+
+Every rule x gate combination (dsl.all_rule_gate_specs()) with every option set, GVA,
+varlen with ragged lengths (including 1), both state layouts and awkward sizes. The
+recurrent backward is also checked against central finite differences of its forward.
+"""
+import numpy as np
+import pytest
+
+from linattn.dsl import Options, SpecError
+from linattn.dsl.chunked import chunked_forward
+from linattn.dsl.recurrent import random_inputs, recurrent_forward
+
+from _ref_inputs import SPECS, all_options, assert_close, spec_option_params
+
+TOL = 1e-10
+
+# (id, B, T, H, HV, K, V, cu_seqlens, chunk_size)
+SIZES = [
+    pytest.param(1, 1, 1, 1, 8, 8, None, 16, id="B1-T1-K8-V8-c16"),
+    pytest.param(2, 63, 1, 2, 16, 8, None, 16, id="B2-T63-HV2-K16-V8-c16"),
+    pytest.param(1, 65, 2, 2, 8, 16, None, 64, id="B1-T65-H2-K8-V16-c64"),
+    pytest.param(2, 130, 1, 2, 16, 8, None, 64, id="B2-T130-HV2-K16-V8-c64"),
+    pytest.param(1, 130, 2, 4, 8, 4, None, 32, id="B1-T130-H2-HV4-K8-V4-c32"),
+    pytest.param(1, 100, 1, 2, 8, 16, [0, 1, 2, 40, 57, 100], 16, id="varlen-1-1-38-17-43-c16"),
+    pytest.param(1, 131, 1, 2, 16, 8, [0, 65, 66, 66, 131], 64, id="varlen-65-1-0-65-c64"),
+]
+
+
+def _inputs(spec, opts, B, T, H, HV, K, V, cu, rng, initial_state=True):
+    return random_inputs(spec, opts, B, T, H, HV, K, V, rng, cu_seqlens=cu,
+                         initial_state=initial_state)
+
+
+@pytest.mark.parametrize("spec, opts", spec_option_params())
+def test_chunked_forward_matches_recurrent(spec, opts, rng):
+    inp = _inputs(spec, opts, 2, 37, 1, 2, 8, 4, None, rng)
+    o, ht = recurrent_forward(spec, options=opts, **inp)
+    out = chunked_forward(spec, options=opts, chunk_size=16, **inp)
+    assert_close(out["o"], o, TOL, "o")
+    assert_close(out["final_state"], ht, TOL, "final_state")
+
+
+@pytest.mark.parametrize("B, T, H, HV, K, V, cu, C", SIZES)
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_chunked_forward_sizes(spec, B, T, H, HV, K, V, cu, C, rng):
+    opts = all_options(spec)
+    inp = _inputs(spec, opts, B, T, H, HV, K, V, cu, rng)
+    o, ht = recurrent_forward(spec, options=opts, **inp)
+    out = chunked_forward(spec, options=opts, chunk_size=C, **inp)
+    assert_close(out["o"], o, TOL, "o")
+    assert_close(out["final_state"], ht, TOL, "final_state")
+
+
+@pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_chunked_intermediates(spec, v_first, rng):
+    """h equals the recurrent state at each chunk start; v_new, w, u, A, g_cum fit."""
+    opts = Options(state_v_first=v_first)
+    cu = [0, 20, 21, 60]
+    C = 16
+    inp = _inputs(spec, opts, 1, 60, 1, 2, 8, 4, cu, rng)
+    out = chunked_forward(spec, options=opts, chunk_size=C, **inp)
+    eff = out["prepared"]
+    starts = [(n, s) for n in range(3) for s in range(cu[n], cu[n + 1], C)]
+    assert out["h"].shape[:2] == (1, len(starts))
+    for slot, (n, s) in enumerate(starts):
+        sub = dict(inp, cu_seqlens=None, initial_state=inp["initial_state"][n:n + 1])
+        for name in ("q", "k", "v", "g", "beta"):
+            if sub[name] is not None:
+                sub[name] = sub[name][:, cu[n]:s]
+        want = sub["initial_state"][0] if s == cu[n] else \
+            recurrent_forward(spec, options=opts, **sub)[1][0]
+        assert_close(out["h"][0, slot], want, TOL, f"h[{slot}]")
+        h_kv = np.swapaxes(out["h"][0, slot], -1, -2) if v_first else out["h"][0, slot]
+        rows = slice(s, min(s + C, cu[n + 1]))
+        v_new = out["v_new"][0, rows]                           # [L, HV, V]
+        if spec.has_beta:
+            w, u = out["w"][0, rows], out["u"][0, rows]
+            assert_close(v_new, u - np.einsum("lhk,hkv->lhv", w, h_kv), TOL, "v_new")
+            L = rows.stop - rows.start
+            A = np.swapaxes(out["A"][0, rows, :, :L], 0, 1)    # [HV, L, L]
+            assert np.allclose(np.triu(A, 1), 0) and np.allclose(np.diagonal(A, 0, 1, 2), 1)
+            assert np.all(out["A"][0, rows, :, L:] == 0)
+            assert_close(np.swapaxes(u, 0, 1),
+                         A @ (eff.beta[0, rows].T[..., None] * np.swapaxes(eff.v[0, rows], 0, 1)),
+                         TOL, "u")
+        else:
+            assert out["w"] is None and out["u"] is None and out["A"] is None
+            assert_close(v_new, eff.v[0, rows], TOL, "v_new")
+        if spec.has_gate:
+            g = inp["g"][0, rows]
+            assert_close(out["g_cum"][0, rows], np.cumsum(g, axis=0), TOL, "g_cum")
+        else:
+            assert out["g_cum"] is None
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_long_decay_does_not_overflow(spec, rng):
+    """Strong decays over a long chunk: no inf/NaN, and still equal to the recurrence."""
+    inp = _inputs(spec, Options(), 1, 64, 1, 1, 8, 8, None, rng)
+    if spec.has_gate:
+        inp["g"] = inp["g"] - 20.0                              # exp(g_cum) ~ 1e-550 at the end
+    o, ht = recurrent_forward(spec, **inp)
+    out = chunked_forward(spec, chunk_size=64, **inp)
+    assert np.all(np.isfinite(out["o"])) and np.all(np.isfinite(out["w"] if spec.has_beta else 0))
+    assert_close(out["o"], o, TOL, "o")
+    assert_close(out["final_state"], ht, TOL, "final_state")
+
+
+def test_missing_initial_state_is_zero(rng):
+    spec = SPECS[4]                                               # delta_scalar
+    inp = _inputs(spec, Options(), 2, 20, 1, 1, 4, 4, None, rng, initial_state=False)
+    o, ht = recurrent_forward(spec, **inp)
+    o0, ht0 = recurrent_forward(spec, **dict(inp, initial_state=np.zeros_like(ht)))
+    assert np.array_equal(o, o0) and np.array_equal(ht, ht0)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_random_inputs_are_realistic(spec, rng):
+    for opts in (Options(), all_options(spec)):
+        inp = _inputs(spec, opts, 2, 9, 1, 2, 8, 4, None, rng)
+        assert inp["q"].shape == inp["k"].shape == (2, 9, 1, 8) and inp["v"].shape == (2, 9, 2, 4)
+        if not opts.l2norm_qk:
+            assert np.allclose(np.linalg.norm(inp["k"], axis=-1), 1.0)
+        if spec.has_beta and not opts.beta_sigmoid:
+            assert np.all((inp["beta"] > 0) & (inp["beta"] < 1))
+        if spec.has_gate and not opts.gate_in_kernel:
+            assert inp["g"].shape == spec.gate_shape(2, 9, 2, 8) and np.all(inp["g"] < 0)
+        assert (inp["g"] is None) == (not spec.has_gate)
+        assert (inp["beta"] is None) == (not spec.has_beta)
+        want = (2, 2, 4, 8) if opts.state_v_first else (2, 2, 8, 4)
+        assert inp["initial_state"].shape == want
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(g=None), "g is required"),
+    (dict(beta=np.ones((1, 4, 2, 1))), "beta must have shape"),
+    (dict(cu_seqlens=[0, 2, 1, 4]), "cu_seqlens"),
+    (dict(cu_seqlens=[0, 2, 3]), "cu_seqlens"),
+    (dict(initial_state=np.zeros((1, 2, 4, 4))), "initial_state must have shape"),
+    (dict(v=np.zeros((1, 4, 3, 4))), "HV % H"),
+], ids=["no-g", "beta-shape", "cu-decreasing", "cu-short", "state-shape", "gva-uneven"])
+def test_bad_inputs_raise(change, match, rng):
+    spec = SPECS[5]                                               # delta_key
+    inp = _inputs(spec, Options(), 1, 4, 2, 2, 8, 4, None, rng)
+    with pytest.raises(SpecError, match=match):
+        recurrent_forward(spec, **dict(inp, **change))
+
+
+def test_unsupported_option_and_varlen_batch_raise(rng):
+    spec = SPECS[0]                                               # additive_none
+    inp = _inputs(spec, Options(), 2, 4, 1, 1, 4, 4, None, rng)
+    with pytest.raises(SpecError, match="does not support"):
+        chunked_forward(spec, options=Options(beta_sigmoid=True), **inp)
+    with pytest.raises(SpecError, match="batch size must be 1"):
+        chunked_forward(spec, **dict(inp, cu_seqlens=[0, 2, 4]))
