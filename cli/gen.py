@@ -1,0 +1,100 @@
+"""``linattn-gen``: regenerate, check, list and compile the generated TileLang kernels.
+
+    linattn-gen --op gdn --arch sm90            regenerate generated/sm90/gdn/
+    linattn-gen --op all --check                exit 1 listing stale/missing/extra files
+    linattn-gen --list                          ops, variants, stages
+    linattn-gen --op all --compile --report bench/compile_sm90.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..codegen import plan as plan_mod
+from ..codegen.arch import ARCHES
+from ..codegen.render import DEFAULT_OUT, check, render_tree, write
+from ..dsl import SpecError
+from ..ops.registry import specs
+
+
+def _resolve_ops(names: tuple[str, ...]) -> list:
+    table = specs()
+    if not names or "all" in names:
+        return [table[n] for n in sorted(table)]
+    bad = [n for n in names if n not in table]
+    if bad:
+        raise click.BadParameter(f"unknown op {bad[0]!r}; valid ops: all, {', '.join(sorted(table))}",
+                                 param_hint="'--op'")
+    return [table[n] for n in dict.fromkeys(names)]
+
+
+def _list(ops, arch) -> None:
+    click.echo(f"arches: {', '.join(ARCHES)}")
+    click.echo(f"variants: {', '.join(plan_mod.VARIANTS)}")
+    for spec in ops:
+        click.echo(f"{spec.name}  ({spec.key}, hash {spec.hash})")
+        for variant in plan_mod.VARIANTS:
+            stages = plan_mod.plan(spec, variant, arch)
+            click.echo(f"  {variant:6s} {', '.join(s.name for s in stages) or '-'}")
+
+
+@click.command(name="linattn-gen", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--op", "op_names", multiple=True, metavar="NAME",
+              help="op to generate (repeatable), or 'all' (default: all)")
+@click.option("--arch", default="sm90", show_default=True, type=click.Choice(ARCHES),
+              help="target architecture")
+@click.option("--variant", default=None, type=click.Choice(plan_mod.VARIANTS),
+              help="only this variant's stages (default: all variants)")
+@click.option("--check", "check_only", is_flag=True,
+              help="write nothing; exit 1 listing stale, missing or extra files")
+@click.option("--list", "list_only", is_flag=True, help="list ops, variants and stages")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="output folder (default: the package's generated/)")
+@click.option("--compile", "compile_all", is_flag=True,
+              help="compile every generated stage for its representative configurations "
+                   "and print registers / shared memory / spills")
+@click.option("--report", default=None, type=click.Path(dir_okay=False),
+              help="with --compile: write the results as JSON to this file")
+def cli(op_names, arch, variant, check_only, list_only, out_dir, compile_all, report):
+    """Generate TileLang kernels from the linattn op specs."""
+    ops = _resolve_ops(op_names)
+    if list_only:
+        _list(ops, arch)
+        return
+    out = Path(out_dir) if out_dir else DEFAULT_OUT
+    try:
+        files = render_tree(ops, arch, variant)
+    except SpecError as e:
+        raise click.UsageError(str(e))
+    if check_only:
+        extra_dirs = () if variant else tuple(f"{arch}/{s.name}" for s in ops)
+        res = check(files, out, extra_dirs)
+        if not res.ok:
+            for line in res.lines():
+                click.echo(line)
+            click.echo(f"generated/ is not current: run linattn-gen --op "
+                       f"{' --op '.join(s.name for s in ops)} --arch {arch}", err=True)
+            sys.exit(1)
+        click.echo(f"ok: {len(files)} files current under {out}")
+        return
+    written = write(files, out)
+    for rel in written:
+        click.echo(f"wrote {rel}")
+    click.echo(f"{len(written)} of {len(files)} files changed under {out}")
+    if compile_all:
+        from ..codegen.compile import compile_tree
+        results = compile_tree(ops, arch, variant, out, echo=click.echo)
+        if report:
+            Path(report).parent.mkdir(parents=True, exist_ok=True)
+            Path(report).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+            click.echo(f"report: {report}")
+        if any(r.get("error") for r in results):
+            sys.exit(1)
+
+
+def main(argv=None):
+    """Entry point of the ``linattn-gen`` script."""
+    return cli.main(args=argv, prog_name="linattn-gen")

@@ -1,0 +1,30 @@
+"""Per-arch tables: the compile target and the tuning (tile sizes, threads) per stage.
+
+Each arch module defines ``NAME``, ``TARGET`` (TileLang target dict), ``CAPABILITIES``
+(CUDA compute capabilities it serves, as (major, minor) prefixes) and
+``tuning(stage, problem) -> dict`` (tuning knobs for a stage's build(); ``{}`` means the
+template's defaults).
+"""
+from __future__ import annotations
+
+import importlib
+
+from ...dsl import SpecError  # noqa: F401  (re-exported for callers)
+
+ARCHES = ("sm90",)
+
+
+def get_arch(name: str):
+    """The arch module for ``name`` ("sm90"), with a clear error for unknown names."""
+    if name not in ARCHES:
+        raise SpecError(f"unknown arch {name!r}; valid arches: {', '.join(ARCHES)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The arch name serving a CUDA device of compute capability (major, minor)."""
+    for name in ARCHES:
+        if (major,) in get_arch(name).CAPABILITIES or (major, minor) in get_arch(name).CAPABILITIES:
+            return name
+    raise SpecError(f"no linattn kernels for compute capability {major}.{minor}; "
+                    f"supported arches: {', '.join(ARCHES)} (sm90 = Hopper, capability 9.x)")

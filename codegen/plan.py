@@ -1,0 +1,67 @@
+"""Which stages (generated kernels) a spec needs, per variant.
+
+``STAGE_TABLE`` maps a variant ("fwd", "bwd", "decode") to its ordered stages. A stage
+is one mathematical step, one template, one generated file. A stage may apply only to
+some rules or gates (``rules`` / ``gates``); ``plan`` drops the stages that do not apply
+to a spec, so a variant without stages yet simply plans to fewer files.
+
+To add a stage, append a :class:`Stage` to its variant's tuple below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dsl import Gate, OpSpec, Rule, SpecError
+
+VARIANTS = ("fwd", "bwd", "decode")
+ALL_RULES = frozenset(r.value for r in Rule)
+ALL_GATES = frozenset(g.value for g in Gate)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One generated kernel module.
+
+    name:     file stem and stage id ("recurrent" -> generated/<arch>/<op>/recurrent.py)
+    template: template file in codegen/templates ("recurrent.py.jinja")
+    variant:  "fwd" | "bwd" | "decode"
+    doc:      one line on what the stage computes
+    rules, gates: the rule / gate values the template implements (others are skipped)
+    """
+    name: str
+    template: str
+    variant: str
+    doc: str = ""
+    rules: frozenset = ALL_RULES
+    gates: frozenset = ALL_GATES
+
+    def applies_to(self, spec: OpSpec) -> bool:
+        return spec.rule.value in self.rules and spec.gate.value in self.gates
+
+
+STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
+    "fwd": (),
+    "bwd": (),
+    "decode": (
+        Stage("recurrent", "recurrent.py.jinja", "decode",
+              doc="token-by-token recurrence, state on chip (decode, small T, varlen)"),
+    ),
+}
+
+
+def plan(spec: OpSpec, variant: str | None = None, arch: str = "sm90") -> list[Stage]:
+    """The ordered stages generated for ``spec`` (all variants when ``variant`` is None)."""
+    from .arch import get_arch
+    get_arch(arch)  # validates the name
+    if variant is not None and variant not in STAGE_TABLE:
+        raise SpecError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
+    variants = VARIANTS if variant is None else (variant,)
+    stages = [s for v in variants for s in STAGE_TABLE[v] if s.applies_to(spec)]
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise SpecError(f"duplicate stage names in plan for {spec.name}: {names}")
+    return stages
+
+
+def all_stages() -> list[Stage]:
+    return [s for v in VARIANTS for s in STAGE_TABLE[v]]
