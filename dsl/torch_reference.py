@@ -1,0 +1,297 @@
+"""Torch references in fp64, usable on the GPU for full benchmark shapes (and on CPU in tests).
+
+Derived from an :class:`OpSpec` (rule x gate) and :class:`Options`, in fla's layout:
+q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV]; g [B, T, HV] (scalar gate) or
+[B, T, HV, K] (key gate), natural-log decays; states [N, HV, K, V] (or [N, HV, V, K] with
+state_v_first); cu_seqlens [N+1] with B == 1. Conventions as /work/briefs/A_references.md.
+
+Chunked forward, per chunk of C tokens (C = 64), per (sequence, value head):
+
+    gate cumsum      gc_i = sum_{j <= i in chunk} g_j                    (<= 0)
+    intra-chunk WY   A = (I + strict_tril(beta_i k_i.k_j e^{gc_i - gc_j}))^-1
+                     u = A (beta v),  w = A (beta e^{gc} k)              (delta rule)
+    inter-chunk      h_t = state entering chunk t;  v_new = u - w h_t    (additive: v)
+                     h_{t+1} = e^{gc_last} h_t + (k e^{gc_last - gc})^T v_new
+    output           o = (scale q e^{gc}) h_t + tril(scale q.k e^{gc_i - gc_j}) v_new
+
+Pairwise decays e^{gc_i - gc_j} are factored around the chunk's middle row, so fp64 only
+overflows when one chunk decays by more than ~e^{-1400} (never with realistic gates).
+Backward: torch.autograd through :func:`chunked_forward`. Every function computes in
+fp64 (inputs are converted) except the recurrent single steps, which take compute_dtype
+so the benchmark can also run them as the seed's eager fp32 "torch" implementation.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .spec import Gate, OpSpec, Options, Rule
+
+F64 = torch.float64
+L2NORM_EPS = 1e-6
+
+
+def _f64(x):
+    return None if x is None else x.to(F64)
+
+
+def softplus_fla(x: torch.Tensor) -> torch.Tensor:
+    """fla's softplus: x when x > 20, else log1p(exp(x))."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=None,
+            A_log=None, dt_bias=None):
+    """Raw call inputs -> what the recurrence consumes, in fp64, key heads expanded to HV.
+
+    Returns (q_eff [B,T,HV,K] already times scale, k_eff [B,T,HV,K], v [B,T,HV,V],
+    g_log [B,T,HV,1 or K] or None, beta_eff [B,T,HV] or None).
+    """
+    spec.check_options(options)
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    group = spec.check_heads(H, HV).group
+    if options.l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    q = q * spec.scale_for(K, scale)
+    if group > 1:
+        q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    g_log = None
+    if spec.gate is not Gate.NONE:
+        if options.gate_in_kernel:
+            a = torch.exp(_f64(A_log)).view(HV, 1)
+            bias = _f64(dt_bias).view(HV, -1)
+            x = (g if spec.gate is Gate.KEY else g.unsqueeze(-1)) + bias
+            g = -a * softplus_fla(x)
+            g_log = g
+        else:
+            g_log = g if spec.gate is Gate.KEY else g.unsqueeze(-1)
+    if spec.rule is Rule.DELTA:
+        if options.beta_sigmoid:
+            beta = torch.sigmoid(beta) * (2.0 if options.allow_neg_eigval else 1.0)
+    else:
+        beta = None
+    return q, k, v, g_log, beta
+
+
+def _segments(B, T, cu_seqlens):
+    """(batch slice, t0, t1) per independent run of tokens; one per sequence if varlen."""
+    if cu_seqlens is None:
+        return [(slice(0, B), 0, T)]
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs B == 1, got B={B}")
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return [(slice(0, 1), cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+
+
+def _state_in(initial_state, n0, n1, b, HV, K, V, v_first, device):
+    if initial_state is None:
+        return torch.zeros(b, HV, K, V, dtype=F64, device=device)
+    s = _f64(initial_state[n0:n1])
+    return s.transpose(-1, -2) if v_first else s
+
+
+def _chunk_segment(q, k, v, g, beta, S, C):
+    """One run of tokens, all fp64, [b, L, HV, D] (g [b, L, HV, 1 or K], beta [b, L, HV]).
+
+    Returns o [b,L,HV,V], final S [b,HV,K,V] and the intermediates (head-major chunks).
+    """
+    b, L, HV, K = k.shape
+    NC = max(1, math.ceil(L / C))
+    pad = NC * C - L
+
+    def chunks(x):  # [b, L, HV, D] -> [b, HV, NC, C, D]
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.reshape(b, NC, C, HV, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    gc = torch.zeros_like(kc[..., :1]) if g is None else chunks(g).cumsum(-2)
+    ref = gc[..., C // 2:C // 2 + 1, :]
+    k_inv = kc * torch.exp(ref - gc)                               # k_j e^{r - gc_j}
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    Aqk = ((qc * torch.exp(gc - ref)) @ k_inv.transpose(-1, -2)).masked_fill(~causal, 0)
+    gl = gc[..., -1:, :]                                           # [b,HV,NC,1,Kg]
+    k_last = kc * torch.exp(gl - gc)
+    q_dec = qc * torch.exp(gc)
+    A = w = None
+    if beta is not None:
+        bc = chunks(beta.unsqueeze(-1))
+        Akk = ((bc * kc * torch.exp(gc - ref)) @ k_inv.transpose(-1, -2))
+        Akk = Akk.masked_fill(~causal.tril(-1), 0)                 # strictly lower
+        eye = torch.eye(C, dtype=F64, device=k.device)
+        A = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False,
+                                          unitriangular=True)
+        u = A @ (bc * vc)
+        w = A @ (bc * torch.exp(gc) * kc)
+    else:
+        u = vc
+    hs, vnews = [], []
+    for t in range(NC):
+        hs.append(S)
+        vn = u[:, :, t] if w is None else u[:, :, t] - w[:, :, t] @ S
+        vnews.append(vn)
+        S = torch.exp(gl[:, :, t]).transpose(-1, -2) * S + k_last[:, :, t].transpose(-1, -2) @ vn
+    h = torch.stack(hs, 2)                                         # [b,HV,NC,K,V]
+    vnew = torch.stack(vnews, 2)
+    o = q_dec @ h + Aqk @ vnew
+
+    def tokens(x):  # [b, HV, NC, C, D] -> [b, L, HV, D]
+        return x.permute(0, 2, 3, 1, 4).reshape(b, NC * C, HV, x.shape[-1])[:, :L]
+
+    inter = dict(h=h.permute(0, 2, 1, 3, 4), v_new=tokens(vnew), g_cum=tokens(gc),
+                 A=None if A is None else tokens(A), w=None if w is None else tokens(w),
+                 u=tokens(u))
+    return tokens(o), S, inter
+
+
+def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
+                    scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
+                    chunk_size=None, intermediates=False):
+    """fp64 chunked forward of any spec; differentiable (autograd) in every input.
+
+    Returns (o [B,T,HV,V], final_state [N,HV,K,V] (v-first: [N,HV,V,K])), or with
+    intermediates=True a dict with o, final_state, h [B', NC, HV, K, V] (state entering
+    each chunk; varlen: B' = 1 and chunks of all sequences in order), A, w, u, v_new,
+    g_cum ([B,T,HV,*] token rows; A is None for the additive rule).
+    """
+    C = chunk_size or spec.chunk_size
+    qe, ke, ve, ge, be = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
+    B, T, HV, K = ke.shape
+    V = ve.shape[-1]
+    outs, finals, inters = [], [], []
+    for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens)):
+        n0, n1 = (0, B) if cu_seqlens is None else (n, n + 1)
+        S0 = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
+                       options.state_v_first, ke.device)
+        sl = lambda x: None if x is None else x[bs, t0:t1]  # noqa: E731
+        o, S, inter = _chunk_segment(sl(qe), sl(ke), sl(ve), sl(ge), sl(be), S0, C)
+        outs.append(o)
+        finals.append(S)
+        inters.append(inter)
+    o = torch.cat(outs, 1)
+    final = torch.cat(finals, 0)
+    if options.state_v_first:
+        final = final.transpose(-1, -2)
+    if not intermediates:
+        return o, final
+    res = dict(o=o, final_state=final, h=torch.cat([i["h"] for i in inters], 1))
+    for name in ("A", "w", "u", "v_new", "g_cum"):
+        parts = [i[name] for i in inters]
+        res[name] = None if parts[0] is None else torch.cat(parts, 1)
+    return res
+
+
+def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
+                      scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None):
+    """fp64 token-by-token recurrence (decay, then delta/additive update, then output).
+
+    Same arguments and returns as :func:`chunked_forward` (without intermediates).
+    """
+    qe, ke, ve, ge, be = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
+    B, T, HV, K = ke.shape
+    V = ve.shape[-1]
+    o = torch.zeros(B, T, HV, V, dtype=F64, device=ke.device)
+    finals = []
+    for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens)):
+        n0, n1 = (0, B) if cu_seqlens is None else (n, n + 1)
+        S = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
+                      options.state_v_first, ke.device)
+        for t in range(t0, t1):
+            if ge is not None:
+                S = torch.exp(ge[bs, t]).unsqueeze(-1) * S
+            kt, vt = ke[bs, t], ve[bs, t]
+            if be is not None:
+                vt = be[bs, t].unsqueeze(-1) * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))
+            S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2)
+            o[bs, t] = torch.einsum("bhkv,bhk->bhv", S, qe[bs, t])
+        finals.append(S)
+    final = torch.cat(finals, 0)
+    return o, (final.transpose(-1, -2) if options.state_v_first else final)
+
+
+# -- the seed's contract ops -----------------------------------------------------------------
+_DELTANET_PLAIN = OpSpec(name="deltanet_contract", rule="delta", gate="none", chunk_size=64)
+_GLA_PLAIN = OpSpec(name="gla_contract", rule="additive", gate="key", chunk_size=64, gva=False)
+
+
+def _bhld(x):  # [B, H, L, D] <-> [B, L, H, D]
+    return x.transpose(1, 2)
+
+
+def deltanet_chunk_fwd(q, k, v, beta, chunk_size=64):
+    """DeltaNetChunkFwd contract, head-first, no scale, zero initial state, fp64.
+
+    q, k [B,H,L,DK]; v [B,H,L,DV]; beta [B,H,L] -> (o [B,H,L,DV], S [B,H,NC+1,DK,DV],
+    Aw [B,H,L,C], Au (= Aw), w [B,H,L,DK], u [B,H,L,DV]).
+    """
+    r = chunked_forward(_DELTANET_PLAIN, _bhld(q), _bhld(k), _bhld(v), None, beta.transpose(1, 2),
+                        scale=1.0, chunk_size=chunk_size, intermediates=True)
+    S = torch.cat([r["h"], r["final_state"].unsqueeze(1)], 1).transpose(1, 2)
+    return (_bhld(r["o"]), S, _bhld(r["A"]), _bhld(r["A"]), _bhld(r["w"]), _bhld(r["u"]))
+
+
+def deltanet_chunk_bwd(do, q, k, v, beta, chunk_size=64):
+    """DeltaNetChunkBwd contract: exact gradients of deltanet_chunk_fwd's o under sum(o*do).
+
+    Shapes as deltanet_chunk_fwd; returns (dq, dk, dv, dbeta) in fp64.
+    """
+    xs = [x.detach().to(F64).requires_grad_(True) for x in (q, k, v, beta)]
+    with torch.enable_grad():
+        o = deltanet_chunk_fwd(*xs, chunk_size=chunk_size)[0]
+        return torch.autograd.grad(o, xs, do.to(F64))
+
+
+def deltanet_recurrent_fwd(q, k, v, beta, state, compute_dtype=F64):
+    """DeltaNetRecurrentFwd contract: one decode step, no scale.
+
+    q, k [B,H,DK]; v [B,H,DV]; beta [B,H]; state [B,H,DK,DV] -> (o [B,H,DV], new state),
+    computed in compute_dtype and returned in it if fp64, else in the input dtype.
+    """
+    out = q.dtype if compute_dtype != F64 else F64
+    q, k, v, beta, S = (x.to(compute_dtype) for x in (q, k, v, beta, state))
+    vn = beta.unsqueeze(-1) * (v - torch.einsum("bhkv,bhk->bhv", S, k))
+    S = S + k.unsqueeze(-1) * vn.unsqueeze(-2)
+    o = torch.einsum("bhkv,bhk->bhv", S, q)
+    return o.to(out), S.to(out)
+
+
+def gla_recurrent_fwd(q, k, v, gk, state, scale=None, compute_dtype=F64):
+    """GLARecurrentFwd contract: S' = diag(exp gk) S + k v^T; o = scale S'^T q.
+
+    q, k, gk [B,H,DK]; v [B,H,DV]; state [B,H,DK,DV]; scale <= 0 or None -> DK^-0.5.
+    """
+    out = q.dtype if compute_dtype != F64 else F64
+    scale = q.shape[-1] ** -0.5 if scale is None or scale <= 0 else scale
+    q, k, v, gk, S = (x.to(compute_dtype) for x in (q, k, v, gk, state))
+    S = torch.exp(gk).unsqueeze(-1) * S + k.unsqueeze(-1) * v.unsqueeze(-2)
+    o = torch.einsum("bhkv,bhk->bhv", S, q * scale)
+    return o.to(out), S.to(out)
+
+
+def gla_chunk_fwd(q, k, v, g, scale=None, initial_state=None, chunk_size=64):
+    """GLAChunkFwd contract: q, k, g [B,T,H,K]; v [B,T,H,V]; initial_state [B,H,K,V] or None.
+
+    Returns (o [B,T,H,V], final_state [B,H,K,V], h [B,NC+1,H,K,V]: state entering each
+    chunk, h[:, NC] = final state), all fp64.
+    """
+    r = chunked_forward(_GLA_PLAIN, q, k, v, g, scale=scale, initial_state=initial_state,
+                        chunk_size=chunk_size, intermediates=True)
+    h = torch.cat([r["h"], r["final_state"].unsqueeze(1)], 1)
+    return r["o"], r["final_state"], h
+
+
+def gla_chunk_bwd(q, k, v, g, h, do, dht, scale=None, chunk_size=64):
+    """GLAChunkBwd contract: gradients of sum(o*do) + sum(ht*dht) for the forward started
+    from initial state h[:, 0]. Returns (dq, dk, dv, dg, dh0) in fp64."""
+    xs = [x.detach().to(F64).requires_grad_(True) for x in (q, k, v, g, h[:, 0])]
+    with torch.enable_grad():
+        o, ht, _ = gla_chunk_fwd(*xs[:4], scale=scale, initial_state=xs[4], chunk_size=chunk_size)
+        return torch.autograd.grad((o, ht), xs, (do.to(F64), dht.to(F64)))
