@@ -4,8 +4,10 @@ from .spec import (Gate, HeadMap, OpSpec, Options, Rule, SpecError, StateLayout,
 from .preprocess import Prepared, prepare, prepare_vjp
 from .recurrent import random_inputs, recurrent_backward, recurrent_forward
 from .chunked import chunked_forward
+from .chunked_bwd import chunked_backward
 
 __all__ = ["Gate", "HeadMap", "OpSpec", "Options", "Rule", "SpecError", "StateLayout",
            "all_rule_gate_specs", "OPTION_NAMES",
            "Prepared", "prepare", "prepare_vjp",
-           "random_inputs", "recurrent_forward", "recurrent_backward", "chunked_forward"]
+           "random_inputs", "recurrent_forward", "recurrent_backward", "chunked_forward",
+           "chunked_backward"]

@@ -142,7 +142,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     final = h0.copy()
     put = lambda dst, c, x: dst.__setitem__((c.b, slice(c.start, c.end)), np.swapaxes(x, 0, 1))  # noqa: E731
     for c in chunks:
-        S = final[c.n] if c.start == dims.segments[c.n].start else S
+        S = final[c.n].copy() if c.start == dims.segments[c.n].start else S
         qc, kc, vc, gc, bc = chunk_inputs(eff, c)
         g_cum = gate_cumsum(gc)
         E = pair_decays(g_cum)

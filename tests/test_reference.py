@@ -9,7 +9,8 @@ import pytest
 
 from linattn.dsl import Options, SpecError
 from linattn.dsl.chunked import chunked_forward
-from linattn.dsl.recurrent import random_inputs, recurrent_forward
+from linattn.dsl.chunked_bwd import chunked_backward
+from linattn.dsl.recurrent import random_inputs, recurrent_backward, recurrent_forward
 
 from _ref_inputs import SPECS, all_options, assert_close, spec_option_params
 
@@ -50,6 +51,106 @@ def test_chunked_forward_sizes(spec, B, T, H, HV, K, V, cu, C, rng):
     out = chunked_forward(spec, options=opts, chunk_size=C, **inp)
     assert_close(out["o"], o, TOL, "o")
     assert_close(out["final_state"], ht, TOL, "final_state")
+
+
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+
+
+def _cotangents(spec, opts, inp, rng, with_dht=True):
+    o, ht = recurrent_forward(spec, options=opts, **inp)
+    return rng.standard_normal(o.shape), (rng.standard_normal(ht.shape) if with_dht else None)
+
+
+def _assert_grads_match(got, want, inp, spec, opts):
+    """Same gradients, None exactly where the input does not apply."""
+    expect_none = dict(dg=not spec.has_gate, dbeta=not spec.has_beta,
+                       dh0=inp["initial_state"] is None,
+                       dA_log=not opts.gate_in_kernel,
+                       ddt_bias=not opts.gate_in_kernel or inp["dt_bias"] is None)
+    for name in GRADS:
+        assert (want[name] is None) == expect_none.get(name, False), name
+        assert (got[name] is None) == (want[name] is None), name
+        if want[name] is not None:
+            assert_close(got[name], want[name], TOL, name)
+
+
+@pytest.mark.parametrize("spec, opts", spec_option_params())
+def test_chunked_backward_matches_recurrent(spec, opts, rng):
+    inp = _inputs(spec, opts, 2, 37, 1, 2, 8, 4, None, rng)
+    do, dht = _cotangents(spec, opts, inp, rng)
+    want = recurrent_backward(spec, options=opts, do=do, dht=dht, **inp)
+    got = chunked_backward(spec, options=opts, do=do, dht=dht, chunk_size=16, **inp)
+    _assert_grads_match(got, want, inp, spec, opts)
+
+
+@pytest.mark.parametrize("B, T, H, HV, K, V, cu, C", SIZES)
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_chunked_backward_sizes(spec, B, T, H, HV, K, V, cu, C, rng):
+    opts = all_options(spec)
+    inp = _inputs(spec, opts, B, T, H, HV, K, V, cu, rng)
+    do, dht = _cotangents(spec, opts, inp, rng)
+    want = recurrent_backward(spec, options=opts, do=do, dht=dht, **inp)
+    got = chunked_backward(spec, options=opts, do=do, dht=dht, chunk_size=C, **inp)
+    _assert_grads_match(got, want, inp, spec, opts)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_backward_without_state_or_dht(spec, rng):
+    opts = Options()
+    inp = _inputs(spec, opts, 1, 40, 1, 1, 8, 4, None, rng, initial_state=False)
+    do, _ = _cotangents(spec, opts, inp, rng)
+    want = recurrent_backward(spec, do=do, **inp)
+    got = chunked_backward(spec, do=do, chunk_size=16, **inp)
+    _assert_grads_match(got, want, inp, spec, opts)
+
+
+@pytest.mark.parametrize("opts_id", ["plain", "all"])
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_recurrent_backward_finite_differences(spec, opts_id, rng):
+    """Central differences of the recurrent forward (varlen, GVA, every raw input)."""
+    opts = Options() if opts_id == "plain" else all_options(spec)
+    inp = _inputs(spec, opts, 1, 5, 1, 2, 3, 2, [0, 1, 5], rng)
+    do, dht = _cotangents(spec, opts, inp, rng)
+    grads = recurrent_backward(spec, options=opts, do=do, dht=dht, **inp)
+
+    def loss():
+        o, ht = recurrent_forward(spec, options=opts, **inp)
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0",
+                 A_log="dA_log", dt_bias="ddt_bias")
+    for name, gname in names.items():
+        x = inp[name]
+        if x is None:
+            continue
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + 1e-6
+            up = loss()
+            x[idx] = old - 1e-6
+            fd[idx] = (up - loss()) / 2e-6
+            x[idx] = old
+        assert_close(grads[gname], fd, 1e-6, gname)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_chunked_backward_dh(spec, rng):
+    """dh[c] (gradient of the state leaving chunk c) equals dh0 of the suffix after c."""
+    opts, C = Options(state_v_first=True), 16
+    inp = _inputs(spec, opts, 1, 50, 1, 2, 8, 4, None, rng)
+    do, dht = _cotangents(spec, opts, inp, rng)
+    got = chunked_backward(spec, options=opts, do=do, dht=dht, chunk_size=C, **inp)
+    h = chunked_forward(spec, options=opts, chunk_size=C, **inp)["h"]
+    assert got["dh"].shape == h.shape == (1, 4, 2, 4, 8)
+    assert_close(got["dh"][0, -1], dht[0], TOL, "dh[last]")
+    for c in range(3):
+        s = (c + 1) * C
+        sub = {n: (x[:, s:] if n in ("q", "k", "v", "g", "beta") and x is not None else x)
+               for n, x in inp.items()}
+        sub["initial_state"] = h[:, c + 1]
+        tail = recurrent_backward(spec, options=opts, do=do[:, s:], dht=dht, **sub)
+        assert_close(got["dh"][0, c], tail["dh0"][0], TOL, f"dh[{c}]")
 
 
 @pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
