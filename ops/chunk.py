@@ -1,0 +1,290 @@
+"""The chunked (prefill) forward: three generated stages run in order.
+
+    chunk_prepare  grid (NT, HV):             gate activation + within-chunk cumsum, l2norm
+                                              of k, beta transform, WY form A, w, u
+    chunk_state    grid (V/BV, N * HV):       sequential inter-chunk pass: h, v_new, final
+    chunk_output   grid (V/BV, NT, HV):       o = scale (q h + causal(q k^T) v_new), gated
+
+Tokens live on one flat axis: a fixed-length batch [B, T] is viewed as B sequences of T
+tokens laid end to end, exactly like a varlen batch with cu_seqlens = [0, T, 2T, ...].
+Host-side chunk tables (built from cu_seqlens_cpu when given, so no device sync) map each
+of the NT chunks to its first token and valid length, and each sequence to its chunks.
+
+Supported: rule delta or additive with gate none or scalar (DeltaNet, GDN, and the
+matching additive specs); K, V multiples of 16 up to 256 (tested at K = V = 64 and 128);
+f16 / bf16 inputs. The per-key gate (KDA, GLA) raises SpecError for now.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+from collections import OrderedDict
+
+import numpy as np
+
+from ..dsl import Gate, OpSpec, Options, Rule, SpecError
+
+STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
+ARCH = "sm90"
+SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR)
+
+
+# -- host-side chunk tables ---------------------------------------------------------------
+
+def build_chunk_tables(cu_seqlens, chunk_size: int = 64):
+    """Chunk tables for sequences cu[n] .. cu[n+1] (a list or 1-D int array, cu[0] == 0).
+
+    Returns int32 NumPy arrays:
+      chunk_bos [NT]      first token (flat index) of each chunk
+      chunk_len [NT]      valid tokens of each chunk, 1..chunk_size
+      chunk_offsets [N+1] sequence n owns chunks chunk_offsets[n] .. chunk_offsets[n+1]
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
+    if cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise SpecError(f"cu_seqlens must start at 0 and be nondecreasing, got {cu.tolist()}")
+    lens = np.diff(cu)
+    counts = (lens + chunk_size - 1) // chunk_size
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    seq_of_chunk = np.repeat(np.arange(lens.size), counts)
+    local = np.arange(offsets[-1]) - offsets[:-1][seq_of_chunk]
+    bos = cu[:-1][seq_of_chunk] + local * chunk_size
+    length = np.minimum(chunk_size, cu[1:][seq_of_chunk] - bos)
+    return bos.astype(np.int32), length.astype(np.int32), offsets.astype(np.int32)
+
+
+_TABLE_CACHE: OrderedDict = OrderedDict()
+_TABLE_CACHE_SIZE = 64
+
+
+def _device_tables(cu: tuple, chunk_size: int, device):
+    """(cu32, chunk_bos, chunk_len, chunk_offsets) as int32 device tensors, cached by cu."""
+    import torch
+    key = (cu, chunk_size, str(device))
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return hit
+    bos, length, offsets = build_chunk_tables(cu, chunk_size)
+    host = np.concatenate([np.asarray(cu, dtype=np.int32), bos, length, offsets])
+    dev = torch.from_numpy(host).to(device, non_blocking=True)
+    n1, nt = len(cu), bos.size
+    out = (dev[:n1], dev[n1:n1 + nt], dev[n1 + nt:n1 + 2 * nt], dev[n1 + 2 * nt:])
+    _TABLE_CACHE[key] = out
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return out
+
+
+# -- loading and compiling the generated stages -------------------------------------------
+
+_MODULES: dict = {}
+_KERNELS: dict = {}
+
+
+def check_supported(spec: OpSpec) -> None:
+    if spec.gate not in SUPPORTED_GATES:
+        raise SpecError(f"{spec.name}: the chunked forward supports gates "
+                        f"{[g.value for g in SUPPORTED_GATES]}, not {spec.gate.value!r} (yet)")
+
+
+def stage_module(spec: OpSpec, stage: str) -> types.ModuleType:
+    """The generated module of ``stage`` for ``spec``: the checked-in one when it is current
+    (same SPEC_HASH), else rendered from the template in memory."""
+    check_supported(spec)
+    key = (spec.key, spec.hash, stage)
+    if key in _MODULES:
+        return _MODULES[key]
+    mod = None
+    try:
+        mod = importlib.import_module(f"linattn.generated.{ARCH}.{spec.name}.{stage}")
+        if getattr(mod, "SPEC_HASH", None) != spec.hash:
+            mod = None
+    except ImportError:
+        mod = None
+    if mod is None:
+        from ..codegen.plan import Stage
+        from ..codegen.render import render_stage
+        text = render_stage(spec, Stage(stage, f"{stage}.py.jinja", "fwd"), ARCH)
+        mod = _import_text(text, f"{spec.name}_{stage}")
+    _MODULES[key] = mod
+    return mod
+
+
+def _import_text(text: str, stem: str) -> types.ModuleType:
+    """Import module text from a file (TileLang's parser reads the source through inspect)."""
+    import hashlib
+    import importlib.util
+    import os
+    import tempfile
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), "linattn_rendered")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{stem}_{digest}.py")
+    if not os.path.isfile(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(f"linattn_rendered_{stem}_{digest}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compiled_stage(spec: OpSpec, stage: str, **params):
+    """The compiled TileLang kernel of ``stage`` at ``params`` (memoised per process)."""
+    key = (spec.key, spec.hash, stage, tuple(sorted(params.items())))
+    kern = _KERNELS.get(key)
+    if kern is None:
+        import tilelang
+        from ..codegen.arch import get_arch
+        mod = stage_module(spec, stage)
+        kern = tilelang.compile(mod.build(**params), out_idx=mod.out_idx(**params),
+                                target=get_arch(ARCH).TARGET,
+                                pass_configs=mod.pass_configs(**params))
+        _KERNELS[key] = kern
+    return kern
+
+
+def state_block_v(V: int, n_state_ctas_at_64: int, num_sms: int = 132) -> int:
+    """Value block of the state pass: 64 when that fills the GPU, else smaller (more CTAs)."""
+    for bv in ((64, 32, 16) if n_state_ctas_at_64 >= num_sms else (32, 16, 64)):
+        if V % bv == 0:
+            return bv
+    raise SpecError(f"V={V} must be a multiple of 16")
+
+
+def output_block_v(V: int) -> int:
+    for bv in (64, 32, 16):
+        if V % bv == 0:
+            return bv
+    raise SpecError(f"V={V} must be a multiple of 16")
+
+
+# -- the forward ---------------------------------------------------------------------------
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
+    import torch
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            raise SpecError(f"{name} must be a CUDA tensor")
+        if t.dim() != 4:
+            raise SpecError(f"{name} must be 4-D [B, T, heads, dim], got shape {tuple(t.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise SpecError(f"q, k, v must share dtype float16 or bfloat16, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if tuple(k.shape) != (B, T, H, K) or tuple(v.shape[:2]) != (B, T):
+        raise SpecError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                        f"v {tuple(v.shape)}")
+    spec.check_heads(H, HV)
+    if K % 16 or V % 16 or K > 256 or V > 256:
+        raise SpecError(f"head dims must be multiples of 16 up to 256, got K={K}, V={V}")
+    if spec.has_gate:
+        if g is None:
+            raise SpecError(f"{spec.name} needs g")
+        if tuple(g.shape) != (B, T, HV):
+            raise SpecError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
+    if spec.has_beta:
+        if beta is None:
+            raise SpecError(f"{spec.name} needs beta")
+        if tuple(beta.shape) != (B, T, HV):
+            raise SpecError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
+    if options.gate_in_kernel and (A_log is None or dt_bias is None):
+        raise SpecError("gate_in_kernel needs A_log [HV] and dt_bias [HV]")
+    if cu_seqlens is not None and B != 1:
+        raise SpecError(f"with cu_seqlens the batch must be 1, got B={B}")
+    return B, T, H, K, HV, V
+
+
+def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                  output_final_state=False, options: Options = Options(), cu_seqlens=None,
+                  cu_seqlens_cpu=None, A_log=None, dt_bias=None):
+    """Chunked forward of ``spec`` (fla's chunk_gated_delta_rule semantics).
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (scalar gate, natural log; raw when
+    options.gate_in_kernel); beta [B, T, HV] (delta rule); scale (default K^-0.5);
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read
+    as f32; cu_seqlens [N+1] (B == 1) and cu_seqlens_cpu its CPU copy; A_log, dt_bias [HV].
+    Returns (o [B, T, HV, V] in q's dtype, final_state f32 in the state layout or None).
+    Inputs are never modified.
+    """
+    import torch
+    check_supported(spec)
+    spec.check_options(options)
+    B, T, H, K, HV, V = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
+                                      cu_seqlens, A_log, dt_bias)
+    scale = spec.scale_for(K, scale)
+    dev = q.device
+    dtype = _dtype_name(q)
+    C = spec.chunk_size
+
+    if cu_seqlens is not None:
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+        cu = tuple(int(x) for x in (host.tolist() if hasattr(host, "tolist") else host))
+        if cu[-1] != T:
+            raise SpecError(f"cu_seqlens[-1] = {cu[-1]} must equal T = {T}")
+    else:
+        cu = tuple(range(0, (B + 1) * T, T)) if T > 0 else (0,) * (B + 1)
+    N = len(cu) - 1
+    cu32, chunk_bos, chunk_len, chunk_offsets = _device_tables(cu, C, dev)
+    NT = chunk_bos.numel()
+    Ttot = B * T
+
+    state_shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise SpecError(f"initial_state must be {state_shape}, got {tuple(initial_state.shape)}")
+
+    flat = lambda x, *tail: x.reshape(Ttot, *tail).contiguous()  # noqa: E731 (views when contiguous)
+    qf, kf, vf = flat(q, H, K), flat(k, H, K), flat(v, HV, V)
+    empty = lambda *shape, dt=torch.float32: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
+
+    g_cum = empty(Ttot, HV)
+    gf = flat(g, HV) if spec.has_gate else g_cum
+    betaf = flat(beta, HV) if spec.has_beta else g_cum
+    if options.gate_in_kernel:
+        A_log_t = A_log.to(device=dev, dtype=torch.float32).reshape(HV).contiguous()
+        dt_bias_t = dt_bias.to(device=dev, dtype=torch.float32).reshape(HV).contiguous()
+    else:
+        A_log_t = dt_bias_t = empty(HV)
+    kn = torch.empty_like(kf) if options.l2norm_qk else kf
+    if spec.has_beta:
+        w, u = empty(Ttot, HV, K, dt=q.dtype), empty(Ttot, HV, V, dt=q.dtype)
+    else:
+        w, u = empty(Ttot, HV, K, dt=q.dtype), vf   # additive: the state pass reads v
+    o = empty(Ttot, HV, V, dt=q.dtype)
+    final = empty(*state_shape) if output_final_state else empty(1, *state_shape[1:])
+    if Ttot == 0:
+        if output_final_state:
+            final.copy_(initial_state.float() if initial_state is not None else 0.0)
+        return o.reshape(B, T, HV, V), (final if output_final_state else None)
+
+    common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
+    prep = compiled_stage(spec, "chunk_prepare", **common,
+                          g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf),
+                          l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
+                          allow_neg_eigval=options.allow_neg_eigval,
+                          gate_in_kernel=options.gate_in_kernel)
+    if spec.has_gate or spec.has_beta or options.l2norm_qk:
+        prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
+
+    h = empty(NT, HV, K, V, dt=q.dtype)
+    v_new = empty(Ttot, HV, V, dt=q.dtype) if spec.has_beta else vf
+    h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
+          else empty(1, *state_shape[1:]))
+    bv = state_block_v(V, N * HV * (V // 64 if V >= 64 else 1))
+    state = compiled_stage(spec, "chunk_state", **common,
+                           state_v_first=options.state_v_first,
+                           has_initial_state=initial_state is not None,
+                           output_final_state=bool(output_final_state), block_v=bv)
+    state(kn, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
+
+    out = compiled_stage(spec, "chunk_output", **common, l2norm_qk=options.l2norm_qk,
+                         block_v=output_block_v(V))
+    out(qf, kn, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
+    return o.reshape(B, T, HV, V), (final if output_final_state else None)
