@@ -1,0 +1,65 @@
+"""Command line of linattn-bench (argparse; see the package docstring)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import report
+from .impls import IMPLS
+from .run import run
+from .workloads import load_rows, select
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="linattn-bench", description=__doc__)
+    p.add_argument("--op", help="comma-separated ops (e.g. GDNFwd,KDAFwd)")
+    p.add_argument("--workload", help="glob(s) on the workload label, comma-separated")
+    p.add_argument("--dtype", help="comma-separated: bf16,f16")
+    p.add_argument("--limit", type=int)
+    p.add_argument("--impl", default="linattn,fla,torch,torch-compile,flashinfer",
+                   help=f"comma-separated, from {','.join(IMPLS)}")
+    p.add_argument("--out", help="results JSON (rewritten after every row)")
+    p.add_argument("--merge", metavar="INTO", help="merge rows by (op, workload, dtype) into this JSON")
+    p.add_argument("--plot", metavar="PNG", help="ratio plot (needs matplotlib)")
+    p.add_argument("--table-md", metavar="MD", help="also write the markdown table here")
+    p.add_argument("--budget-s", type=float, default=None, help="total time budget; rows left are skipped")
+    p.add_argument("--row-budget-ms", type=float, default=100.0, help="timer budget per implementation")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--check-only", action="store_true", help="verify outputs, do not time")
+    p.add_argument("--verify-timer", action="store_true", help="run the timer's self-check first")
+    p.add_argument("--list", action="store_true", help="list the selected rows and exit")
+    p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
+                  workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
+    if a.list:
+        for r in rows:
+            print(r.op, r.workload, r.dtype)
+        print(f"{len(rows)} rows")
+        return 0
+    impls = [s.strip() for s in a.impl.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        print(f"unknown --impl {bad}; valid: {', '.join(IMPLS)}", file=sys.stderr)
+        return 2
+    doc = run(rows, impls, out_path=a.out, device=a.device, time_it=not a.check_only,
+              timer_budget_ms=a.row_budget_ms, budget_s=a.budget_s, verify_timer=a.verify_timer)
+    text = report.table(doc["rows"])
+    print(text)
+    if doc.get("skipped_for_budget"):
+        print(f"skipped for budget: {len(doc['skipped_for_budget'])} rows")
+    if a.table_md:
+        with open(a.table_md, "w") as f:
+            f.write(text)
+    if a.merge:
+        report.merge_into(a.merge, doc)
+    if a.plot and not report.plot(doc["rows"], a.plot):
+        print("no plot (matplotlib missing or no ratios)")
+    if doc.get("timer_check"):
+        print("timer check:", json.dumps(doc["timer_check"]))
+    return 0

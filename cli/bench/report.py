@@ -1,0 +1,158 @@
+"""Results: per-row summary (ratio, TFLOP/s, SOL, bound, vs the seed), the table in the
+seed page's form, per-op geomeans, JSON merge and the ratio plot.
+
+JSON: {"gpu", "commit", "date", "clocks", "timer_check", "rows": [{op, workload, dtype,
+seed: {ours_ms, ratio, alternatives, tflops, sol_pct, bound}, impls: {name: {"ms":
+float|null, "ok": bool, "note": str, ...}}, flops, bytes, ours_ms, best_alt, best_alt_ms,
+ratio, ratio_with_seed_columns, tflops, sol_pct, bound, vs_seed}]}.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from . import roofline
+from .workloads import OPS
+
+OURS = "linattn"
+
+
+def summarize(rec: dict, row) -> dict:
+    """Fill the derived figures of one row's record in place (and return it)."""
+    impls = rec["impls"]
+    ms = lambda n: impls.get(n, {}).get("ms") if impls.get(n, {}).get("ok") else None  # noqa: E731
+    ours = ms(OURS)
+    alts = {n: ms(n) for n in impls if n != OURS and ms(n) is not None}
+    flops, nbytes = roofline.counts(row)
+    rec.update(flops=flops, bytes=nbytes, ours_ms=ours, best_alt=None, best_alt_ms=None, ratio=None,
+               ratio_with_seed_columns=None, tflops=None, sol_pct=None, bound=None, vs_seed=None)
+    if alts:
+        best = min(alts, key=alts.get)
+        rec.update(best_alt=best, best_alt_ms=alts[best])
+    seed_alts = dict(row.seed.get("alternatives", {}))
+    fallback = {n: t for n, t in seed_alts.items() if n not in alts}
+    pool = list(alts.values()) + list(fallback.values())
+    timed = ours if ours is not None else rec["best_alt_ms"]
+    if timed is not None:
+        s = roofline.sol(row, timed)
+        rec.update(tflops=s["tflops"], sol_pct=s["sol_pct"], bound=s["bound"], tbps=s["tbps"],
+                   figures_of=OURS if ours is not None else rec["best_alt"])
+    if ours is not None:
+        if alts:
+            rec["ratio"] = rec["best_alt_ms"] / ours
+        if pool:
+            rec["ratio_with_seed_columns"] = min(pool) / ours
+        if row.seed.get("ours_ms"):
+            rec["vs_seed"] = row.seed["ours_ms"] / ours
+    return rec
+
+
+def geomean(xs):
+    xs = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def geomeans(records) -> dict:
+    """Per op: geomean ratio (vs alternatives timed here), vs_seed, and the row counts."""
+    out = {}
+    for op in OPS:
+        rs = [r for r in records if r["op"] == op]
+        if not rs:
+            continue
+        gaps = sum(1 for r in rs if r["impls"].get(OURS, {}).get("ms") is None)
+        out[op] = {"rows": len(rs), "gaps": gaps,
+                   "ratio": geomean([r.get("ratio") for r in rs]),
+                   "ratio_with_seed_columns": geomean([r.get("ratio_with_seed_columns") for r in rs]),
+                   "vs_seed": geomean([r.get("vs_seed") for r in rs])}
+    return out
+
+
+def _f(x, fmt="{:.4g}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def table(records) -> str:
+    """Markdown table in the seed page's form, one section per op."""
+    lines = []
+    for op in OPS:
+        rs = [r for r in records if r["op"] == op]
+        if not rs:
+            continue
+        alt_names = sorted({n for r in rs for n in r["impls"] if n != OURS})
+        lines += [f"\n### {op}\n",
+                  "| Workload | dtype | Ratio | ours ms | " + " | ".join(f"{n} ms" for n in alt_names)
+                  + " | TFLOP/s | SOL % | Bound | seed ms | vs seed |",
+                  "|" + "---|" * (9 + len(alt_names))]
+        for r in rs:
+            cells = []
+            for n in alt_names:
+                i = r["impls"].get(n)
+                cells.append("-" if i is None else (_f(i.get("ms")) if i.get("ok") else "FAIL"))
+            ours = r["impls"].get(OURS, {})
+            ours_cell = _f(ours.get("ms")) if ours.get("ok") else ("gap" if ours.get("ms") is None and
+                                                                     "not implemented" in ours.get("note", "")
+                                                                     else "FAIL" if ours else "-")
+            lines.append(f"| {r['workload']} | {r['dtype']} | {_f(r.get('ratio'), '{:.2f}')} | {ours_cell} | "
+                         + " | ".join(cells) + f" | {_f(r.get('tflops'), '{:.3g}')} | "
+                         f"{_f(r.get('sol_pct'), '{:.0f}')} | {r.get('bound') or '-'} | "
+                         f"{_f(r['seed'].get('ours_ms'))} | {_f(r.get('vs_seed'), '{:.2f}')} |")
+    g = geomeans(records)
+    lines += ["\n### Geomeans\n", "| op | rows | gaps | ratio | ratio (seed cols) | vs seed |",
+              "|---|---|---|---|---|---|"]
+    for op, v in g.items():
+        lines.append(f"| {op} | {v['rows']} | {v['gaps']} | {_f(v['ratio'], '{:.3f}')} | "
+                     f"{_f(v['ratio_with_seed_columns'], '{:.3f}')} | {_f(v['vs_seed'], '{:.3f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(doc: dict, path: str):
+    tmp = path + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=float)
+    os.replace(tmp, path)
+
+
+def merge_into(path: str, doc: dict) -> dict:
+    """Rows of doc replace rows with the same (op, workload, dtype) in the file at path
+    (created if missing); other rows stay. Header fields come from doc; each row keeps the
+    commit/date it was measured at."""
+    old = {"rows": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    key = lambda r: (r["op"], r["workload"], r["dtype"])  # noqa: E731
+    new_keys = {key(r) for r in doc["rows"]}
+    rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + list(doc["rows"])
+    order = {op: i for i, op in enumerate(OPS)}
+    rows.sort(key=lambda r: order.get(r["op"], len(order)))
+    merged = {**{k: v for k, v in old.items() if k != "rows"},
+              **{k: v for k, v in doc.items() if k != "rows"}, "rows": rows}
+    write_json(merged, path)
+    return merged
+
+
+def plot(records, path: str) -> bool:
+    """Ratio (best alternative / ours) per workload, one bar each; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rs = [r for r in records if r.get("ratio")]
+    if not rs:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 0.18 * len(rs)), 4))
+    ax.bar(range(len(rs)), [r["ratio"] for r in rs],
+           color=["tab:green" if r["ratio"] >= 1 else "tab:red" for r in rs])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(rs)))
+    ax.set_xticklabels([f"{r['op']}:{r['workload']}:{r['dtype']}" for r in rs], rotation=90, fontsize=5)
+    ax.set_ylabel("best alternative / ours")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return True

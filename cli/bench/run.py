@@ -1,0 +1,153 @@
+"""The benchmark loop: per row, build inputs, compute the fp64 reference, check every
+implementation against it, time the ones that pass. One failing row or implementation
+never stops the run; the JSON is rewritten after every row; a total budget stops it early."""
+from __future__ import annotations
+
+import gc
+import subprocess
+import time
+import traceback
+import zlib
+
+from . import impls as impl_mod
+from . import report
+from .inputs import build_inputs
+from .reference import check, reference_outputs
+
+FATAL = ("illegal memory access", "unspecified launch failure", "device-side assert",
+         "misaligned address", "illegal instruction")
+
+
+def header(device: str) -> dict:
+    import datetime
+    import torch
+    doc = {"gpu": None, "commit": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "clocks": None, "torch": torch.__version__}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        doc["gpu"] = torch.cuda.get_device_name()
+        doc["clocks"] = _sh("nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw "
+                            "--format=csv,noheader")
+    doc["commit"] = _sh("git rev-parse --short HEAD")
+    try:
+        import fla
+        doc["fla"] = getattr(fla, "__version__", "?")
+    except Exception:
+        doc["fla"] = None
+    return doc
+
+
+def _sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0, seed=None) -> dict:
+    """One row -> its record (never raises; errors land in notes)."""
+    import torch
+    seed = zlib.crc32("/".join(row.key).encode()) if seed is None else seed
+    rec = {"op": row.op, "workload": row.workload, "dtype": row.dtype, "seed": row.seed,
+           "options": row.options, "impls": {}, "input_seed": seed}
+    t0 = time.monotonic()
+    try:
+        x = build_inputs(row, device, seed)
+        ref = reference_outputs(row, x)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    except Exception as e:
+        rec["error"] = f"inputs/reference: {type(e).__name__}: {e}"
+        rec["traceback"] = traceback.format_exc(limit=4)
+        return rec
+    rec["reference_s"] = time.monotonic() - t0
+    for name in impl_names:
+        rec["impls"].update(_run_impl(name, row, x, ref, device, time_it, timer_budget_ms))
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    del x, ref
+    gc.collect()
+    rec["row_s"] = time.monotonic() - t0
+    return rec
+
+
+def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
+    import torch
+    try:
+        fn, outputs = impl_mod.make(name, row, x)
+    except impl_mod.NotApplicable:
+        return {}
+    except impl_mod.NotImplementedImpl as e:
+        return {name: {"ms": None, "ok": False, "note": f"not implemented: {e}"}}
+    except Exception as e:
+        return {name: {"ms": None, "ok": False, "note": f"setup failed: {type(e).__name__}: {e}"[:500]}}
+    res = {"ms": None, "ok": False, "note": ""}
+    try:
+        out = outputs(fn())
+        ok, errs, msg = check(out, ref, row.dtype)
+        res.update(ok=ok, rel_err=errs, note=msg)
+        if ok and time_it:
+            t = __import__("linattn.cli.bench.timer", fromlist=["device_time"]).device_time(
+                fn, budget_ms=timer_budget_ms)
+            res.update(ms=t["ms"], p10=t["p10"], p90=t["p90"], calls=t["calls"], kernels=t["kernels"])
+    except Exception as e:
+        res.update(ok=False, ms=None, note=f"{type(e).__name__}: {e}"[:500])
+        if any(s in str(e) for s in FATAL):
+            res["fatal"] = True
+    finally:
+        if device.startswith("cuda"):
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:
+                res.update(ok=False, fatal=True, note=(res["note"] + f" | sync: {e}")[:500])
+    return {name: res}
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+        return tqdm(items, desc=desc, mininterval=5)
+    except ImportError:
+        def plain():
+            for i, it in enumerate(items):
+                print(f"[{i + 1}/{len(items)}] {it.op} {it.workload} {it.dtype}", flush=True)
+                yield it
+        return plain()
+
+
+def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budget_ms=100.0,
+        budget_s=None, verify_timer=False, min_left_s=20.0) -> dict:
+    """Run rows; returns the results document (also written to out_path after every row)."""
+    t0 = time.monotonic()
+    doc = header(device)
+    doc["impls"] = list(impl_names)
+    if verify_timer:
+        from .timer import verify_timer as vt
+        try:
+            doc["timer_check"] = vt()
+        except Exception as e:
+            doc["timer_check"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print("timer check:", doc["timer_check"], flush=True)
+    doc["rows"] = []
+    skipped, slowest = [], 0.0
+    for row in progress(rows, "bench"):
+        left = budget_s - (time.monotonic() - t0) if budget_s else None
+        if left is not None and left < max(min_left_s, 1.5 * slowest):
+            skipped.append(list(row.key))
+            continue
+        t1 = time.monotonic()
+        rec = report.summarize(run_row(row, impl_names, device, time_it, timer_budget_ms), row)
+        slowest = max(slowest, time.monotonic() - t1)
+        doc["rows"].append(rec)
+        doc["skipped_for_budget"] = skipped
+        if out_path:
+            report.write_json(doc, out_path)
+        if any(i.get("fatal") for i in rec["impls"].values()):
+            doc["aborted"] = f"CUDA context broken at {row.key}; rerun the rest without this row"
+            print(doc["aborted"], flush=True)
+            break
+    doc["skipped_for_budget"] = skipped
+    doc["geomeans"] = report.geomeans(doc["rows"])
+    doc["wall_s"] = time.monotonic() - t0
+    if out_path:
+        report.write_json(doc, out_path)
+    return doc
