@@ -62,8 +62,8 @@ def build_inputs(row, device="cuda", seed: int = 0) -> dict:
         elif name == "A_log":
             x = torch.log(1 + 15 * rand(shape))
         elif name == "dt_bias":
-            dt = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(shape))
-            x = dt + torch.log(-torch.expm1(-dt))
+            step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(shape))
+            x = step + torch.log(-torch.expm1(-step))
         elif name in ("state", "initial_state", "dht"):
             x = 0.1 * randn(shape)
         else:

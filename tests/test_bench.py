@@ -1,0 +1,211 @@
+"""linattn-bench on CPU: the table, inputs, FLOP/byte formulas, timer interval logic,
+reference check, report/JSON/merge, and the loop end to end (check-only, torch impls)."""
+import json
+import math
+
+import pytest
+import torch
+
+from linattn.cli.bench import impls, report, roofline, run as run_mod, timer
+from linattn.cli.bench.inputs import build_inputs
+from linattn.cli.bench.reference import check, reference_outputs
+from linattn.cli.bench.workloads import OPS, Row, load_rows, select
+
+ROWS = load_rows()
+
+
+def small_row(op, dtype="bf16", options=None, **shapes):
+    t = {n: {"shape": list(s), "dtype": ("f32" if n in ("initial_state", "A_log", "dt_bias", "S", "h", "dht")
+                                         else "i64" if n.startswith("cu_") else None)}
+         for n, s in shapes.items()}
+    return Row(op, "tiny", dtype, t, options or {}, {"ours_ms": 0.01, "alternatives": {"fla": 0.02}})
+
+
+def tiny_rows():
+    B, T, H, K, V = 1, 70, 2, 16, 8
+    qk = dict(q=(B, T, H, K), k=(B, T, H, K))
+    return [
+        small_row("DeltaNetChunkFwd", q=(B, H, T, K), k=(B, H, T, K), v=(B, H, T, V), beta=(B, H, T)),
+        small_row("DeltaNetChunkBwd", do=(B, H, T, V), q=(B, H, T, K), k=(B, H, T, K), v=(B, H, T, V),
+                  beta=(B, H, T), S=(B, H, 3, K, V), Aw=(B, H, T, 64), Au=(B, H, T, 64), w=(B, H, T, K),
+                  u=(B, H, T, V)),
+        small_row("DeltaNetRecurrentFwd", q=(3, H, K), k=(3, H, K), v=(3, H, V), beta=(3, H), state=(3, H, K, V)),
+        small_row("GLARecurrentFwd", options={"scale": 0.25}, q=(3, H, K), k=(3, H, K), v=(3, H, V), gk=(3, H, K),
+                  state=(3, H, K, V)),
+        small_row("DeltaNetFwd", options={"use_qk_l2norm_in_kernel": True, "seq_lens": [1, 30, 39]},
+                  v=(B, T, H, V), beta=(B, T, H), cu_seqlens=(4,), cu_seqlens_cpu=(4,),
+                  initial_state=(3, H, K, V), **qk),
+        small_row("GDNFwd", options={"use_gate_in_kernel": True, "use_beta_sigmoid_in_kernel": True,
+                                     "allow_neg_eigval": True, "state_v_first": True},
+                  v=(B, T, 2 * H, V), g=(B, T, 2 * H), beta=(B, T, 2 * H), initial_state=(B, 2 * H, V, K),
+                  A_log=(2 * H,), dt_bias=(2 * H,), **qk),
+        small_row("KDAFwd", dtype="f16", v=(B, T, H, V), g=(B, T, H, K), beta=(B, T, H), **qk),
+        small_row("GLAChunkFwd", options={"scale": 0.125}, v=(B, T, H, V), g=(B, T, H, K),
+                  initial_state=(B, H, K, V), **qk),
+        small_row("GLAChunkBwd", options={"scale": 0.125}, v=(B, T, H, V), g=(B, T, H, K), do=(B, T, H, V),
+                  h=(B, 3, H, K, V), dht=(B, H, K, V), **qk),
+        small_row("GLAFwd", q=(2, 1, H, K), k=(2, 1, H, K), v=(2, 1, H, V), g=(2, 1, H, K),
+                  initial_state=(2, H, K, V)),
+    ]
+
+
+def test_table_loads_and_filters():
+    assert len(ROWS) == 385 and {r.op for r in ROWS} == set(OPS)
+    assert all(r.seed.get("ours_ms") for r in ROWS)
+    gdn = select(ROWS, ops=["gdnfwd"], dtypes=["bf16"])
+    assert gdn and all(r.op == "GDNFwd" and r.dtype == "bf16" for r in gdn)
+    pre = select(ROWS, workload="prefill-4k,decode-b8")
+    assert {r.workload for r in pre} == {"prefill-4k", "decode-b8"}
+    assert len(select(ROWS, limit=7)) == 7
+    for r in ROWS:   # every varlen row's lengths add up to the packed T
+        if "seq_lens" in r.options:
+            assert sum(r.options["seq_lens"]) == r.shape("q")[1] and r.shape("q")[0] == 1
+
+
+@pytest.mark.parametrize("row", tiny_rows(), ids=lambda r: r.op)
+def test_inputs_realistic(row):
+    x = build_inputs(row, "cpu", seed=123)
+    for name, t in row.tensors.items():
+        assert tuple(x[name].shape) == tuple(t["shape"]), name
+        if x[name].is_floating_point() and name not in ("S", "Aw", "Au"):   # zeros by contract
+            assert torch.isfinite(x[name]).all() and float((x[name] == 0).float().mean()) < 0.01, name
+    o = row.options
+    if "q" in x and row.op not in ("GLAChunkFwd", "GLAChunkBwd", "GLARecurrentFwd", "GLAFwd"):
+        n = x["k"].float().norm(dim=-1)
+        if o.get("use_qk_l2norm_in_kernel"):
+            assert (n - 1).abs().max() > 0.5          # raw: the kernel normalises
+        else:
+            assert (n - 1).abs().max() < 1e-2
+    if "beta" in x:
+        b = x["beta"].float()
+        assert (b.min() < 0) if o.get("use_beta_sigmoid_in_kernel") else (b.min() > 0 and b.max() < 1)
+    for g in ("g", "gk"):
+        if g in x:
+            gv = x[g].float()
+            assert (gv.max() > 0) if o.get("use_gate_in_kernel") else (gv.max() < 0)
+    if "cu_seqlens" in x:
+        assert x["cu_seqlens"].tolist() == [0] + list(torch.tensor(o["seq_lens"]).cumsum(0).tolist())
+        assert x["cu_seqlens_cpu"].device.type == "cpu"
+    if row.op == "GLAChunkBwd":
+        assert float(x["h"][:, 0].abs().max()) > 0
+    assert torch.equal(build_inputs(row, "cpu", seed=123)["q"], x["q"])      # reproducible per seed
+
+
+def test_deltanet_fwd_seed_test_value():
+    # the seed's assertion: (7*2*(6*8*6+2*8)+2*7*2*(3*8+2), 2396) implies B=1, T=7, H=2,
+    # K=8, V=6, two sequences with a seeded f32 state, l2norm on, bf16
+    row = small_row("DeltaNetFwd", options={"use_qk_l2norm_in_kernel": True, "seq_lens": [3, 4]},
+                    q=(1, 7, 2, 8), k=(1, 7, 2, 8), v=(1, 7, 2, 6), beta=(1, 7, 2),
+                    initial_state=(2, 2, 8, 6), cu_seqlens=(3,), cu_seqlens_cpu=(3,))
+    assert roofline.counts(row) == (7 * 2 * (6 * 8 * 6 + 2 * 8) + 2 * 7 * 2 * (3 * 8 + 2), 2396)
+
+
+@pytest.mark.parametrize("op", ["GDNFwd", "DeltaNetFwd", "DeltaNetRecurrentFwd"])
+def test_flops_match_seed_figures(op):
+    # where DESIGN's count is the seed page's count: tflops * ms reproduces it
+    for r in select(ROWS, ops=[op]):
+        implied = r.seed["tflops"] * 1e12 * r.seed["ours_ms"] * 1e-3
+        assert abs(roofline.counts(r)[0] / implied - 1) < 0.02, r.workload
+
+
+def test_sol_and_bound():
+    r = select(ROWS, ops=["GDNFwd"], workload="prefill-4k", dtypes=["bf16"])[0]
+    fl, by = roofline.counts(r)
+    s = roofline.sol(r, 0.1)
+    assert s["bound"] == "mem" and math.isclose(s["sol_pct"], 100 * by / 4.5e12 / 1e-4)
+    assert math.isclose(s["tflops"], fl / 1e-4 / 1e12)
+    tiny = select(ROWS, ops=["GDNFwd"], workload="decode-b1", dtypes=["bf16"])[0]
+    assert roofline.sol(tiny, 0.003)["bound"] == "lat"
+
+
+def test_interval_union_and_call_split():
+    assert timer.union_length([]) == 0
+    assert timer.union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert timer.union_length([(3, 4), (0, 1)]) == 2
+    evs = [(0, 1, "bitwise_not_kernel"), (2, 3, "gemm"), (2.5, 4, "gemm2"), (3.5, 3.6, "Memcpy DtoD"),
+           (10, 11, "void bitwise_not"), (12, 13, "gemm"), (20, 21, "gemm")]
+    calls = timer.split_calls(evs, timer._is_flush, timer._counted(False))
+    assert calls == [[(2, 3), (2.5, 4)], [(12, 13), (20, 21)]]
+    assert [timer.union_length(c) for c in calls] == [2, 2]       # a host-side gap adds nothing
+    with_copies = timer.split_calls(evs, timer._is_flush, timer._counted(True))
+    assert (3.5, 3.6) in with_copies[0]
+
+
+def test_check_tolerances_and_nan():
+    ref = {"o": torch.randn(100, dtype=torch.float64)}
+    ok, errs, _ = check({"o": (ref["o"] * (1 + 1e-3)).to(torch.bfloat16)}, ref, "bf16")
+    assert ok and errs["o"] < 1e-2
+    assert not check({"o": ref["o"] * 1.02}, ref, "bf16")[0]
+    assert not check({"o": ref["o"] * 1.007}, ref, "f16")[0]
+    bad = ref["o"].clone()
+    bad[3] = float("nan")
+    assert not check({"o": bad}, ref, "bf16")[0]
+    assert not check({"o": ref["o"][:50]}, ref, "bf16")[0]
+
+
+@pytest.mark.parametrize("row", tiny_rows(), ids=lambda r: r.op)
+def test_reference_outputs_shapes(row):
+    x = build_inputs(row, "cpu", seed=1)
+    ref = reference_outputs(row, x)
+    for name, t in ref.items():
+        assert t.dtype == torch.float64 and torch.isfinite(t).all(), name
+    if row.op in ("DeltaNetChunkBwd", "GLAChunkBwd"):
+        assert ref["dq"].shape == x["q"].shape
+    else:
+        assert ref["o"].shape[:-1] == x["v"].shape[:-1] or row.op.endswith("RecurrentFwd")
+
+
+def test_loop_end_to_end_check_only(tmp_path, monkeypatch):
+    rows = tiny_rows()
+    out = tmp_path / "r.json"
+    doc = run_mod.run(rows, ["linattn", "torch", "fla"], out_path=str(out), device="cpu", time_it=False)
+    saved = json.loads(out.read_text())
+    assert {"gpu", "commit", "date", "clocks", "rows"} <= set(saved)
+    assert len(saved["rows"]) == len(rows)
+    for rec in saved["rows"]:
+        assert {"op", "workload", "dtype", "seed", "impls", "flops", "bytes"} <= set(rec)
+        for name, i in rec["impls"].items():
+            assert set(i) >= {"ms", "ok", "note"} and i["ms"] is None
+        if rec["op"].endswith("RecurrentFwd"):
+            assert rec["impls"]["torch"]["ok"], rec["impls"]["torch"]
+    # a wrong implementation is reported ok=false, not timed
+    real = impls.make
+
+    def wrong(name, row, x):
+        fn, outs = real("torch", row, x)
+        return (lambda: tuple(t * 1.1 for t in fn())), outs
+    monkeypatch.setattr(impls, "make", wrong)
+    rec = run_mod.run_row(rows[2], ["linattn"], device="cpu", time_it=True)
+    assert rec["impls"]["linattn"]["ok"] is False and rec["impls"]["linattn"]["ms"] is None
+    assert "rel err" in rec["impls"]["linattn"]["note"]
+    assert doc["geomeans"]["DeltaNetRecurrentFwd"]["gaps"] == 1
+
+
+def fake_record(row, ours, fla, ok=True):
+    rec = {"op": row.op, "workload": row.workload, "dtype": row.dtype, "seed": row.seed,
+           "impls": {"linattn": {"ms": ours, "ok": ok, "note": ""}, "fla": {"ms": fla, "ok": True, "note": ""}}}
+    return report.summarize(rec, row)
+
+
+def test_summary_table_and_merge(tmp_path):
+    r1, r2 = select(ROWS, ops=["GDNFwd"], workload="prefill-4k")[:2]
+    a = fake_record(r1, 0.1, 0.2)
+    assert a["ratio"] == pytest.approx(2.0) and a["vs_seed"] == pytest.approx(r1.seed["ours_ms"] / 0.1)
+    # flashinfer not timed here: the seed's column is the fallback
+    assert a["ratio_with_seed_columns"] == pytest.approx(min(0.2, r1.seed["alternatives"]["flashinfer"]) / 0.1)
+    b = fake_record(r2, None, 0.3, ok=False)
+    assert b["ratio"] is None and b["figures_of"] == "fla"
+    text = report.table([a, b])
+    assert "| Workload | dtype | Ratio | ours ms | fla ms |" in text and "| prefill-4k |" in text
+    assert "FAIL" in text and "### Geomeans" in text
+    g = report.geomeans([a, b])["GDNFwd"]
+    assert g["rows"] == 2 and g["ratio"] == pytest.approx(2.0)
+    path = str(tmp_path / "h200.json")
+    report.merge_into(path, {"gpu": "x", "commit": "c1", "rows": [a, b]})
+    a2 = fake_record(r1, 0.05, 0.2)
+    r3 = select(ROWS, ops=["KDAFwd"])[0]
+    merged = report.merge_into(path, {"gpu": "x", "commit": "c2", "rows": [a2, fake_record(r3, 1.0, 1.1)]})
+    keys = [(r["op"], r["workload"], r["dtype"]) for r in merged["rows"]]
+    assert len(keys) == len(set(keys)) == 3 and merged["commit"] == "c2"
+    again = json.load(open(path))
+    assert [r["ours_ms"] for r in again["rows"] if r["workload"] == r1.workload and r["dtype"] == r1.dtype] == [0.05]
