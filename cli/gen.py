@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from ..codegen import plan as plan_mod
+from ..codegen.plan import VARIANTS, plan
 from ..codegen.arch import ARCHES
 from ..codegen.render import DEFAULT_OUT, check, render_tree, write
 from ..dsl import SpecError
@@ -33,11 +33,11 @@ def _resolve_ops(names: tuple[str, ...]) -> list:
 
 def _list(ops, arch) -> None:
     click.echo(f"arches: {', '.join(ARCHES)}")
-    click.echo(f"variants: {', '.join(plan_mod.VARIANTS)}")
+    click.echo(f"variants: {', '.join(VARIANTS)}")
     for spec in ops:
         click.echo(f"{spec.name}  ({spec.key}, hash {spec.hash})")
-        for variant in plan_mod.VARIANTS:
-            stages = plan_mod.plan(spec, variant, arch)
+        for variant in VARIANTS:
+            stages = plan(spec, variant, arch)
             click.echo(f"  {variant:6s} {', '.join(s.name for s in stages) or '-'}")
 
 
@@ -46,7 +46,7 @@ def _list(ops, arch) -> None:
               help="op to generate (repeatable), or 'all' (default: all)")
 @click.option("--arch", default="sm90", show_default=True, type=click.Choice(ARCHES),
               help="target architecture")
-@click.option("--variant", default=None, type=click.Choice(plan_mod.VARIANTS),
+@click.option("--variant", default=None, type=click.Choice(VARIANTS),
               help="only this variant's stages (default: all variants)")
 @click.option("--check", "check_only", is_flag=True,
               help="write nothing; exit 1 listing stale, missing or extra files")
@@ -98,3 +98,7 @@ def cli(op_names, arch, variant, check_only, list_only, out_dir, compile_all, re
 def main(argv=None):
     """Entry point of the ``linattn-gen`` script."""
     return cli.main(args=argv, prog_name="linattn-gen")
+
+
+if __name__ == "__main__":
+    main()

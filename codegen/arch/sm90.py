@@ -12,14 +12,15 @@ NUM_SMS = 132                   # H100 SXM / H200
 
 
 def _recurrent(problem: dict) -> dict:
-    """State tile K x block_v in fp32 registers, one value block per CTA.
+    """State tile K x block_v in fp32 registers, 8 value columns per warp.
 
     Decode reads and writes the fp32 state once, so the grid must cover the GPU:
-    small value blocks give more CTAs (B * HV * V / block_v) and fewer registers.
+    N * HV * V / block_v CTAs of 4 * block_v threads. Each thread holds K / 4 state
+    elements whatever block_v is; block_v only sets the CTA size.
     """
-    K, V = problem["K"], problem["V"]
-    block_v = min(V, 16 if K > 128 else 32)
-    return {"block_v": block_v, "threads": 128}
+    V = problem["V"]
+    block_v = next(b for b in (32, 16, 8) if V % b == 0) if V % 8 == 0 else 8
+    return {"block_v": block_v, "threads": 4 * block_v}
 
 
 #: stage name -> tuning function(problem dict) -> dict of build() tuning knobs

@@ -1,0 +1,117 @@
+"""Compile generated stages ahead of time and report their resources.
+
+``compile_stage`` lowers and compiles one (module, params) with TileLang for the arch's
+target (no GPU needed: nvcc on the PATH is enough) and reads registers, shared memory
+and spills from ptxas. ``compile_tree`` does every stage of some ops for each of the
+module's ``EXAMPLES`` (``linattn-gen --compile``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .arch import get_arch
+from .plan import plan
+
+_PTXAS = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?", re.S)
+
+
+def load_module(path: Path | str, name: str | None = None):
+    """Import a generated module from a file (TileLang needs the source on disk)."""
+    path = Path(path)
+    name = name or f"linattn_gen_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def full_params(module, problem: dict, arch: str) -> dict:
+    """Problem params plus the arch table's tuning for this stage."""
+    return {**get_arch(arch).tuning(module.STAGE, problem), **problem}
+
+
+def compile_kernel(module, params: dict, arch: str = "sm90"):
+    """tilelang.compile of module.build(**params) for the arch's target."""
+    import tilelang
+    func = module.build(**params)
+    return tilelang.compile(func, out_idx=module.out_idx(**params),
+                            target=get_arch(arch).TARGET,
+                            pass_configs=module.pass_configs(**params) or None)
+
+
+def ptxas_usage(kernel, arch: str = "sm90") -> dict:
+    """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v)."""
+    from tilelang.contrib import nvcc as tl_nvcc
+    sm = get_arch(arch).TARGET["arch"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(kernel.get_kernel_source())
+        cmd = [tl_nvcc.get_nvcc_compiler(), "-cubin", "-O3", f"-arch={sm}", "-Xptxas", "-v",
+               *tl_nvcc.default_compile_options(kernel.compile_flags), "-o",
+               str(Path(tmp) / "kernel.cubin"), str(src)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    if out.returncode != 0:
+        return {"ptxas_error": text[-2000:]}
+    usage = {}
+    m = re.search(r"Used (\d+) registers", text)
+    usage["registers"] = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes smem", text)
+    usage["static_smem_bytes"] = int(m.group(1)) if m else 0
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    usage["spill_store_bytes"] = int(m.group(1)) if m else 0
+    usage["spill_load_bytes"] = int(m.group(2)) if m else 0
+    src = kernel.get_kernel_source()
+    usage["dynamic_smem"] = "buf_dyn_shmem" in src
+    m = re.search(r"__launch_bounds__\((\d+)", src)
+    usage["threads"] = int(m.group(1)) if m else None
+    return usage
+
+
+def compile_stage(module, problem: dict, arch: str = "sm90", usage: bool = True) -> dict:
+    """Compile one configuration; a dict with timing, resources or the error."""
+    params = full_params(module, problem, arch)
+    rec = {"op_key": module.SPEC_KEY, "spec_hash": module.SPEC_HASH, "stage": module.STAGE,
+           "arch": arch, "params": params}
+    t0 = time.time()
+    try:
+        kernel = compile_kernel(module, params, arch)
+    except Exception as e:  # report and go on: one bad config must not hide the rest
+        rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        return rec
+    rec["compile_s"] = round(time.time() - t0, 2)
+    if usage:
+        rec.update(ptxas_usage(kernel, arch))
+    return rec
+
+
+def compile_tree(specs, arch: str, variant: str | None, out_dir: Path, echo=print) -> list[dict]:
+    """Compile every stage of ``specs`` under ``out_dir`` for each module's EXAMPLES."""
+    results = []
+    for spec in specs:
+        for stage in plan(spec, variant, arch):
+            path = Path(out_dir) / arch / spec.name / f"{stage.name}.py"
+            module = load_module(path)
+            for problem in module.EXAMPLES:
+                rec = compile_stage(module, problem, arch)
+                rec["op"] = spec.name
+                results.append(rec)
+                echo(format_record(rec))
+    return results
+
+
+def format_record(rec: dict) -> str:
+    p = rec["params"]
+    flags = ",".join(k for k, v in sorted(p.items()) if v is True) or "plain"
+    head = (f"{rec.get('op', rec['op_key']):9s} {rec['stage']:14s} K={p.get('K')} V={p.get('V')} "
+            f"{p.get('dtype', '')} [{flags}]")
+    if "error" in rec:
+        return f"{head}  ERROR {rec['error'].splitlines()[-1] if rec['error'] else ''}"
+    return (f"{head}  {rec['compile_s']:.1f}s regs={rec.get('registers')} "
+            f"smem={rec.get('static_smem_bytes')}{'+dyn' if rec.get('dynamic_smem') else ''} "
+            f"spills={rec.get('spill_store_bytes', 0)}/{rec.get('spill_load_bytes', 0)}")
