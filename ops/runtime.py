@@ -1,0 +1,141 @@
+"""Load generated stages, compile them with TileLang on first use, memoise the kernels.
+
+    arch = device_arch(q.device)                       # "sm90" on Hopper
+    kernel = get_kernel(spec, "recurrent", arch, H=4, HV=8, K=128, ...)
+    kernel(*tensors)
+
+* Modules come from ``linattn.generated.<arch>.<op>`` when the spec is one of the
+  registered op families (and its SPEC_HASH must match: a stale tree is an error that
+  says to run ``linattn-gen``); any other spec (the six rule x gate combinations of the
+  tests, a user's new variant) is rendered on the fly into a per-user folder
+  (``$LINATTN_GEN_DIR`` or ``~/.cache/linattn/generated``).
+* Compiles go through ``tilelang.compile`` with the arch's target, so TileLang's on-disk
+  cache applies (``TILELANG_CACHE_DIR`` honoured by TileLang); in-process, kernels are
+  memoised per (arch, spec hash, stage, parameters).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from pathlib import Path
+
+from ..codegen.arch import arch_for_capability, get_arch
+from ..dsl import OpSpec, SpecError
+
+_KERNELS: dict = {}
+_MODULES: dict = {}
+_PLACEHOLDERS: dict = {}
+_ARCH_BY_DEVICE: dict = {}
+_LOCK = threading.Lock()
+
+
+class StaleGeneratedError(RuntimeError):
+    """generated/ does not match the spec: regenerate with linattn-gen."""
+
+
+def device_arch(device) -> str:
+    """Arch name for a CUDA device ("sm90" for capability 9.x); clear error otherwise."""
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise SpecError(f"linattn kernels run on CUDA devices, got a tensor on {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ARCH_BY_DEVICE:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCH_BY_DEVICE[index] = arch_for_capability(major, minor)
+    return _ARCH_BY_DEVICE[index]
+
+
+def _registered(spec: OpSpec) -> bool:
+    from .registry import specs
+    known = specs().get(spec.name)
+    return known is not None and known.hash == spec.hash
+
+
+def gen_dir() -> Path:
+    """Where specs outside the registry are rendered (per user, created on demand)."""
+    root = os.environ.get("LINATTN_GEN_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "linattn" / "generated"
+
+
+def stage_module(spec: OpSpec, stage: str, arch: str):
+    """The generated module for (spec, stage, arch), imported once per process."""
+    key = (arch, spec.hash, spec.name, stage)
+    with _LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+    if _registered(spec):
+        name = f"linattn.generated.{arch}.{spec.name}.{stage}"
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            raise StaleGeneratedError(f"{name} is missing: run `linattn-gen --op {spec.name} "
+                                      f"--arch {arch}`") from e
+        if mod.SPEC_HASH != spec.hash:
+            raise StaleGeneratedError(
+                f"{name} was generated for spec hash {mod.SPEC_HASH}, the spec is now "
+                f"{spec.hash}: run `linattn-gen --op {spec.name} --arch {arch}`")
+    else:
+        mod = _render_and_load(spec, stage, arch)
+    with _LOCK:
+        _MODULES[key] = mod
+    return mod
+
+
+def _render_and_load(spec: OpSpec, stage_name: str, arch: str):
+    from ..codegen.compile import load_module
+    from ..codegen.plan import plan
+    from ..codegen.render import render_stage, write
+    stages = {s.name: s for s in plan(spec, None, arch)}
+    if stage_name not in stages:
+        raise SpecError(f"{spec.name} has no stage {stage_name!r}; it has {sorted(stages)}")
+    folder = f"{arch}/{spec.name}_{spec.hash}"
+    rel = f"{folder}/{stage_name}.py"
+    write({rel: render_stage(spec, stages[stage_name], arch)}, gen_dir())
+    return load_module(gen_dir() / rel, f"linattn_rendered_{spec.name}_{spec.hash}_{stage_name}")
+
+
+def get_kernel(spec: OpSpec, stage: str, arch: str, **problem):
+    """Compiled TileLang kernel for a stage at one static problem (memoised).
+
+    problem: the build() keywords that describe the problem (sizes, dtypes, flags);
+    the arch table adds the tuning. Returns (kernel, module, params).
+    """
+    key = (arch, spec.hash, stage, tuple(sorted(problem.items())))
+    hit = _KERNELS.get(key)
+    if hit is not None:
+        return hit
+    import tilelang
+    module = stage_module(spec, stage, arch)
+    params = {**get_arch(arch).tuning(stage, problem), **problem}
+    func = module.build(**params)
+    kernel = tilelang.compile(func, out_idx=module.out_idx(**params),
+                              target=get_arch(arch).TARGET,
+                              pass_configs=module.pass_configs(**params) or None)
+    with _LOCK:
+        _KERNELS[key] = (kernel, module, params)
+    return _KERNELS[key]
+
+
+def placeholder(device, dtype):
+    """A one-element tensor standing in for an argument a call does not use."""
+    import torch
+    key = (str(device), dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(1, device=device, dtype=dtype)
+        _PLACEHOLDERS[key] = t
+    return t
+
+
+def dtype_name(dtype) -> str:
+    """torch dtype -> TileLang dtype string ("bfloat16", "float16", "float32", ...)."""
+    return str(dtype).replace("torch.", "")
+
+
+def clear_caches() -> None:
+    """Forget memoised modules and kernels (tests)."""
+    with _LOCK:
+        _KERNELS.clear()
+        _MODULES.clear()
