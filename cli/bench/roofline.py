@@ -24,7 +24,7 @@ B, T, H, HV, K, V from the row's shapes; N = sequences (cu_seqlens) else B;
     decode (T == 1) inference rows use the same formulas with T = 1.
 
 Ceilings (the seed's effective H200 figures): HBM 4.50 TB/s; tensor core 700 TFLOP/s
-bf16, 661 f16; fp32 CUDA core 57 TFLOP/s for decode rows. SOL = max(bytes/HBM,
+bf16, 661 f16; fp32 CUDA core 57 TFLOP/s for the recurrent ops and GLAFwd decode. SOL = max(bytes/HBM,
 flops/roof) / time. Bound: the larger term ("mem" on a tie); "lat" when the SOL time is
 under LAT_SOL_US and the measured time under LAT_MEASURED_US (floors fitted to the seed
 page's labels; the seed's own floor was not published).
@@ -89,7 +89,11 @@ def counts(row) -> tuple[int, int]:
 
 
 def compute_roof(row) -> float:
-    return FP32_CORE if row.is_decode else ROOF[row.dtype]
+    """The seed's roof key: fp32 CUDA core for the two recurrent ops and GLAFwd decode,
+    the dtype's tensor-core roof for everything else (GDN/KDA/DeltaNetFwd decode too)."""
+    if row.op.endswith("RecurrentFwd") or (row.op == "GLAFwd" and row.is_decode):
+        return FP32_CORE
+    return ROOF[row.dtype]
 
 
 def sol(row, ms: float) -> dict:
