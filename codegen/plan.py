@@ -40,7 +40,17 @@ class Stage:
 
 
 STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
-    "fwd": (),
+    "fwd": (
+        Stage("chunk_prepare", "chunk_prepare.py.jinja", "fwd",
+              doc="per chunk: gate cumsum, l2norm k, beta, WY inverse A, w, u",
+              gates=frozenset({"none", "scalar"})),
+        Stage("chunk_state", "chunk_state.py.jinja", "fwd",
+              doc="sequential inter-chunk state pass: h per chunk, v_new, final state",
+              gates=frozenset({"none", "scalar"})),
+        Stage("chunk_output", "chunk_output.py.jinja", "fwd",
+              doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated",
+              gates=frozenset({"none", "scalar"})),
+    ),
     "bwd": (),
     "decode": (
         Stage("recurrent", "recurrent.py.jinja", "decode",

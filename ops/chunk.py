@@ -88,23 +88,29 @@ def check_supported(spec: OpSpec) -> None:
 
 
 def stage_module(spec: OpSpec, stage: str) -> types.ModuleType:
-    """The generated module of ``stage`` for ``spec``: the checked-in one when it is current
-    (same SPEC_HASH), else rendered from the template in memory."""
+    """The generated module of ``stage`` for ``spec``: the checked-in file
+    (generated/<arch>/<op>/<stage>.py) when it matches the template's rendering, else
+    the rendering itself, imported from a temporary file (with a warning for a stale
+    checked-in file: run ``linattn-gen``)."""
     check_supported(spec)
     key = (spec.key, spec.hash, stage)
     if key in _MODULES:
         return _MODULES[key]
+    from pathlib import Path
+
+    from ..codegen.plan import Stage
+    from ..codegen.render import DEFAULT_OUT, render_stage
+    text = render_stage(spec, Stage(stage, f"{stage}.py.jinja", "fwd"), ARCH)
+    checked_in = Path(DEFAULT_OUT) / ARCH / spec.name / f"{stage}.py"
     mod = None
-    try:
-        mod = importlib.import_module(f"linattn.generated.{ARCH}.{spec.name}.{stage}")
-        if getattr(mod, "SPEC_HASH", None) != spec.hash:
-            mod = None
-    except ImportError:
-        mod = None
+    if checked_in.is_file():
+        if checked_in.read_text() == text:
+            mod = importlib.import_module(f"linattn.generated.{ARCH}.{spec.name}.{stage}")
+        else:
+            import warnings
+            warnings.warn(f"{checked_in} is stale; using the template's rendering "
+                          f"(run `linattn-gen --op {spec.name} --arch {ARCH}`)")
     if mod is None:
-        from ..codegen.plan import Stage
-        from ..codegen.render import render_stage
-        text = render_stage(spec, Stage(stage, f"{stage}.py.jinja", "fwd"), ARCH)
         mod = _import_text(text, f"{spec.name}_{stage}")
     _MODULES[key] = mod
     return mod

@@ -1,0 +1,219 @@
+"""Probe of the chunked forward on the GPU: correctness at full size, per-stage device time.
+
+For each workload: compile (timed), check o / final state against the fp64 torch
+reference (dsl.torch_reference.chunked_forward, on the GPU), then time device work per
+call (torch.profiler CUDA activity, L2 flushed before every call, median over calls):
+the union of all kernels of one call, and each stage kernel's median time. fla's
+chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
+
+    python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k]    (JSON to $OUT if set)
+
+One workload failing does not stop the others; a compact summary prints at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from linattn.dsl import Options
+from linattn.dsl import torch_reference as tref
+from linattn.ops import chunk
+from linattn.ops.registry import get_spec
+
+FLUSH_BYTES = 256 << 20
+_flush = None
+
+# name -> (op, B, T, H, HV, K, V, option names, lens for varlen or None)
+WORKLOADS = {
+    "prefill-4k": ("gdn", 1, 4096, 16, 16, 128, 128, (), None),
+    "prefill-4k-deltanet": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None),
+    "q35-397b-tp8-8192": ("gdn", 1, 8192, 2, 8, 128, 128, (), None),
+    "q35-397b-tp8-8192-inkernel": ("gdn", 1, 8192, 2, 8, 128, 128,
+                                   ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
+    "varlen-8x1k": ("gdn", 1, None, 16, 16, 128, 128, (), [1024] * 8),
+    "prefill-4k-k64": ("gdn", 1, 4096, 16, 16, 64, 64, (), None),
+}
+
+
+def flush_l2():
+    global _flush
+    if _flush is None:
+        _flush = torch.zeros(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    torch.bitwise_not(_flush, out=_flush)
+
+
+def _union(iv):
+    total, cs, ce = 0.0, None, None
+    for s, e in sorted(iv):
+        if ce is None or s > ce:
+            if ce is not None:
+                total += ce - cs
+            cs, ce = s, e
+        else:
+            ce = max(ce, e)
+    return total + (ce - cs if ce is not None else 0.0)
+
+
+def device_times(fn, iters=30, warmup=5):
+    """Median device ms per call (union of kernels) and per kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    evs = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    calls, cur = [], None
+    for s, e, name in evs:
+        if "bitwise_not" in name.lower():
+            if cur is not None:
+                calls.append(cur)
+            cur = []
+        elif cur is not None and not name.lower().startswith(("memcpy", "memset")):
+            cur.append((s, e, name))
+    if cur is not None:
+        calls.append(cur)
+    calls = [c for c in calls if c]
+    if not calls:
+        raise RuntimeError("profiler recorded no kernels")
+    total = statistics.median(_union([(s, e) for s, e, _ in c]) for c in calls) / 1e3
+    per = {}
+    for c in calls:
+        seen = {}
+        for s, e, name in c:
+            short = name.split("(")[0][:60]
+            seen[short] = seen.get(short, 0.0) + (e - s)
+        for k, v in seen.items():
+            per.setdefault(k, []).append(v)
+    return total, {k: statistics.median(v) / 1e3 for k, v in per.items()}, max(map(len, calls))
+
+
+def make_inputs(op, B, T, H, HV, K, V, opts, lens, dtype=torch.bfloat16, seed=0):
+    spec = get_spec(op)
+    options = Options(**{n: True for n in opts})
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    cu = None
+    if lens is not None:
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int64)
+        T = int(cu[-1])
+    N = B if cu is None else len(lens)
+    rn = lambda *s: torch.randn(*s, device=dev, generator=g)  # noqa: E731
+    q, k = rn(B, T, H, K), rn(B, T, H, K)
+    if not options.l2norm_qk:
+        q, k = tref.l2norm(q), tref.l2norm(k)
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=rn(B, T, HV, V).to(dtype), g=None, beta=None,
+             A_log=None, dt_bias=None, initial_state=0.1 * rn(N, HV, K, V))
+    if spec.has_beta:
+        b = rn(B, T, HV)
+        x["beta"] = (b if options.beta_sigmoid else torch.sigmoid(b)).to(dtype)
+    if spec.has_gate:
+        if options.gate_in_kernel:
+            x["g"] = rn(B, T, HV)
+            x["A_log"] = torch.log(torch.rand(HV, device=dev, generator=g) * 15 + 1)
+            dt = torch.exp(torch.rand(HV, device=dev, generator=g) * 4.6 - 6.9)
+            x["dt_bias"] = dt + torch.log(-torch.expm1(-dt))
+        else:
+            x["g"] = torch.nn.functional.logsigmoid(rn(B, T, HV) + 2.0)
+    return spec, options, x, cu
+
+
+def probe(name, args):
+    op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
+    spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens)
+    cu_dev = None if cu is None else cu.cuda()
+    res = {"workload": name, "op": op, "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V),
+           "options": list(opts)}
+
+    def ours():
+        return chunk.chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                   initial_state=x["initial_state"], output_final_state=True,
+                                   options=options, cu_seqlens=cu_dev, cu_seqlens_cpu=cu,
+                                   A_log=x["A_log"], dt_bias=x["dt_bias"])
+
+    t0 = time.time()
+    o, ht = ours()
+    torch.cuda.synchronize()
+    res["first_call_s"] = round(time.time() - t0, 2)
+    ref_o, ref_ht = tref.chunked_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                         options=options, initial_state=x["initial_state"],
+                                         cu_seqlens=cu_dev, A_log=x["A_log"],
+                                         dt_bias=x["dt_bias"])
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    res["rel_err_o"] = rel(o, ref_o)
+    res["rel_err_final"] = rel(ht, ref_ht)
+    total, per, nk = device_times(ours, iters=args.iters)
+    res.update(ms=total, kernels_per_call=nk, stages_ms=per)
+    T_eff = x["q"].shape[1]
+    flops = 7 * B * T_eff * HV * K * V if spec.has_gate else B * T_eff * HV * (6 * K * V + 2 * K)
+    res["tflops"] = flops / (total * 1e-3) / 1e12
+    try:
+        res["fla_ms"] = fla_time(spec, options, x, cu_dev, args)
+    except Exception as e:  # fla missing or failing: report, continue
+        res["fla_error"] = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
+def fla_time(spec, options, x, cu, args):
+    if spec.name == "gdn":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        kw = dict(g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)
+        if options.beta_sigmoid:
+            kw["use_beta_sigmoid_in_kernel"] = True
+        if options.gate_in_kernel:
+            kw.update(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    else:
+        from fla.ops.delta_rule import chunk_delta_rule as fn
+        kw = dict(beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)
+    call = lambda: fn(x["q"], x["k"], x["v"], initial_state=x["initial_state"],  # noqa: E731
+                      output_final_state=True, cu_seqlens=cu, **kw)
+    call()
+    total, per, _ = device_times(call, iters=args.iters)
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    names = args.only or list(WORKLOADS)
+    results = []
+    for name in names:
+        try:
+            r = probe(name, args)
+        except Exception as e:
+            traceback.print_exc()
+            r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}
+        print(json.dumps(r, default=float), flush=True)
+        results.append(r)
+    print("\n%-28s %9s %9s %7s %9s %9s  %s" % ("workload", "ours ms", "fla ms", "TFLOPs",
+                                               "err o", "err ht", "stages (ms)"))
+    for r in results:
+        if "error" in r:
+            print("%-28s ERROR %s" % (r["workload"], r["error"][:100]))
+            continue
+        st = " ".join(f"{k.replace('_kernel', '')}={v:.3f}" for k, v in r["stages_ms"].items())
+        print("%-28s %9.3f %9s %7.1f %9.2e %9.2e  %s" % (
+            r["workload"], r["ms"], f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-",
+            r["tflops"], r["rel_err_o"], r["rel_err_final"], st))
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "chunk_probe.json"), "w") as f:
+            json.dump(results, f, indent=1, default=float)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

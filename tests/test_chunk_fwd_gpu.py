@@ -1,0 +1,176 @@
+"""GPU correctness of the chunked forward (ops.chunk.chunk_forward) against the fp64
+NumPy references (dsl.chunked.chunked_forward; dsl.recurrent.recurrent_forward as well
+for short sequences). Inputs are rounded to the kernel's dtype first, so the comparison
+measures the kernel's error only. Outputs are NaN-poisoned by conftest; inputs must come
+back unchanged.
+
+Run: python3 -m pytest -q tests/test_chunk_fwd_gpu.py   (skips without a GPU)
+"""
+import numpy as np
+import pytest
+
+from linattn.dsl import Options
+from linattn.dsl.chunked import chunked_forward as np_chunked_forward
+from linattn.dsl.recurrent import random_inputs, recurrent_forward
+from linattn.ops.registry import get_spec
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+
+
+def case(op, B, T, H, HV, K, V, dtype="bfloat16", opts=(), init=True, final=True,
+         lens=None, scale=None):
+    parts = [op, f"B{B}", f"T{T}" if lens is None else f"varlen{len(lens)}", f"H{H}",
+             f"HV{HV}", f"K{K}", f"V{V}", dtype[:4]] + list(opts)
+    parts += [] if init else ["noh0"]
+    parts += [] if final else ["noht"]
+    return pytest.param(dict(op=op, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                             opts=tuple(opts), init=init, final=final, lens=lens, scale=scale),
+                        id="-".join(parts))
+
+
+CASES = [
+    # fla-like shapes
+    case("gdn", 2, 256, 4, 4, 128, 128),
+    case("gdn", 1, 1000, 2, 8, 128, 128),
+    case("deltanet", 2, 300, 4, 4, 128, 128),
+    # awkward lengths
+    case("gdn", 1, 1, 2, 2, 128, 128),
+    case("gdn", 2, 63, 2, 2, 64, 64),
+    case("gdn", 2, 65, 2, 4, 64, 64, dtype="float16"),
+    case("deltanet", 1, 1, 4, 4, 64, 64, init=False),
+    case("deltanet", 3, 65, 2, 2, 128, 128, dtype="float16"),
+    # GVA ratios
+    case("gdn", 1, 200, 4, 4, 64, 64),
+    case("gdn", 1, 200, 2, 4, 128, 128),
+    case("gdn", 1, 200, 1, 4, 64, 64),
+    case("gdn", 1, 200, 1, 8, 128, 128, dtype="float16"),
+    # each option
+    case("gdn", 2, 130, 2, 4, 128, 128, opts=("l2norm_qk",)),
+    case("gdn", 2, 130, 2, 4, 128, 128, opts=("beta_sigmoid",)),
+    case("gdn", 2, 130, 2, 4, 64, 64, opts=("beta_sigmoid", "allow_neg_eigval")),
+    case("gdn", 2, 130, 2, 4, 128, 128, opts=("gate_in_kernel",)),
+    case("gdn", 2, 130, 2, 4, 128, 128, opts=("state_v_first",)),
+    case("gdn", 1, 300, 2, 4, 128, 128, dtype="float16",
+         opts=("l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
+               "state_v_first")),
+    case("deltanet", 2, 130, 2, 2, 64, 64, opts=("l2norm_qk", "state_v_first")),
+    case("gdn", 1, 129, 2, 2, 128, 128, init=False, final=False),
+    case("gdn", 1, 129, 2, 2, 128, 128, init=False, final=True, scale=0.3),
+    # varlen: one-token sequences, ragged, up to 32 sequences
+    case("gdn", 1, None, 2, 4, 128, 128, lens=[1, 64, 1, 65, 130, 1, 7]),
+    case("gdn", 1, None, 2, 2, 64, 64, dtype="float16", opts=("state_v_first",),
+         lens=[1, 1, 1, 200]),
+    case("deltanet", 1, None, 4, 4, 128, 128, opts=("l2norm_qk",), lens=[63, 1, 64, 100]),
+    case("gdn", 1, None, 2, 8, 128, 128, opts=("gate_in_kernel", "l2norm_qk"),
+         lens=list(np.random.default_rng(7).integers(1, 150, 32))),
+    # the additive rule with the same templates (no gate / scalar gate)
+    case("additive_scalar", 1, 200, 2, 2, 64, 64),
+    case("additive_none", 2, 70, 2, 2, 128, 128),
+]
+
+
+def _spec(op):
+    from linattn.dsl import all_rule_gate_specs
+    six = {s.name: s for s in all_rule_gate_specs()}
+    return six[op] if op in six else get_spec(op)
+
+
+def _to_torch(x, dtype, dev):
+    return None if x is None else torch.from_numpy(np.ascontiguousarray(x)).to(dev, dtype)
+
+
+def _rel(got, want):
+    got = got.detach().double().cpu().numpy()
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def run_case(p, rng):
+    from linattn.ops.chunk import chunk_forward
+    spec = _spec(p["op"])
+    options = Options(**{n: True for n in p["opts"]})
+    cu = None
+    B, T = p["B"], p["T"]
+    if p["lens"] is not None:
+        cu = np.concatenate([[0], np.cumsum(p["lens"])]).astype(np.int64)
+        T = int(cu[-1])
+    x = random_inputs(spec, options, B, T, p["H"], p["HV"], p["K"], p["V"], rng,
+                      cu_seqlens=cu, initial_state=p["init"])
+    dev = torch.device("cuda")
+    dt = getattr(torch, p["dtype"])
+    # kernel inputs: q, k, v, beta in the input dtype; g, states, A_log, dt_bias in f32
+    t = dict(q=_to_torch(x["q"], dt, dev), k=_to_torch(x["k"], dt, dev),
+             v=_to_torch(x["v"], dt, dev), beta=_to_torch(x["beta"], dt, dev),
+             g=_to_torch(x["g"], torch.float32, dev),
+             A_log=_to_torch(x["A_log"], torch.float32, dev),
+             dt_bias=_to_torch(x["dt_bias"], torch.float32, dev),
+             initial_state=_to_torch(x["initial_state"], torch.float32, dev))
+    cu_t = None if cu is None else torch.from_numpy(cu).to(dev)
+    # the reference sees exactly the rounded values the kernel sees
+    r = {n: (None if v is None else v.double().cpu().numpy()) for n, v in t.items()}
+    ref = np_chunked_forward(spec, r["q"], r["k"], r["v"], r["g"], r["beta"], options=options,
+                             scale=p["scale"], initial_state=r["initial_state"],
+                             cu_seqlens=cu, A_log=r["A_log"], dt_bias=r["dt_bias"])
+    before = {n: v.clone() for n, v in t.items() if v is not None}
+    o, ht = chunk_forward(spec, t["q"], t["k"], t["v"], t["g"], t["beta"], scale=p["scale"],
+                          initial_state=t["initial_state"], output_final_state=p["final"],
+                          options=options, cu_seqlens=cu_t,
+                          cu_seqlens_cpu=None if cu is None else torch.from_numpy(cu),
+                          A_log=t["A_log"], dt_bias=t["dt_bias"])
+    torch.cuda.synchronize()
+    for n, v in before.items():
+        assert torch.equal(v, t[n]), f"input {n} was modified"
+    assert o.dtype == dt and tuple(o.shape) == ref["o"].shape
+    errs = {"o": _rel(o, ref["o"])}
+    if p["final"]:
+        assert ht.dtype == torch.float32
+        errs["final_state"] = _rel(ht, ref["final_state"])
+    else:
+        assert ht is None
+    if T <= 65 and (cu is None or len(cu) <= 8):
+        o_rec, ht_rec = recurrent_forward(
+            spec, r["q"], r["k"], r["v"], r["g"], r["beta"], options=options, scale=p["scale"],
+            initial_state=r["initial_state"], cu_seqlens=cu, A_log=r["A_log"],
+            dt_bias=r["dt_bias"])
+        errs["o_vs_recurrent"] = _rel(o, o_rec)
+    return errs
+
+
+@pytest.mark.parametrize("p", CASES)
+def test_chunk_forward_matches_reference(p, rng):
+    errs = run_case(p, rng)
+    print(errs)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
+def test_chunk_forward_rejects_key_gate():
+    from linattn.dsl import SpecError
+    from linattn.ops.chunk import chunk_forward
+    q = torch.zeros(1, 4, 1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(SpecError):
+        chunk_forward(get_spec("kda"), q, q, q, g=torch.zeros(1, 4, 1, 64, device="cuda"),
+                      beta=torch.zeros(1, 4, 1, device="cuda"))
+
+
+def test_one_compile_serves_every_length(rng):
+    """Dynamic sizes: two lengths and a varlen call reuse the compiled kernels."""
+    from linattn.ops import chunk
+    spec = get_spec("gdn")
+    dev = torch.device("cuda")
+    counts = []
+    for T, cu in ((64, None), (333, None), (333, [0, 1, 100, 333])):
+        q = torch.randn(1, T, 2, 64, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(1, T, 2, 64, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(1, T, 2, device=dev)
+        beta = torch.rand(1, T, 2, device=dev, dtype=torch.bfloat16)
+        cu_t = None if cu is None else torch.tensor(cu, device=dev)
+        o, _ = chunk.chunk_forward(spec, q, q, v, g, beta, cu_seqlens=cu_t)
+        assert torch.isfinite(o).all()
+        counts.append(len(chunk._KERNELS))
+    assert counts[0] == counts[1] == counts[2], counts
