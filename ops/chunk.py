@@ -152,12 +152,23 @@ def compiled_stage(spec: OpSpec, stage: str, **params):
     return kern
 
 
-def state_block_v(V: int, n_state_ctas_at_64: int, num_sms: int = 132) -> int:
-    """Value block of the state pass: 64 when that fills the GPU, else smaller (more CTAs)."""
-    for bv in ((64, 32, 16) if n_state_ctas_at_64 >= num_sms else (32, 16, 64)):
-        if V % bv == 0:
+#: set to 16 / 32 / 64 to force the state pass's value block (probing); None = heuristic
+STATE_BLOCK_V_OVERRIDE = None
+
+
+def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
+    """Value block of the state pass: the largest of 64 / 32 / 16 dividing V that still
+    gives n_seq_heads * V / block >= num_sms CTAs (the pass is sequential per CTA, so
+    more CTAs means more of the GPU at work), else 16."""
+    if STATE_BLOCK_V_OVERRIDE is not None:
+        return STATE_BLOCK_V_OVERRIDE
+    divisors = [bv for bv in (64, 32, 16) if V % bv == 0]
+    if not divisors:
+        raise SpecError(f"V={V} must be a multiple of 16")
+    for bv in divisors:
+        if n_seq_heads * (V // bv) >= num_sms:
             return bv
-    raise SpecError(f"V={V} must be a multiple of 16")
+    return divisors[-1]
 
 
 def output_block_v(V: int) -> int:
@@ -283,7 +294,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     v_new = empty(Ttot, HV, V, dt=q.dtype) if spec.has_beta else vf
     h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
           else empty(1, *state_shape[1:]))
-    bv = state_block_v(V, N * HV * (V // 64 if V >= 64 else 1))
+    bv = state_block_v(V, N * HV)
     state = compiled_stage(spec, "chunk_state", **common,
                            state_v_first=options.state_v_first,
                            has_initial_state=initial_state is not None,

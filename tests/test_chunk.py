@@ -119,9 +119,12 @@ def test_chunk_tables_reject_bad_cu(cu):
 
 
 def test_state_block_fills_gpu():
-    assert chunk.state_block_v(128, 512) == 64
-    assert chunk.state_block_v(128, 32) == 32
+    assert chunk.state_block_v(128, 512) == 64       # 1024 CTAs at 64
+    assert chunk.state_block_v(128, 64) == 32        # 256 CTAs at 32
+    assert chunk.state_block_v(128, 16) == 16        # too few either way: smallest
     assert chunk.state_block_v(48, 1) == 16
+    with pytest.raises(SpecError):
+        chunk.state_block_v(40, 1)
     with pytest.raises(SpecError):
         chunk.output_block_v(40)
 

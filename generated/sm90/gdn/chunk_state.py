@@ -49,10 +49,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, threads=128):
     """prim_func for chunk_state.
 
-    Tensors (Ttot tokens, NT chunks, N sequences, NS state rows; all dynamic):
+    Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
       k [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V], g_cum [Ttot, HV] f32,
-      cu_seqlens [N+1] int32, chunk_offsets [N+1] int32, h0 state f32
-      -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32
+      cu_seqlens [N+1] int32, chunk_offsets [N+1] int32, h0 state f32 [N, HV, K, V]
+      -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
+      (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     """
     BT = CHUNK
@@ -60,8 +61,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
     group = HV // H
-    Ttot, NT, N, NS = T.dynamic("Ttot, NT, N, NS")
-    state_shape = (NS, HV, V, K) if state_v_first else (NS, HV, K, V)
+    Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
+    h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
+    ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
 
     @T.prim_func
     def chunk_state(
@@ -71,10 +73,10 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         g_cum: T.Tensor((Ttot, HV), f32),
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
-        h0: T.Tensor(state_shape, f32),
+        h0: T.Tensor(h0_shape, f32),
         h: T.Tensor((NT, HV, K, V), dtype),
         v_new: T.Tensor((Ttot, HV, V), dtype),
-        ht: T.Tensor(state_shape, f32),
+        ht: T.Tensor(ht_shape, f32),
     ):
         with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
             n = nh // HV
