@@ -1,8 +1,39 @@
 """DeltaNet: the delta rule without a gate."""
 from ..dsl import OpSpec
+from . import api
 
 SPEC = OpSpec(
     name="deltanet", rule="delta", gate="none", chunk_size=64,
     supports=frozenset({"l2norm_qk", "state_v_first"}),
     doc="DeltaNet (Yang et al. 2024): S <- S + k (beta (v - S^T k))^T; o = S^T (scale q).",
 )
+
+
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                     **kwargs):
+    """fla's chunk_delta_rule. T == 1 takes the decode kernel.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; scale default K^-0.5;
+    initial_state [N, H, K, V] read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1).
+    Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+    """
+    opts = api.options_from_fla(use_qk_l2norm_in_kernel, kwargs=kwargs)
+    return api.forward(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, options=opts,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               cu_seqlens=None, **kwargs):
+    """fla's fused_recurrent_delta_rule: the token-by-token kernel for any T; a missing
+    beta means ones (as in fla). Shapes as chunk_delta_rule."""
+    import torch
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+    opts = api.options_from_fla(use_qk_l2norm_in_kernel, kwargs=kwargs)
+    return api.fused_recurrent(SPEC, q, k, v, None, beta, scale=scale,
+                               initial_state=initial_state,
+                               output_final_state=output_final_state, options=opts,
+                               cu_seqlens=cu_seqlens)

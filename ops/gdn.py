@@ -1,5 +1,6 @@
 """Gated DeltaNet: the delta rule with one scalar log decay per value head and token."""
 from ..dsl import OpSpec
+from . import api
 
 SPEC = OpSpec(
     name="gdn", rule="delta", gate="scalar", chunk_size=64,
@@ -7,3 +8,59 @@ SPEC = OpSpec(
                         "state_v_first"}),
     doc="Gated DeltaNet: S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T (scale q).",
 )
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False,
+                           use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                           use_gate_in_kernel=False, A_log=None, dt_bias=None, **kwargs):
+    """fla's chunk_gated_delta_rule. T == 1 takes the decode kernel.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV % H == 0); g, beta [B, T, HV]; g is a natural-log
+    decay (raw, with A_log [HV] and dt_bias [HV], when use_gate_in_kernel); beta is
+    post-sigmoid unless use_beta_sigmoid_in_kernel (2 sigmoid with allow_neg_eigval).
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), read as f32; N = B,
+    or len(cu_seqlens) - 1 (then B == 1). Returns (o [B, T, HV, V] in q's dtype,
+    final_state f32 or None).
+    """
+    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, options=opts,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                       A_log=A_log, dt_bias=dt_bias)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, **kwargs):
+    """fla's fused_recurrent_gated_delta_rule: the token-by-token kernel for any T.
+
+    As chunk_gated_delta_rule; additionally, as in fla, ``gk`` [B, T, HV, K] (a per-key
+    decay: the KDA spec) may replace ``g``, neither means no decay (the DeltaNet spec),
+    and a missing beta means ones. ``gv`` (per-value decay) is not supported.
+    """
+    from . import deltanet, kda
+    import torch
+    if gv is not None:
+        api.reject({"gv": gv})
+    if g is not None and gk is not None:
+        raise api.SpecError("give g (scalar decay) or gk (per-key decay), not both")
+    spec, gate = (SPEC, g) if g is not None else (kda.SPEC, gk) if gk is not None else (
+        deltanet.SPEC, None)
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    return api.fused_recurrent(spec, q, k, v, gate, beta, scale=scale,
+                               initial_state=initial_state,
+                               output_final_state=output_final_state, options=opts,
+                               cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+
+
+chunk_gdn = chunk_gated_delta_rule
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule

@@ -1,8 +1,41 @@
 """Gated Linear Attention: the additive rule with a log decay per key channel."""
-from ..dsl import OpSpec
+from ..dsl import OpSpec, all_rule_gate_specs
+from . import api
 
 SPEC = OpSpec(
     name="gla", rule="additive", gate="key", chunk_size=64,
     supports=frozenset({"state_v_first"}), gva=False,
     doc="GLA: S <- diag(exp(g)) S + k v^T; o = S^T (scale q).",
 )
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """fla's chunk_gla (forward). T == 1 takes the decode kernel.
+
+    q, k, g [B, T, H, K] (g: natural-log decay per key channel); v [B, T, H, V];
+    initial_state f32 [N, H, K, V] ([N, H, V, K] with state_v_first).
+    Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+    """
+    opts = api.options_from_fla(state_v_first=state_v_first, kwargs=kwargs)
+    return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, options=opts,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
+                        output_final_state=False, reverse=False, state_v_first=False,
+                        cu_seqlens=None, **kwargs):
+    """fla's fused_recurrent_gla: the token-by-token kernel for any T. Without ``gk`` it is
+    plain linear attention (the additive rule without a gate). ``gv`` and ``reverse``
+    are not supported."""
+    api.reject({k_: v_ for k_, v_ in (("gv", gv), ("reverse", reverse))})
+    opts = api.options_from_fla(state_v_first=state_v_first, kwargs=kwargs)
+    spec = SPEC if gk is not None else _LINEAR_ATTENTION
+    return api.fused_recurrent(spec, q, k, v, gk, None, scale=scale,
+                               initial_state=initial_state,
+                               output_final_state=output_final_state, options=opts,
+                               cu_seqlens=cu_seqlens)
+
+
+_LINEAR_ATTENTION = next(s for s in all_rule_gate_specs() if s.name == "additive_none")
