@@ -184,11 +184,17 @@ def _dtype_name(t) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+def _check_device(name, t):
+    if not t.is_cuda:
+        raise SpecError(f"{name} must be on a CUDA device, got {t.device}")
+
+
 def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
     import torch
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
-            raise SpecError(f"{name} must be a CUDA tensor")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_device(name, t)
         if t.dim() != 4:
             raise SpecError(f"{name} must be 4-D [B, T, heads, dim], got shape {tuple(t.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:

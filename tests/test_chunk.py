@@ -133,3 +133,99 @@ def test_options_checked_before_launch():
     with pytest.raises(SpecError):
         chunk.chunk_forward(get_spec("deltanet"), None, None, None,
                             options=Options(gate_in_kernel=True))
+
+
+# -- launch arguments against the traced kernel signatures (no GPU: fake kernels) --------
+
+class SignatureCheckingKernel:
+    """Stands in for a compiled stage: checks each call's arguments against the traced
+    prim_func (count, dtypes, static dims, one value per dynamic size, contiguity)."""
+
+    def __init__(self, func):
+        self.func = func
+        self.calls = 0
+
+    def __call__(self, *args):
+        params = list(self.func.params)
+        assert len(args) == len(params), (len(args), [p.name for p in params])
+        binds, exprs = {}, []
+        for p, a in zip(params, args):
+            buf = self.func.buffer_map.get(p)
+            if buf is None:
+                assert isinstance(a, float), (p.name, type(a))
+                continue
+            name = buf.name
+            assert str(a.dtype).replace("torch.", "") == str(buf.dtype), (name, a.dtype, buf.dtype)
+            assert a.dim() == len(buf.shape), (name, tuple(a.shape), list(buf.shape))
+            assert a.is_contiguous(), name
+            for s, d in zip(buf.shape, a.shape):
+                text = str(s)
+                if text.isdigit():
+                    assert int(text) == d, (name, list(buf.shape), tuple(a.shape))
+                elif text.isidentifier():
+                    assert binds.setdefault(text, d) == d, (name, text, binds[text], d)
+                else:
+                    exprs.append((name, text, d))
+        for name, text, d in exprs:
+            var, plus, const = text.partition(" + ")   # TileLang solves "N + 1" for N
+            if plus and var.isidentifier() and const.isdigit() and var not in binds:
+                binds[var] = d - int(const)
+            assert eval(text, {}, dict(binds)) == d, (name, text, binds, d)
+        self.calls += 1
+
+
+LAUNCH_CASES = [
+    ("gdn", dict(B=2, T=65, H=2, HV=4, K=64, V=64), Options(), True, True, None),
+    ("gdn", dict(B=1, T=0, H=2, HV=4, K=64, V=64), Options(), False, True, [0]),
+    ("gdn", dict(B=1, T=0, H=2, HV=2, K=128, V=128),
+     Options(l2norm_qk=True, beta_sigmoid=True, allow_neg_eigval=True, gate_in_kernel=True,
+             state_v_first=True), True, False, [1, 64, 1, 200]),
+    ("deltanet", dict(B=3, T=1, H=4, HV=4, K=128, V=64), Options(l2norm_qk=True), False, False,
+     None),
+    ("additive_none", dict(B=1, T=100, H=2, HV=2, K=64, V=64), Options(), True, True, None),
+    ("additive_scalar", dict(B=1, T=100, H=1, HV=2, K=64, V=64), Options(l2norm_qk=True),
+     False, True, None),
+]
+
+
+@pytest.mark.parametrize("name,dims,options,init,final,lens", LAUNCH_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(LAUNCH_CASES)])
+def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, final, lens):
+    import torch
+    spec = _spec(name)
+    fakes = {}
+
+    def fake_compiled(spec_, stage, **params):
+        mod = chunk.stage_module(spec_, stage)
+        key = (stage, tuple(sorted(params.items())))
+        if key not in fakes:
+            fakes[key] = SignatureCheckingKernel(mod.build(**params))
+        return fakes[key]
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    B, T, H, HV, K, V = (dims[k] for k in ("B", "T", "H", "HV", "K", "V"))
+    cu = None
+    if lens is not None:
+        cu = torch.tensor([0] + np.cumsum(lens).tolist())
+        T = int(cu[-1])
+    N = B if cu is None else len(lens)
+    bf = torch.bfloat16
+    q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
+    v = torch.randn(B, T, HV, V, dtype=bf)
+    g = -torch.rand(B, T, HV) if spec.has_gate else None
+    beta = torch.rand(B, T, HV, dtype=bf) if spec.has_beta else None
+    shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
+    h0 = torch.randn(shape) if init else None
+    A_log = dt_bias = torch.rand(HV) if options.gate_in_kernel else None
+    o, ht = chunk.chunk_forward(spec, q, k, v, g, beta, initial_state=h0,
+                                output_final_state=final, options=options, cu_seqlens=cu,
+                                cu_seqlens_cpu=cu, A_log=A_log, dt_bias=dt_bias)
+    assert o.shape == (B, T, HV, V) and o.dtype == bf
+    assert (ht is not None) == final and (ht is None or ht.shape == shape)
+    calls = {stage: sum(f.calls for (s, _), f in fakes.items() if s == stage)
+             for stage in chunk.STAGES}
+    if T > 0:
+        assert calls["chunk_state"] == 1 and calls["chunk_output"] == 1
+        needs_prepare = spec.has_gate or spec.has_beta or options.l2norm_qk
+        assert calls["chunk_prepare"] == int(needs_prepare)
