@@ -1,0 +1,235 @@
+"""Input validation error paths (CPU tensors) and the argument plumbing of fused_recurrent.
+
+The plumbing test swaps the compiled kernel for one that checks every argument against
+the generated prim_func's parameters (dtype, static dims, one consistent value per
+dynamic dim), so a wrong order, shape or placeholder fails here without a GPU.
+"""
+import pytest
+import torch
+
+from linattn.dsl import Options, SpecError, all_rule_gate_specs
+from linattn.ops import recurrent as rec_mod
+from linattn.ops import runtime, validate
+from linattn.ops.recurrent import fused_recurrent
+from linattn.ops.registry import get_spec
+
+BF = torch.bfloat16
+
+
+def _inputs(spec, B=2, T=3, H=2, HV=4, K=32, V=16, dtype=BF, options=Options(), N=None,
+            g_dtype=torch.float32):
+    HV = HV if spec.gva else H
+    q = torch.randn(B, T, H, K, dtype=dtype)
+    k = torch.randn(B, T, H, K, dtype=dtype)
+    v = torch.randn(B, T, HV, V, dtype=dtype)
+    g = torch.randn(spec.gate_shape(B, T, HV, K), dtype=g_dtype) if spec.has_gate else None
+    beta = torch.rand(B, T, HV, dtype=dtype) if spec.has_beta else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def _call(spec, **kw):
+    args = _inputs(spec)
+    args.update(kw)
+    return fused_recurrent(spec, **args)
+
+
+GDN, KDA, GLA, DN = (get_spec(n) for n in ("gdn", "kda", "gla", "deltanet"))
+
+
+@pytest.mark.parametrize("spec, change, err, match", [
+    (GDN, dict(q="not a tensor"), TypeError, "q must be a torch.Tensor"),
+    (GDN, dict(q=torch.randn(2, 3, 2, 32)), SpecError, "q has dtype torch.float32"),
+    (GDN, dict(q=torch.randn(2, 3, 64, dtype=BF)), SpecError, r"q must be \[B, T, H, K\]"),
+    (GDN, dict(k=torch.randn(2, 3, 2, 32, dtype=torch.float16)), SpecError, "k has dtype"),
+    (GDN, dict(k=torch.randn(2, 3, 2, 16, dtype=BF)), SpecError, r"k has shape \[2, 3, 2, 16\]"),
+    (GDN, dict(k=torch.randn(2, 3, 32, 2, dtype=BF).transpose(2, 3)), SpecError, "contiguous"),
+    (GDN, dict(v=torch.randn(2, 4, 4, 16, dtype=BF)), SpecError, r"v has shape"),
+    (GDN, dict(v=torch.randn(2, 3, 3, 16, dtype=BF)), SpecError, "HV % H != 0"),
+    (GLA, dict(v=torch.randn(2, 3, 4, 16, dtype=BF)), SpecError, "has no GVA"),
+    (DN, dict(g=torch.randn(2, 3, 4)), SpecError, "no gate; g must be None"),
+    (GDN, dict(g=None), SpecError, r"needs g of shape \[2, 3, 4\]"),
+    (GDN, dict(g=torch.randn(2, 3, 4, 32)), SpecError, r"g has shape \[2, 3, 4, 32\]"),
+    (KDA, dict(g=torch.randn(2, 3, 4)), SpecError, r"g has shape \[2, 3, 4\]; expected \[2, 3, 4, 32\]"),
+    (GDN, dict(g=torch.randn(2, 3, 4, dtype=torch.float16)), SpecError, "g has dtype"),
+    (GDN, dict(beta=None), SpecError, r"needs beta of shape \[2, 3, 4\]"),
+    (GLA, dict(beta=torch.rand(2, 3, 2, dtype=BF)), SpecError, "additive rule; beta must be None"),
+    (GDN, dict(beta=torch.rand(2, 3, 2, dtype=BF)), SpecError, "beta has shape"),
+    (DN, dict(options=Options(gate_in_kernel=True)), SpecError, "deltanet does not support"),
+    (GDN, dict(options=Options(gate_in_kernel=True)), SpecError, r"needs A_log of shape \[4\]"),
+    (GDN, dict(options=Options(gate_in_kernel=True), A_log=torch.randn(4)), SpecError,
+     r"needs dt_bias of shape \[4\]"),
+    (GDN, dict(options=Options(gate_in_kernel=True), A_log=torch.randn(4, dtype=BF),
+               dt_bias=torch.randn(4)), SpecError, "A_log has dtype"),
+    (KDA, dict(options=Options(gate_in_kernel=True), A_log=torch.randn(4),
+               dt_bias=torch.randn(4)), SpecError, r"dt_bias has shape \[4\]; expected \[128\]"),
+    (GDN, dict(A_log=torch.randn(4)), SpecError, "only used with use_gate_in_kernel"),
+    (GDN, dict(cu_seqlens=torch.tensor([0, 3])), SpecError, "batch size must be 1"),
+    (GDN, dict(cu_seqlens_cpu=torch.tensor([0, 3])), SpecError, "without cu_seqlens"),
+    (GDN, dict(initial_state=torch.zeros(3, 4, 32, 16)), SpecError, "N=2 sequences"),
+    (GDN, dict(initial_state=torch.zeros(2, 4, 16, 32)), SpecError, r"layout \[N, HV, K, V\]"),
+    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16), options=Options(state_v_first=True)),
+     SpecError, r"state_v_first"),
+    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16, dtype=BF)), SpecError,
+     "initial_state has dtype torch.bfloat16; expected float32"),
+    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16), state_dtype=BF), SpecError,
+     "expected bfloat16"),
+    (GDN, dict(state_dtype=torch.float64), SpecError, "state_dtype must be"),
+    (GDN, dict(scale=-1.0), SpecError, "scale must be a positive number"),
+    (GDN, dict(), SpecError, "q is on cpu; linattn kernels need CUDA tensors"),
+])
+def test_fused_recurrent_rejects(spec, change, err, match):
+    with pytest.raises(err, match=match):
+        _call(spec, **change)
+
+
+def test_allow_neg_eigval_needs_sigmoid():
+    with pytest.raises(SpecError, match="requires use_beta_sigmoid_in_kernel"):
+        Options(allow_neg_eigval=True)
+
+
+@pytest.mark.parametrize("vals, cpu, match", [
+    ([[0, 3]], False, r"1-D \[N \+ 1\]"),
+    ([0], False, r"1-D \[N \+ 1\]"),
+    ([1, 3], False, "must start at 0"),
+    ([0, 2, 1, 3], False, "nondecreasing"),
+    ([0, 1, 2], False, "must end at T=3"),
+    ([0, 1, 3], True, None),
+    ([0, 0, 3, 3], False, None),
+])
+def test_cu_seqlens(vals, cpu, match):
+    cu = torch.tensor(vals, dtype=torch.int32)
+    if match is None:
+        assert validate.check_cu_seqlens(cu, 1, 3, cu.clone() if cpu else None) == cu.numel() - 1
+    else:
+        with pytest.raises(SpecError, match=match):
+            validate.check_cu_seqlens(cu, 1, 3)
+    with pytest.raises(SpecError, match="cu_seqlens has dtype torch.float32"):
+        validate.check_cu_seqlens(torch.tensor([0.0, 3.0]), 1, 3)
+    with pytest.raises(SpecError, match=r"cu_seqlens_cpu has shape"):
+        validate.check_cu_seqlens(torch.tensor([0, 3]), 1, 3, torch.tensor([0, 1, 3]))
+
+
+def test_cu_seqlens_cpu_is_used_without_reading_device_values():
+    # values of cu_seqlens itself are wrong; the CPU copy is the one checked
+    assert validate.check_cu_seqlens(torch.tensor([0, 9]), 1, 3, torch.tensor([0, 3])) == 1
+
+
+def test_same_device():
+    q = torch.randn(1, 2, 1, 16, dtype=BF)
+    with pytest.raises(SpecError, match="is on meta, q is on cpu"):
+        validate.check_tensor("k", torch.empty(1, 2, 1, 16, dtype=BF, device="meta"), like=q)
+
+
+@pytest.mark.parametrize("K, V, match", [(100, 64, "K \\(key head dim\\)"), (512, 64, "K="),
+                                         (64, 12, "V \\(value head dim\\)"), (64, 1024, "V=1024")])
+def test_head_dim_limits(K, V, match):
+    with pytest.raises(SpecError, match=match):
+        validate.check_head_dims(K, V)
+    with pytest.raises(SpecError, match=match):
+        _call(GDN, **_inputs(GDN, K=K, V=V))
+
+
+def test_key_gate_dt_bias_2d_is_flattened():
+    dims = validate.Dims(1, 2, 2, 4, 32, 16)
+    out = validate.check_gate_params(KDA, Options(gate_in_kernel=True), torch.randn(4),
+                                     torch.randn(4, 32), dims)
+    assert out.shape == (128,)
+
+
+# ---------------------------------------------------------------- argument plumbing
+class ArgCheckingKernel:
+    """Stands in for a compiled kernel: checks the call against the prim_func."""
+
+    def __init__(self, func):
+        self.func = func
+        self.calls = []
+
+    def __call__(self, *args):
+        from tilelang import tvm
+        params = list(self.func.params)
+        assert len(args) == len(params), (len(args), [p.name for p in params])
+        bound, deferred = {}, []
+        for p, a in zip(params, args):
+            buf = self.func.buffer_map.get(p)
+            if buf is None:
+                assert isinstance(a, float) and str(p.dtype) == "float32", (p.name, a)
+                continue
+            assert isinstance(a, torch.Tensor), buf.name
+            assert str(a.dtype).replace("torch.", "") == str(buf.dtype), (buf.name, a.dtype, buf.dtype)
+            assert a.is_contiguous() and a.dim() == len(buf.shape), (buf.name, a.shape, buf.shape)
+            for s, d in zip(buf.shape, a.shape):
+                if isinstance(s, tvm.tirx.IntImm):
+                    assert int(s) == d, (buf.name, list(buf.shape), list(a.shape))
+                elif isinstance(s, tvm.tirx.Var):
+                    assert bound.setdefault(s, d) == d, (buf.name, s, bound[s], d)
+                else:
+                    deferred.append((buf.name, s, d))
+        for name, expr, d in deferred:
+            value = tvm.arith.Analyzer().simplify(tvm.tirx.stmt_functor.substitute(
+                expr, {var: tvm.tirx.IntImm("int32", val) for var, val in bound.items()}))
+            assert int(value) == d, (name, expr, d)
+        self.calls.append((args, {v.name: d for v, d in bound.items()}))
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    made = []
+
+    def get_kernel(spec, stage, arch, **problem):
+        module = runtime.stage_module(spec, stage, arch)
+        params = {**runtime.get_arch(arch).tuning(stage, problem), **problem}
+        kern = ArgCheckingKernel(module.build(**params))
+        made.append(kern)
+        return kern, module, params
+
+    monkeypatch.setattr(rec_mod.validate, "check_cuda", lambda name, x: None)
+    monkeypatch.setattr(rec_mod.runtime, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(rec_mod.runtime, "get_kernel", get_kernel)
+    return made
+
+
+PLUMBING = [  # (spec, options, varlen, initial, final, state dtype, beta/g dtype f32)
+    (GDN, Options(), False, False, False, None, True),
+    (GDN, Options(l2norm_qk=True, beta_sigmoid=True, allow_neg_eigval=True,
+                  gate_in_kernel=True, state_v_first=True), True, True, True, None, False),
+    (KDA, Options(gate_in_kernel=True), False, True, True, None, True),
+    (GLA, Options(state_v_first=True), True, False, True, None, True),
+    (DN, Options(), False, True, True, BF, False),
+] + [(s, Options(), True, True, True, None, True) for s in all_rule_gate_specs()]
+
+
+@pytest.mark.parametrize("spec, options, varlen, initial, final, sdt, f32", PLUMBING,
+                         ids=[f"{p[0].name}-{i}" for i, p in enumerate(PLUMBING)])
+def test_arguments_match_kernel_signature(fake_kernels, spec, options, varlen, initial,
+                                          final, sdt, f32):
+    H, HV, K, V = (2, 2, 32, 16) if not spec.gva else (2, 4, 32, 16)
+    B, T = (1, 7) if varlen else (3, 2)
+    args = _inputs(spec, B=B, T=T, H=H, HV=HV, K=K, V=V, g_dtype=torch.float32 if f32 else BF)
+    if spec.has_beta and f32:
+        args["beta"] = args["beta"].float()
+    cu = torch.tensor([0, 1, 1, 7], dtype=torch.int64) if varlen else None
+    N = 3
+    state_dtype = sdt or torch.float32
+    shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
+    h0 = torch.randn(shape, dtype=state_dtype) if initial else None
+    extra = {}
+    if options.gate_in_kernel:
+        extra = dict(A_log=torch.randn(HV),
+                     dt_bias=torch.randn(HV * (K if spec.gate.value == "key" else 1)))
+    before = {n: t.clone() for n, t in args.items() if t is not None}
+    o, ht = fused_recurrent(spec, **args, initial_state=h0, output_final_state=final,
+                            options=options, cu_seqlens=cu, state_dtype=sdt, **extra)
+    (kern,) = fake_kernels
+    (call_args, dyn), = kern.calls
+    assert o.shape == (B, T, HV, V) and o.dtype == BF
+    assert any(a is o for a in call_args)
+    assert dyn["B"] == B and dyn.get("N", B) == N
+    if final:
+        assert ht.shape == shape and ht.dtype == state_dtype
+        assert any(a is ht for a in call_args)
+    else:
+        assert ht is None
+    if initial:
+        assert any(a is h0 for a in call_args)
+    for n, t in before.items():
+        assert torch.equal(t, args[n]), n
