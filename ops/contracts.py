@@ -1,0 +1,48 @@
+"""The benchmark table's contract ops that are not fla functions (DESIGN.md, "The ten
+operators"), on top of the same generated kernels.
+
+Implemented here so far: the two one-step recurrent contracts, which keep the state in
+the input dtype and return it as a new tensor (the input state is not modified).
+"""
+from __future__ import annotations
+
+from ..dsl import SpecError
+from . import deltanet, gla
+from .recurrent import fused_recurrent
+
+
+def _step(spec, q, k, v, gate, beta, state, scale):
+    """One token for [B, H, D] tensors through the fused recurrent kernel."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("state", state)):
+        if getattr(x, "dim", lambda: -1)() != (4 if name == "state" else 3):
+            raise SpecError(f"{name} must be {'[B, H, DK, DV]' if name == 'state' else '[B, H, D]'}, "
+                            f"got {tuple(getattr(x, 'shape', ()))}")
+    if state.dtype != q.dtype:
+        raise SpecError(f"state must have q's dtype {q.dtype} (this contract keeps the state "
+                        f"in the input dtype), got {state.dtype}")
+    add_t = lambda x: None if x is None else x.unsqueeze(1)  # noqa: E731  [B, H, ..] -> [B, 1, H, ..]
+    o, new_state = fused_recurrent(spec, add_t(q), add_t(k), add_t(v), add_t(gate), add_t(beta),
+                                   scale=scale, initial_state=state, output_final_state=True,
+                                   state_dtype=state.dtype)
+    return o.squeeze(1), new_state
+
+
+def deltanet_recurrent_fwd(q, k, v, beta, state):
+    """DeltaNetRecurrentFwd: one decode step, no scale.
+
+    q, k [B, H, DK]; v [B, H, DV]; beta [B, H]; state [B, H, DK, DV]; all in one dtype.
+    v' = beta (v - S^T k); S' = S + k v'^T; o = S'^T q. Returns (o [B, H, DV],
+    new_state [B, H, DK, DV]) in the input dtype (fp32 arithmetic inside).
+    """
+    return _step(deltanet.SPEC, q, k, v, None, beta, state, 1.0)
+
+
+def gla_recurrent_fwd(q, k, v, gk, state, scale=-1.0):
+    """GLARecurrentFwd: one GLA decode step.
+
+    q, k, gk [B, H, DK] (gk: natural-log decay); v [B, H, DV]; state [B, H, DK, DV]; one
+    dtype. S' = diag(exp gk) S + k v^T; o = scale S'^T q, scale <= 0 meaning DK^-0.5.
+    Returns (o [B, H, DV], new_state) in the input dtype.
+    """
+    scale = None if scale is None or scale <= 0 else scale
+    return _step(gla.SPEC, q, k, v, gk, None, state, scale)
