@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One batched GPU run (see /work/shared/gpu/README.md): correctness tests, probes and the
+# benchmark, each under its own time limit, so the whole command ends inside the device
+# tool's 10 minutes and always packs what it measured.
+#
+#   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
+#
+# Steps are chosen with STEPS (default "tests probe bench"); limits with TESTS_S,
+# PROBE_S, BENCH_S; bench rows with BENCH_ARGS. Everything lands in $OUT/results.tar.gz
+# (logs, JSON), and the short summaries are printed last.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
+# import the checkout as `linattn` without installing it
+mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn && export PYTHONPATH=/tmp/lp:$PYTHONPATH
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/whl .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/whl
+fi
+export OUT_DIR=$R
+STEPS=${STEPS:-"tests probe bench"}
+(cd /tmp/lp/linattn && git log -1 --format='%H %cd' 2>/dev/null) > "$R/commit.txt"
+nvidia-smi > "$R/nvidia-smi.txt" 2>&1
+
+run_step() {  # name seconds command...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$secs" "$@" > "$R/$name.log" 2>&1
+  echo "$name: rc=$? in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+}
+
+for s in $STEPS; do
+  case $s in
+    tests) run_step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             ${XDIST:--n 8} -rfE ${TEST_PATHS:-tests} --junitxml="$R/tests.xml" ;;
+    probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py --out "$R/probe.json" ;;
+    bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
+             --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
+  esac
+done
+tar -czf "$OUT/results.tar.gz" -C /tmp results
+echo "===== steps"; cat "$R/steps.txt"
+echo "===== tests (tail)"; tail -n 40 "$R/tests.log" 2>/dev/null
+echo "===== probe (tail)"; tail -n 15 "$R/probe.log" 2>/dev/null
+echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
