@@ -3,6 +3,7 @@ implementation against it, time the ones that pass. One failing row or implement
 never stops the run; the JSON is rewritten after every row; a total budget stops it early."""
 from __future__ import annotations
 
+import os
 import gc
 import subprocess
 import time
@@ -27,7 +28,8 @@ def header(device: str) -> dict:
         doc["gpu"] = torch.cuda.get_device_name()
         doc["clocks"] = _sh("nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw "
                             "--format=csv,noheader")
-    doc["commit"] = _sh("git rev-parse --short HEAD")
+    # the GPU machine gets the working tree without .git: the caller passes the commit
+    doc["commit"] = os.environ.get("LINATTN_COMMIT") or _sh("git rev-parse --short HEAD")
     try:
         import fla
         doc["fla"] = getattr(fla, "__version__", "?")
