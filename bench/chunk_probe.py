@@ -6,7 +6,7 @@ call (torch.profiler CUDA activity, L2 flushed before every call, median over ca
 the union of all kernels of one call, and each stage kernel's median time. fla's
 chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
 
-    python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep-bv]
+    python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep]
     (JSON to $OUT/chunk_probe.json when OUT is set)
 
 One workload failing does not stop the others; a compact summary prints at the end.
@@ -159,18 +159,25 @@ def probe(name, args):
     T_eff = x["q"].shape[1]
     flops = 7 * B * T_eff * HV * K * V if spec.has_gate else B * T_eff * HV * (6 * K * V + 2 * K)
     res["tflops"] = flops / (total * 1e-3) / 1e12
-    if args.sweep_bv:
+    if args.sweep:
         sweep = {}
-        for bv in (16, 32, 64):
-            chunk.STATE_BLOCK_V_OVERRIDE = bv
-            try:
-                t_bv, per_bv, _ = device_times(ours, iters=max(5, args.iters // 3))
-                sweep[bv] = {"ms": t_bv, "state_ms": per_bv.get("chunk_state_kernel")}
-            except Exception as e:
-                sweep[bv] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            finally:
-                chunk.STATE_BLOCK_V_OVERRIDE = None
-        res["state_block_v_sweep"] = sweep
+        default_stages = chunk.STATE_NUM_STAGES
+        for stages in (0, 1, 2, 3):
+            for bv in (16, 32, 64):
+                chunk.STATE_BLOCK_V_OVERRIDE, chunk.STATE_NUM_STAGES = bv, stages
+                key = f"bv{bv}-st{stages}"
+                try:
+                    o2, ht2 = ours()
+                    t_bv, per_bv, _ = device_times(ours, iters=max(5, args.iters // 3))
+                    sweep[key] = {"ms": t_bv, "state_ms": per_bv.get("chunk_state_kernel"),
+                                  "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
+                except Exception as e:
+                    sweep[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                finally:
+                    chunk.STATE_BLOCK_V_OVERRIDE = None
+                    chunk.STATE_NUM_STAGES = default_stages
+                print(name, key, sweep[key], flush=True)
+        res["state_sweep"] = sweep
     try:
         res["fla_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
@@ -200,8 +207,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--sweep-bv", action="store_true",
-                    help="also time the state pass at value blocks 16 / 32 / 64")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the state pass at value blocks 16/32/64 x pipeline "
+                         "depths 0-3 (with errors)")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     results = []

@@ -17,6 +17,7 @@ f16 / bf16 inputs. The per-key gate (KDA, GLA) raises SpecError for now.
 from __future__ import annotations
 
 import importlib
+import os
 import types
 from collections import OrderedDict
 
@@ -154,6 +155,9 @@ def compiled_stage(spec: OpSpec, stage: str, **params):
 
 #: set to 16 / 32 / 64 to force the state pass's value block (probing); None = heuristic
 STATE_BLOCK_V_OVERRIDE = None
+#: pipeline depth of the state pass (0: plain loop, 128 threads; >= 1: TMA producer warps
+#: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
+STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 
 
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
@@ -304,7 +308,8 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     state = compiled_stage(spec, "chunk_state", **common,
                            state_v_first=options.state_v_first,
                            has_initial_state=initial_state is not None,
-                           output_final_state=bool(output_final_state), block_v=bv)
+                           output_final_state=bool(output_final_state), block_v=bv,
+                           num_stages=STATE_NUM_STAGES)
     state(kn, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
 
     out = compiled_stage(spec, "chunk_output", **common, l2norm_qk=options.l2norm_qk,

@@ -67,11 +67,22 @@ def test_stage_compiles(name, example, stage):
     spec = _spec(name)
     mod = chunk.stage_module(spec, stage)
     params = dict(mod.EXAMPLES[example])
+    if stage == "chunk_state":
+        params["num_stages"] = chunk.STATE_NUM_STAGES
     kern = chunk.compiled_stage(spec, stage, **params)
     src = kern.get_kernel_source()
     assert "__global__" in src
     uses_gemm = stage != "chunk_prepare" or spec.has_beta
     assert ("wgmma" in src) == uses_gemm
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("num_stages", [0, 1])
+def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
+    spec = get_spec("gdn")
+    params = dict(chunk.stage_module(spec, "chunk_state").EXAMPLES[1], num_stages=num_stages)
+    src = chunk.compiled_stage(spec, "chunk_state", **params).get_kernel_source()
+    assert ("mbarrier" in src) == (num_stages > 0)     # > 0: warp-specialised TMA pipeline
 
 
 # -- host chunk tables --------------------------------------------------------------------

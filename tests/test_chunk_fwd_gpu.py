@@ -149,6 +149,26 @@ def test_chunk_forward_matches_reference(p, rng):
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
+STATE_VARIANT_CASES = [
+    case("gdn", 1, None, 2, 4, 128, 128, lens=[1, 64, 1, 65, 130, 1, 7]),
+    case("deltanet", 2, 129, 2, 2, 64, 64, dtype="float16", opts=("state_v_first",)),
+]
+
+
+@pytest.mark.parametrize("block_v", [16, 64])
+@pytest.mark.parametrize("num_stages", [0, 1, 2])
+@pytest.mark.parametrize("p", STATE_VARIANT_CASES)
+def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
+    """The state pass's tuning knobs (pipeline depth, value block) keep it correct."""
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "STATE_NUM_STAGES", num_stages)
+    monkeypatch.setattr(chunk, "STATE_BLOCK_V_OVERRIDE", block_v)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
 def test_chunk_forward_rejects_key_gate():
     from linattn.dsl import SpecError
     from linattn.ops.chunk import chunk_forward

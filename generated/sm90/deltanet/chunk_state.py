@@ -46,7 +46,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, threads=128):
+          output_final_state=False, block_v=64, num_stages=2, threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -102,25 +102,26 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             else:
                 T.clear(S)
 
-            for c in T.serial(T.ceildiv(seqlen, BT)):
+            for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=num_stages):
                 t0 = bos + c * BT
                 rows = T.min(BT, seqlen - c * BT)
+                # whole-tile copies (TMA / cp.async, prefetched by the pipeline). Rows past
+                # the sequence end hold the next tokens (zeros past Ttot): their v_new rows
+                # are set to 0 below, so they add nothing to the state.
+                T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
+                T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
+                T.copy(w[t0:t0 + BT, hv, 0:K], w_s)
                 T.copy(S, S_s)
                 T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])
-                for i, j in T.Parallel(BT, K):
-                    k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BV):
-                    u_s[i, j] = T.if_then_else(i < rows, u[t0 + i, hv, iv * BV + j],
-                                               T.cast(0, dtype))
-                for i, j in T.Parallel(BT, K):
-                    w_s[i, j] = T.if_then_else(i < rows, w[t0 + i, hv, j], T.cast(0, dtype))
                 T.gemm(w_s, S_s, vn, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
-                    vn[i, j] = T.cast(u_s[i, j], f32) - vn[i, j]
+                    vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32) - vn[i, j],
+                                              T.float32(0))
                 T.copy(vn, vn_s)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         v_new[t0 + i, hv, iv * BV + j] = vn_s[i, j]
+                T.copy(vn, vn_s)
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 
             if output_final_state:
