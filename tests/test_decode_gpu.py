@@ -1,0 +1,185 @@
+"""GPU correctness of the fused recurrent / decode kernel (ops.recurrent.fused_recurrent)
+against the fp64 NumPy reference dsl.recurrent.recurrent_forward.
+
+Covers the six rule x gate specs (rendered on the fly) and the four registered families
+(the checked-in generated modules): decode (T = 1) and short sequences, varlen with
+one-token and empty sequences, every option, both state layouts, GVA, f16 / bf16 inputs,
+f32 / input-dtype states, K != V, K up to 256. Inputs are rounded to the kernel dtypes
+first, so the comparison measures the kernel's error only: ||out - ref|| / ||ref|| must be
+below 1e-2 (bf16) / 5e-3 (f16) for o and the final state. Outputs are NaN-poisoned by
+conftest; inputs must come back unchanged.
+
+One run gives the whole picture: every case runs, and with $OUT set a summary of every
+case's errors lands in $OUT/decode_gpu.json.
+
+    python3 -m pytest -q tests/test_decode_gpu.py          (skips without a GPU)
+"""
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from linattn.dsl import Options, all_rule_gate_specs
+from linattn.dsl.recurrent import random_inputs, recurrent_forward
+from linattn.ops.registry import get_spec
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+DEVICE = "cuda"
+SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+SIX = {s.name: s for s in all_rule_gate_specs()}
+RESULTS = []
+
+
+def _spec(name):
+    return SIX[name] if name in SIX else get_spec(name)
+
+
+def case(op, B=1, T=1, H=2, HV=4, K=128, V=128, dtype="bfloat16", opts=(), init=True,
+         final=True, lens=None, state="float32", f32_gb=True, scale=None, index="int32"):
+    if opts == "all":
+        opts = tuple(sorted(_spec(op).supports))
+    parts = [op, f"B{B}", f"T{T}" if lens is None else "varlen" + "_".join(map(str, lens)),
+             f"H{H}", f"HV{HV}", f"K{K}", f"V{V}", SHORT[dtype], f"state_{SHORT[state]}"] + list(opts)
+    parts += ([] if init else ["noh0"]) + ([] if final else ["noht"])
+    parts += [] if f32_gb else ["gb_in_dtype"]
+    return pytest.param(dict(op=op, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, opts=tuple(opts),
+                             init=init, final=final, lens=lens, state=state, f32_gb=f32_gb,
+                             scale=scale, index=index), id="-".join(parts))
+
+
+CASES = []
+for _name in SIX:  # every rule x gate: decode, all options + varlen, layout/GVA, low-precision state
+    CASES += [
+        case(_name, B=5, T=1),
+        case(_name, H=1, HV=2, K=64, V=64, dtype="float16", opts="all", lens=[3, 0, 1, 12],
+             index="int64"),
+        case(_name, B=2, T=9, H=2, HV=8, K=128, V=64, opts=("state_v_first",), init=False),
+        case(_name, B=3, T=1, H=4, HV=4, K=64, V=64, dtype="float16", state="float16",
+             f32_gb=False, scale=1.0),
+    ]
+CASES += [  # the registered families through the checked-in generated modules
+    case("gdn", B=32, T=1, H=16, HV=32, opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel")),
+    case("gdn", B=2, T=63, H=2, HV=4, opts=("l2norm_qk",)),
+    case("gdn", B=1, T=1, H=4, HV=4, K=256, V=128, dtype="float16"),
+    case("gdn", B=4, T=1, H=2, HV=4, opts="all", f32_gb=False),
+    case("gdn", lens=[1, 1, 1, 1, 1, 1, 1], H=2, HV=8, opts=("l2norm_qk", "state_v_first")),
+    case("kda", B=16, T=1, H=8, HV=8, opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel")),
+    case("kda", B=2, T=17, H=2, HV=4, K=64, V=128, dtype="float16", opts="all"),
+    case("deltanet", B=8, T=1, H=4, HV=4, K=256, V=256, opts=("l2norm_qk",)),
+    case("deltanet", B=1, T=40, H=2, HV=2, K=64, V=32, init=False, final=False),
+    case("deltanet", B=4, T=1, H=8, HV=8, state="bfloat16", f32_gb=False, scale=1.0),
+    case("gla", B=8, T=1, H=4, HV=4),
+    case("gla", lens=[5, 1, 30], H=2, HV=2, K=64, V=64, dtype="float16", opts=("state_v_first",)),
+    case("gla", B=4, T=1, H=4, HV=4, state="bfloat16", f32_gb=False),
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session(tmp_path_factory):
+    os.environ.setdefault("LINATTN_GEN_DIR", str(tmp_path_factory.mktemp("linattn_gen")))
+    yield
+    out = os.environ.get("OUT")
+    if out and RESULTS:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "decode_gpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    worst = sorted(RESULTS, key=lambda r: -max(r.get("o_ratio", 99), r.get("ht_ratio", 0)))
+    print(f"\ndecode GPU: {sum(r['passed'] for r in RESULTS)}/{len(RESULTS)} passed; worst:")
+    for r in worst[:8]:
+        print(f"  {r['id']}: o {r.get('o_err')} ht {r.get('ht_err')} tol {r['tol']} "
+              f"{r.get('error', '')[:200]}")
+
+
+def _rel(got, want):
+    want = np.asarray(want, dtype=np.float64)
+    got = got.double().cpu().numpy()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    norm = np.linalg.norm(want)
+    return float(np.linalg.norm(got - want) / (norm if norm > 0 else 1.0))
+
+
+@pytest.mark.parametrize("c", CASES)
+def test_decode_matches_reference(c, rng, request):
+    rec = {"id": request.node.callspec.id, "tol": TOL[c["dtype"]], "passed": False}
+    RESULTS.append(rec)
+    spec = _spec(c["op"])
+    opts = Options(**{n: True for n in c["opts"]})
+    dt = getattr(torch, c["dtype"])
+    sdt = getattr(torch, c["state"])
+    cu = None
+    B, T = c["B"], c["T"]
+    if c["lens"] is not None:
+        B, T = 1, sum(c["lens"])
+        cu = np.concatenate([[0], np.cumsum(c["lens"])])
+    x = random_inputs(spec, opts, B, T, c["H"], c["HV"], c["K"], c["V"], rng,
+                      cu_seqlens=cu, initial_state=c["init"])
+
+    dev = DEVICE
+    dtypes = {"q": dt, "k": dt, "v": dt, "initial_state": sdt,
+              "g": torch.float32 if c["f32_gb"] else dt,
+              "beta": torch.float32 if c["f32_gb"] else dt,
+              "A_log": torch.float32, "dt_bias": torch.float32,
+              "cu_seqlens": getattr(torch, c["index"])}
+    t = {n: None if a is None else torch.tensor(a, device=dev).to(dtypes[n]).contiguous()
+         for n, a in x.items()}
+    ref_in = {n: None if a is None else (a.double().cpu().numpy() if n != "cu_seqlens"
+                                         else a.cpu().numpy()) for n, a in t.items()}
+    before = {n: a.clone() for n, a in t.items() if a is not None}
+
+    o_ref, ht_ref = recurrent_forward(spec, ref_in["q"], ref_in["k"], ref_in["v"], ref_in["g"],
+                                      ref_in["beta"], options=opts, scale=c["scale"],
+                                      initial_state=ref_in["initial_state"],
+                                      cu_seqlens=ref_in["cu_seqlens"], A_log=ref_in["A_log"],
+                                      dt_bias=ref_in["dt_bias"])
+    from linattn.ops.recurrent import fused_recurrent
+    t0 = time.time()
+    try:
+        o, ht = fused_recurrent(spec, t["q"], t["k"], t["v"], t["g"], t["beta"], scale=c["scale"],
+                                initial_state=t["initial_state"], output_final_state=c["final"],
+                                options=opts, cu_seqlens=t["cu_seqlens"], A_log=t["A_log"],
+                                dt_bias=t["dt_bias"], state_dtype=sdt)
+        torch.cuda.synchronize()
+    except Exception as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        raise
+    rec["first_call_s"] = round(time.time() - t0, 2)
+
+    assert o.dtype == dt and o.shape == o_ref.shape
+    rec["o_err"] = _rel(o, o_ref)
+    rec["o_ratio"] = rec["o_err"] / rec["tol"]
+    if c["final"]:
+        assert ht.dtype == sdt
+        rec["ht_err"] = _rel(ht, ht_ref)
+        rec["ht_ratio"] = rec["ht_err"] / rec["tol"]
+    else:
+        assert ht is None
+    unchanged = all(torch.equal(before[n], t[n]) for n in before)
+    rec["inputs_unchanged"] = unchanged
+    rec["passed"] = bool(unchanged and rec["o_err"] < rec["tol"]
+                         and rec.get("ht_err", 0.0) < rec["tol"])
+    assert unchanged, "fused_recurrent modified an input"
+    assert rec["o_err"] < rec["tol"], f"o rel err {rec['o_err']:.3e}"
+    if c["final"]:
+        assert rec["ht_err"] < rec["tol"], f"final state rel err {rec['ht_err']:.3e}"
+
+
+def test_decode_repeated_calls_reuse_kernel():
+    """A second call with another batch size and length reuses the compiled kernel."""
+    from linattn.ops import runtime
+    from linattn.ops.recurrent import fused_recurrent
+    spec = get_spec("gdn")
+    n0 = len(runtime._KERNELS)
+    for B, T in ((3, 1), (7, 1), (2, 5)):
+        q = torch.randn(B, T, 2, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.nn.functional.normalize(torch.randn_like(q).float(), dim=-1).to(q.dtype)
+        v = torch.randn(B, T, 4, 128, device="cuda", dtype=torch.bfloat16)
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, 4, device="cuda"))
+        beta = torch.rand(B, T, 4, device="cuda", dtype=torch.bfloat16)
+        o, _ = fused_recurrent(spec, q, k, v, g, beta)
+        assert torch.isfinite(o).all()
+    assert len(runtime._KERNELS) - n0 <= 1
