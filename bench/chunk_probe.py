@@ -178,6 +178,21 @@ def probe(name, args):
                     chunk.STATE_NUM_STAGES = default_stages
                 print(name, key, sweep[key], flush=True)
         res["state_sweep"] = sweep
+        if spec.has_beta:
+            inv = {}
+            for how in ("column", "blocked"):
+                default_inverse, chunk.PREPARE_INVERSE = chunk.PREPARE_INVERSE, how
+                try:
+                    o2, _ = ours()
+                    t_inv, per_inv, _ = device_times(ours, iters=max(5, args.iters // 3))
+                    inv[how] = {"ms": t_inv, "prepare_ms": per_inv.get("chunk_prepare_kernel"),
+                                "err_o": rel(o2, ref_o)}
+                except Exception as e:
+                    inv[how] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                finally:
+                    chunk.PREPARE_INVERSE = default_inverse
+                print(name, how, inv[how], flush=True)
+            res["inverse_sweep"] = inv
     try:
         res["fla_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
@@ -209,7 +224,7 @@ def main():
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--sweep", action="store_true",
                     help="also time the state pass at value blocks 16/32/64 x pipeline "
-                         "depths 0-3 (with errors)")
+                         "depths 0-3, and both inverses of chunk_prepare (with errors)")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     results = []

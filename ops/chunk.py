@@ -158,6 +158,9 @@ STATE_BLOCK_V_OVERRIDE = None
 #: pipeline depth of the state pass (0: plain loop, 128 threads; >= 1: TMA producer warps
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
+#: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
+#: every thread busy) or "column" (forward substitution, one column per thread)
+PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "blocked")
 
 
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
@@ -296,7 +299,8 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf),
                           l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
                           allow_neg_eigval=options.allow_neg_eigval,
-                          gate_in_kernel=options.gate_in_kernel)
+                          gate_in_kernel=options.gate_in_kernel,
+                          **({"inverse": PREPARE_INVERSE} if spec.has_beta else {}))
     if spec.has_gate or spec.has_beta or options.l2norm_qk:
         prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
 

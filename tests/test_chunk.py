@@ -32,7 +32,7 @@ def test_stage_renders(name, stage):
     src = chunk.stage_module.__globals__["_MODULES"]  # noqa: F841  (module cache exists)
     text = _rendered_text(spec, stage)
     assert ("T.cumsum" in text) == (stage == "chunk_prepare" and spec.has_gate)
-    assert ("forward substitution" in text) == (stage == "chunk_prepare" and spec.has_beta)
+    assert ("x_s = T.alloc_shared" in text) == (stage == "chunk_prepare" and spec.has_beta)
 
 
 def _rendered_text(spec, stage):
@@ -83,6 +83,15 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
     params = dict(chunk.stage_module(spec, "chunk_state").EXAMPLES[1], num_stages=num_stages)
     src = chunk.compiled_stage(spec, "chunk_state", **params).get_kernel_source()
     assert ("mbarrier" in src) == (num_stages > 0)     # > 0: warp-specialised TMA pipeline
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("inverse", ["column", "blocked"])
+def test_prepare_inverses_compile(inverse):
+    spec = get_spec("deltanet")
+    params = dict(chunk.stage_module(spec, "chunk_prepare").EXAMPLES[0], inverse=inverse)
+    src = chunk.compiled_stage(spec, "chunk_prepare", **params).get_kernel_source()
+    assert "wgmma" in src
 
 
 # -- host chunk tables --------------------------------------------------------------------

@@ -169,6 +169,20 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
+@pytest.mark.parametrize("inverse", ["column", "blocked"])
+@pytest.mark.parametrize("p", [
+    case("gdn", 2, 130, 2, 4, 128, 128, opts=("beta_sigmoid", "allow_neg_eigval")),
+    case("deltanet", 1, None, 2, 2, 64, 64, dtype="float16", lens=[1, 63, 64, 65, 3]),
+])
+def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "PREPARE_INVERSE", inverse)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
 def test_chunk_forward_rejects_key_gate():
     from linattn.dsl import SpecError
     from linattn.ops.chunk import chunk_forward

@@ -47,7 +47,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
-          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, threads=128):
+          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
+          threads=128):
     """prim_func(q-free inputs) for chunk_prepare.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
@@ -55,8 +56,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
       dt_bias [HV], chunk_bos [NT], chunk_len [NT] (int32)
       -> g_cum [Ttot, HV] f32, kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
     Unused inputs/outputs of a flag set are still parameters (pass any small tensor).
+    inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy) or
+    "column" (plain forward substitution, one column per thread).
     """
     BT = CHUNK
+    SUB = 16                    # diagonal block of the blocked inverse
+    assert inverse in ("column", "blocked"), inverse
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -119,18 +124,59 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 a_s[i, j] = T.if_then_else(
                     i > j, b_s[i] * kk[i, j] * T.exp(g_s[i] - g_s[j]), T.float32(0))
 
-            # (I + A)^-1 by forward substitution, one column per thread (exact in f32):
-            # X[i, c] = [i == c] - sum_{c <= j < i} A[i, j] X[j, c]
+            # X = (I + A)^-1, exact in f32 (A strictly lower triangular)
             x_s = T.alloc_shared((BT, BT), f32)
             acc = T.alloc_local((1,), f32)
             tx = T.get_thread_binding()
-            if tx < BT:
-                for i in T.serial(BT):
-                    acc[0] = T.float32(0)
-                    for jj in T.serial(T.max(i - tx, 0)):
-                        acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
-                    x_s[i, tx] = T.if_then_else(
-                        i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
+            if inverse == "column":
+                # forward substitution, one column per thread:
+                # X[i, c] = [i == c] - sum_{c <= j < i} A[i, j] X[j, c]
+                if tx < BT:
+                    for i in T.serial(BT):
+                        acc[0] = T.float32(0)
+                        for jj in T.serial(T.max(i - tx, 0)):
+                            acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
+                        x_s[i, tx] = T.if_then_else(
+                            i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
+            else:
+                # blocked: the 16 x 16 diagonal blocks by forward substitution (one column
+                # per thread, all blocks at once), then block row r from the rows above:
+                # X[r, :r] = -X[r, r] (A[r, :r] X[:r, :r])
+                for i, j in T.Parallel(BT, BT):
+                    x_s[i, j] = T.float32(0)
+                T.sync_threads()
+                if tx < BT:
+                    for ii in T.serial(SUB):
+                        i = tx // SUB * SUB + ii
+                        acc[0] = T.float32(0)
+                        for jj in T.serial(T.max(i - tx, 0)):
+                            acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
+                        x_s[i, tx] = T.if_then_else(
+                            i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
+                T.sync_threads()
+                y_s = T.alloc_shared((SUB, BT), f32)
+                for r in range(1, BT // SUB):           # unrolled at trace time
+                    R0 = r * SUB
+                    for e in T.serial((SUB * R0 + threads - 1) // threads):
+                        idx = e * threads + tx
+                        if idx < SUB * R0:
+                            ii = idx // R0
+                            j = idx % R0
+                            acc[0] = T.float32(0)
+                            for kk in T.serial(R0 - j):
+                                acc[0] = acc[0] + a_s[R0 + ii, j + kk] * x_s[j + kk, j]
+                            y_s[ii, j] = acc[0]
+                    T.sync_threads()
+                    for e in T.serial((SUB * R0 + threads - 1) // threads):
+                        idx = e * threads + tx
+                        if idx < SUB * R0:
+                            ii = idx // R0
+                            j = idx % R0
+                            acc[0] = T.float32(0)
+                            for m in T.serial(ii + 1):
+                                acc[0] = acc[0] + x_s[R0 + ii, R0 + m] * y_s[m, j]
+                            x_s[R0 + ii, j] = -acc[0]
+                    T.sync_threads()
 
             # w = X (beta exp(g_cum) k), u = X (beta v): tensor-core GEMMs in the input dtype
             x_lp = T.alloc_shared((BT, BT), dtype)
