@@ -78,7 +78,7 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     if spec.has_beta:
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
     arch = runtime.device_arch(q.device)
-    kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, **problem)
+    kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N}, **problem)
 
     dummy_f32 = runtime.placeholder(q.device, torch.float32)
     tensors = {

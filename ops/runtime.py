@@ -96,19 +96,21 @@ def _render_and_load(spec: OpSpec, stage_name: str, arch: str):
     return load_module(gen_dir() / rel, f"linattn_rendered_{spec.name}_{spec.hash}_{stage_name}")
 
 
-def get_kernel(spec: OpSpec, stage: str, arch: str, **problem):
+def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, **problem):
     """Compiled TileLang kernel for a stage at one static problem (memoised).
 
     problem: the build() keywords that describe the problem (sizes, dtypes, flags);
-    the arch table adds the tuning. Returns (kernel, module, params).
+    the arch table adds the tuning (given the call's dynamic ``sizes``, e.g. {"N": 4},
+    for stages whose tiles depend on them). Returns (kernel, module, params).
     """
-    key = (arch, spec.hash, stage, tuple(sorted(problem.items())))
+    tuning = get_arch(arch).tuning(stage, problem, sizes)
+    key = (arch, spec.hash, stage, tuple(sorted(problem.items())), tuple(sorted(tuning.items())))
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
     import tilelang
     module = stage_module(spec, stage, arch)
-    params = {**get_arch(arch).tuning(stage, problem), **problem}
+    params = {**tuning, **problem}
     func = module.build(**params)
     kernel = tilelang.compile(func, out_idx=module.out_idx(**params),
                               target=get_arch(arch).TARGET,

@@ -175,9 +175,9 @@ class ArgCheckingKernel:
 def fake_kernels(monkeypatch):
     made = []
 
-    def get_kernel(spec, stage, arch, **problem):
+    def get_kernel(spec, stage, arch, sizes=None, **problem):
         module = runtime.stage_module(spec, stage, arch)
-        params = {**runtime.get_arch(arch).tuning(stage, problem), **problem}
+        params = {**runtime.get_arch(arch).tuning(stage, problem, sizes), **problem}
         kern = ArgCheckingKernel(module.build(**params))
         made.append(kern)
         return kern, module, params
