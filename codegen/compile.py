@@ -68,6 +68,7 @@ def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     usage["spill_load_bytes"] = int(m.group(2)) if m else 0
     src = kernel.get_kernel_source()
     usage["dynamic_smem"] = "buf_dyn_shmem" in src
+    usage["dynamic_smem_bytes"] = 0
     m = re.search(r"__launch_bounds__\((\d+)", src)
     usage["threads"] = int(m.group(1)) if m else None
     return usage
@@ -87,7 +88,22 @@ def compile_stage(module, problem: dict, arch: str = "sm90", usage: bool = True)
     rec["compile_s"] = round(time.time() - t0, 2)
     if usage:
         rec.update(ptxas_usage(kernel, arch))
+        if rec.get("dynamic_smem"):
+            rec["dynamic_smem_bytes"] = dynamic_smem_bytes(module, params, arch)
     return rec
+
+
+def dynamic_smem_bytes(module, params: dict, arch: str = "sm90"):
+    """Dynamic shared memory of a stage's kernel, from TileLang's lowered device module
+    (lowers again: about 2 s; the compiled kernel does not keep it when cached)."""
+    import tilelang
+    from tilelang import tvm
+    target = tvm.target.Target(get_arch(arch).TARGET)
+    with target:
+        art = tilelang.lower(module.build(**params), target=target)
+    sizes = [int(fn.attrs["dyn_shared_memory_buf"]) for _, fn in art.device_mod.functions.items()
+             if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
+    return max(sizes) if sizes else 0
 
 
 def compile_tree(specs, arch: str, variant: str | None, out_dir: Path, echo=print) -> list[dict]:
@@ -113,5 +129,5 @@ def format_record(rec: dict) -> str:
     if "error" in rec:
         return f"{head}  ERROR {rec['error'].splitlines()[-1] if rec['error'] else ''}"
     return (f"{head}  {rec['compile_s']:.1f}s regs={rec.get('registers')} "
-            f"smem={rec.get('static_smem_bytes')}{'+dyn' if rec.get('dynamic_smem') else ''} "
+            f"smem={rec.get('static_smem_bytes')}+{rec.get('dynamic_smem_bytes', 0)}dyn "
             f"spills={rec.get('spill_store_bytes', 0)}/{rec.get('spill_load_bytes', 0)}")
