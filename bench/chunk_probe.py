@@ -218,6 +218,32 @@ def fla_time(spec, options, x, cu, args):
     return total
 
 
+def workload_jobs(name, sweep=False):
+    """(spec, stage, params) compile jobs of a workload (and of the sweep's variants)."""
+    op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
+    spec, options = get_spec(op), Options(**{n: True for n in opts})
+    N = B if lens is None else len(lens)
+    variants = [{}]
+    if sweep:
+        variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
+                     for st in (0, 1, 2, 3) for bv in (16, 32, 64)]
+        variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked")]
+    jobs = []
+    for knobs in variants:
+        saved = {k: getattr(chunk, k) for k in knobs}
+        try:
+            for k, v in knobs.items():
+                setattr(chunk, k, v)
+            params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
+                                        g_dtype="float32", beta_dtype="bfloat16", N=N,
+                                        has_initial_state=True, output_final_state=True)
+        finally:
+            for k, v in saved.items():
+                setattr(chunk, k, v)
+        jobs += [(spec, stage, pr) for stage, pr in params.items()]
+    return jobs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
@@ -227,6 +253,9 @@ def main():
                          "depths 0-3, and both inverses of chunk_prepare (with errors)")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
+    t0 = time.time()
+    errors = chunk.precompile([j for n in names for j in workload_jobs(n, args.sweep)])
+    print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     results = []
     for name in names:
         try:

@@ -72,6 +72,53 @@ CASES = [
 ]
 
 
+def case_jobs(p, **knobs):
+    """(spec, stage, params) compile jobs of one case under the chunk module's knobs."""
+    from linattn.ops import chunk
+    saved = {name: getattr(chunk, name) for name in knobs}
+    try:
+        for name, value in knobs.items():
+            setattr(chunk, name, value)
+        spec = _spec(p["op"])
+        options = Options(**{n: True for n in p["opts"]})
+        N = p["B"] if p["lens"] is None else len(p["lens"])
+        params = chunk.stage_params(spec, options, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+                                    dtype=p["dtype"], g_dtype="float32", beta_dtype=p["dtype"],
+                                    N=N, has_initial_state=p["init"],
+                                    output_final_state=p["final"])
+        return [(spec, stage, pr) for stage, pr in params.items()]
+    finally:
+        for name, value in saved.items():
+            setattr(chunk, name, value)
+
+
+def all_jobs():
+    jobs = [j for c in CASES for j in case_jobs(c.values[0])]
+    for c in STATE_VARIANT_CASES:
+        for stages in (0, 1, 2):
+            for bv in (16, 64):
+                jobs += case_jobs(c.values[0], STATE_NUM_STAGES=stages,
+                                  STATE_BLOCK_V_OVERRIDE=bv)
+    for c in INVERSE_CASES:
+        for how in ("column", "blocked"):
+            jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
+    return jobs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Compile every kernel these tests need in parallel processes first (disk cache)."""
+    import time
+    from linattn.ops import chunk
+    t0 = time.time()
+    jobs = all_jobs()
+    errors = chunk.precompile(jobs)
+    print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
+    for e in errors:
+        print("  compile error:", e)
+    yield
+
+
 def _spec(op):
     from linattn.dsl import all_rule_gate_specs
     six = {s.name: s for s in all_rule_gate_specs()}
@@ -169,11 +216,14 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
-@pytest.mark.parametrize("inverse", ["column", "blocked"])
-@pytest.mark.parametrize("p", [
+INVERSE_CASES = [
     case("gdn", 2, 130, 2, 4, 128, 128, opts=("beta_sigmoid", "allow_neg_eigval")),
     case("deltanet", 1, None, 2, 2, 64, 64, dtype="float16", lens=[1, 63, 64, 65, 3]),
-])
+]
+
+
+@pytest.mark.parametrize("inverse", ["column", "blocked"])
+@pytest.mark.parametrize("p", INVERSE_CASES)
 def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "PREPARE_INVERSE", inverse)
