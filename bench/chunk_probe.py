@@ -194,7 +194,7 @@ def probe(name, args):
                 print(name, how, inv[how], flush=True)
             res["inverse_sweep"] = inv
     try:
-        res["fla_ms"] = fla_time(spec, options, x, cu_dev, args)
+        res["fla_ms"], res["fla_kernels_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
         res["fla_error"] = f"{type(e).__name__}: {e}"[:200]
     return res
@@ -215,7 +215,7 @@ def fla_time(spec, options, x, cu, args):
                       output_final_state=True, cu_seqlens=cu, **kw)
     call()
     total, per, _ = device_times(call, iters=args.iters)
-    return total
+    return total, per
 
 
 def workload_jobs(name, sweep=False):
@@ -277,7 +277,8 @@ def main():
             r["tflops"], r["rel_err_o"], r["rel_err_final"], st))
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "chunk_probe.json"), "w") as f:
+        fname = "chunk_probe_sweep.json" if args.sweep else "chunk_probe.json"
+        with open(os.path.join(out, fname), "w") as f:
             json.dump(results, f, indent=1, default=float)
     return 0 if all("error" not in r for r in results) else 1
 
