@@ -196,40 +196,25 @@ def _check_device(name, t):
         raise SpecError(f"{name} must be on a CUDA device, got {t.device}")
 
 
-def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias):
-    import torch
+def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                  A_log, dt_bias):
+    """B's shared checks (ops/validate.py); returns (dims, N)."""
+    from . import validate as val
+    dims = val.check_qkv(spec, q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check_device(name, t)
-        if t.dim() != 4:
-            raise SpecError(f"{name} must be 4-D [B, T, heads, dim], got shape {tuple(t.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise SpecError(f"q, k, v must share dtype float16 or bfloat16, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if tuple(k.shape) != (B, T, H, K) or tuple(v.shape[:2]) != (B, T):
-        raise SpecError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                        f"v {tuple(v.shape)}")
-    spec.check_heads(H, HV)
-    if K % 16 or V % 16 or K > 256 or V > 256:
-        raise SpecError(f"head dims must be multiples of 16 up to 256, got K={K}, V={V}")
-    if spec.has_gate:
-        if g is None:
-            raise SpecError(f"{spec.name} needs g")
-        if tuple(g.shape) != (B, T, HV):
-            raise SpecError(f"g must be [B, T, HV] = {(B, T, HV)}, got {tuple(g.shape)}")
-    if spec.has_beta:
-        if beta is None:
-            raise SpecError(f"{spec.name} needs beta")
-        if tuple(beta.shape) != (B, T, HV):
-            raise SpecError(f"beta must be [B, T, HV] = {(B, T, HV)}, got {tuple(beta.shape)}")
-    if options.gate_in_kernel and (A_log is None or dt_bias is None):
-        raise SpecError("gate_in_kernel needs A_log [HV] and dt_bias [HV]")
-    if cu_seqlens is not None and B != 1:
-        raise SpecError(f"with cu_seqlens the batch must be 1, got B={B}")
-    return B, T, H, K, HV, V
+    val.check_head_dims(dims.K, dims.V, k_multiple=16, k_max=256, v_multiple=16, v_max=256,
+                        what="the chunked forward")
+    val.check_gate(spec, g, dims, q)
+    val.check_beta(spec, beta, dims, q)
+    val.check_gate_params(spec, options, A_log, dt_bias, dims, q)
+    N = val.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q)
+    if initial_state is not None:
+        val.check_state("initial_state", initial_state, N, dims, options.state_v_first,
+                        initial_state.dtype, q)
+        if not initial_state.is_floating_point():
+            raise SpecError(f"initial_state must be floating point, got {initial_state.dtype}")
+    return dims, N
 
 
 def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
@@ -247,28 +232,24 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     import torch
     check_supported(spec)
     spec.check_options(options)
-    B, T, H, K, HV, V = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
-                                      cu_seqlens, A_log, dt_bias)
+    (B, T, H, HV, K, V), N = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
+                                           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
     scale = spec.scale_for(K, scale)
     dev = q.device
     dtype = _dtype_name(q)
     C = spec.chunk_size
 
-    if cu_seqlens is not None:
-        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
-        cu = tuple(int(x) for x in (host.tolist() if hasattr(host, "tolist") else host))
-        if cu[-1] != T:
-            raise SpecError(f"cu_seqlens[-1] = {cu[-1]} must equal T = {T}")
+    if cu_seqlens is not None:   # values checked above (on cu_seqlens_cpu when given)
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+        cu = tuple(int(x) for x in host.tolist())
     else:
         cu = tuple(range(0, (B + 1) * T, T)) if T > 0 else (0,) * (B + 1)
-    N = len(cu) - 1
+    assert len(cu) == N + 1
     cu32, chunk_bos, chunk_len, chunk_offsets = _device_tables(cu, C, dev)
     NT = chunk_bos.numel()
     Ttot = B * T
 
     state_shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise SpecError(f"initial_state must be {state_shape}, got {tuple(initial_state.shape)}")
 
     flat = lambda x, *tail: x.reshape(Ttot, *tail).contiguous()  # noqa: E731 (views when contiguous)
     qf, kf, vf = flat(q, H, K), flat(k, H, K), flat(v, HV, V)
@@ -278,8 +259,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     gf = flat(g, HV) if spec.has_gate else g_cum
     betaf = flat(beta, HV) if spec.has_beta else g_cum
     if options.gate_in_kernel:
-        A_log_t = A_log.to(device=dev, dtype=torch.float32).reshape(HV).contiguous()
-        dt_bias_t = dt_bias.to(device=dev, dtype=torch.float32).reshape(HV).contiguous()
+        A_log_t, dt_bias_t = A_log, dt_bias.reshape(HV)
     else:
         A_log_t = dt_bias_t = empty(HV)
     kn = torch.empty_like(kf) if options.l2norm_qk else kf

@@ -249,3 +249,26 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
         assert calls["chunk_state"] == 1 and calls["chunk_output"] == 1
         needs_prepare = spec.has_gate or spec.has_beta or options.l2norm_qk
         assert calls["chunk_prepare"] == int(needs_prepare)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(g_shape=(1, 5, 3)), "g has shape"),
+    (dict(beta=None), "needs beta"),
+    (dict(K=40), "K \\(key head dim\\)"),
+    (dict(cu=[0, 3, 2, 5]), "nondecreasing"),
+    (dict(cu=[0, 2, 4]), "end at T"),
+    (dict(h0_rows=3), "N=2"),
+])
+def test_bad_inputs_are_refused(bad, match, monkeypatch):
+    import torch
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    K = bad.get("K", 64)
+    q = torch.zeros(1, 5, 2, K, dtype=torch.bfloat16)
+    v = torch.zeros(1, 5, 2, 64, dtype=torch.bfloat16)
+    g = torch.zeros(bad.get("g_shape", (1, 5, 2)))
+    beta = bad.get("beta", torch.zeros(1, 5, 2))
+    cu = torch.tensor(bad.get("cu", [0, 2, 5]))
+    h0 = torch.zeros(bad.get("h0_rows", 2), 2, K, 64)
+    with pytest.raises(SpecError, match=match):
+        chunk.chunk_forward(get_spec("gdn"), q, q, v, g, beta, initial_state=h0,
+                            cu_seqlens=cu, cu_seqlens_cpu=cu)
