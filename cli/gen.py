@@ -83,6 +83,10 @@ def cli(op_names, arch, variant, check_only, list_only, out_dir, compile_all, re
     written = write(files, out)
     for rel in written:
         click.echo(f"wrote {rel}")
+    if not variant:   # stages no plan produces any more: generated/ is the generator's alone
+        for rel in check(files, out, tuple(f"{arch}/{s.name}" for s in ops)).extra:
+            (out / rel).unlink()
+            click.echo(f"removed {rel}")
     click.echo(f"{len(written)} of {len(files)} files changed under {out}")
     if compile_all:
         from ..codegen.compile import compile_tree

@@ -98,6 +98,8 @@ def test_check_reports_stale_missing_extra(tmp_path):
     assert "stale   sm90/gdn/recurrent.py" in out.output and "extra" in out.output
     out = CliRunner().invoke(cli, ["--op", "gdn", "--out", str(tmp_path)])
     assert out.exit_code == 0 and "wrote sm90/gdn/recurrent.py" in out.output
+    assert "removed sm90/gdn/old_stage.py" in out.output
+    assert check(files, tmp_path, ("sm90/gdn",)).ok
 
 
 def test_render_op_variant_subset():
