@@ -194,6 +194,11 @@ def _dtype_name(t) -> str:
 def _check_device(name, t):
     if not t.is_cuda:
         raise SpecError(f"{name} must be on a CUDA device, got {t.device}")
+    if name == "q":
+        from .runtime import device_arch
+        arch = device_arch(t.device)       # clear error on a GPU without linattn kernels
+        if arch != ARCH:
+            raise SpecError(f"the chunked forward is generated for {ARCH} only, not {arch}")
 
 
 def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
