@@ -26,7 +26,7 @@ import numpy as np
 
 from .preprocess import check_call, prepare, state_from_k_first
 from .recurrent import _initial_states
-from .spec import Gate, OpSpec, Options, Rule
+from .spec import Gate, OpSpec, Options, Rule, SpecError
 
 
 class Chunk(NamedTuple):
@@ -55,9 +55,23 @@ def chunk_table(dims, chunk_size: int) -> tuple[list, int]:
 def chunk_inputs(eff, c: Chunk):
     """The chunk's effective inputs as head-major arrays: q, k, g [HV, L, K], v [HV, L, V],
     beta [HV, L] (or None)."""
-    take = lambda x: np.swapaxes(x[c.b, c.start:c.end], 0, 1)  # noqa: E731
+    take = lambda x: np.ascontiguousarray(np.swapaxes(x[c.b, c.start:c.end], 0, 1))  # noqa: E731
     beta = None if eff.beta is None else take(eff.beta)
     return take(eff.q), take(eff.k), take(eff.v), take(eff.g), beta
+
+
+def scatter_rows(dst, c: Chunk, x):
+    """Write a head-major chunk array x [HV, L, ..] into dst [B, T, HV, ..] at c's rows."""
+    dst[c.b, c.start:c.end] = np.swapaxes(x, 0, 1)
+
+
+def check_chunk_size(spec: OpSpec, chunk_size) -> int:
+    """The chunk size to use: the spec's by default. The kernels use 16, 32 or 64; the
+    references accept any positive size (tiny chunks make multi-chunk tests cheap)."""
+    C = spec.chunk_size if chunk_size is None else chunk_size
+    if not isinstance(C, (int, np.integer)) or C < 1:
+        raise SpecError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    return int(C)
 
 
 # -- stages (one chunk, all heads) -----------------------------------------------------------
@@ -67,19 +81,28 @@ def gate_cumsum(g):
     return np.cumsum(g, axis=1)
 
 
-def pair_decays(g_cum, strict=False):
-    """E[h, i, j, k] = exp(g_cum_i - g_cum_j) for i >= j (i > j if strict), else 0."""
+def pair_decays(g_cum):
+    """E[h, i, j, c] = exp(g_cum_i - g_cum_j) for i >= j, else 0: [HV, L, L, Kg], where
+    Kg = 1 when every key channel decays alike (scalar gate, no gate), else K."""
+    if np.all(g_cum == g_cum[..., :1]):
+        g_cum = g_cum[..., :1]
     L = g_cum.shape[1]
-    keep = np.tril(np.ones((L, L), dtype=bool), -1 if strict else 0)[None, :, :, None]
-    diff = g_cum[:, :, None, :] - g_cum[:, None, :, :]
-    return np.where(keep, np.exp(np.where(keep, diff, -np.inf)), 0.0)
+    keep = np.tril(np.ones((L, L), dtype=bool))[None, :, :, None]
+    return np.exp(np.where(keep, g_cum[:, :, None, :] - g_cum[:, None, :, :], -np.inf))
+
+
+def decayed_dot(a, b, E):
+    """M[h, i, j] = sum_k a_ik b_jk E_ijk for a, b [HV, L, K] (E as from pair_decays)."""
+    if E.shape[-1] == 1:
+        return (a @ np.swapaxes(b, 1, 2)) * E[..., 0]
+    return np.einsum("hik,hjk,hijk->hij", a, b, E)
 
 
 def wy_representation(k, v, beta, g_cum, E):
     """Stage 2 (delta rule): A [HV, L, L], w [HV, L, K], u [HV, L, V]."""
     L = k.shape[1]
     strict = np.tril(np.ones((L, L)), -1)
-    kk = np.einsum("hik,hjk,hijk->hij", k, k, E) * strict
+    kk = decayed_dot(k, k, E) * strict
     A = np.linalg.inv(np.eye(L) + beta[:, :, None] * kk)
     w = A @ (beta[:, :, None] * k * np.exp(g_cum))
     u = A @ (beta[:, :, None] * v)
@@ -100,7 +123,7 @@ def advance_state(k, g_cum, S, v_new):
 
 def chunk_output(q, k, g_cum, E, S, v_new):
     """Stage 4: o [HV, L, V] (q already carries the scale)."""
-    qk = np.einsum("hik,hjk,hijk->hij", q, k, E)
+    qk = decayed_dot(q, k, E)
     return (q * np.exp(g_cum)) @ S + qk @ v_new
 
 
@@ -125,7 +148,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
                   state_v_first); varlen: [1, NC_total, ..] with chunks numbered globally
       prepared    the effective inputs (:class:`~linattn.dsl.preprocess.Prepared`)
     """
-    C = chunk_size or spec.chunk_size
+    C = check_chunk_size(spec, chunk_size)
     dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
@@ -140,25 +163,23 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     v_new_all = np.zeros((B, T, HV, V))
     h = np.zeros((B, NC, HV, K, V))
     final = h0.copy()
-    put = lambda dst, c, x: dst.__setitem__((c.b, slice(c.start, c.end)), np.swapaxes(x, 0, 1))  # noqa: E731
     for c in chunks:
-        S = final[c.n].copy() if c.start == dims.segments[c.n].start else S
+        S = final[c.n].copy()                                    # state entering the chunk
         qc, kc, vc, gc, bc = chunk_inputs(eff, c)
         g_cum = gate_cumsum(gc)
         E = pair_decays(g_cum)
         w = u = None
         if delta:
             A, w, u = wy_representation(kc, vc, bc, g_cum, E)
-            put(A_all[..., :c.end - c.start], c, A)
-            put(w_all, c, w)
-            put(u_all, c, u)
+            scatter_rows(A_all[..., :c.end - c.start], c, A)
+            scatter_rows(w_all, c, w)
+            scatter_rows(u_all, c, u)
         h[c.b, c.slot] = S
         v_new = new_values(spec.rule, vc, w, u, S)
-        put(o, c, chunk_output(qc, kc, g_cum, E, S, v_new))
-        put(g_cum_all, c, g_cum)
-        put(v_new_all, c, v_new)
-        S = advance_state(kc, g_cum, S, v_new)
-        final[c.n] = S
+        scatter_rows(o, c, chunk_output(qc, kc, g_cum, E, S, v_new))
+        scatter_rows(g_cum_all, c, g_cum)
+        scatter_rows(v_new_all, c, v_new)
+        final[c.n] = advance_state(kc, g_cum, S, v_new)
     g_cum_out = {Gate.NONE: None, Gate.SCALAR: g_cum_all[..., 0], Gate.KEY: g_cum_all}[spec.gate]
     return dict(o=o, final_state=state_from_k_first(options, final), g_cum=g_cum_out,
                 A=A_all, w=w_all, u=u_all, v_new=v_new_all,

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chunked import (advance_state, chunk_inputs, chunk_table, gate_cumsum, new_values,
-                      pair_decays, wy_representation)
+from .chunked import (advance_state, check_chunk_size, chunk_inputs, chunk_table, decayed_dot,
+                      gate_cumsum, new_values, pair_decays, scatter_rows, wy_representation)
 from .preprocess import (Prepared, check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first)
 from .recurrent import _initial_states
@@ -34,12 +34,16 @@ from .spec import OpSpec, Options, Rule
 
 def _pair_grads(dM, a, b, E):
     """Gradients of M_ij = sum_k a_ik b_jk E_ijk given dM [HV, L, L]:
-    (da [HV,L,K], db [HV,L,K], dg_cum [HV,L,K]); E_ijk depends on g_cum_i - g_cum_j."""
-    P = dM[..., None] * E                                         # [HV, L, L, K]
-    da = np.einsum("hijk,hjk->hik", P, b)
-    db = np.einsum("hijk,hik->hjk", P, a)
-    R = P * a[:, :, None, :] * b[:, None, :, :]
-    return da, db, R.sum(axis=2) - R.sum(axis=1)
+    (da [HV,L,K], db [HV,L,K], dg_cum [HV,L,K]); E_ijk = exp(g_cum_ik - g_cum_jk), so
+    row i of g_cum gets sum_j dM_ij a_ik b_jk E_ijk = a_ik da_ik and row j loses b_jk db_jk."""
+    if E.shape[-1] == 1:
+        P = dM * E[..., 0]
+        da, db = P @ b, np.swapaxes(P, 1, 2) @ a
+    else:
+        P = dM[..., None] * E
+        da = np.einsum("hijk,hjk->hik", P, b)
+        db = np.einsum("hijk,hik->hjk", P, a)
+    return da, db, a * da - b * db
 
 
 def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
@@ -62,7 +66,7 @@ def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
     dS = np.swapaxes(q_dec, 1, 2) @ do + np.exp(g_last)[:, :, None] * dS_out
     dq = (do @ St) * exp_g
     dg_cum = (do @ St) * q_dec
-    Aqk = np.einsum("hik,hjk,hijk->hij", q, k, E)
+    Aqk = decayed_dot(q, k, E)
     dv_new = np.swapaxes(Aqk, 1, 2) @ do + k_dec @ dS_out
     dk_dec = v_new @ np.swapaxes(dS_out, 1, 2)
     dk = dk_dec * np.exp(g_last[:, None, :] - g_cum)
@@ -89,7 +93,7 @@ def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
         dv = beta[:, :, None] * dbv
         dk += beta[:, :, None] * exp_g * dbk
         dg_cum += dbk * bk
-        kk = np.einsum("hik,hjk,hijk->hij", k, k, E)
+        kk = decayed_dot(k, k, E)
         dbeta = (np.sum(dbv * v, axis=-1) + np.sum(dbk * k * exp_g, axis=-1)
                  + np.sum(dAkk * kk, axis=-1))
         dk_i, dk_j, dg_pair = _pair_grads(dAkk * beta[:, :, None], k, k, E)
@@ -113,7 +117,7 @@ def chunked_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
     dh: gradient of the state leaving each chunk, laid out like chunked_forward's h
     ([B, NC, HV, K, V], [.., V, K] with state_v_first; [1, NC_total, ..] for varlen).
     """
-    C = chunk_size or spec.chunk_size
+    C = check_chunk_size(spec, chunk_size)
     dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     h0 = _initial_states(dims, options, initial_state)
@@ -137,14 +141,13 @@ def chunked_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
     dh = np.zeros((dims.B, NC, dims.HV, dims.K, dims.V))
     for c, S in zip(reversed(chunks), reversed(entering)):
         qc, kc, vc, gc, bc = chunk_inputs(eff, c)
-        doc = np.swapaxes(do[c.b, c.start:c.end], 0, 1)
+        doc = np.ascontiguousarray(np.swapaxes(do[c.b, c.start:c.end], 0, 1))
         dh[c.b, c.slot] = dS_seq[c.n]
         dq, dk, dv, dg, dbeta, dS_seq[c.n] = chunk_backward(spec.rule, qc, kc, vc, bc, gc, S,
                                                             doc, dS_seq[c.n])
-        rows = (c.b, slice(c.start, c.end))
         for dst, x in zip(grads, (dq, dk, dv, dg, dbeta)):
             if dst is not None:
-                dst[rows] = np.swapaxes(x, 0, 1)
+                scatter_rows(dst, c, x)
     out = prepare_vjp(spec, options, q, k, v, g, beta, scale, A_log, dt_bias, grads)
     out["dh0"] = None if initial_state is None else state_from_k_first(options, dS_seq)
     out["dh"] = state_from_k_first(options, dh)

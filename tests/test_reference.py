@@ -256,3 +256,5 @@ def test_unsupported_option_and_varlen_batch_raise(rng):
         chunked_forward(spec, options=Options(beta_sigmoid=True), **inp)
     with pytest.raises(SpecError, match="batch size must be 1"):
         chunked_forward(spec, **dict(inp, cu_seqlens=[0, 2, 4]))
+    with pytest.raises(SpecError, match="chunk_size"):
+        chunked_forward(spec, chunk_size=0, **inp)

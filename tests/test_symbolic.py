@@ -3,6 +3,8 @@
 The sympy reference writes every option again as a formula and takes gradients by sympy
 differentiation, so it checks the shared preprocessing and both hand-written backwards.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -47,8 +49,12 @@ def test_symbolic_recurrent_chunked_agree(spec, opts, rng):
                          ids=["K2-V1-HV1", "K1-V3-HV2", "K3-V2-HV2"])
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 def test_symbolic_varlen_and_dims(spec, K, V, HV, rng):
-    """Ragged sequences (lengths 1, 3, 0, 2), K != V, both GVA ratios, all options."""
+    """Ragged sequences (lengths 1, 3, 0, 2), K != V, both GVA ratios, all options (but
+    l2norm at K = 1: normalising a scalar is sign(x), its gradient eps / |x|^3 cancels
+    to ~1e-10 relative in fp64 whichever way it is written)."""
     opts = all_options(spec)
+    if K == 1:
+        opts = dataclasses.replace(opts, l2norm_qk=False)
     inp = random_inputs(spec, opts, 1, 6, 1, HV, K, V, rng, cu_seqlens=[0, 1, 4, 4, 6])
     _check_all_agree(spec, opts, inp, rng)
 
