@@ -5,8 +5,8 @@
 #
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
-# Steps are chosen with STEPS (default "tests probe bench"); limits with TESTS_S,
-# PROBE_S, BENCH_S; bench rows with BENCH_ARGS. Everything lands in $OUT/results.tar.gz
+# Steps are chosen with STEPS (default "decode chunk probe bench"); limits with
+# DECODE_S, CHUNK_S, PROBE_S, BENCH_S; bench rows with BENCH_ARGS. Everything lands in $OUT/results.tar.gz
 # (logs, JSON), and the short summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,8 +18,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/whl
 fi
 export OUT_DIR=$R
-STEPS=${STEPS:-"tests probe bench"}
-(cd /tmp/lp/linattn && git log -1 --format='%H %cd' 2>/dev/null) > "$R/commit.txt"
+STEPS=${STEPS:-"decode chunk probe bench"}
+echo "${LINATTN_COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
 
 run_step() {  # name seconds command...
@@ -31,8 +31,12 @@ run_step() {  # name seconds command...
 
 for s in $STEPS; do
   case $s in
-    tests) run_step tests "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             ${XDIST:--n 8} -rfE ${TEST_PATHS:-tests} --junitxml="$R/tests.xml" ;;
+    # decode cases compile one kernel each: spread them over processes (pytest-xdist from
+    # .whl); the chunk tests precompile their kernels in parallel themselves
+    decode) run_step decode "${DECODE_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -n 8 -rfE tests/test_decode_gpu.py --junitxml="$R/decode.xml" ;;
+    chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 tests/test_chunk_fwd_gpu.py --junitxml="$R/chunk.xml" ;;
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py --out "$R/probe.json" ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
@@ -40,6 +44,7 @@ for s in $STEPS; do
 done
 tar -czf "$OUT/results.tar.gz" -C /tmp results
 echo "===== steps"; cat "$R/steps.txt"
-echo "===== tests (tail)"; tail -n 40 "$R/tests.log" 2>/dev/null
+echo "===== decode (tail)"; tail -n 30 "$R/decode.log" 2>/dev/null
+echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== probe (tail)"; tail -n 15 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
