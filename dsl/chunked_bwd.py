@@ -71,7 +71,8 @@ def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
     dk_dec = v_new @ np.swapaxes(dS_out, 1, 2)
     dk = dk_dec * np.exp(g_last[:, None, :] - g_cum)
     dg_cum -= dk_dec * k_dec
-    dg_cum[:, -1, :] += np.sum(dk_dec * k_dec, axis=1) + np.exp(g_last) * np.sum(S * dS_out, axis=-1)
+    dg_cum[:, -1, :] += (np.sum(dk_dec * k_dec, axis=1)
+                         + np.exp(g_last) * np.sum(S * dS_out, axis=-1))
     # 2. intra-chunk attention
     dAqk = np.tril(do @ np.swapaxes(v_new, 1, 2))
     dq_pair, dk_pair, dg_pair = _pair_grads(dAqk, q, k, E)

@@ -157,7 +157,8 @@ def random_inputs(spec: OpSpec, options: Options, B, T, H, HV, K, V, rng, cu_seq
         if options.gate_in_kernel:
             out["g"] = rng.standard_normal(shape)
             out["A_log"] = np.log(rng.uniform(1.0, 16.0, HV))
-            dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), HV * K if spec.gate is Gate.KEY else HV))
+            n_bias = HV * K if spec.gate is Gate.KEY else HV
+            dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), n_bias))
             out["dt_bias"] = dt + np.log(-np.expm1(-dt))
         else:
             out["g"] = _logsigmoid(rng.normal(2.0, 1.0, shape))

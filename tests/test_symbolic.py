@@ -66,7 +66,8 @@ def test_symbolic_softplus_threshold(spec, rng):
     far above it (exp would overflow), all finite and in agreement."""
     opts = all_options(spec)
     inp = random_inputs(spec, opts, 1, 4, 1, 2, 2, 2, rng)
-    inp["g"] = rng.choice([-3.0, 19.5, 20.5, 800.0], inp["g"].shape) + 0.1 * rng.random(inp["g"].shape)
+    shape = inp["g"].shape
+    inp["g"] = rng.choice([-3.0, 19.5, 20.5, 800.0], shape) + 0.1 * rng.random(shape)
     inp["A_log"] = np.log(rng.uniform(1e-4, 1e-3, inp["A_log"].shape))   # moderate decays
     _check_all_agree(spec, opts, inp, rng)
 
