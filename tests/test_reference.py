@@ -183,9 +183,16 @@ def test_chunked_intermediates(spec, v_first, rng):
             A = np.swapaxes(out["A"][0, rows, :, :L], 0, 1)    # [HV, L, L]
             assert np.allclose(np.triu(A, 1), 0) and np.allclose(np.diagonal(A, 0, 1, 2), 1)
             assert np.all(out["A"][0, rows, :, L:] == 0)
-            assert_close(np.swapaxes(u, 0, 1),
-                         A @ (eff.beta[0, rows].T[..., None] * np.swapaxes(eff.v[0, rows], 0, 1)),
+            beta = eff.beta[0, rows].T[..., None]                   # [HV, L, 1]
+            k_hl = np.swapaxes(eff.k[0, rows], 0, 1)                 # [HV, L, K]
+            g_cum = np.cumsum(np.swapaxes(eff.g[0, rows], 0, 1), axis=1)
+            decay = np.exp(g_cum[:, :, None, :] - g_cum[:, None, :, :])
+            kk = np.einsum("hik,hjk,hijk->hij", k_hl, k_hl, decay)
+            A_inv = np.eye(L) + np.tril(beta * kk, -1)
+            assert_close(A @ A_inv, np.broadcast_to(np.eye(L), A.shape), TOL, "A")
+            assert_close(np.swapaxes(u, 0, 1), A @ (beta * np.swapaxes(eff.v[0, rows], 0, 1)),
                          TOL, "u")
+            assert_close(np.swapaxes(w, 0, 1), A @ (beta * k_hl * np.exp(g_cum)), TOL, "w")
         else:
             assert out["w"] is None and out["u"] is None and out["A"] is None
             assert_close(v_new, eff.v[0, rows], TOL, "v_new")
