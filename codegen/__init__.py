@@ -38,6 +38,12 @@ template>.py.jinja``; every template starts its body with ``{% include
 ``pass_configs(**params) -> dict``
                                 TileLang pass configs for ``tilelang.compile``
 
+Optional, used by the runtime where present: ``args(**params) -> list[str]`` (the
+kernel's argument names in order, so callers pass tensors by name; arguments a call does
+not use are one-element placeholders) and ``check_params(**params)`` (size limits).
+Tuning may depend on a call's dynamic sizes: ``codegen.arch.<arch>.tuning(stage,
+problem, sizes={"N": ...})``; each distinct result is one more compile.
+
 The module imports only tilelang (and the standard library), never linattn, so the
 checked-in tree is plain TileLang that reads on its own. The renderer checks (by
 parsing the text) that each module defines the names above.
