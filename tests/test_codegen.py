@@ -28,8 +28,12 @@ def test_plan_every_spec(spec):
 
 
 def test_plan_table_is_consistent():
-    names = [s.name for s in all_stages()]
-    assert len(names) == len(set(names)), names
+    # one stage name may have several templates (say, one per gate) if they never overlap
+    stages = all_stages()
+    for i, a in enumerate(stages):
+        for b in stages[i + 1:]:
+            if a.name == b.name:
+                assert not (a.rules & b.rules and a.gates & b.gates), (a, b)
     for variant, stages in STAGE_TABLE.items():
         assert variant in VARIANTS
         assert all(s.variant == variant for s in stages)
