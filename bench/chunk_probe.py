@@ -40,6 +40,9 @@ WORKLOADS = {
                                    ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
     "varlen-8x1k": ("gdn", 1, None, 16, 16, 128, 128, (), [1024] * 8),
     "prefill-4k-k64": ("gdn", 1, 4096, 16, 16, 64, 64, (), None),
+    "kda-tp2-4096": ("kda", 1, 4096, 16, 16, 128, 128, ("l2norm_qk",), None),
+    "kda-tp8-16384": ("kda", 1, 16384, 4, 4, 128, 128, ("l2norm_qk",), None),
+    "gla-prefill-4k": ("gla", 2, 4096, 4, 4, 64, 64, (), None),
 }
 
 
@@ -120,13 +123,15 @@ def make_inputs(op, B, T, H, HV, K, V, opts, lens, dtype=torch.bfloat16, seed=0)
         b = rn(B, T, HV)
         x["beta"] = (b if options.beta_sigmoid else torch.sigmoid(b)).to(dtype)
     if spec.has_gate:
+        gshape = spec.gate_shape(B, T, HV, K)
         if options.gate_in_kernel:
-            x["g"] = rn(B, T, HV)
+            x["g"] = rn(*gshape)
             x["A_log"] = torch.log(torch.rand(HV, device=dev, generator=g) * 15 + 1)
-            dt = torch.exp(torch.rand(HV, device=dev, generator=g) * 4.6 - 6.9)
+            n_dt = HV * K if len(gshape) == 4 else HV
+            dt = torch.exp(torch.rand(n_dt, device=dev, generator=g) * 4.6 - 6.9)
             x["dt_bias"] = dt + torch.log(-torch.expm1(-dt))
         else:
-            x["g"] = torch.nn.functional.logsigmoid(rn(B, T, HV) + 2.0)
+            x["g"] = torch.nn.functional.logsigmoid(rn(*gshape) + 2.0)
     return spec, options, x, cu
 
 
@@ -157,7 +162,8 @@ def probe(name, args):
     total, per, nk = device_times(ours, iters=args.iters)
     res.update(ms=total, kernels_per_call=nk, stages_ms=per)
     T_eff = x["q"].shape[1]
-    flops = 7 * B * T_eff * HV * K * V if spec.has_gate else B * T_eff * HV * (6 * K * V + 2 * K)
+    flops = (B * T_eff * HV * (6 * K * V + 2 * K) if spec.name == "deltanet"
+             else 7 * B * T_eff * HV * K * V)          # the seed's GDN / DeltaNetFwd counts
     res["tflops"] = flops / (total * 1e-3) / 1e12
     if args.sweep:
         sweep = {}
@@ -208,6 +214,12 @@ def fla_time(spec, options, x, cu, args):
             kw["use_beta_sigmoid_in_kernel"] = True
         if options.gate_in_kernel:
             kw.update(use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    elif spec.name == "kda":
+        from fla.ops.kda import chunk_kda as fn
+        kw = dict(g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)
+    elif spec.name == "gla":
+        from fla.ops.gla import chunk_gla as fn
+        kw = dict(g=x["g"])
     else:
         from fla.ops.delta_rule import chunk_delta_rule as fn
         kw = dict(beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)

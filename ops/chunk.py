@@ -10,9 +10,11 @@ tokens laid end to end, exactly like a varlen batch with cu_seqlens = [0, T, 2T,
 Host-side chunk tables (built from cu_seqlens_cpu when given, so no device sync) map each
 of the NT chunks to its first token and valid length, and each sequence to its chunks.
 
-Supported: rule delta or additive with gate none or scalar (DeltaNet, GDN, and the
-matching additive specs); K, V multiples of 16 up to 256 (tested at K = V = 64 and 128);
-f16 / bf16 inputs. The per-key gate (KDA, GLA) raises SpecError for now.
+Supported: every rule x gate (DeltaNet, GDN, KDA, GLA and the other combinations); K, V
+multiples of 16 up to 256 (K <= 128 with the per-key gate; tested at K = V = 64 and 128);
+f16 / bf16 inputs. The per-key gate uses its own first stage (chunk_prepare_key template:
+A_qk and the WY form through 16-row sub-blocks, so every exponential is of a non-positive
+number) and hands the state and output stages ready operands (kg, qg, A_qk, g_last).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..dsl import Gate, OpSpec, Options, Rule, SpecError
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 ARCH = "sm90"
-SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR)
+SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
 
 
 # -- host-side chunk tables ---------------------------------------------------------------
@@ -99,9 +101,12 @@ def stage_module(spec: OpSpec, stage: str) -> types.ModuleType:
         return _MODULES[key]
     from pathlib import Path
 
-    from ..codegen.plan import Stage
+    from ..codegen.plan import plan
     from ..codegen.render import DEFAULT_OUT, render_stage
-    text = render_stage(spec, Stage(stage, f"{stage}.py.jinja", "fwd"), ARCH)
+    planned = {s.name: s for s in plan(spec, "fwd", ARCH)}
+    if stage not in planned:
+        raise SpecError(f"{spec.name} has no chunked stage {stage!r}; it has {sorted(planned)}")
+    text = render_stage(spec, planned[stage], ARCH)
     checked_in = Path(DEFAULT_OUT) / ARCH / spec.name / f"{stage}.py"
     mod = None
     if checked_in.is_file():
@@ -239,6 +244,8 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     spec.check_options(options)
     (B, T, H, HV, K, V), N = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
                                            cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+    if spec.gate is Gate.KEY and K > 128:
+        raise SpecError(f"the chunked forward with a per-key gate supports K <= 128, got K={K}")
     scale = spec.scale_for(K, scale)
     dev = q.device
     dtype = _dtype_name(q)
@@ -260,19 +267,20 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     qf, kf, vf = flat(q, H, K), flat(k, H, K), flat(v, HV, V)
     empty = lambda *shape, dt=torch.float32: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
 
-    g_cum = empty(Ttot, HV)
-    gf = flat(g, HV) if spec.has_gate else g_cum
-    betaf = flat(beta, HV) if spec.has_beta else g_cum
+    key_gate = spec.gate is Gate.KEY
+    dt = q.dtype
+    # g_cum: [Ttot, HV] within-chunk cumsum (scalar gate); [NT, HV, K] last rows (key gate)
+    g_cum = empty(NT, HV, K) if key_gate else empty(Ttot, HV)
+    gf = (flat(g, HV, K) if key_gate else flat(g, HV)) if spec.has_gate else g_cum
+    betaf = flat(beta, HV) if spec.has_beta else empty(Ttot, HV)
+    dt_len = HV * K if key_gate else HV
     if options.gate_in_kernel:
-        A_log_t, dt_bias_t = A_log, dt_bias.reshape(HV)
+        A_log_t, dt_bias_t = A_log, dt_bias.reshape(dt_len)
     else:
-        A_log_t = dt_bias_t = empty(HV)
-    kn = torch.empty_like(kf) if options.l2norm_qk else kf
-    if spec.has_beta:
-        w, u = empty(Ttot, HV, K, dt=q.dtype), empty(Ttot, HV, V, dt=q.dtype)
-    else:
-        w, u = empty(Ttot, HV, K, dt=q.dtype), vf   # additive: the state pass reads v
-    o = empty(Ttot, HV, V, dt=q.dtype)
+        A_log_t, dt_bias_t = empty(HV), empty(dt_len)
+    w = empty(Ttot, HV, K, dt=dt)
+    u = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf   # additive: the state reads v
+    o = empty(Ttot, HV, V, dt=dt)
     final = empty(*state_shape) if output_final_state else empty(1, *state_shape[1:])
     if Ttot == 0:
         if output_final_state:
@@ -283,19 +291,30 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
                           output_final_state=bool(output_final_state))
-    if "chunk_prepare" in params:
+    if key_gate:
+        # prepare writes qg = q e^G and the causal gated A_qk (the output's q and k
+        # operands) and kg = k e^(G_last - G) (the state's k operand)
+        q_out, k_out, k_state = empty(Ttot, HV, K, dt=dt), empty(Ttot, HV, C, dt=dt), \
+            empty(Ttot, HV, K, dt=dt)
         prep = compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])
-        prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
+        prep(qf, kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len,
+             k_out, q_out, k_state, g_cum, w, u)
+    else:
+        kn = torch.empty_like(kf) if options.l2norm_qk else kf
+        q_out, k_out, k_state = qf, kn, kn
+        if "chunk_prepare" in params:
+            prep = compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])
+            prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
 
-    h = empty(NT, HV, K, V, dt=q.dtype)
-    v_new = empty(Ttot, HV, V, dt=q.dtype) if spec.has_beta else vf
+    h = empty(NT, HV, K, V, dt=dt)
+    v_new = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf
     h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
           else empty(1, *state_shape[1:]))
     state = compiled_stage(spec, "chunk_state", **params["chunk_state"])
-    state(kn, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
+    state(k_state, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
 
     out = compiled_stage(spec, "chunk_output", **params["chunk_output"])
-    out(qf, kn, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
+    out(q_out, k_out, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
     return o.reshape(B, T, HV, V), (final if output_final_state else None)
 
 
@@ -307,7 +326,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, STATE_BLOCK_V_OVERRIDE)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     out = {}
-    if spec.has_gate or spec.has_beta or options.l2norm_qk:
+    if spec.has_gate or spec.has_beta or options.l2norm_qk:     # (a key gate always has)
         out["chunk_prepare"] = dict(
             common, g_dtype=g_dtype if spec.has_gate else "float32",
             beta_dtype=beta_dtype if spec.has_beta else "float32",

@@ -11,7 +11,6 @@ from linattn.ops.registry import get_spec
 
 SIX = {s.name: s for s in all_rule_gate_specs()}
 SUPPORTED = [n for n, s in SIX.items() if s.gate in chunk.SUPPORTED_GATES]
-UNSUPPORTED = [n for n, s in SIX.items() if s.gate not in chunk.SUPPORTED_GATES]
 
 
 def _spec(name):
@@ -32,19 +31,21 @@ def test_stage_renders(name, stage):
     src = chunk.stage_module.__globals__["_MODULES"]  # noqa: F841  (module cache exists)
     text = _rendered_text(spec, stage)
     assert ("T.cumsum" in text) == (stage == "chunk_prepare" and spec.has_gate)
-    assert ("x_s = T.alloc_shared" in text) == (stage == "chunk_prepare" and spec.has_beta)
+    assert ("_chunk_inverse" not in text) and (
+        ("x_s = T.alloc_shared" in text) == (stage == "chunk_prepare" and spec.has_beta))
 
 
 def _rendered_text(spec, stage):
-    from linattn.codegen.plan import Stage
+    from linattn.codegen.plan import plan
     from linattn.codegen.render import render_stage
-    return render_stage(spec, Stage(stage, f"{stage}.py.jinja", "fwd"), "sm90")
+    return render_stage(spec, {s.name: s for s in plan(spec, "fwd")}[stage], "sm90")
 
 
-@pytest.mark.parametrize("name", UNSUPPORTED + ["kda", "gla"])
-def test_key_gate_not_supported(name):
-    with pytest.raises(SpecError, match="not 'key'"):
-        chunk.stage_module(_spec(name), "chunk_state")
+@pytest.mark.parametrize("name", ["kda", "gla", "delta_key", "additive_key"])
+def test_key_gate_has_its_own_prepare(name):
+    text = chunk.stage_module(_spec(name), "chunk_prepare").__doc__
+    assert "per-key-channel gate" in text
+    assert "diag(exp(g_last))" in chunk.stage_module(_spec(name), "chunk_state").__doc__
 
 
 def test_rendering_is_deterministic():
@@ -56,6 +57,7 @@ def test_rendering_is_deterministic():
 
 COMPILE_CASES = [
     ("gdn", 0), ("gdn", 1), ("deltanet", 1), ("delta_none", 0), ("additive_scalar", 1),
+    ("kda", 0), ("gla", 1),
 ]
 
 
@@ -72,7 +74,7 @@ def test_stage_compiles(name, example, stage):
     kern = chunk.compiled_stage(spec, stage, **params)
     src = kern.get_kernel_source()
     assert "__global__" in src
-    uses_gemm = stage != "chunk_prepare" or spec.has_beta
+    uses_gemm = stage != "chunk_prepare" or spec.has_beta or spec.gate is Gate.KEY
     assert ("wgmma" in src) == uses_gemm
 
 
@@ -205,6 +207,14 @@ LAUNCH_CASES = [
     ("additive_none", dict(B=1, T=100, H=2, HV=2, K=64, V=64), Options(), True, True, None),
     ("additive_scalar", dict(B=1, T=100, H=1, HV=2, K=64, V=64), Options(l2norm_qk=True),
      False, True, None),
+    ("kda", dict(B=2, T=70, H=2, HV=4, K=128, V=128), Options(l2norm_qk=True), True, True,
+     None),
+    ("kda", dict(B=1, T=0, H=1, HV=2, K=64, V=64),
+     Options(gate_in_kernel=True, beta_sigmoid=True, state_v_first=True), True, True,
+     [5, 64, 1]),
+    ("gla", dict(B=2, T=65, H=2, HV=2, K=64, V=128), Options(), False, True, None),
+    ("additive_key", dict(B=1, T=0, H=1, HV=2, K=64, V=64), Options(gate_in_kernel=True),
+     True, False, [3, 100]),
 ]
 
 
@@ -233,11 +243,13 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
     bf = torch.bfloat16
     q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
     v = torch.randn(B, T, HV, V, dtype=bf)
-    g = -torch.rand(B, T, HV) if spec.has_gate else None
+    g = -torch.rand(*spec.gate_shape(B, T, HV, K)) if spec.has_gate else None
     beta = torch.rand(B, T, HV, dtype=bf) if spec.has_beta else None
     shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
     h0 = torch.randn(shape) if init else None
-    A_log = dt_bias = torch.rand(HV) if options.gate_in_kernel else None
+    A_log = torch.rand(HV) if options.gate_in_kernel else None
+    dt_bias = (torch.rand(HV * (K if spec.gate is Gate.KEY else 1)) if options.gate_in_kernel
+               else None)
     o, ht = chunk.chunk_forward(spec, q, k, v, g, beta, initial_state=h0,
                                 output_final_state=final, options=options, cu_seqlens=cu,
                                 cu_seqlens_cpu=cu, A_log=A_log, dt_bias=dt_bias)

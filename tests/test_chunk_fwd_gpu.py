@@ -69,6 +69,18 @@ CASES = [
     # the additive rule with the same templates (no gate / scalar gate)
     case("additive_scalar", 1, 200, 2, 2, 64, 64),
     case("additive_none", 2, 70, 2, 2, 128, 128),
+    # per-key gate: KDA (delta) and GLA (additive)
+    case("kda", 1, 200, 2, 4, 128, 128, opts=("l2norm_qk",)),
+    case("kda", 2, 65, 2, 2, 64, 64, dtype="float16",
+         opts=("gate_in_kernel", "beta_sigmoid", "allow_neg_eigval")),
+    case("kda", 1, None, 2, 2, 128, 128, opts=("l2norm_qk", "state_v_first"),
+         lens=[1, 64, 65, 130, 1]),
+    case("kda", 1, 1, 2, 2, 128, 128, init=False),
+    case("gla", 2, 130, 2, 2, 64, 64),
+    case("gla", 1, None, 4, 4, 128, 128, dtype="float16", lens=[100, 1, 64, 3]),
+    case("gla", 1, 63, 2, 2, 128, 64, opts=("state_v_first",), scale=0.2),
+    case("additive_key", 1, 100, 1, 2, 64, 64, opts=("gate_in_kernel", "l2norm_qk")),
+    case("delta_key", 1, None, 1, 4, 64, 128, opts=("gate_in_kernel",), lens=[70, 1, 20]),
 ]
 
 

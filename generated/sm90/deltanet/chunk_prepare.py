@@ -124,10 +124,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 a_s[i, j] = T.if_then_else(
                     i > j, b_s[i] * kk[i, j] * T.exp(g_s[i] - g_s[j]), T.float32(0))
 
-            # X = (I + A)^-1, exact in f32 (A strictly lower triangular)
-            x_s = T.alloc_shared((BT, BT), f32)
             acc = T.alloc_local((1,), f32)
             tx = T.get_thread_binding()
+            # X = (I + A)^-1, exact in f32 (A strictly lower triangular)
+            x_s = T.alloc_shared((BT, BT), f32)
             if inverse == "column":
                 # forward substitution, one column per thread:
                 # X[i, c] = [i == c] - sum_{c <= j < i} A[i, j] X[j, c]
