@@ -20,7 +20,7 @@ fi
 if [[ $what == sweep ]]; then
   python3 bench/chunk_probe.py --iters 30 --sweep --only prefill-4k q35-397b-tp8-8192 \
     > "$OUT/chunk_probe_sweep.txt" 2>&1 || rc=1
-  grep -E "bv|column|blocked" "$OUT/chunk_probe_sweep.txt" | cut -c1-200
+  grep -E "bv|column|blocked|fragment" "$OUT/chunk_probe_sweep.txt" | cut -c1-200
   tail -6 "$OUT/chunk_probe_sweep.txt"
 fi
 exit $rc

@@ -199,6 +199,18 @@ def probe(name, args):
                     chunk.PREPARE_INVERSE = default_inverse
                 print(name, how, inv[how], flush=True)
             res["inverse_sweep"] = inv
+        if spec.gate.value == "scalar" and spec.has_beta:
+            chunk.STATE_V_NEW_FROM_FRAGMENT = True
+            try:
+                o2, _ = ours()
+                t_f, per_f, _ = device_times(ours, iters=max(5, args.iters // 3))
+                res["v_new_from_fragment"] = {"ms": t_f, "err_o": rel(o2, ref_o),
+                                              "state_ms": per_f.get("chunk_state_kernel")}
+            except Exception as e:
+                res["v_new_from_fragment"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            finally:
+                chunk.STATE_V_NEW_FROM_FRAGMENT = False
+            print(name, "v_new_from_fragment", res["v_new_from_fragment"], flush=True)
     try:
         res["fla_ms"], res["fla_kernels_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
@@ -240,6 +252,7 @@ def workload_jobs(name, sweep=False):
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 1, 2, 3) for bv in (16, 32, 64)]
         variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked")]
+        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True)]
     jobs = []
     for knobs in variants:
         saved = {k: getattr(chunk, k) for k in knobs}

@@ -163,6 +163,8 @@ STATE_BLOCK_V_OVERRIDE = None
 #: pipeline depth of the state pass (0: plain loop, 128 threads; >= 1: TMA producer warps
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
+#: scalar gate: the state pass stores v_new straight from registers (one smem trip less)
+STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
 #: every thread busy) or "column" (forward substitution, one column per thread)
 PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "blocked")
@@ -336,7 +338,10 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),
-                              block_v=state_block_v(V, N * HV), num_stages=STATE_NUM_STAGES)
+                              block_v=state_block_v(V, N * HV), num_stages=STATE_NUM_STAGES,
+                              **({"v_new_from_fragment": True}
+                                 if STATE_V_NEW_FROM_FRAGMENT and spec.gate is Gate.SCALAR
+                                 and spec.has_beta else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V))
     return out
 

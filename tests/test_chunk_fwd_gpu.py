@@ -114,6 +114,8 @@ def all_jobs():
     for c in INVERSE_CASES:
         for how in ("column", "blocked"):
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
+    for c in STATE_VARIANT_CASES:
+        jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=True)
     return jobs
 
 
@@ -222,6 +224,16 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_NUM_STAGES", num_stages)
     monkeypatch.setattr(chunk, "STATE_BLOCK_V_OVERRIDE", block_v)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
+@pytest.mark.parametrize("p", STATE_VARIANT_CASES)
+def test_state_pass_v_new_from_fragment(p, rng, monkeypatch):
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "STATE_V_NEW_FROM_FRAGMENT", True)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():

@@ -46,7 +46,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, threads=128):
+          output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
+          threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -55,6 +56,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
+    Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
+    prefetch the next chunks), v_new_from_fragment (scalar gate: store v_new from
+    registers instead of through shared memory).
     """
     BT = CHUNK
     BV = block_v
@@ -120,10 +124,15 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32) - vn[i, j],
                                               T.float32(0))
-                T.copy(vn, vn_s)
-                for i, j in T.Parallel(BT, BV):
-                    if i < rows:
-                        v_new[t0 + i, hv, iv * BV + j] = vn_s[i, j]
+                if v_new_from_fragment:       # store straight from registers, skip a smem trip
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            v_new[t0 + i, hv, iv * BV + j] = T.cast(vn[i, j], dtype)
+                else:
+                    T.copy(vn, vn_s)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            v_new[t0 + i, hv, iv * BV + j] = vn_s[i, j]
                 g_last[0] = g_s[rows - 1]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, vn[i, j] * T.exp(g_last[0] - g_s[i]),

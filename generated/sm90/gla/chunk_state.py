@@ -47,7 +47,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, threads=128):
+          output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
+          threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -56,6 +57,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
+    Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
+    prefetch the next chunks), v_new_from_fragment (scalar gate: store v_new from
+    registers instead of through shared memory).
     """
     BT = CHUNK
     BV = block_v
