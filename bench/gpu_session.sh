@@ -37,7 +37,7 @@ for s in $STEPS; do
              -n 8 -rfE tests/test_decode_gpu.py --junitxml="$R/decode.xml" ;;
     chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_fwd_gpu.py --junitxml="$R/chunk.xml" ;;
-    probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py --out "$R/probe.json" ;;
+    probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
   esac
