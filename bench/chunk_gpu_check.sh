@@ -5,6 +5,8 @@
 set -u
 OUT=${OUT:-/tmp/chunk_gpu}
 mkdir -p "$OUT"
+# compiled kernels under build/ (git-ignored) survive between runs on a warm machine
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-$PWD/build/tilelang_cache}
 what=${1:-all}
 rc=0
 if [[ $what == tests || $what == all ]]; then
