@@ -55,9 +55,8 @@ def test_rendering_is_deterministic():
 
 # -- compiling (sm_90a, no GPU needed) ----------------------------------------------------
 
-COMPILE_CASES = [
-    ("gdn", 0), ("gdn", 1), ("deltanet", 1), ("delta_none", 0), ("additive_scalar", 1),
-    ("kda", 0), ("gla", 1),
+COMPILE_CASES = [   # (the other specs' kernels are traced in the launch tests below)
+    ("gdn", 0), ("gdn", 1), ("deltanet", 1), ("kda", 0), ("gla", 1),
 ]
 
 
