@@ -25,7 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..dsl import Gate, OpSpec, Options, Rule, SpecError
+from ..dsl import Gate, OpSpec, Options, SpecError
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 ARCH = "sm90"
