@@ -186,7 +186,7 @@ def probe(name, args):
         res["state_sweep"] = sweep
         if spec.has_beta:
             inv = {}
-            for how in ("column", "blocked"):
+            for how in ("column", "blocked", "tc"):
                 default_inverse, chunk.PREPARE_INVERSE = chunk.PREPARE_INVERSE, how
                 try:
                     o2, _ = ours()
@@ -251,7 +251,7 @@ def workload_jobs(name, sweep=False):
     if sweep:
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 1, 2, 3) for bv in (16, 32, 64)]
-        variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked")]
+        variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked", "tc")]
         variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True)]
     jobs = []
     for knobs in variants:

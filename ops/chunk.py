@@ -166,7 +166,8 @@ STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 #: scalar gate: the state pass stores v_new straight from registers (one smem trip less)
 STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
-#: every thread busy) or "column" (forward substitution, one column per thread)
+#: every thread busy), "column" (forward substitution, one column per thread) or "tc"
+#: (diagonal blocks, then the merge as four tf32 tensor-core products)
 PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "blocked")
 
 

@@ -87,7 +87,7 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("inverse", ["column", "blocked"])
+@pytest.mark.parametrize("inverse", ["column", "blocked", "tc"])
 def test_prepare_inverses_compile(inverse):
     spec = get_spec("deltanet")
     params = dict(chunk.stage_module(spec, "chunk_prepare").EXAMPLES[0], inverse=inverse)

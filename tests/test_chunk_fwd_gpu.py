@@ -112,7 +112,7 @@ def all_jobs():
                 jobs += case_jobs(c.values[0], STATE_NUM_STAGES=stages,
                                   STATE_BLOCK_V_OVERRIDE=bv)
     for c in INVERSE_CASES:
-        for how in ("column", "blocked"):
+        for how in ("column", "blocked", "tc"):
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
     for c in STATE_VARIANT_CASES:
         jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=True)
@@ -243,10 +243,11 @@ def test_state_pass_v_new_from_fragment(p, rng, monkeypatch):
 INVERSE_CASES = [
     case("gdn", 2, 130, 2, 4, 128, 128, opts=("beta_sigmoid", "allow_neg_eigval")),
     case("deltanet", 1, None, 2, 2, 64, 64, dtype="float16", lens=[1, 63, 64, 65, 3]),
+    case("kda", 1, 200, 2, 2, 128, 128, opts=("l2norm_qk",)),
 ]
 
 
-@pytest.mark.parametrize("inverse", ["column", "blocked"])
+@pytest.mark.parametrize("inverse", ["column", "blocked", "tc"])
 @pytest.mark.parametrize("p", INVERSE_CASES)
 def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
     from linattn.ops import chunk

@@ -57,12 +57,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
       dt_bias [HV], chunk_bos [NT], chunk_len [NT] (int32)
       -> g_cum [Ttot, HV] f32, kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
     Unused inputs/outputs of a flag set are still parameters (pass any small tensor).
-    inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy) or
-    "column" (plain forward substitution, one column per thread).
+    inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy),
+    "column" (plain forward substitution, one column per thread) or "tc" (diagonal blocks,
+    then the block merge as four tf32 tensor-core products).
     """
     BT = CHUNK
     SUB = 16                    # diagonal block of the blocked inverse
-    assert inverse in ("column", "blocked"), inverse
+    assert inverse in ("column", "blocked", "tc"), inverse
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -140,7 +141,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
 
             acc = T.alloc_local((1,), f32)
             tx = T.get_thread_binding()
-            # X = (I + A)^-1, exact in f32 (A strictly lower triangular)
+            # X = (I + A)^-1 (A strictly lower triangular), f32; "tc" merges in tf32
             x_s = T.alloc_shared((BT, BT), f32)
             if inverse == "column":
                 # forward substitution, one column per thread:
@@ -153,9 +154,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         x_s[i, tx] = T.if_then_else(
                             i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
             else:
-                # blocked: the 16 x 16 diagonal blocks by forward substitution (one column
-                # per thread, all blocks at once), then block row r from the rows above:
-                # X[r, :r] = -X[r, r] (A[r, :r] X[:r, :r])
+                # the 16 x 16 diagonal blocks by forward substitution (one column per
+                # thread, all blocks at once); then "blocked": block row r from the rows
+                # above, X[r, :r] = -X[r, r] (A[r, :r] X[:r, :r]); or "tc" (below)
                 for i, j in T.Parallel(BT, BT):
                     x_s[i, j] = T.float32(0)
                 T.sync_threads()
@@ -168,8 +169,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         x_s[i, tx] = T.if_then_else(
                             i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
                 T.sync_threads()
+            if inverse == "blocked":
                 y_s = T.alloc_shared((SUB, BT), f32)
-                for r in range(1, BT // SUB):           # unrolled at trace time
+                for r in range(1, BT // SUB):           # block rows, in order
                     R0 = r * SUB
                     for e in T.serial((SUB * R0 + threads - 1) // threads):
                         idx = e * threads + tx
@@ -191,6 +193,39 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                                 acc[0] = acc[0] + x_s[R0 + ii, R0 + m] * y_s[m, j]
                             x_s[R0 + ii, j] = -acc[0]
                     T.sync_threads()
+            if inverse == "tc":
+                # with D = blockdiag(X_ii) and L the blocks of A below the diagonal:
+                # I + A = D^-1 (I + M), M = D L strictly block-lower (M^4 = 0), so
+                # X = (I - M)(I + M^2) D = Q - M Q with Q = D + M^2 D: four tf32 MMAs
+                # (the B operands stored transposed: K-major)
+                lt_s = T.alloc_shared((BT, BT), f32)
+                dt_s = T.alloc_shared((BT, BT), f32)
+                m_s = T.alloc_shared((BT, BT), f32)
+                mt_s = T.alloc_shared((BT, BT), f32)
+                m2_s = T.alloc_shared((BT, BT), f32)
+                qt_s = T.alloc_shared((BT, BT), f32)
+                m_f = T.alloc_fragment((BT, BT), f32)
+                q_f = T.alloc_fragment((BT, BT), f32)
+                for i, j in T.Parallel(BT, BT):
+                    lt_s[j, i] = T.if_then_else(i // SUB != j // SUB, a_s[i, j], T.float32(0))
+                for i, j in T.Parallel(BT, BT):
+                    dt_s[j, i] = x_s[i, j]
+                T.gemm(x_s, lt_s, m_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    m_s[i, j] = m_f[i, j]
+                for i, j in T.Parallel(BT, BT):
+                    mt_s[j, i] = m_f[i, j]
+                T.gemm(m_s, mt_s, m_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    m2_s[i, j] = m_f[i, j]
+                T.gemm(m2_s, dt_s, q_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    q_f[i, j] = q_f[i, j] + x_s[i, j]
+                for i, j in T.Parallel(BT, BT):
+                    qt_s[j, i] = q_f[i, j]
+                T.gemm(m_s, qt_s, m_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    x_s[i, j] = q_f[i, j] - m_f[i, j]
 
             # w = X (beta exp(g_cum) k), u = X (beta v): tensor-core GEMMs in the input dtype
             x_lp = T.alloc_shared((BT, BT), dtype)

@@ -57,7 +57,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     """
     BT = CHUNK
     SUB = 16                    # row block of the factored decays and of the inverse
-    assert inverse in ("column", "blocked"), inverse
+    assert inverse in ("column", "blocked", "tc"), inverse
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
