@@ -14,7 +14,8 @@ STAGE = "recurrent"
 
 def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                     output_final_state=False, options: Options = Options(), cu_seqlens=None,
-                    A_log=None, dt_bias=None, state_dtype=None, cu_seqlens_cpu=None):
+                    A_log=None, dt_bias=None, state_dtype=None, cu_seqlens_cpu=None,
+                    tuning=None):
     """Recurrent forward of ``spec``; inputs are never modified.
 
     q, k:    [B, T, H, K]  f16 / bf16
@@ -31,6 +32,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              options.gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias)
     state_dtype: dtype of initial and final states (default torch.float32; the
              DeltaNetRecurrentFwd / GLARecurrentFwd contracts keep it in q's dtype)
+    tuning:  optional override of the arch table's knobs (block_v, threads, vec,
+             warps_k: see codegen/arch/sm90.py), for probes and sweeps
 
     Returns (o [B, T, HV, V] in q's dtype, final_state in the initial state's layout and
     ``state_dtype`` when output_final_state, else None).
@@ -78,7 +81,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     if spec.has_beta:
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
     arch = runtime.device_arch(q.device)
-    kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N}, **problem)
+    kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
+                                           **problem, **(tuning or {}))
 
     dummy_f32 = runtime.placeholder(q.device, torch.float32)
     tensors = {

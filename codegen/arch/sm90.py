@@ -12,20 +12,54 @@ CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
 NUM_SMS = 132                   # H100 SXM / H200
 
 
-def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
-    """State tile K x block_v in fp32 registers, 8 value columns per warp.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-    Decode reads and writes the fp32 state once, so the grid must cover the GPU:
-    N * HV * V / block_v CTAs of 4 * block_v threads. Each thread holds K / 4 state
-    elements whatever block_v is; block_v only sets the CTA size.
+
+def recurrent_layout_ok(K: int, V: int, block_v: int, threads: int, vec: int, warps_k: int,
+                        state_v_first: bool) -> bool:
+    """The recurrent template's thread-map constraints (its check_params has the reasons)."""
+    pow2 = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    if V % block_v or block_v % 8 or threads % 32 or not 32 <= threads <= 1024:
+        return False
+    if not pow2(vec) or vec > 8 or block_v % vec or K % vec or K * block_v // threads > 128:
+        return False
+    if state_v_first:
+        lanes_k = max(x for x in (1, 2, 4, 8, 16, 32) if (K // vec) % x == 0)
+        return block_v % (threads // lanes_k) == 0
+    warps = threads // 32
+    if warps % warps_k or block_v % (vec * (warps // warps_k)):
+        return False
+    lanes_v = block_v // (vec * (warps // warps_k))
+    return pow2(lanes_v) and lanes_v <= 32 and K % ((32 // lanes_v) * warps_k) == 0
+
+
+def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
+    """State tile K x block_v in fp32 registers, about 32 elements per thread.
+
+    One state access is 16 bytes (vec = 4 fp32 or 8 bf16 / f16 values); a warp reads
+    block_v * element-size bytes of each of its state rows (K-first), the CTA's warps
+    split K (warps_k) and exchange partial sums through shared memory. Decode reads and
+    writes the state once, so the grid N * HV * V / block_v must cover the 132 SMs: with
+    few sequences block_v shrinks (smaller CTAs over more SMs). Falls back to the
+    smallest valid tile for unusual sizes.
     """
-    V, HV = problem["V"], problem["HV"]
-    block_v = next(b for b in (32, 16, 8) if V % b == 0) if V % 8 == 0 else 8
+    K, V, HV = problem["K"], problem["V"], problem["HV"]
+    v_first = bool(problem.get("state_v_first"))
+    item = _ITEMSIZE.get(problem.get("state_dtype", "float32"), 4)
+    block_v = next((b for b in (32, 16, 8) if V % b == 0), 8)
     n = (sizes or {}).get("N")
-    # few sequences (small-batch decode): smaller CTAs spread the same warps over more SMs
     while n is not None and block_v > 8 and n * HV * (V // block_v) < NUM_SMS:
         block_v //= 2
-    return {"block_v": block_v, "threads": 4 * block_v}
+    for vec in (16 // item, 4, 2, 1):
+        threads = max(32, min(256, K * block_v // 32))
+        warps_k = 1 if v_first else threads // 32
+        if recurrent_layout_ok(K, V, block_v, threads, vec, warps_k, v_first):
+            return {"block_v": block_v, "threads": threads, "vec": vec, "warps_k": warps_k}
+    for threads in (32, 64, 128, 256):      # unusual K / V: v1's one-warp-per-8-columns map
+        bv = threads // 4
+        if recurrent_layout_ok(K, V, bv, threads, 4, 1, v_first):
+            return {"block_v": bv, "threads": threads, "vec": 4, "warps_k": 1}
+    return {"block_v": 8, "threads": 32, "vec": 4 if K % 4 == 0 else 1, "warps_k": 1}
 
 
 #: stage name -> tuning function(problem dict[, sizes]) -> dict of build() tuning knobs

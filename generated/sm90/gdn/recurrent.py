@@ -41,8 +41,6 @@ EXAMPLES = [
     dict(H=4, HV=4, K=64, V=64, dtype="bfloat16", state_dtype="bfloat16",
          has_initial_state=True, output_final_state=True),
 ]
-VEC = 4          # fp32 state elements per vector load / store
-LANES_V = 2      # K-first: lanes across a warp's 8 value columns (x VEC each)
 EPS_L2 = 1e-6    # l2norm: x * rsqrt(sum x^2 + EPS_L2)
 
 
@@ -60,7 +58,51 @@ def pass_configs(**params):
     return {}
 
 
-def check_params(*, H, HV, K, V, block_v, threads, **flags):
+def _pow2(x):
+    return x > 0 and x & (x - 1) == 0
+
+
+def thread_map(K, block_v, threads, vec, warps_k, state_v_first):
+    """How the K x block_v state tile is spread over the CTA (see _state_layout).
+
+    K-first storage [K, V]: a lane holds ``vec`` adjacent value columns (one 16-byte
+    access for vec * element size = 16); ``lanes_v`` lanes cover a row segment of the
+    warp, the warp's other lanes and ``warps_k`` warps split K (thread
+    = lane_v + lanes_v * k_lane + 32 * (warp_k + warps_k * warp_v)), so a reduction over K
+    is warp shuffles plus, with warps_k > 1, a small shared-memory exchange.
+    V-first storage [V, K]: ``lanes_k`` lanes each hold ``vec`` adjacent keys of one value
+    row (a warp reads whole rows); the other threads take further value rows; reductions
+    over K stay inside a warp. Returns a dict of the derived sizes; raises ValueError.
+    """
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if not _pow2(vec) or vec > 8 or block_v % vec or K % vec:
+        raise ValueError(f"vec={vec} must be a power of two <= 8 dividing block_v={block_v} "
+                         f"and K={K}")
+    warps = threads // 32
+    if state_v_first:
+        lanes_k = max(x for x in (1, 2, 4, 8, 16, 32) if (K // vec) % x == 0)
+        rows = threads // lanes_k                 # value rows per pass over the CTA
+        if block_v % rows:
+            raise ValueError(f"state_v_first: block_v={block_v} must be a multiple of "
+                             f"threads / lanes_k = {rows}")
+        return dict(lanes_k=lanes_k, rows=rows, per_thread=K * block_v // threads)
+    if warps % warps_k:
+        raise ValueError(f"warps_k={warps_k} must divide the {warps} warps")
+    warps_v = warps // warps_k
+    if block_v % (vec * warps_v) or not _pow2(block_v // (vec * warps_v)) \
+            or block_v // (vec * warps_v) > 32:
+        raise ValueError(f"block_v={block_v} must be vec * warps_v * lanes_v with lanes_v a "
+                         f"power of two <= 32 (vec={vec}, warps_v={warps_v})")
+    lanes_v = block_v // (vec * warps_v)
+    k_lanes = (32 // lanes_v) * warps_k
+    if K % k_lanes:
+        raise ValueError(f"K={K} must be a multiple of the {k_lanes} threads along K")
+    return dict(lanes_v=lanes_v, warps_v=warps_v, k_lanes=k_lanes,
+                per_thread=K * block_v // threads)
+
+
+def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, **flags):
     """Sizes this kernel supports (raises ValueError with the reason)."""
     if HV % H:
         raise ValueError(f"HV % H != 0 (H={H}, HV={HV})")
@@ -68,39 +110,37 @@ def check_params(*, H, HV, K, V, block_v, threads, **flags):
         raise ValueError(f"K must be a multiple of 16 in [16, 256], got {K}")
     if V % 8 or V > 512:
         raise ValueError(f"V must be a multiple of 8 up to 512, got {V}")
-    if block_v % 8 or V % block_v or threads != 4 * block_v:
-        raise ValueError(f"bad tuning block_v={block_v} threads={threads} for V={V} "
-                         "(block_v must divide V, be a multiple of 8, threads = 4 * block_v)")
-    if flags.get("state_v_first") and (K // VEC) % 32 and 32 % (K // VEC):
-        raise ValueError(f"state_v_first needs K / 4 to divide or be divided by 32, got K={K}")
+    if block_v % 8 or V % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={V} and be a multiple of 8")
+    m = thread_map(K, block_v, threads, vec, warps_k, bool(flags.get("state_v_first")))
+    if m["per_thread"] > 128:
+        raise ValueError(f"{m['per_thread']} state elements per thread (K * block_v / "
+                         "threads) would not fit in registers; at most 128")
 
 
-def _state_layout(K, BV, v_first):
-    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]).
-
-    Each warp owns 8 value columns (threads = 4 * BV). Reductions over K stay inside a
-    warp (shuffles, no shared memory). K-first storage: a lane holds VEC adjacent value
-    columns (one 16-byte load) of K / 16 rows. V-first storage: a lane holds VEC
-    adjacent key rows (one 16-byte load along K) of the warp's value columns.
-    """
+def _state_layout(K, BV, threads, vec, warps_k, v_first):
+    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]); see thread_map."""
+    m = thread_map(K, BV, threads, vec, warps_k, v_first)
     if not v_first:
-        rows_lanes = 32 // LANES_V                     # 16 lanes along K
+        lanes_v, k_lanes = m["lanes_v"], m["k_lanes"]
+        kw = 32 // lanes_v                             # K lanes inside one warp
 
         def thread(i, j):
-            return (j // 8) * 32 + (j % 8) // VEC + LANES_V * (i % rows_lanes)
+            kl = i % k_lanes
+            return (j // vec) % lanes_v + lanes_v * (kl % kw) \
+                + 32 * (kl // kw + warps_k * (j // (vec * lanes_v)))
 
         def index(i, j):
-            return (i // rows_lanes) * VEC + j % VEC
+            return (i // k_lanes) * vec + j % vec
     else:
-        lanes_k = min(32, K // VEC)                    # lanes along K per value row
-        lanes_v = 32 // lanes_k                        # value rows per warp pass
-        k_chunks = K // (VEC * lanes_k)
+        lanes_k, rows = m["lanes_k"], m["rows"]
+        k_chunks = K // (vec * lanes_k)
 
         def thread(i, j):
-            return (j // 8) * 32 + (j % 8) % lanes_v * lanes_k + (i // VEC) % lanes_k
+            return (i // vec) % lanes_k + lanes_k * (j % rows)
 
         def index(i, j):
-            return ((j % 8) // lanes_v * k_chunks + i // (VEC * lanes_k)) * VEC + i % VEC
+            return ((j // rows) * k_chunks + i // (vec * lanes_k)) * vec + i % vec
     return T.Fragment((K, BV), forward_thread_fn=thread, forward_index_fn=index)
 
 
@@ -109,10 +149,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           beta_dtype=None,
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
-          varlen=False, index_dtype="int32", block_v=32, threads=128):
+          varlen=False, index_dtype="int32", block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
-    check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads,
-                 state_v_first=state_v_first)
+    check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
+                 warps_k=warps_k, state_v_first=state_v_first)
     requested = dict(l2norm_qk=l2norm_qk, beta_sigmoid=beta_sigmoid,
                      allow_neg_eigval=allow_neg_eigval, gate_in_kernel=gate_in_kernel,
                      state_v_first=state_v_first)
@@ -124,6 +164,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     beta_dtype = beta_dtype or dtype
     acc = "float32"
     BV = block_v
+    tmap = thread_map(K, block_v, threads, vec, warps_k, state_v_first)
+    # value columns per thread: reduced over K together (one exchange per level)
+    red_batch = block_v // tmap["rows"] if state_v_first else vec
     group = HV // H
     B = T.dynamic("B")
     Tlen = T.dynamic("T")
@@ -165,7 +208,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             sq = T.alloc_fragment((K,), acc)             # l2norm only
             q_ss = T.alloc_fragment((1,), acc)           # sum q^2, sum k^2
             k_ss = T.alloc_fragment((1,), acc)
-            layout = _state_layout(K, BV, state_v_first)
+            layout = _state_layout(K, BV, threads, vec, warps_k, state_v_first)
             T.annotate_layout({S: layout, SX: layout})
 
             i_n = i_nh // HV
@@ -216,13 +259,13 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * decay
                     SX[i, j] = S[i, j] * kf[i]
-                T.reduce_sum(SX, kS, dim=0)                  # kS = S^T k
+                T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
                 for j in T.Parallel(BV):
                     vf[j] = (T.cast(v[i_b, tok, i_hv, v0 + j], acc) - kS[j]) * b_t
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] + kf[i] * vf[j]
                     SX[i, j] = S[i, j] * qf[i]
-                T.reduce_sum(SX, of, dim=0)                  # o = S^T (scale q)
+                T.reduce_sum(SX, of, dim=0, batch=red_batch)               # o = S^T (scale q)
                 for j in T.Parallel(BV):
                     o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
 
