@@ -1,6 +1,6 @@
 """GPU correctness of the chunked forward (ops.chunk.chunk_forward) against the fp64
-NumPy references (dsl.chunked.chunked_forward; dsl.recurrent.recurrent_forward as well
-for short sequences). Inputs are rounded to the kernel's dtype first, so the comparison
+references: dsl.chunked.chunked_forward (NumPy; its torch twin dsl.torch_reference on the
+GPU for the largest cases) and dsl.recurrent.recurrent_forward as well for short ones. Inputs are rounded to the kernel's dtype first, so the comparison
 measures the kernel's error only. Outputs are NaN-poisoned by conftest; inputs must come
 back unchanged.
 
@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+BIG_CASE = 3000      # B * T * HV above which the reference runs in torch fp64 on the GPU
 
 
 def case(op, B, T, H, HV, K, V, dtype="bfloat16", opts=(), init=True, final=True,
@@ -173,9 +174,19 @@ def run_case(p, rng):
     cu_t = None if cu is None else torch.from_numpy(cu).to(dev)
     # the reference sees exactly the rounded values the kernel sees
     r = {n: (None if v is None else v.double().cpu().numpy()) for n, v in t.items()}
-    ref = np_chunked_forward(spec, r["q"], r["k"], r["v"], r["g"], r["beta"], options=options,
-                             scale=p["scale"], initial_state=r["initial_state"],
-                             cu_seqlens=cu, A_log=r["A_log"], dt_bias=r["dt_bias"])
+    if B * T * p["HV"] <= BIG_CASE:
+        ref = np_chunked_forward(spec, r["q"], r["k"], r["v"], r["g"], r["beta"],
+                                 options=options, scale=p["scale"],
+                                 initial_state=r["initial_state"], cu_seqlens=cu,
+                                 A_log=r["A_log"], dt_bias=r["dt_bias"])
+    else:   # the same fp64 chunked reference in torch, on the GPU (fast at large sizes)
+        from linattn.dsl import torch_reference as tref
+        o_ref, ht_ref = tref.chunked_forward(
+            spec, *(None if t[n] is None else t[n].double() for n in ("q", "k", "v", "g", "beta")),
+            options=options, scale=p["scale"],
+            initial_state=None if t["initial_state"] is None else t["initial_state"].double(),
+            cu_seqlens=cu_t, A_log=t["A_log"], dt_bias=t["dt_bias"])
+        ref = {"o": o_ref.cpu().numpy(), "final_state": ht_ref.cpu().numpy()}
     before = {n: v.clone() for n, v in t.items() if v is not None}
     o, ht = chunk_forward(spec, t["q"], t["k"], t["v"], t["g"], t["beta"], scale=p["scale"],
                           initial_state=t["initial_state"], output_final_state=p["final"],
