@@ -46,3 +46,24 @@ def gla_recurrent_fwd(q, k, v, gk, state, scale=-1.0):
     """
     scale = None if scale is None or scale <= 0 else scale
     return _step(gla.SPEC, q, k, v, gk, None, state, scale)
+
+
+def deltanet_chunk_fwd(q, k, v, beta):
+    """DeltaNetChunkFwd: head-first q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L]
+    (f16 / bf16; DK, DV in {64, 128}); chunk 64, no scale, zero initial state.
+
+    Returns (o, S, Aw, Au, w, u): o [B, H, L, DV]; S [B, H, NC+1, DK, DV] f32 (S[0] = 0,
+    S[t] the state entering chunk t, S[NC] the final state); Aw = Au =
+    (I + tril(beta K K^T, -1))^-1 per chunk [B, H, L, 64]; w = Aw (beta k); u = Au (beta v);
+    all but S in the input dtype. Layout conversions happen inside the call.
+    """
+    from .chunk_bwd import chunk_forward_intermediates
+    return chunk_forward_intermediates(q, k, v, beta)
+
+
+def deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u):
+    """DeltaNetChunkBwd: (do, q, k, v, beta, S, Aw, Au, w, u) as deltanet_chunk_fwd
+    returned them (do shaped like o) -> (dq, dk, dv, dbeta), the gradients of
+    sum(o * do), shaped like q, k, v, beta and in the input dtype (fp32 accumulation)."""
+    from .chunk_bwd import chunk_backward
+    return chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u)

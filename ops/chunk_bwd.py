@@ -1,0 +1,224 @@
+"""DeltaNet's chunked backward (the DeltaNetChunkBwd contract): four generated stages.
+
+    chunk_bwd_dv_local  grid (NC, B*H):       dv_local = tril_incl(q k^T)^T do
+    chunk_bwd_dh        grid (V/BV, B*H):     reverse sequential pass: dh per chunk,
+                                              dv2 = dv_local + k dh (gradient of v_new)
+    chunk_bwd_dqkw      grid (NC, B*H):       v_new = u - w S, dq, dk (output and state
+                                              terms), dw = -dv2 S^T
+    chunk_bwd_wy        grid (NC, B*H):       back through A, w = A beta k, u = A beta v:
+                                              dk (complete), dv, dbeta
+
+The kernels read the contract's head-first tensors [B, H, L, D] directly (no layout
+conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
+
+Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
+u) over the chunked forward's generated stages (ops/chunk.py).
+"""
+from __future__ import annotations
+
+import os
+
+from ..dsl import Options, SpecError
+from . import chunk, deltanet
+
+STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+ARCH = "sm90"
+CHUNK = 64
+
+_KERNELS: dict = {}
+
+
+def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
+    """The compiled kernel of backward ``stage`` at ``params`` (memoised per process;
+    TileLang's disk cache makes a repeat across processes cheap)."""
+    key = (spec.key, spec.hash, stage, tuple(sorted(params.items())))
+    kern = _KERNELS.get(key)
+    if kern is None:
+        import tilelang
+        from ..codegen.arch import get_arch
+        from .runtime import stage_module
+        mod = stage_module(spec, stage, ARCH)
+        kern = tilelang.compile(mod.build(**params), out_idx=mod.out_idx(**params),
+                                target=get_arch(ARCH).TARGET,
+                                pass_configs=mod.pass_configs(**params))
+        _KERNELS[key] = kern
+    return kern
+
+
+def stage_params(*, H, K, V, dtype, B=1) -> dict:
+    """stage name -> build() params for one backward call (B sets the dh pass's value
+    block: more value blocks, more CTAs, for the sequential pass)."""
+    common = dict(H=H, K=K, V=V, dtype=dtype)
+    return {"chunk_bwd_dv_local": common,
+            "chunk_bwd_dh": dict(common, block_v=chunk.state_block_v(V, B * H)),
+            "chunk_bwd_dqkw": common,
+            "chunk_bwd_wy": common}
+
+
+def _compile_job(job):
+    stage, params = job
+    try:
+        compiled_stage(stage, **params)
+        return None
+    except Exception as e:  # reported, never raised: the caller's test shows the failure
+        return f"{stage} {params}: {type(e).__name__}: {e}"[:400]
+
+
+def precompile(param_sets, workers=None) -> list:
+    """Compile every stage of each stage_params() dict in parallel processes (TileLang's
+    disk cache keeps them). Returns error strings (empty when all compiled)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    jobs = {(s, tuple(sorted(p.items()))): (s, p) for ps in param_sets for s, p in ps.items()}
+    if not jobs:
+        return []
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 2))
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return [e for e in pool.map(_compile_job, list(jobs.values())) if e]
+
+
+def _check(name, x, shape, dtype=None):
+    if tuple(x.shape) != tuple(shape):
+        raise SpecError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise SpecError(f"{name} must have dtype {dtype}, got {x.dtype}")
+    _check_device(name, x)
+
+
+def _check_device(name, x):
+    if not x.is_cuda:
+        raise SpecError(f"{name} must be on a CUDA device, got {x.device}")
+
+
+def _dims(q, k, v, beta):
+    import torch
+    if q.dim() != 4:
+        raise SpecError(f"q must be [B, H, L, DK], got {tuple(q.shape)}")
+    B, H, L, K = q.shape
+    V = v.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise SpecError(f"q must be float16 or bfloat16, got {q.dtype}")
+    _check("q", q, (B, H, L, K))
+    _check("k", k, (B, H, L, K), q.dtype)
+    _check("v", v, (B, H, L, V), q.dtype)
+    _check("beta", beta, (B, H, L), q.dtype)
+    if K not in (64, 128) or V not in (64, 128):
+        raise SpecError(f"the chunked DeltaNet contract supports DK, DV in (64, 128), "
+                        f"got DK={K}, DV={V}")
+    return B, H, L, K, V
+
+
+def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
+    """DeltaNetChunkBwd: the exact gradients of the chunked forward's o under sum(o * do).
+
+    Head-first: do [B, H, L, DV]; q, k, w [B, H, L, DK]; v, u [B, H, L, DV]; beta
+    [B, H, L]; S [B, H, NC+1, DK, DV] f32 (state entering each chunk; S[NC] unused);
+    Aw = Au [B, H, L, 64] (Au is accepted for the signature; Aw == Au by definition and
+    the kernels read Aw). One dtype (f16 or bf16) for all but S; no scale, no initial
+    state (the contract's forward). Returns (dq, dk, dv, dbeta) shaped like q, k, v,
+    beta in the input dtype (fp32 accumulation inside). Inputs are never modified.
+    """
+    import torch
+    B, H, L, K, V = _dims(q, k, v, beta)
+    NC = -(-L // CHUNK)
+    dt = q.dtype
+    _check("do", do, (B, H, L, V), dt)
+    _check("w", w, (B, H, L, K), dt)
+    _check("u", u, (B, H, L, V), dt)
+    _check("Aw", Aw, (B, H, L, CHUNK), dt)
+    _check("Au", Au, (B, H, L, CHUNK), dt)
+    if S.shape[2] != NC + 1:
+        raise SpecError(f"S must have NC+1 = {NC + 1} states, got shape {tuple(S.shape)}")
+    _check("S", S, (B, H, NC + 1, K, V), torch.float32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    if L == 0 or B == 0:
+        return dq, dk, dv, dbeta
+    q, k, v, beta, do, w, u, Aw, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, Aw, S))
+    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
+    run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
+
+    dv_local = torch.empty_like(v)
+    run("chunk_bwd_dv_local", q, k, do, dv_local)
+    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
+    dv2 = torch.empty_like(v)
+    run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2)
+    dk_part = torch.empty(B, H, L, K, dtype=torch.float32, device=q.device)
+    dw = torch.empty_like(k)
+    run("chunk_bwd_dqkw", q, k, w, u, do, dv2, S, dh, dq, dk_part, dw)
+    run("chunk_bwd_wy", k, v, beta, Aw, dw, dv2, dk_part, dk, dv, dbeta)
+    return dq, dk, dv, dbeta
+
+
+# -- the contract's forward over the chunked forward's stages ------------------------------
+
+def forward_params(*, H, K, V, dtype, B=1) -> dict:
+    """ops.chunk stage params the contract's forward runs (for chunk.precompile)."""
+    return chunk.stage_params(deltanet.SPEC, Options(), H=H, HV=H, K=K, V=V, dtype=dtype,
+                              beta_dtype=dtype, N=B, output_final_state=True)
+
+
+def wy_inverse(k, beta, L):
+    """A = (I + strict_tril(beta_i k_i . k_j))^-1 per 64-row chunk, head-first
+    [B, H, L, 64] f32 (torch, f32 triangular solve; padding rows are identity rows)."""
+    import torch
+    B, H, _, K = k.shape
+    NC = -(-L // CHUNK)
+    pad = NC * CHUNK - L
+    kb = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(B, H, NC, CHUNK, K)
+    bb = torch.nn.functional.pad(beta.float(), (0, pad)).view(B, H, NC, CHUNK, 1)
+    M = torch.tril((bb * kb) @ kb.transpose(-1, -2), -1)
+    eye = torch.eye(CHUNK, device=k.device, dtype=torch.float32)
+    A = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False,
+                                      unitriangular=True)
+    return A.reshape(B, H, NC * CHUNK, CHUNK)[:, :, :L]
+
+
+def chunk_forward_intermediates(q, k, v, beta):
+    """DeltaNetChunkFwd: (o, S, Aw, Au, w, u) for head-first q, k [B, H, L, DK], v
+    [B, H, L, DV], beta [B, H, L] (f16 / bf16), no scale, zero initial state.
+
+    o [B, H, L, DV], w [B, H, L, DK], u [B, H, L, DV], Aw = Au [B, H, L, 64] in the input
+    dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
+    the final state). The chunked forward keeps its per-chunk states in the input dtype,
+    so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. Aw comes from a
+    torch f32 triangular solve (ops.chunk's prepare stage keeps its inverse on chip).
+    """
+    import torch
+    B, H, L, K, V = _dims(q, k, v, beta)
+    dt = q.dtype
+    dev = q.device
+    NC = -(-L // CHUNK)
+    Ttot = B * L
+    spec = deltanet.SPEC
+    tok = lambda x: x.transpose(1, 2).reshape(Ttot, H, -1).contiguous()  # noqa: E731
+    head = lambda x: x.view(B, L, H, -1).transpose(1, 2).contiguous()  # noqa: E731
+    S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
+    if Ttot == 0:
+        e = lambda *s: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        return (e(B, H, L, V), S, e(B, H, L, CHUNK), e(B, H, L, CHUNK), e(B, H, L, K),
+                e(B, H, L, V))
+    qf, kf, vf = tok(q), tok(k), tok(v)
+    betaf = beta.transpose(1, 2).reshape(Ttot, H).contiguous()
+    cu = tuple(range(0, (B + 1) * L, L))
+    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(cu, CHUNK, dev)
+    params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    g_cum, A_log, dt_bias = f32(Ttot, H), f32(H), f32(H)
+    w = torch.empty(Ttot, H, K, dtype=dt, device=dev)
+    u = torch.empty(Ttot, H, V, dtype=dt, device=dev)
+    chunk.compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])(
+        kf, vf, g_cum, betaf, A_log, dt_bias, chunk_bos, chunk_len, g_cum, kf, w, u)
+    h = torch.empty(B * NC, H, K, V, dtype=dt, device=dev)
+    v_new = torch.empty(Ttot, H, V, dtype=dt, device=dev)
+    final = f32(B, H, K, V)
+    h0 = f32(1, H, K, V)
+    chunk.compiled_stage(spec, "chunk_state", **params["chunk_state"])(
+        kf, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
+    o = torch.empty(Ttot, H, V, dtype=dt, device=dev)
+    chunk.compiled_stage(spec, "chunk_output", **params["chunk_output"])(
+        qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o, 1.0)
+    S[:, :, :NC] = h.view(B, NC, H, K, V).transpose(1, 2)
+    S[:, :, NC] = final
+    A = wy_inverse(k, beta, L).to(dt)
+    return head(o), S, A, A.clone(), head(w), head(u)

@@ -1,0 +1,226 @@
+"""CPU tests of DeltaNet's chunked backward (ops/chunk_bwd.py): the plan lists the four
+stages, they render and compile for sm_90a, and the launch arguments match the traced
+kernel signatures. The fake kernels also carry out each stage's math in fp64 (the
+algorithm the template implements, stage by stage, through the same buffers), so the
+host code's plumbing and the stage decomposition are checked against autograd of the
+fp64 reference without a GPU."""
+import math
+
+import pytest
+import torch
+
+from test_chunk import SignatureCheckingKernel
+
+from linattn.codegen.plan import plan
+from linattn.dsl import SpecError, all_rule_gate_specs
+from linattn.dsl import torch_reference as tref
+from linattn.ops import chunk, chunk_bwd, contracts
+from linattn.ops.registry import get_spec
+
+F64 = torch.float64
+C = chunk_bwd.CHUNK
+
+
+def test_plan_lists_backward_stages():
+    assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == list(chunk_bwd.STAGES)
+    for spec in all_rule_gate_specs():          # delta rule without a gate only (so far)
+        names = [s.name for s in plan(spec, "bwd")]
+        assert names == (list(chunk_bwd.STAGES) if spec.name == "delta_none" else [])
+
+
+@pytest.mark.parametrize("stage", chunk_bwd.STAGES)
+def test_stage_renders(stage):
+    from linattn.ops.runtime import stage_module
+    spec = get_spec("deltanet")
+    mod = stage_module(spec, stage, "sm90")
+    assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
+    ex = mod.EXAMPLES[0]
+    fn = mod.build(**ex)
+    assert [fn.buffer_map[p].name for p in fn.params] == mod.args(**ex)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_dh_pass_compiles_small_value_blocks(block_v):
+    src = chunk_bwd.compiled_stage("chunk_bwd_dh", H=4, K=64, V=64, dtype="bfloat16",
+                                   block_v=block_v).get_kernel_source()
+    assert "wgmma" in src or "mma" in src
+
+
+def test_dh_value_block_fills_gpu():
+    assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", B=2)[
+        "chunk_bwd_dh"]["block_v"] == 16
+    assert chunk_bwd.stage_params(H=32, K=128, V=128, dtype="bfloat16", B=8)[
+        "chunk_bwd_dh"]["block_v"] == 64
+
+
+# -- fake kernels: signature checks + the stage math in fp64 ------------------------------
+
+def _chunks(x, L):
+    """[B, H, L, D] (or [B, H, L]) -> fp64 [B, H, NC, C, D], zero rows past L."""
+    x = x.to(F64)
+    if x.dim() == 3:
+        x = x.unsqueeze(-1)
+    NC = math.ceil(L / C)
+    x = torch.nn.functional.pad(x, (0, 0, 0, NC * C - L))
+    return x.view(*x.shape[:2], NC, C, x.shape[-1])
+
+
+def _store(out, x, L):
+    """Write fp64 chunks [B, H, NC, C, D] back into out [B, H, L(, D)]."""
+    B, H = out.shape[:2]
+    y = x.reshape(B, H, -1, x.shape[-1])[:, :, :L]
+    out.copy_(y.reshape(out.shape).to(out.dtype))
+
+
+def _dv_local(q, k, do, dv_local):
+    L = q.shape[2]
+    qc, kc, doc = (_chunks(x, L) for x in (q, k, do))
+    P = torch.tril(qc @ kc.transpose(-1, -2))
+    _store(dv_local, P.transpose(-1, -2) @ doc, L)
+
+
+def _dh(q, k, w, do, dv_local, dh_out, dv2):
+    L = q.shape[2]
+    qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
+    B, H, NC = qc.shape[:3]
+    dh = torch.zeros(B, H, k.shape[-1], do.shape[-1], dtype=F64)
+    out = torch.zeros_like(dvc)
+    for c in reversed(range(NC)):
+        dh_out[:, :, c] = dh.to(dh_out.dtype)
+        dh_lp = dh.to(dh_out.dtype).to(F64)         # the kernel multiplies the stored dh
+        out[:, :, c] = dvc[:, :, c] + kc[:, :, c] @ dh_lp
+        d = out[:, :, c].to(dv2.dtype).to(F64)
+        dh = dh + qc[:, :, c].transpose(-1, -2) @ doc[:, :, c] - wc[:, :, c].transpose(-1, -2) @ d
+    _store(dv2, out, L)
+
+
+def _dqkw(q, k, w, u, do, dv2, S, dh, dq, dk_part, dw):
+    L = q.shape[2]
+    qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
+    NC = qc.shape[2]
+    St = S[:, :, :NC].to(F64)
+    dhc = dh.to(F64)
+    vn = uc - wc @ St
+    ds = torch.tril(doc @ vn.transpose(-1, -2))
+    _store(dq, doc @ St.transpose(-1, -2) + ds @ kc, L)
+    _store(dk_part, ds.transpose(-1, -2) @ qc + vn @ dhc.transpose(-1, -2), L)
+    _store(dw, -dvc @ St.transpose(-1, -2), L)
+
+
+def _wy(k, v, beta, A, dw, du, dk_part, dk, dv, dbeta):
+    L = k.shape[2]
+    kc, vc, bc, Ac, dwc, duc, dkp = (_chunks(x, L) for x in (k, v, beta, A, dw, du, dk_part))
+    At = Ac.transpose(-1, -2)
+    dbk, dbv = At @ dwc, At @ duc
+    dA = duc @ (bc * vc).transpose(-1, -2) + dwc @ (bc * kc).transpose(-1, -2)
+    dM = torch.tril(-At @ dA @ At, -1)
+    G = bc * dM
+    _store(dv, bc * dbv, L)
+    _store(dk, dkp + bc * dbk + G @ kc + G.transpose(-1, -2) @ kc, L)
+    db = ((dbv * vc).sum(-1) + (dbk * kc).sum(-1) + (dM * (kc @ kc.transpose(-1, -2))).sum(-1))
+    _store(dbeta, db.unsqueeze(-1), L)
+
+
+EMULATE = {"chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
+           "chunk_bwd_wy": _wy}
+
+
+class EmulatingKernel(SignatureCheckingKernel):
+    def __init__(self, stage, func):
+        super().__init__(func)
+        self.stage = stage
+
+    def __call__(self, *args):
+        super().__call__(*args)
+        EMULATE[self.stage](*args)
+
+
+@pytest.fixture
+def fake_backward(monkeypatch):
+    from linattn.ops.runtime import stage_module
+    calls = []
+
+    def fake(stage, spec=get_spec("deltanet"), **params):
+        kern = EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params))
+        calls.append(stage)
+        return kern
+
+    monkeypatch.setattr(chunk_bwd, "compiled_stage", fake)
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    return calls
+
+
+def _contract_inputs(rng, B, H, L, K, V, dtype):
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    q = torch.nn.functional.normalize(torch.randn(B, H, L, K, generator=g, dtype=F64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, H, L, K, generator=g, dtype=F64), dim=-1)
+    v = torch.randn(B, H, L, V, generator=g, dtype=F64)
+    beta = torch.sigmoid(torch.randn(B, H, L, generator=g, dtype=F64))
+    do = torch.randn(B, H, L, V, generator=g, dtype=F64)
+    q, k, v, beta, do = (x.to(dtype) for x in (q, k, v, beta, do))
+    return q, k, v, beta, do
+
+
+def _rel(x, ref):
+    return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
+                                       (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
+def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V):
+    dtype = torch.float16
+    q, k, v, beta, do = _contract_inputs(rng, B, H, L, K, V, dtype)
+    o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
+    S = S.float()
+    Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
+    grads = contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
+    assert fake_backward == list(chunk_bwd.STAGES)
+    refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
+    for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
+        assert g.shape == like.shape and g.dtype == dtype, name
+        assert not torch.isnan(g).any(), name
+        assert _rel(g, ref) < 5e-3, (name, _rel(g, ref))
+
+
+def test_backward_refuses_bad_inputs(fake_backward):
+    x = torch.zeros(1, 2, 70, 64, dtype=torch.bfloat16)
+    b = torch.zeros(1, 2, 70, dtype=torch.bfloat16)
+    A = torch.zeros(1, 2, 70, 64, dtype=torch.bfloat16)
+    S = torch.zeros(1, 2, 3, 64, 64)
+    contracts.deltanet_chunk_bwd(x, x, x, x, b, S, A, A, x, x)
+    with pytest.raises(SpecError, match="NC\\+1 = 3"):
+        contracts.deltanet_chunk_bwd(x, x, x, x, b, S[:, :, :2], A, A, x, x)
+    with pytest.raises(SpecError, match="dtype"):
+        contracts.deltanet_chunk_bwd(x, x, x, x, b, S.double(), A, A, x, x)
+    with pytest.raises(SpecError, match="DK, DV in"):
+        y = torch.zeros(1, 2, 70, 32, dtype=torch.bfloat16)
+        contracts.deltanet_chunk_bwd(y, y, y, y, b, S, A, A, y, y)
+    with pytest.raises(SpecError, match="float16 or bfloat16"):
+        contracts.deltanet_chunk_bwd(x, x.float(), x, x, b, S, A, A, x, x)
+
+
+def test_wy_inverse_matches_reference(rng):
+    q, k, v, beta, _ = _contract_inputs(rng, 1, 2, 100, 64, 64, torch.float32)
+    A = chunk_bwd.wy_inverse(k, beta, 100)
+    ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))[2]
+    assert _rel(A, ref) < 1e-5
+
+
+def test_forward_plumbing(monkeypatch, rng):
+    fakes = []
+
+    def fake(spec, stage, **params):
+        fakes.append(stage)
+        return SignatureCheckingKernel(chunk.stage_module(spec, stage).build(**params))
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake)
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    B, H, L, K, V = 2, 2, 130, 64, 128
+    q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.bfloat16)
+    o, S, Aw, Au, w, u = contracts.deltanet_chunk_fwd(q, k, v, beta)
+    assert fakes == ["chunk_prepare", "chunk_state", "chunk_output"]
+    NC = math.ceil(L / C)
+    assert o.shape == (B, H, L, V) and u.shape == (B, H, L, V) and w.shape == (B, H, L, K)
+    assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
+    assert Aw.shape == Au.shape == (B, H, L, C) and Aw.dtype == torch.bfloat16
