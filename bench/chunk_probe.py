@@ -6,8 +6,8 @@ call (torch.profiler CUDA activity, L2 flushed before every call, median over ca
 the union of all kernels of one call, and each stage kernel's median time. fla's
 chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
 
-    python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep]
-    (JSON to $OUT/chunk_probe.json when OUT is set)
+    python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
+    (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)
 
 One workload failing does not stop the others; a compact summary prints at the end.
 """
@@ -32,17 +32,17 @@ FLUSH_BYTES = 256 << 20
 _flush = None
 
 # name -> (op, B, T, H, HV, K, V, option names, lens for varlen or None)
-WORKLOADS = {
+WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "prefill-4k": ("gdn", 1, 4096, 16, 16, 128, 128, (), None),
-    "prefill-4k-deltanet": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None),
     "q35-397b-tp8-8192": ("gdn", 1, 8192, 2, 8, 128, 128, (), None),
-    "q35-397b-tp8-8192-inkernel": ("gdn", 1, 8192, 2, 8, 128, 128,
-                                   ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
+    "prefill-4k-deltanet": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None),
+    "kda-tp2-4096": ("kda", 1, 4096, 16, 16, 128, 128, ("l2norm_qk",), None),
+    "gla-prefill-4k": ("gla", 2, 4096, 4, 4, 64, 64, (), None),
     "varlen-8x1k": ("gdn", 1, None, 16, 16, 128, 128, (), [1024] * 8),
     "prefill-4k-k64": ("gdn", 1, 4096, 16, 16, 64, 64, (), None),
-    "kda-tp2-4096": ("kda", 1, 4096, 16, 16, 128, 128, ("l2norm_qk",), None),
+    "q35-397b-tp8-8192-inkernel": ("gdn", 1, 8192, 2, 8, 128, 128,
+                                   ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
     "kda-tp8-16384": ("kda", 1, 16384, 4, 4, 128, 128, ("l2norm_qk",), None),
-    "gla-prefill-4k": ("gla", 2, 4096, 4, 4, 64, 64, (), None),
 }
 
 
@@ -273,6 +273,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no new workload after this many seconds (0: no limit)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the state pass at value blocks 16/32/64 x pipeline "
                          "depths 0-3, and both inverses of chunk_prepare (with errors)")
@@ -282,7 +284,12 @@ def main():
     errors = chunk.precompile([j for n in names for j in workload_jobs(n, args.sweep)])
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     results = []
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
+    fname = "chunk_probe_sweep.json" if args.sweep else "chunk_probe.json"
     for name in names:
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            results.append({"workload": name, "error": "skipped: --budget-s reached"})
+            continue
         try:
             r = probe(name, args)
         except Exception as e:
@@ -290,6 +297,9 @@ def main():
             r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}
         print(json.dumps(r, default=float), flush=True)
         results.append(r)
+        if out:        # written after every workload: a time-out keeps what was measured
+            with open(os.path.join(out, fname), "w") as f:
+                json.dump(results, f, indent=1, default=float)
     print("\n%-28s %9s %9s %7s %9s %9s  %s" % ("workload", "ours ms", "fla ms", "TFLOPs",
                                                "err o", "err ht", "stages (ms)"))
     for r in results:
@@ -300,11 +310,6 @@ def main():
         print("%-28s %9.3f %9s %7.1f %9.2e %9.2e  %s" % (
             r["workload"], r["ms"], f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-",
             r["tflops"], r["rel_err_o"], r["rel_err_final"], st))
-    out = os.environ.get("OUT")
-    if out:
-        fname = "chunk_probe_sweep.json" if args.sweep else "chunk_probe.json"
-        with open(os.path.join(out, fname), "w") as f:
-            json.dump(results, f, indent=1, default=float)
     return 0 if all("error" not in r for r in results) else 1
 
 
