@@ -199,6 +199,17 @@ def probe(name, args):
                     chunk.PREPARE_INVERSE = default_inverse
                 print(name, how, inv[how], flush=True)
             res["inverse_sweep"] = inv
+        chunk.OUTPUT_BLOCK_V_OVERRIDE = 64
+        try:
+            o2, _ = ours()
+            t_o, per_o, _ = device_times(ours, iters=max(5, args.iters // 3))
+            res["output_block_v_64"] = {"ms": t_o, "err_o": rel(o2, ref_o),
+                                        "output_ms": per_o.get("chunk_output_kernel")}
+        except Exception as e:
+            res["output_block_v_64"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        finally:
+            chunk.OUTPUT_BLOCK_V_OVERRIDE = None
+        print(name, "output_block_v_64", res["output_block_v_64"], flush=True)
         if spec.gate.value == "scalar" and spec.has_beta:
             chunk.STATE_V_NEW_FROM_FRAGMENT = True
             try:
@@ -252,7 +263,7 @@ def workload_jobs(name, sweep=False):
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 2) for bv in (16, 32, 64)]
         variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked", "tc")]
-        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True)]
+        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True), dict(OUTPUT_BLOCK_V_OVERRIDE=64)]
     jobs = []
     for knobs in variants:
         saved = {k: getattr(chunk, k) for k in knobs}

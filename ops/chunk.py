@@ -186,8 +186,14 @@ def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
     return divisors[-1]
 
 
+#: the output stage's value block (None: all of V up to 128, so q k^T is formed once)
+OUTPUT_BLOCK_V_OVERRIDE = None
+
+
 def output_block_v(V: int) -> int:
-    for bv in (64, 32, 16):
+    if OUTPUT_BLOCK_V_OVERRIDE is not None:
+        return OUTPUT_BLOCK_V_OVERRIDE
+    for bv in (128, 64, 32, 16):
         if V % bv == 0:
             return bv
     raise SpecError(f"V={V} must be a multiple of 16")

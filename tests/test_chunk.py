@@ -148,6 +148,7 @@ def test_state_block_fills_gpu():
         chunk.state_block_v(40, 1)
     with pytest.raises(SpecError):
         chunk.output_block_v(40)
+    assert chunk.output_block_v(128) == 128 and chunk.output_block_v(192) == 64
 
 
 def test_options_checked_before_launch():
