@@ -6,10 +6,28 @@ with the state on chip; see generated/<arch>/<op>/recurrent.py. The fla-named wr
 """
 from __future__ import annotations
 
+import contextlib
+
 from ..dsl import OpSpec, Options, SpecError
 from . import runtime, validate
 
 STAGE = "recurrent"
+#: knobs applied to every call that passes no ``tuning`` (probes: see tuning_override)
+_OVERRIDE: dict = {}
+
+
+@contextlib.contextmanager
+def tuning_override(**knobs):
+    """Within the block, calls without ``tuning=`` use these knobs (block_v, threads, vec,
+    warps_k) instead of the arch table's: lets a probe sweep the fla-named wrappers."""
+    prev = dict(_OVERRIDE)
+    _OVERRIDE.clear()
+    _OVERRIDE.update(knobs)
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(prev)
 
 
 def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
@@ -82,7 +100,7 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
     arch = runtime.device_arch(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
-                                           **problem, **(tuning or {}))
+                                           **problem, **(tuning or _OVERRIDE))
 
     dummy_f32 = runtime.placeholder(q.device, torch.float32)
     tensors = {

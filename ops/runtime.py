@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -105,6 +106,9 @@ def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, *
     """
     tuning = get_arch(arch).tuning(stage, problem, sizes)
     key = (arch, spec.hash, stage, tuple(sorted(problem.items())), tuple(sorted(tuning.items())))
+    if _RECORDING is not None:              # see recording(): note the request, compile nothing
+        _RECORDING.append((spec, stage, arch, sizes, dict(problem)))
+        raise KernelRequested(f"{spec.name}/{stage}")
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
@@ -118,6 +122,63 @@ def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, *
     with _LOCK:
         _KERNELS[key] = (kernel, module, params)
     return _KERNELS[key]
+
+
+class KernelRequested(Exception):
+    """Raised by get_kernel inside recording(): the request was noted instead of compiled."""
+
+
+_RECORDING: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the kernels some calls would compile, without compiling or running them::
+
+        with runtime.recording() as jobs:
+            try: fn()
+            except runtime.KernelRequested: pass
+        runtime.precompile(jobs)              # in parallel processes, then fn() is a cache hit
+
+    Yields a list of (spec, stage, arch, sizes, problem) tuples. Not thread safe.
+    """
+    global _RECORDING
+    _RECORDING, prev = [], _RECORDING
+    try:
+        yield _RECORDING
+    finally:
+        _RECORDING = prev
+
+
+def _compile_request(job):
+    import time
+    spec, stage, arch, sizes, problem = job
+    t0 = time.time()
+    try:
+        get_kernel(spec, stage, arch, sizes=sizes, **problem)
+        return None, time.time() - t0
+    except Exception as e:  # reported, never raised: the caller decides
+        return f"{spec.name}/{stage} {problem}: {type(e).__name__}: {e}"[:500], time.time() - t0
+
+
+def precompile(jobs, workers: int | None = None) -> list:
+    """Compile get_kernel requests (spec, stage, arch, sizes, problem) in parallel
+    processes so TileLang's disk cache holds them (later compiles in this process are
+    cache hits). Duplicates are compiled once. Returns the error strings."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    uniq = {}
+    for spec, stage, arch, sizes, problem in jobs:
+        tuning = get_arch(arch).tuning(stage, problem, sizes)
+        key = (spec.hash, stage, arch, tuple(sorted(problem.items())),
+               tuple(sorted(tuning.items())))
+        uniq.setdefault(key, (spec, stage, arch, sizes, problem))
+    todo = list(uniq.values())
+    if not todo:
+        return []
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        return [err for err, _ in pool.map(_compile_request, todo) if err]
 
 
 def placeholder(device, dtype):
