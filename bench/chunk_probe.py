@@ -199,6 +199,18 @@ def probe(name, args):
                     chunk.PREPARE_INVERSE = default_inverse
                 print(name, how, inv[how], flush=True)
             res["inverse_sweep"] = inv
+        chunk.STATE_H_FROM_FRAGMENT = True
+        try:
+            o2, ht2 = ours()
+            t_h, per_h, _ = device_times(ours, iters=max(5, args.iters // 3))
+            res["h_from_fragment"] = {"ms": t_h, "err_o": rel(o2, ref_o),
+                                      "err_ht": rel(ht2, ref_ht),
+                                      "state_ms": per_h.get("chunk_state_kernel")}
+        except Exception as e:
+            res["h_from_fragment"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        finally:
+            chunk.STATE_H_FROM_FRAGMENT = False
+        print(name, "h_from_fragment", res["h_from_fragment"], flush=True)
         chunk.OUTPUT_BLOCK_V_OVERRIDE = 64
         try:
             o2, _ = ours()
@@ -263,7 +275,8 @@ def workload_jobs(name, sweep=False):
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 2) for bv in (16, 32, 64)]
         variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked", "tc")]
-        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True), dict(OUTPUT_BLOCK_V_OVERRIDE=64)]
+        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True), dict(OUTPUT_BLOCK_V_OVERRIDE=64),
+                     dict(STATE_H_FROM_FRAGMENT=True)]
     jobs = []
     for knobs in variants:
         saved = {k: getattr(chunk, k) for k in knobs}

@@ -165,6 +165,8 @@ STATE_BLOCK_V_OVERRIDE = None
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 #: scalar gate: the state pass stores v_new straight from registers (one smem trip less)
 STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
+#: the state pass writes h straight from registers instead of a TMA store
+STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
 #: every thread busy), "column" (forward substitution, one column per thread) or "tc"
 #: (diagonal blocks, then the merge as four tf32 tensor-core products)
@@ -348,7 +350,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                               block_v=state_block_v(V, N * HV), num_stages=STATE_NUM_STAGES,
                               **({"v_new_from_fragment": True}
                                  if STATE_V_NEW_FROM_FRAGMENT and spec.gate is Gate.SCALAR
-                                 and spec.has_beta else {}))
+                                 and spec.has_beta else {}),
+                              **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V))
     return out
 

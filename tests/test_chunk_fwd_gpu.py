@@ -118,6 +118,7 @@ def all_jobs():
     for c in STATE_VARIANT_CASES:
         jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=True)
         jobs += case_jobs(c.values[0], OUTPUT_BLOCK_V_OVERRIDE=32)
+        jobs += case_jobs(c.values[0], STATE_H_FROM_FRAGMENT=True)
     return jobs
 
 
@@ -246,6 +247,16 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
 def test_state_pass_v_new_from_fragment(p, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_V_NEW_FROM_FRAGMENT", True)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
+@pytest.mark.parametrize("p", STATE_VARIANT_CASES)
+def test_state_pass_h_from_fragment(p, rng, monkeypatch):
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "STATE_H_FROM_FRAGMENT", True)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():

@@ -48,7 +48,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
-          threads=128):
+          h_from_fragment=False, threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -59,7 +59,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
     prefetch the next chunks), v_new_from_fragment (scalar gate: store v_new from
-    registers instead of through shared memory).
+    registers instead of through shared memory), h_from_fragment (store h from registers
+    instead of a TMA store, whose completion the warpgroup otherwise waits for).
     """
     BT = CHUNK
     BV = block_v
@@ -119,7 +120,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(w[t0:t0 + BT, hv, 0:K], w_s)
                 T.copy(g_cum[c0 + c, hv, 0:K], gl_s)
                 T.copy(S, S_s)
-                T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])
+                if h_from_fragment:       # plain stores from registers: nothing to wait for
+                    for i, j in T.Parallel(K, BV):
+                        h[c0 + c, hv, i, iv * BV + j] = T.cast(S[i, j], dtype)
+                else:                     # one TMA store from shared memory
+                    T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])
                 T.gemm(w_s, S_s, vn, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32) - vn[i, j],
