@@ -1,0 +1,135 @@
+"""Probe of the DeltaNet chunk contracts on the GPU: device time of deltanet_chunk_fwd and
+deltanet_chunk_bwd vs fla, on the benchmark table's nine rows of each op.
+
+ours: contracts.deltanet_chunk_fwd(q, k, v, beta) (head-first; layout conversions inside
+the call) and contracts.deltanet_chunk_bwd on its outputs.
+fla:  chunk_delta_rule(q, k, v, beta, scale=1.0) on [B, T, H, D] copies made outside the
+timing; its backward timed through the autograd node of one untimed forward
+(grad_fn(do, None), as the seed timed it; torch.autograd.grad if that fails).
+Device time as bench/chunk_probe.py takes it: union of the call's kernels, L2 flushed
+before each call, median over calls; each kernel's median too.
+
+    python3 bench/chunk_bwd_probe.py [--iters 30] [--only train-4k-bf16 ...]
+    (JSON to $OUT/chunk_bwd_probe.json when OUT is set)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from chunk_probe import device_times  # noqa: E402
+
+from linattn.ops import chunk, chunk_bwd, contracts  # noqa: E402
+from linattn.ops.deltanet import SPEC  # noqa: E402
+
+# name -> (B, H, L, D, dtype): the seed table's DeltaNetChunkFwd / DeltaNetChunkBwd rows
+WORKLOADS = {f"train-{L // 1024}k-{dt}": (2, 4, L, 64, dt)
+             for L in (2048, 4096, 8192, 16384) for dt in ("f16", "bf16")}
+WORKLOADS["deltanet-1.3b-train-bf16"] = (1, 16, 256, 128, "bf16")
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def inputs(B, H, L, D, dt, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(B, H, L, D), dim=-1).to(dt)
+    k = torch.nn.functional.normalize(rnd(B, H, L, D), dim=-1).to(dt)
+    v = rnd(B, H, L, D).to(dt)
+    beta = torch.sigmoid(rnd(B, H, L)).to(dt)
+    do = rnd(B, H, L, D).to(dt)
+    return q, k, v, beta, do
+
+
+def fla_calls(q, k, v, beta, do):
+    from fla.ops.delta_rule import chunk_delta_rule
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [B, H, L, D] -> [B, L, H, D]
+    qf, kf, vf, bf, dof = t(q), t(k), t(v), beta.transpose(1, 2).contiguous(), t(do)
+    fwd = lambda: chunk_delta_rule(qf, kf, vf, bf, scale=1.0)  # noqa: E731
+    xs = [x.detach().clone().requires_grad_(True) for x in (qf, kf, vf, bf)]
+    o = chunk_delta_rule(*xs, scale=1.0)[0]
+    node = o.grad_fn
+    try:
+        node(dof, None)
+        bwd = lambda: node(dof, None)  # noqa: E731
+        how = "grad_fn"
+    except Exception:
+        bwd = lambda: torch.autograd.grad(o, xs, dof, retain_graph=True)  # noqa: E731
+        how = "autograd.grad"
+    return fwd, bwd, how
+
+
+def probe(name, iters):
+    B, H, L, D, dtn = WORKLOADS[name]
+    dt = DTYPES[dtn]
+    q, k, v, beta, do = inputs(B, H, L, D, dt)
+    res = {"workload": name, "B": B, "H": H, "L": L, "D": D, "dtype": dtn}
+    fwd_flops, bwd_flops = 2 * B * H * L * D * D, 4 * B * H * L * D * D
+    outs = contracts.deltanet_chunk_fwd(q, k, v, beta)
+    ours_fwd = lambda: contracts.deltanet_chunk_fwd(q, k, v, beta)  # noqa: E731
+    ours_bwd = lambda: contracts.deltanet_chunk_bwd(do, q, k, v, beta, *outs[1:])  # noqa: E731
+    ours_bwd()
+    for op, fn, flops in (("fwd", ours_fwd, fwd_flops), ("bwd", ours_bwd, bwd_flops)):
+        ms, per, n = device_times(fn, iters=iters)
+        res[f"ours_{op}_ms"], res[f"ours_{op}_kernels_ms"], res[f"ours_{op}_n_kernels"] = ms, per, n
+        res[f"ours_{op}_tflops"] = flops / ms * 1e-9
+    try:
+        f_fwd, f_bwd, how = fla_calls(q, k, v, beta, do)
+        res["fla_bwd_via"] = how
+        for op, fn in (("fwd", f_fwd), ("bwd", f_bwd)):
+            ms, per, _ = device_times(fn, iters=iters)
+            res[f"fla_{op}_ms"], res[f"fla_{op}_kernels_ms"] = ms, per
+            res[f"ratio_{op}"] = ms / res[f"ours_{op}_ms"]     # > 1: we are faster
+    except Exception as e:  # fla missing or failing: report, continue
+        res["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    names = args.only or list(WORKLOADS)
+    t0 = time.time()
+    fwd, bwd = [], []
+    for n in names:
+        B, H, L, D, dtn = WORKLOADS[n]
+        dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
+        fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims).items()]
+        bwd.append(chunk_bwd.stage_params(**dims))
+    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+    print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
+    out = os.environ.get("OUT")
+    results = []
+    for name in names:
+        try:
+            r = probe(name, args.iters)
+        except Exception as e:
+            traceback.print_exc()
+            r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}
+        print(json.dumps(r, default=float), flush=True)
+        results.append(r)
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "chunk_bwd_probe.json"), "w") as f:
+                json.dump(results, f, indent=1, default=float)
+    print("\nworkload                     ours fwd   fla fwd  ratio | ours bwd   fla bwd  ratio")
+    for r in results:
+        if "error" in r:
+            print(f"{r['workload']:28s} ERROR {r['error'][:80]}")
+            continue
+        g = lambda k: r.get(k, float("nan"))  # noqa: E731
+        print(f"{r['workload']:28s} {g('ours_fwd_ms'):8.4f} {g('fla_fwd_ms'):8.4f} "
+              f"{g('ratio_fwd'):6.2f} | {g('ours_bwd_ms'):8.4f} {g('fla_bwd_ms'):8.4f} "
+              f"{g('ratio_bwd'):6.2f}")
+
+
+if __name__ == "__main__":
+    main()

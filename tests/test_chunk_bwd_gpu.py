@@ -1,0 +1,162 @@
+"""GPU correctness of the DeltaNet chunk contracts (ops/contracts.py deltanet_chunk_fwd /
+deltanet_chunk_bwd, the kernels of ops/chunk_bwd.py) against the fp64 torch reference
+(dsl.torch_reference: chunked forward and autograd of it), on the GPU in fp64.
+
+Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do normal):
+  test_backward   the backward on the reference forward's outputs (rounded to the
+                  input dtype, S f32) vs the fp64 gradients: the backward's own error
+  test_forward    our forward's (o, S, Aw, w, u) vs the fp64 forward
+  test_fwd_bwd    our forward then our backward vs the fp64 gradients
+||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
+are NaN-poisoned by conftest); inputs must come back unchanged. Every kernel is compiled
+first in parallel processes. A JSON summary goes to $OUT/chunk_bwd_gpu.json when OUT is
+set (each case's errors, pass/fail).
+
+Run: python3 -m pytest -q tests/test_chunk_bwd_gpu.py   (skips without a GPU)
+"""
+import json
+import math
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+F64 = torch.float64
+RESULTS = []
+
+
+def case(B, H, L, K, V, dtype, name=None):
+    return pytest.param(dict(B=B, H=H, L=L, K=K, V=V, dtype=dtype),
+                        id=name or f"B{B}-H{H}-L{L}-K{K}-V{V}-{dtype[:4]}")
+
+
+CASES = [case(2, 4, L, 64, 64, dt, f"train-{L // 1024}k-{dt[:4]}")
+         for L in (2048, 4096, 8192, 16384) for dt in ("float16", "bfloat16")]
+CASES += [
+    case(1, 16, 256, 128, 128, "bfloat16", "deltanet-1.3b-train-bf16"),
+    case(2, 4, 63, 64, 64, "bfloat16"),
+    case(1, 2, 65, 64, 64, "float16"),
+    case(2, 2, 130, 64, 64, "bfloat16"),
+    case(1, 3, 130, 128, 128, "float16"),
+    case(1, 2, 1, 64, 64, "bfloat16"),
+    case(1, 2, 200, 64, 128, "bfloat16"),
+    case(1, 2, 200, 128, 64, "float16"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Compile every kernel first (parallel processes, TileLang's disk cache); write the
+    JSON summary at the end."""
+    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops.deltanet import SPEC
+    t0 = time.time()
+    fwd, bwd = [], []
+    for c in CASES:
+        p = c.values[0]
+        dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
+        fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims).items()]
+        bwd.append(chunk_bwd.stage_params(**dims))
+    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+    print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
+    for e in errors:
+        print("  compile error:", e)
+    yield
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "chunk_bwd_gpu.json"), "w") as f:
+            json.dump({"compile_errors": errors, "results": RESULTS}, f, indent=1)
+
+
+_REFS = {}
+
+
+def _inputs_and_refs(p, seed):
+    """Inputs in the case's dtype and the fp64 forward / gradients, cached per case
+    (all cases together hold a few GiB on the GPU)."""
+    key = tuple(sorted(p.items()))
+    if key not in _REFS:
+        from linattn.dsl import torch_reference as tref
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        B, H, L, K, V = (p[n] for n in "BHLKV")
+        dt = getattr(torch, p["dtype"])
+        rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=F64)  # noqa: E731
+        q = torch.nn.functional.normalize(rnd(B, H, L, K), dim=-1).to(dt)
+        k = torch.nn.functional.normalize(rnd(B, H, L, K), dim=-1).to(dt)
+        v, do = rnd(B, H, L, V).to(dt), rnd(B, H, L, V).to(dt)
+        beta = torch.sigmoid(rnd(B, H, L)).to(dt)
+        fwd = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
+        grads = tref.deltanet_chunk_bwd(do, q, k, v, beta)
+        _REFS[key] = ((q, k, v, beta, do), fwd, grads, seed)
+    return _REFS[key]
+
+
+def _rel(x, ref):
+    x = x.to(F64)
+    if torch.isnan(x).any():
+        return float("nan")
+    den = torch.linalg.norm(ref)
+    return float(torch.linalg.norm(x - ref) / (den if den > 0 else 1.0))
+
+
+def _record(test, p, errs, seed):
+    tol = TOL[p["dtype"]]
+    ok = all(e < tol for e in errs.values())      # NaN compares False
+    RESULTS.append(dict(test=test, **p, seed=seed, tol=tol, passed=ok,
+                        errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
+    print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{test}: rel errors over {tol}: {bad}"
+
+
+def _seed(rng):
+    return int(rng.integers(1, 2**31))
+
+
+@pytest.mark.parametrize("p", CASES)
+def test_backward(p, rng):
+    from linattn.ops.contracts import deltanet_chunk_bwd
+    (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
+    dt = q.dtype
+    _, S, Aw, Au, w, u = fwd
+    args = [do, q, k, v, beta, S.float(), Aw.to(dt), Au.to(dt), w.to(dt), u.to(dt)]
+    saved = [a.clone() for a in args]
+    out = deltanet_chunk_bwd(*args)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
+    for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):
+        assert x.shape == like.shape and x.dtype == dt, name
+    _record("backward", p, {n: _rel(x, r) for n, x, r in
+                            zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed)
+
+
+@pytest.mark.parametrize("p", CASES)
+def test_forward(p, rng):
+    from linattn.ops.contracts import deltanet_chunk_fwd
+    (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
+    saved = [a.clone() for a in (q, k, v, beta)]
+    o, S, Aw, Au, w, u = deltanet_chunk_fwd(q, k, v, beta)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v, beta), saved)), "inputs modified"
+    NC = math.ceil(p["L"] / 64)
+    assert S.shape == (p["B"], p["H"], NC + 1, p["K"], p["V"]) and S.dtype == torch.float32
+    assert torch.equal(Aw, Au)
+    ro, rS, rA, _, rw, ru = fwd
+    _record("forward", p, dict(o=_rel(o, ro), S=_rel(S, rS), A=_rel(Aw, rA), w=_rel(w, rw),
+                               u=_rel(u, ru)), seed)
+
+
+@pytest.mark.parametrize("p", CASES)
+def test_fwd_bwd(p, rng):
+    from linattn.ops.contracts import deltanet_chunk_bwd, deltanet_chunk_fwd
+    (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
+    o, S, Aw, Au, w, u = deltanet_chunk_fwd(q, k, v, beta)
+    out = deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
+    torch.cuda.synchronize()
+    _record("fwd_bwd", p, {n: _rel(x, r) for n, x, r in
+                           zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed)
