@@ -9,7 +9,8 @@ timing; its backward timed through the autograd node of one untimed forward
 Device time as bench/chunk_probe.py takes it: union of the call's kernels, L2 flushed
 before each call, median over calls; each kernel's median too.
 
-    python3 bench/chunk_bwd_probe.py [--iters 30] [--only train-4k-bf16 ...]
+    python3 bench/chunk_bwd_probe.py [--iters 30] [--only train-4k-bf16 ...] [--sweep]
+    (--sweep: also our backward at each dh-pass variant: pipeline depth x value block)
     (JSON to $OUT/chunk_bwd_probe.json when OUT is set)
 """
 from __future__ import annotations
@@ -65,7 +66,19 @@ def fla_calls(q, k, v, beta, do):
     return fwd, bwd, how
 
 
-def probe(name, iters):
+SWEEP = [(ns, bv) for ns in (0, 1, 2) for bv in (16, 32, 64)]
+
+
+def _with_dh(ns, bv, fn):
+    saved = (chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE)
+    chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = ns, bv
+    try:
+        return fn()
+    finally:
+        chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = saved
+
+
+def probe(name, iters, sweep=False):
     B, H, L, D, dtn = WORKLOADS[name]
     dt = DTYPES[dtn]
     q, k, v, beta, do = inputs(B, H, L, D, dt)
@@ -79,6 +92,19 @@ def probe(name, iters):
         ms, per, n = device_times(fn, iters=iters)
         res[f"ours_{op}_ms"], res[f"ours_{op}_kernels_ms"], res[f"ours_{op}_n_kernels"] = ms, per, n
         res[f"ours_{op}_tflops"] = flops / ms * 1e-9
+    if sweep:
+        ref = ours_bwd()
+        res["dh_sweep"] = {}
+        for ns, bv in SWEEP:
+            try:
+                got = _with_dh(ns, bv, ours_bwd)
+                err = max(float((a.float() - b.float()).norm() / b.float().norm())
+                          for a, b in zip(got, ref))
+                ms, per, _ = _with_dh(ns, bv, lambda: device_times(ours_bwd, iters=iters))
+                dh_ms = sum(v for k_, v in per.items() if "chunk_bwd_dh" in k_)
+                res["dh_sweep"][f"stages{ns}-bv{bv}"] = dict(ms=ms, dh_ms=dh_ms, diff=err)
+            except Exception as e:
+                res["dh_sweep"][f"stages{ns}-bv{bv}"] = f"{type(e).__name__}: {e}"[:200]
     try:
         f_fwd, f_bwd, how = fla_calls(q, k, v, beta, do)
         res["fla_bwd_via"] = how
@@ -95,6 +121,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     t0 = time.time()
@@ -104,13 +131,15 @@ def main():
         dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
         fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims).items()]
         bwd.append(chunk_bwd.stage_params(**dims))
+        if args.sweep:
+            bwd += [_with_dh(ns, bv, lambda: chunk_bwd.stage_params(**dims)) for ns, bv in SWEEP]
     errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     out = os.environ.get("OUT")
     results = []
     for name in names:
         try:
-            r = probe(name, args.iters)
+            r = probe(name, args.iters, args.sweep)
         except Exception as e:
             traceback.print_exc()
             r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -129,6 +158,10 @@ def main():
         print(f"{r['workload']:28s} {g('ours_fwd_ms'):8.4f} {g('fla_fwd_ms'):8.4f} "
               f"{g('ratio_fwd'):6.2f} | {g('ours_bwd_ms'):8.4f} {g('fla_bwd_ms'):8.4f} "
               f"{g('ratio_bwd'):6.2f}")
+        for var, x in r.get("dh_sweep", {}).items():
+            print(f"   dh {var:14s} {x if isinstance(x, str) else ''}"
+                  + ("" if isinstance(x, str) else
+                     f"bwd {x['ms']:.4f} ms  dh {x['dh_ms']:.4f} ms  diff {x['diff']:.1e}"))
 
 
 if __name__ == "__main__":

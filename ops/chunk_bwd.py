@@ -27,6 +27,12 @@ CHUNK = 64
 
 _KERNELS: dict = {}
 
+#: pipeline depth of the reverse dh pass (0: plain loop with masked loads; >= 1: TMA
+#: producer warps prefetch the next chunks' q, k, w, do, dv_local)
+DH_NUM_STAGES = int(os.environ.get("LINATTN_BWD_DH_STAGES", "0"))
+#: force the dh pass's value block (16 / 32 / 64; probing); None = chunk.state_block_v
+DH_BLOCK_V_OVERRIDE = None
+
 
 def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
     """The compiled kernel of backward ``stage`` at ``params`` (memoised per process;
@@ -47,10 +53,12 @@ def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
 
 def stage_params(*, H, K, V, dtype, B=1) -> dict:
     """stage name -> build() params for one backward call (B sets the dh pass's value
-    block: more value blocks, more CTAs, for the sequential pass)."""
+    block: more value blocks, more CTAs, for the sequential pass). Reads the knobs
+    DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
     common = dict(H=H, K=K, V=V, dtype=dtype)
     return {"chunk_bwd_dv_local": common,
-            "chunk_bwd_dh": dict(common, block_v=chunk.state_block_v(V, B * H)),
+            "chunk_bwd_dh": dict(common, num_stages=DH_NUM_STAGES,
+                                 block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H)),
             "chunk_bwd_dqkw": common,
             "chunk_bwd_wy": common}
 

@@ -40,11 +40,12 @@ def test_stage_renders(stage):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("block_v", [16, 32])
-def test_dh_pass_compiles_small_value_blocks(block_v):
+@pytest.mark.parametrize("block_v,num_stages", [(16, 0), (32, 0), (16, 1), (32, 2)])
+def test_dh_pass_compiles_value_blocks_and_pipelines(block_v, num_stages):
     src = chunk_bwd.compiled_stage("chunk_bwd_dh", H=4, K=64, V=64, dtype="bfloat16",
-                                   block_v=block_v).get_kernel_source()
+                                   block_v=block_v, num_stages=num_stages).get_kernel_source()
     assert "wgmma" in src or "mma" in src
+    assert ("mbarrier" in src) == (num_stages > 0)   # > 0: warp-specialised TMA pipeline
 
 
 def test_dh_value_block_fills_gpu():

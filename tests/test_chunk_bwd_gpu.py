@@ -27,14 +27,15 @@ pytestmark = pytest.mark.gpu
 TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 F64 = torch.float64
 RESULTS = []
+SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def case(B, H, L, K, V, dtype, name=None):
     return pytest.param(dict(B=B, H=H, L=L, K=K, V=V, dtype=dtype),
-                        id=name or f"B{B}-H{H}-L{L}-K{K}-V{V}-{dtype[:4]}")
+                        id=name or f"B{B}-H{H}-L{L}-K{K}-V{V}-{SHORT[dtype]}")
 
 
-CASES = [case(2, 4, L, 64, 64, dt, f"train-{L // 1024}k-{dt[:4]}")
+CASES = [case(2, 4, L, 64, 64, dt, f"train-{L // 1024}k-{SHORT[dt]}")
          for L in (2048, 4096, 8192, 16384) for dt in ("float16", "bfloat16")]
 CASES += [
     case(1, 16, 256, 128, 128, "bfloat16", "deltanet-1.3b-train-bf16"),
@@ -46,6 +47,16 @@ CASES += [
     case(1, 2, 200, 64, 128, "bfloat16"),
     case(1, 2, 200, 128, 64, "float16"),
 ]
+#: the reverse dh pass's tuning variants (num_stages, block_v), checked on a few cases
+DH_VARIANTS = [(1, 16), (2, 16), (2, 32), (0, 64)]
+DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
+
+
+def _dh_knobs(num_stages, block_v):
+    from linattn.ops import chunk_bwd
+    saved = (chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE)
+    chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = num_stages, block_v
+    return saved
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,6 +72,15 @@ def precompiled():
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
         fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims).items()]
         bwd.append(chunk_bwd.stage_params(**dims))
+    for c in DH_VARIANT_CASES:
+        p = c.values[0]
+        dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
+        for ns, bv in DH_VARIANTS:
+            saved = _dh_knobs(ns, bv)
+            try:
+                bwd.append(chunk_bwd.stage_params(**dims))
+            finally:
+                _dh_knobs(*saved)
     errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
@@ -104,10 +124,10 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x - ref) / (den if den > 0 else 1.0))
 
 
-def _record(test, p, errs, seed):
+def _record(test, p, errs, seed, **extra):
     tol = TOL[p["dtype"]]
     ok = all(e < tol for e in errs.values())      # NaN compares False
-    RESULTS.append(dict(test=test, **p, seed=seed, tol=tol, passed=ok,
+    RESULTS.append(dict(test=test, **p, **extra, seed=seed, tol=tol, passed=ok,
                         errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
     print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
     bad = {n: e for n, e in errs.items() if not e < tol}
@@ -120,6 +140,21 @@ def _seed(rng):
 
 @pytest.mark.parametrize("p", CASES)
 def test_backward(p, rng):
+    _check_backward(p, rng)
+
+
+@pytest.mark.parametrize("num_stages,block_v", DH_VARIANTS,
+                         ids=[f"stages{a}-bv{b}" for a, b in DH_VARIANTS])
+@pytest.mark.parametrize("p", DH_VARIANT_CASES)
+def test_backward_dh_variants(p, num_stages, block_v, rng):
+    saved = _dh_knobs(num_stages, block_v)
+    try:
+        _check_backward(p, rng, dh_num_stages=num_stages, dh_block_v=block_v)
+    finally:
+        _dh_knobs(*saved)
+
+
+def _check_backward(p, rng, **extra):
     from linattn.ops.contracts import deltanet_chunk_bwd
     (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
     dt = q.dtype
@@ -132,7 +167,7 @@ def test_backward(p, rng):
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):
         assert x.shape == like.shape and x.dtype == dt, name
     _record("backward", p, {n: _rel(x, r) for n, x, r in
-                            zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed)
+                            zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed, **extra)
 
 
 @pytest.mark.parametrize("p", CASES)

@@ -42,12 +42,15 @@ def args(**params):
     return ["q", "k", "w", "do", "dv_local", "dh_out", "dv2"]
 
 
-def build(H, K, V, dtype, block_v=64, threads=128):
+def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
     """prim_func for chunk_bwd_dh.
 
     Tensors (B, L, NC = ceil(L / 64) dynamic):
       q, k, w [B, H, L, K], do, dv_local [B, H, L, V]
       -> dh_out [B, H, NC, K, V] (input dtype), dv2 [B, H, L, V] (input dtype)
+    Tuning: block_v (value block: V / block_v CTAs per head), num_stages (0: masked
+    element-wise loads in a plain loop; >= 1: whole-tile copies in a T.Pipelined loop,
+    TMA producer warps prefetching the next chunks; rows past L are masked after the load).
     """
     BT = CHUNK
     BV = block_v
@@ -80,31 +83,66 @@ def build(H, K, V, dtype, block_v=64, threads=128):
             ndv_s = T.alloc_shared((BT, BV), dtype)
 
             T.clear(dh)
-            for r in T.serial(T.ceildiv(L, BT)):
-                c = T.ceildiv(L, BT) - 1 - r
-                t0 = c * BT
-                for i, j in T.Parallel(BT, K):
-                    q_s[i, j] = T.if_then_else(t0 + i < L, q[b, h, t0 + i, j], T.cast(0, dtype))
-                    k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                    w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BV):
-                    do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, v0 + j],
-                                                T.cast(0, dtype))
-                    dv_f[i, j] = T.if_then_else(t0 + i < L,
-                                                T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
-                                                T.float32(0))
-                T.copy(dh, dh_s)
-                T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
-                # dv2 = dv_local + k dh  (rows past L: k = 0, dv_local = 0)
-                T.gemm(k_s, dh_s, dv_f)
-                T.copy(dv_f, dv_s)
-                for i, j in T.Parallel(BT, BV):
-                    ndv_s[i, j] = T.cast(-dv_f[i, j], dtype)
-                for i, j in T.Parallel(BT, BV):
-                    if t0 + i < L:
-                        dv2[b, h, t0 + i, v0 + j] = dv_s[i, j]
-                # dh <- dh + q^T do - w^T dv2
-                T.gemm(q_s, do_s, dh, transpose_A=True)
-                T.gemm(w_s, ndv_s, dh, transpose_A=True)
+            if num_stages == 0:
+                for r in T.serial(T.ceildiv(L, BT)):
+                    c = T.ceildiv(L, BT) - 1 - r
+                    t0 = c * BT
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.if_then_else(t0 + i < L, q[b, h, t0 + i, j], T.cast(0, dtype))
+                        k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
+                        w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, BV):
+                        do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, v0 + j],
+                                                    T.cast(0, dtype))
+                        dv_f[i, j] = T.if_then_else(t0 + i < L,
+                                                    T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
+                                                    T.float32(0))
+                    T.copy(dh, dh_s)
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
+                    T.gemm(k_s, dh_s, dv_f)
+                    for i, j in T.Parallel(BT, BV):
+                        dv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(dv_f[i, j], dtype),
+                                                    T.cast(0, dtype))
+                        ndv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(-dv_f[i, j], dtype),
+                                                     T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, BV):
+                        if t0 + i < L:
+                            dv2[b, h, t0 + i, v0 + j] = dv_s[i, j]
+                    # dh <- dh + q^T do - w^T dv2  (do rows past L are 0)
+                    T.gemm(q_s, do_s, dh, transpose_A=True)
+                    T.gemm(w_s, ndv_s, dh, transpose_A=True)
+            else:
+                do_t = T.alloc_shared((BT, BV), dtype)
+                dvl_t = T.alloc_shared((BT, BV), dtype)
+                for r in T.Pipelined(T.ceildiv(L, BT), num_stages=num_stages):
+                    c = T.ceildiv(L, BT) - 1 - r
+                    t0 = c * BT
+                    # whole tiles (rows past L: zeros or the next head's rows; masked below
+                    # where they could reach a result)
+                    T.copy(q[b, h, t0:t0 + BT, 0:K], q_s)
+                    T.copy(k[b, h, t0:t0 + BT, 0:K], k_s)
+                    T.copy(w[b, h, t0:t0 + BT, 0:K], w_s)
+                    T.copy(do[b, h, t0:t0 + BT, v0:v0 + BV], do_t)
+                    T.copy(dv_local[b, h, t0:t0 + BT, v0:v0 + BV], dvl_t)
+                    for i, j in T.Parallel(BT, BV):
+                        do_s[i, j] = T.if_then_else(t0 + i < L, do_t[i, j], T.cast(0, dtype))
+                        dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
+                                                    T.float32(0))
+                    T.copy(dh, dh_s)
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
+                    T.gemm(k_s, dh_s, dv_f)
+                    for i, j in T.Parallel(BT, BV):
+                        dv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(dv_f[i, j], dtype),
+                                                    T.cast(0, dtype))
+                        ndv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(-dv_f[i, j], dtype),
+                                                     T.cast(0, dtype))
+                    for i, j in T.Parallel(BT, BV):
+                        if t0 + i < L:
+                            dv2[b, h, t0 + i, v0 + j] = dv_s[i, j]
+                    # dh <- dh + q^T do - w^T dv2  (do rows past L are 0)
+                    T.gemm(q_s, do_s, dh, transpose_A=True)
+                    T.gemm(w_s, ndv_s, dh, transpose_A=True)
 
     return chunk_bwd_dh
