@@ -11,7 +11,7 @@ before each call, median over calls; each kernel's median too.
 
     python3 bench/chunk_bwd_probe.py [--iters 30] [--only train-4k-bf16 ...] [--sweep]
     (--sweep: also our backward at each dh-pass variant: pipeline depth x value block)
-    (JSON to $OUT/chunk_bwd_probe.json when OUT is set)
+    (JSON to $OUT_DIR or $OUT /chunk_bwd_probe.json when set)
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def main():
             bwd += [_with_dh(ns, bv, lambda: chunk_bwd.stage_params(**dims)) for ns, bv in SWEEP]
     errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
-    out = os.environ.get("OUT")
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
     results = []
     for name in names:
         try:

@@ -39,6 +39,9 @@ for s in $STEPS; do
              -rfE --durations=8 tests/test_chunk_fwd_gpu.py --junitxml="$R/chunk.xml" ;;
     dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep \
              --budget-s $(( ${DPROBE_S:-240} - 60 )) --out "$R/decode_probe.json" ;;
+    cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 tests/test_chunk_bwd_gpu.py --junitxml="$R/chunk_bwd.xml" ;;
+    cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
@@ -49,5 +52,7 @@ echo "===== steps"; cat "$R/steps.txt"
 echo "===== decode (tail)"; tail -n 30 "$R/decode.log" 2>/dev/null
 echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
+echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
+echo "===== chunk bwd probe (tail)"; tail -n 14 "$R/cbprobe.log" 2>/dev/null
 echo "===== probe (tail)"; tail -n 15 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

@@ -9,7 +9,7 @@ Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do norm
   test_fwd_bwd    our forward then our backward vs the fp64 gradients
 ||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
 are NaN-poisoned by conftest); inputs must come back unchanged. Every kernel is compiled
-first in parallel processes. A JSON summary goes to $OUT/chunk_bwd_gpu.json when OUT is
+first in parallel processes. A JSON summary goes to $OUT_DIR (else $OUT)/chunk_bwd_gpu.json when
 set (each case's errors, pass/fail).
 
 Run: python3 -m pytest -q tests/test_chunk_bwd_gpu.py   (skips without a GPU)
@@ -86,7 +86,7 @@ def precompiled():
     for e in errors:
         print("  compile error:", e)
     yield
-    out = os.environ.get("OUT")
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "chunk_bwd_gpu.json"), "w") as f:
