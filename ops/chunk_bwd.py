@@ -190,7 +190,8 @@ def chunk_forward_intermediates(q, k, v, beta):
     dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
     the final state). The chunked forward keeps its per-chunk states in the input dtype,
     so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. Aw comes from a
-    torch f32 triangular solve (ops.chunk's prepare stage keeps its inverse on chip).
+    torch f32 triangular solve (ops.chunk's prepare stage keeps its inverse on chip);
+    Aw and Au are the same tensor (equal by definition; no copy is made).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -201,9 +202,9 @@ def chunk_forward_intermediates(q, k, v, beta):
     spec = deltanet.SPEC
     tok = lambda x: x.transpose(1, 2).reshape(Ttot, H, -1).contiguous()  # noqa: E731
     head = lambda x: x.view(B, L, H, -1).transpose(1, 2).contiguous()  # noqa: E731
-    S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
     if Ttot == 0:
         e = lambda *s: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
         return (e(B, H, L, V), S, e(B, H, L, CHUNK), e(B, H, L, CHUNK), e(B, H, L, K),
                 e(B, H, L, V))
     qf, kf, vf = tok(q), tok(k), tok(v)
@@ -226,7 +227,8 @@ def chunk_forward_intermediates(q, k, v, beta):
     o = torch.empty(Ttot, H, V, dtype=dt, device=dev)
     chunk.compiled_stage(spec, "chunk_output", **params["chunk_output"])(
         qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o, 1.0)
-    S[:, :, :NC] = h.view(B, NC, H, K, V).transpose(1, 2)
+    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
+    S[:, :, :NC] = h.view(B, NC, H, K, V).transpose(1, 2)      # h[0] = 0 (no initial state)
     S[:, :, NC] = final
     A = wy_inverse(k, beta, L).to(dt)
-    return head(o), S, A, A.clone(), head(w), head(u)
+    return head(o), S, A, A, head(w), head(u)

@@ -181,6 +181,7 @@ def test_forward(p, rng):
     NC = math.ceil(p["L"] / 64)
     assert S.shape == (p["B"], p["H"], NC + 1, p["K"], p["V"]) and S.dtype == torch.float32
     assert torch.equal(Aw, Au)
+    assert torch.equal(S[:, :, 0], torch.zeros_like(S[:, :, 0]))
     ro, rS, rA, _, rw, ru = fwd
     _record("forward", p, dict(o=_rel(o, ro), S=_rel(S, rS), A=_rel(Aw, rA), w=_rel(w, rw),
                                u=_rel(u, ru)), seed)
