@@ -161,9 +161,10 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
 def forward_params(*, H, K, V, dtype, B=1) -> dict:
-    """ops.chunk stage params the contract's forward runs (for chunk.precompile)."""
-    return chunk.stage_params(deltanet.SPEC, Options(), H=H, HV=H, K=K, V=V, dtype=dtype,
-                              beta_dtype=dtype, N=B, output_final_state=True)
+    """ops.chunk stage params the contract's forward runs (for chunk.precompile): each
+    (batch, head) pair is one sequence of a single head (see chunk_forward_intermediates)."""
+    return chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
+                              beta_dtype=dtype, N=B * H, output_final_state=True)
 
 
 def wy_inverse(k, beta, L):
@@ -198,37 +199,39 @@ def chunk_forward_intermediates(q, k, v, beta):
     dt = q.dtype
     dev = q.device
     NC = -(-L // CHUNK)
-    Ttot = B * L
-    spec = deltanet.SPEC
-    tok = lambda x: x.transpose(1, 2).reshape(Ttot, H, -1).contiguous()  # noqa: E731
-    head = lambda x: x.view(B, L, H, -1).transpose(1, 2).contiguous()  # noqa: E731
-    if Ttot == 0:
+    if B * H * L == 0:
         e = lambda *s: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
         return (e(B, H, L, V), S, e(B, H, L, CHUNK), e(B, H, L, CHUNK), e(B, H, L, K),
                 e(B, H, L, V))
-    qf, kf, vf = tok(q), tok(k), tok(v)
-    betaf = beta.transpose(1, 2).reshape(Ttot, H).contiguous()
-    cu = tuple(range(0, (B + 1) * L, L))
-    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(cu, CHUNK, dev)
+    # head-first [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h):
+    # ops.chunk's varlen stages run on it as it is, no layout conversion either way
+    N, Ttot = B * H, B * H * L
+    spec = deltanet.SPEC
+    flat = lambda x: x.contiguous().view(Ttot, 1, -1)  # noqa: E731
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    betaf = beta.contiguous().view(Ttot, 1)
+    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(
+        tuple(range(0, Ttot + 1, L)), CHUNK, dev)
     params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    g_cum, A_log, dt_bias = f32(Ttot, H), f32(H), f32(H)
-    w = torch.empty(Ttot, H, K, dtype=dt, device=dev)
-    u = torch.empty(Ttot, H, V, dtype=dt, device=dev)
+    g_cum, A_log, dt_bias = f32(Ttot, 1), f32(1), f32(1)
+    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
+    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
     chunk.compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])(
-        kf, vf, g_cum, betaf, A_log, dt_bias, chunk_bos, chunk_len, g_cum, kf, w, u)
-    h = torch.empty(B * NC, H, K, V, dtype=dt, device=dev)
-    v_new = torch.empty(Ttot, H, V, dtype=dt, device=dev)
-    final = f32(B, H, K, V)
-    h0 = f32(1, H, K, V)
+        kf, vf, g_cum, betaf, A_log, dt_bias, chunk_bos, chunk_len, g_cum, kf,
+        w.view(Ttot, 1, K), u.view(Ttot, 1, V))
+    h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
+    v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
+    final = f32(N, 1, K, V)
     chunk.compiled_stage(spec, "chunk_state", **params["chunk_state"])(
-        kf, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
-    o = torch.empty(Ttot, H, V, dtype=dt, device=dev)
+        kf, w.view(Ttot, 1, K), u.view(Ttot, 1, V), g_cum, cu32, chunk_offsets,
+        f32(1, 1, K, V), h, v_new, final)
+    o = torch.empty(B, H, L, V, dtype=dt, device=dev)
     chunk.compiled_stage(spec, "chunk_output", **params["chunk_output"])(
-        qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o, 1.0)
+        qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o.view(Ttot, 1, V), 1.0)
     S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
-    S[:, :, :NC] = h.view(B, NC, H, K, V).transpose(1, 2)      # h[0] = 0 (no initial state)
-    S[:, :, NC] = final
+    S[:, :, :NC] = h.view(B, H, NC, K, V)           # h[0] = 0 (no initial state)
+    S[:, :, NC] = final.view(B, H, K, V)
     A = wy_inverse(k, beta, L).to(dt)
-    return head(o), S, A, A, head(w), head(u)
+    return o, S, A, A, w, u

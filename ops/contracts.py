@@ -55,7 +55,8 @@ def deltanet_chunk_fwd(q, k, v, beta):
     Returns (o, S, Aw, Au, w, u): o [B, H, L, DV]; S [B, H, NC+1, DK, DV] f32 (S[0] = 0,
     S[t] the state entering chunk t, S[NC] the final state); Aw = Au =
     (I + tril(beta K K^T, -1))^-1 per chunk [B, H, L, 64]; w = Aw (beta k); u = Au (beta v);
-    all but S in the input dtype. Layout conversions happen inside the call.
+    all but S in the input dtype. The head-first tensors are read as they are (each
+    (batch, head) pair runs as one sequence of the chunked forward): no layout conversion.
     """
     from .chunk_bwd import chunk_forward_intermediates
     return chunk_forward_intermediates(q, k, v, beta)
