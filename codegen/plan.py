@@ -53,6 +53,9 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated"),
     ),
     "bwd": (
+        Stage("chunk_bwd_wy_recompute", "chunk_bwd_wy_recompute.py.jinja", "bwd",
+              doc="per chunk: A = (I + strict_tril(beta K K^T))^-1, w, u (head-first)",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
         Stage("chunk_bwd_dv_local", "chunk_bwd_dv_local.py.jinja", "bwd",
               doc="per chunk: dv_local = tril_incl(q k^T)^T do",
               rules=frozenset({"delta"}), gates=frozenset({"none"})),

@@ -12,7 +12,8 @@ The kernels read the contract's head-first tensors [B, H, L, D] directly (no lay
 conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
-u) over the chunked forward's generated stages (ops/chunk.py).
+u): A, w, u from the stage chunk_bwd_wy_recompute (grid (NC, B*H)), then the chunked
+forward's chunk_state and chunk_output (ops/chunk.py) with each (b, h) as one sequence.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from ..dsl import Options, SpecError
 from . import chunk, deltanet
 
 STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+#: A, w, u from k, v, beta (the contract's forward takes them from here; a backward that
+#: saved only the inputs would run it first)
+RECOMPUTE = "chunk_bwd_wy_recompute"
 ARCH = "sm90"
 CHUNK = 64
 
@@ -52,11 +56,14 @@ def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
 
 
 def stage_params(*, H, K, V, dtype, B=1) -> dict:
-    """stage name -> build() params for one backward call (B sets the dh pass's value
+    """stage name -> build() params of this module's stages (the four backward stages and
+    the WY recompute) for one call (B sets the dh pass's value
     block: more value blocks, more CTAs, for the sequential pass). Reads the knobs
     DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
     common = dict(H=H, K=K, V=V, dtype=dtype)
-    return {"chunk_bwd_dv_local": common,
+    return {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE
+                            if chunk.PREPARE_INVERSE in ("column", "blocked") else "blocked"),
+            "chunk_bwd_dv_local": common,
             "chunk_bwd_dh": dict(common, num_stages=DH_NUM_STAGES,
                                  block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H)),
             "chunk_bwd_dqkw": common,
@@ -161,26 +168,12 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
 def forward_params(*, H, K, V, dtype, B=1) -> dict:
-    """ops.chunk stage params the contract's forward runs (for chunk.precompile): each
-    (batch, head) pair is one sequence of a single head (see chunk_forward_intermediates)."""
-    return chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                              beta_dtype=dtype, N=B * H, output_final_state=True)
-
-
-def wy_inverse(k, beta, L):
-    """A = (I + strict_tril(beta_i k_i . k_j))^-1 per 64-row chunk, head-first
-    [B, H, L, 64] f32 (torch, f32 triangular solve; padding rows are identity rows)."""
-    import torch
-    B, H, _, K = k.shape
-    NC = -(-L // CHUNK)
-    pad = NC * CHUNK - L
-    kb = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(B, H, NC, CHUNK, K)
-    bb = torch.nn.functional.pad(beta.float(), (0, pad)).view(B, H, NC, CHUNK, 1)
-    M = torch.tril((bb * kb) @ kb.transpose(-1, -2), -1)
-    eye = torch.eye(CHUNK, device=k.device, dtype=torch.float32)
-    A = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False,
-                                      unitriangular=True)
-    return A.reshape(B, H, NC * CHUNK, CHUNK)[:, :, :L]
+    """ops.chunk stage params (chunk_state, chunk_output) the contract's forward runs (for
+    chunk.precompile): each (batch, head) pair is one sequence of a single head (see
+    chunk_forward_intermediates); its A, w, u come from this module's RECOMPUTE stage."""
+    params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
+                                beta_dtype=dtype, N=B * H, output_final_state=True)
+    return {s: params[s] for s in ("chunk_state", "chunk_output")}
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -190,9 +183,9 @@ def chunk_forward_intermediates(q, k, v, beta):
     o [B, H, L, DV], w [B, H, L, DK], u [B, H, L, DV], Aw = Au [B, H, L, 64] in the input
     dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
     the final state). The chunked forward keeps its per-chunk states in the input dtype,
-    so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. Aw comes from a
-    torch f32 triangular solve (ops.chunk's prepare stage keeps its inverse on chip);
-    Aw and Au are the same tensor (equal by definition; no copy is made).
+    so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. A, w, u come from
+    the RECOMPUTE stage (ops.chunk's prepare stage keeps its inverse on chip); Aw and Au
+    are the same tensor (equal by definition; no copy is made).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -209,18 +202,18 @@ def chunk_forward_intermediates(q, k, v, beta):
     N, Ttot = B * H, B * H * L
     spec = deltanet.SPEC
     flat = lambda x: x.contiguous().view(Ttot, 1, -1)  # noqa: E731
-    qf, kf, vf = flat(q), flat(k), flat(v)
-    betaf = beta.contiguous().view(Ttot, 1)
+    qf, kf = flat(q), flat(k)
     cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(
         tuple(range(0, Ttot + 1, L)), CHUNK, dev)
-    params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
+    params_dtype = str(dt).replace("torch.", "")
+    params = forward_params(H=H, K=K, V=V, dtype=params_dtype, B=B)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    g_cum, A_log, dt_bias = f32(Ttot, 1), f32(1), f32(1)
+    g_cum = f32(Ttot, 1)                        # unread without a gate
+    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    chunk.compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])(
-        kf, vf, g_cum, betaf, A_log, dt_bias, chunk_bos, chunk_len, g_cum, kf,
-        w.view(Ttot, 1, K), u.view(Ttot, 1, V))
+    mine = stage_params(H=H, K=K, V=V, dtype=params_dtype, B=B)[RECOMPUTE]
+    compiled_stage(RECOMPUTE, **mine)(k.contiguous(), v.contiguous(), beta.contiguous(), A, w, u)
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
     final = f32(N, 1, K, V)
@@ -233,5 +226,4 @@ def chunk_forward_intermediates(q, k, v, beta):
     S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
     S[:, :, :NC] = h.view(B, H, NC, K, V)           # h[0] = 0 (no initial state)
     S[:, :, NC] = final.view(B, H, K, V)
-    A = wy_inverse(k, beta, L).to(dt)
     return o, S, A, A, w, u
