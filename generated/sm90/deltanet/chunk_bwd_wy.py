@@ -97,9 +97,9 @@ def build(H, K, V, dtype, threads=128):
 
             for i in T.Parallel(BT):
                 b_s[i] = T.if_then_else(t0 + i < L, T.cast(beta[b, h, t0 + i], f32), T.float32(0))
+            # rows past L masked; A is lower triangular, so a valid row has no entry past L
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(t0 + i < L and t0 + j < L, A[b, h, t0 + i, j],
-                                           T.cast(0, dtype))
+                a_s[i, j] = T.if_then_else(t0 + i < L, A[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
                 dw_s[i, j] = T.if_then_else(t0 + i < L, dw[b, h, t0 + i, j], T.cast(0, dtype))
