@@ -9,8 +9,12 @@ timing; its backward timed through the autograd node of one untimed forward
 Device time as bench/chunk_probe.py takes it: union of the call's kernels, L2 flushed
 before each call, median over calls; each kernel's median too.
 
-    python3 bench/chunk_bwd_probe.py [--iters 30] [--only train-4k-bf16 ...] [--sweep]
-    (--sweep: also our backward at each dh-pass variant: pipeline depth x value block)
+    python3 bench/chunk_bwd_probe.py [--iters 20] [--only train-4k-bf16 ...]
+        [--sweep-on train-16k-f16] [--budget-s 0] [--precompile]
+    (--sweep-on: also time our backward there at each dh-pass variant (pipeline depth x
+    value block); '' for none. --precompile: compile in parallel processes first; by
+    default kernels compile on first use, cheap when the GPU tests ran before with the
+    same TILELANG_CACHE_DIR. One line per workload is printed as soon as it is measured.)
     (JSON to $OUT_DIR or $OUT /chunk_bwd_probe.json when set)
 """
 from __future__ import annotations
@@ -30,10 +34,12 @@ from chunk_probe import device_times  # noqa: E402
 from linattn.ops import chunk, chunk_bwd, contracts  # noqa: E402
 from linattn.ops.deltanet import SPEC  # noqa: E402
 
-# name -> (B, H, L, D, dtype): the seed table's DeltaNetChunkFwd / DeltaNetChunkBwd rows
-WORKLOADS = {f"train-{L // 1024}k-{dt}": (2, 4, L, 64, dt)
-             for L in (2048, 4096, 8192, 16384) for dt in ("f16", "bf16")}
-WORKLOADS["deltanet-1.3b-train-bf16"] = (1, 16, 256, 128, "bf16")
+# name -> (B, H, L, D, dtype): the seed table's DeltaNetChunkFwd / DeltaNetChunkBwd rows,
+# the most telling first (a time limit keeps those)
+WORKLOADS = {"train-16k-f16": (2, 4, 16384, 64, "f16"), "train-4k-bf16": (2, 4, 4096, 64, "bf16"),
+             "deltanet-1.3b-train-bf16": (1, 16, 256, 128, "bf16")}
+WORKLOADS.update({f"train-{L // 1024}k-{dt}": (2, 4, L, 64, dt)
+                  for L in (2048, 4096, 8192, 16384) for dt in ("f16", "bf16")})
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -66,7 +72,9 @@ def fla_calls(q, k, v, beta, do):
     return fwd, bwd, how
 
 
-SWEEP = [(ns, bv) for ns in (0, 1, 2) for bv in (16, 32, 64)]
+#: dh-pass variants (num_stages, block_v) timed on --sweep-on (the GPU test compiled
+#: and checked these at H=4, K=V=64, f16, so the train-*-f16 rows find them cached)
+SWEEP = [(0, 16), (1, 16), (2, 16), (2, 32), (0, 64)]
 
 
 def _with_dh(ns, bv, fn):
@@ -76,6 +84,30 @@ def _with_dh(ns, bv, fn):
         return fn()
     finally:
         chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = saved
+
+
+def _short(per):
+    """{kernel name: ms} -> 'name=0.0123 ...' with the kernel names shortened."""
+    return " ".join(f"{k.replace('_kernel', '').replace('chunk_', '')[:22]}={v:.4f}"
+                    for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def line(r):
+    if "error" in r:
+        return f"{r['workload']:26s} ERROR {r['error'][:100]}"
+    g = lambda k: r.get(k, float("nan"))  # noqa: E731
+    text = (f"{r['workload']:26s} fwd {g('ours_fwd_ms'):.4f} (fla {g('fla_fwd_ms'):.4f}, "
+            f"x{g('ratio_fwd'):.2f}) | bwd {g('ours_bwd_ms'):.4f} (fla {g('fla_bwd_ms'):.4f}, "
+            f"x{g('ratio_bwd'):.2f})\n   ours fwd: {_short(r['ours_fwd_kernels_ms'])}"
+            f"\n   ours bwd: {_short(r['ours_bwd_kernels_ms'])}")
+    for op in ("fwd", "bwd"):
+        if f"fla_{op}_kernels_ms" in r:
+            text += f"\n   fla {op}: {_short(r[f'fla_{op}_kernels_ms'])}"
+    for var, x in r.get("dh_sweep", {}).items():
+        text += f"\n   dh {var:12s} " + (x if isinstance(x, str) else
+                                          f"bwd {x['ms']:.4f} ms, dh {x['dh_ms']:.4f} ms, "
+                                          f"diff {x['diff']:.1e}")
+    return text
 
 
 def probe(name, iters, sweep=False):
@@ -119,49 +151,45 @@ def probe(name, iters, sweep=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-on", default="train-16k-f16")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no new workload after this many seconds (0: no limit)")
+    ap.add_argument("--precompile", action="store_true")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     t0 = time.time()
-    fwd, bwd = [], []
-    for n in names:
-        B, H, L, D, dtn = WORKLOADS[n]
-        dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
-        fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims).items()]
-        bwd.append(chunk_bwd.stage_params(**dims))
-        if args.sweep:
-            bwd += [_with_dh(ns, bv, lambda: chunk_bwd.stage_params(**dims)) for ns, bv in SWEEP]
-    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
-    print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
+    if args.precompile:
+        fwd, bwd = [], []
+        for n in names:
+            B, H, L, D, dtn = WORKLOADS[n]
+            dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
+            fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims).items()]
+            bwd.append(chunk_bwd.stage_params(**dims))
+            if n == args.sweep_on:
+                bwd += [_with_dh(ns, bv, lambda: chunk_bwd.stage_params(**dims))
+                        for ns, bv in SWEEP]
+        errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+        print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
     results = []
     for name in names:
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            print(f"{name}: skipped (--budget-s)", flush=True)
+            continue
         try:
-            r = probe(name, args.iters, args.sweep)
+            r = probe(name, args.iters, name == args.sweep_on)
         except Exception as e:
             traceback.print_exc()
             r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}
-        print(json.dumps(r, default=float), flush=True)
+        r["t_s"] = round(time.time() - t0, 1)
+        print(line(r), flush=True)
         results.append(r)
         if out:
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, "chunk_bwd_probe.json"), "w") as f:
                 json.dump(results, f, indent=1, default=float)
-    print("\nworkload                     ours fwd   fla fwd  ratio | ours bwd   fla bwd  ratio")
-    for r in results:
-        if "error" in r:
-            print(f"{r['workload']:28s} ERROR {r['error'][:80]}")
-            continue
-        g = lambda k: r.get(k, float("nan"))  # noqa: E731
-        print(f"{r['workload']:28s} {g('ours_fwd_ms'):8.4f} {g('fla_fwd_ms'):8.4f} "
-              f"{g('ratio_fwd'):6.2f} | {g('ours_bwd_ms'):8.4f} {g('fla_bwd_ms'):8.4f} "
-              f"{g('ratio_bwd'):6.2f}")
-        for var, x in r.get("dh_sweep", {}).items():
-            print(f"   dh {var:14s} {x if isinstance(x, str) else ''}"
-                  + ("" if isinstance(x, str) else
-                     f"bwd {x['ms']:.4f} ms  dh {x['dh_ms']:.4f} ms  diff {x['diff']:.1e}"))
 
 
 if __name__ == "__main__":

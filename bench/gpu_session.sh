@@ -53,6 +53,6 @@ echo "===== decode (tail)"; tail -n 30 "$R/decode.log" 2>/dev/null
 echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
-echo "===== chunk bwd probe (tail)"; tail -n 14 "$R/cbprobe.log" 2>/dev/null
+echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 echo "===== probe (tail)"; tail -n 15 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
