@@ -199,18 +199,19 @@ def probe(name, args):
                     chunk.PREPARE_INVERSE = default_inverse
                 print(name, how, inv[how], flush=True)
             res["inverse_sweep"] = inv
-        chunk.STATE_H_FROM_FRAGMENT = True
+        default_h = chunk.STATE_H_FROM_FRAGMENT
+        chunk.STATE_H_FROM_FRAGMENT = not default_h
+        key_h = f"h_from_fragment_{not default_h}"
         try:
             o2, ht2 = ours()
             t_h, per_h, _ = device_times(ours, iters=max(5, args.iters // 3))
-            res["h_from_fragment"] = {"ms": t_h, "err_o": rel(o2, ref_o),
-                                      "err_ht": rel(ht2, ref_ht),
-                                      "state_ms": per_h.get("chunk_state_kernel")}
+            res[key_h] = {"ms": t_h, "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht),
+                          "state_ms": per_h.get("chunk_state_kernel")}
         except Exception as e:
-            res["h_from_fragment"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            res[key_h] = {"error": f"{type(e).__name__}: {e}"[:200]}
         finally:
-            chunk.STATE_H_FROM_FRAGMENT = False
-        print(name, "h_from_fragment", res["h_from_fragment"], flush=True)
+            chunk.STATE_H_FROM_FRAGMENT = default_h
+        print(name, key_h, res[key_h], flush=True)
         chunk.OUTPUT_BLOCK_V_OVERRIDE = 64
         try:
             o2, _ = ours()
@@ -223,17 +224,19 @@ def probe(name, args):
             chunk.OUTPUT_BLOCK_V_OVERRIDE = None
         print(name, "output_block_v_64", res["output_block_v_64"], flush=True)
         if spec.gate.value == "scalar" and spec.has_beta:
-            chunk.STATE_V_NEW_FROM_FRAGMENT = True
+            default_v = chunk.STATE_V_NEW_FROM_FRAGMENT
+            chunk.STATE_V_NEW_FROM_FRAGMENT = not default_v
+            key_v = f"v_new_from_fragment_{not default_v}"
             try:
                 o2, _ = ours()
                 t_f, per_f, _ = device_times(ours, iters=max(5, args.iters // 3))
-                res["v_new_from_fragment"] = {"ms": t_f, "err_o": rel(o2, ref_o),
-                                              "state_ms": per_f.get("chunk_state_kernel")}
+                res[key_v] = {"ms": t_f, "err_o": rel(o2, ref_o),
+                              "state_ms": per_f.get("chunk_state_kernel")}
             except Exception as e:
-                res["v_new_from_fragment"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+                res[key_v] = {"error": f"{type(e).__name__}: {e}"[:200]}
             finally:
-                chunk.STATE_V_NEW_FROM_FRAGMENT = False
-            print(name, "v_new_from_fragment", res["v_new_from_fragment"], flush=True)
+                chunk.STATE_V_NEW_FROM_FRAGMENT = default_v
+            print(name, key_v, res[key_v], flush=True)
     try:
         res["fla_ms"], res["fla_kernels_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
@@ -275,8 +278,9 @@ def workload_jobs(name, sweep=False):
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 2) for bv in (16, 32, 64)]
         variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked", "tc")]
-        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=True), dict(OUTPUT_BLOCK_V_OVERRIDE=64),
-                     dict(STATE_H_FROM_FRAGMENT=True)]
+        variants += [dict(STATE_V_NEW_FROM_FRAGMENT=not chunk.STATE_V_NEW_FROM_FRAGMENT),
+                     dict(OUTPUT_BLOCK_V_OVERRIDE=64),
+                     dict(STATE_H_FROM_FRAGMENT=not chunk.STATE_H_FROM_FRAGMENT)]
     jobs = []
     for knobs in variants:
         saved = {k: getattr(chunk, k) for k in knobs}

@@ -164,13 +164,13 @@ STATE_BLOCK_V_OVERRIDE = None
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 #: scalar gate: the state pass stores v_new straight from registers (one smem trip less)
-STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
+STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "1") == "1"
 #: the state pass writes h straight from registers instead of a TMA store
-STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
+STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "1") == "1"
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
 #: every thread busy), "column" (forward substitution, one column per thread) or "tc"
 #: (diagonal blocks, then the merge as four tf32 tensor-core products)
-PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "blocked")
+PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "tc")
 
 
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
@@ -280,8 +280,10 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
     key_gate = spec.gate is Gate.KEY
     dt = q.dtype
-    # g_cum: [Ttot, HV] within-chunk cumsum (scalar gate); [NT, HV, K] last rows (key gate)
-    g_cum = empty(NT, HV, K) if key_gate else empty(Ttot, HV)
+    # g_cum: the within-chunk cumsum in chunk-padded rows [HV, NT * C] (scalar gate), the
+    # last rows [NT, HV, K] (key gate), an unused [Ttot, HV] without a gate
+    g_cum = (empty(NT, HV, K) if key_gate else empty(HV, NT * C) if spec.has_gate
+             else empty(Ttot, HV))
     gf = (flat(g, HV, K) if key_gate else flat(g, HV)) if spec.has_gate else g_cum
     betaf = flat(beta, HV) if spec.has_beta else empty(Ttot, HV)
     dt_len = HV * K if key_gate else HV

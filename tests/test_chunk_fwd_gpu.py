@@ -116,9 +116,10 @@ def all_jobs():
         for how in ("column", "blocked", "tc"):
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
     for c in STATE_VARIANT_CASES:
-        jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=True)
+        for on in (True, False):
+            jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=on)
+            jobs += case_jobs(c.values[0], STATE_H_FROM_FRAGMENT=on)
         jobs += case_jobs(c.values[0], OUTPUT_BLOCK_V_OVERRIDE=32)
-        jobs += case_jobs(c.values[0], STATE_H_FROM_FRAGMENT=True)
     return jobs
 
 
@@ -243,20 +244,22 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
+@pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("p", STATE_VARIANT_CASES)
-def test_state_pass_v_new_from_fragment(p, rng, monkeypatch):
+def test_state_pass_v_new_from_fragment(p, on, rng, monkeypatch):
     from linattn.ops import chunk
-    monkeypatch.setattr(chunk, "STATE_V_NEW_FROM_FRAGMENT", True)
+    monkeypatch.setattr(chunk, "STATE_V_NEW_FROM_FRAGMENT", on)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
+@pytest.mark.parametrize("on", [True, False])
 @pytest.mark.parametrize("p", STATE_VARIANT_CASES)
-def test_state_pass_h_from_fragment(p, rng, monkeypatch):
+def test_state_pass_h_from_fragment(p, on, rng, monkeypatch):
     from linattn.ops import chunk
-    monkeypatch.setattr(chunk, "STATE_H_FROM_FRAGMENT", True)
+    monkeypatch.setattr(chunk, "STATE_H_FROM_FRAGMENT", on)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():

@@ -54,7 +54,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     Tensors (Ttot tokens, NT chunks, dynamic):
       k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV], beta [Ttot, HV], A_log [HV],
       dt_bias [HV], chunk_bos [NT], chunk_len [NT] (int32)
-      -> g_cum [Ttot, HV] f32, kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
+      -> g_cum [HV, NT * 64] f32 (scalar gate; [Ttot, HV] and unused without a gate),
+         kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
     Unused inputs/outputs of a flag set are still parameters (pass any small tensor).
     inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy),
     "column" (plain forward substitution, one column per thread) or "tc" (diagonal blocks,

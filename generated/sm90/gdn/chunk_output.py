@@ -42,7 +42,8 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128):
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q [Ttot, H, K], k [Ttot, H, K] (normalised when l2norm_qk), v_new [Ttot, HV, V],
-      h [NT, HV, K, V], g_cum [Ttot, HV] f32, chunk_bos [NT], chunk_len [NT] (int32),
+      h [NT, HV, K, V], g_cum [HV, NT * 64] f32 (scalar gate), chunk_bos [NT],
+      chunk_len [NT] (int32),
       scale (f32 scalar, a runtime argument)
       -> o [Ttot, HV, V] (input dtype)
     """
@@ -59,7 +60,7 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128):
         k: T.Tensor((Ttot, H, K), dtype),
         v_new: T.Tensor((Ttot, HV, V), dtype),
         h: T.Tensor((NT, HV, K, V), dtype),
-        g_cum: T.Tensor((Ttot, HV), f32),
+        g_cum: T.Tensor((HV, NT * BT), f32),
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         o: T.Tensor((Ttot, HV, V), dtype),
@@ -99,8 +100,7 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128):
             T.gemm(q_s, h_s, o_f, clear_accum=True)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             g_s = T.alloc_shared((BT,), f32)
-            for i in T.Parallel(BT):
-                g_s[i] = T.if_then_else(i < rows, g_cum[t0 + i, hv], T.float32(0))
+            T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
             for i, j in T.Parallel(BT, BV):
                 o_f[i, j] = o_f[i, j] * T.exp(g_s[i])
             for i, j in T.Parallel(BT, BT):

@@ -10,7 +10,8 @@ token and the number of valid rows (1..64) of chunk c, so a chunk never crosses 
 sequence boundary and rows past its end are masked (read as 0, never written).
 
 Computes, with g the (activated) log gate and i, j rows of the chunk:
-  g_cum[i] = sum_{j <= i} g[j]                        (f32, written)
+  g_cum[i] = sum_{j <= i} g[j]       (f32, written per value head in chunk-padded rows,
+                                      g_cum [HV, NT * 64], so later stages load it whole)
   k <- k * rsqrt(sum k^2 + 1e-6)                      (l2norm_qk; written as kn once per key head)
   beta <- sigmoid(beta) (x2 with allow_neg_eigval)    (beta_sigmoid)
   A = (I + strict_tril(beta_i (k_i . k_j) exp(g_cum_i - g_cum_j)))^-1   (f32, forward substitution)
@@ -55,7 +56,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     Tensors (Ttot tokens, NT chunks, dynamic):
       k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV], beta [Ttot, HV], A_log [HV],
       dt_bias [HV], chunk_bos [NT], chunk_len [NT] (int32)
-      -> g_cum [Ttot, HV] f32, kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
+      -> g_cum [HV, NT * 64] f32 (scalar gate; [Ttot, HV] and unused without a gate),
+         kn [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V]
     Unused inputs/outputs of a flag set are still parameters (pass any small tensor).
     inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy),
     "column" (plain forward substitution, one column per thread) or "tc" (diagonal blocks,
@@ -78,7 +80,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         dt_bias: T.Tensor((HV,), f32),
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
-        g_cum: T.Tensor((Ttot, HV), f32),
+        g_cum: T.Tensor((HV, NT * BT), f32),
         kn: T.Tensor((Ttot, H, K), dtype),
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
@@ -119,8 +121,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         T.float32(0))
             T.cumsum(g_s, dim=0)
             for i in T.Parallel(BT):
-                if i < rows:
-                    g_cum[t0 + i, hv] = g_s[i]
+                g_cum[hv, c * BT + i] = g_s[i]
 
             # beta (masked rows get 0), then A = strict_tril(beta_i k_i.k_j decay_ij)
             b_s = T.alloc_shared((BT,), f32)

@@ -51,7 +51,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
-      k [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V], g_cum [Ttot, HV] f32,
+      k [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V], g_cum [HV, NT * 64] f32 (scalar
+      gate: chunk-padded rows, one contiguous 256-byte load per chunk),
       cu_seqlens [N+1] int32, chunk_offsets [N+1] int32, h0 state f32 [N, HV, K, V]
       -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
@@ -75,7 +76,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         k: T.Tensor((Ttot, H, K), dtype),
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
-        g_cum: T.Tensor((Ttot, HV), f32),
+        g_cum: T.Tensor((HV, NT * BT), f32),        # chunk-padded within-chunk cumsum
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
@@ -118,7 +119,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(w[t0:t0 + BT, hv, 0:K], w_s)
-                T.copy(g_cum[t0:t0 + BT, hv], g_s)
+                T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
                 T.copy(S, S_s)
                 if h_from_fragment:       # plain stores from registers: nothing to wait for
                     for i, j in T.Parallel(K, BV):

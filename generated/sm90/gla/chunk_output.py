@@ -43,7 +43,8 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128):
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q [Ttot, H, K], k [Ttot, H, K] (normalised when l2norm_qk), v_new [Ttot, HV, V],
-      h [NT, HV, K, V], g_cum [Ttot, HV] f32, chunk_bos [NT], chunk_len [NT] (int32),
+      h [NT, HV, K, V], g_cum [HV, NT * 64] f32 (scalar gate), chunk_bos [NT],
+      chunk_len [NT] (int32),
       scale (f32 scalar, a runtime argument)
       -> o [Ttot, HV, V] (input dtype)
     """

@@ -52,7 +52,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
-      k [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V], g_cum [Ttot, HV] f32,
+      k [Ttot, H, K], w [Ttot, HV, K], u [Ttot, HV, V], g_cum [HV, NT * 64] f32 (scalar
+      gate: chunk-padded rows, one contiguous 256-byte load per chunk),
       cu_seqlens [N+1] int32, chunk_offsets [N+1] int32, h0 state f32 [N, HV, K, V]
       -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
