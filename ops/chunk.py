@@ -29,6 +29,7 @@ from ..dsl import Gate, OpSpec, Options, SpecError
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 ARCH = "sm90"
+NUM_SMS = 132                   # H100 / H200
 SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
 
 
@@ -173,19 +174,18 @@ STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "1") == "1"
 PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "tc")
 
 
-def state_block_v(V: int, n_seq_heads: int, num_sms: int = 132) -> int:
-    """Value block of the state pass: the largest of 64 / 32 / 16 dividing V that still
-    gives n_seq_heads * V / block >= num_sms CTAs (the pass is sequential per CTA, so
-    more CTAs means more of the GPU at work), else 16."""
+def state_block_v(V: int, n_seq_heads: int, num_sms: int = NUM_SMS) -> int:
+    """Value block of the state pass. The pass is sequential per CTA and its pipelined
+    CTA fills an SM (256 threads x ~240 registers), so the time is (waves of CTAs) x
+    (chunks) x (per-chunk latency, which grows slowly with the block): take the smallest
+    of 16 / 32 / 64 that keeps n_seq_heads * V / block CTAs within one wave, else 64."""
     if STATE_BLOCK_V_OVERRIDE is not None:
         return STATE_BLOCK_V_OVERRIDE
-    divisors = [bv for bv in (64, 32, 16) if V % bv == 0]
+    divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
     if not divisors:
         raise SpecError(f"V={V} must be a multiple of 16")
-    for bv in divisors:
-        if n_seq_heads * (V // bv) >= num_sms:
-            return bv
-    return divisors[-1]
+    fits = [bv for bv in divisors if n_seq_heads * (V // bv) <= num_sms]
+    return min(fits) if fits else max(divisors)
 
 
 #: the output stage's value block (None: all of V up to 128, so q k^T is formed once)

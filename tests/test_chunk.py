@@ -140,9 +140,11 @@ def test_chunk_tables_reject_bad_cu(cu):
 
 
 def test_state_block_fills_gpu():
-    assert chunk.state_block_v(128, 512) == 64       # 1024 CTAs at 64
-    assert chunk.state_block_v(128, 64) == 32        # 256 CTAs at 32
-    assert chunk.state_block_v(128, 16) == 16        # too few either way: smallest
+    assert chunk.state_block_v(128, 512) == 64       # several waves whatever the block
+    assert chunk.state_block_v(128, 64) == 64        # 128 CTAs: one wave (32: two)
+    assert chunk.state_block_v(128, 32) == 32        # 128 CTAs
+    assert chunk.state_block_v(128, 16) == 16        # 128 CTAs
+    assert chunk.state_block_v(128, 8) == 16         # 64 CTAs, the smallest block
     assert chunk.state_block_v(48, 1) == 16
     with pytest.raises(SpecError):
         chunk.state_block_v(40, 1)
