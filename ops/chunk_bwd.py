@@ -1,8 +1,18 @@
 """DeltaNet's chunked backward (the DeltaNetChunkBwd contract): four generated stages.
 
+Two schemes for the reverse state-gradient recurrence (``SCHEME``, env
+LINATTN_BWD_SCHEME), both exact:
+
+"direct" (default, mirrors dsl/chunked_bwd.py):
     chunk_bwd_dv_local  grid (NC, B*H):       dv_local = tril_incl(q k^T)^T do
     chunk_bwd_dh        grid (V/BV, B*H):     reverse sequential pass: dh per chunk,
-                                              dv2 = dv_local + k dh (gradient of v_new)
+                                              dv2 = dv_local + k dh (gradient of v_new);
+                                              three dependent GEMMs per chunk
+"scan":
+    chunk_bwd_transition grid (NC, B*H):      dv_local, nP = -w^T k, X = q^T do - w^T dv_local
+    chunk_bwd_dh_scan   grid (V/BV, B*H):     dh <- dh + nP dh + X: one GEMM per chunk
+                                              (dv2 = dv_local + k dh is formed in stage 3)
+then, both:
     chunk_bwd_dqkw      grid (NC, B*H):       v_new = u - w S, dq, dk (output and state
                                               terms), dw = -dv2 S^T
     chunk_bwd_wy        grid (NC, B*H):       back through A, w = A beta k, u = A beta v:
@@ -22,7 +32,14 @@ import os
 from ..dsl import Options, SpecError
 from . import chunk, deltanet
 
-STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+#: the stages each scheme runs, in order
+SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"),
+           "scan": ("chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
+                    "chunk_bwd_wy")}
+SCHEME = os.environ.get("LINATTN_BWD_SCHEME", "direct")
+#: every stage of this module, in the plan's order
+ALL_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",
+              "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw", "chunk_bwd_wy")
 #: A, w, u from k, v, beta (the contract's forward takes them from here; a backward that
 #: saved only the inputs would run it first)
 RECOMPUTE = "chunk_bwd_wy_recompute"
@@ -60,15 +77,23 @@ def stage_params(*, H, K, V, dtype, B=1) -> dict:
     """stage name -> build() params of this module's stages (the four backward stages and
     the WY recompute) for one call (B sets the dh pass's value
     block: more value blocks, more CTAs, for the sequential pass). Reads the knobs
-    DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    SCHEME (which stages), DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    if SCHEME not in SCHEMES:
+        raise SpecError(f"LINATTN_BWD_SCHEME / SCHEME must be one of {sorted(SCHEMES)}, "
+                        f"got {SCHEME!r}")
     common = dict(H=H, K=K, V=V, dtype=dtype)
-    return {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE
-                            if chunk.PREPARE_INVERSE in ("column", "blocked") else "blocked"),
-            "chunk_bwd_dv_local": common,
-            "chunk_bwd_dh": dict(common, num_stages=DH_NUM_STAGES,
-                                 block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H)),
-            "chunk_bwd_dqkw": common,
-            "chunk_bwd_wy": common}
+    dh = dict(common, num_stages=DH_NUM_STAGES,
+              block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H))
+    params = {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE
+                              if chunk.PREPARE_INVERSE in ("column", "blocked") else "blocked"),
+              "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
+                                                else {})),
+              "chunk_bwd_wy": common}
+    if SCHEME == "scan":
+        params.update(chunk_bwd_transition=common, chunk_bwd_dh_scan=dh)
+    else:
+        params.update(chunk_bwd_dv_local=common, chunk_bwd_dh=dh)
+    return params
 
 
 def _compile_job(job):
@@ -155,10 +180,17 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
     run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
 
     dv_local = torch.empty_like(v)
-    run("chunk_bwd_dv_local", q, k, do, dv_local)
     dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
-    dv2 = torch.empty_like(v)
-    run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2)
+    if "chunk_bwd_dh_scan" in params:
+        nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
+        X = torch.empty(B, H, NC, K, V, dtype=torch.float32, device=q.device)
+        run("chunk_bwd_transition", q, k, w, do, dv_local, nP, X)
+        run("chunk_bwd_dh_scan", nP, X, dh)
+        dv2 = dv_local                      # stage 3 turns it into dv2 in place
+    else:
+        run("chunk_bwd_dv_local", q, k, do, dv_local)
+        dv2 = torch.empty_like(v)
+        run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2)
     dk_part = torch.empty(B, H, L, K, dtype=torch.float32, device=q.device)
     dw = torch.empty_like(k)
     run("chunk_bwd_dqkw", q, k, w, u, do, dv2, S, dh, dq, dk_part, dw)

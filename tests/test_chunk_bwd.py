@@ -22,14 +22,14 @@ C = chunk_bwd.CHUNK
 
 
 def test_plan_lists_backward_stages():
-    want = [chunk_bwd.RECOMPUTE, *chunk_bwd.STAGES]
+    want = list(chunk_bwd.ALL_STAGES)
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
     for spec in all_rule_gate_specs():          # delta rule without a gate only (so far)
         names = [s.name for s in plan(spec, "bwd")]
         assert names == (want if spec.name == "delta_none" else [])
 
 
-@pytest.mark.parametrize("stage", [chunk_bwd.RECOMPUTE, *chunk_bwd.STAGES])
+@pytest.mark.parametrize("stage", chunk_bwd.ALL_STAGES)
 def test_stage_renders(stage):
     from linattn.ops.runtime import stage_module
     spec = get_spec("deltanet")
@@ -47,6 +47,19 @@ def test_dh_pass_compiles_value_blocks_and_pipelines(block_v, num_stages):
                                    block_v=block_v, num_stages=num_stages).get_kernel_source()
     assert "wgmma" in src or "mma" in src
     assert ("mbarrier" in src) == (num_stages > 0)   # > 0: warp-specialised TMA pipeline
+
+
+@pytest.mark.compile
+def test_dqkw_compiles_with_dv2_from_dh():
+    src = chunk_bwd.compiled_stage("chunk_bwd_dqkw", H=4, K=64, V=64, dtype="float16",
+                                   dv2_from_dh=True).get_kernel_source()
+    assert "wgmma" in src
+
+
+def test_unknown_scheme_is_refused(monkeypatch):
+    monkeypatch.setattr(chunk_bwd, "SCHEME", "fast")
+    with pytest.raises(SpecError, match="LINATTN_BWD_SCHEME"):
+        chunk_bwd.stage_params(H=4, K=64, V=64, dtype="float16")
 
 
 def test_dh_value_block_fills_gpu():
@@ -97,12 +110,33 @@ def _dh(q, k, w, do, dv_local, dh_out, dv2):
     _store(dv2, out, L)
 
 
-def _dqkw(q, k, w, u, do, dv2, S, dh, dq, dk_part, dw):
+def _transition(q, k, w, do, dv_local, nP, X):
+    L = q.shape[2]
+    qc, kc, wc, doc = (_chunks(x, L) for x in (q, k, w, do))
+    dvl = torch.tril(qc @ kc.transpose(-1, -2)).transpose(-1, -2) @ doc
+    _store(dv_local, dvl, L)
+    dvl = _chunks(dv_local, L)                      # the kernel uses the stored dv_local
+    nP.copy_(-(wc.transpose(-1, -2) @ kc))
+    X.copy_(qc.transpose(-1, -2) @ doc - wc.transpose(-1, -2) @ dvl)
+
+
+def _dh_scan(nP, X, dh_out):
+    P, Xs = nP.to(F64), X.to(F64)
+    dh = torch.zeros_like(Xs[:, :, 0])
+    for c in reversed(range(P.shape[2])):
+        dh_out[:, :, c] = dh.to(dh_out.dtype)
+        dh = dh + P[:, :, c] @ dh.to(dh_out.dtype).to(F64) + Xs[:, :, c]
+
+
+def _dqkw(q, k, w, u, do, dv2, S, dh, dq, dk_part, dw, dv2_from_dh=False):
     L = q.shape[2]
     qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
     NC = qc.shape[2]
     St = S[:, :, :NC].to(F64)
     dhc = dh.to(F64)
+    if dv2_from_dh:
+        _store(dv2, dvc + kc @ dhc, L)
+        dvc = _chunks(dv2, L)
     vn = uc - wc @ St
     ds = torch.tril(doc @ vn.transpose(-1, -2))
     _store(dq, doc @ St.transpose(-1, -2) + ds @ kc, L)
@@ -136,18 +170,20 @@ def _wy_recompute(k, v, beta, A_out, w, u):
     _store(u, A_lp @ (bc * vc), L)
 
 
-EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
+EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_local,
+           "chunk_bwd_transition": _transition, "chunk_bwd_dh_scan": _dh_scan, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
            "chunk_bwd_wy": _wy}
 
 
 class EmulatingKernel(SignatureCheckingKernel):
-    def __init__(self, stage, func):
+    def __init__(self, stage, func, params):
         super().__init__(func)
         self.stage = stage
+        self.flags = {"dv2_from_dh": True} if params.get("dv2_from_dh") else {}
 
     def __call__(self, *args):
         super().__call__(*args)
-        EMULATE[self.stage](*args)
+        EMULATE[self.stage](*args, **self.flags)
 
 
 @pytest.fixture
@@ -156,7 +192,7 @@ def fake_backward(monkeypatch):
     calls = []
 
     def fake(stage, spec=get_spec("deltanet"), **params):
-        kern = EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params))
+        kern = EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params), params)
         calls.append(stage)
         return kern
 
@@ -180,16 +216,19 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
 
 
+@pytest.mark.parametrize("scheme", sorted(chunk_bwd.SCHEMES))
 @pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
                                        (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
-def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V):
+def test_backward_plumbing_and_stage_math(fake_backward, monkeypatch, rng, scheme, B, H, L, K,
+                                          V):
+    monkeypatch.setattr(chunk_bwd, "SCHEME", scheme)
     dtype = torch.float16
     q, k, v, beta, do = _contract_inputs(rng, B, H, L, K, V, dtype)
     o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     S = S.float()
     Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
     grads = contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
-    assert fake_backward == list(chunk_bwd.STAGES)
+    assert fake_backward == list(chunk_bwd.SCHEMES[scheme])
     refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
     for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
         assert g.shape == like.shape and g.dtype == dtype, name

@@ -14,6 +14,10 @@ dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as
   dq    = do S[t]^T + ds k
   dk    = ds^T q + v_new dh[t]^T              (the WY part is added by stage 4)
   dw    = -dv2 S[t]^T
+
+With dv2_from_dh (the scan scheme, whose sequential stage keeps no dv2), the dv2 buffer
+holds dv_local on entry and the kernel first forms dv2 = dv_local + k dh[t], writing it
+back in place (each CTA reads its rows before it writes them).
 """
 import tilelang
 import tilelang.language as T
@@ -44,11 +48,12 @@ def args(**params):
     return ["q", "k", "w", "u", "do", "dv2", "S", "dh", "dq", "dk_part", "dw"]
 
 
-def build(H, K, V, dtype, threads=128):
+def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
     """prim_func for chunk_bwd_dqkw.
 
     Tensors (B, L, NC = ceil(L / 64) dynamic; NC1 = NC + 1):
-      q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V], S [B, H, NC1, K, V] f32,
+      q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
+      dv2_from_dh), S [B, H, NC1, K, V] f32,
       dh [B, H, NC, K, V] (input dtype)
       -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
     """
@@ -95,10 +100,24 @@ def build(H, K, V, dtype, threads=128):
                 w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
-                dv_s[i, j] = T.if_then_else(t0 + i < L, dv2[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(K, V):
                 S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
             T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
+            if dv2_from_dh:
+                # dv2 = dv_local + k dh  (k rows past L are 0)
+                dv2_f = T.alloc_fragment((BT, V), f32)
+                for i, j in T.Parallel(BT, V):
+                    dv2_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dv2[b, h, t0 + i, j], f32),
+                                                 T.float32(0))
+                T.gemm(k_s, dh_s, dv2_f)
+                T.copy(dv2_f, dv_s)
+                for i, j in T.Parallel(BT, V):
+                    if t0 + i < L:
+                        dv2[b, h, t0 + i, j] = dv_s[i, j]
+            else:
+                for i, j in T.Parallel(BT, V):
+                    dv_s[i, j] = T.if_then_else(t0 + i < L, dv2[b, h, t0 + i, j],
+                                                T.cast(0, dtype))
 
             # v_new = u - w S
             T.gemm(w_s, S_s, vn_f, clear_accum=True)
