@@ -165,6 +165,18 @@ def probe(name, args):
     flops = (B * T_eff * HV * (6 * K * V + 2 * K) if spec.name == "deltanet"
              else 7 * B * T_eff * HV * K * V)          # the seed's GDN / DeltaNetFwd counts
     res["tflops"] = flops / (total * 1e-3) / 1e12
+    default_fused = chunk.FUSE_OUTPUT          # the other path, side by side
+    chunk.FUSE_OUTPUT = not default_fused
+    key_f = "fused" if not default_fused else "three_stage"
+    try:
+        o2, ht2 = ours()
+        t_f, per_f, _ = device_times(ours, iters=args.iters)
+        res[key_f] = {"ms": t_f, "stages_ms": per_f, "err_o": rel(o2, ref_o),
+                      "err_ht": rel(ht2, ref_ht)}
+    except Exception as e:
+        res[key_f] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    finally:
+        chunk.FUSE_OUTPUT = default_fused
     if args.sweep:
         sweep = {}
         default_stages = chunk.STATE_NUM_STAGES
@@ -273,7 +285,7 @@ def workload_jobs(name, sweep=False):
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
     spec, options = get_spec(op), Options(**{n: True for n in opts})
     N = B if lens is None else len(lens)
-    variants = [{}]
+    variants = [{}, dict(FUSE_OUTPUT=not chunk.FUSE_OUTPUT)]
     if sweep:
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 2) for bv in (16, 32, 64)]
@@ -289,7 +301,8 @@ def workload_jobs(name, sweep=False):
                 setattr(chunk, k, v)
             params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
                                         g_dtype="float32", beta_dtype="bfloat16", N=N,
-                                        has_initial_state=True, output_final_state=True)
+                                        has_initial_state=True, output_final_state=True,
+                                        fused=chunk.FUSE_OUTPUT)
         finally:
             for k, v in saved.items():
                 setattr(chunk, k, v)
@@ -335,9 +348,12 @@ def main():
             print("%-28s ERROR %s" % (r["workload"], r["error"][:100]))
             continue
         st = " ".join(f"{k.replace('_kernel', '')}={v:.3f}" for k, v in r["stages_ms"].items())
-        print("%-28s %9.3f %9s %7.1f %9.2e %9.2e  %s" % (
+        alt = r.get("fused") or r.get("three_stage") or {}
+        alt_s = (f" | {'fused' if 'fused' in r else '3-stage'} {alt['ms']:.3f} ms "
+                 f"err {alt['err_o']:.1e}" if "ms" in alt else "")
+        print("%-28s %9.3f %9s %7.1f %9.2e %9.2e  %s%s" % (
             r["workload"], r["ms"], f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-",
-            r["tflops"], r["rel_err_o"], r["rel_err_final"], st))
+            r["tflops"], r["rel_err_o"], r["rel_err_final"], st, alt_s))
     return 0 if all("error" not in r for r in results) else 1
 
 

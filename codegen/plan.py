@@ -51,6 +51,11 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="sequential inter-chunk state pass: h per chunk, v_new, final state"),
         Stage("chunk_output", "chunk_output.py.jinja", "fwd",
               doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated"),
+        Stage("chunk_qk", "chunk_qk.py.jinja", "fwd",
+              doc="fused path, per chunk: qg = q e^g and the causal gated A_qk",
+              gates=frozenset({"none", "scalar"})),
+        Stage("chunk_state_output", "chunk_state_output.py.jinja", "fwd",
+              doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)"),
     ),
     "bwd": (
         Stage("chunk_bwd_wy_recompute", "chunk_bwd_wy_recompute.py.jinja", "bwd",

@@ -28,6 +28,7 @@ import numpy as np
 from ..dsl import Gate, OpSpec, Options, SpecError
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
+FUSED_STAGES = ("chunk_qk", "chunk_state_output")      # the fused path's last two
 ARCH = "sm90"
 NUM_SMS = 132                   # H100 / H200
 SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
@@ -168,6 +169,9 @@ STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "1") == "1"
 #: the state pass writes h straight from registers instead of a TMA store
 STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "1") == "1"
+#: run the fused path: chunk_qk + chunk_state_output (o formed inside the state pass, no
+#: per-chunk states h written) instead of chunk_state + chunk_output
+FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
 #: every thread busy), "column" (forward substitution, one column per thread) or "tc"
 #: (diagonal blocks, then the merge as four tf32 tensor-core products)
@@ -300,10 +304,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
             final.copy_(initial_state.float() if initial_state is not None else 0.0)
         return o.reshape(B, T, HV, V), (final if output_final_state else None)
 
+    fused = FUSE_OUTPUT
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
-                          output_final_state=bool(output_final_state))
+                          output_final_state=bool(output_final_state), fused=fused)
     if key_gate:
         # prepare writes qg = q e^G and the causal gated A_qk (the output's q and k
         # operands) and kg = k e^(G_last - G) (the state's k operand)
@@ -319,10 +324,20 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
             prep = compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])
             prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
 
-    h = empty(NT, HV, K, V, dt=dt)
-    v_new = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf
     h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
           else empty(1, *state_shape[1:]))
+    if fused:
+        if not key_gate:   # the output operands qg, A_qk (the key gate's prepare wrote them)
+            q_out, k_out = empty(Ttot, HV, K, dt=dt), empty(Ttot, HV, C, dt=dt)
+            compiled_stage(spec, "chunk_qk", **params["chunk_qk"])(
+                qf, kn, g_cum, chunk_bos, chunk_len, q_out, k_out)
+        state = compiled_stage(spec, "chunk_state_output", **params["chunk_state_output"])
+        state(k_state, w, u, g_cum, cu32, chunk_offsets, h0, final, q_out, k_out, o,
+              float(scale))
+        return o.reshape(B, T, HV, V), (final if output_final_state else None)
+
+    h = empty(NT, HV, K, V, dt=dt)
+    v_new = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf
     state = compiled_stage(spec, "chunk_state", **params["chunk_state"])
     state(k_state, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
 
@@ -333,10 +348,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",
                  beta_dtype="float32", N=1, has_initial_state=False,
-                 output_final_state=False) -> dict:
+                 output_final_state=False, fused=False) -> dict:
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
-    when there is nothing to prepare: no gate, no beta, no l2norm). Uses the module's
-    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, STATE_BLOCK_V_OVERRIDE)."""
+    when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
+    and chunk_state_output instead of chunk_state and chunk_output). Uses the module's
+    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, STATE_BLOCK_V_OVERRIDE, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     out = {}
     if spec.has_gate or spec.has_beta or options.l2norm_qk:     # (a key gate always has)
@@ -355,6 +371,11 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                  and spec.has_beta else {}),
                               **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V))
+    if fused:
+        out["chunk_state_output"] = out.pop("chunk_state")
+        del out["chunk_output"]
+        if spec.gate is not Gate.KEY:
+            out["chunk_qk"] = dict(H=H, HV=HV, K=K, dtype=dtype, l2norm_qk=options.l2norm_qk)
     return out
 
 

@@ -78,6 +78,18 @@ def test_stage_compiles(name, example, stage):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_fused_stages_compile(name):
+    spec = _spec(name)
+    for stage in chunk.FUSED_STAGES:
+        if stage == "chunk_qk" and spec.gate is Gate.KEY:
+            continue
+        mod = chunk.stage_module(spec, stage)
+        src = chunk.compiled_stage(spec, stage, **mod.EXAMPLES[0]).get_kernel_source()
+        assert "wgmma" in src or "mma" in src
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("num_stages", [0, 1])
 def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
     spec = get_spec("gdn")
@@ -191,9 +203,10 @@ class SignatureCheckingKernel:
                 else:
                     exprs.append((name, text, d))
         for name, text, d in exprs:
-            var, plus, const = text.partition(" + ")   # TileLang solves "N + 1" for N
-            if plus and var.isidentifier() and const.isdigit() and var not in binds:
-                binds[var] = d - int(const)
+            for op, solve in ((" + ", lambda d, c: d - c), (" * ", lambda d, c: d // c)):
+                var, hit, const = text.partition(op)   # TileLang solves "N + 1", "NT * 64"
+                if hit and var.isidentifier() and const.isdigit() and var not in binds:
+                    binds[var] = solve(d, int(const))
             assert eval(text, {}, dict(binds)) == d, (name, text, binds, d)
         self.calls += 1
 
@@ -220,12 +233,15 @@ LAUNCH_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3stage", "fused"])
 @pytest.mark.parametrize("name,dims,options,init,final,lens", LAUNCH_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(LAUNCH_CASES)])
-def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, final, lens):
+def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, final, lens,
+                                        fused):
     import torch
     spec = _spec(name)
     fakes = {}
+    monkeypatch.setattr(chunk, "FUSE_OUTPUT", fused)
 
     def fake_compiled(spec_, stage, **params):
         mod = chunk.stage_module(spec_, stage)
@@ -258,9 +274,13 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
     assert o.shape == (B, T, HV, V) and o.dtype == bf
     assert (ht is not None) == final and (ht is None or ht.shape == shape)
     calls = {stage: sum(f.calls for (s, _), f in fakes.items() if s == stage)
-             for stage in chunk.STAGES}
+             for stage in chunk.STAGES + chunk.FUSED_STAGES}
     if T > 0:
-        assert calls["chunk_state"] == 1 and calls["chunk_output"] == 1
+        if fused:
+            assert calls["chunk_state_output"] == 1 and calls["chunk_state"] == 0
+            assert calls["chunk_qk"] == int(spec.gate is not Gate.KEY)
+        else:
+            assert calls["chunk_state"] == 1 and calls["chunk_output"] == 1
         needs_prepare = spec.has_gate or spec.has_beta or options.l2norm_qk
         assert calls["chunk_prepare"] == int(needs_prepare)
 

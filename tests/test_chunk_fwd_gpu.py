@@ -85,6 +85,17 @@ CASES = [
 ]
 
 
+FUSED_CASES = [
+    case("gdn", 2, 256, 4, 4, 128, 128),
+    case("gdn", 1, None, 2, 4, 128, 128, opts=("l2norm_qk", "gate_in_kernel"),
+         lens=[1, 64, 1, 65, 130, 1, 7]),
+    case("deltanet", 2, 65, 2, 2, 64, 64, dtype="float16", opts=("state_v_first",)),
+    case("kda", 1, None, 2, 2, 128, 128, opts=("l2norm_qk",), lens=[1, 64, 65, 130, 1]),
+    case("gla", 2, 130, 2, 2, 64, 64),
+    case("additive_scalar", 1, 200, 2, 2, 64, 64, init=False),
+]
+
+
 def case_jobs(p, **knobs):
     """(spec, stage, params) compile jobs of one case under the chunk module's knobs."""
     from linattn.ops import chunk
@@ -98,7 +109,7 @@ def case_jobs(p, **knobs):
         params = chunk.stage_params(spec, options, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
                                     dtype=p["dtype"], g_dtype="float32", beta_dtype=p["dtype"],
                                     N=N, has_initial_state=p["init"],
-                                    output_final_state=p["final"])
+                                    output_final_state=p["final"], fused=chunk.FUSE_OUTPUT)
         return [(spec, stage, pr) for stage, pr in params.items()]
     finally:
         for name, value in saved.items():
@@ -115,6 +126,8 @@ def all_jobs():
     for c in INVERSE_CASES:
         for how in ("column", "blocked", "tc"):
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
+    for c in FUSED_CASES:
+        jobs += case_jobs(c.values[0], FUSE_OUTPUT=True)
     for c in STATE_VARIANT_CASES:
         for on in (True, False):
             jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=on)
@@ -260,6 +273,17 @@ def test_state_pass_v_new_from_fragment(p, on, rng, monkeypatch):
 def test_state_pass_h_from_fragment(p, on, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_H_FROM_FRAGMENT", on)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
+@pytest.mark.parametrize("p", FUSED_CASES)
+def test_fused_output_path(p, rng, monkeypatch):
+    """chunk_qk + chunk_state_output: o formed inside the state pass (no h written)."""
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():
