@@ -48,9 +48,9 @@ CHUNK = 64
 
 _KERNELS: dict = {}
 
-#: pipeline depth of the reverse dh pass (0: plain loop with masked loads; >= 1: TMA
-#: producer warps prefetch the next chunks' q, k, w, do, dv_local). 0, 1 and 2 passed the
-#: GPU gradient checks (run 2); 2 is the default like the forward's state pass
+#: pipeline depth of the reverse dh pass, either scheme (0: plain loop; >= 1: TMA producer
+#: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
+#: (run 2, direct scheme); 2 is the default, like the forward's state pass
 DH_NUM_STAGES = int(os.environ.get("LINATTN_BWD_DH_STAGES", "2"))
 #: force the dh pass's value block (16 / 32 / 64; probing); None = chunk.state_block_v
 DH_BLOCK_V_OVERRIDE = None
@@ -74,10 +74,10 @@ def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
 
 
 def stage_params(*, H, K, V, dtype, B=1) -> dict:
-    """stage name -> build() params of this module's stages (the four backward stages and
-    the WY recompute) for one call (B sets the dh pass's value
-    block: more value blocks, more CTAs, for the sequential pass). Reads the knobs
-    SCHEME (which stages), DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    """stage name -> build() params of the stages one call runs: the WY recompute (the
+    contract's forward) and the scheme's four backward stages. B sets the dh pass's value
+    block (more value blocks, more CTAs for the sequential pass). Reads the knobs SCHEME,
+    DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
     if SCHEME not in SCHEMES:
         raise SpecError(f"LINATTN_BWD_SCHEME / SCHEME must be one of {sorted(SCHEMES)}, "
                         f"got {SCHEME!r}")
