@@ -209,6 +209,9 @@ def test_summary_table_and_merge(tmp_path):
     assert len(keys) == len(set(keys)) == 3 and merged["commit"] == "c2"
     again = json.load(open(path))
     assert [r["ours_ms"] for r in again["rows"] if r["workload"] == r1.workload and r["dtype"] == r1.dtype] == [0.05]
+    # each row keeps the commit it was measured at
+    stamps = {(r["workload"], r["dtype"]): r["commit"] for r in again["rows"]}
+    assert stamps[(r1.workload, r1.dtype)] == "c2" and stamps[(r2.workload, r2.dtype)] == "c1"
 
 
 def test_bound_labels_match_seed_page():

@@ -123,8 +123,10 @@ def merge_into(path: str, doc: dict) -> dict:
         with open(path) as f:
             old = json.load(f)
     key = lambda r: (r["op"], r["workload"], r["dtype"])  # noqa: E731
-    new_keys = {key(r) for r in doc["rows"]}
-    rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + list(doc["rows"])
+    stamp = {k: doc.get(k) for k in ("commit", "date", "gpu")}
+    fresh = [{**stamp, **r} for r in doc["rows"]]      # a row's own stamp wins
+    new_keys = {key(r) for r in fresh}
+    rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + fresh
     order = {op: i for i, op in enumerate(OPS)}
     rows.sort(key=lambda r: order.get(r["op"], len(order)))
     merged = {**{k: v for k, v in old.items() if k != "rows"},
