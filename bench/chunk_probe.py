@@ -7,6 +7,7 @@ the union of all kernels of one call, and each stage kernel's median time. fla's
 chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
 
     python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
+        [--prepare t256 prefetch t256-prefetch] [--no-alt]
     (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)
 
 One workload failing does not stop the others; a compact summary prints at the end.
@@ -43,6 +44,14 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "q35-397b-tp8-8192-inkernel": ("gdn", 1, 8192, 2, 8, 128, 128,
                                    ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
     "kda-tp8-16384": ("kda", 1, 16384, 4, 4, 128, 128, ("l2norm_qk",), None),
+}
+
+
+#: chunk_prepare variants timed by --prepare NAME... (knobs of ops.chunk set while timing)
+PREPARE_VARIANTS = {
+    "t256": dict(PREPARE_THREADS=256),
+    "prefetch": dict(PREPARE_PREFETCH=True),
+    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
 }
 
 
@@ -165,10 +174,30 @@ def probe(name, args):
     flops = (B * T_eff * HV * (6 * K * V + 2 * K) if spec.name == "deltanet"
              else 7 * B * T_eff * HV * K * V)          # the seed's GDN / DeltaNetFwd counts
     res["tflops"] = flops / (total * 1e-3) / 1e12
+    res["prepare_variants"] = {}
+    for pv in (args.prepare or []) if spec.has_beta and spec.gate.value != "key" else []:
+        knobs = PREPARE_VARIANTS[pv]
+        saved = {k: getattr(chunk, k) for k in knobs}
+        try:
+            for k, v in knobs.items():
+                setattr(chunk, k, v)
+            o2, ht2 = ours()
+            t_p, per_p, _ = device_times(ours, iters=args.iters)
+            res["prepare_variants"][pv] = {
+                "ms": t_p, "prepare_ms": per_p.get("chunk_prepare_kernel"),
+                "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
+        except Exception as e:
+            res["prepare_variants"][pv] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        finally:
+            for k, v in saved.items():
+                setattr(chunk, k, v)
+        print(name, "prepare", pv, res["prepare_variants"][pv], flush=True)
     default_fused = chunk.FUSE_OUTPUT          # the other path, side by side
     chunk.FUSE_OUTPUT = not default_fused
     key_f = "fused" if not default_fused else "three_stage"
     try:
+        if args.no_alt:
+            raise RuntimeError("skipped (--no-alt)")
         o2, ht2 = ours()
         t_f, per_f, _ = device_times(ours, iters=args.iters)
         res[key_f] = {"ms": t_f, "stages_ms": per_f, "err_o": rel(o2, ref_o),
@@ -280,12 +309,14 @@ def fla_time(spec, options, x, cu, args):
     return total, per
 
 
-def workload_jobs(name, sweep=False):
-    """(spec, stage, params) compile jobs of a workload (and of the sweep's variants)."""
+def workload_jobs(name, sweep=False, prepare=(), alt=True):
+    """(spec, stage, params) compile jobs of a workload (and of the sweep's variants, the
+    chunk_prepare variants named in ``prepare``, the other fused / 3-stage path if alt)."""
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
     spec, options = get_spec(op), Options(**{n: True for n in opts})
     N = B if lens is None else len(lens)
-    variants = [{}, dict(FUSE_OUTPUT=not chunk.FUSE_OUTPUT)]
+    variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.FUSE_OUTPUT)] if alt else [])
+    variants += [PREPARE_VARIANTS[pv] for pv in prepare or ()]
     if sweep:
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st in (0, 2) for bv in (16, 32, 64)]
@@ -319,10 +350,16 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also time the state pass at value blocks 16/32/64 x pipeline "
                          "depths 0 and 2, the three inverses of chunk_prepare (with errors)")
+    ap.add_argument("--prepare", nargs="*", default=[], choices=sorted(PREPARE_VARIANTS),
+                    help="also time these chunk_prepare variants (knobs) next to the default")
+    ap.add_argument("--no-alt", action="store_true",
+                    help="do not time (or compile) the other fused / 3-stage path")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     t0 = time.time()
-    errors = chunk.precompile([j for n in names for j in workload_jobs(n, args.sweep)])
+    errors = chunk.precompile([j for n in names
+                               for j in workload_jobs(n, args.sweep, args.prepare,
+                                                      alt=not args.no_alt)])
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     results = []
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
@@ -354,6 +391,10 @@ def main():
         print("%-28s %9.3f %9s %7.1f %9.2e %9.2e  %s%s" % (
             r["workload"], r["ms"], f"{r['fla_ms']:.3f}" if "fla_ms" in r else "-",
             r["tflops"], r["rel_err_o"], r["rel_err_final"], st, alt_s))
+        for pv, pr in r.get("prepare_variants", {}).items():
+            print("    prepare %-14s %s" % (pv, f"{pr['ms']:.3f} ms, prepare "
+                  f"{pr['prepare_ms']:.4f} ms, err o {pr['err_o']:.1e} ht {pr['err_ht']:.1e}"
+                  if "ms" in pr else pr.get("error")))
     return 0 if all("error" not in r for r in results) else 1
 
 

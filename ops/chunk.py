@@ -176,6 +176,11 @@ FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
 #: every thread busy), "column" (forward substitution, one column per thread) or "tc"
 #: (diagonal blocks, then the merge as four tf32 tensor-core products)
 PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "tc")
+#: chunk_prepare's threads: 128 (GPU-verified default) or 256 (two warpgroups: ~110
+#: registers instead of ~184, twice the warps per SM for the latency-bound phases)
+PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
+#: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
+PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "0") == "1"
 
 
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = NUM_SMS) -> int:
@@ -352,7 +357,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
     and chunk_state_output instead of chunk_state and chunk_output). Uses the module's
-    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, STATE_BLOCK_V_OVERRIDE, ...)."""
+    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH, STATE_BLOCK_V_OVERRIDE, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     out = {}
     if spec.has_gate or spec.has_beta or options.l2norm_qk:     # (a key gate always has)
@@ -361,7 +366,11 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             beta_dtype=beta_dtype if spec.has_beta else "float32",
             l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
             allow_neg_eigval=options.allow_neg_eigval, gate_in_kernel=options.gate_in_kernel,
-            **({"inverse": PREPARE_INVERSE} if spec.has_beta else {}))
+            **({"inverse": PREPARE_INVERSE} if spec.has_beta else {}),
+            **({"threads": PREPARE_THREADS} if PREPARE_THREADS != 128
+               and spec.gate is not Gate.KEY else {}),
+            **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
+               and spec.gate is not Gate.KEY else {}))
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),

@@ -6,6 +6,8 @@ back unchanged.
 
 Run: python3 -m pytest -q tests/test_chunk_fwd_gpu.py   (skips without a GPU)
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -128,6 +130,7 @@ def all_jobs():
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
     for c in FUSED_CASES:
         jobs += case_jobs(c.values[0], FUSE_OUTPUT=True)
+    jobs += prepare_variant_jobs()
     for c in STATE_VARIANT_CASES:
         for on in (True, False):
             jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=on)
@@ -142,7 +145,10 @@ def precompiled():
     import time
     from linattn.ops import chunk
     t0 = time.time()
-    jobs = all_jobs()
+    # LINATTN_TEST_PRECOMPILE=prepare: only the chunk_prepare variant tests' kernels (a
+    # short GPU run with `-k prepare_variant`)
+    only_prepare = os.environ.get("LINATTN_TEST_PRECOMPILE") == "prepare"
+    jobs = prepare_variant_jobs() if only_prepare else all_jobs()
     errors = chunk.precompile(jobs)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
@@ -312,6 +318,42 @@ INVERSE_CASES = [
 def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "PREPARE_INVERSE", inverse)
+    errs = run_case(p, rng)
+    tol = TOL[p["dtype"]]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
+# chunk_prepare's performance variants (ops.chunk knobs), each against the fp64 reference
+PREPARE_VARIANTS = {
+    "t256": dict(PREPARE_THREADS=256),
+    "prefetch": dict(PREPARE_PREFETCH=True),
+    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+}
+PREPARE_VARIANT_CASES = [
+    case("gdn", 2, 256, 4, 4, 128, 128),
+    case("deltanet", 2, 130, 2, 2, 64, 64, dtype="float16"),
+    case("gdn", 1, None, 2, 4, 128, 128, opts=("l2norm_qk", "beta_sigmoid", "allow_neg_eigval",
+                                                "gate_in_kernel", "state_v_first"),
+         lens=[1, 64, 1, 65, 130, 1, 7]),
+    case("deltanet", 1, None, 2, 4, 128, 128, dtype="float16", opts=("l2norm_qk",),
+         lens=[1, 63, 64, 1, 100]),
+    case("gdn", 1, None, 1, 2, 64, 64, dtype="float16",
+         opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), lens=[1, 1, 70, 3]),
+]
+
+
+def prepare_variant_jobs():
+    return [j for c in PREPARE_VARIANT_CASES for knobs in PREPARE_VARIANTS.values()
+            for j in case_jobs(c.values[0], **knobs)]
+
+
+@pytest.mark.parametrize("variant", sorted(PREPARE_VARIANTS))
+@pytest.mark.parametrize("p", PREPARE_VARIANT_CASES)
+def test_prepare_variant(p, variant, rng, monkeypatch):
+    from linattn.ops import chunk
+    for name, value in PREPARE_VARIANTS[variant].items():
+        monkeypatch.setattr(chunk, name, value)
     errs = run_case(p, rng)
     tol = TOL[p["dtype"]]
     for name, e in errs.items():

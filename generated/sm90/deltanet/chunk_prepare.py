@@ -48,7 +48,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128):
+          threads=128, prefetch=False):
     """prim_func(q-free inputs) for chunk_prepare.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
@@ -60,6 +60,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     inverse: "blocked" (16 x 16 diagonal blocks, then block rows; all threads busy),
     "column" (plain forward substitution, one column per thread) or "tc" (diagonal blocks,
     then the block merge as four tf32 tensor-core products).
+    threads: 128 (one warpgroup) or 256 (two: the GEMMs split N, every element-wise
+    phase has twice the threads). prefetch: v's global loads are issued at the start
+    into registers (with k's), so their latency overlaps the inverse instead of
+    following it; beta k e^g is formed in place in k_s (no kb buffer), e^g once per row.
     """
     BT = CHUNK
     SUB = 16                    # diagonal block of the blocked inverse
@@ -92,6 +96,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
 
             for i, j in T.Parallel(BT, K):
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
+            if prefetch:
+                # v's loads are issued now into registers and consumed after the inverse
+                v_r = T.alloc_fragment((BT, V), dtype)
+                for i, j in T.Parallel(BT, V):
+                    v_r[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, j], T.cast(0, dtype))
             if l2norm_qk:
                 k_f = T.alloc_fragment((BT, K), f32)
                 k_sq = T.alloc_fragment((BT, K), f32)
@@ -216,19 +225,33 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
 
             # w = X (beta exp(g_cum) k), u = X (beta v): tensor-core GEMMs in the input dtype
             x_lp = T.alloc_shared((BT, BT), dtype)
-            kb_s = T.alloc_shared((BT, K), dtype)
-            vb_s = T.alloc_shared((BT, V), dtype)
             w_f = T.alloc_fragment((BT, K), f32)
             u_f = T.alloc_fragment((BT, V), f32)
             for i, j in T.Parallel(BT, BT):
                 x_lp[i, j] = T.cast(x_s[i, j], dtype)
-            for i, j in T.Parallel(BT, K):
-                kb_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * T.exp(g_s[i])), dtype)
-            for i, j in T.Parallel(BT, V):
-                vb_s[i, j] = T.if_then_else(i < rows, T.cast(T.cast(v[t0 + i, hv, j], f32) * b_s[i], dtype),
-                                            T.cast(0, dtype))
-            T.gemm(x_lp, kb_s, w_f, clear_accum=True)
-            T.gemm(x_lp, vb_s, u_f, clear_accum=True)
+            if prefetch:
+                # beta e^g per row once; beta k e^g in place in k_s; beta v from registers
+                bg_s = T.alloc_shared((BT,), f32)
+                vb_s = T.alloc_shared((BT, V), dtype)
+                for i in T.Parallel(BT):
+                    bg_s[i] = b_s[i] * T.exp(g_s[i])
+                for i, j in T.Parallel(BT, K):
+                    k_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * bg_s[i], dtype)
+                for i, j in T.Parallel(BT, V):
+                    vb_s[i, j] = T.cast(T.cast(v_r[i, j], f32) * b_s[i], dtype)
+                T.gemm(x_lp, k_s, w_f, clear_accum=True)
+                T.gemm(x_lp, vb_s, u_f, clear_accum=True)
+            else:
+                kb_s = T.alloc_shared((BT, K), dtype)
+                vb_s = T.alloc_shared((BT, V), dtype)
+                for i, j in T.Parallel(BT, K):
+                    kb_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * T.exp(g_s[i])), dtype)
+                for i, j in T.Parallel(BT, V):
+                    vb_s[i, j] = T.if_then_else(
+                        i < rows, T.cast(T.cast(v[t0 + i, hv, j], f32) * b_s[i], dtype),
+                        T.cast(0, dtype))
+                T.gemm(x_lp, kb_s, w_f, clear_accum=True)
+                T.gemm(x_lp, vb_s, u_f, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 if i < rows:
                     w[t0 + i, hv, j] = T.cast(w_f[i, j], dtype)
