@@ -84,8 +84,7 @@ def stage_params(*, H, K, V, dtype, B=1) -> dict:
     common = dict(H=H, K=K, V=V, dtype=dtype)
     dh = dict(common, num_stages=DH_NUM_STAGES,
               block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H))
-    params = {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE
-                              if chunk.PREPARE_INVERSE in ("column", "blocked") else "blocked"),
+    params = {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE),   # the forward's choice
               "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
                                                 else {})),
               "chunk_bwd_wy": common}

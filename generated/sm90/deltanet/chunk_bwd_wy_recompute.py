@@ -9,7 +9,8 @@ contract also takes its A, w, u from here, since it must return A).
 One CTA per (chunk, sequence x head); head-first tensors [B, H, L, D], rows i, j of the
 chunk (rows past L read as 0, never written):
 
-  A = (I + strict_tril(beta_i k_i . k_j))^-1   (f32 on chip, exact forward substitution;
+  A = (I + strict_tril(beta_i k_i . k_j))^-1   (f32 on chip: 16 x 16 diagonal blocks by
+                                               substitution, merged in tf32 ("tc") or f32;
                                                written in the input dtype)
   w = A (beta k),  u = A (beta v)              (tensor-core GEMMs, f32 accumulation)
 """
@@ -42,16 +43,17 @@ def args(**params):
     return ["k", "v", "beta", "A_out", "w", "u"]
 
 
-def build(H, K, V, dtype, inverse="blocked", threads=128):
+def build(H, K, V, dtype, inverse="tc", threads=128):
     """prim_func for chunk_bwd_wy_recompute.
 
     Tensors (B, L dynamic): k [B, H, L, K], v [B, H, L, V], beta [B, H, L]
       -> A_out [B, H, L, 64], w [B, H, L, K], u [B, H, L, V] (input dtype)
-    inverse: "blocked" or "column" (see the chunked forward's chunk_prepare).
+    inverse: "tc", "blocked" or "column" (the shared _chunk_inverse include; see the
+    chunked forward's chunk_prepare).
     """
     BT = CHUNK
     SUB = 16
-    assert inverse in ("column", "blocked"), inverse
+    assert inverse in ("column", "blocked", "tc"), inverse
     f32 = "float32"
     B, L = T.dynamic("B, L")
 
