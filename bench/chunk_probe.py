@@ -24,6 +24,7 @@ import traceback
 
 import torch
 
+from linattn.cli.bench.timer import union_length
 from linattn.dsl import Options
 from linattn.dsl import torch_reference as tref
 from linattn.ops import chunk
@@ -62,17 +63,6 @@ def flush_l2():
     torch.bitwise_not(_flush, out=_flush)
 
 
-def _union(iv):
-    total, cs, ce = 0.0, None, None
-    for s, e in sorted(iv):
-        if ce is None or s > ce:
-            if ce is not None:
-                total += ce - cs
-            cs, ce = s, e
-        else:
-            ce = max(ce, e)
-    return total + (ce - cs if ce is not None else 0.0)
-
 
 def device_times(fn, iters=30, warmup=5):
     """Median device ms per call (union of kernels) and per kernel name."""
@@ -100,7 +90,7 @@ def device_times(fn, iters=30, warmup=5):
     calls = [c for c in calls if c]
     if not calls:
         raise RuntimeError("profiler recorded no kernels")
-    total = statistics.median(_union([(s, e) for s, e, _ in c]) for c in calls) / 1e3
+    total = statistics.median(union_length([(s, e) for s, e, _ in c]) for c in calls) / 1e3
     per = {}
     for c in calls:
         seen = {}
