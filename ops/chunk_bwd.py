@@ -73,17 +73,20 @@ def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
     return kern
 
 
-def stage_params(*, H, K, V, dtype, B=1) -> dict:
+def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
     """stage name -> build() params of the stages one call runs: the WY recompute (the
     contract's forward) and the scheme's four backward stages. B sets the dh pass's value
-    block (more value blocks, more CTAs for the sequential pass). Reads the knobs SCHEME,
-    DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
+    dh pass starts from the final state's gradient / writes the initial state's. Reads
+    the knobs SCHEME, DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
     if SCHEME not in SCHEMES:
         raise SpecError(f"LINATTN_BWD_SCHEME / SCHEME must be one of {sorted(SCHEMES)}, "
                         f"got {SCHEME!r}")
     common = dict(H=H, K=K, V=V, dtype=dtype)
     dh = dict(common, num_stages=DH_NUM_STAGES,
-              block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H))
+              block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H),
+              **({"use_dht": True} if use_dht else {}),
+              **({"store_dh0": True} if store_dh0 else {}))
     params = {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE),   # the forward's choice
               "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
                                                 else {})),
@@ -162,39 +165,66 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
     B, H, L, K, V = _dims(q, k, v, beta)
     NC = -(-L // CHUNK)
     dt = q.dtype
-    _check("do", do, (B, H, L, V), dt)
-    _check("w", w, (B, H, L, K), dt)
-    _check("u", u, (B, H, L, V), dt)
-    _check("Aw", Aw, (B, H, L, CHUNK), dt)
     _check("Au", Au, (B, H, L, CHUNK), dt)
     if S.shape[2] != NC + 1:
         raise SpecError(f"S must have NC+1 = {NC + 1} states, got shape {tuple(S.shape)}")
     _check("S", S, (B, H, NC + 1, K, V), torch.float32)
+    return backward_stages(do, q, k, v, beta, S, Aw, w, u)[:4]
+
+
+def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
+    """The scheme's four backward stages, with the state gradients.
+
+    Shapes as :func:`chunk_backward`, but S [B, H, NS, DK, DV] f32 with NS >= NC (only
+    S[:, :, :NC] is read: the states entering the chunks); dht [B, H, DK, DV] f32 or None
+    (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
+    [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
+    """
+    import torch
+    B, H, L, K, V = _dims(q, k, v, beta)
+    NC = -(-L // CHUNK)
+    dt = q.dtype
+    _check("do", do, (B, H, L, V), dt)
+    _check("w", w, (B, H, L, K), dt)
+    _check("u", u, (B, H, L, V), dt)
+    _check("A", A, (B, H, L, CHUNK), dt)
+    if S.dim() != 5 or S.shape[2] < NC:
+        raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
+    _check("S", S, (B, H, S.shape[2], K, V), torch.float32)
+    if dht is not None:
+        _check("dht", dht, (B, H, K, V), torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
+    dh0 = f32(B, H, K, V) if want_dh0 else None
     if L == 0 or B == 0:
-        return dq, dk, dv, dbeta
-    q, k, v, beta, do, w, u, Aw, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, Aw, S))
-    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
+        if dh0 is not None:
+            dh0.copy_(dht if dht is not None else 0.0)
+        return dq, dk, dv, dbeta, dh0
+    q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
+    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
+                          use_dht=dht is not None, store_dh0=want_dh0)
     run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
+    dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
+    dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
 
     dv_local = torch.empty_like(v)
     dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
     if "chunk_bwd_dh_scan" in params:
         nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
-        X = torch.empty(B, H, NC, K, V, dtype=torch.float32, device=q.device)
+        X = f32(B, H, NC, K, V)
         run("chunk_bwd_transition", q, k, w, do, dv_local, nP, X)
-        run("chunk_bwd_dh_scan", nP, X, dh)
+        run("chunk_bwd_dh_scan", nP, X, dh, dht_in, dh0_out)
         dv2 = dv_local                      # stage 3 turns it into dv2 in place
     else:
         run("chunk_bwd_dv_local", q, k, do, dv_local)
         dv2 = torch.empty_like(v)
-        run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2)
-    dk_part = torch.empty(B, H, L, K, dtype=torch.float32, device=q.device)
+        run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2, dht_in, dh0_out)
+    dk_part = f32(B, H, L, K)
     dw = torch.empty_like(k)
     run("chunk_bwd_dqkw", q, k, w, u, do, dv2, S, dh, dq, dk_part, dw)
-    run("chunk_bwd_wy", k, v, beta, Aw, dw, dv2, dk_part, dk, dv, dbeta)
-    return dq, dk, dv, dbeta
+    run("chunk_bwd_wy", k, v, beta, A, dw, dv2, dk_part, dk, dv, dbeta)
+    return dq, dk, dv, dbeta, dh0
 
 
 # -- the contract's forward over the chunked forward's stages ------------------------------

@@ -95,11 +95,15 @@ def _dv_local(q, k, do, dv_local):
     _store(dv_local, P.transpose(-1, -2) @ doc, L)
 
 
-def _dh(q, k, w, do, dv_local, dh_out, dv2):
+def _dh_start(dht, shape, use_dht):
+    return dht.to(F64).clone() if use_dht else torch.zeros(shape, dtype=F64)
+
+
+def _dh(q, k, w, do, dv_local, dh_out, dv2, dht, dh0, use_dht=False, store_dh0=False):
     L = q.shape[2]
     qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
     B, H, NC = qc.shape[:3]
-    dh = torch.zeros(B, H, k.shape[-1], do.shape[-1], dtype=F64)
+    dh = _dh_start(dht, (B, H, k.shape[-1], do.shape[-1]), use_dht)
     out = torch.zeros_like(dvc)
     for c in reversed(range(NC)):
         dh_out[:, :, c] = dh.to(dh_out.dtype)
@@ -108,6 +112,8 @@ def _dh(q, k, w, do, dv_local, dh_out, dv2):
         d = out[:, :, c].to(dv2.dtype).to(F64)
         dh = dh + qc[:, :, c].transpose(-1, -2) @ doc[:, :, c] - wc[:, :, c].transpose(-1, -2) @ d
     _store(dv2, out, L)
+    if store_dh0:
+        dh0.copy_(dh)
 
 
 def _transition(q, k, w, do, dv_local, nP, X):
@@ -120,12 +126,14 @@ def _transition(q, k, w, do, dv_local, nP, X):
     X.copy_(qc.transpose(-1, -2) @ doc - wc.transpose(-1, -2) @ dvl)
 
 
-def _dh_scan(nP, X, dh_out):
+def _dh_scan(nP, X, dh_out, dht, dh0, use_dht=False, store_dh0=False):
     P, Xs = nP.to(F64), X.to(F64)
-    dh = torch.zeros_like(Xs[:, :, 0])
+    dh = _dh_start(dht, Xs[:, :, 0].shape, use_dht)
     for c in reversed(range(P.shape[2])):
         dh_out[:, :, c] = dh.to(dh_out.dtype)
         dh = dh + P[:, :, c] @ dh.to(dh_out.dtype).to(F64) + Xs[:, :, c]
+    if store_dh0:
+        dh0.copy_(dh)
 
 
 def _dqkw(q, k, w, u, do, dv2, S, dh, dq, dk_part, dw, dv2_from_dh=False):
@@ -179,7 +187,7 @@ class EmulatingKernel(SignatureCheckingKernel):
     def __init__(self, stage, func, params):
         super().__init__(func)
         self.stage = stage
-        self.flags = {"dv2_from_dh": True} if params.get("dv2_from_dh") else {}
+        self.flags = {f: True for f in ("dv2_from_dh", "use_dht", "store_dh0") if params.get(f)}
 
     def __call__(self, *args):
         super().__call__(*args)

@@ -6,12 +6,17 @@
 
 One CTA per (value block, sequence x head); the state gradient dh (K x BV, f32) stays in
 registers while the CTA walks the chunks last to first. dh starts at 0 (no gradient
-flows into the final state). Per chunk t (rows past L read as 0):
+flows into the final state) or, with use_dht, at dht (the gradient of the final state,
+f32). Per chunk t (rows past L read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
                                                input dtype)
   dv2 = dv_local + k dh                       (the full gradient of v_new = u - w S[t])
   dh  = dh + q^T do - w^T dv2                 (gradient of the state ENTERING chunk t)
+
+With store_dh0, the dh left after chunk 0 (the gradient of the initial state) is written
+to dh0 (f32). A flag switched off leaves its tensor unread / unwritten ([1, H, K, V]
+placeholders do).
 """
 import tilelang
 import tilelang.language as T
@@ -22,10 +27,10 @@ STAGE = "chunk_bwd_dh"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "K", "V", "dtype", "use_dht", "store_dh0")
 EXAMPLES = [
     dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, K=128, V=128, dtype="float16", use_dht=True, store_dh0=True),
 ]
 CHUNK = 64
 
@@ -39,15 +44,18 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["q", "k", "w", "do", "dv_local", "dh_out", "dv2"]
+    return ["q", "k", "w", "do", "dv_local", "dh_out", "dv2", "dht", "dh0"]
 
 
-def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
+def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages=0,
+          threads=128):
     """prim_func for chunk_bwd_dh.
 
     Tensors (B, L, NC = ceil(L / 64) dynamic):
       q, k, w [B, H, L, K], do, dv_local [B, H, L, V]
       -> dh_out [B, H, NC, K, V] (input dtype), dv2 [B, H, L, V] (input dtype)
+      dht [N0, H, K, V] f32 (read with use_dht; N0 = B, or 1 as a placeholder),
+      dh0 [N1, H, K, V] f32 (written with store_dh0; N1 = B, or 1)
     Tuning: block_v (value block: V / block_v CTAs per head), num_stages (0: masked
     element-wise loads in a plain loop; >= 1: whole-tile copies in a T.Pipelined loop,
     TMA producer warps prefetching the next chunks; rows past L are masked after the load).
@@ -56,7 +64,7 @@ def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
-    B, L, NC = T.dynamic("B, L, NC")
+    B, L, NC, N0, N1 = T.dynamic("B, L, NC, N0, N1")
 
     @T.prim_func
     def chunk_bwd_dh(
@@ -67,6 +75,8 @@ def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
         dv_local: T.Tensor((B, H, L, V), dtype),
         dh_out: T.Tensor((B, H, NC, K, V), dtype),
         dv2: T.Tensor((B, H, L, V), dtype),
+        dht: T.Tensor((N0, H, K, V), f32),
+        dh0: T.Tensor((N1, H, K, V), f32),
     ):
         with T.Kernel(V // BV, B * H, threads=threads) as (iv, bh):
             b = bh // H
@@ -82,7 +92,10 @@ def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
             dv_s = T.alloc_shared((BT, BV), dtype)
             ndv_s = T.alloc_shared((BT, BV), dtype)
 
-            T.clear(dh)
+            if use_dht:
+                T.copy(dht[b, h, 0:K, v0:v0 + BV], dh)
+            else:
+                T.clear(dh)
             if num_stages == 0:
                 for r in T.serial(T.ceildiv(L, BT)):
                     c = T.ceildiv(L, BT) - 1 - r
@@ -144,5 +157,8 @@ def build(H, K, V, dtype, block_v=64, num_stages=0, threads=128):
                     # dh <- dh + q^T do - w^T dv2  (do rows past L are 0)
                     T.gemm(q_s, do_s, dh, transpose_A=True)
                     T.gemm(w_s, ndv_s, dh, transpose_A=True)
+
+            if store_dh0:
+                T.copy(dh, dh0[b, h, 0:K, v0:v0 + BV])
 
     return chunk_bwd_dh

@@ -6,12 +6,16 @@
 state gradient, one GEMM per chunk.
 
 One CTA per (value block, sequence x head); dh (K x BV, f32) stays in registers while
-the CTA walks the chunks last to first, from dh = 0. Per chunk t, with nP[t] and X[t]
-from chunk_bwd_transition:
+the CTA walks the chunks last to first, from dh = 0 (use_dht: from dht, the final state's
+gradient, f32). Per chunk t, with nP[t] and X[t] from chunk_bwd_transition:
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
                                                input dtype)
   dh        = dh + nP[t] dh + X[t]            (= dh + q^T do - w^T (dv_local + k dh))
+
+With store_dh0 the dh left after chunk 0 (the initial state's gradient) goes to dh0
+(f32). A flag switched off leaves its tensor unread / unwritten ([1, H, K, V] placeholders
+do).
 """
 import tilelang
 import tilelang.language as T
@@ -22,10 +26,10 @@ STAGE = "chunk_bwd_dh_scan"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "K", "V", "dtype", "use_dht", "store_dh0")
 EXAMPLES = [
     dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, K=128, V=128, dtype="float16", use_dht=True, store_dh0=True),
 ]
 CHUNK = 64
 
@@ -39,27 +43,32 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["nP", "X", "dh_out"]
+    return ["nP", "X", "dh_out", "dht", "dh0"]
 
 
-def build(H, K, V, dtype, block_v=64, num_stages=2, threads=128):
+def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages=2,
+          threads=128):
     """prim_func for chunk_bwd_dh_scan.
 
     Tensors (B, NC dynamic): nP [B, H, NC, K, K] (input dtype), X [B, H, NC, K, V] f32
       -> dh_out [B, H, NC, K, V] (input dtype)
+      dht [N0, H, K, V] f32 (read with use_dht; N0 = B or 1), dh0 [N1, H, K, V] f32
+      (written with store_dh0; N1 = B or 1)
     Tuning: block_v (V / block_v CTAs per head), num_stages (0: plain loop; >= 1: TMA
     producer warps prefetch the next chunks' nP and X).
     """
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
-    B, NC = T.dynamic("B, NC")
+    B, NC, N0, N1 = T.dynamic("B, NC, N0, N1")
 
     @T.prim_func
     def chunk_bwd_dh_scan(
         nP: T.Tensor((B, H, NC, K, K), dtype),
         X: T.Tensor((B, H, NC, K, V), f32),
         dh_out: T.Tensor((B, H, NC, K, V), dtype),
+        dht: T.Tensor((N0, H, K, V), f32),
+        dh0: T.Tensor((N1, H, K, V), f32),
     ):
         with T.Kernel(V // BV, B * H, threads=threads) as (iv, bh):
             b = bh // H
@@ -70,7 +79,10 @@ def build(H, K, V, dtype, block_v=64, num_stages=2, threads=128):
             p_s = T.alloc_shared((K, K), dtype)
             x_s = T.alloc_shared((K, BV), f32)
 
-            T.clear(dh)
+            if use_dht:
+                T.copy(dht[b, h, 0:K, v0:v0 + BV], dh)
+            else:
+                T.clear(dh)
             for r in T.Pipelined(NC, num_stages=num_stages):
                 c = NC - 1 - r
                 T.copy(nP[b, h, c, 0:K, 0:K], p_s)
@@ -80,5 +92,8 @@ def build(H, K, V, dtype, block_v=64, num_stages=2, threads=128):
                 for i, j in T.Parallel(K, BV):
                     dh[i, j] = dh[i, j] + x_s[i, j]
                 T.gemm(p_s, dh_s, dh)
+
+            if store_dh0:
+                T.copy(dh, dh0[b, h, 0:K, v0:v0 + BV])
 
     return chunk_bwd_dh_scan
