@@ -56,6 +56,12 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               gates=frozenset({"none", "scalar"})),
         Stage("chunk_state_output", "chunk_state_output.py.jinja", "fwd",
               doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)"),
+        Stage("chunk_kkt_inverse", "chunk_kkt_inverse.py.jinja", "fwd",
+              doc="split prepare, per chunk: gate cumsum, l2norm k, beta, A diag(beta)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_wu", "chunk_wu.py.jinja", "fwd",
+              doc="split prepare, per chunk and column block: w = A_b e^g k, u = A_b v",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
     ),
     "bwd": (
         Stage("chunk_bwd_wy_recompute", "chunk_bwd_wy_recompute.py.jinja", "bwd",

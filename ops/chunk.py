@@ -182,6 +182,16 @@ PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
+#: delta rule (no / scalar gate): chunk_prepare split in two kernels as fla does:
+#: chunk_kkt_inverse (gate cumsum, l2norm, beta, A diag(beta) written) then chunk_wu
+#: (w, u as plain GEMMs over (chunk, head, column block)); not yet GPU-verified
+PREPARE_SPLIT = os.environ.get("LINATTN_CHUNK_PREPARE_SPLIT", "0") == "1"
+#: the split path's inverse ("tc": 143 regs, 66 KB smem; "blocked": 58 regs, 37 KB)
+PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "tc")
+#: the split path's stored A: None = the input dtype (as fla), or "float32"
+PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
+#: chunk_wu's columns per CTA (64: (K + V) / 64 CTAs per (chunk, head))
+PREPARE_SPLIT_BLOCK_N = int(os.environ.get("LINATTN_CHUNK_SPLIT_BLOCK_N", "64"))
 
 
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = NUM_SMS) -> int:
@@ -329,6 +339,13 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         if "chunk_prepare" in params:
             prep = compiled_stage(spec, "chunk_prepare", **params["chunk_prepare"])
             prep(kf, vf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, w, u)
+        elif "chunk_kkt_inverse" in params:     # split prepare (PREPARE_SPLIT)
+            kkt = params["chunk_kkt_inverse"]
+            A = empty(Ttot, HV, C, dt=getattr(torch, kkt["a_dtype"] or dtype))
+            compiled_stage(spec, "chunk_kkt_inverse", **kkt)(
+                kf, gf, betaf, A_log_t, dt_bias_t, chunk_bos, chunk_len, g_cum, kn, A)
+            compiled_stage(spec, "chunk_wu", **params["chunk_wu"])(
+                kn, vf, A, g_cum, chunk_bos, chunk_len, w, u)
 
     h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
           else empty(1, *state_shape[1:]))
@@ -357,7 +374,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                  output_final_state=False, fused=False) -> dict:
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
-    and chunk_state_output instead of chunk_state and chunk_output). Uses the module's
+    and chunk_state_output instead of chunk_state and chunk_output; PREPARE_SPLIT: the
+    delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). Uses the module's
     tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH, STATE_BLOCK_V_OVERRIDE, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     out = {}
@@ -372,6 +390,14 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                and spec.gate is not Gate.KEY else {}),
             **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
                and spec.gate is not Gate.KEY else {}))
+    if PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY:
+        prep = out.pop("chunk_prepare")
+        for name in ("V", "inverse", "threads", "prefetch"):
+            prep.pop(name, None)
+        out["chunk_kkt_inverse"] = dict(prep, inverse=PREPARE_SPLIT_INVERSE,
+                                        a_dtype=PREPARE_SPLIT_A_DTYPE)
+        out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE,
+                               block_n=PREPARE_SPLIT_BLOCK_N)
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),
