@@ -8,9 +8,12 @@ Public functions follow flash-linear-attention's signatures::
 """
 __version__ = "0.1.0"
 
-from .dsl import Gate, OpSpec, Options, Rule, SpecError  # noqa: F401
-from .ops.deltanet import chunk_delta_rule, fused_recurrent_delta_rule  # noqa: F401
-from .ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
+# Absolute imports: test runners import this file by path under the checkout folder's
+# name (pytest sets up the repository root as a package), where relative imports fail.
+
+from linattn.dsl import Gate, OpSpec, Options, Rule, SpecError  # noqa: F401
+from linattn.ops.deltanet import chunk_delta_rule, fused_recurrent_delta_rule  # noqa: F401
+from linattn.ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
                       fused_recurrent_gated_delta_rule, fused_recurrent_gdn)
-from .ops.gla import chunk_gla, fused_recurrent_gla  # noqa: F401
-from .ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
+from linattn.ops.gla import chunk_gla, fused_recurrent_gla  # noqa: F401
+from linattn.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
