@@ -289,3 +289,49 @@ def chunk_forward_intermediates(q, k, v, beta):
     S[:, :, :NC] = h.view(B, H, NC, K, V)           # h[0] = 0 (no initial state)
     S[:, :, NC] = final.view(B, H, K, V)
     return o, S, A, A, w, u
+
+
+def recompute_for_backward(k, v, beta, initial_state=None):
+    """What the backward needs from the forward, recomputed from its inputs.
+
+    Head-first k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype),
+    initial_state [B, H, DK, DV] (any float dtype, read as f32) or None (zero). Returns
+    (A [B, H, L, 64], w [B, H, L, DK], u [B, H, L, DV]) in the input dtype and S
+    [B, H, NC, DK, DV] f32, the state entering each chunk (S[:, :, 0] = initial_state);
+    the chunked forward keeps these states in the input dtype, so S carries that rounding.
+    """
+    import torch
+    B, H, L, K, V = _dims(k, k, v, beta)
+    dt, dev = k.dtype, k.device
+    NC = -(-L // CHUNK)
+    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
+    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
+    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
+    if B * H * L == 0:
+        return A, w, u, torch.zeros(B, H, NC, K, V, dtype=torch.float32, device=dev)
+    N, Ttot = B * H, B * H * L
+    k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
+    dtype = str(dt).replace("torch.", "")
+    mine = stage_params(H=H, K=K, V=V, dtype=dtype, B=B)[RECOMPUTE]
+    compiled_stage(RECOMPUTE, **mine)(k, v, beta, A, w, u)
+    # each (b, h) is one single-head sequence of L tokens (see chunk_forward_intermediates)
+    cu32, _, _, chunk_offsets = chunk._device_tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    has_h0 = initial_state is not None
+    h0 = (initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
+          else f32(1, 1, K, V))
+    h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
+    v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)     # written, not needed
+    params = state_params(H=H, K=K, V=V, dtype=dtype, B=B, has_initial_state=has_h0)
+    chunk.compiled_stage(deltanet.SPEC, "chunk_state", **params)(
+        k.view(Ttot, 1, K), w.view(Ttot, 1, K), u.view(Ttot, 1, V), f32(Ttot, 1), cu32,
+        chunk_offsets, h0, h, v_new, f32(1, 1, K, V))
+    return A, w, u, h.view(B, H, NC, K, V).float()
+
+
+def state_params(*, H, K, V, dtype, B=1, has_initial_state=False) -> dict:
+    """ops.chunk's chunk_state params for :func:`recompute_for_backward` (B * H one-head
+    sequences, no final state)."""
+    return chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
+                              beta_dtype=dtype, N=B * H, has_initial_state=has_initial_state,
+                              output_final_state=False)["chunk_state"]

@@ -17,8 +17,24 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; scale default K^-0.5;
     initial_state [N, H, K, V] read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1).
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+
+    Differentiable (ops/autograd.py) when any of q, k, v, beta, initial_state requires
+    grad: gradients for all five, from o's and final_state's (K, V in {64, 128}; f16 /
+    bf16; anything the backward does not support raises SpecError).
     """
     opts = api.options_from_fla(use_qk_l2norm_in_kernel, kwargs=kwargs)
+    from . import autograd
+    if autograd.needs_grad(q, k, v, beta, initial_state):
+        autograd.check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens)
+        cu = None
+        if cu_seqlens is not None:
+            host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+            cu = tuple(int(x) for x in host.tolist())
+        call = autograd.DeltaRuleCall(
+            scale=SPEC.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
+            output_final_state=bool(output_final_state), cu=cu, cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu)
+        return autograd.ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state)
     return api.forward(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)

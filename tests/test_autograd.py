@@ -1,0 +1,199 @@
+"""CPU tests of training through linattn.chunk_delta_rule (ops/autograd.py).
+
+The kernels are replaced by fakes that check each launch against the traced prim_func and
+carry out the stage's math in fp64 (tests/test_chunk_bwd.py's emulators, plus the forward
+chunk_state pass here); the forward itself is the fp64 reference rounded to the input
+dtype. Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
+fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
+the l2norm backward, the state-gradient flags and the stage decomposition together.
+"""
+import pytest
+import torch
+
+from test_chunk import SignatureCheckingKernel
+from test_chunk_bwd import EmulatingKernel
+
+import linattn
+from linattn.dsl import Options, SpecError
+from linattn.dsl import torch_reference as tref
+from linattn.ops import autograd, chunk, chunk_bwd, deltanet
+from linattn.ops.registry import get_spec
+
+F64 = torch.float64
+
+
+def _chunk_state(k, w, u, g_cum, cu, offsets, h0, h, v_new, ht, has_initial_state=False,
+                 output_final_state=False):
+    """fp64 emulation of ops.chunk's chunk_state without a gate (one head per sequence)."""
+    C = chunk_bwd.CHUNK
+    for n in range(cu.numel() - 1):
+        t0, t1, c0 = int(cu[n]), int(cu[n + 1]), int(offsets[n])
+        S = h0[n].to(F64).clone() if has_initial_state else \
+            torch.zeros(k.shape[1], k.shape[2], u.shape[2], dtype=F64)
+        for c, s in enumerate(range(t0, t1, C)):
+            e = min(s + C, t1)
+            h[c0 + c] = S.to(h.dtype)
+            kc, wc, uc = (x[s:e].to(F64).transpose(0, 1) for x in (k, w, u))
+            vn = uc - wc @ S
+            v_new[s:e] = vn.transpose(0, 1).to(v_new.dtype)
+            S = S + kc.transpose(-1, -2) @ vn
+        if output_final_state:
+            ht[n] = S
+
+
+class _FakeState(SignatureCheckingKernel):
+    def __init__(self, func, params):
+        super().__init__(func)
+        self.flags = {f: params[f] for f in ("has_initial_state", "output_final_state")}
+
+    def __call__(self, *args):
+        super().__call__(*args)
+        _chunk_state(*args, **self.flags)
+
+
+def _reference_forward(call, q, k, v, beta, initial_state):
+    cu = None if call.cu is None else torch.tensor(call.cu)
+    o, final = tref.chunked_forward(deltanet.SPEC, q, k, v, beta=beta,
+                                    options=Options(l2norm_qk=call.l2norm_qk),
+                                    scale=call.scale, initial_state=initial_state,
+                                    cu_seqlens=cu)
+    return o.to(q.dtype), (final.float() if call.output_final_state else None)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    from linattn.ops.runtime import stage_module
+    calls = []
+
+    def fake_bwd(stage, spec=get_spec("deltanet"), **params):
+        calls.append(stage)
+        return EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params), params)
+
+    def fake_fwd(spec, stage, **params):
+        assert stage == "chunk_state", stage
+        calls.append(stage)
+        return _FakeState(chunk.stage_module(spec, stage).build(**params), params)
+
+    monkeypatch.setattr(chunk_bwd, "compiled_stage", fake_bwd)
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    monkeypatch.setattr(chunk, "compiled_stage", fake_fwd)
+    monkeypatch.setattr(autograd, "run_forward", _reference_forward)
+    return calls
+
+
+def _inputs(rng, B, T, H, K, V, dtype, N, h0):
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    v = r(B, T, H, V)
+    beta = torch.sigmoid(r(B, T, H))
+    state = r(N, H, K, V) if h0 else None
+    xs = [x.to(dtype) for x in (q, k, v, beta)] + [None if state is None else state.float()]
+    do, dht = r(B, T, H, V).to(dtype), r(N, H, K, V).float()
+    return xs, do, dht
+
+
+def _rel(x, ref):
+    return float(torch.linalg.norm(x.to(F64) - ref) / max(torch.linalg.norm(ref), 1e-30))
+
+
+CASES = [   # B, T, H, K, V, cu_seqlens, initial state, dht, l2norm, scale
+    pytest.param(2, 130, 2, 64, 64, None, False, False, False, None, id="B2-T130-plain"),
+    pytest.param(1, 65, 3, 64, 128, None, True, True, False, 0.3, id="B1-T65-h0-dht"),
+    pytest.param(2, 63, 1, 128, 64, None, True, False, True, None, id="B2-T63-h0-l2norm"),
+    pytest.param(2, 1, 2, 64, 64, None, False, True, False, None, id="B2-T1-dht"),
+    pytest.param(1, 135, 2, 64, 64, (0, 1, 70, 71, 135), True, True, True, None,
+                 id="varlen-1tok-h0-dht-l2norm"),
+]
+
+
+@pytest.mark.parametrize("scheme", sorted(chunk_bwd.SCHEMES))
+@pytest.mark.parametrize("B,T,H,K,V,cu,h0,use_dht,l2norm,scale", CASES)
+def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B, T, H, K, V,
+                                       cu, h0, use_dht, l2norm, scale):
+    monkeypatch.setattr(chunk_bwd, "SCHEME", scheme)
+    dtype = torch.float16
+    N = B if cu is None else len(cu) - 1
+    xs, do, dht = _inputs(rng, B, T, H, K, V, dtype, N, h0)
+    leaves = [None if x is None else x.clone().requires_grad_() for x in xs]
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    o, ht = linattn.chunk_delta_rule(*leaves[:4], scale=scale, initial_state=leaves[4],
+                                     output_final_state=use_dht,
+                                     use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
+    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
+    loss.backward()
+    assert "chunk_bwd_wy" in fake_kernels and "chunk_state" in fake_kernels
+
+    refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
+    cu64 = None if cu is None else torch.tensor(cu)
+    o_r, ht_r = tref.chunked_forward(deltanet.SPEC, *refs[:4][:3], beta=refs[3],
+                                     options=Options(l2norm_qk=l2norm), scale=scale,
+                                     initial_state=refs[4], cu_seqlens=cu64)
+    loss_r = (o_r * do.to(F64)).sum() + ((ht_r * dht.to(F64)).sum() if use_dht else 0)
+    loss_r.backward()
+    for name, x, r in zip(("dq", "dk", "dv", "dbeta", "dh0"), leaves, refs):
+        if x is None:
+            continue
+        assert x.grad is not None and x.grad.shape == x.shape and x.grad.dtype == x.dtype, name
+        assert not torch.isnan(x.grad).any(), name
+        assert _rel(x.grad, r.grad) < 5e-3, (name, _rel(x.grad, r.grad))
+
+
+def test_only_o_used_and_inputs_without_grad(fake_kernels, rng):
+    xs, do, _ = _inputs(rng, 1, 70, 2, 64, 64, torch.bfloat16, 1, True)
+    q, k, v, beta, h0 = xs
+    v = v.clone().requires_grad_()          # only v needs a gradient
+    o, ht = linattn.chunk_delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True)
+    assert ht.grad_fn is not None           # ht unused below: its gradient is None (zero)
+    (o.float() * do.float()).sum().backward()
+    refs = [x.detach().to(F64) for x in (q, k, v, beta)]
+    refs[2].requires_grad_()
+    o_r, _ = tref.chunked_forward(deltanet.SPEC, *refs[:3], beta=refs[3],
+                                  initial_state=h0.to(F64))
+    (o_r * do.to(F64)).sum().backward()
+    assert _rel(v.grad, refs[2].grad) < 2e-2
+
+
+def test_no_grad_takes_the_plain_forward(fake_kernels, monkeypatch, rng):
+    seen = []
+    monkeypatch.setattr(linattn.ops.api, "forward", lambda *a, **kw: seen.append(1) or (1, 2))
+    xs, _, _ = _inputs(rng, 1, 70, 2, 64, 64, torch.bfloat16, 1, False)
+    with torch.no_grad():
+        linattn.chunk_delta_rule(*(x.requires_grad_() for x in xs[:4]))
+    assert seen == [1] and fake_kernels == []
+
+
+def _grad_inputs(K=64, V=64, dtype=torch.bfloat16, T=70):
+    q = torch.zeros(1, T, 2, K, dtype=dtype, requires_grad=True)
+    return q, torch.zeros(1, T, 2, K, dtype=dtype), torch.zeros(1, T, 2, V, dtype=dtype), \
+        torch.zeros(1, T, 2, dtype=dtype)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(K=32), "K, V in"),
+    (dict(V=96), "K, V in"),
+    (dict(dtype=torch.float32), "float16 / bfloat16"),
+])
+def test_unsupported_shapes_raise(kwargs, match):
+    with pytest.raises(SpecError, match=match):
+        linattn.chunk_delta_rule(*_grad_inputs(**kwargs))
+
+
+def test_unsupported_options_raise():
+    with pytest.raises(SpecError, match="state_v_first"):
+        linattn.chunk_delta_rule(*_grad_inputs(), transpose_state_layout=True)
+
+
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "chunk_gla"])
+def test_gated_ops_refuse_requires_grad(op):
+    fn = getattr(linattn, op, None)
+    if fn is None:
+        pytest.skip(f"linattn has no {op}")
+    q, k, v, beta = _grad_inputs()
+    g = torch.zeros(1, 70, 2, dtype=torch.float32) if op == "chunk_gated_delta_rule" else \
+        torch.zeros(1, 70, 2, 64, dtype=torch.float32)
+    args = dict(chunk_gated_delta_rule=(q, k, v, g, beta), chunk_kda=(q, k, v, g, beta),
+                chunk_gla=(q, k, v, g))[op]
+    with pytest.raises(SpecError, match="no backward"):
+        fn(*args)
