@@ -29,6 +29,7 @@ from ..dsl import Gate, OpSpec, Options, SpecError
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 FUSED_STAGES = ("chunk_qk", "chunk_state_output")      # the fused path's last two
+SPLIT_STAGES = ("chunk_segment_state", "chunk_segment_combine")   # the split state pass
 ARCH = "sm90"
 NUM_SMS = 132                   # H100 / H200
 SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
@@ -182,6 +183,14 @@ PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
+#: split each sequence's state pass across CTAs when few (sequence, head) pairs would leave
+#: SMs idle: chunk_segment_state (each segment's affine map, in parallel), then
+#: chunk_segment_combine (chains them: each segment's start state, the final state), then
+#: the state pass (or the fused state+output pass) per segment, in parallel
+SPLIT = os.environ.get("LINATTN_CHUNK_SPLIT", "0") == "1"
+#: segment length in chunks when splitting (None: segment_chunks' cost model)
+SPLIT_SEGMENT_CHUNKS = (int(os.environ["LINATTN_CHUNK_SPLIT_L"])
+                        if os.environ.get("LINATTN_CHUNK_SPLIT_L") else None)
 #: delta rule (no / scalar gate): chunk_prepare split in two kernels as fla does:
 #: chunk_kkt_inverse (gate cumsum, l2norm, beta, A diag(beta) written) then chunk_wu
 #: (w, u as plain GEMMs over (chunk, head, column block)); not yet GPU-verified
@@ -349,20 +358,33 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
     h0 = (initial_state.to(torch.float32).contiguous() if initial_state is not None
           else empty(1, *state_shape[1:]))
+    state_stage = "chunk_state_output" if fused else "chunk_state"
+    (seq_cu, seq_c0, seq_h0, seq_ht), state_params = (cu32, chunk_offsets, h0, final), \
+        params[state_stage]
+    if SPLIT:   # segments as sequences from their start states (ops/chunk_split.py)
+        import sys
+        from .chunk_split import run_segment_maps
+        split = run_segment_maps(
+            sys.modules[__name__], spec, options, cu, HV=HV, K=K, V=V, H=H, dtype=dtype,
+            k_state=k_state, w=w, u=u, g_cum=g_cum, h0=h0, final=final,
+            has_initial_state=initial_state is not None,
+            output_final_state=output_final_state, state_params=state_params)
+        if split is not None:
+            (seq_cu, seq_c0, seq_h0, seq_ht), state_params = split
     if fused:
         if not key_gate:   # the output operands qg, A_qk (the key gate's prepare wrote them)
             q_out, k_out = empty(Ttot, HV, K, dt=dt), empty(Ttot, HV, C, dt=dt)
             compiled_stage(spec, "chunk_qk", **params["chunk_qk"])(
                 qf, kn, g_cum, chunk_bos, chunk_len, q_out, k_out)
-        state = compiled_stage(spec, "chunk_state_output", **params["chunk_state_output"])
-        state(k_state, w, u, g_cum, cu32, chunk_offsets, h0, final, q_out, k_out, o,
+        state = compiled_stage(spec, "chunk_state_output", **state_params)
+        state(k_state, w, u, g_cum, seq_cu, seq_c0, seq_h0, seq_ht, q_out, k_out, o,
               float(scale))
         return o.reshape(B, T, HV, V), (final if output_final_state else None)
 
     h = empty(NT, HV, K, V, dt=dt)
     v_new = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf
-    state = compiled_stage(spec, "chunk_state", **params["chunk_state"])
-    state(k_state, w, u, g_cum, cu32, chunk_offsets, h0, h, v_new, final)
+    state = compiled_stage(spec, "chunk_state", **state_params)
+    state(k_state, w, u, g_cum, seq_cu, seq_c0, seq_h0, h, v_new, seq_ht)
 
     out = compiled_stage(spec, "chunk_output", **params["chunk_output"])
     out(q_out, k_out, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
