@@ -8,6 +8,7 @@ chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importabl
 
     python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
         [--prepare t256 prefetch t256-prefetch] [--no-alt]
+        [--state-split model model-fused L4 L8 L16 L32]
     (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)
 
 One workload failing does not stop the others; a compact summary prints at the end.
@@ -53,6 +54,16 @@ PREPARE_VARIANTS = {
     "t256": dict(PREPARE_THREADS=256),
     "prefetch": dict(PREPARE_PREFETCH=True),
     "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+}
+
+#: --state-split: the split state pass (ops/chunk_split.py) under these knobs
+STATE_SPLIT_VARIANTS = {
+    "model": dict(SPLIT=True),                     # the cost model's segment length
+    "model-fused": dict(SPLIT=True, FUSE_OUTPUT=True),
+    "L4": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=4),
+    "L8": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=8),
+    "L16": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=16),
+    "L32": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=32),
 }
 
 
@@ -196,6 +207,23 @@ def probe(name, args):
         res[key_f] = {"error": f"{type(e).__name__}: {e}"[:200]}
     finally:
         chunk.FUSE_OUTPUT = default_fused
+    res["state_split"] = {}
+    for sv in args.state_split or []:
+        knobs = STATE_SPLIT_VARIANTS[sv]
+        saved = {k: getattr(chunk, k) for k in knobs}
+        try:
+            for k, v in knobs.items():
+                setattr(chunk, k, v)
+            o2, ht2 = ours()
+            t_s, per_s, _ = device_times(ours, iters=args.iters)
+            res["state_split"][sv] = {"ms": t_s, "stages_ms": per_s, "err_o": rel(o2, ref_o),
+                                      "err_ht": rel(ht2, ref_ht)}
+        except Exception as e:
+            res["state_split"][sv] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        finally:
+            for k, v in saved.items():
+                setattr(chunk, k, v)
+        print(name, "state-split", sv, res["state_split"][sv], flush=True)
     if args.sweep:
         sweep = {}
         default_stages = chunk.STATE_NUM_STAGES
@@ -342,6 +370,10 @@ def main():
                          "depths 0 and 2, the three inverses of chunk_prepare (with errors)")
     ap.add_argument("--prepare", nargs="*", default=[], choices=sorted(PREPARE_VARIANTS),
                     help="also time these chunk_prepare variants (knobs) next to the default")
+    ap.add_argument("--state-split", nargs="*", default=[],
+                    choices=sorted(STATE_SPLIT_VARIANTS),
+                    help="also time the split state pass (LINATTN_CHUNK_SPLIT) under these "
+                         "knobs (compiled in-process, not precompiled)")
     ap.add_argument("--no-alt", action="store_true",
                     help="do not time (or compile) the other fused / 3-stage path")
     args = ap.parse_args()
