@@ -7,7 +7,8 @@ the union of all kernels of one call, and each stage kernel's median time. fla's
 chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
 
     python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
-        [--prepare t256 prefetch t256-prefetch] [--no-alt]
+        [--prepare t256 prefetch t256-prefetch split split-blocked split-a32 split-bn128]
+        [--no-alt]
         [--state-split model model-fused L4 L8 L16 L32]
     (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)
 
@@ -54,7 +55,14 @@ PREPARE_VARIANTS = {
     "t256": dict(PREPARE_THREADS=256),
     "prefetch": dict(PREPARE_PREFETCH=True),
     "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+    # fla-style split: chunk_kkt_inverse (A diag(beta)) then chunk_wu (w, u GEMMs)
+    "split": dict(PREPARE_SPLIT=True),
+    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
+    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
+    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
 }
+#: kernels that make up the prepare step (the split path has two)
+PREPARE_KERNELS = ("chunk_prepare_kernel", "chunk_kkt_inverse_kernel", "chunk_wu_kernel")
 
 #: --state-split: the split state pass (ops/chunk_split.py) under these knobs
 STATE_SPLIT_VARIANTS = {
@@ -185,7 +193,9 @@ def probe(name, args):
             o2, ht2 = ours()
             t_p, per_p, _ = device_times(ours, iters=args.iters)
             res["prepare_variants"][pv] = {
-                "ms": t_p, "prepare_ms": per_p.get("chunk_prepare_kernel"),
+                "ms": t_p,
+                "prepare_ms": sum(per_p.get(kn, 0.0) for kn in PREPARE_KERNELS),
+                "prepare_split_ms": {kn: per_p[kn] for kn in PREPARE_KERNELS[1:] if kn in per_p},
                 "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
         except Exception as e:
             res["prepare_variants"][pv] = {"error": f"{type(e).__name__}: {e}"[:200]}

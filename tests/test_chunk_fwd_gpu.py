@@ -147,8 +147,11 @@ def precompiled():
     t0 = time.time()
     # LINATTN_TEST_PRECOMPILE=prepare: only the chunk_prepare variant tests' kernels (a
     # short GPU run with `-k prepare_variant`)
-    only_prepare = os.environ.get("LINATTN_TEST_PRECOMPILE") == "prepare"
-    jobs = prepare_variant_jobs() if only_prepare else all_jobs()
+    # LINATTN_TEST_PRECOMPILE=split: only the split prepare's variants (`-k "variant and split"`)
+    only = os.environ.get("LINATTN_TEST_PRECOMPILE")
+    jobs = (prepare_variant_jobs() if only == "prepare"
+            else prepare_variant_jobs([n for n in PREPARE_VARIANTS if n.startswith("split")])
+            if only == "split" else all_jobs())
     errors = chunk.precompile(jobs)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
@@ -329,6 +332,12 @@ PREPARE_VARIANTS = {
     "t256": dict(PREPARE_THREADS=256),
     "prefetch": dict(PREPARE_PREFETCH=True),
     "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+    # the split prepare (chunk_kkt_inverse + chunk_wu); the key gate and the additive
+    # rule keep chunk_prepare, so only the gdn / deltanet cases below exercise it
+    "split": dict(PREPARE_SPLIT=True),
+    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
+    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
+    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
 }
 PREPARE_VARIANT_CASES = [
     case("gdn", 2, 256, 4, 4, 128, 128),
@@ -343,9 +352,9 @@ PREPARE_VARIANT_CASES = [
 ]
 
 
-def prepare_variant_jobs():
-    return [j for c in PREPARE_VARIANT_CASES for knobs in PREPARE_VARIANTS.values()
-            for j in case_jobs(c.values[0], **knobs)]
+def prepare_variant_jobs(names=None):
+    return [j for c in PREPARE_VARIANT_CASES for name, knobs in PREPARE_VARIANTS.items()
+            if names is None or name in names for j in case_jobs(c.values[0], **knobs)]
 
 
 @pytest.mark.parametrize("variant", sorted(PREPARE_VARIANTS))
