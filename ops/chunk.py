@@ -203,6 +203,14 @@ PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
 PREPARE_SPLIT_BLOCK_N = int(os.environ.get("LINATTN_CHUNK_SPLIT_BLOCK_N", "64"))
 
 
+def wu_block_n(K: int, V: int) -> int:
+    """chunk_wu's column block: PREPARE_SPLIT_BLOCK_N, halved until it divides K and V."""
+    bn = PREPARE_SPLIT_BLOCK_N
+    while bn > 16 and (K % bn or V % bn):
+        bn //= 2
+    return bn
+
+
 def state_block_v(V: int, n_seq_heads: int, num_sms: int = NUM_SMS) -> int:
     """Value block of the state pass. The pass is sequential per CTA and its pipelined
     CTA fills an SM (256 threads x ~240 registers), so the time is (waves of CTAs) x
@@ -419,7 +427,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
         out["chunk_kkt_inverse"] = dict(prep, inverse=PREPARE_SPLIT_INVERSE,
                                         a_dtype=PREPARE_SPLIT_A_DTYPE)
         out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE,
-                               block_n=PREPARE_SPLIT_BLOCK_N)
+                               block_n=wu_block_n(K, V))
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),

@@ -36,6 +36,10 @@ def test_default_unchanged_and_knob_selects_split(monkeypatch):
     assert "chunk_prepare" not in params and set(SPLIT) <= set(params)
     for op in ("gla", "kda"):           # no A to split: unchanged
         assert "chunk_prepare" in chunk.stage_params(get_spec(op), opts, **kw)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_BLOCK_N", 128)
+    assert params["chunk_wu"]["block_n"] == 64
+    assert chunk.wu_block_n(128, 128) == 128 and chunk.wu_block_n(64, 128) == 64
+    assert chunk.wu_block_n(128, 48) == 16
 
 
 @pytest.mark.parametrize("op,stage,extra", [
