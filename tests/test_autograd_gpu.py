@@ -1,0 +1,229 @@
+"""GPU correctness of training through linattn.chunk_delta_rule (ops/autograd.py): the
+chunked forward, then loss.backward() through the generated backward stages, against
+torch autograd of the fp64 chunked reference (dsl.torch_reference, on the GPU) and, on
+the small cases, dsl.chunked_bwd (the NumPy fp64 chunked backward).
+
+Loss = sum(o * do) + sum(final_state * dht); gradients dq, dk, dv, dbeta, dh0 (and o,
+final_state themselves); ||x - ref|| / ||ref|| < 1e-2 bf16, 5e-3 f16. Fresh random inputs
+(q, k normal, l2-normalised unless the case normalises in kernel; beta = sigmoid).
+Kernels are compiled first in parallel processes. JSON summary to
+$OUT_DIR (else $OUT)/autograd_gpu.json when set.
+
+Run: python3 -m pytest -q -m gpu tests/test_autograd_gpu.py   (skips without a GPU)
+"""
+import json
+import math
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+F64 = torch.float64
+SHORT = {"float16": "f16", "bfloat16": "bf16"}
+RESULTS = []
+
+
+def case(B, T, H, K, V, dtype, cu=None, h0=False, dht=False, l2norm=False, scale=None,
+         name=None):
+    p = dict(B=B, T=T, H=H, K=K, V=V, dtype=dtype, cu=cu, h0=h0, dht=dht, l2norm=l2norm,
+             scale=scale)
+    flags = "".join(f"-{n}" for n in ("h0", "dht", "l2norm") if p[n])
+    return pytest.param(p, id=name or f"B{B}-T{T}-H{H}-K{K}-V{V}-{SHORT[dtype]}{flags}")
+
+
+CASES = [
+    case(2, 2048, 4, 64, 64, "bfloat16", name="train-2k-bf16"),
+    case(2, 2048, 4, 64, 64, "float16", h0=True, dht=True, name="train-2k-f16-h0-dht"),
+    case(2, 2048, 4, 64, 64, "bfloat16", h0=True, dht=True, l2norm=True,
+         name="train-2k-bf16-h0-dht-l2norm"),
+    case(1, 4096, 4, 128, 128, "bfloat16", dht=True, name="train-4k-K128-bf16-dht"),
+    case(2, 63, 4, 64, 64, "bfloat16", h0=True, dht=True),
+    case(2, 65, 4, 64, 64, "float16", l2norm=True),
+    case(1, 130, 2, 64, 128, "bfloat16", h0=True, scale=0.3),
+    case(1, 130, 3, 128, 64, "float16", h0=True, dht=True, l2norm=True),
+    case(2, 1, 2, 64, 64, "bfloat16", h0=True, dht=True),
+    case(1, 1 + 129 + 1 + 64 + 300 + 1, 4, 64, 64, "bfloat16",
+         cu=(0, 1, 130, 131, 195, 495, 496), h0=True, dht=True, name="varlen-1tok-bf16"),
+    case(1, 1 + 2047 + 1 + 1000, 4, 64, 64, "float16", cu=(0, 1, 2048, 2049, 3049),
+         h0=True, dht=True, l2norm=True, name="varlen-1tok-long-f16-l2norm"),
+]
+#: cases also checked with the scan scheme and against dsl.chunked_bwd (small)
+SCAN_CASES = [CASES[1], CASES[4], CASES[9]]
+SMALL_CASES = [c for c in CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
+
+
+def _n_seqs(p):
+    return p["B"] if p["cu"] is None else len(p["cu"]) - 1
+
+
+def _jobs(p):
+    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs."""
+    from linattn.dsl import Options
+    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops.deltanet import SPEC
+    N, dt = _n_seqs(p), p["dtype"]
+    fwd = chunk.stage_params(SPEC, Options(l2norm_qk=p["l2norm"]), H=p["H"], HV=p["H"],
+                             K=p["K"], V=p["V"], dtype=dt, beta_dtype=dt, N=N,
+                             has_initial_state=p["h0"], output_final_state=True)
+    jobs = [(SPEC, s, pr) for s, pr in fwd.items()]
+    dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N)
+    jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(**dims,
+                                                             has_initial_state=p["h0"])))
+    bwd = chunk_bwd.stage_params(**dims, use_dht=True, store_dh0=p["h0"])
+    return jobs, bwd
+
+
+def _scheme(name):
+    from linattn.ops import chunk_bwd
+    saved, chunk_bwd.SCHEME = chunk_bwd.SCHEME, name
+    return saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    from linattn.ops import chunk, chunk_bwd
+    t0 = time.time()
+    fwd, bwd = [], []
+    for c in CASES:
+        jobs, params = _jobs(c.values[0])
+        fwd += jobs
+        bwd.append(params)
+    for c in SCAN_CASES:
+        saved = _scheme("scan")
+        try:
+            bwd.append(_jobs(c.values[0])[1])
+        finally:
+            _scheme(saved)
+    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+    print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
+    for e in errors:
+        print("  compile error:", e)
+    yield
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "autograd_gpu.json"), "w") as f:
+            json.dump({"compile_errors": errors, "results": RESULTS}, f, indent=1)
+
+
+def _inputs(p, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, T, H, K, V = (p[n] for n in ("B", "T", "H", "K", "V"))
+    N, dt = _n_seqs(p), getattr(torch, p["dtype"])
+    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=F64)  # noqa: E731
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not p["l2norm"]:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    xs = [q.to(dt), k.to(dt), rnd(B, T, H, V).to(dt), torch.sigmoid(rnd(B, T, H)).to(dt),
+          rnd(N, H, K, V).float() if p["h0"] else None]
+    return xs, rnd(B, T, H, V).to(dt), rnd(N, H, K, V).float()
+
+
+def _rel(x, ref):
+    x = x.to(F64)
+    if torch.isnan(x).any():
+        return float("nan")
+    den = torch.linalg.norm(ref.to(F64))
+    return float(torch.linalg.norm(x - ref.to(F64)) / (den if den > 0 else 1.0))
+
+
+def _record(test, p, errs, seed, **extra):
+    tol = TOL[p["dtype"]]
+    ok = all(e < tol for e in errs.values())       # NaN compares False
+    RESULTS.append(dict(test=test, **p, **extra, seed=seed, tol=tol, passed=ok,
+                        errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
+    print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{test}: rel errors over {tol}: {bad}"
+
+
+def _ours(p, xs, do, dht):
+    """o, final_state and the gradients of the leaves (None for a missing h0)."""
+    import linattn
+    leaves = [None if x is None else x.clone().requires_grad_() for x in xs]
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], dtype=torch.int32, device="cuda")
+    cu_cpu = None if p["cu"] is None else torch.tensor(p["cu"], dtype=torch.int32)
+    o, ht = linattn.chunk_delta_rule(*leaves[:4], scale=p["scale"], initial_state=leaves[4],
+                                     output_final_state=True,
+                                     use_qk_l2norm_in_kernel=p["l2norm"], cu_seqlens=cu,
+                                     cu_seqlens_cpu=cu_cpu)
+    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if p["dht"] else 0)
+    loss.backward()
+    torch.cuda.synchronize()
+    return o.detach(), ht.detach(), [None if x is None else x.grad for x in leaves]
+
+
+def _torch_reference(p, xs, do, dht):
+    from linattn.dsl import Options
+    from linattn.dsl import torch_reference as tref
+    from linattn.ops.deltanet import SPEC
+    refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], device="cuda")
+    o, ht = tref.chunked_forward(SPEC, *refs[:3], beta=refs[3],
+                                 options=Options(l2norm_qk=p["l2norm"]), scale=p["scale"],
+                                 initial_state=refs[4], cu_seqlens=cu)
+    loss = (o * do.to(F64)).sum() + ((ht * dht.to(F64)).sum() if p["dht"] else 0)
+    loss.backward()
+    return o.detach(), ht.detach(), [None if x is None else x.grad for x in refs]
+
+
+NAMES = ("dq", "dk", "dv", "dbeta", "dh0")
+
+
+def _grad_errors(grads, ref_grads, xs):
+    errs = {}
+    for name, g, r, x in zip(NAMES, grads, ref_grads, xs):
+        if x is None:
+            continue
+        assert g is not None and g.shape == x.shape and g.dtype == x.dtype, name
+        errs[name] = _rel(g, r)
+    return errs
+
+
+def _check(p, rng, **extra):
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _inputs(p, seed)
+    saved = [None if x is None else x.clone() for x in xs]
+    o, ht, grads = _ours(p, xs, do, dht)
+    assert all(x is None or torch.equal(x, s) for x, s in zip(xs, saved)), "inputs modified"
+    ro, rht, rgrads = _torch_reference(p, xs, do, dht)
+    errs = dict(o=_rel(o, ro), ht=_rel(ht, rht), **_grad_errors(grads, rgrads, xs))
+    _record("autograd", p, errs, seed, **extra)
+    return xs, do, dht, grads
+
+
+@pytest.mark.parametrize("p", CASES)
+def test_gradients_vs_torch_fp64(p, rng):
+    _check(p, rng)
+
+
+@pytest.mark.parametrize("p", SCAN_CASES)
+def test_gradients_scan_scheme(p, rng):
+    saved = _scheme("scan")
+    try:
+        _check(p, rng, scheme="scan")
+    finally:
+        _scheme(saved)
+
+
+@pytest.mark.parametrize("p", SMALL_CASES)
+def test_gradients_vs_chunked_bwd(p, rng):
+    """The same run against the NumPy fp64 chunked backward (the kernels' algorithm)."""
+    from linattn.dsl import Options
+    from linattn.dsl.chunked_bwd import chunked_backward
+    from linattn.ops.deltanet import SPEC
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _inputs(p, seed)
+    _, _, grads = _ours(p, xs, do, dht)
+    npy = lambda x: None if x is None else x.detach().to(F64).cpu().numpy()  # noqa: E731
+    ref = chunked_backward(SPEC, *map(npy, xs[:3]), beta=npy(xs[3]), do=npy(do),
+                           dht=npy(dht) if p["dht"] else None,
+                           options=Options(l2norm_qk=p["l2norm"]), scale=p["scale"],
+                           initial_state=npy(xs[4]),
+                           cu_seqlens=None if p["cu"] is None else list(p["cu"]))
+    rgrads = [None if ref[n] is None else torch.from_numpy(ref[n]).cuda() for n in NAMES]
+    _record("vs_chunked_bwd", p, _grad_errors(grads, rgrads, xs), seed)
