@@ -5,9 +5,10 @@
 #
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
-# Steps are chosen with STEPS (default "decode chunk probe bench"); limits with
-# DECODE_S, CHUNK_S, PROBE_S, BENCH_S; bench rows with BENCH_ARGS. Everything lands in $OUT/results.tar.gz
-# (logs, JSON), and the short summaries are printed last.
+# Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
+# cbprobe, split, psplit, autograd: see the case below), each with a limit <STEP>_S in
+# seconds; probe and bench arguments with PROBE_ARGS and BENCH_ARGS. Everything lands in
+# $OUT/results.tar.gz (logs, JSON), and the short summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
@@ -42,6 +43,12 @@ for s in $STEPS; do
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_bwd_gpu.py --junitxml="$R/chunk_bwd.xml" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
+    split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
+    psplit) LINATTN_TEST_PRECOMPILE=split run_step psplit "${PSPLIT_S:-180}" python3 -m pytest -q \
+             -m gpu -p no:cacheprovider -rfE tests/test_chunk_fwd_gpu.py -k "prepare_variant and split" ;;
+    autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 tests/test_autograd_gpu.py --junitxml="$R/autograd.xml" ;;
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
@@ -54,5 +61,6 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
+for s in split psplit autograd; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 echo "===== probe (tail)"; tail -n 15 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
