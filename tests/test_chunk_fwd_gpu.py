@@ -236,14 +236,19 @@ def run_case(p, rng):
         errs["o_vs_recurrent"] = _rel(o, o_rec)
     return errs
 
+def assert_within_tolerance(errs: dict, dtype: str):
+    """Every relative error of a run_case result under the dtype's tolerance."""
+    tol = TOL[dtype]
+    for name, e in errs.items():
+        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+
+
 
 @pytest.mark.parametrize("p", CASES)
 def test_chunk_forward_matches_reference(p, rng):
     errs = run_case(p, rng)
     print(errs)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(errs, p["dtype"])
 
 
 STATE_VARIANT_CASES = [
@@ -260,10 +265,7 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_NUM_STAGES", num_stages)
     monkeypatch.setattr(chunk, "STATE_BLOCK_V_OVERRIDE", block_v)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -271,10 +273,7 @@ def test_state_pass_variants(p, num_stages, block_v, rng, monkeypatch):
 def test_state_pass_v_new_from_fragment(p, on, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_V_NEW_FROM_FRAGMENT", on)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 @pytest.mark.parametrize("on", [True, False])
@@ -282,10 +281,7 @@ def test_state_pass_v_new_from_fragment(p, on, rng, monkeypatch):
 def test_state_pass_h_from_fragment(p, on, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "STATE_H_FROM_FRAGMENT", on)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 @pytest.mark.parametrize("p", FUSED_CASES)
@@ -293,20 +289,14 @@ def test_fused_output_path(p, rng, monkeypatch):
     """chunk_qk + chunk_state_output: o formed inside the state pass (no h written)."""
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 @pytest.mark.parametrize("p", STATE_VARIANT_CASES)
 def test_output_smaller_value_block(p, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "OUTPUT_BLOCK_V_OVERRIDE", 32)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 INVERSE_CASES = [
@@ -321,10 +311,7 @@ INVERSE_CASES = [
 def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "PREPARE_INVERSE", inverse)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 # chunk_prepare's performance variants (ops.chunk knobs), each against the fp64 reference
@@ -363,10 +350,7 @@ def test_prepare_variant(p, variant, rng, monkeypatch):
     from linattn.ops import chunk
     for name, value in PREPARE_VARIANTS[variant].items():
         monkeypatch.setattr(chunk, name, value)
-    errs = run_case(p, rng)
-    tol = TOL[p["dtype"]]
-    for name, e in errs.items():
-        assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
 def test_key_gate_refuses_wide_keys():
