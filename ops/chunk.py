@@ -18,7 +18,6 @@ number) and hands the state and output stages ready operands (kg, qg, A_qk, g_la
 """
 from __future__ import annotations
 
-import importlib
 import os
 import types
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..dsl import Gate, OpSpec, Options, SpecError
+from . import runtime
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 FUSED_STAGES = ("chunk_qk", "chunk_state_output")      # the fused path's last two
@@ -83,8 +83,6 @@ def _device_tables(cu: tuple, chunk_size: int, device):
 
 # -- loading and compiling the generated stages -------------------------------------------
 
-_MODULES: dict = {}
-_KERNELS: dict = {}
 
 
 def check_supported(spec: OpSpec) -> None:
@@ -94,71 +92,16 @@ def check_supported(spec: OpSpec) -> None:
 
 
 def stage_module(spec: OpSpec, stage: str) -> types.ModuleType:
-    """The generated module of ``stage`` for ``spec``: the checked-in file
-    (generated/<arch>/<op>/<stage>.py) when it matches the template's rendering, else
-    the rendering itself, imported from a temporary file (with a warning for a stale
-    checked-in file: run ``linattn-gen``)."""
+    """The generated module of chunked-forward ``stage`` for ``spec`` (ops.runtime loads
+    it: the checked-in file, refused when stale; specs outside the registry rendered)."""
     check_supported(spec)
-    key = (spec.key, spec.hash, stage)
-    if key in _MODULES:
-        return _MODULES[key]
-    from pathlib import Path
-
-    from ..codegen.plan import plan
-    from ..codegen.render import DEFAULT_OUT, render_stage
-    planned = {s.name: s for s in plan(spec, "fwd", ARCH)}
-    if stage not in planned:
-        raise SpecError(f"{spec.name} has no chunked stage {stage!r}; it has {sorted(planned)}")
-    text = render_stage(spec, planned[stage], ARCH)
-    checked_in = Path(DEFAULT_OUT) / ARCH / spec.name / f"{stage}.py"
-    mod = None
-    if checked_in.is_file():
-        if checked_in.read_text() == text:
-            mod = importlib.import_module(f"linattn.generated.{ARCH}.{spec.name}.{stage}")
-        else:
-            import warnings
-            warnings.warn(f"{checked_in} is stale; using the template's rendering "
-                          f"(run `linattn-gen --op {spec.name} --arch {ARCH}`)")
-    if mod is None:
-        mod = _import_text(text, f"{spec.name}_{stage}")
-    _MODULES[key] = mod
-    return mod
-
-
-def _import_text(text: str, stem: str) -> types.ModuleType:
-    """Import module text from a file (TileLang's parser reads the source through inspect)."""
-    import hashlib
-    import importlib.util
-    import os
-    import tempfile
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    folder = os.path.join(tempfile.gettempdir(), "linattn_rendered")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"{stem}_{digest}.py")
-    if not os.path.isfile(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"linattn_rendered_{stem}_{digest}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return runtime.stage_module(spec, stage, ARCH)
 
 
 def compiled_stage(spec: OpSpec, stage: str, **params):
-    """The compiled TileLang kernel of ``stage`` at ``params`` (memoised per process)."""
-    key = (spec.key, spec.hash, stage, tuple(sorted(params.items())))
-    kern = _KERNELS.get(key)
-    if kern is None:
-        import tilelang
-        from ..codegen.arch import get_arch
-        mod = stage_module(spec, stage)
-        kern = tilelang.compile(mod.build(**params), out_idx=mod.out_idx(**params),
-                                target=get_arch(ARCH).TARGET,
-                                pass_configs=mod.pass_configs(**params))
-        _KERNELS[key] = kern
-    return kern
+    """The compiled TileLang kernel of ``stage`` at ``params`` (memoised by ops.runtime)."""
+    check_supported(spec)
+    return runtime.compile_stage(spec, stage, ARCH, params)
 
 
 #: set to 16 / 32 / 64 to force the state pass's value block (probing); None = heuristic

@@ -46,8 +46,6 @@ RECOMPUTE = "chunk_bwd_wy_recompute"
 ARCH = "sm90"
 CHUNK = 64
 
-_KERNELS: dict = {}
-
 #: pipeline depth of the reverse dh pass, either scheme (0: plain loop; >= 1: TMA producer
 #: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
 #: (run 2, direct scheme); 2 is the default, like the forward's state pass
@@ -57,20 +55,9 @@ DH_BLOCK_V_OVERRIDE = None
 
 
 def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
-    """The compiled kernel of backward ``stage`` at ``params`` (memoised per process;
-    TileLang's disk cache makes a repeat across processes cheap)."""
-    key = (spec.key, spec.hash, stage, tuple(sorted(params.items())))
-    kern = _KERNELS.get(key)
-    if kern is None:
-        import tilelang
-        from ..codegen.arch import get_arch
-        from .runtime import stage_module
-        mod = stage_module(spec, stage, ARCH)
-        kern = tilelang.compile(mod.build(**params), out_idx=mod.out_idx(**params),
-                                target=get_arch(ARCH).TARGET,
-                                pass_configs=mod.pass_configs(**params))
-        _KERNELS[key] = kern
-    return kern
+    """The compiled kernel of backward ``stage`` at ``params`` (memoised by ops.runtime)."""
+    from . import runtime
+    return runtime.compile_stage(spec, stage, ARCH, params)
 
 
 def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:

@@ -73,15 +73,26 @@ def stage_module(spec: OpSpec, stage: str, arch: str):
         except ModuleNotFoundError as e:
             raise StaleGeneratedError(f"{name} is missing: run `linattn-gen --op {spec.name} "
                                       f"--arch {arch}`") from e
-        if mod.SPEC_HASH != spec.hash:
+        if mod.SPEC_HASH != spec.hash or not _matches_rendering(mod, spec, stage, arch):
             raise StaleGeneratedError(
-                f"{name} was generated for spec hash {mod.SPEC_HASH}, the spec is now "
-                f"{spec.hash}: run `linattn-gen --op {spec.name} --arch {arch}`")
+                f"{name} is stale (generated for spec hash {mod.SPEC_HASH}, spec "
+                f"{spec.hash}, or its template changed since): run "
+                f"`linattn-gen --op {spec.name} --arch {arch}`")
     else:
         mod = _render_and_load(spec, stage, arch)
     with _LOCK:
         _MODULES[key] = mod
     return mod
+
+
+def _matches_rendering(mod, spec: OpSpec, stage_name: str, arch: str) -> bool:
+    """Whether a checked-in module's text is what the templates render now."""
+    from pathlib import Path
+    from ..codegen.plan import plan
+    from ..codegen.render import render_stage
+    stages = {s.name: s for s in plan(spec, None, arch)}
+    return (stage_name in stages and
+            Path(mod.__file__).read_text() == render_stage(spec, stages[stage_name], arch))
 
 
 def _render_and_load(spec: OpSpec, stage_name: str, arch: str):
@@ -105,23 +116,29 @@ def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, *
     for stages whose tiles depend on them). Returns (kernel, module, params).
     """
     tuning = get_arch(arch).tuning(stage, problem, sizes)
-    key = (arch, spec.hash, stage, tuple(sorted(problem.items())), tuple(sorted(tuning.items())))
     if _RECORDING is not None:              # see recording(): note the request, compile nothing
         _RECORDING.append((spec, stage, arch, sizes, dict(problem)))
         raise KernelRequested(f"{spec.name}/{stage}")
+    params = {**tuning, **problem}
+    return compile_stage(spec, stage, arch, params), stage_module(spec, stage, arch), params
+
+
+def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
+    """The compiled kernel of ``stage`` for ``spec`` at exactly ``params`` (all build()
+    keywords, tuning included), memoised per process; TileLang's disk cache makes a
+    repeat across processes cheap. Every kernel of linattn is compiled here."""
+    key = (arch, spec.hash, spec.name, stage, tuple(sorted(params.items())))
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
     import tilelang
     module = stage_module(spec, stage, arch)
-    params = {**tuning, **problem}
-    func = module.build(**params)
-    kernel = tilelang.compile(func, out_idx=module.out_idx(**params),
+    kernel = tilelang.compile(module.build(**params), out_idx=module.out_idx(**params),
                               target=get_arch(arch).TARGET,
                               pass_configs=module.pass_configs(**params) or None)
     with _LOCK:
-        _KERNELS[key] = (kernel, module, params)
-    return _KERNELS[key]
+        _KERNELS[key] = kernel
+    return kernel
 
 
 class KernelRequested(Exception):

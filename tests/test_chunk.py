@@ -28,7 +28,6 @@ def test_stage_renders(name, stage):
     assert mod.STAGE == stage and mod.SPEC_HASH == spec.hash and mod.SPEC_KEY == spec.key
     assert mod.out_idx(**mod.EXAMPLES[0]) == []
     # the spec's structure reaches the text: no gate, no cumsum; additive, no inverse
-    src = chunk.stage_module.__globals__["_MODULES"]  # noqa: F841  (module cache exists)
     text = _rendered_text(spec, stage)
     assert ("T.cumsum" in text) == (stage == "chunk_prepare" and spec.has_gate)
     assert ("_chunk_inverse" not in text) and (
