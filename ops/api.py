@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options, SpecError
+from . import validate
 from .recurrent import fused_recurrent  # noqa: F401 (re-exported to the wrappers)
 
 
@@ -28,7 +29,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     """(o, final_state or None) for ``spec``; see ops.chunk.chunk_forward for shapes.
     Not differentiable: raises when autograd would record it (DeltaNet's chunk_delta_rule
     routes such calls to ops/autograd.py first)."""
-    reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
     T = q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else None
     decode = T == 1 and cu_seqlens is None
     if decode or not has_chunked_forward(spec):
@@ -42,16 +43,6 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                          output_final_state=output_final_state, options=options,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                          A_log=A_log, dt_bias=dt_bias)
-
-
-def reject_grad(spec: OpSpec, *tensors) -> None:
-    """Raise when autograd would record a call on ``tensors``: the kernels' outputs carry
-    no gradient, so training through them would silently drop it."""
-    import torch
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
-        raise SpecError(f"{spec.name}: no backward is generated for this call (only "
-                        f"DeltaNet's chunk_delta_rule is differentiable so far); run it "
-                        f"under torch.no_grad() or detach its inputs")
 
 
 def options_from_fla(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,

@@ -57,6 +57,7 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     ``state_dtype`` when output_final_state, else None).
     """
     import torch
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
     spec.check_options(options)
     dims = validate.check_qkv(spec, q, k, v)
     g = validate.check_gate(spec, g, dims, q)

@@ -197,3 +197,13 @@ def check_head_dims(K: int, V: int, *, k_multiple=16, k_max=256, v_multiple=8, v
 
 def check_scale(spec: OpSpec, K: int, scale) -> float:
     return spec.scale_for(K, scale)
+
+
+def reject_grad(spec: OpSpec, *tensors) -> None:
+    """Raise when autograd would record a call on ``tensors``: the kernels' outputs carry
+    no gradient, so training through them would silently drop it."""
+    torch = _torch()
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
+        raise SpecError(f"{spec.name}: no backward is generated for this call (only "
+                        f"DeltaNet's chunk_delta_rule is differentiable so far); run it "
+                        f"under torch.no_grad() or detach its inputs")

@@ -185,15 +185,20 @@ def test_unsupported_options_raise():
         linattn.chunk_delta_rule(*_grad_inputs(), transpose_state_layout=True)
 
 
-@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "chunk_gla"])
-def test_gated_ops_refuse_requires_grad(op):
+@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "chunk_gla",
+                                "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
+                                "fused_recurrent_gla", "fused_recurrent_delta_rule"])
+def test_ops_without_backward_refuse_requires_grad(op):
     fn = getattr(linattn, op, None)
     if fn is None:
         pytest.skip(f"linattn has no {op}")
     q, k, v, beta = _grad_inputs()
-    g = torch.zeros(1, 70, 2, dtype=torch.float32) if op == "chunk_gated_delta_rule" else \
+    g = torch.zeros(1, 70, 2, dtype=torch.float32) if "gated_delta" in op else \
         torch.zeros(1, 70, 2, 64, dtype=torch.float32)
     args = dict(chunk_gated_delta_rule=(q, k, v, g, beta), chunk_kda=(q, k, v, g, beta),
-                chunk_gla=(q, k, v, g))[op]
+                chunk_gla=(q, k, v, g), fused_recurrent_gated_delta_rule=(q, k, v, g, None, None,
+                                                                          beta),
+                fused_recurrent_kda=(q, k, v, g, beta), fused_recurrent_gla=(q, k, v, g),
+                fused_recurrent_delta_rule=(q, k, v, beta))[op]
     with pytest.raises(SpecError, match="no backward"):
         fn(*args)
