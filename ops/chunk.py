@@ -24,6 +24,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..codegen.arch import get_arch
 from ..dsl import Gate, OpSpec, Options, SpecError
 from . import runtime
 
@@ -31,7 +32,7 @@ STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 FUSED_STAGES = ("chunk_qk", "chunk_state_output")      # the fused path's last two
 SPLIT_STAGES = ("chunk_segment_state", "chunk_segment_combine")   # the split state pass
 ARCH = "sm90"
-NUM_SMS = 132                   # H100 / H200
+_ARCH = get_arch(ARCH)          # tiles and SM count of the arch table
 SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
 
 
@@ -154,18 +155,14 @@ def wu_block_n(K: int, V: int) -> int:
     return bn
 
 
-def state_block_v(V: int, n_seq_heads: int, num_sms: int = NUM_SMS) -> int:
-    """Value block of the state pass. The pass is sequential per CTA and its pipelined
-    CTA fills an SM (256 threads x ~240 registers), so the time is (waves of CTAs) x
-    (chunks) x (per-chunk latency, which grows slowly with the block): take the smallest
-    of 16 / 32 / 64 that keeps n_seq_heads * V / block CTAs within one wave, else 64."""
+def state_block_v(V: int, n_seq_heads: int) -> int:
+    """The state pass's value block: STATE_BLOCK_V_OVERRIDE, else the arch table's."""
     if STATE_BLOCK_V_OVERRIDE is not None:
         return STATE_BLOCK_V_OVERRIDE
-    divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
-    if not divisors:
-        raise SpecError(f"V={V} must be a multiple of 16")
-    fits = [bv for bv in divisors if n_seq_heads * (V // bv) <= num_sms]
-    return min(fits) if fits else max(divisors)
+    try:
+        return _ARCH.chunk_state_block_v(V, n_seq_heads)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
 
 #: the output stage's value block (None: all of V up to 128, so q k^T is formed once)
@@ -173,12 +170,13 @@ OUTPUT_BLOCK_V_OVERRIDE = None
 
 
 def output_block_v(V: int) -> int:
+    """The output stage's value block: OUTPUT_BLOCK_V_OVERRIDE, else the arch table's."""
     if OUTPUT_BLOCK_V_OVERRIDE is not None:
         return OUTPUT_BLOCK_V_OVERRIDE
-    for bv in (128, 64, 32, 16):
-        if V % bv == 0:
-            return bv
-    raise SpecError(f"V={V} must be a multiple of 16")
+    try:
+        return _ARCH.chunk_output_block_v(V)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
 
 # -- the forward ---------------------------------------------------------------------------

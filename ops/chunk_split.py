@@ -134,7 +134,7 @@ def run_segment_maps(chunk_mod, spec, options, cu, *, HV, K, V, H, dtype, k_stat
     import torch
     C = spec.chunk_size
     counts = [-(-(cu[n + 1] - cu[n]) // C) for n in range(len(cu) - 1)]
-    L = segment_chunks(counts, HV, K, V, chunk_mod.NUM_SMS, chunk_mod.SPLIT_SEGMENT_CHUNKS)
+    L = segment_chunks(counts, HV, K, V, chunk_mod._ARCH.NUM_SMS, chunk_mod.SPLIT_SEGMENT_CHUNKS)
     if L <= 0:
         return None
     dev = u.device
@@ -145,18 +145,18 @@ def run_segment_maps(chunk_mod, spec, options, cu, *, HV, K, V, H, dtype, k_stat
     seg_map = torch.empty(NS, HV, K, K + V, dtype=f32, device=dev)
     starts = torch.empty(NS, HV, K, V, dtype=f32, device=dev)
     p1 = dict(H=H, HV=HV, K=K, V=V, dtype=dtype,
-              block_v=fill_block(K + V, NS * HV, chunk_mod.NUM_SMS, (K, V)),
+              block_v=fill_block(K + V, NS * HV, chunk_mod._ARCH.NUM_SMS, (K, V)),
               num_stages=chunk_mod.STATE_NUM_STAGES)
     chunk_mod.compiled_stage(spec, "chunk_segment_state", **p1)(
         k_state, w, u, g_cum, seg_cu, seg_c0, seg_map)
     p2 = dict(HV=HV, K=K, V=V, state_v_first=options.state_v_first,
               has_initial_state=bool(has_initial_state),
               output_final_state=bool(output_final_state),
-              block_v=fill_block(V, N * HV, chunk_mod.NUM_SMS))
+              block_v=fill_block(V, N * HV, chunk_mod._ARCH.NUM_SMS))
     chunk_mod.compiled_stage(spec, "chunk_segment_combine", **p2)(
         seg_map, seq_seg, h0, starts, final)
     p3 = dict(state_params, state_v_first=False, has_initial_state=True,
-              output_final_state=False, block_v=fill_block(V, NS * HV, chunk_mod.NUM_SMS)
+              output_final_state=False, block_v=fill_block(V, NS * HV, chunk_mod._ARCH.NUM_SMS)
               if chunk_mod.STATE_BLOCK_V_OVERRIDE is None else
               chunk_mod.STATE_BLOCK_V_OVERRIDE)
     placeholder = torch.empty(1, HV, K, V, dtype=f32, device=dev)

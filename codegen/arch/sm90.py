@@ -62,6 +62,28 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     return {"block_v": 8, "threads": 32, "vec": 4 if K % 4 == 0 else 1, "warps_k": 1}
 
 
+def chunk_state_block_v(V: int, n_seq_heads: int) -> int:
+    """Value block of the chunked state pass. The pass is sequential per CTA and its
+    pipelined CTA fills an SM (256 threads x ~240 registers), so the time is (waves of
+    CTAs) x (chunks) x (per-chunk latency, which grows slowly with the block): take the
+    smallest of 16 / 32 / 64 that keeps n_seq_heads * V / block CTAs within one wave,
+    else 64 (run 4: q35-397b-tp1-65536, 64 heads, one wave at block 32 instead of two)."""
+    divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
+    if not divisors:
+        raise ValueError(f"V={V} must be a multiple of 16")
+    fits = [bv for bv in divisors if n_seq_heads * (V // bv) <= NUM_SMS]
+    return min(fits) if fits else max(divisors)
+
+
+def chunk_output_block_v(V: int) -> int:
+    """Value block of the chunked output stage: all of V up to 128, so q k^T is formed
+    once per chunk."""
+    for bv in (128, 64, 32, 16):
+        if V % bv == 0:
+            return bv
+    raise ValueError(f"V={V} must be a multiple of 16")
+
+
 #: stage name -> tuning function(problem dict[, sizes]) -> dict of build() tuning knobs
 TUNING = {
     "recurrent": _recurrent,
