@@ -26,14 +26,13 @@ import traceback
 
 import torch
 
-from linattn.cli.bench.timer import union_length
+from linattn.cli.bench.timer import flush_l2, union_length
 from linattn.dsl import Options
 from linattn.dsl import torch_reference as tref
 from linattn.ops import chunk
+from linattn.ops.chunk import PREPARE_VARIANTS
 from linattn.ops.registry import get_spec
 
-FLUSH_BYTES = 256 << 20
-_flush = None
 
 # name -> (op, B, T, H, HV, K, V, option names, lens for varlen or None)
 WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
@@ -50,17 +49,6 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
 }
 
 
-#: chunk_prepare variants timed by --prepare NAME... (knobs of ops.chunk set while timing)
-PREPARE_VARIANTS = {
-    "t256": dict(PREPARE_THREADS=256),
-    "prefetch": dict(PREPARE_PREFETCH=True),
-    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
-    # fla-style split: chunk_kkt_inverse (A diag(beta)) then chunk_wu (w, u GEMMs)
-    "split": dict(PREPARE_SPLIT=True),
-    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
-    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
-    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
-}
 #: kernels that make up the prepare step (the split path has two)
 PREPARE_KERNELS = ("chunk_prepare_kernel", "chunk_kkt_inverse_kernel", "chunk_wu_kernel")
 
@@ -73,13 +61,6 @@ STATE_SPLIT_VARIANTS = {
     "L16": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=16),
     "L32": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=32),
 }
-
-
-def flush_l2():
-    global _flush
-    if _flush is None:
-        _flush = torch.zeros(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    torch.bitwise_not(_flush, out=_flush)
 
 
 

@@ -147,6 +147,21 @@ PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
 PREPARE_SPLIT_BLOCK_N = int(os.environ.get("LINATTN_CHUNK_SPLIT_BLOCK_N", "64"))
 
 
+#: named settings of the prepare knobs above, timed by bench/chunk_probe.py --prepare and
+#: checked by tests/test_chunk_fwd_gpu.py (the split ones replace chunk_prepare for the
+#: delta rule without a key gate only)
+PREPARE_VARIANTS = {
+    "t256": dict(PREPARE_THREADS=256),
+    "prefetch": dict(PREPARE_PREFETCH=True),
+    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+    # fla-style split: chunk_kkt_inverse (A diag(beta)) then chunk_wu (w, u GEMMs)
+    "split": dict(PREPARE_SPLIT=True),
+    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
+    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
+    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
+}
+
+
 def wu_block_n(K: int, V: int) -> int:
     """chunk_wu's column block: PREPARE_SPLIT_BLOCK_N, halved until it divides K and V."""
     bn = PREPARE_SPLIT_BLOCK_N

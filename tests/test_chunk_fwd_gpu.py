@@ -14,6 +14,7 @@ import pytest
 from linattn.dsl import Options
 from linattn.dsl.chunked import chunked_forward as np_chunked_forward
 from linattn.dsl.recurrent import random_inputs, recurrent_forward
+from linattn.ops.chunk import PREPARE_VARIANTS
 from linattn.ops.registry import get_spec
 
 torch = pytest.importorskip("torch")
@@ -314,18 +315,8 @@ def test_prepare_inverse_variants(p, inverse, rng, monkeypatch):
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
-# chunk_prepare's performance variants (ops.chunk knobs), each against the fp64 reference
-PREPARE_VARIANTS = {
-    "t256": dict(PREPARE_THREADS=256),
-    "prefetch": dict(PREPARE_PREFETCH=True),
-    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
-    # the split prepare (chunk_kkt_inverse + chunk_wu); the key gate and the additive
-    # rule keep chunk_prepare, so only the gdn / deltanet cases below exercise it
-    "split": dict(PREPARE_SPLIT=True),
-    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
-    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
-    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
-}
+# chunk_prepare's performance variants (ops.chunk.PREPARE_VARIANTS), each against the fp64
+# reference; the split ones replace chunk_prepare for the delta rule without a key gate only
 PREPARE_VARIANT_CASES = [
     case("gdn", 2, 256, 4, 4, 128, 128),
     case("deltanet", 2, 130, 2, 2, 64, 64, dtype="float16"),
