@@ -7,6 +7,7 @@
 * ``rng``: a fresh NumPy generator per test (seeded from the test id and the clock, and
   printed on failure) so every run sees new random inputs.
 """
+import json
 import os
 import time
 import zlib
@@ -64,3 +65,18 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed} (rerun with LINATTN_SEED={seed})")
     return np.random.default_rng(seed)
+
+
+def write_summary(name: str, doc) -> str | None:
+    """Write a GPU test module's JSON summary to $OUT_DIR (else $OUT) as <name>.json, or
+    <name>_<worker>.json under pytest-xdist so workers do not overwrite each other.
+    Returns the path, or None when neither variable is set."""
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    path = os.path.join(out, f"{name}_{worker}.json" if worker else f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path

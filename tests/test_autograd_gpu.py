@@ -11,12 +11,11 @@ $OUT_DIR (else $OUT)/autograd_gpu.json when set.
 
 Run: python3 -m pytest -q -m gpu tests/test_autograd_gpu.py   (skips without a GPU)
 """
-import json
 import math
-import os
 import time
 
 import pytest
+from conftest import write_summary
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -103,11 +102,7 @@ def precompiled():
     for e in errors:
         print("  compile error:", e)
     yield
-    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "autograd_gpu.json"), "w") as f:
-            json.dump({"compile_errors": errors, "results": RESULTS}, f, indent=1)
+    write_summary("autograd_gpu", {"compile_errors": errors, "results": RESULTS})
 
 
 def _inputs(p, seed):

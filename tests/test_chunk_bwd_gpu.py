@@ -15,12 +15,11 @@ set (each case's errors, pass/fail).
 
 Run: python3 -m pytest -q tests/test_chunk_bwd_gpu.py   (skips without a GPU)
 """
-import json
 import math
-import os
 import time
 
 import pytest
+from conftest import write_summary
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -99,11 +98,7 @@ def precompiled():
     for e in errors:
         print("  compile error:", e)
     yield
-    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "chunk_bwd_gpu.json"), "w") as f:
-            json.dump({"compile_errors": errors, "results": RESULTS}, f, indent=1)
+    write_summary("chunk_bwd_gpu", {"compile_errors": errors, "results": RESULTS})
 
 
 _REFS = {}

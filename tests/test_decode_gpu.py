@@ -18,13 +18,13 @@ bench/decode_probe.py times alone.
 
     python3 -m pytest -q tests/test_decode_gpu.py          (skips without a GPU)
 """
-import json
 import os
 import time
 import warnings
 
 import numpy as np
 import pytest
+from conftest import write_summary
 
 from linattn.dsl import Options, all_rule_gate_specs
 from linattn.dsl.recurrent import random_inputs, recurrent_forward
@@ -88,13 +88,8 @@ CASES += [  # the registered families through the checked-in generated modules
 def _session(tmp_path_factory):
     os.environ.setdefault("LINATTN_GEN_DIR", str(tmp_path_factory.mktemp("linattn_gen")))
     yield
-    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
-    if out and RESULTS:
-        os.makedirs(out, exist_ok=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        name = f"decode_gpu_{worker}.json" if worker else "decode_gpu.json"
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    if RESULTS:
+        write_summary("decode_gpu", RESULTS)
     checks = [r for r in RESULTS if r["tol"] is not None]
     worst = sorted(checks, key=lambda r: -max(r.get("o_ratio", 99), r.get("ht_ratio", 0)))
     print(f"\ndecode GPU: {sum(r['passed'] for r in checks)}/{len(checks)} passed; worst:")
