@@ -46,6 +46,9 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "q35-397b-tp8-8192-inkernel": ("gdn", 1, 8192, 2, 8, 128, 128,
                                    ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), None),
     "kda-tp8-16384": ("kda", 1, 16384, 4, 4, 128, 128, ("l2norm_qk",), None),
+    "q35-397b-tp1-65536": ("gdn", 1, 65536, 16, 64, 128, 128, (), None),
+    "q35-2b-16384": ("gdn", 1, 16384, 16, 16, 128, 128, (), None),
+    "q35-397b-tp4-8x1024": ("gdn", 1, None, 4, 16, 128, 128, (), [1024] * 8),
 }
 
 
@@ -353,7 +356,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--only", nargs="*", default=None, choices=list(WORKLOADS))
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new workload after this many seconds (0: no limit)")
     ap.add_argument("--sweep", action="store_true",

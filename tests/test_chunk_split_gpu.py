@@ -9,7 +9,12 @@ from test_chunk_fwd_gpu import assert_within_tolerance, case, run_case
 
 pytestmark = pytest.mark.gpu
 
-SPLIT_CASES = [   # (case, segment length in chunks: None = the cost model's)
+def split_case(param, L):
+    """One case of the chunked forward test (a pytest.param) with a segment length."""
+    return pytest.param(param.values[0], L, id=f"{param.id}-L{L}")
+
+
+SPLIT_CASES = [split_case(c, L) for c, L in [   # segment length in chunks: None = the model's
     (case("gdn", 1, 1000, 2, 8, 128, 128), 2),
     (case("gdn", 1, 1000, 2, 8, 128, 128, init=False), 4),
     (case("gdn", 1, None, 2, 4, 128, 128, opts=("state_v_first",),
@@ -20,7 +25,7 @@ SPLIT_CASES = [   # (case, segment length in chunks: None = the cost model's)
     (case("kda", 1, None, 2, 2, 128, 128, opts=("l2norm_qk",), lens=[1, 64, 65, 330, 1]), 2),
     (case("additive_scalar", 1, 400, 2, 2, 64, 64), 3),
     (case("gdn", 1, 8192, 2, 8, 128, 128), None),            # q35-397b-tp8-8192
-]
+]]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["3stage", "fused"])
