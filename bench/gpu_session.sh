@@ -55,6 +55,13 @@ for s in $STEPS; do
   esac
 done
 tar -czf "$OUT/results.tar.gz" -C /tmp results
+# keep the carried compile cache small (the device tool carries 64 MiB in all): what a
+# cache hit loads is TileLang's per-kernel folder (executable.so, sources, params) and
+# Triton's cubin + JSON (autotuning picks included); TileLang's nvcc cubin cache and
+# Triton's intermediate IR are only read when compiling again
+rm -rf /tmp/gpu-cache/tilelang/*/cuda-binaries
+find /tmp/gpu-cache/triton -type f \( -name '*.llir' -o -name '*.ttir' -o -name '*.ttgir' \
+  -o -name '*.ptx' -o -name '*.source' \) -delete 2>/dev/null
 echo "===== steps"; cat "$R/steps.txt"
 echo "===== decode (tail)"; tail -n 30 "$R/decode.log" 2>/dev/null
 echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
