@@ -298,6 +298,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
                           output_final_state=bool(output_final_state), fused=fused)
+    runtime.announce(spec, ARCH, params)      # recording(): note every stage at once
     if key_gate:
         # prepare writes qg = q e^G and the causal gated A_qk (the output's q and k
         # operands) and kg = k e^(G_last - G) (the state's k operand)
@@ -403,28 +404,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
 
 # -- compiling ahead of time, in parallel (the GPU tests and the probe use it) ------------
 
-def _compile_job(job):
-    spec, stage, params = job
-    import time
-    t0 = time.time()
-    try:
-        compiled_stage(spec, stage, **params)
-        return None, time.time() - t0
-    except Exception as e:  # reported, never raised: the caller's test shows the failure
-        return f"{spec.name}/{stage} {params}: {type(e).__name__}: {e}"[:400], time.time() - t0
-
-
 def precompile(jobs, workers=None) -> list:
-    """Compile (spec, stage, params) jobs in parallel processes so TileLang's disk cache
-    holds them; later in-process compiles of the same params are cache hits. Returns the
-    error strings (empty when every job compiled)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    uniq = {(j[0].key, j[0].hash, j[1], tuple(sorted(j[2].items()))): j for j in jobs}
-    jobs = list(uniq.values())
-    if not jobs:
-        return []
-    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2)))
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        results = list(pool.map(_compile_job, jobs))
-    return [err for err, _ in results if err]
+    """Compile (spec, stage, params) jobs in parallel processes (runtime.precompile);
+    returns the error strings (empty when every job compiled)."""
+    return runtime.precompile([(spec, stage, ARCH, params) for spec, stage, params in jobs],
+                              workers)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 from ..dsl import Options, SpecError
-from . import chunk, deltanet
+from . import chunk, deltanet, runtime
 
 #: the stages each scheme runs, in order
 SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"),
@@ -56,7 +56,6 @@ DH_BLOCK_V_OVERRIDE = None
 
 def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
     """The compiled kernel of backward ``stage`` at ``params`` (memoised by ops.runtime)."""
-    from . import runtime
     return runtime.compile_stage(spec, stage, ARCH, params)
 
 
@@ -85,26 +84,11 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict
     return params
 
 
-def _compile_job(job):
-    stage, params = job
-    try:
-        compiled_stage(stage, **params)
-        return None
-    except Exception as e:  # reported, never raised: the caller's test shows the failure
-        return f"{stage} {params}: {type(e).__name__}: {e}"[:400]
-
-
 def precompile(param_sets, workers=None) -> list:
-    """Compile every stage of each stage_params() dict in parallel processes (TileLang's
-    disk cache keeps them). Returns error strings (empty when all compiled)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    jobs = {(s, tuple(sorted(p.items()))): (s, p) for ps in param_sets for s, p in ps.items()}
-    if not jobs:
-        return []
-    workers = workers or max(1, min(len(jobs), os.cpu_count() or 2))
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        return [e for e in pool.map(_compile_job, list(jobs.values())) if e]
+    """Compile every stage of each stage_params() dict in parallel processes
+    (runtime.precompile). Returns error strings (empty when all compiled)."""
+    return runtime.precompile([(deltanet.SPEC, stage, ARCH, params)
+                               for ps in param_sets for stage, params in ps.items()], workers)
 
 
 def _check(name, x, shape, dtype=None):
@@ -191,6 +175,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
     q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                           use_dht=dht is not None, store_dh0=want_dh0)
+    runtime.announce(deltanet.SPEC, ARCH, params)     # recording(): every stage at once
     run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
     dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
@@ -262,6 +247,7 @@ def chunk_forward_intermediates(q, k, v, beta):
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
     mine = stage_params(H=H, K=K, V=V, dtype=params_dtype, B=B)[RECOMPUTE]
+    runtime.announce(spec, ARCH, {RECOMPUTE: mine, **params})   # recording(): all at once
     compiled_stage(RECOMPUTE, **mine)(k.contiguous(), v.contiguous(), beta.contiguous(), A, w, u)
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)

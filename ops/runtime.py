@@ -116,9 +116,6 @@ def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, *
     for stages whose tiles depend on them). Returns (kernel, module, params).
     """
     tuning = get_arch(arch).tuning(stage, problem, sizes)
-    if _RECORDING is not None:              # see recording(): note the request, compile nothing
-        _RECORDING.append((spec, stage, arch, sizes, dict(problem)))
-        raise KernelRequested(f"{spec.name}/{stage}")
     params = {**tuning, **problem}
     return compile_stage(spec, stage, arch, params), stage_module(spec, stage, arch), params
 
@@ -127,10 +124,13 @@ def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
     """The compiled kernel of ``stage`` for ``spec`` at exactly ``params`` (all build()
     keywords, tuning included), memoised per process; TileLang's disk cache makes a
     repeat across processes cheap. Every kernel of linattn is compiled here."""
-    key = (arch, spec.hash, spec.name, stage, tuple(sorted(params.items())))
+    key = _key(spec, stage, arch, params)
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
+    if _RECORDING is not None:              # see recording(): note the request, compile nothing
+        _RECORDING.append((spec, stage, arch, dict(params)))
+        raise KernelRequested(f"{spec.name}/{stage}")
     import tilelang
     module = stage_module(spec, stage, arch)
     kernel = tilelang.compile(module.build(**params), out_idx=module.out_idx(**params),
@@ -141,8 +141,25 @@ def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
     return kernel
 
 
+def _key(spec: OpSpec, stage: str, arch: str, params: dict) -> tuple:
+    return (arch, spec.hash, spec.name, stage, tuple(sorted(params.items())))
+
+
+def announce(spec: OpSpec, arch: str, stages: dict) -> None:
+    """A multi-stage call names all its kernels ({stage: params}) before compiling any:
+    inside recording() every one not yet compiled is noted at once (then KernelRequested
+    stops the call); otherwise this does nothing."""
+    if _RECORDING is None:
+        return
+    todo = [(spec, st, arch, dict(p)) for st, p in stages.items()
+            if _key(spec, st, arch, p) not in _KERNELS]
+    if todo:
+        _RECORDING.extend(todo)
+        raise KernelRequested(f"{spec.name}/{', '.join(t[1] for t in todo)}")
+
+
 class KernelRequested(Exception):
-    """Raised by get_kernel inside recording(): the request was noted instead of compiled."""
+    """Raised inside recording() where a kernel would be compiled: the request was noted."""
 
 
 _RECORDING: list | None = None
@@ -157,7 +174,9 @@ def recording():
             except runtime.KernelRequested: pass
         runtime.precompile(jobs)              # in parallel processes, then fn() is a cache hit
 
-    Yields a list of (spec, stage, arch, sizes, problem) tuples. Not thread safe.
+    Yields a list of (spec, stage, arch, params) jobs (params: every build() keyword, the
+    arch's tuning included). A call stops at its first kernel not yet compiled, so calls
+    that run several kernels announce() them all first. Not thread safe.
     """
     global _RECORDING
     _RECORDING, prev = [], _RECORDING
@@ -167,35 +186,30 @@ def recording():
         _RECORDING = prev
 
 
-def _compile_request(job):
+def _compile_job(job):
     import time
-    spec, stage, arch, sizes, problem = job
+    spec, stage, arch, params = job
     t0 = time.time()
     try:
-        get_kernel(spec, stage, arch, sizes=sizes, **problem)
+        compile_stage(spec, stage, arch, params)
         return None, time.time() - t0
     except Exception as e:  # reported, never raised: the caller decides
-        return f"{spec.name}/{stage} {problem}: {type(e).__name__}: {e}"[:500], time.time() - t0
+        return f"{spec.name}/{stage} {params}: {type(e).__name__}: {e}"[:500], time.time() - t0
 
 
 def precompile(jobs, workers: int | None = None) -> list:
-    """Compile get_kernel requests (spec, stage, arch, sizes, problem) in parallel
-    processes so TileLang's disk cache holds them (later compiles in this process are
-    cache hits). Duplicates are compiled once. Returns the error strings."""
+    """Compile (spec, stage, arch, params) jobs (recording()'s) in parallel processes so
+    TileLang's disk cache holds them; later compiles of the same params in this process
+    are cache hits. Duplicates are compiled once. Returns the error strings (empty when
+    every job compiled). The one parallel compile of linattn: every precompile uses it."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    uniq = {}
-    for spec, stage, arch, sizes, problem in jobs:
-        tuning = get_arch(arch).tuning(stage, problem, sizes)
-        key = (spec.hash, stage, arch, tuple(sorted(problem.items())),
-               tuple(sorted(tuning.items())))
-        uniq.setdefault(key, (spec, stage, arch, sizes, problem))
-    todo = list(uniq.values())
+    todo = list({_key(*j[:3], j[3]): j for j in jobs}.values())
     if not todo:
         return []
     workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        return [err for err, _ in pool.map(_compile_request, todo) if err]
+        return [err for err, _ in pool.map(_compile_job, todo) if err]
 
 
 def placeholder(device, dtype):

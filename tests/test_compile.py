@@ -64,3 +64,21 @@ def test_rule_gate_recurrent_compiles(tmp_path, spec, all_on):
         problem.update({n: True for n in spec.supports}, has_initial_state=True,
                        output_final_state=True, varlen=True)
     _check(compile_stage(module, problem, ARCH))
+
+
+def test_recording_notes_every_announced_stage_and_compiles_nothing():
+    """runtime.recording(): a multi-stage call announces all its kernels at once; a lone
+    compile_stage is noted too; nothing is compiled (the memo stays empty for them)."""
+    from linattn.ops import gdn, runtime
+    p1 = dict(H=2, HV=4, K=64, V=64, dtype="bfloat16")
+    p2 = dict(p1, block_v=32)
+    with runtime.recording() as req:
+        with pytest.raises(runtime.KernelRequested):
+            runtime.announce(gdn.SPEC, "sm90", {"chunk_output": p1, "chunk_state": p2})
+    assert [(j[1], j[3]) for j in req] == [("chunk_output", p1), ("chunk_state", p2)]
+    with runtime.recording() as req:
+        with pytest.raises(runtime.KernelRequested):
+            runtime.compile_stage(gdn.SPEC, "chunk_output", "sm90", p1)
+    assert len(req) == 1 and req[0][0] is gdn.SPEC
+    assert runtime._key(gdn.SPEC, "chunk_output", "sm90", p1) not in runtime._KERNELS
+    runtime.announce(gdn.SPEC, "sm90", {"chunk_output": p1})    # outside recording: no-op
