@@ -298,6 +298,14 @@ def probe(name, args):
 
 
 def fla_time(spec, options, x, cu, args):
+    call = fla_call(spec, options, x, cu)
+    call()
+    total, per, _ = device_times(call, iters=args.iters)
+    return total, per
+
+
+def fla_call(spec, options, x, cu):
+    """fla's chunked forward of the same call (a closure)."""
     if spec.name == "gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
         kw = dict(g=x["g"], beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)
@@ -314,11 +322,8 @@ def fla_time(spec, options, x, cu, args):
     else:
         from fla.ops.delta_rule import chunk_delta_rule as fn
         kw = dict(beta=x["beta"], use_qk_l2norm_in_kernel=options.l2norm_qk)
-    call = lambda: fn(x["q"], x["k"], x["v"], initial_state=x["initial_state"],  # noqa: E731
+    return lambda: fn(x["q"], x["k"], x["v"], initial_state=x["initial_state"],
                       output_final_state=True, cu_seqlens=cu, **kw)
-    call()
-    total, per, _ = device_times(call, iters=args.iters)
-    return total, per
 
 
 def workload_jobs(name, sweep=False, prepare=(), alt=True):

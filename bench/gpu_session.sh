@@ -49,6 +49,12 @@ for s in $STEPS; do
              -m gpu -p no:cacheprovider -rfE tests/test_chunk_fwd_gpu.py -k "prepare_variant and split" ;;
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_autograd_gpu.py --junitxml="$R/autograd.xml" ;;
+    # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)
+    ncu) run_step ncu "${NCU_S:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu \
+             /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$N" ] || { echo "no ncu"; exit 3; }
+             "$N" --profile-from-start off --section SpeedOfLight --section Occupancy \
+             --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+             --csv --page details python3 bench/ncu_probe.py '"${NCU_ARGS:-}"' > "$OUT_DIR/ncu.csv"' ;;
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
@@ -68,6 +74,6 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-for s in split psplit autograd; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in split psplit autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 echo "===== probe (tail)"; grep -h "state-split" "$R/probe.log" 2>/dev/null | cut -c1-250; tail -n 25 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

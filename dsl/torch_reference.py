@@ -154,8 +154,12 @@ def _chunk_segment(q, k, v, g, beta, S, C):
 
 def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
                     scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
-                    chunk_size=None, intermediates=False):
+                    chunk_size=None, intermediates=False, piece_tokens=None):
     """fp64 chunked forward of any spec; differentiable (autograd) in every input.
+
+    piece_tokens: without intermediates, each sequence is processed in pieces of this
+    many tokens (a multiple of the chunk size; None: sized for ~1 GiB fp64 tensors, 0: one
+    piece) with the state carried from piece to piece.
 
     Returns (o [B,T,HV,V], final_state [N,HV,K,V] (v-first: [N,HV,V,K])), or with
     intermediates=True a dict with o, final_state, h [B', NC, HV, K, V] (state entering
@@ -163,19 +167,28 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     g_cum ([B,T,HV,*] token rows; A is None for the additive rule).
     """
     C = chunk_size or spec.chunk_size
-    qe, ke, ve, ge, be = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
-    B, T, HV, K = ke.shape
-    V = ve.shape[-1]
+    B, T, _, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    # without intermediates, long runs go in pieces of whole chunks (the state carried
+    # across; the same arithmetic) so the fp64 working set stays ~1 GiB per tensor
+    piece = (-(-(T + 1) // C) * C if intermediates or piece_tokens == 0 else
+             piece_tokens or max(C, (2 ** 20 // max(1, B * HV)) // C * C))
+    if piece % C:
+        raise ValueError(f"piece_tokens={piece_tokens} must be a multiple of the chunk size {C}")
     outs, finals, inters = [], [], []
     for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens)):
         n0, n1 = (0, B) if cu_seqlens is None else (n, n + 1)
-        S0 = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
-                       options.state_v_first, ke.device)
-        sl = lambda x: None if x is None else x[bs, t0:t1]  # noqa: E731
-        o, S, inter = _chunk_segment(sl(qe), sl(ke), sl(ve), sl(ge), sl(be), S0, C)
-        outs.append(o)
+        S = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
+                      options.state_v_first, k.device)
+        for p0 in range(t0, max(t1, t0 + 1), piece):
+            p1 = min(t1, p0 + piece)
+            sl = lambda x: None if x is None else x[bs, p0:p1]  # noqa: E731
+            qe, ke, ve, ge, be = prepare(spec, options, sl(q), sl(k), sl(v), sl(g), sl(beta),
+                                         scale, A_log, dt_bias)
+            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C)
+            outs.append(o)
+            inters.append(inter)
         finals.append(S)
-        inters.append(inter)
     o = torch.cat(outs, 1)
     final = torch.cat(finals, 0)
     if options.state_v_first:

@@ -196,3 +196,19 @@ def test_matches_numpy_references(name, all_on, rng):
             assert rel(mine[n], tt(ch[n])) < 1e-10, n
     if not opts.state_v_first:
         assert rel(mine["h"], tt(ch["h"])) < 1e-10
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_chunked_in_pieces_is_the_same_computation(name, rng):
+    """Long runs go in pieces of whole chunks with the state carried: varlen with a
+    sequence shorter than a piece, every option on, GVA; pieces of 1 and 2 chunks."""
+    spec = SPECS[name]
+    opts = Options(**{n: True for n in spec.supports})
+    d, kw = make_inputs(spec, opts, rng, 1, 200, 2, 4, 8, 8, [0, 5, 150, 200])
+    o, s = tr.chunked_forward(spec, **d, options=opts, **kw, chunk_size=16, piece_tokens=0)
+    for piece in (16, 32):
+        o2, s2 = tr.chunked_forward(spec, **d, options=opts, **kw, chunk_size=16,
+                                    piece_tokens=piece)
+        assert rel(o2, o) < 1e-12 and rel(s2, s) < 1e-12
+    with pytest.raises(ValueError, match="multiple of the chunk size"):
+        tr.chunked_forward(spec, **d, options=opts, **kw, chunk_size=16, piece_tokens=24)
