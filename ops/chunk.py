@@ -110,10 +110,13 @@ STATE_BLOCK_V_OVERRIDE = None
 #: pipeline depth of the state pass (0: plain loop, 128 threads; >= 1: TMA producer warps
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
-#: scalar gate: the state pass stores v_new straight from registers (one smem trip less)
-STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "1") == "1"
-#: the state pass writes h straight from registers instead of a TMA store
-STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "1") == "1"
+#: scalar gate: the state pass stores v_new straight from registers instead of through
+#: shared memory. Off: the smem path measured faster (bench/LOG.md, session 2 sweep: state
+#: pass 3.58 -> 3.30 ms at q35-397b-tp1-65536, 0.079 -> 0.078 ms at prefill-4k)
+STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
+#: the state pass writes h straight from registers instead of one TMA store per chunk.
+#: Off: the TMA store measured faster (same sweep: 3.58 -> 2.90 ms, 0.079 -> 0.074 ms)
+STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: run the fused path: chunk_qk + chunk_state_output (o formed inside the state pass, no
 #: per-chunk states h written) instead of chunk_state + chunk_output
 FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
