@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--check-only", action="store_true", help="verify outputs, do not time")
     p.add_argument("--verify-timer", action="store_true", help="run the timer's self-check first")
     p.add_argument("--list", action="store_true", help="list the selected rows and exit")
+    p.add_argument("--skip-timed", metavar="JSON",
+                   help="skip rows whose every --impl already has a time in this results JSON "
+                        "(resume a run cut by its budget)")
     p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
     return p.parse_args(argv)
 
@@ -37,6 +40,15 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
                   workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
+    if a.skip_timed:
+        import json
+        impls_wanted = [s.strip() for s in a.impl.split(",") if s.strip()]
+        with open(a.skip_timed) as f:
+            done = {(r["op"], r["workload"], r["dtype"]) for r in json.load(f).get("rows", [])
+                    if all((r.get("impls", {}).get(i) or {}).get("ms") is not None
+                           or "not implemented" in ((r.get("impls", {}).get(i) or {}).get("note") or "")
+                           for i in impls_wanted)}
+        rows = [r for r in rows if tuple(r.key) not in done]
     if a.list:
         for r in rows:
             print(r.op, r.workload, r.dtype)
