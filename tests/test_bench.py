@@ -220,3 +220,34 @@ def test_bound_labels_match_seed_page():
     agree = [roofline.sol(r, r.seed["ours_ms"])["bound"] == r.seed["bound"] for r in ROWS]
     assert sum(agree) / len(agree) > 0.9
     assert all(a for a, r in zip(agree, ROWS) if r.op != "GDNFwd")
+
+
+def test_families_fla_vs_seed_and_summary(tmp_path):
+    """GDN rows fall in the issue's families; fla here / the seed's fla column per op;
+    the summary prints every part, also through linattn-bench --summary."""
+    from linattn.cli.bench.cli import main
+    gdn = select(ROWS, ops=["GDNFwd"])
+    fams = {report.family({"op": r.op, "workload": r.workload, "dtype": r.dtype}) for r in gdn}
+    assert {"prefill", "varlen", "decode", "GVA tp1", "GVA tp8"} <= fams
+    by_name = {r.workload: r for r in gdn}
+    assert report.family({"op": "GDNFwd", "workload": "decode-b8", "dtype": "bf16"}) == "decode"
+    assert report.family({"op": "GDNFwd", "workload": "q35-397b-tp1-65536",
+                          "dtype": "bf16"}) == "GVA tp1"
+    assert "cu_seqlens" in by_name["q35-397b-tp4-8x1024"].tensors
+    assert report.family({"op": "GDNFwd", "workload": "q35-397b-tp4-8x1024",
+                          "dtype": "bf16"}) == "varlen"
+    r1, r2 = select(ROWS, ops=["GDNFwd"], workload="prefill-4k")[:2]
+    a = fake_record(r1, 0.1, 0.5 * r1.seed["alternatives"]["fla"])
+    b = fake_record(r2, 0.1, 2.0 * r2.seed["alternatives"]["fla"])
+    v = report.fla_vs_seed([a, b])["GDNFwd"]
+    assert v["n"] == 2 and v["geomean"] == pytest.approx(1.0)
+    assert v["min"] == pytest.approx(0.5) and v["max"] == pytest.approx(2.0)
+    f = report.families([a, b])["prefill"]
+    assert f["rows"] == 2 and f["timed"] == 2
+    assert f["vs_fla"] == pytest.approx((0.5 * r1.seed["alternatives"]["fla"] / 0.1 *
+                                          2.0 * r2.seed["alternatives"]["fla"] / 0.1) ** 0.5)
+    text = report.summary([a, b])
+    assert "fla here / seed's fla column" in text and "| prefill | 2 | 2 |" in text
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": [a, b]}))
+    assert main(["--summary", str(path)]) == 0

@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--check-only", action="store_true", help="verify outputs, do not time")
     p.add_argument("--verify-timer", action="store_true", help="run the timer's self-check first")
     p.add_argument("--list", action="store_true", help="list the selected rows and exit")
+    p.add_argument("--summary", metavar="JSON",
+                   help="print the summary of a results JSON (per-op geomeans, fla here vs "
+                        "the seed's fla column, GDN families) and exit; no GPU needed")
     p.add_argument("--skip-timed", metavar="JSON",
                    help="skip rows whose every --impl already has a time in this results JSON "
                         "(resume a run cut by its budget)")
@@ -38,10 +41,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.summary:
+        with open(a.summary) as f:
+            print(report.summary(json.load(f)["rows"]), end="")
+        return 0
     rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
                   workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
     if a.skip_timed:
-        import json
         impls_wanted = [s.strip() for s in a.impl.split(",") if s.strip()]
         with open(a.skip_timed) as f:
             done = {(r["op"], r["workload"], r["dtype"]) for r in json.load(f).get("rows", [])

@@ -68,6 +68,100 @@ def geomeans(records) -> dict:
     return out
 
 
+def _spread(xs) -> dict:
+    xs = [x for x in xs if x is not None and x > 0]
+    return {"n": len(xs), "geomean": geomean(xs), "min": min(xs) if xs else None,
+            "max": max(xs) if xs else None}
+
+
+def fla_vs_seed(records) -> dict:
+    """Per op: fla's device time here / the seed table's fla column (geomean and spread
+    over the rows where fla was timed and checked correct)."""
+    out = {}
+    for op in OPS:
+        xs = []
+        for r in records:
+            fla = r["impls"].get("fla") or {}
+            col = (r.get("seed") or {}).get("alternatives", {}).get("fla")
+            if r["op"] == op and fla.get("ok") and fla.get("ms") and col:
+                xs.append(fla["ms"] / col)
+        if xs:
+            out[op] = _spread(xs)
+    return out
+
+
+def family(rec) -> str:
+    """GDN workload family (the issue's grouping): decode (one token per sequence),
+    varlen (cu_seqlens), GVA tp1..tp8 (the tensor-parallel Qwen3.5 shapes), prefill."""
+    import re
+    t = rec.get("tensors") or _table_tensors().get((rec["op"], rec["workload"], rec["dtype"]), {})
+    name = rec["workload"]
+    q = (t.get("q") or {}).get("shape")
+    if (q and q[1] == 1 and "cu_seqlens" not in t) or "decode" in name:
+        return "decode"
+    if "cu_seqlens" in t or re.search(r"\d+x\d+|varlen|ragged", name):
+        return "varlen"
+    m = re.search(r"-tp(\d+)-", name)
+    if m:
+        return f"GVA tp{m.group(1)}"
+    return "prefill"
+
+
+def _table_tensors() -> dict:
+    """(op, workload, dtype) -> tensors of the packaged workload table (memoised)."""
+    global _TENSORS
+    if _TENSORS is None:
+        from .workloads import load_rows
+        _TENSORS = {r.key: r.tensors for r in load_rows()}
+    return _TENSORS
+
+
+_TENSORS = None
+
+
+def families(records, op="GDNFwd") -> dict:
+    """Per family of ``op``'s rows: geomean ratio vs the best alternative timed here, vs
+    fla, vs the best of those and the seed table's columns, and vs the seed system."""
+    out = {}
+    for r in records:
+        if r["op"] != op:
+            continue
+        f = out.setdefault(family(r), {"rows": 0, "timed": 0, "ratio": [], "vs_fla": [],
+                                       "ratio_with_seed_columns": [], "vs_seed": []})
+        f["rows"] += 1
+        ours = (r["impls"].get(OURS) or {})
+        fla = (r["impls"].get("fla") or {})
+        if ours.get("ok") and ours.get("ms"):
+            f["timed"] += 1
+            if fla.get("ok") and fla.get("ms"):
+                f["vs_fla"].append(fla["ms"] / ours["ms"])
+        for k in ("ratio", "ratio_with_seed_columns", "vs_seed"):
+            f[k].append(r.get(k))
+    return {name: {**{k: v for k, v in f.items() if not isinstance(v, list)},
+                   **{k: geomean(v) for k, v in f.items() if isinstance(v, list)}}
+            for name, f in sorted(out.items())}
+
+
+def summary(records) -> str:
+    """Markdown: per-op geomeans, fla here vs the seed's fla column, GDN families."""
+    lines = ["| op | rows | ours timed | vs best alt. | vs seed |", "|---|---|---|---|---|"]
+    for op, v in geomeans(records).items():
+        lines.append(f"| {op} | {v['rows']} | {v['rows'] - v['gaps']} | "
+                     f"{_f(v['ratio'], '{:.3f}')} | {_f(v['vs_seed'], '{:.3f}')} |")
+    lines += ["", "| op | rows with fla | fla here / seed's fla column: geomean | min | max |",
+              "|---|---|---|---|---|"]
+    for op, v in fla_vs_seed(records).items():
+        lines.append(f"| {op} | {v['n']} | {_f(v['geomean'], '{:.3f}')} | "
+                     f"{_f(v['min'], '{:.3f}')} | {_f(v['max'], '{:.3f}')} |")
+    lines += ["", "| GDNFwd family | rows | timed | vs fla | vs best alt. (incl. seed columns) "
+              "| vs seed |", "|---|---|---|---|---|---|"]
+    for name, v in families(records).items():
+        lines.append(f"| {name} | {v['rows']} | {v['timed']} | {_f(v['vs_fla'], '{:.3f}')} | "
+                     f"{_f(v['ratio_with_seed_columns'], '{:.3f}')} | "
+                     f"{_f(v['vs_seed'], '{:.3f}')} |")
+    return "\n".join(lines) + "\n"
+
+
 def _f(x, fmt="{:.4g}"):
     return "-" if x is None else fmt.format(x)
 
