@@ -233,3 +233,22 @@ def test_arguments_match_kernel_signature(fake_kernels, spec, options, varlen, i
         assert any(a is h0 for a in call_args)
     for n, t in before.items():
         assert torch.equal(t, args[n]), n
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("N,HV,K,V", [(1, 8, 128, 128), (8, 64, 128, 128), (8, 48, 128, 128),
+                                      (256, 32, 128, 128), (3, 4, 64, 96), (512, 16, 256, 64)])
+def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first):
+    """The sm90 decode table's pick always satisfies the template's thread-map rules;
+    the doubled block (64 values a thread) only for 16-bit states with CTAs to spare."""
+    from linattn.codegen.arch import sm90
+    problem = dict(K=K, V=V, HV=HV, state_dtype=state_dtype, state_v_first=v_first)
+    t = sm90.tuning("recurrent", problem, {"N": N})
+    assert sm90.recurrent_layout_ok(K, V, t["block_v"], t["threads"], t["vec"], t["warps_k"],
+                                    v_first)
+    if t["block_v"] == 64:
+        assert state_dtype != "float32" and not v_first
+        assert N * HV * V // 64 >= 6 * sm90.NUM_SMS
+    if (N, HV, state_dtype, v_first) == (8, 64, "bfloat16", False):   # the swept row
+        assert t == {"block_v": 64, "threads": 128, "vec": 8, "warps_k": 4}
