@@ -52,6 +52,9 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
 }
 
 
+#: --sweep: the state pass's (pipeline depth, value block) pairs timed
+SWEEP_STATE = [(st, bv) for st in (0, 2, 3) for bv in (16, 32, 64)]   # 4 stages: > 227 KB fused
+
 #: kernels that make up the prepare step (the split path has two)
 PREPARE_KERNELS = ("chunk_prepare_kernel", "chunk_kkt_inverse_kernel", "chunk_wu_kernel")
 
@@ -221,21 +224,21 @@ def probe(name, args):
     if args.sweep:
         sweep = {}
         default_stages = chunk.STATE_NUM_STAGES
-        for stages in (0, 2):
-            for bv in (16, 32, 64):
-                chunk.STATE_BLOCK_V_OVERRIDE, chunk.STATE_NUM_STAGES = bv, stages
-                key = f"bv{bv}-st{stages}"
-                try:
-                    o2, ht2 = ours()
-                    t_bv, per_bv, _ = device_times(ours, iters=max(5, args.iters // 3))
-                    sweep[key] = {"ms": t_bv, "state_ms": per_bv.get("chunk_state_kernel"),
-                                  "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
-                except Exception as e:
-                    sweep[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                finally:
-                    chunk.STATE_BLOCK_V_OVERRIDE = None
-                    chunk.STATE_NUM_STAGES = default_stages
-                print(name, key, sweep[key], flush=True)
+        for stages, bv in SWEEP_STATE:
+            chunk.STATE_BLOCK_V_OVERRIDE, chunk.STATE_NUM_STAGES = bv, stages
+            key = f"bv{bv}-st{stages}"
+            try:
+                o2, ht2 = ours()
+                t_bv, per_bv, _ = device_times(ours, iters=max(5, args.iters // 3))
+                sweep[key] = {"ms": t_bv, "state_ms": per_bv.get("chunk_state_kernel",
+                                                                per_bv.get("chunk_state_output_kernel")),
+                              "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
+            except Exception as e:
+                sweep[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            finally:
+                chunk.STATE_BLOCK_V_OVERRIDE = None
+                chunk.STATE_NUM_STAGES = default_stages
+            print(name, key, sweep[key], flush=True)
         res["state_sweep"] = sweep
         if spec.has_beta:
             inv = {}
@@ -336,7 +339,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True):
     variants += [PREPARE_VARIANTS[pv] for pv in prepare or ()]
     if sweep:
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
-                     for st in (0, 2) for bv in (16, 32, 64)]
+                     for st, bv in SWEEP_STATE]
         variants += [dict(PREPARE_INVERSE=how) for how in ("column", "blocked", "tc")]
         variants += [dict(STATE_V_NEW_FROM_FRAGMENT=not chunk.STATE_V_NEW_FROM_FRAGMENT),
                      dict(OUTPUT_BLOCK_V_OVERRIDE=64),
