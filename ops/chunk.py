@@ -111,9 +111,11 @@ STATE_BLOCK_V_OVERRIDE = None
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 #: scalar gate: the state pass stores v_new straight from registers instead of through
-#: shared memory. Off: the smem path measured faster (bench/LOG.md, session 2 sweep: state
-#: pass 3.58 -> 3.30 ms at q35-397b-tp1-65536, 0.079 -> 0.078 ms at prefill-4k)
-STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "0") == "1"
+#: shared memory. On: alone, the smem path measured faster (session 2 sweep: state pass
+#: 3.58 -> 3.30 ms at q35-397b-tp1-65536, 0.079 -> 0.078 at prefill-4k), but with h by
+#: TMA store as well the benchmark's prefill-4k / tp8-8192 came out 5-6 % slower (run
+#: s2-6/7): the sweep's best measured combination is h by TMA, v_new from registers
+STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "1") == "1"
 #: the state pass writes h straight from registers instead of one TMA store per chunk.
 #: Off: the TMA store measured faster (same sweep: 3.58 -> 2.90 ms, 0.079 -> 0.074 ms)
 STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
