@@ -12,6 +12,11 @@ One CTA per (chunk, value head); rows i, j of the chunk (i < len valid):
 the input dtype, so chunk_state with fuse_output can form o = scale (qg S + A_qk v_new)
 inside its sequential loop without writing the per-chunk states h. The per-key gate's
 chunk_prepare already writes these two operands.
+
+q_out selects what is written for q: "gated" qg [Ttot, HV, K] as above; "normed" only the
+l2-normalised q [Ttot, H, K] (by the first value head of each group), or "none": the
+state pass then reads q itself and applies exp(g_cum_i) to its rows in f32 (no qg
+round trip through memory: it was two thirds of this stage's writes).
 """
 import tilelang
 import tilelang.language as T
@@ -26,6 +31,8 @@ PROBLEM_KEYS = ("H", "HV", "K", "dtype", "l2norm_qk")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, dtype="bfloat16", l2norm_qk=False),
     dict(H=2, HV=8, K=64, dtype="float16", l2norm_qk=True),
+    dict(H=4, HV=16, K=128, dtype="bfloat16", l2norm_qk=True, q_out="normed"),
+    dict(H=16, HV=16, K=128, dtype="bfloat16", l2norm_qk=False, q_out="none"),
 ]
 CHUNK = 64
 NORM_EPS = 1e-6
@@ -39,13 +46,16 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, dtype, l2norm_qk=False, threads=128):
+def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128):
     """prim_func for chunk_qk.
 
     Tensors (Ttot tokens, NT chunks; dynamic): q, k [Ttot, H, K],
       g_cum [Ttot, HV] f32 (unused),
-      chunk_bos [NT], chunk_len [NT] (int32) -> qg [Ttot, HV, K], aqk [Ttot, HV, 64]
+      chunk_bos [NT], chunk_len [NT] (int32) -> qg [Ttot, HV, K] (q_out "gated"; else
+      [Ttot, H, K]: the normalised q for "normed", untouched for "none"), aqk [Ttot, HV, 64]
     """
+    assert q_out in ("gated", "normed", "none"), q_out
+    assert q_out != "normed" or l2norm_qk, "q_out='normed' needs l2norm_qk"
     BT = CHUNK
     f32 = "float32"
     group = HV // H
@@ -58,7 +68,7 @@ def build(H, HV, K, dtype, l2norm_qk=False, threads=128):
         g_cum: T.Tensor((Ttot, HV), f32),
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
-        qg: T.Tensor((Ttot, HV, K), dtype),
+        qg: T.Tensor((Ttot, HV if q_out == "gated" else H, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
     ):
         with T.Kernel(NT, HV, threads=threads) as (c, hv):
@@ -69,10 +79,10 @@ def build(H, HV, K, dtype, l2norm_qk=False, threads=128):
             k_s = T.alloc_shared((BT, K), dtype)
             p_f = T.alloc_fragment((BT, BT), f32)
 
-            for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
-            for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
+            # whole-tile copies (TMA): rows past the chunk's end hold the next tokens (zeros
+            # past Ttot); they only meet masked entries (j > i) and rows never stored
+            T.copy(q[t0:t0 + BT, hk, 0:K], q_s)
+            T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
             if l2norm_qk:
                 q_f = T.alloc_fragment((BT, K), f32)
                 q_sq = T.alloc_fragment((BT, K), f32)
@@ -88,8 +98,14 @@ def build(H, HV, K, dtype, l2norm_qk=False, threads=128):
                 if i < rows:
                     aqk[t0 + i, hv, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype),
                                                         T.cast(0, dtype))
-            for i, j in T.Parallel(BT, K):
-                if i < rows:
-                    qg[t0 + i, hv, j] = q_s[i, j]
+            if q_out == "gated":
+                for i, j in T.Parallel(BT, K):
+                    if i < rows:
+                        qg[t0 + i, hv, j] = q_s[i, j]
+            if q_out == "normed":
+                if hv % group == 0:
+                    for i, j in T.Parallel(BT, K):
+                        if i < rows:
+                            qg[t0 + i, hk, j] = q_s[i, j]
 
     return chunk_qk

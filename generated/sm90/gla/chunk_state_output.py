@@ -48,7 +48,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
-          h_from_fragment=False, threads=128):
+          h_from_fragment=False, threads=128, q_gated=True):
     """prim_func for chunk_state_output.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -65,13 +65,16 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     Fused output (this stage replaces chunk_state + chunk_output): qg [Ttot, HV, K] and
     aqk [Ttot, HV, 64] (from chunk_qk, or chunk_prepare for the per-key gate) give, per
     chunk, o = scale (qg S + aqk v_new) with S the state entering the chunk; neither h nor
-    v_new is written.
+    v_new is written. q_gated=False: qg is q itself [Ttot, H, K] (l2-normalised when
+    asked) and the scalar gate's exp(g_cum_i) scales row i of q S here, in f32.
     """
     BT = CHUNK
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
     group = HV // H
+    assert q_gated, "the per-key gate's q operand comes gated from chunk_prepare"
+    q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
     Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -86,7 +89,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
         ht: T.Tensor(ht_shape, f32),
-        qg: T.Tensor((Ttot, HV, K), dtype),
+        qg: T.Tensor((Ttot, q_heads, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
@@ -127,7 +130,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(g_cum[c0 + c, hv, 0:K], gl_s)
-                T.copy(qg[t0:t0 + BT, hv, 0:K], q_s)
+                T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
                 T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
