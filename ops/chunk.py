@@ -122,6 +122,10 @@ STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: run the fused path: chunk_qk + chunk_state_output (o formed inside the state pass, no
 #: per-chunk states h written) instead of chunk_state + chunk_output
 FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
+#: the fused path's q operand (no / scalar gate): "raw" = the state pass reads q (or the
+#: l2-normalised q chunk_qk writes, [Ttot, H, K]) and applies exp(g_cum) itself; "gated"
+#: = chunk_qk writes qg = q exp(g_cum) [Ttot, HV, K] (the first fused version)
+FUSED_Q = os.environ.get("LINATTN_CHUNK_FUSED_Q", "raw")
 #: how chunk_prepare inverts I + A: "blocked" (16 x 16 diagonal blocks then block rows,
 #: every thread busy), "column" (forward substitution, one column per thread) or "tc"
 #: (diagonal blocks, then the merge as four tf32 tensor-core products)
@@ -343,7 +347,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
             (seq_cu, seq_c0, seq_h0, seq_ht), state_params = split
     if fused:
         if not key_gate:   # the output operands qg, A_qk (the key gate's prepare wrote them)
-            q_out, k_out = empty(Ttot, HV, K, dt=dt), empty(Ttot, HV, C, dt=dt)
+            if params["chunk_qk"].get("q_out", "gated") == "gated":
+                q_out = empty(Ttot, HV, K, dt=dt)
+            else:          # q itself, or its normalised copy: the state pass gates it
+                q_out = empty(Ttot, H, K, dt=dt) if options.l2norm_qk else qf
+            k_out = empty(Ttot, HV, C, dt=dt)
             compiled_stage(spec, "chunk_qk", **params["chunk_qk"])(
                 qf, kn, g_cum, chunk_bos, chunk_len, q_out, k_out)
         state = compiled_stage(spec, "chunk_state_output", **state_params)
@@ -404,6 +412,11 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
         del out["chunk_output"]
         if spec.gate is not Gate.KEY:
             out["chunk_qk"] = dict(H=H, HV=HV, K=K, dtype=dtype, l2norm_qk=options.l2norm_qk)
+            if FUSED_Q == "raw":
+                out["chunk_qk"]["q_out"] = "normed" if options.l2norm_qk else "none"
+                out["chunk_state_output"]["q_gated"] = False
+            elif FUSED_Q != "gated":
+                raise SpecError(f"LINATTN_CHUNK_FUSED_Q must be 'raw' or 'gated', got {FUSED_Q!r}")
     return out
 
 

@@ -165,8 +165,13 @@ def _run(monkeypatch, spec, lens, options, init, final, fused, split_L, HV=4, H=
                 for i in range(rows):
                     rec["v_new"][(t0 + i, hv)] = vn[i].clone()
                 if stage == "chunk_state_output":
-                    oo = scale * (qg[t0:t0 + rows, hv].to(F64) @ S
-                                  + aqk[t0:t0 + rows, hv, :rows].to(F64) @ vn)
+                    if p.get("q_gated", True):
+                        qq = qg[t0:t0 + rows, hv].to(F64)
+                    else:          # q itself [Ttot, H, K], gated here (scalar gate)
+                        qq = qg[t0:t0 + rows, hv // (HV // H)].to(F64)
+                        if spec.gate is Gate.SCALAR:
+                            qq = qq * g_cum[hv, ci * C:ci * C + rows].to(F64).exp()[:, None]
+                    oo = scale * (qq @ S + aqk[t0:t0 + rows, hv, :rows].to(F64) @ vn)
                     for i in range(rows):
                         rec["o"][(t0 + i, hv)] = oo[i]
 
