@@ -9,7 +9,7 @@ chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importabl
     python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
         [--prepare t256 prefetch t256-prefetch split split-blocked split-a32 split-bn128]
         [--no-alt]
-        [--state-split model model-fused L4 L8 L16 L32]
+        [--path model model-fused L4 3stage fused-qraw fused-qgated ...]
     (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)
 
 One workload failing does not stop the others; a compact summary prints at the end.
@@ -58,14 +58,18 @@ SWEEP_STATE = [(st, bv) for st in (0, 2, 3) for bv in (16, 32, 64)]   # 4 stages
 #: kernels that make up the prepare step (the split path has two)
 PREPARE_KERNELS = ("chunk_prepare_kernel", "chunk_kkt_inverse_kernel", "chunk_wu_kernel")
 
-#: --state-split: the split state pass (ops/chunk_split.py) under these knobs
-STATE_SPLIT_VARIANTS = {
+#: --path: other forward paths under these knobs: the split state pass
+#: (ops/chunk_split.py) and the fused path's q operand modes
+PATH_VARIANTS = {
     "model": dict(SPLIT=True),                     # the cost model's segment length
     "model-fused": dict(SPLIT=True, FUSE_OUTPUT=True),
     "L4": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=4),
     "L8": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=8),
     "L16": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=16),
     "L32": dict(SPLIT=True, SPLIT_SEGMENT_CHUNKS=32),
+    "3stage": dict(FUSE_OUTPUT=False),
+    "fused-qraw": dict(FUSE_OUTPUT=True, FUSED_Q="raw"),
+    "fused-qgated": dict(FUSE_OUTPUT=True, FUSED_Q="gated"),
 }
 
 
@@ -204,23 +208,23 @@ def probe(name, args):
         res[key_f] = {"error": f"{type(e).__name__}: {e}"[:200]}
     finally:
         chunk.FUSE_OUTPUT = default_fused
-    res["state_split"] = {}
-    for sv in args.state_split or []:
-        knobs = STATE_SPLIT_VARIANTS[sv]
+    res["paths"] = {}
+    for sv in args.path or []:
+        knobs = PATH_VARIANTS[sv]
         saved = {k: getattr(chunk, k) for k in knobs}
         try:
             for k, v in knobs.items():
                 setattr(chunk, k, v)
             o2, ht2 = ours()
             t_s, per_s, _ = device_times(ours, iters=args.iters)
-            res["state_split"][sv] = {"ms": t_s, "stages_ms": per_s, "err_o": rel(o2, ref_o),
+            res["paths"][sv] = {"ms": t_s, "stages_ms": per_s, "err_o": rel(o2, ref_o),
                                       "err_ht": rel(ht2, ref_ht)}
         except Exception as e:
-            res["state_split"][sv] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            res["paths"][sv] = {"error": f"{type(e).__name__}: {e}"[:200]}
         finally:
             for k, v in saved.items():
                 setattr(chunk, k, v)
-        print(name, "state-split", sv, res["state_split"][sv], flush=True)
+        print(name, "path", sv, res["paths"][sv], flush=True)
     if args.sweep:
         sweep = {}
         default_stages = chunk.STATE_NUM_STAGES
@@ -329,14 +333,16 @@ def fla_call(spec, options, x, cu):
                       output_final_state=True, cu_seqlens=cu, **kw)
 
 
-def workload_jobs(name, sweep=False, prepare=(), alt=True):
+def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
     """(spec, stage, params) compile jobs of a workload (and of the sweep's variants, the
-    chunk_prepare variants named in ``prepare``, the other fused / 3-stage path if alt)."""
+    chunk_prepare variants named in ``prepare``, the other fused / 3-stage path if alt, the
+    PATH_VARIANTS named in ``paths``)."""
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
     spec, options = get_spec(op), Options(**{n: True for n in opts})
     N = B if lens is None else len(lens)
     variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.FUSE_OUTPUT)] if alt else [])
     variants += [PREPARE_VARIANTS[pv] for pv in prepare or ()]
+    variants += [PATH_VARIANTS[pv] for pv in paths or ()]
     if sweep:
         variants += [dict(STATE_BLOCK_V_OVERRIDE=bv, STATE_NUM_STAGES=st)
                      for st, bv in SWEEP_STATE]
@@ -372,10 +378,11 @@ def main():
                          "depths 0 and 2, the three inverses of chunk_prepare (with errors)")
     ap.add_argument("--prepare", nargs="*", default=[], choices=sorted(PREPARE_VARIANTS),
                     help="also time these chunk_prepare variants (knobs) next to the default")
-    ap.add_argument("--state-split", nargs="*", default=[],
-                    choices=sorted(STATE_SPLIT_VARIANTS),
-                    help="also time the split state pass (LINATTN_CHUNK_SPLIT) under these "
-                         "knobs (compiled in-process, not precompiled)")
+    ap.add_argument("--path", "--state-split", dest="path", nargs="*", default=[],
+                    choices=sorted(PATH_VARIANTS),
+                    help="also time these forward paths (knobs): the split state pass "
+                         "(LINATTN_CHUNK_SPLIT), the 3-stage / fused paths, the fused "
+                         "path's q operand modes (precompiled except the split stages)")
     ap.add_argument("--no-alt", action="store_true",
                     help="do not time (or compile) the other fused / 3-stage path")
     args = ap.parse_args()
@@ -383,7 +390,7 @@ def main():
     t0 = time.time()
     errors = chunk.precompile([j for n in names
                                for j in workload_jobs(n, args.sweep, args.prepare,
-                                                      alt=not args.no_alt)])
+                                                      alt=not args.no_alt, paths=args.path)])
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     results = []
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")

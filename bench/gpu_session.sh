@@ -75,5 +75,5 @@ echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 for s in split psplit autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
-echo "===== probe (tail)"; grep -h "state-split" "$R/probe.log" 2>/dev/null | cut -c1-250; tail -n 25 "$R/probe.log" 2>/dev/null
+echo "===== probe (tail)"; grep -h " path " "$R/probe.log" 2>/dev/null | cut -c1-250; tail -n 25 "$R/probe.log" 2>/dev/null
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
