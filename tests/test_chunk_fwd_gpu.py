@@ -130,7 +130,8 @@ def all_jobs():
         for how in ("column", "blocked", "tc"):
             jobs += case_jobs(c.values[0], PREPARE_INVERSE=how)
     for c in FUSED_CASES:
-        jobs += case_jobs(c.values[0], FUSE_OUTPUT=True)
+        for fused_q in ("raw", "gated"):
+            jobs += case_jobs(c.values[0], FUSE_OUTPUT=True, FUSED_Q=fused_q)
     jobs += prepare_variant_jobs()
     for c in STATE_VARIANT_CASES:
         for on in (True, False):
@@ -285,11 +286,14 @@ def test_state_pass_h_from_fragment(p, on, rng, monkeypatch):
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
+@pytest.mark.parametrize("fused_q", ["raw", "gated"])
 @pytest.mark.parametrize("p", FUSED_CASES)
-def test_fused_output_path(p, rng, monkeypatch):
-    """chunk_qk + chunk_state_output: o formed inside the state pass (no h written)."""
+def test_fused_output_path(p, fused_q, rng, monkeypatch):
+    """chunk_qk + chunk_state_output: o formed inside the state pass (no h written); q
+    read and gated by the state pass (raw) or through chunk_qk's qg (gated)."""
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
+    monkeypatch.setattr(chunk, "FUSED_Q", fused_q)
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
