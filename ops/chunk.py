@@ -154,6 +154,9 @@ PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "tc")
 PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
 #: chunk_wu's columns per CTA (64: (K + V) / 64 CTAs per (chunk, head))
 PREPARE_SPLIT_BLOCK_N = int(os.environ.get("LINATTN_CHUNK_SPLIT_BLOCK_N", "64"))
+#: chunk_wu's grid: "grid" (one CTA per (chunk, head, column block)) or "loop" (one CTA
+#: per (chunk, head): A_b loaded once, whole k / v tiles; not yet GPU-run)
+PREPARE_SPLIT_WU = os.environ.get("LINATTN_CHUNK_SPLIT_WU", "grid")
 
 
 #: named settings of the prepare knobs above, timed by bench/chunk_probe.py --prepare and
@@ -168,6 +171,11 @@ PREPARE_VARIANTS = {
     "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
     "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
     "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
+    "split-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop"),
+    "split-blocked-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked",
+                                 PREPARE_SPLIT_WU="loop"),
+    "split-wuloop-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop",
+                               PREPARE_SPLIT_BLOCK_N=128),
 }
 
 
@@ -177,6 +185,12 @@ def wu_block_n(K: int, V: int) -> int:
     while bn > 16 and (K % bn or V % bn):
         bn //= 2
     return bn
+
+
+def wu_params(K: int, V: int) -> dict:
+    """chunk_wu's tuning params: block_n, and loop_columns when PREPARE_SPLIT_WU is "loop"."""
+    return dict(block_n=wu_block_n(K, V),
+                **({"loop_columns": True} if PREPARE_SPLIT_WU == "loop" else {}))
 
 
 def state_block_v(V: int, n_seq_heads: int) -> int:
@@ -396,8 +410,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             prep.pop(name, None)
         out["chunk_kkt_inverse"] = dict(prep, inverse=PREPARE_SPLIT_INVERSE,
                                         a_dtype=PREPARE_SPLIT_A_DTYPE)
-        out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE,
-                               block_n=wu_block_n(K, V))
+        out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE, **wu_params(K, V))
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),

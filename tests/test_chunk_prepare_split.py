@@ -40,6 +40,23 @@ def test_default_unchanged_and_knob_selects_split(monkeypatch):
     assert params["chunk_wu"]["block_n"] == 64
     assert chunk.wu_block_n(128, 128) == 128 and chunk.wu_block_n(64, 128) == 64
     assert chunk.wu_block_n(128, 48) == 16
+    assert "loop_columns" not in params["chunk_wu"]            # default: the column grid
+
+
+def test_wu_loop_knob(monkeypatch):
+    """PREPARE_SPLIT_WU="loop": one CTA per (chunk, head), same block_n rule; else the grid."""
+    spec, opts = get_spec("gdn"), Options()
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "loop")
+    wu = chunk.stage_params(spec, opts, H=2, HV=4, K=128, V=128, dtype="bfloat16")["chunk_wu"]
+    assert wu["loop_columns"] and wu["block_n"] == 64
+    assert chunk.wu_params(128, 48) == dict(block_n=16, loop_columns=True)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_BLOCK_N", 128)
+    assert chunk.wu_params(128, 128) == dict(block_n=128, loop_columns=True)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "grid")
+    assert chunk.wu_params(128, 128) == dict(block_n=128)
+    for name in ("split-wuloop", "split-blocked-wuloop", "split-wuloop-bn128"):
+        assert chunk.PREPARE_VARIANTS[name]["PREPARE_SPLIT_WU"] == "loop"
 
 
 @pytest.mark.parametrize("op,stage,extra", [
@@ -47,6 +64,9 @@ def test_default_unchanged_and_knob_selects_split(monkeypatch):
     ("deltanet", "chunk_kkt_inverse", dict(inverse="blocked", a_dtype="float32")),
     ("gdn", "chunk_wu", {}),
     ("deltanet", "chunk_wu", dict(block_n=128)),
+    ("gdn", "chunk_wu", dict(loop_columns=True)),
+    ("deltanet", "chunk_wu", dict(loop_columns=True, block_n=128)),
+    ("gdn", "chunk_wu", dict(H=2, HV=4, K=128, V=64, a_dtype="float32", loop_columns=True)),
 ])
 def test_split_stage_compiles(op, stage, extra):
     mod = chunk.stage_module(get_spec(op), stage)
@@ -135,18 +155,21 @@ SPLIT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("wu", ["grid", "loop"])
 @pytest.mark.parametrize("name,dims,options,lens,a_dtype", SPLIT_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(SPLIT_CASES)])
 def test_split_stage_math_against_fp64_reference(monkeypatch, rng, name, dims, options, lens,
-                                                 a_dtype):
+                                                 a_dtype, wu):
     spec = get_spec(name)
     seen = {}
     monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", wu)
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_A_DTYPE", a_dtype)
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_BLOCK_N", 64)
 
     def fake_compiled(spec_, stage, **params):
         mod = chunk.stage_module(spec_, stage)
+        seen[stage + "_params"] = params
         return StageKernel(spec_, stage, mod.build(**params), params, seen)
 
     monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
@@ -172,6 +195,7 @@ def test_split_stage_math_against_fp64_reference(monkeypatch, rng, name, dims, o
     chunk.chunk_forward(spec, q, k, v, g, beta, options=options, cu_seqlens=cu,
                         cu_seqlens_cpu=cu, A_log=A_log, dt_bias=dt_bias)
     assert set(SPLIT) <= set(seen) and "chunk_prepare" not in seen
+    assert bool(seen["chunk_wu_params"].get("loop_columns")) == (wu == "loop")
 
     npy = lambda x: None if x is None else x.double().numpy()  # noqa: E731
     ref = np_chunked_forward(spec, npy(q), npy(k), npy(v), npy(g), npy(beta), options=options,

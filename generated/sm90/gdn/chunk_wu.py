@@ -10,6 +10,14 @@ rows are 0, so rows past its end, read from the next tokens, never contribute). 
 grid's third axis walks column blocks of the concatenation [w | u]: block nb < K / BN
 forms w[:, nb BN : (nb+1) BN] = (A_b diag(exp(g_cum))) k[:, block], the others u's
 blocks = A_b v[:, block]. Each CTA: one 64 x 64 x BN GEMM, small smem, few registers.
+
+loop_columns=True (one CTA per (chunk, value head), as fla's recompute_w_u): k's and
+v's whole 64-row tiles are copied asynchronously at the start (rows past the chunk read
+the next tokens, or zeros past Ttot, and meet A_b's zero columns) while A_b is loaded
+and scaled once; then the column blocks of w, then of u, each one GEMM whose result goes
+back into the block of the tile it read and out from there: one whole-tile (TMA) store
+when the chunk is full, row-predicated stores otherwise (a partial chunk's tile overlaps
+the next chunk's rows, which another CTA writes).
 """
 import tilelang
 import tilelang.language as T
@@ -24,6 +32,8 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16"),
     dict(H=2, HV=8, K=64, V=64, dtype="float16", a_dtype="float32", block_n=32),
+    dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", loop_columns=True),
+    dict(H=2, HV=8, K=64, V=128, dtype="float16", a_dtype="float32", loop_columns=True),
 ]
 CHUNK = 64
 
@@ -33,10 +43,12 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    return {}
+    # loop_columns: a plain software pipeline in 128 threads (TileLang's producer /
+    # consumer split would double the threads and raise registers to 240 per thread)
+    return {"tl.disable_warp_specialized": True} if params.get("loop_columns") else {}
 
 
-def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128):
+def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False):
     """prim_func for chunk_wu.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
@@ -45,7 +57,11 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128):
       chunk_bos [NT], chunk_len [NT] (int32)
       -> w [Ttot, HV, K], u [Ttot, HV, V]
     block_n: columns per CTA (divides K and V); grid (NT, HV, (K + V) / block_n).
+    loop_columns: grid (NT, HV), each CTA loops over the K / block_n + V / block_n column
+    blocks of its chunk's whole k and v tiles.
     """
+    if loop_columns:
+        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads)
     BT = CHUNK
     BN = block_n
     assert K % BN == 0 and V % BN == 0, (K, V, BN)
@@ -99,5 +115,87 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128):
                 for i, j in T.Parallel(BT, BN):
                     if i < rows:
                         u[t0 + i, hv, (nb - NK) * BN + j] = T.cast(acc[i, j], dtype)
+
+    return chunk_wu
+
+
+
+def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
+    """chunk_wu with one CTA per (chunk, value head): build()'s loop_columns=True.
+
+    k's and v's whole 64-row tiles are copied at the start (cp.async, two groups, no
+    wait) while A_b is loaded and scaled; then per column block of block_n: one GEMM into
+    registers, rounded back into the k / v tile's block it read (each block is read by
+    its own GEMM only), stored from there."""
+    BT = CHUNK
+    BN = block_n
+    assert K % BN == 0 and V % BN == 0, (K, V, BN)
+    NK = K // BN
+    NV = V // BN
+    a_dtype = a_dtype or dtype
+    f32 = "float32"
+    group = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
+
+    @T.prim_func
+    def chunk_wu(
+        k: T.Tensor((Ttot, H, K), dtype),
+        v: T.Tensor((Ttot, HV, V), dtype),
+        A: T.Tensor((Ttot, HV, BT), a_dtype),
+        g_cum: T.Tensor((HV, NT * BT), f32),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
+        w: T.Tensor((Ttot, HV, K), dtype),
+        u: T.Tensor((Ttot, HV, V), dtype),
+    ):
+        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+            hk = hv // group
+            t0 = chunk_bos[c]
+            rows = chunk_len[c]
+            k_s = T.alloc_shared((BT, K), dtype)           # k's rows, then w's
+            v_s = T.alloc_shared((BT, V), dtype)           # v's rows, then u's
+            a_s = T.alloc_shared((BT, BT), dtype)          # A_b: u's operand
+            acc = T.alloc_fragment((BT, BN), f32)
+            aw_s = T.alloc_shared((BT, BT), dtype)         # A_b diag(exp(g_cum)): w's
+            g_s = T.alloc_shared((BT,), f32)
+            # rows past the chunk: the next tokens (zeros past Ttot); A_b's columns for
+            # them are 0, and their output rows are never stored
+            T.async_copy(k[t0:t0 + BT, hk, 0:K], k_s)
+            T.async_copy(v[t0:t0 + BT, hv, 0:V], v_s)
+            if a_dtype != dtype:        # f32 A: through registers, rounded once
+                a_f = T.alloc_fragment((BT, BT), a_dtype)
+                T.copy(A[t0:t0 + BT, hv, 0:BT], a_f)
+                T.copy(a_f, a_s)
+                T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
+                for i, j in T.Parallel(BT, BT):
+                    aw_s[i, j] = T.cast(a_f[i, j] * T.exp(g_s[j]), dtype)
+            else:
+                T.copy(A[t0:t0 + BT, hv, 0:BT], a_s)
+                T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
+                for i, j in T.Parallel(BT, BT):
+                    aw_s[i, j] = T.cast(T.cast(a_s[i, j], f32) * T.exp(g_s[j]), dtype)
+            T.ptx_wait_group(1)         # k's group
+            T.sync_threads()
+            for nb in T.unroll(NK):
+                T.gemm(aw_s, k_s[:, nb * BN:(nb + 1) * BN], acc,
+                       clear_accum=True)
+                T.copy(acc, k_s[:, nb * BN:(nb + 1) * BN])
+                if rows == BT:          # a whole tile (TMA store)
+                    T.copy(k_s[:, nb * BN:(nb + 1) * BN], w[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
+                else:                   # a partial chunk: the rows past it are the next chunk's
+                    for i, j in T.Parallel(BT, BN):
+                        if i < rows:
+                            w[t0 + i, hv, nb * BN + j] = k_s[i, nb * BN + j]
+            T.ptx_wait_group(0)         # v's group
+            T.sync_threads()
+            for nb in T.unroll(NV):
+                T.gemm(a_s, v_s[:, nb * BN:(nb + 1) * BN], acc, clear_accum=True)
+                T.copy(acc, v_s[:, nb * BN:(nb + 1) * BN])
+                if rows == BT:
+                    T.copy(v_s[:, nb * BN:(nb + 1) * BN], u[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
+                else:
+                    for i, j in T.Parallel(BT, BN):
+                        if i < rows:
+                            u[t0 + i, hv, nb * BN + j] = v_s[i, nb * BN + j]
 
     return chunk_wu
