@@ -70,6 +70,7 @@ PATH_VARIANTS = {
     "3stage": dict(FUSE_OUTPUT=False),
     "fused-qraw": dict(FUSE_OUTPUT=True, FUSED_Q="raw"),
     "fused-qgated": dict(FUSE_OUTPUT=True, FUSED_Q="gated"),
+    "out-tiles": dict(FUSE_OUTPUT=False, OUTPUT_TILE_LOADS=True),
 }
 
 

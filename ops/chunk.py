@@ -122,6 +122,9 @@ STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: run the fused path: chunk_qk + chunk_state_output (o formed inside the state pass, no
 #: per-chunk states h written) instead of chunk_state + chunk_output
 FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
+#: chunk_output loads q, k and v_new as whole tiles (vectorised / TMA copies) instead of
+#: row-predicated element loads; not yet GPU-checked (tests/test_chunk_fwd_gpu.py has it)
+OUTPUT_TILE_LOADS = os.environ.get("LINATTN_CHUNK_OUTPUT_TILES", "0") == "1"
 #: the fused path's q operand (no / scalar gate): "raw" = the state pass reads q (or the
 #: l2-normalised q chunk_qk writes, [Ttot, H, K]) and applies exp(g_cum) itself; "gated"
 #: = chunk_qk writes qg = q exp(g_cum) [Ttot, HV, K] (the first fused version)
@@ -419,7 +422,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                  if STATE_V_NEW_FROM_FRAGMENT and spec.gate is Gate.SCALAR
                                  and spec.has_beta else {}),
                               **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}))
-    out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V))
+    out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V),
+                               **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}))
     if fused:
         out["chunk_state_output"] = out.pop("chunk_state")
         del out["chunk_output"]

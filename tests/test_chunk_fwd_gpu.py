@@ -138,6 +138,9 @@ def all_jobs():
             jobs += case_jobs(c.values[0], STATE_V_NEW_FROM_FRAGMENT=on)
             jobs += case_jobs(c.values[0], STATE_H_FROM_FRAGMENT=on)
         jobs += case_jobs(c.values[0], OUTPUT_BLOCK_V_OVERRIDE=32)
+        jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
+    for c in FUSED_CASES:
+        jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
     return jobs
 
 
@@ -294,6 +297,14 @@ def test_fused_output_path(p, fused_q, rng, monkeypatch):
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
     monkeypatch.setattr(chunk, "FUSED_Q", fused_q)
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
+
+
+@pytest.mark.parametrize("p", STATE_VARIANT_CASES + FUSED_CASES)
+def test_output_tile_loads(p, rng, monkeypatch):
+    """chunk_output with whole-tile loads (rows past a chunk's end read, then masked)."""
+    from linattn.ops import chunk
+    monkeypatch.setattr(chunk, "OUTPUT_TILE_LOADS", True)
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 
