@@ -123,7 +123,7 @@ def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
     k's and v's whole 64-row tiles are copied at the start (cp.async, two groups, no
     wait) while A_b is loaded and scaled; then per column block of block_n: one GEMM into
     registers, rounded back into the k / v tile's block it read (each block is read by
-    its own GEMM only), stored from there."""
+    its own GEMM only), stored from there (full chunks: TMA stores, one wait at the end)."""
     BT = CHUNK
     BN = block_n
     assert K % BN == 0 and V % BN == 0, (K, V, BN)
@@ -169,8 +169,9 @@ def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
                 T.gemm(a_s, k_s[:, nb * BN:(nb + 1) * BN], acc,
                        clear_accum=True)
                 T.copy(acc, k_s[:, nb * BN:(nb + 1) * BN])
-                if rows == BT:          # a whole tile (TMA store)
-                    T.copy(k_s[:, nb * BN:(nb + 1) * BN], w[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
+                if rows == BT:          # a whole tile: TMA store, waited for at the end
+                    T.tma_copy(k_s[:, nb * BN:(nb + 1) * BN],
+                               w[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
                 else:                   # a partial chunk: the rows past it are the next chunk's
                     for i, j in T.Parallel(BT, BN):
                         if i < rows:
@@ -181,10 +182,12 @@ def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
                 T.gemm(a_s, v_s[:, nb * BN:(nb + 1) * BN], acc, clear_accum=True)
                 T.copy(acc, v_s[:, nb * BN:(nb + 1) * BN])
                 if rows == BT:
-                    T.copy(v_s[:, nb * BN:(nb + 1) * BN], u[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
+                    T.tma_copy(v_s[:, nb * BN:(nb + 1) * BN],
+                               u[t0:t0 + BT, hv, nb * BN:(nb + 1) * BN])
                 else:
                     for i, j in T.Parallel(BT, BN):
                         if i < rows:
                             u[t0 + i, hv, nb * BN + j] = v_s[i, nb * BN + j]
+            T.tma_store_wait()          # the stores' shared-memory reads, before exit
 
     return chunk_wu
