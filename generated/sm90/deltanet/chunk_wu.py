@@ -43,9 +43,7 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    # loop_columns: a plain software pipeline in 128 threads (TileLang's producer /
-    # consumer split would double the threads and raise registers to 240 per thread)
-    return {"tl.disable_warp_specialized": True} if params.get("loop_columns") else {}
+    return {}
 
 
 def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False):
