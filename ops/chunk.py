@@ -151,8 +151,12 @@ SPLIT_SEGMENT_CHUNKS = (int(os.environ["LINATTN_CHUNK_SPLIT_L"])
 #: chunk_kkt_inverse (gate cumsum, l2norm, beta, A diag(beta) written) then chunk_wu
 #: (w, u as plain GEMMs over (chunk, head, column block)); not yet GPU-verified
 PREPARE_SPLIT = os.environ.get("LINATTN_CHUNK_PREPARE_SPLIT", "0") == "1"
-#: the split path's inverse ("tc": 143 regs, 66 KB smem; "blocked": 58 regs, 37 KB)
+#: the split path's inverse ("tc": 143 regs, 66 KB smem; "blocked": 58 regs, 37 KB; "warp":
+#: one warp per (chunk, head), 255 regs, 19 KB: 8 CTAs per SM)
 PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "tc")
+#: threads of chunk_kkt_inverse with PREPARE_SPLIT_INVERSE="warp": 32 (one warp per
+#: (chunk, head), as fla's kkt_solve) or 64; None = the build default (32 for "warp", else 128)
+PREPARE_SPLIT_KKT_THREADS = int(os.environ.get("LINATTN_CHUNK_SPLIT_KKT_THREADS", "0")) or None
 #: the split path's stored A: None = the input dtype (as fla), or "float32"
 PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
 #: chunk_wu's columns per CTA (64: (K + V) / 64 CTAs per (chunk, head))
@@ -174,6 +178,12 @@ PREPARE_VARIANTS = {
     "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
     "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
     "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
+    # chunk_kkt_inverse one warp (or two) per (chunk, head), ~20 KB smem, 8 CTAs per SM
+    "split-warp": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp"),
+    "split-warp64": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+                         PREPARE_SPLIT_KKT_THREADS=64),
+    "split-warp-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+                           PREPARE_SPLIT_A_DTYPE="float32"),
     "split-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop"),
     "split-blocked-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked",
                                  PREPARE_SPLIT_WU="loop"),
@@ -412,7 +422,9 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
         for name in ("V", "inverse", "threads", "prefetch"):
             prep.pop(name, None)
         out["chunk_kkt_inverse"] = dict(prep, inverse=PREPARE_SPLIT_INVERSE,
-                                        a_dtype=PREPARE_SPLIT_A_DTYPE)
+                                        a_dtype=PREPARE_SPLIT_A_DTYPE,
+                                        **({"threads": PREPARE_SPLIT_KKT_THREADS}
+                                           if PREPARE_SPLIT_KKT_THREADS else {}))
         out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE, **wu_params(K, V))
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
