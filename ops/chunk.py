@@ -152,7 +152,7 @@ SPLIT_SEGMENT_CHUNKS = (int(os.environ["LINATTN_CHUNK_SPLIT_L"])
 #: (w, u as plain GEMMs over (chunk, head, column block)); not yet GPU-verified
 PREPARE_SPLIT = os.environ.get("LINATTN_CHUNK_PREPARE_SPLIT", "0") == "1"
 #: the split path's inverse ("tc": 143 regs, 66 KB smem; "blocked": 58 regs, 37 KB; "warp":
-#: one warp per (chunk, head), 255 regs, 19 KB: 8 CTAs per SM)
+#: one warp per (chunk, head), 255 regs, 20 KB: 8 CTAs per SM)
 PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "tc")
 #: threads of chunk_kkt_inverse with PREPARE_SPLIT_INVERSE="warp": 32 (one warp per
 #: (chunk, head), as fla's kkt_solve) or 64; None = the build default (32 for "warp", else 128)

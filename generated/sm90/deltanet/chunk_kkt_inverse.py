@@ -181,16 +181,20 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                     T.sync_threads()
                 # then block columns s, last first (R = 16 (s + 1)):
                 #   X[R:, s] = -X[R:, R:] (A[R:, s] X_ss)
-                # two tf32 MMAs per step (W^T = X_ss^T A[R:, s]^T first, so W reaches the
-                # second MMA K-major); each writes over the A block it consumed
+                # two tf32 MMAs per step, both operands K-major as the "tc" inverse's (W^T =
+                # X_ss^T A[R:, s]^T first, so W reaches the second MMA K-major); each step
+                # writes over the A block it consumed
+                xt_s = T.alloc_shared((SUB, SUB), f32)
                 wt_s = T.alloc_shared((SUB, BT - SUB), f32)
                 for s in merge_steps:
                     R = SUB * (s + 1)
                     c0 = SUB * s
                     wt_f = T.alloc_fragment((SUB, BT - R), f32)
                     x_f = T.alloc_fragment((BT - R, SUB), f32)
-                    T.gemm(w_s[c0:c0 + SUB, c0:c0 + SUB], w_s[R:BT, c0:c0 + SUB], wt_f,
-                           transpose_A=True, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(SUB, SUB):
+                        xt_s[i, j] = w_s[c0 + j, c0 + i]
+                    T.gemm(xt_s, w_s[R:BT, c0:c0 + SUB], wt_f, transpose_B=True,
+                           clear_accum=True)
                     T.copy(wt_f, wt_s[0:SUB, 0:BT - R])
                     T.gemm(w_s[R:BT, R:BT], wt_s[0:SUB, 0:BT - R], x_f, transpose_B=True,
                            clear_accum=True)
