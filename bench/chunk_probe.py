@@ -7,7 +7,7 @@ the union of all kernels of one call, and each stage kernel's median time. fla's
 chunk_gated_delta_rule / chunk_delta_rule run side by side when fla is importable.
 
     python3 bench/chunk_probe.py [--iters 30] [--only prefill-4k] [--sweep] [--budget-s 80]
-        [--prepare t256 prefetch t256-prefetch split split-blocked split-a32 split-bn128]
+        [--prepare split split-warp split-wuloop split-warp-wuloop ...]
         [--no-alt]
         [--path model model-fused L4 3stage fused-qraw fused-qgated ...]
     (JSON to $OUT_DIR, else $OUT, as chunk_probe.json, rewritten after every workload)

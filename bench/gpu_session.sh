@@ -45,8 +45,10 @@ for s in $STEPS; do
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
+    # PSPLIT_K narrows it, e.g. PSPLIT_K="split-warp" (a -k expression on the test ids)
     psplit) LINATTN_TEST_PRECOMPILE=split run_step psplit "${PSPLIT_S:-180}" python3 -m pytest -q \
-             -m gpu -p no:cacheprovider -rfE tests/test_chunk_fwd_gpu.py -k "prepare_variant and split" ;;
+             -m gpu -p no:cacheprovider -rfE tests/test_chunk_fwd_gpu.py \
+             -k "prepare_variant and ${PSPLIT_K:-split}" ;;
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_autograd_gpu.py --junitxml="$R/autograd.xml" ;;
     # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)

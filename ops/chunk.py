@@ -170,25 +170,25 @@ PREPARE_SPLIT_WU = os.environ.get("LINATTN_CHUNK_SPLIT_WU", "grid")
 #: checked by tests/test_chunk_fwd_gpu.py (the split ones replace chunk_prepare for the
 #: delta rule without a key gate only)
 PREPARE_VARIANTS = {
-    "t256": dict(PREPARE_THREADS=256),
-    "prefetch": dict(PREPARE_PREFETCH=True),
-    "t256-prefetch": dict(PREPARE_THREADS=256, PREPARE_PREFETCH=True),
+    # measured and dropped (bench/LOG.md runs 5, s2-3): t256, t256-prefetch, prefetch (now
+    # the default), split-blocked, split-a32, split-bn128 (the knobs stay)
     # fla-style split: chunk_kkt_inverse (A diag(beta)) then chunk_wu (w, u GEMMs)
     "split": dict(PREPARE_SPLIT=True),
-    "split-blocked": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked"),
-    "split-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_A_DTYPE="float32"),
-    "split-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_BLOCK_N=128),
     # chunk_kkt_inverse one warp (or two) per (chunk, head), ~20 KB smem, 8 CTAs per SM
     "split-warp": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp"),
     "split-warp64": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
                          PREPARE_SPLIT_KKT_THREADS=64),
     "split-warp-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
                            PREPARE_SPLIT_A_DTYPE="float32"),
+    # chunk_wu one CTA per (chunk, head): A_b loaded once, whole k / v tiles
     "split-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop"),
-    "split-blocked-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="blocked",
-                                 PREPARE_SPLIT_WU="loop"),
     "split-wuloop-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop",
                                PREPARE_SPLIT_BLOCK_N=128),
+    # both
+    "split-warp-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+                              PREPARE_SPLIT_WU="loop"),
+    "split-warp64-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+                                PREPARE_SPLIT_KKT_THREADS=64, PREPARE_SPLIT_WU="loop"),
 }
 
 

@@ -55,7 +55,7 @@ def test_wu_loop_knob(monkeypatch):
     assert chunk.wu_params(128, 128) == dict(block_n=128, loop_columns=True)
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "grid")
     assert chunk.wu_params(128, 128) == dict(block_n=128)
-    for name in ("split-wuloop", "split-blocked-wuloop", "split-wuloop-bn128"):
+    for name in ("split-wuloop", "split-wuloop-bn128", "split-warp-wuloop", "split-warp64-wuloop"):
         assert chunk.PREPARE_VARIANTS[name]["PREPARE_SPLIT_WU"] == "loop"
 
 
