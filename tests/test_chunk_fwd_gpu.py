@@ -342,6 +342,7 @@ PREPARE_VARIANT_CASES = [
          lens=[1, 63, 64, 1, 100]),
     case("gdn", 1, None, 1, 2, 64, 64, dtype="float16",
          opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel"), lens=[1, 1, 70, 3]),
+    case("gdn", 1, None, 2, 4, 128, 64, opts=("l2norm_qk",), lens=[5, 64, 129]),    # K != V
 ]
 
 
