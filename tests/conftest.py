@@ -80,3 +80,30 @@ def write_summary(name: str, doc) -> str | None:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     return path
+
+
+#: relative error limits of the GPU gradient checks (vs fp64)
+GRAD_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+
+
+def rel_err(x, ref) -> float:
+    """||x - ref|| / ||ref|| in fp64 (torch tensors); NaN when x holds a NaN."""
+    import torch
+    x, ref = x.to(torch.float64), ref.to(torch.float64)
+    if torch.isnan(x).any():
+        return float("nan")
+    den = torch.linalg.norm(ref)
+    return float(torch.linalg.norm(x - ref) / (den if den > 0 else 1.0))
+
+
+def record_errors(results: list, test: str, p: dict, errs: dict, seed, **extra):
+    """Append one GPU check (its relative errors against GRAD_TOL[p["dtype"]]) to a test
+    module's results, print it, and fail on any error over the limit (NaN fails too)."""
+    import math
+    tol = GRAD_TOL[p["dtype"]]
+    ok = all(e < tol for e in errs.values())       # NaN compares False
+    results.append(dict(test=test, **p, **extra, seed=seed, tol=tol, passed=ok,
+                        errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
+    print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{test}: rel errors over {tol}: {bad}"

@@ -7,6 +7,8 @@ dtype. Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch auto
 fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
 the l2norm backward, the state-gradient flags and the stage decomposition together.
 """
+import math
+
 import pytest
 import torch
 
@@ -202,3 +204,20 @@ def test_ops_without_backward_refuse_requires_grad(op):
                 fused_recurrent_delta_rule=(q, k, v, beta))[op]
     with pytest.raises(SpecError, match="no backward"):
         fn(*args)
+
+
+def test_gpu_check_recorder():
+    """conftest.record_errors / rel_err (the GPU gradient tests' checker) on CPU tensors:
+    under the limit passes and is recorded; over it, or NaN, fails."""
+    from conftest import record_errors, rel_err
+    ref = torch.ones(4, dtype=torch.float64)
+    assert rel_err(ref * (1 + 1e-3), ref) == pytest.approx(1e-3)
+    assert math.isnan(rel_err(torch.full((4,), float("nan")), ref))
+    res = []
+    record_errors(res, "t", {"dtype": "bfloat16"}, {"a": 5e-3}, 1)
+    assert res[0]["passed"] and res[0]["tol"] == 1e-2
+    with pytest.raises(AssertionError, match="over"):
+        record_errors(res, "t", {"dtype": "float16"}, {"a": 6e-3}, 1)
+    with pytest.raises(AssertionError):
+        record_errors(res, "t", {"dtype": "bfloat16"}, {"a": float("nan")}, 1)
+    assert [r["passed"] for r in res] == [True, False, False] and res[2]["errors"]["a"] is None

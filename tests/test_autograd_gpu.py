@@ -11,16 +11,14 @@ $OUT_DIR (else $OUT)/autograd_gpu.json when set.
 
 Run: python3 -m pytest -q -m gpu tests/test_autograd_gpu.py   (skips without a GPU)
 """
-import math
 import time
 
 import pytest
-from conftest import write_summary
+from conftest import record_errors, rel_err, write_summary
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
-TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 F64 = torch.float64
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
 RESULTS = []
@@ -118,24 +116,6 @@ def _inputs(p, seed):
     return xs, rnd(B, T, H, V).to(dt), rnd(N, H, K, V).float()
 
 
-def _rel(x, ref):
-    x = x.to(F64)
-    if torch.isnan(x).any():
-        return float("nan")
-    den = torch.linalg.norm(ref.to(F64))
-    return float(torch.linalg.norm(x - ref.to(F64)) / (den if den > 0 else 1.0))
-
-
-def _record(test, p, errs, seed, **extra):
-    tol = TOL[p["dtype"]]
-    ok = all(e < tol for e in errs.values())       # NaN compares False
-    RESULTS.append(dict(test=test, **p, **extra, seed=seed, tol=tol, passed=ok,
-                        errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
-    print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
-    bad = {n: e for n, e in errs.items() if not e < tol}
-    assert not bad, f"{test}: rel errors over {tol}: {bad}"
-
-
 def _ours(p, xs, do, dht):
     """o, final_state and the gradients of the leaves (None for a missing h0)."""
     import linattn
@@ -175,7 +155,7 @@ def _grad_errors(grads, ref_grads, xs):
         if x is None:
             continue
         assert g is not None and g.shape == x.shape and g.dtype == x.dtype, name
-        errs[name] = _rel(g, r)
+        errs[name] = rel_err(g, r)
     return errs
 
 
@@ -186,8 +166,8 @@ def _check(p, rng, **extra):
     o, ht, grads = _ours(p, xs, do, dht)
     assert all(x is None or torch.equal(x, s) for x, s in zip(xs, saved)), "inputs modified"
     ro, rht, rgrads = _torch_reference(p, xs, do, dht)
-    errs = dict(o=_rel(o, ro), ht=_rel(ht, rht), **_grad_errors(grads, rgrads, xs))
-    _record("autograd", p, errs, seed, **extra)
+    errs = dict(o=rel_err(o, ro), ht=rel_err(ht, rht), **_grad_errors(grads, rgrads, xs))
+    record_errors(RESULTS, "autograd", p, errs, seed, **extra)
     return xs, do, dht, grads
 
 
@@ -221,4 +201,4 @@ def test_gradients_vs_chunked_bwd(p, rng):
                            initial_state=npy(xs[4]),
                            cu_seqlens=None if p["cu"] is None else list(p["cu"]))
     rgrads = [None if ref[n] is None else torch.from_numpy(ref[n]).cuda() for n in NAMES]
-    _record("vs_chunked_bwd", p, _grad_errors(grads, rgrads, xs), seed)
+    record_errors(RESULTS, "vs_chunked_bwd", p, _grad_errors(grads, rgrads, xs), seed)

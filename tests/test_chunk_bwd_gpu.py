@@ -19,12 +19,11 @@ import math
 import time
 
 import pytest
-from conftest import write_summary
+from conftest import record_errors, rel_err, write_summary
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
-TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 F64 = torch.float64
 RESULTS = []
 SHORT = {"float16": "f16", "bfloat16": "bf16"}
@@ -124,24 +123,6 @@ def _inputs_and_refs(p, seed):
     return _REFS[key]
 
 
-def _rel(x, ref):
-    x = x.to(F64)
-    if torch.isnan(x).any():
-        return float("nan")
-    den = torch.linalg.norm(ref)
-    return float(torch.linalg.norm(x - ref) / (den if den > 0 else 1.0))
-
-
-def _record(test, p, errs, seed, **extra):
-    tol = TOL[p["dtype"]]
-    ok = all(e < tol for e in errs.values())      # NaN compares False
-    RESULTS.append(dict(test=test, **p, **extra, seed=seed, tol=tol, passed=ok,
-                        errors={n: (None if math.isnan(e) else e) for n, e in errs.items()}))
-    print(test, p, {n: f"{e:.2e}" for n, e in errs.items()})
-    bad = {n: e for n, e in errs.items() if not e < tol}
-    assert not bad, f"{test}: rel errors over {tol}: {bad}"
-
-
 def _seed(rng):
     return int(rng.integers(1, 2**31))
 
@@ -183,8 +164,9 @@ def _check_backward(p, rng, **extra):
     assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):
         assert x.shape == like.shape and x.dtype == dt, name
-    _record("backward", p, {n: _rel(x, r) for n, x, r in
-                            zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed, **extra)
+    record_errors(RESULTS, "backward", p, {n: rel_err(x, r) for n, x, r in
+                                           zip(("dq", "dk", "dv", "dbeta"), out, grads)},
+                  seed, **extra)
 
 
 @pytest.mark.parametrize("p", CASES)
@@ -200,8 +182,9 @@ def test_forward(p, rng):
     assert torch.equal(Aw, Au)
     assert torch.equal(S[:, :, 0], torch.zeros_like(S[:, :, 0]))
     ro, rS, rA, _, rw, ru = fwd
-    _record("forward", p, dict(o=_rel(o, ro), S=_rel(S, rS), A=_rel(Aw, rA), w=_rel(w, rw),
-                               u=_rel(u, ru)), seed)
+    errs = dict(o=rel_err(o, ro), S=rel_err(S, rS), A=rel_err(Aw, rA), w=rel_err(w, rw),
+                u=rel_err(u, ru))
+    record_errors(RESULTS, "forward", p, errs, seed)
 
 
 @pytest.mark.parametrize("p", CASES)
@@ -211,5 +194,5 @@ def test_fwd_bwd(p, rng):
     o, S, Aw, Au, w, u = deltanet_chunk_fwd(q, k, v, beta)
     out = deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
     torch.cuda.synchronize()
-    _record("fwd_bwd", p, {n: _rel(x, r) for n, x, r in
-                           zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed)
+    record_errors(RESULTS, "fwd_bwd", p, {n: rel_err(x, r) for n, x, r in
+                                          zip(("dq", "dk", "dv", "dbeta"), out, grads)}, seed)
