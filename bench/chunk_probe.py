@@ -175,129 +175,64 @@ def probe(name, args):
     flops = (B * T_eff * HV * (6 * K * V + 2 * K) if spec.name == "deltanet"
              else 7 * B * T_eff * HV * K * V)          # the seed's GDN / DeltaNetFwd counts
     res["tflops"] = flops / (total * 1e-3) / 1e12
+
+    def measure(iters=args.iters, **knobs):
+        """ours() under the knobs: device ms, per-kernel ms, errors (or the error)."""
+        try:
+            with chunk.using(**knobs):
+                o2, ht2 = ours()
+                t, per, _ = device_times(ours, iters=iters)
+            return {"ms": t, "stages_ms": per, "err_o": rel(o2, ref_o),
+                    "err_ht": rel(ht2, ref_ht)}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+    def stage_ms(r, *kernels):      # the first of these kernels that ran, in ms
+        return next((r["stages_ms"][k] for k in kernels if k in r.get("stages_ms", {})), None)
+
     res["prepare_variants"] = {}
     for pv in (args.prepare or []) if spec.has_beta and spec.gate.value != "key" else []:
-        knobs = PREPARE_VARIANTS[pv]
-        saved = {k: getattr(chunk, k) for k in knobs}
-        try:
-            for k, v in knobs.items():
-                setattr(chunk, k, v)
-            o2, ht2 = ours()
-            t_p, per_p, _ = device_times(ours, iters=args.iters)
-            res["prepare_variants"][pv] = {
-                "ms": t_p,
-                "prepare_ms": sum(per_p.get(kn, 0.0) for kn in PREPARE_KERNELS),
-                "prepare_split_ms": {kn: per_p[kn] for kn in PREPARE_KERNELS[1:] if kn in per_p},
-                "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
-        except Exception as e:
-            res["prepare_variants"][pv] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        finally:
-            for k, v in saved.items():
-                setattr(chunk, k, v)
-        print(name, "prepare", pv, res["prepare_variants"][pv], flush=True)
-    default_fused = chunk.FUSE_OUTPUT          # the other path, side by side
-    chunk.FUSE_OUTPUT = not default_fused
-    key_f = "fused" if not default_fused else "three_stage"
-    try:
-        if args.no_alt:
-            raise RuntimeError("skipped (--no-alt)")
-        o2, ht2 = ours()
-        t_f, per_f, _ = device_times(ours, iters=args.iters)
-        res[key_f] = {"ms": t_f, "stages_ms": per_f, "err_o": rel(o2, ref_o),
-                      "err_ht": rel(ht2, ref_ht)}
-    except Exception as e:
-        res[key_f] = {"error": f"{type(e).__name__}: {e}"[:200]}
-    finally:
-        chunk.FUSE_OUTPUT = default_fused
+        r = measure(**PREPARE_VARIANTS[pv])
+        if "ms" in r:
+            r["prepare_ms"] = sum(r["stages_ms"].get(kn, 0.0) for kn in PREPARE_KERNELS)
+            r["prepare_split_ms"] = {kn: r["stages_ms"][kn] for kn in PREPARE_KERNELS[1:]
+                                     if kn in r["stages_ms"]}
+        res["prepare_variants"][pv] = r
+        print(name, "prepare", pv, r, flush=True)
+    # the other path, side by side
+    key_f = "three_stage" if chunk.FUSE_OUTPUT else "fused"
+    res[key_f] = ({"error": "skipped (--no-alt)"} if args.no_alt
+                  else measure(FUSE_OUTPUT=not chunk.FUSE_OUTPUT))
     res["paths"] = {}
     for sv in args.path or []:
-        knobs = PATH_VARIANTS[sv]
-        saved = {k: getattr(chunk, k) for k in knobs}
-        try:
-            for k, v in knobs.items():
-                setattr(chunk, k, v)
-            o2, ht2 = ours()
-            t_s, per_s, _ = device_times(ours, iters=args.iters)
-            res["paths"][sv] = {"ms": t_s, "stages_ms": per_s, "err_o": rel(o2, ref_o),
-                                      "err_ht": rel(ht2, ref_ht)}
-        except Exception as e:
-            res["paths"][sv] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        finally:
-            for k, v in saved.items():
-                setattr(chunk, k, v)
+        res["paths"][sv] = measure(**PATH_VARIANTS[sv])
         print(name, "path", sv, res["paths"][sv], flush=True)
     if args.sweep:
+        few = max(5, args.iters // 3)
         sweep = {}
-        default_stages = chunk.STATE_NUM_STAGES
         for stages, bv in SWEEP_STATE:
-            chunk.STATE_BLOCK_V_OVERRIDE, chunk.STATE_NUM_STAGES = bv, stages
-            key = f"bv{bv}-st{stages}"
-            try:
-                o2, ht2 = ours()
-                t_bv, per_bv, _ = device_times(ours, iters=max(5, args.iters // 3))
-                sweep[key] = {"ms": t_bv, "state_ms": per_bv.get("chunk_state_kernel",
-                                                                per_bv.get("chunk_state_output_kernel")),
-                              "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht)}
-            except Exception as e:
-                sweep[key] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            finally:
-                chunk.STATE_BLOCK_V_OVERRIDE = None
-                chunk.STATE_NUM_STAGES = default_stages
-            print(name, key, sweep[key], flush=True)
+            r = sweep[f"bv{bv}-st{stages}"] = measure(few, STATE_BLOCK_V_OVERRIDE=bv,
+                                                      STATE_NUM_STAGES=stages)
+            r["state_ms"] = stage_ms(r, "chunk_state_kernel", "chunk_state_output_kernel")
+            print(name, f"bv{bv}-st{stages}", r, flush=True)
         res["state_sweep"] = sweep
         if spec.has_beta:
             inv = {}
             for how in ("column", "blocked", "tc"):
-                default_inverse, chunk.PREPARE_INVERSE = chunk.PREPARE_INVERSE, how
-                try:
-                    o2, _ = ours()
-                    t_inv, per_inv, _ = device_times(ours, iters=max(5, args.iters // 3))
-                    inv[how] = {"ms": t_inv, "prepare_ms": per_inv.get("chunk_prepare_kernel"),
-                                "err_o": rel(o2, ref_o)}
-                except Exception as e:
-                    inv[how] = {"error": f"{type(e).__name__}: {e}"[:200]}
-                finally:
-                    chunk.PREPARE_INVERSE = default_inverse
-                print(name, how, inv[how], flush=True)
+                r = inv[how] = measure(few, PREPARE_INVERSE=how)
+                r["prepare_ms"] = stage_ms(r, "chunk_prepare_kernel")
+                print(name, how, r, flush=True)
             res["inverse_sweep"] = inv
-        default_h = chunk.STATE_H_FROM_FRAGMENT
-        chunk.STATE_H_FROM_FRAGMENT = not default_h
-        key_h = f"h_from_fragment_{not default_h}"
-        try:
-            o2, ht2 = ours()
-            t_h, per_h, _ = device_times(ours, iters=max(5, args.iters // 3))
-            res[key_h] = {"ms": t_h, "err_o": rel(o2, ref_o), "err_ht": rel(ht2, ref_ht),
-                          "state_ms": per_h.get("chunk_state_kernel")}
-        except Exception as e:
-            res[key_h] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        finally:
-            chunk.STATE_H_FROM_FRAGMENT = default_h
-        print(name, key_h, res[key_h], flush=True)
-        chunk.OUTPUT_BLOCK_V_OVERRIDE = 64
-        try:
-            o2, _ = ours()
-            t_o, per_o, _ = device_times(ours, iters=max(5, args.iters // 3))
-            res["output_block_v_64"] = {"ms": t_o, "err_o": rel(o2, ref_o),
-                                        "output_ms": per_o.get("chunk_output_kernel")}
-        except Exception as e:
-            res["output_block_v_64"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-        finally:
-            chunk.OUTPUT_BLOCK_V_OVERRIDE = None
-        print(name, "output_block_v_64", res["output_block_v_64"], flush=True)
+        flips = [("STATE_H_FROM_FRAGMENT", "h_from_fragment", "state"),
+                 ("OUTPUT_BLOCK_V_OVERRIDE", "output_block_v", "output")]
         if spec.gate.value == "scalar" and spec.has_beta:
-            default_v = chunk.STATE_V_NEW_FROM_FRAGMENT
-            chunk.STATE_V_NEW_FROM_FRAGMENT = not default_v
-            key_v = f"v_new_from_fragment_{not default_v}"
-            try:
-                o2, _ = ours()
-                t_f, per_f, _ = device_times(ours, iters=max(5, args.iters // 3))
-                res[key_v] = {"ms": t_f, "err_o": rel(o2, ref_o),
-                              "state_ms": per_f.get("chunk_state_kernel")}
-            except Exception as e:
-                res[key_v] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            finally:
-                chunk.STATE_V_NEW_FROM_FRAGMENT = default_v
-            print(name, key_v, res[key_v], flush=True)
+            flips.append(("STATE_V_NEW_FROM_FRAGMENT", "v_new_from_fragment", "state"))
+        for knob, label, stage in flips:
+            value = 64 if knob == "OUTPUT_BLOCK_V_OVERRIDE" else not getattr(chunk, knob)
+            key = f"{label}_{value}"
+            r = res[key] = measure(few, **{knob: value})
+            r[f"{stage}_ms"] = stage_ms(r, f"chunk_{stage}_kernel")
+            print(name, key, r, flush=True)
     try:
         res["fla_ms"], res["fla_kernels_ms"] = fla_time(spec, options, x, cu_dev, args)
     except Exception as e:  # fla missing or failing: report, continue
@@ -353,17 +288,11 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
                      dict(STATE_H_FROM_FRAGMENT=not chunk.STATE_H_FROM_FRAGMENT)]
     jobs = []
     for knobs in variants:
-        saved = {k: getattr(chunk, k) for k in knobs}
-        try:
-            for k, v in knobs.items():
-                setattr(chunk, k, v)
+        with chunk.using(**knobs):
             params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
                                         g_dtype="float32", beta_dtype="bfloat16", N=N,
                                         has_initial_state=True, output_final_state=True,
                                         fused=chunk.FUSE_OUTPUT)
-        finally:
-            for k, v in saved.items():
-                setattr(chunk, k, v)
         jobs += [(spec, stage, pr) for stage, pr in params.items()]
     return jobs
 

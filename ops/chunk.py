@@ -18,6 +18,7 @@ number) and hands the state and output stages ready operands (kg, qg, A_qk, g_la
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from collections import OrderedDict
@@ -190,6 +191,22 @@ PREPARE_VARIANTS = {
     "split-warp64-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
                                 PREPARE_SPLIT_KKT_THREADS=64, PREPARE_SPLIT_WU="loop"),
 }
+
+
+@contextlib.contextmanager
+def using(**knobs):
+    """Set this module's tuning knobs (e.g. FUSE_OUTPUT=True) for a block and restore them
+    after (the probe and the tests compare paths with it); an unknown name raises."""
+    module = globals()
+    unknown = [name for name in knobs if not name.isupper() or name not in module]
+    if unknown:
+        raise AttributeError(f"ops.chunk has no knob {unknown}")
+    saved = {name: module[name] for name in knobs}
+    try:
+        module.update(knobs)
+        yield
+    finally:
+        module.update(saved)
 
 
 def wu_block_n(K: int, V: int) -> int:

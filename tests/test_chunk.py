@@ -305,3 +305,20 @@ def test_bad_inputs_are_refused(bad, match, monkeypatch):
     with pytest.raises(SpecError, match=match):
         chunk.chunk_forward(get_spec("gdn"), q, q, v, g, beta, initial_state=h0,
                             cu_seqlens=cu, cu_seqlens_cpu=cu)
+
+
+def test_using_sets_and_restores_knobs():
+    before = (chunk.FUSE_OUTPUT, chunk.STATE_NUM_STAGES)
+    with chunk.using(FUSE_OUTPUT=not before[0], STATE_NUM_STAGES=3):
+        assert (chunk.FUSE_OUTPUT, chunk.STATE_NUM_STAGES) == (not before[0], 3)
+    assert (chunk.FUSE_OUTPUT, chunk.STATE_NUM_STAGES) == before
+    with pytest.raises(RuntimeError):
+        with chunk.using(FUSE_OUTPUT=not before[0]):
+            raise RuntimeError("inside")
+    assert chunk.FUSE_OUTPUT == before[0]
+    with pytest.raises(AttributeError, match="no knob"):
+        with chunk.using(NOT_A_KNOB=1):
+            pass
+    with pytest.raises(AttributeError, match="no knob"):
+        with chunk.using(stage_params=None):      # functions are not knobs
+            pass

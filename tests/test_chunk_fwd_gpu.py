@@ -102,10 +102,7 @@ FUSED_CASES = [
 def case_jobs(p, **knobs):
     """(spec, stage, params) compile jobs of one case under the chunk module's knobs."""
     from linattn.ops import chunk
-    saved = {name: getattr(chunk, name) for name in knobs}
-    try:
-        for name, value in knobs.items():
-            setattr(chunk, name, value)
+    with chunk.using(**knobs):
         spec = _spec(p["op"])
         options = Options(**{n: True for n in p["opts"]})
         N = p["B"] if p["lens"] is None else len(p["lens"])
@@ -114,9 +111,6 @@ def case_jobs(p, **knobs):
                                     N=N, has_initial_state=p["init"],
                                     output_final_state=p["final"], fused=chunk.FUSE_OUTPUT)
         return [(spec, stage, pr) for stage, pr in params.items()]
-    finally:
-        for name, value in saved.items():
-            setattr(chunk, name, value)
 
 
 def all_jobs():
