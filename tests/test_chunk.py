@@ -232,6 +232,23 @@ LAUNCH_CASES = [
 ]
 
 
+def fake_stages(monkeypatch, bodies: dict, calls: list | None = None):
+    """Replace ops.chunk's compiled stages by fakes: each launch is checked against the
+    traced prim_func (SignatureCheckingKernel), then runs bodies[stage](params)(*args),
+    the stage's formula; calls (if given) collects the stage names compiled."""
+    def fake_compiled(spec_, stage, **params):
+        checker = SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
+        body = bodies[stage](params)
+        if calls is not None:
+            calls.append(stage)
+
+        def call(*args):
+            checker(*args)
+            body(*args)
+        return call
+    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["3stage", "fused"])
 @pytest.mark.parametrize("name,dims,options,init,final,lens", LAUNCH_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(LAUNCH_CASES)])

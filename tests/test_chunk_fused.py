@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_chunk import SignatureCheckingKernel
+from test_chunk import fake_stages
 from test_chunk_split import StateMath
 
 from linattn.dsl import Gate, Options
@@ -99,16 +99,7 @@ def _run(monkeypatch, spec, options, lens, fused_q, H=2, HV=4, K=32, V=32, seed=
     fakes = {"chunk_prepare": lambda p: prepare, "chunk_qk": qk,
              "chunk_state_output": state_output}
 
-    def fake_compiled(spec_, stage, **params):
-        checker = SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
-        body = fakes[stage](params)
-
-        def call(*args):
-            checker(*args)
-            body(*args)
-        return call
-
-    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    fake_stages(monkeypatch, fakes)
     o, ht = chunk.chunk_forward(spec, q, k, v, g, beta, initial_state=h0,
                                 output_final_state=True, options=options, cu_seqlens=cu,
                                 cu_seqlens_cpu=cu)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_chunk import SignatureCheckingKernel
+from test_chunk import fake_stages
 
 from linattn.dsl import Gate, Options, all_rule_gate_specs
 from linattn.ops import chunk, chunk_split
@@ -216,17 +216,7 @@ def _run(monkeypatch, spec, lens, options, init, final, fused, split_L, HV=4, H=
              "chunk_segment_state": segment_state, "chunk_segment_combine": combine,
              "chunk_output": lambda p: (lambda *a: None)}
 
-    def fake_compiled(spec_, stage, **params):
-        checker = SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
-        body = fakes[stage](params)
-        rec["calls"].append(stage)
-
-        def call(*args):
-            checker(*args)
-            body(*args)
-        return call
-
-    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    fake_stages(monkeypatch, fakes, rec["calls"])
     N, T = len(lens), sum(lens)
     cu = torch.tensor([0] + np.cumsum(lens).tolist())
     bf = torch.bfloat16
