@@ -251,3 +251,17 @@ def test_families_fla_vs_seed_and_summary(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": [a, b]}))
     assert main(["--summary", str(path)]) == 0
+
+
+def test_skip_timed_keeps_rows_not_settled():
+    """--skip-timed: a row is done when every asked implementation has a time or is not
+    implemented; a failed or missing one keeps the row."""
+    from linattn.cli.bench.cli import timed_rows
+    rec = lambda w, **impls: {"op": "GDNFwd", "workload": w, "dtype": "bf16",  # noqa: E731
+                              "impls": impls}
+    doc = {"rows": [rec("a", linattn={"ms": 1.0}, fla={"ms": 2.0}),
+                    rec("b", linattn={"ms": None, "note": "not implemented: x"}, fla={"ms": 1.0}),
+                    rec("c", linattn={"ms": None, "ok": False, "note": "wrong"}, fla={"ms": 1.0}),
+                    rec("d", linattn={"ms": 1.0})]}
+    assert timed_rows(doc, ["linattn", "fla"]) == {("GDNFwd", "a", "bf16"), ("GDNFwd", "b", "bf16")}
+    assert ("GDNFwd", "d", "bf16") in timed_rows(doc, ["linattn"])

@@ -39,6 +39,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def timed_rows(doc: dict, impls) -> set:
+    """Keys (op, workload, dtype) of the results rows where every one of ``impls`` has a
+    time or is reported not implemented."""
+    def settled(rec, impl):
+        res = rec.get("impls", {}).get(impl) or {}
+        return res.get("ms") is not None or "not implemented" in (res.get("note") or "")
+    return {(r["op"], r["workload"], r["dtype"]) for r in doc.get("rows", [])
+            if all(settled(r, i) for i in impls)}
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.summary:
@@ -48,12 +58,8 @@ def main(argv=None) -> int:
     rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
                   workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
     if a.skip_timed:
-        impls_wanted = [s.strip() for s in a.impl.split(",") if s.strip()]
         with open(a.skip_timed) as f:
-            done = {(r["op"], r["workload"], r["dtype"]) for r in json.load(f).get("rows", [])
-                    if all((r.get("impls", {}).get(i) or {}).get("ms") is not None
-                           or "not implemented" in ((r.get("impls", {}).get(i) or {}).get("note") or "")
-                           for i in impls_wanted)}
+            done = timed_rows(json.load(f), [s.strip() for s in a.impl.split(",") if s.strip()])
         rows = [r for r in rows if tuple(r.key) not in done]
     if a.list:
         for r in rows:
