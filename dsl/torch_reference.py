@@ -171,8 +171,10 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     HV, V = v.shape[2], v.shape[3]
     # without intermediates, long runs go in pieces of whole chunks (the state carried
     # across; the same arithmetic) so the fp64 working set stays ~1 GiB per tensor
-    piece = (-(-(T + 1) // C) * C if intermediates or piece_tokens == 0 else
-             piece_tokens or max(C, (2 ** 20 // max(1, B * HV)) // C * C))
+    if intermediates or piece_tokens == 0:
+        piece = C * (T // C + 1)              # one piece, longer than any sequence
+    else:
+        piece = piece_tokens or max(C, (2 ** 20 // max(1, B * HV)) // C * C)
     if piece % C:
         raise ValueError(f"piece_tokens={piece_tokens} must be a multiple of the chunk size {C}")
     outs, finals, inters = [], [], []
