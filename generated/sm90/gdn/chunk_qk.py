@@ -79,7 +79,7 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128):
             k_s = T.alloc_shared((BT, K), dtype)
             p_f = T.alloc_fragment((BT, BT), f32)
 
-            # whole-tile copies (TMA): rows past the chunk's end hold the next tokens (zeros
+            # whole-tile copies: rows past the chunk's end hold the next tokens (zeros
             # past Ttot); they only meet masked entries (j > i) and rows never stored
             T.copy(q[t0:t0 + BT, hk, 0:K], q_s)
             T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
