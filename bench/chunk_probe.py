@@ -200,9 +200,11 @@ def probe(name, args):
         res["prepare_variants"][pv] = r
         print(name, "prepare", pv, r, flush=True)
     # the other path, side by side
-    key_f = "three_stage" if chunk.FUSE_OUTPUT else "fused"
+    fused = chunk.fuse_output((B if lens is None else len(lens)) * HV)
+    res["default_path"] = "fused" if fused else "three_stage"
+    key_f = "three_stage" if fused else "fused"
     res[key_f] = ({"error": "skipped (--no-alt)"} if args.no_alt
-                  else measure(FUSE_OUTPUT=not chunk.FUSE_OUTPUT))
+                  else measure(FUSE_OUTPUT=not fused))
     res["paths"] = {}
     for sv in args.path or []:
         res["paths"][sv] = measure(**PATH_VARIANTS[sv])
@@ -276,7 +278,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
     spec, options = get_spec(op), Options(**{n: True for n in opts})
     N = B if lens is None else len(lens)
-    variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.FUSE_OUTPUT)] if alt else [])
+    variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.fuse_output(N * HV))] if alt else [])
     variants += [PREPARE_VARIANTS[pv] for pv in prepare or ()]
     variants += [PATH_VARIANTS[pv] for pv in paths or ()]
     if sweep:
@@ -292,7 +294,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
             params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
                                         g_dtype="float32", beta_dtype="bfloat16", N=N,
                                         has_initial_state=True, output_final_state=True,
-                                        fused=chunk.FUSE_OUTPUT)
+                                        fused=chunk.fuse_output(N * HV))
         jobs += [(spec, stage, pr) for stage, pr in params.items()]
     return jobs
 

@@ -31,6 +31,7 @@ from . import runtime
 
 STAGES = ("chunk_prepare", "chunk_state", "chunk_output")
 FUSED_STAGES = ("chunk_qk", "chunk_state_output")      # the fused path's last two
+SPLIT_PREPARE_STAGES = ("chunk_kkt_inverse", "chunk_wu")   # chunk_prepare as two (PREPARE_SPLIT)
 SPLIT_STAGES = ("chunk_segment_state", "chunk_segment_combine")   # the split state pass
 ARCH = "sm90"
 _ARCH = get_arch(ARCH)          # tiles and SM count of the arch table
@@ -121,8 +122,10 @@ STATE_V_NEW_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_VNEW_FRAGMENT", "1") =
 #: Off: the TMA store measured faster (same sweep: 3.58 -> 2.90 ms, 0.079 -> 0.074 ms)
 STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: run the fused path: chunk_qk + chunk_state_output (o formed inside the state pass, no
-#: per-chunk states h written) instead of chunk_state + chunk_output
-FUSE_OUTPUT = os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "0") == "1"
+#: per-chunk states h written) instead of chunk_state + chunk_output. True / False force
+#: it; None (default, LINATTN_CHUNK_FUSE_OUTPUT unset or "auto") asks the arch table by
+#: (sequences x value heads): see fuse_output()
+FUSE_OUTPUT = {"1": True, "0": False}.get(os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "auto"))
 #: chunk_output loads q, k and v_new as whole tiles (vectorised / TMA copies) instead of
 #: row-predicated element loads; not yet GPU-checked (tests/test_chunk_fwd_gpu.py has it)
 OUTPUT_TILE_LOADS = os.environ.get("LINATTN_CHUNK_OUTPUT_TILES", "0") == "1"
@@ -150,46 +153,50 @@ SPLIT_SEGMENT_CHUNKS = (int(os.environ["LINATTN_CHUNK_SPLIT_L"])
                         if os.environ.get("LINATTN_CHUNK_SPLIT_L") else None)
 #: delta rule (no / scalar gate): chunk_prepare split in two kernels as fla does:
 #: chunk_kkt_inverse (gate cumsum, l2norm, beta, A diag(beta) written) then chunk_wu
-#: (w, u as plain GEMMs over (chunk, head, column block)); not yet GPU-verified
-PREPARE_SPLIT = os.environ.get("LINATTN_CHUNK_PREPARE_SPLIT", "0") == "1"
+#: (w, u as GEMMs). Default since run s3-1 (with the warp inverse, 64 threads, and the wu
+#: loop): prepare 0.095 -> 0.040 ms at GDN prefill-4k, 5.46 -> 2.16 ms at tp1-65536
+PREPARE_SPLIT = os.environ.get("LINATTN_CHUNK_PREPARE_SPLIT", "1") == "1"
 #: the split path's inverse ("tc": 143 regs, 66 KB smem; "blocked": 58 regs, 37 KB; "warp":
 #: one warp per (chunk, head), 255 regs, 20 KB: 8 CTAs per SM)
-PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "tc")
+PREPARE_SPLIT_INVERSE = os.environ.get("LINATTN_CHUNK_SPLIT_INVERSE", "warp")
 #: threads of chunk_kkt_inverse with PREPARE_SPLIT_INVERSE="warp": 32 (one warp per
 #: (chunk, head), as fla's kkt_solve) or 64; None = the build default (32 for "warp", else 128)
-PREPARE_SPLIT_KKT_THREADS = int(os.environ.get("LINATTN_CHUNK_SPLIT_KKT_THREADS", "0")) or None
+PREPARE_SPLIT_KKT_THREADS = int(os.environ.get("LINATTN_CHUNK_SPLIT_KKT_THREADS", "64")) or None
 #: the split path's stored A: None = the input dtype (as fla), or "float32"
 PREPARE_SPLIT_A_DTYPE = os.environ.get("LINATTN_CHUNK_SPLIT_A_DTYPE") or None
 #: chunk_wu's columns per CTA (64: (K + V) / 64 CTAs per (chunk, head))
 PREPARE_SPLIT_BLOCK_N = int(os.environ.get("LINATTN_CHUNK_SPLIT_BLOCK_N", "64"))
 #: chunk_wu's grid: "grid" (one CTA per (chunk, head, column block)) or "loop" (one CTA
-#: per (chunk, head): A_b loaded once, whole k / v tiles; not yet GPU-run)
-PREPARE_SPLIT_WU = os.environ.get("LINATTN_CHUNK_SPLIT_WU", "grid")
+#: per (chunk, head): A_b loaded once, whole k / v tiles)
+PREPARE_SPLIT_WU = os.environ.get("LINATTN_CHUNK_SPLIT_WU", "loop")
 
 
 #: named settings of the prepare knobs above, timed by bench/chunk_probe.py --prepare and
 #: checked by tests/test_chunk_fwd_gpu.py (the split ones replace chunk_prepare for the
 #: delta rule without a key gate only)
+_SPLIT_TC = dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="tc", PREPARE_SPLIT_KKT_THREADS=None)
+_SPLIT_WARP32 = dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+                     PREPARE_SPLIT_KKT_THREADS=None)
+_SPLIT_WARP64 = dict(_SPLIT_WARP32, PREPARE_SPLIT_KKT_THREADS=64)
 PREPARE_VARIANTS = {
-    # measured and dropped (bench/LOG.md runs 5, s2-3): t256, t256-prefetch, prefetch (now
-    # the default), split-blocked, split-a32, split-bn128 (the knobs stay)
+    # measured and dropped (bench/LOG.md runs 5, s2-3, s3-1): t256, t256-prefetch,
+    # split-blocked, split-a32, split-bn128 (the knobs stay). Each names every split knob,
+    # so a variant means the same whatever the defaults are.
+    # the single fused kernel (default until session 3; 0.095 ms at GDN prefill-4k)
+    "fused": dict(PREPARE_SPLIT=False),
     # fla-style split: chunk_kkt_inverse (A diag(beta)) then chunk_wu (w, u GEMMs)
-    "split": dict(PREPARE_SPLIT=True),
+    "split": dict(_SPLIT_TC, PREPARE_SPLIT_WU="grid"),
     # chunk_kkt_inverse one warp (or two) per (chunk, head), ~20 KB smem, 8 CTAs per SM
-    "split-warp": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp"),
-    "split-warp64": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
-                         PREPARE_SPLIT_KKT_THREADS=64),
-    "split-warp-a32": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
+    "split-warp": dict(_SPLIT_WARP32, PREPARE_SPLIT_WU="grid"),
+    "split-warp64": dict(_SPLIT_WARP64, PREPARE_SPLIT_WU="grid"),
+    "split-warp-a32": dict(_SPLIT_WARP32, PREPARE_SPLIT_WU="grid",
                            PREPARE_SPLIT_A_DTYPE="float32"),
     # chunk_wu one CTA per (chunk, head): A_b loaded once, whole k / v tiles
-    "split-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop"),
-    "split-wuloop-bn128": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_WU="loop",
-                               PREPARE_SPLIT_BLOCK_N=128),
-    # both
-    "split-warp-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
-                              PREPARE_SPLIT_WU="loop"),
-    "split-warp64-wuloop": dict(PREPARE_SPLIT=True, PREPARE_SPLIT_INVERSE="warp",
-                                PREPARE_SPLIT_KKT_THREADS=64, PREPARE_SPLIT_WU="loop"),
+    "split-wuloop": dict(_SPLIT_TC, PREPARE_SPLIT_WU="loop"),
+    "split-wuloop-bn128": dict(_SPLIT_TC, PREPARE_SPLIT_WU="loop", PREPARE_SPLIT_BLOCK_N=128),
+    # both (split-warp64-wuloop is the default since run s3-1: 0.040 ms at prefill-4k)
+    "split-warp-wuloop": dict(_SPLIT_WARP32, PREPARE_SPLIT_WU="loop"),
+    "split-warp64-wuloop": dict(_SPLIT_WARP64, PREPARE_SPLIT_WU="loop"),
 }
 
 
@@ -231,6 +238,14 @@ def state_block_v(V: int, n_seq_heads: int) -> int:
         return _ARCH.chunk_state_block_v(V, n_seq_heads)
     except ValueError as e:
         raise SpecError(str(e)) from None
+
+
+def fuse_output(n_seq_heads: int) -> bool:
+    """Whether a call with ``n_seq_heads`` (sequences x value heads) state chains runs the
+    fused path: FUSE_OUTPUT when set, else the arch table's rule."""
+    if FUSE_OUTPUT is not None:
+        return bool(FUSE_OUTPUT)
+    return _ARCH.chunk_fuse_output(n_seq_heads)
 
 
 #: the output stage's value block (None: all of V up to 128, so q k^T is formed once)
@@ -346,7 +361,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
             final.copy_(initial_state.float() if initial_state is not None else 0.0)
         return o.reshape(B, T, HV, V), (final if output_final_state else None)
 
-    fused = FUSE_OUTPUT
+    fused = fuse_output(N * HV)
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,

@@ -249,15 +249,18 @@ def fake_stages(monkeypatch, bodies: dict, calls: list | None = None):
     monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
 
 
+@pytest.mark.parametrize("prepare", ["fused", "split-warp64-wuloop"])
 @pytest.mark.parametrize("fused", [False, True], ids=["3stage", "fused"])
 @pytest.mark.parametrize("name,dims,options,init,final,lens", LAUNCH_CASES,
                          ids=[f"{c[0]}-{i}" for i, c in enumerate(LAUNCH_CASES)])
 def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, final, lens,
-                                        fused):
+                                        fused, prepare):
     import torch
     spec = _spec(name)
     fakes = {}
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", fused)
+    for knob, value in chunk.PREPARE_VARIANTS[prepare].items():
+        monkeypatch.setattr(chunk, knob, value)
 
     def fake_compiled(spec_, stage, **params):
         mod = chunk.stage_module(spec_, stage)
@@ -290,7 +293,7 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
     assert o.shape == (B, T, HV, V) and o.dtype == bf
     assert (ht is not None) == final and (ht is None or ht.shape == shape)
     calls = {stage: sum(f.calls for (s, _), f in fakes.items() if s == stage)
-             for stage in chunk.STAGES + chunk.FUSED_STAGES}
+             for stage in chunk.STAGES + chunk.FUSED_STAGES + chunk.SPLIT_PREPARE_STAGES}
     if T > 0:
         if fused:
             assert calls["chunk_state_output"] == 1 and calls["chunk_state"] == 0
@@ -298,7 +301,9 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
         else:
             assert calls["chunk_state"] == 1 and calls["chunk_output"] == 1
         needs_prepare = spec.has_gate or spec.has_beta or options.l2norm_qk
-        assert calls["chunk_prepare"] == int(needs_prepare)
+        split = chunk.PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY
+        assert calls["chunk_prepare"] == int(needs_prepare and not split)
+        assert calls["chunk_kkt_inverse"] == calls["chunk_wu"] == int(split)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -339,3 +344,25 @@ def test_using_sets_and_restores_knobs():
     with pytest.raises(AttributeError, match="no knob"):
         with chunk.using(stage_params=None):      # functions are not knobs
             pass
+
+
+def test_fuse_output_rule():
+    """FUSE_OUTPUT unset: the arch table picks the path by (sequences x value heads), with
+    the fused path from CHUNK_FUSE_OUTPUT_MIN_CHAINS on; True / False force it."""
+    from linattn.codegen.arch import sm90
+    m = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS
+    with chunk.using(FUSE_OUTPUT=None):
+        assert not chunk.fuse_output(m - 1) and chunk.fuse_output(m)
+        assert not chunk.fuse_output(8) and chunk.fuse_output(128)   # tp8-8192, tp4-8x1024
+    for forced in (True, False):
+        with chunk.using(FUSE_OUTPUT=forced):
+            assert chunk.fuse_output(1) is forced and chunk.fuse_output(10_000) is forced
+
+
+def test_prepare_variants_name_every_split_knob():
+    """A named prepare variant means the same whatever the module defaults are."""
+    knobs = {"PREPARE_SPLIT_INVERSE", "PREPARE_SPLIT_KKT_THREADS", "PREPARE_SPLIT_WU"}
+    for name, v in chunk.PREPARE_VARIANTS.items():
+        assert "PREPARE_SPLIT" in v, name
+        if v["PREPARE_SPLIT"]:
+            assert knobs <= set(v), name

@@ -109,7 +109,8 @@ def case_jobs(p, **knobs):
         params = chunk.stage_params(spec, options, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
                                     dtype=p["dtype"], g_dtype="float32", beta_dtype=p["dtype"],
                                     N=N, has_initial_state=p["init"],
-                                    output_final_state=p["final"], fused=chunk.FUSE_OUTPUT)
+                                    output_final_state=p["final"],
+                                    fused=chunk.fuse_output(N * p["HV"]))
         return [(spec, stage, pr) for stage, pr in params.items()]
 
 

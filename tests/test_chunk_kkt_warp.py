@@ -23,10 +23,12 @@ def _kkt_params(monkeypatch, variant, op="gdn", options=Options()):
     return chunk.stage_params(get_spec(op), options, **DIMS)
 
 
-def test_default_path_has_no_warp_inverse():
+def test_default_path_is_the_two_warp_inverse():
     for op in ("gdn", "deltanet"):
         params = chunk.stage_params(get_spec(op), Options(), **DIMS)
-        assert all(p.get("inverse") != "warp" for p in params.values())
+        assert params["chunk_kkt_inverse"]["inverse"] == "warp"
+        assert params["chunk_kkt_inverse"]["threads"] == 64
+        assert "chunk_prepare" not in params
 
 
 @pytest.mark.parametrize("variant", sorted(WARP_VARIANTS))

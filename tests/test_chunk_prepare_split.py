@@ -17,7 +17,7 @@ from linattn.ops.registry import get_spec
 
 F64 = torch.float64
 C = 64
-SPLIT = ("chunk_kkt_inverse", "chunk_wu")
+SPLIT = chunk.SPLIT_PREPARE_STAGES
 
 
 def test_split_stages_planned_for_delta_without_key_gate():
@@ -27,20 +27,27 @@ def test_split_stages_planned_for_delta_without_key_gate():
         assert all((n in names) == want for n in SPLIT), (spec.name, names)
 
 
-def test_default_unchanged_and_knob_selects_split(monkeypatch):
+def test_default_is_split_and_knob_selects_fused(monkeypatch):
+    """The default (run s3-1) is the split prepare with the warp inverse (64 threads) and
+    chunk_wu's loop; PREPARE_SPLIT=False gives the single fused chunk_prepare back."""
     spec, opts = get_spec("gdn"), Options()
     kw = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16")
-    assert "chunk_prepare" in chunk.stage_params(spec, opts, **kw)
-    monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
     params = chunk.stage_params(spec, opts, **kw)
     assert "chunk_prepare" not in params and set(SPLIT) <= set(params)
+    assert params["chunk_kkt_inverse"]["inverse"] == "warp"
+    assert params["chunk_kkt_inverse"]["threads"] == 64
+    assert params["chunk_wu"]["loop_columns"] and params["chunk_wu"]["block_n"] == 64
     for op in ("gla", "kda"):           # no A to split: unchanged
         assert "chunk_prepare" in chunk.stage_params(get_spec(op), opts, **kw)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT", False)
+    params = chunk.stage_params(spec, opts, **kw)
+    assert "chunk_prepare" in params and not set(SPLIT) & set(params)
+    assert chunk.wu_block_n(128, 128) == 64
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_BLOCK_N", 128)
-    assert params["chunk_wu"]["block_n"] == 64
     assert chunk.wu_block_n(128, 128) == 128 and chunk.wu_block_n(64, 128) == 64
     assert chunk.wu_block_n(128, 48) == 16
-    assert "loop_columns" not in params["chunk_wu"]            # default: the column grid
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "grid")
+    assert "loop_columns" not in chunk.wu_params(128, 128)      # the column grid
 
 
 def test_wu_loop_knob(monkeypatch):

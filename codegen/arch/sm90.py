@@ -84,6 +84,19 @@ def chunk_state_block_v(V: int, n_seq_heads: int) -> int:
     return min(fits) if fits else max(divisors)
 
 
+#: the fused state + output path pays off from this many (sequence, value head) chains:
+#: run s3-1 (bf16, K = V = 128): fused vs 3-stage 0.97x at 8 chains (tp8-8192), 1.00x at
+#: 16 (prefill-4k), 1.06x at 64 (tp1-65536), 1.08x at 128 (tp4-8x1024). With few chains
+#: the sequential pass is the critical path and o's work only lengthens it; with many,
+#: skipping h's round trip through HBM wins.
+CHUNK_FUSE_OUTPUT_MIN_CHAINS = 32
+
+
+def chunk_fuse_output(n_seq_heads: int) -> bool:
+    """Whether the chunked forward runs the fused state + output path."""
+    return n_seq_heads >= CHUNK_FUSE_OUTPUT_MIN_CHAINS
+
+
 def chunk_output_block_v(V: int) -> int:
     """Value block of the chunked output stage: all of V up to 128, so q k^T is formed
     once per chunk."""
