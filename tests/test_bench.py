@@ -212,6 +212,14 @@ def test_summary_table_and_merge(tmp_path):
     # each row keeps the commit it was measured at
     stamps = {(r["workload"], r["dtype"]): r["commit"] for r in again["rows"]}
     assert stamps[(r1.workload, r1.dtype)] == "c2" and stamps[(r2.workload, r2.dtype)] == "c1"
+    # a run of one implementation replaces that entry only; the ratio is computed again
+    only = {k: v for k, v in fake_record(r1, 0.04, 0.2).items()}
+    only["impls"] = {"linattn": only["impls"]["linattn"]}
+    merged = report.merge_into(path, {"gpu": "x", "commit": "c3", "rows": [only]})
+    row = [r for r in merged["rows"] if (r["workload"], r["dtype"]) == (r1.workload, r1.dtype)][0]
+    assert row["impls"]["linattn"]["ms"] == 0.04 and row["impls"]["linattn"]["commit"] == "c3"
+    assert row["impls"]["fla"]["ms"] == 0.2 and row["impls"]["fla"]["commit"] == "c2"
+    assert row["ratio"] == pytest.approx(0.2 / 0.04) and row["ours_ms"] == 0.04
 
 
 def test_bound_labels_match_seed_page():

@@ -209,22 +209,40 @@ def write_json(doc: dict, path: str):
 
 
 def merge_into(path: str, doc: dict) -> dict:
-    """Rows of doc replace rows with the same (op, workload, dtype) in the file at path
-    (created if missing); other rows stay. Header fields come from doc; each row keeps the
-    commit/date it was measured at."""
+    """Merge doc's rows into the file at path (created if missing) by (op, workload, dtype)
+    and, within a row, by implementation: an implementation doc measured replaces the
+    file's entry of that name, the others stay, and the row's derived figures (ratio,
+    TFLOP/s, ...) are computed again from the merged set. Every implementation entry carries
+    the commit / date it was measured at (a row's own stamp wins over doc's). Header
+    fields come from doc."""
+    from .workloads import load_rows
     old = {"rows": []}
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
     key = lambda r: (r["op"], r["workload"], r["dtype"])  # noqa: E731
     stamp = {k: doc.get(k) for k in ("commit", "date", "gpu")}
-    fresh = [{**stamp, **r} for r in doc["rows"]]      # a row's own stamp wins
-    new_keys = {key(r) for r in fresh}
-    rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + fresh
+
+    def stamped(rec, outer):
+        rec = {**outer, **rec}
+        rec["impls"] = {n: {**{k: rec.get(k) for k in ("commit", "date")}, **e}
+                        for n, e in rec.get("impls", {}).items()}
+        return rec
+
+    rows = {key(r): stamped(r, {}) for r in old.get("rows", [])}
+    table = {tuple(r.key): r for r in load_rows()}
+    for r in doc["rows"]:
+        fresh = stamped(r, stamp)
+        prev = rows.get(key(fresh))
+        if prev is not None:
+            fresh = {**prev, **fresh, "impls": {**prev["impls"], **fresh["impls"]}}
+        if key(fresh) in table:
+            summarize(fresh, table[key(fresh)])
+        rows[key(fresh)] = fresh
     order = {op: i for i, op in enumerate(OPS)}
-    rows.sort(key=lambda r: order.get(r["op"], len(order)))
     merged = {**{k: v for k, v in old.items() if k != "rows"},
-              **{k: v for k, v in doc.items() if k != "rows"}, "rows": rows}
+              **{k: v for k, v in doc.items() if k != "rows"},
+              "rows": sorted(rows.values(), key=lambda r: order.get(r["op"], len(order)))}
     write_json(merged, path)
     return merged
 
