@@ -49,6 +49,8 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "q35-397b-tp1-65536": ("gdn", 1, 65536, 16, 64, 128, 128, (), None),
     "q35-2b-16384": ("gdn", 1, 16384, 16, 16, 128, 128, (), None),
     "q35-397b-tp4-8x1024": ("gdn", 1, None, 4, 16, 128, 128, (), [1024] * 8),
+    "q35-27b-16384": ("gdn", 1, 16384, 16, 48, 128, 128, (), None),
+    "q35-symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168]),
 }
 
 
@@ -60,6 +62,7 @@ PREPARE_KERNELS = ("chunk_prepare_kernel", "chunk_kkt_inverse_kernel", "chunk_wu
 
 #: --path: other forward paths under these knobs: the split state pass
 #: (ops/chunk_split.py) and the fused path's q operand modes
+DTYPES = {"bf16": "bfloat16", "f16": "float16"}
 PATH_VARIANTS = {
     "model": dict(SPLIT=True),                     # the cost model's segment length
     "model-fused": dict(SPLIT=True, FUSE_OUTPUT=True),
@@ -71,6 +74,12 @@ PATH_VARIANTS = {
     "fused-qraw": dict(FUSE_OUTPUT=True, FUSED_Q="raw"),
     "fused-qgated": dict(FUSE_OUTPUT=True, FUSED_Q="gated"),
     "out-tiles": dict(FUSE_OUTPUT=False, OUTPUT_TILE_LOADS=True),
+    # per-(chunk, head) grids with the value head fastest (q / k shared through L2)
+    "3stage-heads": dict(FUSE_OUTPUT=False, HEADS_FASTEST=True),
+    "fused-heads": dict(FUSE_OUTPUT=True, HEADS_FASTEST=True),
+    # chunk_output's o through shared memory (whole-row stores)
+    "3stage-stageo": dict(FUSE_OUTPUT=False, OUTPUT_STAGE_O=True),
+    "3stage-heads-stageo": dict(FUSE_OUTPUT=False, HEADS_FASTEST=True, OUTPUT_STAGE_O=True),
 }
 
 
@@ -147,9 +156,11 @@ def make_inputs(op, B, T, H, HV, K, V, opts, lens, dtype=torch.bfloat16, seed=0)
 
 def probe(name, args):
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
-    spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens)
+    spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens,
+                                       dtype=getattr(torch, DTYPES[args.dtype]))
     cu_dev = None if cu is None else cu.cuda()
-    res = {"workload": name, "op": op, "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V),
+    res = {"workload": name, "op": op, "dtype": args.dtype,
+           "shape": dict(B=B, T=T, H=H, HV=HV, K=K, V=V),
            "options": list(opts)}
 
     def ours():
@@ -271,7 +282,7 @@ def fla_call(spec, options, x, cu):
                       output_final_state=True, cu_seqlens=cu, **kw)
 
 
-def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
+def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=(), dtype="bfloat16"):
     """(spec, stage, params) compile jobs of a workload (and of the sweep's variants, the
     chunk_prepare variants named in ``prepare``, the other fused / 3-stage path if alt, the
     PATH_VARIANTS named in ``paths``)."""
@@ -291,8 +302,8 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=()):
     jobs = []
     for knobs in variants:
         with chunk.using(**knobs):
-            params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
-                                        g_dtype="float32", beta_dtype="bfloat16", N=N,
+            params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                                        g_dtype="float32", beta_dtype=dtype, N=N,
                                         has_initial_state=True, output_final_state=True,
                                         fused=chunk.fuse_output(N * HV))
         jobs += [(spec, stage, pr) for stage, pr in params.items()]
@@ -315,6 +326,8 @@ def main():
                     help="also time these forward paths (knobs): the split state pass "
                          "(LINATTN_CHUNK_SPLIT), the 3-stage / fused paths, the fused "
                          "path's q operand modes (precompiled except the split stages)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="q / k / v / beta dtype of every workload")
     ap.add_argument("--no-alt", action="store_true",
                     help="do not time (or compile) the other fused / 3-stage path")
     args = ap.parse_args()
@@ -322,11 +335,13 @@ def main():
     t0 = time.time()
     errors = chunk.precompile([j for n in names
                                for j in workload_jobs(n, args.sweep, args.prepare,
-                                                      alt=not args.no_alt, paths=args.path)])
+                                                      alt=not args.no_alt, paths=args.path,
+                                                      dtype=DTYPES[args.dtype])])
     print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     results = []
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
-    fname = "chunk_probe_sweep.json" if args.sweep else "chunk_probe.json"
+    fname = (f"chunk_probe_sweep_{args.dtype}.json" if args.sweep
+             else f"chunk_probe_{args.dtype}.json")
     for name in names:
         if args.budget_s and time.time() - t0 > args.budget_s:
             results.append({"workload": name, "error": "skipped: --budget-s reached"})
@@ -357,6 +372,11 @@ def main():
         for pv, pr in r.get("prepare_variants", {}).items():
             print("    prepare %-14s %s" % (pv, f"{pr['ms']:.3f} ms, prepare "
                   f"{pr['prepare_ms']:.4f} ms, err o {pr['err_o']:.1e} ht {pr['err_ht']:.1e}"
+                  if "ms" in pr else pr.get("error")))
+        for pv, pr in r.get("paths", {}).items():
+            st = " ".join(f"{k.replace('_kernel', '').replace('chunk_', '')}={v:.3f}"
+                          for k, v in pr.get("stages_ms", {}).items())
+            print("    path %-20s %s" % (pv, f"{pr['ms']:.3f} ms, err o {pr['err_o']:.1e}  {st}"
                   if "ms" in pr else pr.get("error")))
     return 0 if all("error" not in r for r in results) else 1
 

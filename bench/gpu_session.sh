@@ -7,7 +7,7 @@
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
 # cbprobe, split, psplit, autograd: see the case below), each with a limit <STEP>_S in
-# seconds; probe and bench arguments with PROBE_ARGS and BENCH_ARGS. Everything lands in
+# seconds; probe and bench arguments with PROBE_ARGS (PROBE2_ARGS) and BENCH_ARGS. Everything lands in
 # $OUT/results.tar.gz (logs, JSON), and the short summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -58,6 +58,8 @@ for s in $STEPS; do
              --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
              --csv --page details python3 bench/ncu_probe.py '"${NCU_ARGS:-}"' > "$OUT_DIR/ncu.csv"' ;;
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
+    # a second probe with other arguments (e.g. --dtype f16); its JSON is named by dtype
+    probe2) run_step probe2 "${PROBE2_S:-90}" python3 bench/chunk_probe.py ${PROBE2_ARGS:-} ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
   esac
@@ -77,5 +79,5 @@ echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 for s in split psplit autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
-echo "===== probe (tail)"; grep -h " path " "$R/probe.log" 2>/dev/null | cut -c1-250; tail -n 25 "$R/probe.log" 2>/dev/null
+for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

@@ -126,9 +126,17 @@ STATE_H_FROM_FRAGMENT = os.environ.get("LINATTN_CHUNK_H_FRAGMENT", "0") == "1"
 #: it; None (default, LINATTN_CHUNK_FUSE_OUTPUT unset or "auto") asks the arch table by
 #: (sequences x value heads): see fuse_output()
 FUSE_OUTPUT = {"1": True, "0": False}.get(os.environ.get("LINATTN_CHUNK_FUSE_OUTPUT", "auto"))
+#: the per-(chunk, head) stages (chunk_prepare / kkt_inverse / wu / qk / output) launch
+#: with the value head as the fastest grid index: CTAs running together share a chunk,
+#: so the H heads' q / k rows are read once from DRAM for all HV / H value heads of a group
+#: and all heads of a token block come in one contiguous region (instead of chunk-fastest,
+#: where each value head of a group re-reads q / k from DRAM)
+HEADS_FASTEST = os.environ.get("LINATTN_CHUNK_HEADS_FASTEST", "0") == "1"
 #: chunk_output loads q, k and v_new as whole tiles (vectorised / TMA copies) instead of
 #: row-predicated element loads; not yet GPU-checked (tests/test_chunk_fwd_gpu.py has it)
 OUTPUT_TILE_LOADS = os.environ.get("LINATTN_CHUNK_OUTPUT_TILES", "0") == "1"
+#: chunk_output stores o through shared memory as whole-row vector stores
+OUTPUT_STAGE_O = os.environ.get("LINATTN_CHUNK_OUTPUT_STAGE_O", "0") == "1"
 #: the fused path's q operand (no / scalar gate): "raw" = the state pass reads q (or the
 #: l2-normalised q chunk_qk writes, [Ttot, H, K]) and applies exp(g_cum) itself; "gated"
 #: = chunk_qk writes qg = q exp(g_cum) [Ttot, HV, K] (the first fused version)
@@ -437,6 +445,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). Uses the module's
     tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH, STATE_BLOCK_V_OVERRIDE, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
+    order = {"heads_fastest": True} if HEADS_FASTEST else {}   # the per-chunk grids
     out = {}
     if spec.has_gate or spec.has_beta or options.l2norm_qk:     # (a key gate always has)
         out["chunk_prepare"] = dict(
@@ -448,7 +457,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             **({"threads": PREPARE_THREADS} if PREPARE_THREADS != 128
                and spec.gate is not Gate.KEY else {}),
             **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
-               and spec.gate is not Gate.KEY else {}))
+               and spec.gate is not Gate.KEY else {}), **order)
     if PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY:
         prep = out.pop("chunk_prepare")
         for name in ("V", "inverse", "threads", "prefetch"):
@@ -457,7 +466,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                         a_dtype=PREPARE_SPLIT_A_DTYPE,
                                         **({"threads": PREPARE_SPLIT_KKT_THREADS}
                                            if PREPARE_SPLIT_KKT_THREADS else {}))
-        out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE, **wu_params(K, V))
+        out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE, **wu_params(K, V), **order)
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),
@@ -467,12 +476,14 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                  and spec.has_beta else {}),
                               **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V),
-                               **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}))
+                               **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}),
+                               **({"stage_o": True} if OUTPUT_STAGE_O else {}), **order)
     if fused:
         out["chunk_state_output"] = out.pop("chunk_state")
         del out["chunk_output"]
         if spec.gate is not Gate.KEY:
-            out["chunk_qk"] = dict(H=H, HV=HV, K=K, dtype=dtype, l2norm_qk=options.l2norm_qk)
+            out["chunk_qk"] = dict(H=H, HV=HV, K=K, dtype=dtype, l2norm_qk=options.l2norm_qk,
+                                   **order)
             if FUSED_Q == "raw":
                 out["chunk_qk"]["q_out"] = "normed" if options.l2norm_qk else "none"
                 out["chunk_state_output"]["q_gated"] = False

@@ -136,6 +136,9 @@ def all_jobs():
         jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
     for c in FUSED_CASES:
         jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
+    for c in STATE_VARIANT_CASES + FUSED_CASES:
+        for knobs in GRID_VARIANTS.values():
+            jobs += case_jobs(c.values[0], **knobs)
     return jobs
 
 
@@ -300,6 +303,26 @@ def test_output_tile_loads(p, rng, monkeypatch):
     """chunk_output with whole-tile loads (rows past a chunk's end read, then masked)."""
     from linattn.ops import chunk
     monkeypatch.setattr(chunk, "OUTPUT_TILE_LOADS", True)
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
+
+
+#: the per-(chunk, head) grids with the value head fastest, on both paths and with the
+#: fused chunk_prepare; chunk_output's o staged through shared memory
+GRID_VARIANTS = {
+    "heads-3stage": dict(HEADS_FASTEST=True, FUSE_OUTPUT=False),
+    "heads-fused": dict(HEADS_FASTEST=True, FUSE_OUTPUT=True),
+    "heads-fused-prepare": dict(HEADS_FASTEST=True, FUSE_OUTPUT=False, PREPARE_SPLIT=False),
+    "stage-o": dict(OUTPUT_STAGE_O=True, FUSE_OUTPUT=False),
+    "heads-stage-o": dict(HEADS_FASTEST=True, OUTPUT_STAGE_O=True, FUSE_OUTPUT=False),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GRID_VARIANTS))
+@pytest.mark.parametrize("p", STATE_VARIANT_CASES + FUSED_CASES)
+def test_grid_order_and_staged_output(p, variant, rng, monkeypatch):
+    from linattn.ops import chunk
+    for knob, value in GRID_VARIANTS[variant].items():
+        monkeypatch.setattr(chunk, knob, value)
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
 

@@ -46,8 +46,12 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128):
+def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fastest=False):
     """prim_func for chunk_qk.
+
+    heads_fastest: the grid's first index is the value head and the second the chunk
+    (instead of chunk, head): the value heads of a chunk run together and share the
+    group's q / k rows through L2.
 
     Tensors (Ttot tokens, NT chunks; dynamic): q, k [Ttot, H, K],
       g_cum [Ttot, HV] f32 (unused),
@@ -71,13 +75,17 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128):
         qg: T.Tensor((Ttot, HV if q_out == "gated" else H, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
     ):
-        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+                      threads=threads) as (bx, by):
+            c = by if heads_fastest else bx
+            hv = bx if heads_fastest else by
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             p_f = T.alloc_fragment((BT, BT), f32)
+            p_s = T.alloc_shared((BT, BT), dtype)    # A_qk staged: whole-row vector stores
 
             # whole-tile copies: rows past the chunk's end hold the next tokens (zeros
             # past Ttot); they only meet masked entries (j > i) and rows never stored
@@ -95,9 +103,10 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128):
                     q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + NORM_EPS), dtype)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
+                p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype), T.cast(0, dtype))
+            for i, j in T.Parallel(BT, BT):
                 if i < rows:
-                    aqk[t0 + i, hv, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype),
-                                                        T.cast(0, dtype))
+                    aqk[t0 + i, hv, j] = p_s[i, j]
             if q_out == "gated":
                 for i, j in T.Parallel(BT, K):
                     if i < rows:

@@ -56,8 +56,12 @@ def pass_configs(**params):
 
 def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="tc",
-          a_dtype=None, threads=None):
+          a_dtype=None, threads=None, heads_fastest=False):
     """prim_func for chunk_kkt_inverse.
+
+    heads_fastest: the grid's first index is the value head and the second the chunk
+    (instead of chunk, head): the value heads of a chunk run together and share the
+    group's q / k rows through L2.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
       k [Ttot, H, K], g [Ttot, HV], beta [Ttot, HV], A_log [HV], dt_bias [HV],
@@ -95,7 +99,10 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
         kn: T.Tensor((Ttot, H, K), dtype),
         A: T.Tensor((Ttot, HV, BT), a_dtype),
     ):
-        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+                      threads=threads) as (bx, by):
+            c = by if heads_fastest else bx
+            hv = bx if heads_fastest else by
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]

@@ -46,8 +46,13 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False):
+def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False,
+          heads_fastest=False):
     """prim_func for chunk_wu.
+
+    heads_fastest: the grid's first index is the value head and the second the chunk
+    (instead of chunk, head): the value heads of a chunk run together and share the
+    group's q / k rows through L2.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
       k [Ttot, H, K] (kn when l2norm_qk), v [Ttot, HV, V], A [Ttot, HV, 64] (a_dtype),
@@ -59,7 +64,7 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
     blocks of its chunk's whole k and v tiles.
     """
     if loop_columns:
-        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads)
+        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest)
     BT = CHUNK
     BN = block_n
     assert K % BN == 0 and V % BN == 0, (K, V, BN)
@@ -80,7 +85,10 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
     ):
-        with T.Kernel(NT, HV, (K + V) // BN, threads=threads) as (c, hv, nb):
+        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV, (K + V) // BN,
+                      threads=threads) as (bx, by, nb):
+            c = by if heads_fastest else bx
+            hv = bx if heads_fastest else by
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
@@ -118,7 +126,7 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
 
 
 
-def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
+def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest):
     """chunk_wu with one CTA per (chunk, value head): build()'s loop_columns=True.
 
     k's and v's whole 64-row tiles are copied at the start (cp.async, two groups, no
@@ -146,7 +154,10 @@ def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads):
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
     ):
-        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+                      threads=threads) as (bx, by):
+            c = by if heads_fastest else bx
+            hv = bx if heads_fastest else by
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]

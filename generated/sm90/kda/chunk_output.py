@@ -40,12 +40,17 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loads=False):
+def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loads=False,
+          heads_fastest=False, stage_o=False):
     """prim_func for chunk_output.
 
     tile_loads: whole-tile copies of q, k (or A_qk) and v_new instead of row-predicated
     element loads: rows past the chunk's end hold the next tokens (zeros past Ttot) and
     only meet masked entries (j > i) or rows that are never stored.
+    heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV): the value
+    heads of a chunk run together and share q / k through L2.
+    stage_o: o goes through shared memory and out as whole-row vector stores (instead of
+    the MMA fragment's scattered 4-byte stores).
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q [Ttot, H, K], k [Ttot, H, K] (normalised when l2norm_qk), v_new [Ttot, HV, V],
@@ -73,7 +78,11 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loa
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
     ):
-        with T.Kernel(V // BV, NT, HV, threads=threads) as (iv, c, hv):
+        with T.Kernel(HV if heads_fastest else V // BV, V // BV if heads_fastest else NT,
+                      NT if heads_fastest else HV, threads=threads) as (bx, by, bz):
+            iv = by if heads_fastest else bx
+            c = bz if heads_fastest else by
+            hv = bx if heads_fastest else bz
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
@@ -97,8 +106,16 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loa
                                                T.cast(0, dtype))
             T.gemm(q_s, h_s, o_f, clear_accum=True)
             T.gemm(p_s, v_s, o_f)
-            for i, j in T.Parallel(BT, BV):
-                if i < rows:
-                    o[t0 + i, hv, iv * BV + j] = T.cast(o_f[i, j] * scale, dtype)
+            if stage_o:      # through shared memory: whole-row vector stores
+                o_s = T.alloc_shared((BT, BV), dtype)
+                for i, j in T.Parallel(BT, BV):
+                    o_s[i, j] = T.cast(o_f[i, j] * scale, dtype)
+                for i, j in T.Parallel(BT, BV):
+                    if i < rows:
+                        o[t0 + i, hv, iv * BV + j] = o_s[i, j]
+            else:
+                for i, j in T.Parallel(BT, BV):
+                    if i < rows:
+                        o[t0 + i, hv, iv * BV + j] = T.cast(o_f[i, j] * scale, dtype)
 
     return chunk_output

@@ -49,8 +49,12 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128):
+          threads=128, heads_fastest=False):
     """prim_func for chunk_prepare (per-key gate).
+
+    heads_fastest: the grid's first index is the value head and the second the chunk
+    (instead of chunk, head): the value heads of a chunk run together and share the
+    group's q / k rows through L2.
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
@@ -83,7 +87,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
     ):
-        with T.Kernel(NT, HV, threads=threads) as (c, hv):
+        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+                      threads=threads) as (bx, by):
+            c = by if heads_fastest else bx
+            hv = bx if heads_fastest else by
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
