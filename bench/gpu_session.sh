@@ -36,8 +36,11 @@ for s in $STEPS; do
     # .whl); the chunk tests precompile their kernels in parallel themselves
     decode) run_step decode "${DECODE_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -n 8 -rfE tests/test_decode_gpu.py --junitxml="$R/decode.xml" ;;
+    # CHUNK_K narrows it (a -k expression; with LINATTN_TEST_PRECOMPILE=default and
+    # CHUNK_K="matches_reference or grid_order" only those cases' kernels are compiled)
     chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             -rfE --durations=8 tests/test_chunk_fwd_gpu.py --junitxml="$R/chunk.xml" ;;
+             -rfE --durations=8 tests/test_chunk_fwd_gpu.py -k "${CHUNK_K:-}" \
+             --junitxml="$R/chunk.xml" ;;
     dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep \
              --budget-s $(( ${DPROBE_S:-240} - 60 )) --out "$R/decode_probe.json" ;;
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \

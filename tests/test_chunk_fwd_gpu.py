@@ -142,6 +142,14 @@ def all_jobs():
     return jobs
 
 
+def default_and_grid_jobs():
+    jobs = [j for c in CASES for j in case_jobs(c.values[0])]
+    for c in STATE_VARIANT_CASES + FUSED_CASES:
+        for knobs in GRID_VARIANTS.values():
+            jobs += case_jobs(c.values[0], **knobs)
+    return jobs
+
+
 @pytest.fixture(scope="module", autouse=True)
 def precompiled():
     """Compile every kernel these tests need in parallel processes first (disk cache)."""
@@ -151,10 +159,13 @@ def precompiled():
     # LINATTN_TEST_PRECOMPILE=prepare: only the chunk_prepare variant tests' kernels (a
     # short GPU run with `-k prepare_variant`)
     # LINATTN_TEST_PRECOMPILE=split: only the split prepare's variants (`-k "variant and split"`)
+    # LINATTN_TEST_PRECOMPILE=default: only the default-knob cases' kernels (with
+    # `-k "matches_reference or grid_order"`: grid_order's kernels as well)
     only = os.environ.get("LINATTN_TEST_PRECOMPILE")
     jobs = (prepare_variant_jobs() if only == "prepare"
             else prepare_variant_jobs([n for n in PREPARE_VARIANTS if n.startswith("split")])
-            if only == "split" else all_jobs())
+            if only == "split" else default_and_grid_jobs() if only == "default"
+            else all_jobs())
     errors = chunk.precompile(jobs)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
