@@ -80,6 +80,10 @@ PATH_VARIANTS = {
     # chunk_output's o through shared memory (whole-row stores)
     "3stage-stageo": dict(FUSE_OUTPUT=False, OUTPUT_STAGE_O=True),
     "3stage-heads-stageo": dict(FUSE_OUTPUT=False, HEADS_FASTEST=True, OUTPUT_STAGE_O=True),
+    # the state pass's value block forced (the arch table's makespan rule picks it)
+    "bv16": dict(STATE_BLOCK_V_OVERRIDE=16),
+    "bv32": dict(STATE_BLOCK_V_OVERRIDE=32),
+    "bv64": dict(STATE_BLOCK_V_OVERRIDE=64),
 }
 
 

@@ -130,13 +130,16 @@ FUSE_OUTPUT = {"1": True, "0": False}.get(os.environ.get("LINATTN_CHUNK_FUSE_OUT
 #: with the value head as the fastest grid index: CTAs running together share a chunk,
 #: so the H heads' q / k rows are read once from DRAM for all HV / H value heads of a group
 #: and all heads of a token block come in one contiguous region (instead of chunk-fastest,
-#: where each value head of a group re-reads q / k from DRAM)
-HEADS_FASTEST = os.environ.get("LINATTN_CHUNK_HEADS_FASTEST", "0") == "1"
+#: where each value head of a group re-reads q / k from DRAM). Default since run s3-3:
+#: q35-397b-tp1-65536 (4 value heads per group) chunk_wu 1.26 -> 0.99 ms, chunk_qk 0.90 ->
+#: 0.77, the fused path 6.09 -> 5.67 ms; equal within noise where H == HV
+HEADS_FASTEST = os.environ.get("LINATTN_CHUNK_HEADS_FASTEST", "1") == "1"
 #: chunk_output loads q, k and v_new as whole tiles (vectorised / TMA copies) instead of
 #: row-predicated element loads; not yet GPU-checked (tests/test_chunk_fwd_gpu.py has it)
 OUTPUT_TILE_LOADS = os.environ.get("LINATTN_CHUNK_OUTPUT_TILES", "0") == "1"
-#: chunk_output stores o through shared memory as whole-row vector stores
-OUTPUT_STAGE_O = os.environ.get("LINATTN_CHUNK_OUTPUT_STAGE_O", "0") == "1"
+#: chunk_output stores o through shared memory as whole-row vector stores (default since
+#: run s3-3: output stage 0.043 -> 0.040 ms at GDN prefill-4k, 2.15 -> 2.06 at tp1-65536)
+OUTPUT_STAGE_O = os.environ.get("LINATTN_CHUNK_OUTPUT_STAGE_O", "1") == "1"
 #: the fused path's q operand (no / scalar gate): "raw" = the state pass reads q (or the
 #: l2-normalised q chunk_qk writes, [Ttot, H, K]) and applies exp(g_cum) itself; "gated"
 #: = chunk_qk writes qg = q exp(g_cum) [Ttot, HV, K] (the first fused version)
@@ -238,12 +241,13 @@ def wu_params(K: int, V: int) -> dict:
                 **({"loop_columns": True} if PREPARE_SPLIT_WU == "loop" else {}))
 
 
-def state_block_v(V: int, n_seq_heads: int) -> int:
-    """The state pass's value block: STATE_BLOCK_V_OVERRIDE, else the arch table's."""
+def state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = None) -> int:
+    """The state pass's value block: STATE_BLOCK_V_OVERRIDE, else the arch table's (from
+    the chains and, for varlen calls, each sequence's chunk count)."""
     if STATE_BLOCK_V_OVERRIDE is not None:
         return STATE_BLOCK_V_OVERRIDE
     try:
-        return _ARCH.chunk_state_block_v(V, n_seq_heads)
+        return _ARCH.chunk_state_block_v(V, n_seq_heads, seq_chunks)
     except ValueError as e:
         raise SpecError(str(e)) from None
 
@@ -373,7 +377,9 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
-                          output_final_state=bool(output_final_state), fused=fused)
+                          output_final_state=bool(output_final_state), fused=fused,
+                          seq_chunks=(tuple(-(-(e - b) // C) for b, e in zip(cu, cu[1:]))
+                                      if cu_seqlens is not None else None))
     runtime.announce(spec, ARCH, params)      # recording(): note every stage at once
     if key_gate:
         # prepare writes qg = q e^G and the causal gated A_qk (the output's q and k
@@ -438,7 +444,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",
                  beta_dtype="float32", N=1, has_initial_state=False,
-                 output_final_state=False, fused=False) -> dict:
+                 output_final_state=False, fused=False, seq_chunks=None) -> dict:
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
     and chunk_state_output instead of chunk_state and chunk_output; PREPARE_SPLIT: the
@@ -470,7 +476,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),
-                              block_v=state_block_v(V, N * HV), num_stages=STATE_NUM_STAGES,
+                              block_v=state_block_v(V, N * HV, seq_chunks),
+                              num_stages=STATE_NUM_STAGES,
                               **({"v_new_from_fragment": True}
                                  if STATE_V_NEW_FROM_FRAGMENT and spec.gate is Gate.SCALAR
                                  and spec.has_beta else {}),

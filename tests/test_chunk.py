@@ -157,6 +157,11 @@ def test_state_block_fills_gpu():
     assert chunk.state_block_v(128, 16) == 16        # 128 CTAs
     assert chunk.state_block_v(128, 8) == 16         # 64 CTAs, the smallest block
     assert chunk.state_block_v(48, 1) == 16
+    # varlen: unequal sequences (1024 + 7168 tokens, 32 heads): the short ones' CTAs free
+    # their SMs early and the long ones' steps are cheaper at block 32
+    assert chunk.state_block_v(128, 64, (16, 112)) == 32
+    assert chunk.state_block_v(128, 64, (16, 16)) == 64     # equal: the one-wave rule
+    assert chunk.state_block_v(128, 64, (1,) * 64) == 64
     with pytest.raises(SpecError):
         chunk.state_block_v(40, 1)
     with pytest.raises(SpecError):
@@ -353,7 +358,7 @@ def test_fuse_output_rule():
     m = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS
     with chunk.using(FUSE_OUTPUT=None):
         assert not chunk.fuse_output(m - 1) and chunk.fuse_output(m)
-        assert not chunk.fuse_output(8) and chunk.fuse_output(128)   # tp8-8192, tp4-8x1024
+        assert not chunk.fuse_output(8) and chunk.fuse_output(16)    # tp8-8192, prefill-4k
     for forced in (True, False):
         with chunk.using(FUSE_OUTPUT=forced):
             assert chunk.fuse_output(1) is forced and chunk.fuse_output(10_000) is forced

@@ -123,6 +123,7 @@ def _run(monkeypatch, spec, lens, options, init, final, fused, split_L, HV=4, H=
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", fused)
     monkeypatch.setattr(chunk, "SPLIT", split_L is not None)
     monkeypatch.setattr(chunk, "SPLIT_SEGMENT_CHUNKS", split_L)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT", False)   # the fakes do chunk_prepare's math
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     math = StateMath(spec, C, K)
     rec = {"h": {}, "v_new": {}, "o": {}, "final": None, "calls": []}

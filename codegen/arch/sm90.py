@@ -6,6 +6,8 @@ problem itself (sizes, dtypes, flags) is passed to build() separately.
 """
 from __future__ import annotations
 
+import functools
+
 NAME = "sm90"
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
@@ -71,25 +73,67 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     return {"block_v": 8, "threads": 32, "vec": 4 if K % 4 == 0 else 1, "warps_k": 1}
 
 
-def chunk_state_block_v(V: int, n_seq_heads: int) -> int:
+#: the state pass's time per chunk step of one CTA by value block, relative (run s2-5's
+#: sweep at q35-397b-tp1-65536: 4 / 2 / 1 waves of CTAs took 4.88 / 4.80 / 3.58 ms at
+#: block 16 / 32 / 64, i.e. 1.19 / 2.34 / 3.50 us per step; prefill-4k at block 16: 1.17)
+CHUNK_STATE_STEP_COST = {16: 1.19, 32: 2.34, 64: 3.50}
+
+
+@functools.lru_cache(maxsize=256)
+def _state_makespan(bv: int, V: int, heads: int, seq_chunks: tuple) -> float:
+    """Finish time of the state pass's CTAs ((sequence, head) chains x V / bv value
+    blocks, launched in grid order: value block fastest, then head, then sequence) placed
+    one per SM as SMs free up; each runs its sequence's chunk count x the step cost."""
+    import heapq
+    step = CHUNK_STATE_STEP_COST[bv]
+    sms = [0.0] * NUM_SMS
+    end = 0.0
+    for n_chunks in seq_chunks:
+        for _ in range(heads * (V // bv)):
+            start = heapq.heappop(sms)
+            done = start + n_chunks * step
+            heapq.heappush(sms, done)
+            end = max(end, done)
+    return end
+
+
+def chunk_state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = None) -> int:
     """Value block of the chunked state pass. The pass is sequential per CTA and its
-    pipelined CTA fills an SM (256 threads x ~240 registers), so the time is (waves of
-    CTAs) x (chunks) x (per-chunk latency, which grows slowly with the block): take the
-    smallest of 16 / 32 / 64 that keeps n_seq_heads * V / block CTAs within one wave,
-    else 64 (run 4: q35-397b-tp1-65536, 64 heads, one wave at block 32 instead of two)."""
+    pipelined CTA fills an SM (256 threads x ~240 registers), so the time is the makespan
+    of its CTAs over the SMs, each taking (chunks of its sequence) x (the step cost of the
+    block, CHUNK_STATE_STEP_COST): the block with the shortest makespan (ties: the larger
+    block). With equal sequences this is "the smallest block that keeps the CTAs in one
+    wave, else 64" (run 4: q35-397b-tp1-65536, 64 heads: one wave at block 64); with
+    unequal ones (seq_chunks: chunk count per sequence) a smaller block can win: the short
+    sequences' CTAs finish early and the long ones' step is cheaper (varlen 1024 + 7168
+    tokens, 32 heads: block 32 instead of 64)."""
     divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
     if not divisors:
         raise ValueError(f"V={V} must be a multiple of 16")
-    fits = [bv for bv in divisors if n_seq_heads * (V // bv) <= NUM_SMS]
-    return min(fits) if fits else max(divisors)
+    if seq_chunks and (max(seq_chunks) * len(seq_chunks) <= 1.5 * sum(seq_chunks)
+                       or n_seq_heads * V // 16 > 8 * NUM_SMS):
+        seq_chunks = None     # near-equal lengths, or many waves: the equal-length rule
+    if not seq_chunks:
+        seq_chunks = (1,) * n_seq_heads
+        heads = 1
+    else:
+        seq_chunks = tuple(seq_chunks)
+        if n_seq_heads % len(seq_chunks):
+            raise ValueError(f"{n_seq_heads} chains is not a multiple of {len(seq_chunks)} "
+                             "sequences")
+        heads = n_seq_heads // len(seq_chunks)
+    return min(reversed(divisors),
+               key=lambda bv: _state_makespan(bv, V, heads, seq_chunks))
 
 
-#: the fused state + output path pays off from this many (sequence, value head) chains:
-#: run s3-1 (bf16, K = V = 128): fused vs 3-stage 0.97x at 8 chains (tp8-8192), 1.00x at
-#: 16 (prefill-4k), 1.06x at 64 (tp1-65536), 1.08x at 128 (tp4-8x1024). With few chains
-#: the sequential pass is the critical path and o's work only lengthens it; with many,
-#: skipping h's round trip through HBM wins.
-CHUNK_FUSE_OUTPUT_MIN_CHAINS = 32
+#: the fused state + output path pays off from this many (sequence, value head) chains.
+#: Run s3-1 (bf16, K = V = 128), fused vs 3-stage: 0.97x at 8 chains (tp8-8192), 1.00x at
+#: 16 (prefill-4k), 1.06x at 64 (tp1-65536), 1.08x at 128 (tp4-8x1024); run s3-3, after
+#: chunk_qk's stores went through shared memory: 0.98x at 8 (vs the 3-stage path with o
+#: staged), 1.05x at 16 (0.150 vs 0.158 ms), 1.19x at 64, 1.18x at 48 (q35-27b-16384). With
+#: few chains the sequential pass is the critical path and o's work only lengthens it;
+#: with more, skipping h's round trip through HBM wins.
+CHUNK_FUSE_OUTPUT_MIN_CHAINS = 16
 
 
 def chunk_fuse_output(n_seq_heads: int) -> bool:
