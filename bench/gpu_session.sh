@@ -43,8 +43,10 @@ for s in $STEPS; do
              --junitxml="$R/chunk.xml" ;;
     dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep \
              --budget-s $(( ${DPROBE_S:-240} - 60 )) --out "$R/decode_probe.json" ;;
+    # CBWD_K narrows it (e.g. "test_forward" with LINATTN_TEST_PRECOMPILE=forward)
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             -rfE --durations=8 tests/test_chunk_bwd_gpu.py --junitxml="$R/chunk_bwd.xml" ;;
+             -rfE --durations=8 tests/test_chunk_bwd_gpu.py -k "${CBWD_K:-}" \
+             --junitxml="$R/chunk_bwd.xml" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;

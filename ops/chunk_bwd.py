@@ -202,12 +202,18 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
 def forward_params(*, H, K, V, dtype, B=1) -> dict:
-    """ops.chunk stage params (chunk_state, chunk_output) the contract's forward runs (for
-    chunk.precompile): each (batch, head) pair is one sequence of a single head (see
-    chunk_forward_intermediates); its A, w, u come from this module's RECOMPUTE stage."""
+    """ops.chunk stage params the contract's forward runs (for chunk.precompile): each
+    (batch, head) pair is one sequence of a single head (see chunk_forward_intermediates).
+    A, w, u come from the split prepare (chunk_kkt_inverse writing A itself, chunk_wu
+    applying beta: a_beta=False) when ops.chunk.PREPARE_SPLIT is on, else from this
+    module's RECOMPUTE stage (not listed here); then chunk_state, chunk_output."""
     params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
                                 beta_dtype=dtype, N=B * H, output_final_state=True)
-    return {s: params[s] for s in ("chunk_state", "chunk_output")}
+    out = {s: params[s] for s in ("chunk_state", "chunk_output")}
+    if "chunk_kkt_inverse" in params and params["chunk_wu"].get("loop_columns"):
+        out = {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], a_beta=False),
+               "chunk_wu": dict(params["chunk_wu"], a_beta=False, beta_dtype=dtype), **out}
+    return out
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -218,7 +224,7 @@ def chunk_forward_intermediates(q, k, v, beta):
     dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
     the final state). The chunked forward keeps its per-chunk states in the input dtype,
     so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. A, w, u come from
-    the RECOMPUTE stage (ops.chunk's prepare stage keeps its inverse on chip); Aw and Au
+    the split prepare's two kernels (forward_params) or the RECOMPUTE stage; Aw and Au
     are the same tensor (equal by definition; no copy is made).
     """
     import torch
@@ -246,9 +252,22 @@ def chunk_forward_intermediates(q, k, v, beta):
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    mine = stage_params(H=H, K=K, V=V, dtype=params_dtype, B=B)[RECOMPUTE]
-    runtime.announce(spec, ARCH, {RECOMPUTE: mine, **params})   # recording(): all at once
-    compiled_stage(RECOMPUTE, **mine)(k.contiguous(), v.contiguous(), beta.contiguous(), A, w, u)
+    if "chunk_wu" in params:     # split prepare: A itself, then w, u = A diag(beta) (k, v)
+        runtime.announce(spec, ARCH, params)                    # recording(): all at once
+        kf_, bf_ = kf, beta.contiguous().view(Ttot, 1)
+        vf_ = v.contiguous().view(Ttot, 1, V)
+        unused = f32(1)
+        chunk.compiled_stage(spec, "chunk_kkt_inverse", **params["chunk_kkt_inverse"])(
+            kf_, g_cum, bf_, unused, unused, chunk_bos, chunk_len, g_cum, kf_,
+            A.view(Ttot, 1, CHUNK))
+        chunk.compiled_stage(spec, "chunk_wu", **params["chunk_wu"])(
+            kf_, vf_, A.view(Ttot, 1, CHUNK), bf_, chunk_bos, chunk_len,
+            w.view(Ttot, 1, K), u.view(Ttot, 1, V))
+    else:
+        mine = stage_params(H=H, K=K, V=V, dtype=params_dtype, B=B)[RECOMPUTE]
+        runtime.announce(spec, ARCH, {RECOMPUTE: mine, **params})
+        compiled_stage(RECOMPUTE, **mine)(k.contiguous(), v.contiguous(), beta.contiguous(),
+                                          A, w, u)
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
     final = f32(N, 1, K, V)

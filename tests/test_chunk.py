@@ -160,6 +160,7 @@ def test_state_block_fills_gpu():
     # varlen: unequal sequences (1024 + 7168 tokens, 32 heads): the short ones' CTAs free
     # their SMs early and the long ones' steps are cheaper at block 32
     assert chunk.state_block_v(128, 64, (16, 112)) == 32
+    assert chunk.state_block_v(128, 64, (96, 32)) == 32     # 6144 + 2048 tokens
     assert chunk.state_block_v(128, 64, (16, 16)) == 64     # equal: the one-wave rule
     assert chunk.state_block_v(128, 64, (1,) * 64) == 64
     with pytest.raises(SpecError):

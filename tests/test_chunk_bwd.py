@@ -262,6 +262,8 @@ def test_backward_refuses_bad_inputs(fake_backward):
 
 
 def test_forward_plumbing(fake_backward, monkeypatch, rng):
+    """The RECOMPUTE form of the contract's forward (ops.chunk.PREPARE_SPLIT off)."""
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT", False)
     fakes = []
 
     def fake(spec, stage, **params):
@@ -281,3 +283,54 @@ def test_forward_plumbing(fake_backward, monkeypatch, rng):
     assert o.shape == (B, H, L, V) and u.shape == (B, H, L, V) and w.shape == (B, H, L, K)
     assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
     assert Aw.shape == Au.shape == (B, H, L, C) and Aw.dtype == torch.float16
+
+
+def _emulate_kkt_plain(k, g, beta, A_log, dt_bias, bos, lens, g_cum, kn, A):
+    """chunk_kkt_inverse with a_beta=False (no gate): A = (I + strict_tril(beta k k^T))^-1."""
+    for t0, n in zip(bos.tolist(), lens.tolist()):
+        kc, bc = k[t0:t0 + n, 0].to(F64), beta[t0:t0 + n, 0].to(F64)
+        M = torch.tril(bc[:, None] * (kc @ kc.T), -1)
+        eye = torch.eye(n, dtype=F64)
+        A[t0:t0 + n, 0] = 0
+        A[t0:t0 + n, 0, :n] = torch.linalg.solve_triangular(eye + M, eye, upper=False).to(A.dtype)
+
+
+def _emulate_wu_beta(k, v, A, beta, bos, lens, w, u):
+    """chunk_wu with a_beta=False: w = A diag(beta) k, u = A diag(beta) v."""
+    for t0, n in zip(bos.tolist(), lens.tolist()):
+        Ab = A[t0:t0 + n, 0, :n].to(F64) * beta[t0:t0 + n, 0].to(F64)[None, :]
+        w[t0:t0 + n, 0] = (Ab @ k[t0:t0 + n, 0].to(F64)).to(w.dtype)
+        u[t0:t0 + n, 0] = (Ab @ v[t0:t0 + n, 0].to(F64)).to(u.dtype)
+
+
+def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
+    """The contract's forward through the split prepare (the default): chunk_kkt_inverse
+    writes A itself and chunk_wu applies beta; launches match the traced kernels, and A,
+    w, u (emulated stage math) match the fp64 reference."""
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
+    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "loop")
+    fakes = []
+    emulate = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
+
+    def fake(spec, stage, **params):
+        fakes.append(stage)
+        checker = SignatureCheckingKernel(chunk.stage_module(spec, stage).build(**params))
+        if stage in emulate:
+            assert params["a_beta"] is False
+        body = emulate.get(stage, lambda *a: None)
+
+        def call(*args):
+            checker(*args)
+            body(*args)
+        return call
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake)
+    B, H, L, K, V = 2, 2, 130, 64, 128
+    q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.bfloat16)
+    o, S, Aw, Au, w, u = contracts.deltanet_chunk_fwd(q, k, v, beta)
+    assert fakes == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
+    assert fake_backward == []
+    ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
+    for name, x, r in (("A", Aw, ref[2]), ("w", w, ref[4]), ("u", u, ref[5])):
+        assert _rel(x, r) < 1e-2, (name, _rel(x, r))
+    assert Aw.shape == (B, H, L, C) and Aw.dtype == torch.bfloat16 and Aw is Au

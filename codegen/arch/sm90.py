@@ -110,9 +110,8 @@ def chunk_state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = Non
     divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
     if not divisors:
         raise ValueError(f"V={V} must be a multiple of 16")
-    if seq_chunks and (max(seq_chunks) * len(seq_chunks) <= 1.5 * sum(seq_chunks)
-                       or n_seq_heads * V // 16 > 8 * NUM_SMS):
-        seq_chunks = None     # near-equal lengths, or many waves: the equal-length rule
+    if seq_chunks and (len(set(seq_chunks)) == 1 or n_seq_heads * V // 16 > 8 * NUM_SMS):
+        seq_chunks = None     # equal lengths, or many waves: the equal-length rule
     if not seq_chunks:
         seq_chunks = (1,) * n_seq_heads
         heads = 1

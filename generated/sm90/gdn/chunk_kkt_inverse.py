@@ -16,6 +16,8 @@ written). With g the (activated) log gate and i, j rows of the chunk:
   A_b[i, j] = A[i, j] beta_j         (written [Ttot, HV, 64] in a_dtype; columns past the
                                       chunk's rows are 0)
 so that chunk_wu forms w = A_b (exp(g_cum) k) and u = A_b v without beta.
+a_beta=False writes A itself (the DeltaNetChunkFwd contract returns it); chunk_wu then
+applies beta (its a_beta=False).
 """
 import tilelang
 import tilelang.language as T
@@ -56,7 +58,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="tc",
-          a_dtype=None, threads=None, heads_fastest=False):
+          a_dtype=None, threads=None, heads_fastest=False, a_beta=True):
     """prim_func for chunk_kkt_inverse.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -222,10 +224,15 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                     for i, j in T.Parallel(BT - R, SUB):
                         w_s[R + i, c0 + j] = -x_f[i, j]
 
-                # A_b = X diag(beta) (X's upper triangle is 0 in w_s)
-                for i, j in T.Parallel(BT, BT):
-                    if i < rows:
-                        A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j], a_dtype)
+                # A_b = X diag(beta) (X's upper triangle is 0 in w_s); X itself without a_beta
+                if a_beta:
+                    for i, j in T.Parallel(BT, BT):
+                        if i < rows:
+                            A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j], a_dtype)
+                else:
+                    for i, j in T.Parallel(BT, BT):
+                        if i < rows:
+                            A[t0 + i, hv, j] = T.cast(w_s[i, j], a_dtype)
             else:
                 # a_s = strict_tril(beta_i k_i.k_j decay_ij)
                 a_s = T.alloc_shared((BT, BT), f32)
@@ -322,8 +329,14 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         x_s[i, j] = q_f[i, j] - m_f[i, j]
 
                 # A_b = X diag(beta): beta_j = 0 past the chunk's rows, so those columns are 0
-                for i, j in T.Parallel(BT, BT):
-                    if i < rows:
-                        A[t0 + i, hv, j] = T.cast(x_s[i, j] * b_s[j], a_dtype)
+                # (X's are 0 as well: X is lower triangular); X itself without a_beta
+                if a_beta:
+                    for i, j in T.Parallel(BT, BT):
+                        if i < rows:
+                            A[t0 + i, hv, j] = T.cast(x_s[i, j] * b_s[j], a_dtype)
+                else:
+                    for i, j in T.Parallel(BT, BT):
+                        if i < rows:
+                            A[t0 + i, hv, j] = T.cast(x_s[i, j], a_dtype)
 
     return chunk_kkt_inverse

@@ -47,7 +47,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False,
-          heads_fastest=False):
+          heads_fastest=False, a_beta=True, beta_dtype="float32"):
     """prim_func for chunk_wu.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -62,9 +62,14 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
     block_n: columns per CTA (divides K and V); grid (NT, HV, (K + V) / block_n).
     loop_columns: grid (NT, HV), each CTA loops over the K / block_n + V / block_n column
     blocks of its chunk's whole k and v tiles.
+    a_beta=False (no gate, loop_columns): A arrives without beta (chunk_kkt_inverse's
+    a_beta=False) and the third tensor is beta [Ttot, HV] (beta_dtype): w = A diag(beta) k,
+    u = A diag(beta) v (the DeltaNetChunkFwd contract).
     """
     if loop_columns:
-        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest)
+        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest,
+                           a_beta, beta_dtype)
+    assert a_beta, "a_beta=False (A without beta) needs loop_columns"
     BT = CHUNK
     BN = block_n
     assert K % BN == 0 and V % BN == 0, (K, V, BN)
@@ -126,7 +131,8 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
 
 
 
-def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest):
+def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest, a_beta,
+                beta_dtype):
     """chunk_wu with one CTA per (chunk, value head): build()'s loop_columns=True.
 
     k's and v's whole 64-row tiles are copied at the start (cp.async, two groups, no
