@@ -313,7 +313,7 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
 
 def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                   output_final_state=False, options: Options = Options(), cu_seqlens=None,
-                  cu_seqlens_cpu=None, A_log=None, dt_bias=None):
+                  cu_seqlens_cpu=None, A_log=None, dt_bias=None, return_states=False):
     """Chunked forward of ``spec`` (fla's chunk_gated_delta_rule semantics).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (scalar gate, natural log; raw when
@@ -321,7 +321,9 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read
     as f32; cu_seqlens [N+1] (B == 1) and cu_seqlens_cpu its CPU copy; A_log, dt_bias [HV].
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 in the state layout or None).
-    Inputs are never modified.
+    return_states=True (the GLAChunkFwd contract): the 3-stage path, and a third result,
+    h [NT, HV, K, V] (or [NT, HV, V, K] with state_v_first) in q's dtype: the state
+    entering each chunk (chunks in order, sequence by sequence). Inputs are never modified.
     """
     import torch
     check_supported(spec)
@@ -371,9 +373,10 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     if Ttot == 0:
         if output_final_state:
             final.copy_(initial_state.float() if initial_state is not None else 0.0)
-        return o.reshape(B, T, HV, V), (final if output_final_state else None)
+        out = o.reshape(B, T, HV, V), (final if output_final_state else None)
+        return out + (empty(0, *state_shape[1:], dt=dt),) if return_states else out
 
-    fused = fuse_output(N * HV)
+    fused = fuse_output(N * HV) and not return_states
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
@@ -439,7 +442,8 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
     out = compiled_stage(spec, "chunk_output", **params["chunk_output"])
     out(q_out, k_out, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
-    return o.reshape(B, T, HV, V), (final if output_final_state else None)
+    result = o.reshape(B, T, HV, V), (final if output_final_state else None)
+    return result + (h,) if return_states else result
 
 
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",

@@ -1,8 +1,9 @@
 """The benchmark table's contract ops that are not fla functions (DESIGN.md, "The ten
 operators"), on top of the same generated kernels.
 
-Implemented here so far: the two one-step recurrent contracts, which keep the state in
-the input dtype and return it as a new tensor (the input state is not modified).
+Implemented here: the two one-step recurrent contracts, which keep the state in the
+input dtype and return it as a new tensor (the input state is not modified), the
+DeltaNet chunk forward / backward pair and the GLA chunk forward (GLAChunkBwd: not yet).
 """
 from __future__ import annotations
 
@@ -68,3 +69,29 @@ def deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u):
     sum(o * do), shaped like q, k, v, beta and in the input dtype (fp32 accumulation)."""
     from .chunk_bwd import chunk_backward
     return chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u)
+
+
+def gla_chunk_fwd(q, k, v, g, scale=-1.0, initial_state=None):
+    """GLAChunkFwd: q, k, g [B, T, H, K] (g: natural-log decay per key channel), v [B, T,
+    H, V] (f16 / bf16, one dtype); scale <= 0 (or None) meaning K^-0.5; initial_state f32
+    [B, H, K, V] or None (zero).
+
+    Returns (o [B, T, H, V] in the input dtype, final_state f32 [B, H, K, V], h f32
+    [B, NC+1, H, K, V]): h[:, c] the state entering chunk c (chunk 64), h[:, NC] the final
+    state (the backward's input). The chunked forward keeps its per-chunk states in the
+    input dtype, so h[:, :NC] carry that rounding; h[:, NC] is the f32 final state.
+    """
+    import torch
+    from . import chunk
+    scale = None if scale is None or scale <= 0 else scale
+    # shapes, dtypes, devices: checked by the chunked forward (fla's chunk_gla rules)
+    o, final, h = chunk.chunk_forward(gla.SPEC, q, k, v, g, None, scale=scale,
+                                      initial_state=initial_state, output_final_state=True,
+                                      return_states=True)
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    NC = -(-T // gla.SPEC.chunk_size)
+    states = torch.empty(B, NC + 1, HV, K, V, dtype=torch.float32, device=q.device)
+    states[:, :NC] = h.view(B, NC, HV, K, V)
+    states[:, NC] = final
+    return o, final, states

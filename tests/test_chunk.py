@@ -372,3 +372,45 @@ def test_prepare_variants_name_every_split_knob():
         assert "PREPARE_SPLIT" in v, name
         if v["PREPARE_SPLIT"]:
             assert knobs <= set(v), name
+
+
+def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
+    """GLAChunkFwd through the chunked forward (fake kernels checked against the traced
+    prim_funcs): the 3-stage path whatever FUSE_OUTPUT says, h [B, NC+1, H, K, V] f32 with
+    h[:, :NC] the chunk states the state pass wrote (sequence by sequence) and h[:, NC]
+    the final state; a bad shape is refused before any launch."""
+    import torch
+    from linattn.ops import contracts
+    monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    stages = []
+
+    def fake_compiled(spec_, stage, **params):
+        checker = SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
+        stages.append(stage)
+
+        def call(*args):
+            checker(*args)
+            if stage == "chunk_state":      # h: chunk c of the call holds c; final: -1
+                h, final = args[7], args[9]
+                h.copy_(torch.arange(h.shape[0], dtype=h.dtype).view(-1, 1, 1, 1).expand_as(h))
+                final.fill_(-1.0)
+        return call
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    B, T, H, K, V = 2, 130, 2, 64, 64
+    bf = torch.bfloat16
+    q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
+    v, g = torch.randn(B, T, H, V, dtype=bf), -torch.rand(B, T, H, K).to(bf)
+    o, final, h = contracts.gla_chunk_fwd(q, k, v, g, scale=0.125)
+    NC = 3
+    assert stages == ["chunk_prepare", "chunk_state", "chunk_output"]
+    assert o.shape == (B, T, H, V) and o.dtype == bf
+    assert final.shape == (B, H, K, V) and final.dtype == torch.float32
+    assert h.shape == (B, NC + 1, H, K, V) and h.dtype == torch.float32
+    for b in range(B):
+        for c in range(NC):
+            assert torch.all(h[b, c] == b * NC + c)
+    assert torch.equal(h[:, NC], final) and torch.all(final == -1)
+    with pytest.raises(SpecError):
+        contracts.gla_chunk_fwd(q, k, v, g[..., :32])

@@ -417,3 +417,30 @@ def test_one_compile_serves_every_length(rng):
         assert torch.isfinite(o).all()
         counts.append(len(runtime._KERNELS))
     assert counts[0] == counts[1] == counts[2], counts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("B,T,H,K,V,init", [(2, 130, 4, 64, 64, True), (1, 64, 2, 128, 64, False),
+                                             (2, 1, 2, 64, 128, True)])
+def test_gla_chunk_fwd_contract(B, T, H, K, V, init, dtype, rng):
+    """GLAChunkFwd (ops.contracts.gla_chunk_fwd): o, final state and the per-chunk states h
+    [B, NC+1, H, K, V] against the fp64 torch reference (the contract allocates its
+    outputs: torch.empty, never zero-filled)."""
+    from linattn.dsl import torch_reference as tref
+    from linattn.ops.contracts import gla_chunk_fwd
+    g = torch.Generator(device="cuda").manual_seed(int(rng.integers(2**31)))
+    dt = getattr(torch, dtype)
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q, k = rn(B, T, H, K).to(dt), rn(B, T, H, K).to(dt)
+    v = rn(B, T, H, V).to(dt)
+    gk = torch.nn.functional.logsigmoid(rn(B, T, H, K) + 3.0).to(dt)
+    h0 = 0.5 * rn(B, H, K, V) if init else None
+    o, final, h = gla_chunk_fwd(q, k, v, gk, scale=0.125, initial_state=h0)
+    torch.cuda.synchronize()
+    ro, rfinal, rh = tref.gla_chunk_fwd(q.double(), k.double(), v.double(), gk.double(),
+                                        scale=0.125,
+                                        initial_state=None if h0 is None else h0.double())
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm().clamp_min(1e-30))  # noqa: E731
+    errs = {"o": rel(o, ro), "final": rel(final, rfinal), "h": rel(h, rh)}
+    assert h.shape == rh.shape and final.dtype == h.dtype == torch.float32
+    assert all(e < TOL[dtype] for e in errs.values()), errs
