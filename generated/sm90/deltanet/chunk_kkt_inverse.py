@@ -211,14 +211,10 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         w_s[R + i, c0 + j] = -x_f[i, j]
 
                 # A_b = X diag(beta) (X's upper triangle is 0 in w_s); X itself without a_beta
-                if a_beta:
-                    for i, j in T.Parallel(BT, BT):
-                        if i < rows:
-                            A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j], a_dtype)
-                else:
-                    for i, j in T.Parallel(BT, BT):
-                        if i < rows:
-                            A[t0 + i, hv, j] = T.cast(w_s[i, j], a_dtype)
+                for i, j in T.Parallel(BT, BT):
+                    if i < rows:
+                        A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j] if a_beta else w_s[i, j],
+                                                  a_dtype)
             else:
                 # a_s = strict_tril(beta_i k_i.k_j decay_ij)
                 a_s = T.alloc_shared((BT, BT), f32)
@@ -316,13 +312,9 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
 
                 # A_b = X diag(beta): beta_j = 0 past the chunk's rows, so those columns are 0
                 # (X's are 0 as well: X is lower triangular); X itself without a_beta
-                if a_beta:
-                    for i, j in T.Parallel(BT, BT):
-                        if i < rows:
-                            A[t0 + i, hv, j] = T.cast(x_s[i, j] * b_s[j], a_dtype)
-                else:
-                    for i, j in T.Parallel(BT, BT):
-                        if i < rows:
-                            A[t0 + i, hv, j] = T.cast(x_s[i, j], a_dtype)
+                for i, j in T.Parallel(BT, BT):
+                    if i < rows:
+                        A[t0 + i, hv, j] = T.cast(x_s[i, j] * b_s[j] if a_beta else x_s[i, j],
+                                                  a_dtype)
 
     return chunk_kkt_inverse
