@@ -84,6 +84,12 @@ PATH_VARIANTS = {
     "bv16": dict(STATE_BLOCK_V_OVERRIDE=16),
     "bv32": dict(STATE_BLOCK_V_OVERRIDE=32),
     "bv64": dict(STATE_BLOCK_V_OVERRIDE=64),
+    # two consumer warpgroups in the state pass (each half of the state), either path
+    # (only where the block is >= 32; "-bv32" forces the block)
+    "state-t256": dict(STATE_THREADS=256),
+    "state-t256-bv32": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32),
+    "state-t256-3stage": dict(STATE_THREADS=256, FUSE_OUTPUT=False),
+    "state-t256-fused": dict(STATE_THREADS=256, FUSE_OUTPUT=True),
 }
 
 

@@ -112,6 +112,12 @@ STATE_BLOCK_V_OVERRIDE = None
 #: pipeline depth of the state pass (0: plain loop, 128 threads; >= 1: TMA producer warps
 #: prefetch the next chunks' k, w, u while the consumer warpgroup computes)
 STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
+#: consumer threads of the state pass: 128 (one warpgroup holds the K x block_v state) or
+#: 256 (two warpgroups split it, half the registers each; both compile to one CTA per SM
+#: with the producer warpgroup: 256 / 384 threads). 256 needs block_v >= 32 (at 16 the
+#: split w S GEMM is 8 columns wide, not a wgmma shape): smaller blocks keep 128. 256
+#: not yet GPU-run
+STATE_THREADS = int(os.environ.get("LINATTN_CHUNK_STATE_THREADS", "128"))
 #: scalar gate: the state pass stores v_new straight from registers instead of through
 #: shared memory. On: alone, the smem path measured faster (session 2 sweep: state pass
 #: 3.58 -> 3.30 ms at q35-397b-tp1-65536, 0.079 -> 0.078 at prefill-4k), but with h by
@@ -477,15 +483,18 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                         **({"threads": PREPARE_SPLIT_KKT_THREADS}
                                            if PREPARE_SPLIT_KKT_THREADS else {}))
         out["chunk_wu"] = dict(common, a_dtype=PREPARE_SPLIT_A_DTYPE, **wu_params(K, V), **order)
+    state_bv = state_block_v(V, N * HV, seq_chunks)
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
                               output_final_state=bool(output_final_state),
-                              block_v=state_block_v(V, N * HV, seq_chunks),
+                              block_v=state_bv,
                               num_stages=STATE_NUM_STAGES,
                               **({"v_new_from_fragment": True}
                                  if STATE_V_NEW_FROM_FRAGMENT and spec.gate is Gate.SCALAR
                                  and spec.has_beta else {}),
-                              **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}))
+                              **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}),
+                              **({"threads": STATE_THREADS}
+                                 if STATE_THREADS != 128 and state_bv >= 32 else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V),
                                **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}),
                                **({"stage_o": True} if OUTPUT_STAGE_O else {}), **order)
