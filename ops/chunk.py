@@ -382,13 +382,19 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         out = o.reshape(B, T, HV, V), (final if output_final_state else None)
         return out + (empty(0, *state_shape[1:], dt=dt),) if return_states else out
 
-    fused = fuse_output(N * HV) and not return_states
+    # the value-head-fastest grids put the chunk index on gridDim.y, and chunk_output has
+    # it there in either order: past the limit, chunk-fastest grids and the fused path
+    many_chunks = NT > _ARCH.MAX_GRID_YZ
+    if many_chunks and return_states:
+        raise SpecError(f"{NT} chunks: the per-chunk states of more than "
+                        f"{_ARCH.MAX_GRID_YZ} chunks in one call are not supported")
+    fused = (fuse_output(N * HV) or many_chunks) and not return_states
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
                           output_final_state=bool(output_final_state), fused=fused,
                           seq_chunks=(tuple(-(-(e - b) // C) for b, e in zip(cu, cu[1:]))
-                                      if cu_seqlens is not None else None))
+                                      if cu_seqlens is not None else None), n_chunks=NT)
     runtime.announce(spec, ARCH, params)      # recording(): note every stage at once
     if key_gate:
         # prepare writes qg = q e^G and the causal gated A_qk (the output's q and k
@@ -454,14 +460,18 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",
                  beta_dtype="float32", N=1, has_initial_state=False,
-                 output_final_state=False, fused=False, seq_chunks=None) -> dict:
+                 output_final_state=False, fused=False, seq_chunks=None,
+                 n_chunks=None) -> dict:
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
     and chunk_state_output instead of chunk_state and chunk_output; PREPARE_SPLIT: the
     delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). Uses the module's
     tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH, STATE_BLOCK_V_OVERRIDE, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
-    order = {"heads_fastest": True} if HEADS_FASTEST else {}   # the per-chunk grids
+    # the per-chunk grids (value heads fastest puts the chunk on gridDim.y: n_chunks, the
+    # call's chunk count when known, must fit)
+    order = ({"heads_fastest": True}
+             if HEADS_FASTEST and (n_chunks or 0) <= _ARCH.MAX_GRID_YZ else {})
     out = {}
     if spec.has_gate or spec.has_beta or options.l2norm_qk:     # (a key gate always has)
         out["chunk_prepare"] = dict(

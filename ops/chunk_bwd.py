@@ -104,7 +104,7 @@ def _check_device(name, x):
         raise SpecError(f"{name} must be on a CUDA device, got {x.device}")
 
 
-def _dims(q, k, v, beta):
+def _dims(q, k, v, beta, forward=False):
     import torch
     if q.dim() != 4:
         raise SpecError(f"q must be [B, H, L, DK], got {tuple(q.shape)}")
@@ -119,6 +119,13 @@ def _dims(q, k, v, beta):
     if K not in (64, 128) or V not in (64, 128):
         raise SpecError(f"the chunked DeltaNet contract supports DK, DV in (64, 128), "
                         f"got DK={K}, DV={V}")
+    # the grids put B * H (backward) and the B * H * NC chunks (forward's output stage) on
+    # gridDim.y, which CUDA limits
+    limit = chunk._ARCH.MAX_GRID_YZ
+    if B * H > limit or (forward and B * H * -(-L // CHUNK) > limit):
+        raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
+                        f"DeltaNet contract supports up to {limit} (batch, head) pairs and "
+                        f"{limit} chunks in all per call")
     return B, H, L, K, V
 
 
@@ -228,7 +235,7 @@ def chunk_forward_intermediates(q, k, v, beta):
     are the same tensor (equal by definition; no copy is made).
     """
     import torch
-    B, H, L, K, V = _dims(q, k, v, beta)
+    B, H, L, K, V = _dims(q, k, v, beta, forward=True)
     dt = q.dtype
     dev = q.device
     NC = -(-L // CHUNK)

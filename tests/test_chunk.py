@@ -414,3 +414,42 @@ def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
     assert torch.equal(h[:, NC], final) and torch.all(final == -1)
     with pytest.raises(SpecError):
         contracts.gla_chunk_fwd(q, k, v, g[..., :32])
+
+
+def test_many_chunks_take_grids_that_fit(monkeypatch):
+    """Past CUDA's gridDim.y limit (MAX_GRID_YZ, made small here) in chunks, the forward
+    takes chunk-fastest grids and the fused path (no chunk_output, whose grid has the
+    chunk on y); the per-chunk states (GLAChunkFwd) and the DeltaNet contract forward are
+    refused with a clear error instead of a failed launch."""
+    import torch
+    from linattn.ops import contracts
+    monkeypatch.setattr(chunk._ARCH, "MAX_GRID_YZ", 2)
+    monkeypatch.setattr(chunk, "FUSE_OUTPUT", False)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    seen = {}
+
+    def fake_compiled(spec_, stage, **params):
+        checker = SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
+        seen[stage] = params
+        return checker
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    bf = torch.bfloat16
+    B, T, H, K, V = 1, 130, 2, 64, 64        # 3 chunks > 2
+    q, k, v = (torch.randn(B, T, H, D, dtype=bf) for D in (K, K, V))
+    g, beta = -torch.rand(B, T, H), torch.rand(B, T, H, dtype=bf)
+    chunk.chunk_forward(get_spec("gdn"), q, k, v, g, beta, output_final_state=True)
+    assert "chunk_state_output" in seen and "chunk_output" not in seen
+    assert not any(p.get("heads_fastest") for p in seen.values())
+    with pytest.raises(SpecError, match="per-chunk states"):
+        contracts.gla_chunk_fwd(q, k, v, -torch.rand(B, T, H, K).to(bf))
+    hf = lambda *s: torch.randn(*s, dtype=bf)  # noqa: E731
+    from linattn.ops import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, t: None)
+    with pytest.raises(SpecError, match="chunks in all"):
+        contracts.deltanet_chunk_fwd(hf(1, 2, 130, 64), hf(1, 2, 130, 64), hf(1, 2, 130, 64),
+                                     torch.rand(1, 2, 130, dtype=bf))
+    seen.clear()
+    monkeypatch.setattr(chunk._ARCH, "MAX_GRID_YZ", 65535)     # 3 chunks fit: as before
+    chunk.chunk_forward(get_spec("gdn"), q, k, v, g, beta, output_final_state=True)
+    assert "chunk_output" in seen and seen["chunk_output"].get("heads_fastest")

@@ -12,6 +12,7 @@ NAME = "sm90"
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
 NUM_SMS = 132                   # H100 SXM / H200
+MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
