@@ -88,6 +88,8 @@ def test_inputs_realistic(row):
         assert x["cu_seqlens_cpu"].device.type == "cpu"
     if row.op == "GLAChunkBwd":
         assert float(x["h"][:, 0].abs().max()) > 0
+    for name in ("S", "Aw", "Au", "w", "u", "h"):      # as a contract's forward returns them
+        assert name not in x or x[name].is_contiguous(), name
     assert torch.equal(build_inputs(row, "cpu", seed=123)["q"], x["q"])      # reproducible per seed
 
 

@@ -11,7 +11,8 @@
     states      0.1 randn (f32, or the row dtype for the recurrent ops); dht 0.1 randn
     cu_seqlens  cumsum of options["seq_lens"] (B == 1, packed T), int64, plus a CPU copy
     S, Aw, Au, w, u (DeltaNetChunkBwd) and h (GLAChunkBwd): from the fp64 torch reference
-                forward of these inputs, cast to the row's dtypes (h[:, 0] = 0.1 randn).
+                forward of these inputs, cast to the row's dtypes, contiguous as a forward
+                returns them (h[:, 0] = 0.1 randn).
 """
 from __future__ import annotations
 
@@ -80,13 +81,16 @@ def build_inputs(row, device="cuda", seed: int = 0) -> dict:
     if row.op == "DeltaNetChunkBwd":
         _, S, Aw, Au, w, u = tr.deltanet_chunk_fwd(out["q"], out["k"], out["v"], out["beta"])
         dt = DTYPES[row.dtype]
-        out.update(S=S.float(), Aw=Aw.to(dt), Au=Au.to(dt), w=w.to(dt), u=u.to(dt))
+        # contiguous, as the contract's forward returns them (the reference's are
+        # token-major views; a copy inside the timed backward would be counted)
+        out.update(S=S.float().contiguous(), Aw=Aw.to(dt).contiguous(),
+                   Au=Au.to(dt).contiguous(), w=w.to(dt).contiguous(), u=u.to(dt).contiguous())
     if row.op == "GLAChunkBwd":
         B, T, H, K = row.shape("q")
         h0 = 0.1 * randn((B, H, K, row.shape("v")[3]))
         _, _, h = tr.gla_chunk_fwd(out["q"], out["k"], out["v"], out["g"], scale=row.options.get("scale"),
                                    initial_state=h0)
-        out["h"] = h.float()
+        out["h"] = h.float().contiguous()
     for name, t in row.tensors.items():
         if tuple(out[name].shape) != tuple(t["shape"]):
             raise ValueError(f"{row.workload}: built {name} {tuple(out[name].shape)} != {t['shape']}")
