@@ -465,8 +465,11 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
     and chunk_state_output instead of chunk_state and chunk_output; PREPARE_SPLIT: the
-    delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). Uses the module's
-    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH, STATE_BLOCK_V_OVERRIDE, ...)."""
+    delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). seq_chunks: each
+    sequence's chunk count for a varlen call (the state pass's block); n_chunks: the
+    call's chunk count (the per-chunk grids' order must fit gridDim.y). Uses the module's
+    tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH,
+    STATE_BLOCK_V_OVERRIDE, HEADS_FASTEST, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     # the per-chunk grids (value heads fastest puts the chunk on gridDim.y: n_chunks, the
     # call's chunk count when known, must fit)
