@@ -22,8 +22,10 @@ The kernels read the contract's head-first tensors [B, H, L, D] directly (no lay
 conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
-u): A, w, u from the stage chunk_bwd_wy_recompute (grid (NC, B*H)), then the chunked
-forward's chunk_state and chunk_output (ops/chunk.py) with each (b, h) as one sequence.
+u): A, w, u (:func:`compute_wy`: the chunked forward's split prepare, chunk_kkt_inverse
+and chunk_wu, or the stage chunk_bwd_wy_recompute when that is switched off), then the
+chunked forward's chunk_state and chunk_output (ops/chunk.py) with each (b, h) as one
+sequence; :func:`recompute_for_backward` (autograd) takes A, w, u the same way.
 """
 from __future__ import annotations
 
@@ -208,19 +210,56 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
 
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
+def wy_params(*, H, K, V, dtype, B=1) -> dict:
+    """The split prepare's two stages for head-first A, w, u (each (batch, head) pair one
+    sequence): chunk_kkt_inverse writing A itself, chunk_wu applying beta (a_beta=False);
+    {} when ops.chunk's knobs (PREPARE_SPLIT, PREPARE_SPLIT_WU="loop") do not select
+    them, and the RECOMPUTE stage computes A, w, u instead."""
+    params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
+                                beta_dtype=dtype, N=B * H)
+    if "chunk_kkt_inverse" not in params or not params["chunk_wu"].get("loop_columns"):
+        return {}
+    return {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], a_beta=False),
+            "chunk_wu": dict(params["chunk_wu"], a_beta=False, beta_dtype=dtype)}
+
+
 def forward_params(*, H, K, V, dtype, B=1) -> dict:
     """ops.chunk stage params the contract's forward runs (for chunk.precompile): each
     (batch, head) pair is one sequence of a single head (see chunk_forward_intermediates).
-    A, w, u come from the split prepare (chunk_kkt_inverse writing A itself, chunk_wu
-    applying beta: a_beta=False) when ops.chunk.PREPARE_SPLIT is on, else from this
-    module's RECOMPUTE stage (not listed here); then chunk_state, chunk_output."""
+    A, w, u from the split prepare (wy_params) or, when it is off, this module's
+    RECOMPUTE stage (not listed here); then chunk_state, chunk_output."""
     params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
                                 beta_dtype=dtype, N=B * H, output_final_state=True)
-    out = {s: params[s] for s in ("chunk_state", "chunk_output")}
-    if "chunk_kkt_inverse" in params and params["chunk_wu"].get("loop_columns"):
-        out = {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], a_beta=False),
-               "chunk_wu": dict(params["chunk_wu"], a_beta=False, beta_dtype=dtype), **out}
-    return out
+    return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B),
+            **{s: params[s] for s in ("chunk_state", "chunk_output")}}
+
+
+def compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len):
+    """A, w, u of head-first k, v [B, H, L, D], beta [B, H, L] into A [B, H, L, 64], w, u
+    (contiguous, the input dtype): the split prepare's two kernels over the B * H one-head
+    sequences (chunk_bos / chunk_len: their chunk tables), or the RECOMPUTE stage."""
+    import torch
+    B, H, L, K = k.shape
+    V = v.shape[-1]
+    Ttot = B * H * L
+    dtype = str(k.dtype).replace("torch.", "")
+    wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B)
+    k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
+    if not wy:
+        mine = stage_params(H=H, K=K, V=V, dtype=dtype, B=B)[RECOMPUTE]
+        runtime.announce(deltanet.SPEC, ARCH, {RECOMPUTE: mine})
+        compiled_stage(RECOMPUTE, **mine)(k, v, beta, A, w, u)
+        return
+    runtime.announce(deltanet.SPEC, ARCH, wy)
+    kf, bf = k.view(Ttot, 1, K), beta.view(Ttot, 1)
+    unused = torch.empty(Ttot, 1, dtype=torch.float32, device=k.device)   # g, g_cum, A_log..
+    spec = deltanet.SPEC
+    chunk.compiled_stage(spec, "chunk_kkt_inverse", **wy["chunk_kkt_inverse"])(
+        kf, unused, bf, unused[:1, 0], unused[:1, 0], chunk_bos, chunk_len, unused, kf,
+        A.view(Ttot, 1, CHUNK))
+    chunk.compiled_stage(spec, "chunk_wu", **wy["chunk_wu"])(
+        kf, v.view(Ttot, 1, V), A.view(Ttot, 1, CHUNK), bf, chunk_bos, chunk_len,
+        w.view(Ttot, 1, K), u.view(Ttot, 1, V))
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -259,22 +298,8 @@ def chunk_forward_intermediates(q, k, v, beta):
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    if "chunk_wu" in params:     # split prepare: A itself, then w, u = A diag(beta) (k, v)
-        runtime.announce(spec, ARCH, params)                    # recording(): all at once
-        kf_, bf_ = kf, beta.contiguous().view(Ttot, 1)
-        vf_ = v.contiguous().view(Ttot, 1, V)
-        unused = f32(1)
-        chunk.compiled_stage(spec, "chunk_kkt_inverse", **params["chunk_kkt_inverse"])(
-            kf_, g_cum, bf_, unused, unused, chunk_bos, chunk_len, g_cum, kf_,
-            A.view(Ttot, 1, CHUNK))
-        chunk.compiled_stage(spec, "chunk_wu", **params["chunk_wu"])(
-            kf_, vf_, A.view(Ttot, 1, CHUNK), bf_, chunk_bos, chunk_len,
-            w.view(Ttot, 1, K), u.view(Ttot, 1, V))
-    else:
-        mine = stage_params(H=H, K=K, V=V, dtype=params_dtype, B=B)[RECOMPUTE]
-        runtime.announce(spec, ARCH, {RECOMPUTE: mine, **params})
-        compiled_stage(RECOMPUTE, **mine)(k.contiguous(), v.contiguous(), beta.contiguous(),
-                                          A, w, u)
+    runtime.announce(spec, ARCH, params)                        # recording(): all at once
+    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len)
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
     final = f32(N, 1, K, V)
@@ -311,10 +336,10 @@ def recompute_for_backward(k, v, beta, initial_state=None):
     N, Ttot = B * H, B * H * L
     k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
     dtype = str(dt).replace("torch.", "")
-    mine = stage_params(H=H, K=K, V=V, dtype=dtype, B=B)[RECOMPUTE]
-    compiled_stage(RECOMPUTE, **mine)(k, v, beta, A, w, u)
     # each (b, h) is one single-head sequence of L tokens (see chunk_forward_intermediates)
-    cu32, _, _, chunk_offsets = chunk._device_tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev)
+    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(
+        tuple(range(0, Ttot + 1, L)), CHUNK, dev)
+    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     has_h0 = initial_state is not None
     h0 = (initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0

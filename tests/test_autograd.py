@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_chunk import SignatureCheckingKernel
-from test_chunk_bwd import EmulatingKernel
+from test_chunk_bwd import EMULATE_WY, EmulatingKernel, EmulatingWYKernel
 
 import linattn
 from linattn.dsl import Options, SpecError
@@ -72,9 +72,12 @@ def fake_kernels(monkeypatch):
         return EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params), params)
 
     def fake_fwd(spec, stage, **params):
-        assert stage == "chunk_state", stage
+        assert stage == "chunk_state" or stage in EMULATE_WY, stage
         calls.append(stage)
-        return _FakeState(chunk.stage_module(spec, stage).build(**params), params)
+        func = chunk.stage_module(spec, stage).build(**params)
+        if stage in EMULATE_WY:          # the split prepare (A, w, u for the backward)
+            return EmulatingWYKernel(stage, func, params)
+        return _FakeState(func, params)
 
     monkeypatch.setattr(chunk_bwd, "compiled_stage", fake_bwd)
     monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
@@ -126,6 +129,7 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
     assert "chunk_bwd_wy" in fake_kernels and "chunk_state" in fake_kernels
+    assert {"chunk_kkt_inverse", "chunk_wu"} <= set(fake_kernels)      # the split prepare
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)

@@ -70,6 +70,7 @@ def _jobs(p):
     dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N)
     jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(**dims,
                                                              has_initial_state=p["h0"])))
+    jobs += [(SPEC, s, pr) for s, pr in chunk_bwd.wy_params(**dims).items()]
     bwd = chunk_bwd.stage_params(**dims, use_dht=True, store_dh0=p["h0"])
     return jobs, bwd
 

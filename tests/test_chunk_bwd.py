@@ -303,6 +303,22 @@ def _emulate_wu_beta(k, v, A, beta, bos, lens, w, u):
         u[t0:t0 + n, 0] = (Ab @ v[t0:t0 + n, 0].to(F64)).to(u.dtype)
 
 
+#: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
+EMULATE_WY = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
+
+
+class EmulatingWYKernel(SignatureCheckingKernel):
+    """A split-prepare launch checked against the traced kernel, then its math emulated."""
+    def __init__(self, stage, func, params):
+        super().__init__(func)
+        assert params["a_beta"] is False, params
+        self.body = EMULATE_WY[stage]
+
+    def __call__(self, *args):
+        super().__call__(*args)
+        self.body(*args)
+
+
 def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     """The contract's forward through the split prepare (the default): chunk_kkt_inverse
     writes A itself and chunk_wu applies beta; launches match the traced kernels, and A,
@@ -310,19 +326,12 @@ def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "loop")
     fakes = []
-    emulate = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
 
     def fake(spec, stage, **params):
         fakes.append(stage)
-        checker = SignatureCheckingKernel(chunk.stage_module(spec, stage).build(**params))
-        if stage in emulate:
-            assert params["a_beta"] is False
-        body = emulate.get(stage, lambda *a: None)
-
-        def call(*args):
-            checker(*args)
-            body(*args)
-        return call
+        func = chunk.stage_module(spec, stage).build(**params)
+        return (EmulatingWYKernel(stage, func, params) if stage in EMULATE_WY
+                else SignatureCheckingKernel(func))
 
     monkeypatch.setattr(chunk, "compiled_stage", fake)
     B, H, L, K, V = 2, 2, 130, 64, 128
