@@ -77,6 +77,8 @@ PATH_VARIANTS = {
     # per-(chunk, head) grids with the value head fastest (q / k shared through L2)
     "3stage-heads": dict(FUSE_OUTPUT=False, HEADS_FASTEST=True),
     "fused-heads": dict(FUSE_OUTPUT=True, HEADS_FASTEST=True),
+    # chunk_qk once per (chunk, key head), looping over the group's value heads (GVA)
+    "fused-qk-group": dict(FUSE_OUTPUT=True, QK_GROUP_LOOP=True),
     # chunk_output's o through shared memory (whole-row stores)
     "3stage-stageo": dict(FUSE_OUTPUT=False, OUTPUT_STAGE_O=True),
     "3stage-heads-stageo": dict(FUSE_OUTPUT=False, HEADS_FASTEST=True, OUTPUT_STAGE_O=True),

@@ -140,6 +140,9 @@ FUSE_OUTPUT = {"1": True, "0": False}.get(os.environ.get("LINATTN_CHUNK_FUSE_OUT
 #: q35-397b-tp1-65536 (4 value heads per group) chunk_wu 1.26 -> 0.99 ms, chunk_qk 0.90 ->
 #: 0.77, the fused path 6.09 -> 5.67 ms; equal within noise where H == HV
 HEADS_FASTEST = os.environ.get("LINATTN_CHUNK_HEADS_FASTEST", "1") == "1"
+#: the fused path's chunk_qk with one CTA per (chunk, key head) looping over the group's
+#: value heads (q k^T formed once per group; GVA only); not yet GPU-run
+QK_GROUP_LOOP = os.environ.get("LINATTN_CHUNK_QK_GROUP_LOOP", "0") == "1"
 #: chunk_output loads q, k and v_new as whole tiles (vectorised / TMA copies) instead of
 #: row-predicated element loads; not yet GPU-checked (tests/test_chunk_fwd_gpu.py has it)
 OUTPUT_TILE_LOADS = os.environ.get("LINATTN_CHUNK_OUTPUT_TILES", "0") == "1"
@@ -516,7 +519,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
         del out["chunk_output"]
         if spec.gate is not Gate.KEY:
             out["chunk_qk"] = dict(H=H, HV=HV, K=K, dtype=dtype, l2norm_qk=options.l2norm_qk,
-                                   **order)
+                                   **order,
+                                   **({"group_loop": True} if QK_GROUP_LOOP and HV > H else {}))
             if FUSED_Q == "raw":
                 out["chunk_qk"]["q_out"] = "normed" if options.l2norm_qk else "none"
                 out["chunk_state_output"]["q_gated"] = False

@@ -453,3 +453,25 @@ def test_many_chunks_take_grids_that_fit(monkeypatch):
     monkeypatch.setattr(chunk._ARCH, "MAX_GRID_YZ", 65535)     # 3 chunks fit: as before
     chunk.chunk_forward(get_spec("gdn"), q, k, v, g, beta, output_final_state=True)
     assert "chunk_output" in seen and seen["chunk_output"].get("heads_fastest")
+
+
+def test_qk_group_loop_launch_matches_kernel(monkeypatch):
+    """QK_GROUP_LOOP: chunk_qk built per key head takes the same launch arguments (GVA)."""
+    import torch
+    monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
+    monkeypatch.setattr(chunk, "QK_GROUP_LOOP", True)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    seen = {}
+
+    def fake_compiled(spec_, stage, **params):
+        seen[stage] = params
+        return SignatureCheckingKernel(chunk.stage_module(spec_, stage).build(**params))
+
+    monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
+    bf = torch.bfloat16
+    B, T, H, HV, K, V = 1, 100, 2, 4, 64, 64
+    q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
+    v = torch.randn(B, T, HV, V, dtype=bf)
+    chunk.chunk_forward(get_spec("gdn"), q, k, v, -torch.rand(B, T, HV),
+                        torch.rand(B, T, HV, dtype=bf), options=Options(l2norm_qk=True))
+    assert seen["chunk_qk"].get("group_loop") is True

@@ -319,7 +319,7 @@ def test_output_tile_loads(p, rng, monkeypatch):
 
 #: the per-(chunk, head) grids with the value head fastest, on both paths and with the
 #: fused chunk_prepare; chunk_output's o staged through shared memory; the state pass with
-#: two consumer warpgroups (STATE_THREADS=256) on both paths
+#: two consumer warpgroups (STATE_THREADS=256) on both paths; chunk_qk per key head
 GRID_VARIANTS = {
     "heads-3stage": dict(HEADS_FASTEST=True, FUSE_OUTPUT=False),
     "heads-fused": dict(HEADS_FASTEST=True, FUSE_OUTPUT=True),
@@ -328,6 +328,7 @@ GRID_VARIANTS = {
     "heads-stage-o": dict(HEADS_FASTEST=True, OUTPUT_STAGE_O=True, FUSE_OUTPUT=False),
     "state-t256-3stage": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32, FUSE_OUTPUT=False),
     "state-t256-fused": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32, FUSE_OUTPUT=True),
+    "qk-group-fused": dict(QK_GROUP_LOOP=True, FUSE_OUTPUT=True),
 }
 
 

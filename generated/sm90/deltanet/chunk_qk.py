@@ -33,6 +33,8 @@ EXAMPLES = [
     dict(H=2, HV=8, K=64, dtype="float16", l2norm_qk=True),
     dict(H=4, HV=16, K=128, dtype="bfloat16", l2norm_qk=True, q_out="normed"),
     dict(H=16, HV=16, K=128, dtype="bfloat16", l2norm_qk=False, q_out="none"),
+    dict(H=4, HV=16, K=128, dtype="bfloat16", l2norm_qk=True, q_out="normed",
+         heads_fastest=True, group_loop=True),
 ]
 CHUNK = 64
 NORM_EPS = 1e-6
@@ -46,12 +48,16 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fastest=False):
+def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fastest=False,
+          group_loop=False):
     """prim_func for chunk_qk.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
+    group_loop: one CTA per (chunk, key head) instead of (chunk, value head): q k^T is
+    formed once and the CTA loops over the group's HV / H value heads for the gating and
+    the stores (the grid's head index is then the key head).
 
     Tensors (Ttot tokens, NT chunks; dynamic): q, k [Ttot, H, K],
       g_cum [Ttot, HV] f32 (unused),
@@ -63,6 +69,7 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fa
     BT = CHUNK
     f32 = "float32"
     group = HV // H
+    n_heads, n_loop = (H, group) if group_loop else (HV, 1)
     Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
@@ -75,11 +82,11 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fa
         qg: T.Tensor((Ttot, HV if q_out == "gated" else H, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
     ):
-        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+        with T.Kernel(n_heads if heads_fastest else NT, NT if heads_fastest else n_heads,
                       threads=threads) as (bx, by):
             c = by if heads_fastest else bx
-            hv = bx if heads_fastest else by
-            hk = hv // group
+            head = bx if heads_fastest else by      # the key head with group_loop, else value
+            hk = head if group_loop else head // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
@@ -102,17 +109,20 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="gated", threads=128, heads_fa
                 for i, j in T.Parallel(BT, K):
                     q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + NORM_EPS), dtype)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(BT, BT):
-                p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype), T.cast(0, dtype))
-            for i, j in T.Parallel(BT, BT):
-                if i < rows:
-                    aqk[t0 + i, hv, j] = p_s[i, j]
-            if q_out == "gated":
-                for i, j in T.Parallel(BT, K):
+            for gi in T.serial(n_loop):
+                hv = hk * group + gi if group_loop else head
+                for i, j in T.Parallel(BT, BT):
+                    p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype),
+                                               T.cast(0, dtype))
+                for i, j in T.Parallel(BT, BT):
                     if i < rows:
-                        qg[t0 + i, hv, j] = q_s[i, j]
-            if q_out == "normed":
-                if hv % group == 0:
+                        aqk[t0 + i, hv, j] = p_s[i, j]
+                if q_out == "gated":
+                    for i, j in T.Parallel(BT, K):
+                        if i < rows:
+                            qg[t0 + i, hv, j] = q_s[i, j]
+            if q_out == "normed":           # once per key head
+                if group_loop or head % group == 0:
                     for i, j in T.Parallel(BT, K):
                         if i < rows:
                             qg[t0 + i, hk, j] = q_s[i, j]
