@@ -94,7 +94,8 @@ def family(rec) -> str:
     """GDN workload family (the issue's grouping): decode (one token per sequence),
     varlen (cu_seqlens), GVA tp1..tp8 (the tensor-parallel Qwen3.5 shapes), prefill."""
     import re
-    t = rec.get("tensors") or _table_tensors().get((rec["op"], rec["workload"], rec["dtype"]), {})
+    row = _table_rows().get((rec["op"], rec["workload"], rec["dtype"]))
+    t = rec.get("tensors") or (row.tensors if row is not None else {})
     name = rec["workload"]
     q = (t.get("q") or {}).get("shape")
     if (q and q[1] == 1 and "cu_seqlens" not in t) or "decode" in name:
@@ -107,16 +108,16 @@ def family(rec) -> str:
     return "prefill"
 
 
-def _table_tensors() -> dict:
-    """(op, workload, dtype) -> tensors of the packaged workload table (memoised)."""
-    global _TENSORS
-    if _TENSORS is None:
+def _table_rows() -> dict:
+    """(op, workload, dtype) -> the packaged workload table's row (memoised)."""
+    global _ROWS
+    if _ROWS is None:
         from .workloads import load_rows
-        _TENSORS = {r.key: r.tensors for r in load_rows()}
-    return _TENSORS
+        _ROWS = {tuple(r.key): r for r in load_rows()}
+    return _ROWS
 
 
-_TENSORS = None
+_ROWS = None
 
 
 def families(records, op="GDNFwd") -> dict:
@@ -215,7 +216,6 @@ def merge_into(path: str, doc: dict) -> dict:
     TFLOP/s, ...) are computed again from the merged set. Every implementation entry carries
     the commit / date it was measured at (a row's own stamp wins over doc's). Header
     fields come from doc."""
-    from .workloads import load_rows
     old = {"rows": []}
     if os.path.exists(path):
         with open(path) as f:
@@ -230,7 +230,7 @@ def merge_into(path: str, doc: dict) -> dict:
         return rec
 
     rows = {key(r): stamped(r, {}) for r in old.get("rows", [])}
-    table = {tuple(r.key): r for r in load_rows()}
+    table = _table_rows()
     for r in doc["rows"]:
         fresh = stamped(r, stamp)
         prev = rows.get(key(fresh))
