@@ -234,16 +234,18 @@ def forward_params(*, H, K, V, dtype, B=1) -> dict:
             **{s: params[s] for s in ("chunk_state", "chunk_output")}}
 
 
-def compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len):
+def compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len, wy=None):
     """A, w, u of head-first k, v [B, H, L, D], beta [B, H, L] into A [B, H, L, 64], w, u
     (contiguous, the input dtype): the split prepare's two kernels over the B * H one-head
-    sequences (chunk_bos / chunk_len: their chunk tables), or the RECOMPUTE stage."""
+    sequences (chunk_bos / chunk_len: their chunk tables; wy: their wy_params when the
+    caller has them), or the RECOMPUTE stage."""
     import torch
     B, H, L, K = k.shape
     V = v.shape[-1]
     Ttot = B * H * L
     dtype = str(k.dtype).replace("torch.", "")
-    wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B)
+    if wy is None:
+        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B)
     k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
     if not wy:
         mine = stage_params(H=H, K=K, V=V, dtype=dtype, B=B)[RECOMPUTE]
@@ -299,7 +301,8 @@ def chunk_forward_intermediates(q, k, v, beta):
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
     runtime.announce(spec, ARCH, params)                        # recording(): all at once
-    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len)
+    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len,
+               wy={s: p for s, p in params.items() if s in chunk.SPLIT_PREPARE_STAGES})
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
     final = f32(N, 1, K, V)
