@@ -169,15 +169,11 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                                 kn[t0 + i, hk, j] = T.cast(T.cast(k_s[i, j], f32) * r_s[i], dtype)
                 T.sync_threads()        # k_s is dead from here: w_s takes its place
                 w_s = T.alloc_shared((BT, BT), f32)
-                if l2norm_qk:
-                    for i, j in T.Parallel(BT, BT):
-                        w_s[i, j] = T.if_then_else(
-                            i > j, b_s[i] * kk[i, j] * r_s[i] * r_s[j] * T.exp(g_s[i] - g_s[j]),
-                            T.float32(0))
-                else:
-                    for i, j in T.Parallel(BT, BT):
-                        w_s[i, j] = T.if_then_else(
-                            i > j, b_s[i] * kk[i, j] * T.exp(g_s[i] - g_s[j]), T.float32(0))
+                for i, j in T.Parallel(BT, BT):     # (kn's products when l2norm_qk)
+                    w_s[i, j] = T.if_then_else(
+                        i > j, (b_s[i] * kk[i, j] * r_s[i] * r_s[j] if l2norm_qk
+                                else b_s[i] * kk[i, j]) * T.exp(g_s[i] - g_s[j]),
+                        T.float32(0))
                 T.sync_threads()
 
                 # X = (I + A)^-1 in place of A in w_s. The 16 x 16 diagonal blocks by forward
