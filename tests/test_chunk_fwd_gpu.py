@@ -115,7 +115,7 @@ def case_jobs(p, **knobs):
 
 
 def all_jobs():
-    jobs = [j for c in CASES for j in case_jobs(c.values[0])]
+    jobs = default_and_grid_jobs()
     for c in STATE_VARIANT_CASES:
         for stages in (0, 1, 2):
             for bv in (16, 64):
@@ -136,9 +136,6 @@ def all_jobs():
         jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
     for c in FUSED_CASES:
         jobs += case_jobs(c.values[0], OUTPUT_TILE_LOADS=True)
-    for c in STATE_VARIANT_CASES + FUSED_CASES:
-        for knobs in GRID_VARIANTS.values():
-            jobs += case_jobs(c.values[0], **knobs)
     return jobs
 
 
