@@ -65,6 +65,12 @@ for s in $STEPS; do
     probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
     # a second probe with other arguments (e.g. --dtype f16); its JSON is named by dtype
     probe2) run_step probe2 "${PROBE2_S:-90}" python3 bench/chunk_probe.py ${PROBE2_ARGS:-} ;;
+    # compile fla's autotuning configs and torch.compile's graphs for the selected rows in
+    # WARM_P processes first (linattn-bench --warm-only); the bench steps then find them
+    warm) run_step warm "${WARM_S:-240}" python3 -m linattn.cli.bench ${WARM_ARGS:-} --warm-only \
+             --warm "${WARM_P:-12}" --budget-s $(( ${WARM_S:-240} - 20 )) ;;
+    bench2) run_step bench2 "${BENCH2_S:-200}" python3 -m linattn.cli.bench ${BENCH2_ARGS:-} \
+             --budget-s $(( ${BENCH2_S:-200} - 30 )) --out "$R/bench2.json" --table-md "$R/bench2.md" ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
   esac
@@ -75,6 +81,12 @@ tar -czf "$OUT/results.tar.gz" -C /tmp results
 # Triton's cubin + JSON (autotuning picks included); TileLang's nvcc cubin cache and
 # Triton's intermediate IR are only read when compiling again
 rm -rf /tmp/gpu-cache/tilelang/*/cuda-binaries
+# TRIM_TRITON=1 (the session's last run): Triton's compiled configs are dropped, its
+# autotuning picks (*.autotune.json) and launchers kept; a later machine compiles the
+# picked config only. Leave it unset while the next run follows on the same warm machine.
+if [ "${TRIM_TRITON:-0}" = 1 ]; then
+  for d in /tmp/gpu-cache/triton/*/; do ls "$d"*.cubin >/dev/null 2>&1 && rm -rf "$d"; done
+fi
 find /tmp/gpu-cache/triton -type f \( -name '*.llir' -o -name '*.ttir' -o -name '*.ttgir' \
   -o -name '*.ptx' -o -name '*.source' \) -delete 2>/dev/null
 echo "===== steps"; cat "$R/steps.txt"
@@ -85,4 +97,6 @@ echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 for s in split psplit autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+[ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
+[ -f "$R/bench2.log" ] && { echo "===== bench2 (tail)"; tail -n 45 "$R/bench2.log"; }

@@ -275,3 +275,32 @@ def test_skip_timed_keeps_rows_not_settled():
                     rec("d", linattn={"ms": 1.0})]}
     assert timed_rows(doc, ["linattn", "fla"]) == {("GDNFwd", "a", "bf16"), ("GDNFwd", "b", "bf16")}
     assert ("GDNFwd", "d", "bf16") in timed_rows(doc, ["linattn"])
+    # an implementation that does not cover the op (torch on a GDN row) does not keep it
+    doc = {"rows": [rec("prefill-4k", fla={"ms": 1.0}), rec("prefill-12k", fla={"ms": None})]}
+    assert timed_rows(doc, ["fla", "torch-compile"]) == {("GDNFwd", "prefill-4k", "bf16")}
+
+
+def test_warm_groups_share_autotune_keys():
+    """Rows differing only in batch / token counts share a group (one process warms them);
+    another dtype, head count, option set or the decode / varlen kind is another group."""
+    rows = select(ROWS, ops=["GDNFwd"])
+    groups = run_mod.warm_groups(rows)
+    assert sum(len(g) for g in groups) == len(rows)
+    tp8 = [r for r in rows if r.workload.startswith("q35-397b-tp8-") and r.dtype == "bf16"
+           and "seq_lens" not in r.options]
+    assert len(tp8) > 2 and len({id(g) for g in groups for r in g if r in tp8}) == 1
+    sig = {r.key: i for i, g in enumerate(groups) for r in g}
+    f16 = [r for r in rows if r.workload == tp8[0].workload and r.dtype == "f16"]
+    assert f16 and sig[f16[0].key] != sig[tp8[0].key]
+    assert len(groups) < len(rows) / 3
+    # head-first contracts: T is dim 2, not a head dim
+    dn = run_mod.warm_groups(select(ROWS, ops=["DeltaNetChunkFwd"], dtypes=["bf16"]))
+    assert len(dn) <= 2
+
+
+def test_warm_rows_calls_each_impl_once_per_row(tmp_path):
+    """The warm step runs the implementations in worker processes and reports every row."""
+    rows = [r for r in tiny_rows() if r.op.endswith("RecurrentFwd")]
+    res = run_mod.warm_rows(rows, ["linattn", "torch"], processes=2, device="cpu")
+    assert res["rows"] == len(rows) == res["of"] and res["errors"] == []
+    assert res["processes"] == 2 and res["groups"] == 2

@@ -6,8 +6,8 @@ import json
 import sys
 
 from . import report
-from .impls import IMPLS
-from .run import run
+from .impls import IMPLS, applies
+from .run import run, warm_rows
 from .workloads import load_rows, select
 
 
@@ -35,14 +35,25 @@ def parse_args(argv=None):
     p.add_argument("--skip-timed", metavar="JSON",
                    help="skip rows whose every --impl already has a time in this results JSON "
                         "(resume a run cut by its budget)")
+    p.add_argument("--warm", type=int, default=0, metavar="P",
+                   help="first compile the other implementations' kernels (fla's autotuning "
+                        "configs, torch.compile) for all rows in P parallel processes; the "
+                        "timed run then finds them compiled")
+    p.add_argument("--warm-only", action="store_true",
+                   help="with --warm: compile and exit (no reference, no check, no timing)")
     p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
     return p.parse_args(argv)
 
 
 def timed_rows(doc: dict, impls) -> set:
     """Keys (op, workload, dtype) of the results rows where every one of ``impls`` has a
-    time or is reported not implemented."""
+    time, is reported not implemented, or does not apply to the op."""
+    by_key = {r.key: r for r in load_rows()}
+
     def settled(rec, impl):
+        row = by_key.get((rec["op"], rec["workload"], rec["dtype"]))
+        if row is not None and not applies(impl, row):
+            return True
         res = rec.get("impls", {}).get(impl) or {}
         return res.get("ms") is not None or "not implemented" in (res.get("note") or "")
     return {(r["op"], r["workload"], r["dtype"]) for r in doc.get("rows", [])
@@ -71,8 +82,13 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown --impl {bad}; valid: {', '.join(IMPLS)}", file=sys.stderr)
         return 2
+    if a.warm_only:
+        res = warm_rows(rows, impls, a.warm or 1, a.device, budget_s=a.budget_s)
+        print(json.dumps(res, indent=1))
+        return 1 if res["errors"] else 0
     doc = run(rows, impls, out_path=a.out, device=a.device, time_it=not a.check_only,
-              timer_budget_ms=a.row_budget_ms, budget_s=a.budget_s, verify_timer=a.verify_timer)
+              timer_budget_ms=a.row_budget_ms, budget_s=a.budget_s, verify_timer=a.verify_timer,
+              warm_processes=a.warm)
     text = report.table(doc["rows"])
     print(text)
     if doc.get("skipped_for_budget"):

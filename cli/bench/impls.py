@@ -25,6 +25,7 @@ INFER_FN = {"DeltaNetFwd": ("chunk_delta_rule", "fused_recurrent_delta_rule", "d
             "GDNFwd": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gated_delta_rule"),
             "KDAFwd": ("chunk_kda", "fused_recurrent_kda", "kda"),
             "GLAFwd": ("chunk_gla", "fused_recurrent_gla", "gla")}
+TORCH_OPS = ("DeltaNetRecurrentFwd", "GLARecurrentFwd")   # the torch / torch-compile columns
 FLAGS = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
          "use_gate_in_kernel", "state_v_first")
 
@@ -35,6 +36,16 @@ class NotImplementedImpl(Exception):
 
 class NotApplicable(Exception):
     """The implementation does not cover this op at all (left out of the row)."""
+
+
+def applies(impl: str, row) -> bool:
+    """Whether the implementation covers the row's op at all (else make raises
+    NotApplicable): the torch ones the two recurrent ops, flashinfer GDNFwd."""
+    if impl in ("torch", "torch-compile"):
+        return row.op in TORCH_OPS
+    if impl == "flashinfer":
+        return row.op == "GDNFwd"
+    return True
 
 
 def make(impl: str, row, x: dict):

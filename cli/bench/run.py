@@ -132,6 +132,89 @@ def precompile_rows(rows, device="cuda") -> dict:
     return res
 
 
+def warm_groups(rows) -> list[list]:
+    """Rows grouped so that rows likely to share a Triton autotuning key (same op, dtype,
+    options and per-token shapes) land in one group: a group is warmed by one process, in
+    order, so two processes never compile the same kernels at once."""
+    groups = {}
+    for row in rows:
+        flags = tuple(sorted((k, str(v)) for k, v in row.options.items()
+                             if k not in ("seq_lens", "scale")))
+        shapes = tuple(_per_token_shape(row, n) for n in ("q", "v"))
+        sig = (row.op, row.dtype, row.is_decode, "seq_lens" in row.options, flags, shapes)
+        groups.setdefault(sig, []).append(row)
+    return list(groups.values())
+
+
+def _per_token_shape(row, name):
+    """A tensor's shape without its batch and token dims (heads, head dim)."""
+    shape = row.shape(name) or ()
+    if len(shape) == 4:   # [B, H, T, D] for the head-first DeltaNet contracts, else [B, T, H, D]
+        return (shape[1], shape[3]) if row.op.startswith("DeltaNetChunk") else shape[2:]
+    return shape[1:]      # one token per sequence: [B, H, D]
+
+
+def _warm_worker(args):
+    """One process of warm_rows: call each implementation once per row (no reference, no
+    timing), so its kernels are compiled into the shared on-disk caches."""
+    rows, impl_names, device, deadline = args
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"   # picks made on a shared GPU are not kept
+    import torch
+    out = []
+    for row in rows:
+        if time.time() > deadline:
+            break
+        t0 = time.monotonic()
+        err = None
+        try:
+            x = build_inputs(row, device, 0)
+            for name in impl_names:
+                try:
+                    fn, _ = impl_mod.make(name, row, x)
+                except (impl_mod.NotApplicable, impl_mod.NotImplementedImpl):
+                    continue
+                fn()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            del x
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"[:200]
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        out.append((list(row.key), round(time.monotonic() - t0, 1), err))
+    return out
+
+
+def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) -> dict:
+    """Compile the kernels of other implementations (fla's Triton autotuning configs,
+    torch.compile's graphs) for all rows in `processes` parallel processes before the timed
+    run: compiling is CPU work, and one process compiles one config at a time. The
+    autotuning picks themselves are made again in the timed run, on an idle GPU (Triton
+    finds the compiled configs in its cache then)."""
+    import multiprocessing as mp
+    t0 = time.monotonic()
+    names = [n for n in impl_names if n != "linattn"]
+    groups = sorted(warm_groups(rows), key=len, reverse=True)
+    # a group costs its first row's compiling (tens of seconds) plus ~1 s per row after
+    shares = [[] for _ in range(max(1, min(processes, len(groups))))]
+    for g in groups:                 # largest first onto the lightest share
+        min(shares, key=lambda s: sum(30 + len(x) for x in s)).append(g)
+    # each process takes its groups' first rows first: cut by the budget, every group
+    # has had its kernels compiled once
+    jobs = [[g[0] for g in s] + [r for g in s for r in g[1:]] for s in shares]
+    deadline = time.time() + (budget_s if budget_s else 1e9)
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        done = [r for part in pool.map(_warm_worker, [(j, names, device, deadline) for j in jobs])
+                for r in part]
+    errors = [d for d in done if d[2]]
+    res = {"rows": len(done), "of": len(rows), "groups": len(groups), "processes": len(shares),
+           "s": round(time.monotonic() - t0, 1), "slowest": sorted(done, key=lambda d: -d[1])[:8],
+           "errors": errors[:20]}
+    print(f"warmed {names} on {len(done)} of {len(rows)} rows ({len(groups)} groups) in {res['s']} s with "
+          f"{len(shares)} processes, {len(errors)} errors", flush=True)
+    return res
+
+
 def progress(items, desc):
     try:
         from tqdm import tqdm
@@ -145,7 +228,7 @@ def progress(items, desc):
 
 
 def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budget_ms=100.0,
-        budget_s=None, verify_timer=False, min_left_s=20.0) -> dict:
+        budget_s=None, verify_timer=False, min_left_s=20.0, warm_processes=0) -> dict:
     """Run rows; returns the results document (also written to out_path after every row)."""
     t0 = time.monotonic()
     doc = header(device)
@@ -157,6 +240,9 @@ def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budg
         except Exception as e:
             doc["timer_check"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         print("timer check:", doc["timer_check"], flush=True)
+    if warm_processes and set(impl_names) - {"linattn"}:
+        doc["warm"] = warm_rows(rows, impl_names, warm_processes, device,
+                                budget_s=budget_s / 2 if budget_s else None)
     if "linattn" in impl_names and device.startswith("cuda"):
         doc["precompile"] = precompile_rows(rows, device)
     doc["rows"] = []
