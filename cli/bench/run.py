@@ -159,6 +159,7 @@ def _warm_worker(args):
     timing), so its kernels are compiled into the shared on-disk caches."""
     rows, impl_names, device, deadline = args
     os.environ["TRITON_CACHE_AUTOTUNING"] = "0"   # picks made on a shared GPU are not kept
+    # (also set by warm_rows before the spawn, for a Triton that reads it once at import)
     import torch
     out = []
     for row in rows:
@@ -203,9 +204,17 @@ def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) ->
     # has had its kernels compiled once
     jobs = [[g[0] for g in s] + [r for g in s for r in g[1:]] for s in shares]
     deadline = time.time() + (budget_s if budget_s else 1e9)
-    with mp.get_context("spawn").Pool(len(jobs)) as pool:
-        done = [r for part in pool.map(_warm_worker, [(j, names, device, deadline) for j in jobs])
-                for r in part]
+    keep = os.environ.get("TRITON_CACHE_AUTOTUNING")
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"     # the workers inherit it when spawned
+    try:
+        with mp.get_context("spawn").Pool(len(jobs)) as pool:
+            done = [r for part in pool.map(_warm_worker, [(j, names, device, deadline) for j in jobs])
+                    for r in part]
+    finally:
+        if keep is None:
+            os.environ.pop("TRITON_CACHE_AUTOTUNING")
+        else:
+            os.environ["TRITON_CACHE_AUTOTUNING"] = keep
     errors = [d for d in done if d[2]]
     res = {"rows": len(done), "of": len(rows), "groups": len(groups), "processes": len(shares),
            "s": round(time.monotonic() - t0, 1), "slowest": sorted(done, key=lambda d: -d[1])[:8],
