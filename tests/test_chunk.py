@@ -356,10 +356,14 @@ def test_fuse_output_rule():
     """FUSE_OUTPUT unset: the arch table picks the path by (sequences x value heads), with
     the fused path from CHUNK_FUSE_OUTPUT_MIN_CHAINS on; True / False force it."""
     from linattn.codegen.arch import sm90
-    m = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS
+    m = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT
     with chunk.using(FUSE_OUTPUT=None):
         assert not chunk.fuse_output(m - 1) and chunk.fuse_output(m)
+        for dtype in ("bfloat16", "float16"):
+            m = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS.get(dtype, m)
+            assert not chunk.fuse_output(m - 1, dtype) and chunk.fuse_output(m, dtype)
         assert not chunk.fuse_output(8) and chunk.fuse_output(16)    # tp8-8192, prefill-4k
+        assert chunk.fuse_output(8, "float16")      # tp8 f16: the 3-stage state pass is slower
     for forced in (True, False):
         with chunk.using(FUSE_OUTPUT=forced):
             assert chunk.fuse_output(1) is forced and chunk.fuse_output(10_000) is forced

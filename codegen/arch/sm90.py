@@ -133,12 +133,19 @@ def chunk_state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = Non
 #: staged), 1.05x at 16 (0.150 vs 0.158 ms), 1.19x at 64, 1.18x at 48 (q35-27b-16384). With
 #: few chains the sequential pass is the critical path and o's work only lengthens it;
 #: with more, skipping h's round trip through HBM wins.
-CHUNK_FUSE_OUTPUT_MIN_CHAINS = 16
+#: f16 from 8: the 3-stage path's state pass is ~15 % slower in f16 than in bf16 (run s3-3,
+#: prefill-4k: 0.087 vs 0.075 ms; same CUDA source up to the element type, cause open),
+#: the fused kernel is not (prefill-4k f16 0.148 vs bf16 0.147 ms). At 8 chains the bf16
+#: paths are within 2 % (tp8-8192: fused 0.224, 3-stage 0.220) while f16's 3-stage path
+#: took 0.248: expected f16 tp8-8192 ~0.225 fused (fla 0.238); not yet measured (LOG,
+#: session 4: the next run's probe compares both paths).
+CHUNK_FUSE_OUTPUT_MIN_CHAINS = {"float16": 8}
+CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT = 16
 
 
-def chunk_fuse_output(n_seq_heads: int) -> bool:
+def chunk_fuse_output(n_seq_heads: int, dtype: str = "bfloat16") -> bool:
     """Whether the chunked forward runs the fused state + output path."""
-    return n_seq_heads >= CHUNK_FUSE_OUTPUT_MIN_CHAINS
+    return n_seq_heads >= CHUNK_FUSE_OUTPUT_MIN_CHAINS.get(dtype, CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT)
 
 
 def chunk_output_block_v(V: int) -> int:
