@@ -331,8 +331,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     as f32; cu_seqlens [N+1] (B == 1) and cu_seqlens_cpu its CPU copy; A_log, dt_bias [HV].
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 in the state layout or None).
     return_states=True (the GLAChunkFwd contract): the 3-stage path, and a third result,
-    h [NT, HV, K, V] (or [NT, HV, V, K] with state_v_first) in q's dtype: the state
-    entering each chunk (chunks in order, sequence by sequence). Inputs are never modified.
+    states f32 [NT + N, HV, K, V] (or [..., V, K] with state_v_first): per sequence, the
+    state entering each of its chunks, in order, then its final state (sequence n's rows
+    start at chunk_offsets[n] + n); the final state returned is a view of those rows when
+    the sequences are equal in length. They are the pass's f32 states (the output reads
+    them rounded to q's dtype). Inputs are never modified.
     """
     import torch
     check_supported(spec)
@@ -383,7 +386,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         if output_final_state:
             final.copy_(initial_state.float() if initial_state is not None else 0.0)
         out = o.reshape(B, T, HV, V), (final if output_final_state else None)
-        return out + (empty(0, *state_shape[1:], dt=dt),) if return_states else out
+        if return_states:     # each sequence's one row: its final (= initial) state
+            return out + (final if output_final_state else
+                          (initial_state.float() if initial_state is not None
+                           else empty(N, *state_shape[1:]).zero_()),)
+        return out
 
     # the value-head-fastest grids put the chunk index on gridDim.y, and chunk_output has
     # it there in either order: past the limit, chunk-fastest grids and the fused path
@@ -396,6 +403,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,
                           output_final_state=bool(output_final_state), fused=fused,
+                          states_out=return_states,
                           seq_chunks=(tuple(-(-(e - b) // C) for b, e in zip(cu, cu[1:]))
                                       if cu_seqlens is not None else None), n_chunks=NT)
     runtime.announce(spec, ARCH, params)      # recording(): note every stage at once
@@ -426,7 +434,10 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     state_stage = "chunk_state_output" if fused else "chunk_state"
     (seq_cu, seq_c0, seq_h0, seq_ht), state_params = (cu32, chunk_offsets, h0, final), \
         params[state_stage]
-    if SPLIT:   # segments as sequences from their start states (ops/chunk_split.py)
+    if return_states:   # the per-chunk states and the final ones, f32, in one tensor
+        states = empty(NT + N, *state_shape[1:])
+        seq_ht = states
+    if SPLIT and not return_states:   # segments as sequences from their start states
         import sys
         from .chunk_split import run_segment_maps
         split = run_segment_maps(
@@ -457,20 +468,30 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 
     out = compiled_stage(spec, "chunk_output", **params["chunk_output"])
     out(q_out, k_out, v_new, h, g_cum, chunk_bos, chunk_len, o, float(scale))
-    result = o.reshape(B, T, HV, V), (final if output_final_state else None)
-    return result + (h,) if return_states else result
+    if not return_states:
+        return o.reshape(B, T, HV, V), (final if output_final_state else None)
+    if output_final_state:   # sequence n's last row: chunk_offsets[n + 1] + n
+        if cu_seqlens is None:
+            final = states.view(N, NT // N + 1, *state_shape[1:])[:, -1]
+        else:
+            rows = [-(-(e - b) // C) for b, e in zip(cu, cu[1:])]
+            last = torch.tensor([sum(rows[:n + 1]) + n for n in range(N)], device=dev)
+            final = states.index_select(0, last)
+    return o.reshape(B, T, HV, V), (final if output_final_state else None), states
 
 
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",
                  beta_dtype="float32", N=1, has_initial_state=False,
                  output_final_state=False, fused=False, seq_chunks=None,
-                 n_chunks=None) -> dict:
+                 n_chunks=None, states_out=False) -> dict:
     """stage name -> build() params of the stages one call runs (chunk_prepare is skipped
     when there is nothing to prepare: no gate, no beta, no l2norm; fused=True: chunk_qk
     and chunk_state_output instead of chunk_state and chunk_output; PREPARE_SPLIT: the
     delta rule's chunk_kkt_inverse and chunk_wu instead of chunk_prepare). seq_chunks: each
     sequence's chunk count for a varlen call (the state pass's block); n_chunks: the
-    call's chunk count (the per-chunk grids' order must fit gridDim.y). Uses the module's
+    call's chunk count (the per-chunk grids' order must fit gridDim.y); states_out: the
+    3-stage state pass also writes every chunk's state and the final one in f32 (the chunk
+    contracts' states; implies output_final_state). Uses the module's
     tuning knobs (STATE_NUM_STAGES, PREPARE_INVERSE, PREPARE_THREADS, PREPARE_PREFETCH,
     STATE_BLOCK_V_OVERRIDE, HEADS_FASTEST, ...)."""
     common = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
@@ -502,7 +523,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
     state_bv = state_block_v(V, N * HV, seq_chunks)
     out["chunk_state"] = dict(common, state_v_first=options.state_v_first,
                               has_initial_state=bool(has_initial_state),
-                              output_final_state=bool(output_final_state),
+                              output_final_state=bool(output_final_state or states_out),
                               block_v=state_bv,
                               num_stages=STATE_NUM_STAGES,
                               **({"v_new_from_fragment": True}
@@ -510,7 +531,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                                  and spec.has_beta else {}),
                               **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}),
                               **({"threads": STATE_THREADS}
-                                 if STATE_THREADS != 128 and state_bv >= 32 else {}))
+                                 if STATE_THREADS != 128 and state_bv >= 32 else {}),
+                              **({"states_out": True} if states_out and not fused else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V),
                                **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}),
                                **({"stage_o": True} if OUTPUT_STAGE_O else {}), **order)

@@ -229,7 +229,8 @@ def forward_params(*, H, K, V, dtype, B=1) -> dict:
     A, w, u from the split prepare (wy_params) or, when it is off, this module's
     RECOMPUTE stage (not listed here); then chunk_state, chunk_output."""
     params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                                beta_dtype=dtype, N=B * H, output_final_state=True)
+                                beta_dtype=dtype, N=B * H, output_final_state=True,
+                                states_out=True)
     return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B),
             **{s: params[s] for s in ("chunk_state", "chunk_output")}}
 
@@ -270,8 +271,8 @@ def chunk_forward_intermediates(q, k, v, beta):
 
     o [B, H, L, DV], w [B, H, L, DK], u [B, H, L, DV], Aw = Au [B, H, L, 64] in the input
     dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
-    the final state). The chunked forward keeps its per-chunk states in the input dtype,
-    so S[0..NC-1] carry that rounding; S[NC] is the f32 final state. A, w, u come from
+    the final state), written by the state pass from its f32 registers (the output reads
+    the states rounded to the input dtype; no conversion pass). A, w, u come from
     the split prepare's two kernels (forward_params) or the RECOMPUTE stage; Aw and Au
     are the same tensor (equal by definition; no copy is made).
     """
@@ -305,16 +306,15 @@ def chunk_forward_intermediates(q, k, v, beta):
                wy={s: p for s, p in params.items() if s in chunk.SPLIT_PREPARE_STAGES})
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
     v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
-    final = f32(N, 1, K, V)
+    # sequence n = (b, h) owns chunks n NC .. n NC + NC - 1: its states land at rows
+    # n (NC + 1) + t of S, its final state at n (NC + 1) + NC (states_out)
+    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
     chunk.compiled_stage(spec, "chunk_state", **params["chunk_state"])(
         kf, w.view(Ttot, 1, K), u.view(Ttot, 1, V), g_cum, cu32, chunk_offsets,
-        f32(1, 1, K, V), h, v_new, final)
+        f32(1, 1, K, V), h, v_new, S.view(N * (NC + 1), 1, K, V))
     o = torch.empty(B, H, L, V, dtype=dt, device=dev)
     chunk.compiled_stage(spec, "chunk_output", **params["chunk_output"])(
         qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o.view(Ttot, 1, V), 1.0)
-    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
-    S[:, :, :NC] = h.view(B, H, NC, K, V)           # h[0] = 0 (no initial state)
-    S[:, :, NC] = final.view(B, H, K, V)
     return o, S, A, A, w, u
 
 

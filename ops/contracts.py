@@ -78,20 +78,16 @@ def gla_chunk_fwd(q, k, v, g, scale=-1.0, initial_state=None):
 
     Returns (o [B, T, H, V] in the input dtype, final_state f32 [B, H, K, V], h f32
     [B, NC+1, H, K, V]): h[:, c] the state entering chunk c (chunk 64), h[:, NC] the final
-    state (the backward's input). The chunked forward keeps its per-chunk states in the
-    input dtype, so h[:, :NC] carry that rounding; h[:, NC] is the f32 final state.
+    state (the backward's input); final_state is the view h[:, NC]. The state pass writes
+    h itself from its f32 registers (no conversion pass; the output reads the states
+    rounded to the input dtype).
     """
-    import torch
     from . import chunk
     scale = None if scale is None or scale <= 0 else scale
     # shapes, dtypes, devices: checked by the chunked forward (fla's chunk_gla rules)
-    o, final, h = chunk.chunk_forward(gla.SPEC, q, k, v, g, None, scale=scale,
-                                      initial_state=initial_state, output_final_state=True,
-                                      return_states=True)
+    o, final, states = chunk.chunk_forward(gla.SPEC, q, k, v, g, None, scale=scale,
+                                           initial_state=initial_state,
+                                           output_final_state=True, return_states=True)
     B, T, HV, V = v.shape
-    K = q.shape[-1]
     NC = -(-T // gla.SPEC.chunk_size)
-    states = torch.empty(B, NC + 1, HV, K, V, dtype=torch.float32, device=q.device)
-    states[:, :NC] = h.view(B, NC, HV, K, V)
-    states[:, NC] = final
-    return o, final, states
+    return o, final, states.view(B, NC + 1, HV, q.shape[-1], V)

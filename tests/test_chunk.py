@@ -380,9 +380,10 @@ def test_prepare_variants_name_every_split_knob():
 
 def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
     """GLAChunkFwd through the chunked forward (fake kernels checked against the traced
-    prim_funcs): the 3-stage path whatever FUSE_OUTPUT says, h [B, NC+1, H, K, V] f32 with
-    h[:, :NC] the chunk states the state pass wrote (sequence by sequence) and h[:, NC]
-    the final state; a bad shape is refused before any launch."""
+    prim_funcs): the 3-stage path whatever FUSE_OUTPUT says, the state pass with
+    states_out writing h [B, NC+1, H, K, V] f32 itself (chunk c of sequence n at row
+    chunk_offsets[n] + n + c, the final state after them), final_state the view h[:, NC];
+    varlen: each sequence's final row gathered; a bad shape is refused before any launch."""
     import torch
     from linattn.ops import contracts
     monkeypatch.setattr(chunk, "FUSE_OUTPUT", True)
@@ -395,10 +396,14 @@ def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
 
         def call(*args):
             checker(*args)
-            if stage == "chunk_state":      # h: chunk c of the call holds c; final: -1
-                h, final = args[7], args[9]
-                h.copy_(torch.arange(h.shape[0], dtype=h.dtype).view(-1, 1, 1, 1).expand_as(h))
-                final.fill_(-1.0)
+            if stage == "chunk_state":      # states: chunk c of the call holds c; final: -1-n
+                assert params["states_out"] and params["output_final_state"]
+                offs, states = args[5].tolist(), args[9]
+                states.fill_(float("nan"))
+                for n in range(len(offs) - 1):
+                    for c in range(offs[n], offs[n + 1]):
+                        states[c + n] = c
+                    states[offs[n + 1] + n] = -1.0 - n
         return call
 
     monkeypatch.setattr(chunk, "compiled_stage", fake_compiled)
@@ -415,7 +420,17 @@ def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
     for b in range(B):
         for c in range(NC):
             assert torch.all(h[b, c] == b * NC + c)
-    assert torch.equal(h[:, NC], final) and torch.all(final == -1)
+        assert torch.all(final[b] == -1 - b)
+    assert torch.equal(h[:, NC], final)
+    lens = [70, 1, 0, 130]                              # varlen: 2 + 1 + 0 + 3 chunks
+    cu = torch.tensor([0, 70, 71, 71, 201])
+    qv, kv, vv = (torch.randn(1, 201, H, D, dtype=bf) for D in (K, K, V))
+    gv = -torch.rand(1, 201, H, K).to(bf)
+    _, fin, states = chunk.chunk_forward(get_spec("gla"), qv, kv, vv, gv, scale=0.125,
+                                         cu_seqlens=cu, output_final_state=True,
+                                         return_states=True)
+    assert states.shape == (6 + len(lens), H, K, V)
+    assert [float(fin[n, 0, 0, 0]) for n in range(4)] == [-1.0, -2.0, -3.0, -4.0]
     with pytest.raises(SpecError):
         contracts.gla_chunk_fwd(q, k, v, g[..., :32])
 

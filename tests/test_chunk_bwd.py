@@ -304,15 +304,34 @@ def _emulate_wu_beta(k, v, A, beta, bos, lens, w, u):
 
 
 #: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
+def _emulate_state_out(k, w, u, g_cum, cu, offs, h0, h, v_new, ht):
+    """chunk_state with states_out (no gate, delta rule, zero initial state): h[c0 + t] the
+    state entering chunk t in the input dtype, ht[c0 + n + t] the same in f32 and
+    ht[c0 + n + NC_n] the final state."""
+    cu, offs = cu.tolist(), offs.tolist()
+    for n in range(len(cu) - 1):
+        S = torch.zeros(k.shape[-1], u.shape[-1], dtype=F64)
+        for t in range(offs[n + 1] - offs[n]):
+            a, b = cu[n] + t * C, min(cu[n] + (t + 1) * C, cu[n + 1])
+            h[offs[n] + t, 0] = S.to(h.dtype)
+            ht[offs[n] + n + t, 0] = S.float()
+            vn = u[a:b, 0].to(F64) - w[a:b, 0].to(F64) @ S
+            v_new[a:b, 0] = vn.to(v_new.dtype)
+            S = S + k[a:b, 0].to(F64).T @ vn
+        ht[offs[n + 1] + n, 0] = S.float()
+
+
 EMULATE_WY = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
+EMULATE_FWD = {**EMULATE_WY, "chunk_state": _emulate_state_out}   # the contract's forward
 
 
 class EmulatingWYKernel(SignatureCheckingKernel):
-    """A split-prepare launch checked against the traced kernel, then its math emulated."""
+    """A split-prepare (or the contract's state pass) launch checked against the traced
+    kernel, then its math emulated."""
     def __init__(self, stage, func, params):
         super().__init__(func)
-        assert params["a_beta"] is False, params
-        self.body = EMULATE_WY[stage]
+        assert params.get("a_beta", False) is False and params.get("states_out", True), params
+        self.body = EMULATE_FWD[stage]
 
     def __call__(self, *args):
         super().__call__(*args)
@@ -322,7 +341,8 @@ class EmulatingWYKernel(SignatureCheckingKernel):
 def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     """The contract's forward through the split prepare (the default): chunk_kkt_inverse
     writes A itself and chunk_wu applies beta; launches match the traced kernels, and A,
-    w, u (emulated stage math) match the fp64 reference."""
+    w, u and S (emulated stage math; the state pass writes S itself) match the fp64
+    reference."""
     monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
     monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "loop")
     fakes = []
@@ -330,7 +350,7 @@ def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     def fake(spec, stage, **params):
         fakes.append(stage)
         func = chunk.stage_module(spec, stage).build(**params)
-        return (EmulatingWYKernel(stage, func, params) if stage in EMULATE_WY
+        return (EmulatingWYKernel(stage, func, params) if stage in EMULATE_FWD
                 else SignatureCheckingKernel(func))
 
     monkeypatch.setattr(chunk, "compiled_stage", fake)
@@ -340,6 +360,8 @@ def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     assert fakes == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
     assert fake_backward == []
     ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
-    for name, x, r in (("A", Aw, ref[2]), ("w", w, ref[4]), ("u", u, ref[5])):
+    for name, x, r in (("A", Aw, ref[2]), ("w", w, ref[4]), ("u", u, ref[5]),
+                       ("S", S, ref[1])):
         assert _rel(x, r) < 1e-2, (name, _rel(x, r))
     assert Aw.shape == (B, H, L, C) and Aw.dtype == torch.bfloat16 and Aw is Au
+    assert S.shape == (B, H, math.ceil(L / C) + 1, K, V) and S.dtype == torch.float32

@@ -17,6 +17,9 @@ The initial state (f32, [NS, HV, K, V], or [NS, HV, V, K] with state_v_first) is
 when has_initial_state; the final state is written in the same layout when
 output_final_state. Sequence n spans tokens cu_seqlens[n] .. cu_seqlens[n+1] and owns
 global chunks chunk_offsets[n] .. chunk_offsets[n+1].
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
+per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
+after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -48,7 +51,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
-          h_from_fragment=False, threads=128):
+          h_from_fragment=False, threads=128, states_out=False):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -68,6 +71,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
     group = HV // H
+    assert not states_out or output_final_state, "states_out writes the final state too"
     Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -124,6 +128,12 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                         h[c0 + c, hv, i, iv * BV + j] = T.cast(S[i, j], dtype)
                 else:                     # one TMA store from shared memory
                     T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])
+                if states_out:            # and in f32 for the contract, from registers
+                    for i, j in T.Parallel(K, BV):
+                        if state_v_first:
+                            ht[c0 + n + c, hv, iv * BV + j, i] = S[i, j]
+                        else:
+                            ht[c0 + n + c, hv, i, iv * BV + j] = S[i, j]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 for i, j in T.Parallel(K, BV):
@@ -132,10 +142,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 
             if output_final_state:
+                nf = n + int(states_out) * (c0 + T.ceildiv(seqlen, BT))   # n without states_out
                 for i, j in T.Parallel(K, BV):
                     if state_v_first:
-                        ht[n, hv, iv * BV + j, i] = S[i, j]
+                        ht[nf, hv, iv * BV + j, i] = S[i, j]
                     else:
-                        ht[n, hv, i, iv * BV + j] = S[i, j]
+                        ht[nf, hv, i, iv * BV + j] = S[i, j]
 
     return chunk_state

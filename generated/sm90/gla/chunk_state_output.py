@@ -147,10 +147,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 
             if output_final_state:
+                nf = n
                 for i, j in T.Parallel(K, BV):
                     if state_v_first:
-                        ht[n, hv, iv * BV + j, i] = S[i, j]
+                        ht[nf, hv, iv * BV + j, i] = S[i, j]
                     else:
-                        ht[n, hv, i, iv * BV + j] = S[i, j]
+                        ht[nf, hv, i, iv * BV + j] = S[i, j]
 
     return chunk_state_output
