@@ -92,6 +92,10 @@ PATH_VARIANTS = {
     "state-t256-bv32": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32),
     "state-t256-3stage": dict(STATE_THREADS=256, FUSE_OUTPUT=False),
     "state-t256-fused": dict(STATE_THREADS=256, FUSE_OUTPUT=True),
+    # the per-key gate's one-kernel chunk_prepare (KDA, GLA): 256 threads, blocked inverse
+    "key-t256": dict(PREPARE_KEY_THREADS=256),
+    "key-blocked": dict(PREPARE_KEY_INVERSE="blocked"),
+    "key-t256-blocked": dict(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked"),
 }
 
 

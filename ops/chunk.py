@@ -160,6 +160,12 @@ PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "tc")
 #: chunk_prepare's threads: 128 (GPU-verified default) or 256 (two warpgroups: ~110
 #: registers instead of ~184, twice the warps per SM for the latency-bound phases)
 PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
+#: the per-key gate's chunk_prepare (KDA, GLA: one kernel, 144 KB of shared memory at K =
+#: V = 128 with the "tc" inverse, so one CTA of 128 threads per SM): its threads (256: twice
+#: the warps for the element-wise diagonal blocks and exponentials, 138 registers instead
+#: of 235) and its inverse ("blocked": 112 KB). Untimed so far: the probe's key-* variants.
+PREPARE_KEY_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_KEY_THREADS", "128"))
+PREPARE_KEY_INVERSE = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_INVERSE") or None
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
@@ -506,9 +512,12 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             beta_dtype=beta_dtype if spec.has_beta else "float32",
             l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
             allow_neg_eigval=options.allow_neg_eigval, gate_in_kernel=options.gate_in_kernel,
-            **({"inverse": PREPARE_INVERSE} if spec.has_beta else {}),
+            **({"inverse": (PREPARE_KEY_INVERSE if spec.gate is Gate.KEY and PREPARE_KEY_INVERSE
+                            else PREPARE_INVERSE)} if spec.has_beta else {}),
             **({"threads": PREPARE_THREADS} if PREPARE_THREADS != 128
                and spec.gate is not Gate.KEY else {}),
+            **({"threads": PREPARE_KEY_THREADS} if PREPARE_KEY_THREADS != 128
+               and spec.gate is Gate.KEY else {}),
             **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
                and spec.gate is not Gate.KEY else {}), **order)
     if PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY:

@@ -494,3 +494,21 @@ def test_qk_group_loop_launch_matches_kernel(monkeypatch):
     chunk.chunk_forward(get_spec("gdn"), q, k, v, -torch.rand(B, T, HV),
                         torch.rand(B, T, HV, dtype=bf), options=Options(l2norm_qk=True))
     assert seen["chunk_qk"].get("group_loop") is True
+
+
+def test_key_gate_prepare_knobs():
+    """PREPARE_KEY_THREADS / PREPARE_KEY_INVERSE reach the per-key gate's chunk_prepare
+    (KDA; GLA has no inverse) and leave the scalar-gate stages alone; the defaults are
+    the template's (128 threads, the shared PREPARE_INVERSE)."""
+    kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16")
+    kda, gla, gdn = (get_spec(n) for n in ("kda", "gla", "gdn"))
+    p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
+    assert "threads" not in p and p["inverse"] == chunk.PREPARE_INVERSE
+    with chunk.using(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked"):
+        p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
+        assert p["threads"] == 256 and p["inverse"] == "blocked"
+        p = chunk.stage_params(gla, Options(), **kw)["chunk_prepare"]
+        assert p["threads"] == 256 and "inverse" not in p
+        assert all("threads" not in v or v["threads"] != 256
+                   for v in chunk.stage_params(gdn, Options(), **kw).values())
+        chunk.stage_module(kda, "chunk_prepare").build(**chunk.stage_params(kda, Options(), **kw)["chunk_prepare"])
