@@ -6,9 +6,10 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, split, psplit, autograd: see the case below), each with a limit <STEP>_S in
-# seconds; probe and bench arguments with PROBE_ARGS (PROBE2_ARGS) and BENCH_ARGS. Everything lands in
-# $OUT/results.tar.gz (logs, JSON), and the short summaries are printed last.
+# cbprobe, split, psplit, autograd, warm, bench2, ncu: see the case below), each with a
+# limit <STEP>_S in seconds; probe, decode probe and bench arguments with PROBE_ARGS
+# (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS (BENCH2_ARGS). Everything lands in
+# $OUT/${TAG:-results}.tar.gz (logs, JSON), and the short summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 R=/tmp/results; rm -rf "$R"; mkdir -p "$R"
@@ -41,7 +42,7 @@ for s in $STEPS; do
     chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_fwd_gpu.py -k "${CHUNK_K:-}" \
              --junitxml="$R/chunk.xml" ;;
-    dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep \
+    dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep ${DPROBE_ARGS:-} \
              --budget-s $(( ${DPROBE_S:-240} - 60 )) --out "$R/decode_probe.json" ;;
     # CBWD_K narrows it (e.g. "test_forward" with LINATTN_TEST_PRECOMPILE=forward)
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -75,7 +76,8 @@ for s in $STEPS; do
              --budget-s $(( ${BENCH_S:-200} - 30 )) --out "$R/bench.json" --table-md "$R/bench.md" ;;
   esac
 done
-tar -czf "$OUT/results.tar.gz" -C /tmp results
+# TAG names the archive (several invocations in one device command keep theirs apart)
+tar -czf "$OUT/${TAG:-results}.tar.gz" -C /tmp results
 # keep the carried compile cache small (the device tool carries 64 MiB in all): what a
 # cache hit loads is TileLang's per-kernel folder (executable.so, sources, params) and
 # Triton's cubin + JSON (autotuning picks included); TileLang's nvcc cubin cache and

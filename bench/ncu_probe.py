@@ -14,29 +14,37 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chunk_probe import WORKLOADS, chunk, fla_call, get_spec, make_inputs  # noqa: E402
+from chunk_probe import DTYPES, WORKLOADS, chunk, fla_call, get_spec, make_inputs  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=["prefill-4k"], choices=list(WORKLOADS))
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--dtype", nargs="*", default=["bf16"], choices=list(DTYPES),
+                    help="each workload in each of these dtypes")
+    ap.add_argument("--path", choices=("default", "3stage", "fused"), default="default",
+                    help="our path (FUSE_OUTPUT forced), e.g. the 3-stage state pass in f16 / bf16")
     args = ap.parse_args()
+    fuse = {"default": None, "3stage": False, "fused": True}[args.path]
     calls = []
     for name in args.only:
-        op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
-        spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens)
-        cu_dev = None if cu is None else cu.cuda()
+        for dt in args.dtype:
+            op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
+            spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens,
+                                               dtype=getattr(torch, DTYPES[dt]))
+            cu_dev = None if cu is None else cu.cuda()
 
-        def ours(spec=spec, options=options, x=x, cu=cu, cu_dev=cu_dev):
-            return chunk.chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                       initial_state=x["initial_state"],
-                                       output_final_state=True, options=options,
-                                       cu_seqlens=cu_dev, cu_seqlens_cpu=cu,
-                                       A_log=x["A_log"], dt_bias=x["dt_bias"])
-        calls.append((name, "linattn", ours))
-        if not args.no_fla:
-            calls.append((name, "fla", fla_call(get_spec(op), options, x, cu_dev)))
+            def ours(spec=spec, options=options, x=x, cu=cu, cu_dev=cu_dev):
+                with chunk.using(FUSE_OUTPUT=fuse):
+                    return chunk.chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                               initial_state=x["initial_state"],
+                                               output_final_state=True, options=options,
+                                               cu_seqlens=cu_dev, cu_seqlens_cpu=cu,
+                                               A_log=x["A_log"], dt_bias=x["dt_bias"])
+            calls.append((f"{name} {dt}", "linattn", ours))
+            if not args.no_fla:
+                calls.append((f"{name} {dt}", "fla", fla_call(get_spec(op), options, x, cu_dev)))
     for name, who, fn in calls:           # compile / autotune / warm up outside the range
         for _ in range(3):
             fn()
