@@ -21,7 +21,8 @@ def parse_args(argv=None):
                    help=f"comma-separated, from {','.join(IMPLS)}")
     p.add_argument("--out", help="results JSON (rewritten after every row)")
     p.add_argument("--merge", metavar="INTO", help="merge rows by (op, workload, dtype) into this JSON")
-    p.add_argument("--plot", metavar="PNG", help="ratio plot (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", help="ratio plot (needs matplotlib); with --summary: "
+                   "of that results JSON")
     p.add_argument("--table-md", metavar="MD", help="also write the markdown table here")
     p.add_argument("--budget-s", type=float, default=None, help="total time budget; rows left are skipped")
     p.add_argument("--row-budget-ms", type=float, default=100.0, help="timer budget per implementation")
@@ -64,7 +65,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.summary:
         with open(a.summary) as f:
-            print(report.summary(json.load(f)["rows"]), end="")
+            rows = json.load(f)["rows"]
+        print(report.summary(rows), end="")
+        if a.plot and not report.plot(rows, a.plot):
+            print("no plot (matplotlib missing or no ratios)")
         return 0
     rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
                   workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
