@@ -96,6 +96,10 @@ PATH_VARIANTS = {
     "key-t256": dict(PREPARE_KEY_THREADS=256),
     "key-blocked": dict(PREPARE_KEY_INVERSE="blocked"),
     "key-t256-blocked": dict(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked"),
+    # ... its diagonal blocks by rows of channels (no bank conflicts)
+    "key-rows": dict(PREPARE_KEY_DIAG="rows"),
+    "key-rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
+    "key-rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
 }
 
 

@@ -166,6 +166,12 @@ PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: of 235) and its inverse ("blocked": 112 KB). Untimed so far: the probe's key-* variants.
 PREPARE_KEY_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_KEY_THREADS", "128"))
 PREPARE_KEY_INVERSE = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_INVERSE") or None
+#: ... and how it sums the 16 x 16 diagonal blocks: "loop" (one (i, j) pair per thread
+#: over the K channels: the warp's lanes read one channel of 16 rows 512 bytes apart, a
+#: 16-way bank conflict per load; estimated ~70 us per CTA at K = 128, i.e. most of
+#: KDAFwd kda-tp1-4096's 1.44 ms) or "rows" (per block and column offset, a (16, K) tile
+#: with the threads along the channels, then a 16-lane all-reduce: conflict-free).
+PREPARE_KEY_DIAG = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_DIAG", "loop")
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
@@ -517,6 +523,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             **({"threads": PREPARE_THREADS} if PREPARE_THREADS != 128
                and spec.gate is not Gate.KEY else {}),
             **({"threads": PREPARE_KEY_THREADS} if PREPARE_KEY_THREADS != 128
+               and spec.gate is Gate.KEY else {}),
+            **({"diag": PREPARE_KEY_DIAG} if PREPARE_KEY_DIAG != "loop"
                and spec.gate is Gate.KEY else {}),
             **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
                and spec.gate is not Gate.KEY else {}), **order)

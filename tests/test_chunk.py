@@ -497,16 +497,18 @@ def test_qk_group_loop_launch_matches_kernel(monkeypatch):
 
 
 def test_key_gate_prepare_knobs():
-    """PREPARE_KEY_THREADS / PREPARE_KEY_INVERSE reach the per-key gate's chunk_prepare
-    (KDA; GLA has no inverse) and leave the scalar-gate stages alone; the defaults are
-    the template's (128 threads, the shared PREPARE_INVERSE)."""
+    """PREPARE_KEY_THREADS / _INVERSE / _DIAG reach the per-key gate's chunk_prepare (KDA;
+    GLA has no inverse) and leave the scalar-gate stages alone; the defaults are the
+    template's (128 threads, the shared PREPARE_INVERSE, the "loop" diagonal)."""
     kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16")
     kda, gla, gdn = (get_spec(n) for n in ("kda", "gla", "gdn"))
     p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
     assert "threads" not in p and p["inverse"] == chunk.PREPARE_INVERSE
-    with chunk.using(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked"):
+    assert "diag" not in p                       # the template's default ("loop")
+    with chunk.using(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked",
+                     PREPARE_KEY_DIAG="rows"):
         p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
-        assert p["threads"] == 256 and p["inverse"] == "blocked"
+        assert p["threads"] == 256 and p["inverse"] == "blocked" and p["diag"] == "rows"
         p = chunk.stage_params(gla, Options(), **kw)["chunk_prepare"]
         assert p["threads"] == 256 and "inverse" not in p
         assert all("threads" not in v or v["threads"] != 256

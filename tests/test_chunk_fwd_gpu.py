@@ -144,6 +144,9 @@ def default_and_grid_jobs():
     for c in STATE_VARIANT_CASES + FUSED_CASES:
         for knobs in GRID_VARIANTS.values():
             jobs += case_jobs(c.values[0], **knobs)
+    for c in KEY_PREPARE_CASES:
+        for knobs in KEY_PREPARE_VARIANTS.values():
+            jobs += case_jobs(c.values[0], **knobs)
     return jobs
 
 
@@ -156,8 +159,8 @@ def precompiled():
     # LINATTN_TEST_PRECOMPILE=prepare: only the chunk_prepare variant tests' kernels (a
     # short GPU run with `-k prepare_variant`)
     # LINATTN_TEST_PRECOMPILE=split: only the split prepare's variants (`-k "variant and split"`)
-    # LINATTN_TEST_PRECOMPILE=default: only the default-knob cases' kernels (with
-    # `-k "matches_reference or grid_order"`: grid_order's kernels as well)
+    # LINATTN_TEST_PRECOMPILE=default: only the default-knob cases' kernels, grid_order's
+    # and key_prepare's (`-k "matches_reference or grid_order or key_prepare"`)
     only = os.environ.get("LINATTN_TEST_PRECOMPILE")
     jobs = (prepare_variant_jobs() if only == "prepare"
             else prepare_variant_jobs([n for n in PREPARE_VARIANTS if n.startswith("split")])
@@ -334,6 +337,34 @@ GRID_VARIANTS = {
 def test_grid_order_and_staged_output(p, variant, rng, monkeypatch):
     from linattn.ops import chunk
     for knob, value in GRID_VARIANTS[variant].items():
+        monkeypatch.setattr(chunk, knob, value)
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
+
+
+#: the per-key gate's one-kernel prepare (KDA, GLA): threads, inverse, diagonal blocks
+KEY_PREPARE_VARIANTS = {
+    "t256": dict(PREPARE_KEY_THREADS=256),
+    "blocked": dict(PREPARE_KEY_INVERSE="blocked"),
+    "rows": dict(PREPARE_KEY_DIAG="rows"),
+    "rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
+    "rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
+}
+KEY_PREPARE_CASES = [
+    case("kda", 1, 200, 2, 4, 128, 128, opts=("l2norm_qk",)),
+    case("kda", 2, 65, 2, 2, 64, 64, dtype="float16",
+         opts=("gate_in_kernel", "beta_sigmoid", "allow_neg_eigval")),
+    case("kda", 1, None, 2, 2, 128, 128, opts=("l2norm_qk",), lens=[1, 64, 65, 130, 1]),
+    case("gla", 2, 130, 2, 2, 128, 128, dtype="float16"),
+    case("gla", 1, None, 2, 2, 64, 64, lens=[63, 1, 200]),
+]
+
+
+@pytest.mark.parametrize("variant", sorted(KEY_PREPARE_VARIANTS))
+@pytest.mark.parametrize("p", KEY_PREPARE_CASES)
+def test_key_prepare_variant(p, variant, rng, monkeypatch):
+    """The per-key gate's prepare knobs keep the forward correct (output and state)."""
+    from linattn.ops import chunk
+    for knob, value in KEY_PREPARE_VARIANTS[variant].items():
         monkeypatch.setattr(chunk, knob, value)
     assert_within_tolerance(run_case(p, rng), p["dtype"])
 
