@@ -100,6 +100,9 @@ PATH_VARIANTS = {
     "key-rows": dict(PREPARE_KEY_DIAG="rows"),
     "key-rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
     "key-rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
+    "key-rows-fast": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True),
+    "key-rows-fast-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True,
+                                  PREPARE_KEY_INVERSE="blocked"),
 }
 
 

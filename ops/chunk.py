@@ -172,6 +172,8 @@ PREPARE_KEY_INVERSE = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_INVERSE") or Non
 #: KDAFwd kda-tp1-4096's 1.44 ms) or "rows" (per block and column offset, a (16, K) tile
 #: with the threads along the channels, then a 16-lane all-reduce: conflict-free).
 PREPARE_KEY_DIAG = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_DIAG", "loop")
+#: ... and the fast exponential (ex2.approx) for all its decays (exponents <= 0)
+PREPARE_KEY_FAST_EXP = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_FAST_EXP", "0") == "1"
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
@@ -526,6 +528,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                and spec.gate is Gate.KEY else {}),
             **({"diag": PREPARE_KEY_DIAG} if PREPARE_KEY_DIAG != "loop"
                and spec.gate is Gate.KEY else {}),
+            **({"fast_exp": True} if PREPARE_KEY_FAST_EXP and spec.gate is Gate.KEY else {}),
             **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
                and spec.gate is not Gate.KEY else {}), **order)
     if PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY:

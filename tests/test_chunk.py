@@ -505,10 +505,12 @@ def test_key_gate_prepare_knobs():
     p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
     assert "threads" not in p and p["inverse"] == chunk.PREPARE_INVERSE
     assert "diag" not in p                       # the template's default ("loop")
+    assert "fast_exp" not in p
     with chunk.using(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked",
-                     PREPARE_KEY_DIAG="rows"):
+                     PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True):
         p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
         assert p["threads"] == 256 and p["inverse"] == "blocked" and p["diag"] == "rows"
+        assert p["fast_exp"]
         p = chunk.stage_params(gla, Options(), **kw)["chunk_prepare"]
         assert p["threads"] == 256 and "inverse" not in p
         assert all("threads" not in v or v["threads"] != 256

@@ -348,6 +348,8 @@ KEY_PREPARE_VARIANTS = {
     "rows": dict(PREPARE_KEY_DIAG="rows"),
     "rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
     "rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
+    "rows-fast-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True,
+                              PREPARE_KEY_INVERSE="blocked"),
 }
 KEY_PREPARE_CASES = [
     case("kda", 1, 200, 2, 4, 128, 128, opts=("l2norm_qk",)),

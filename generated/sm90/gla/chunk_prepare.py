@@ -46,7 +46,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128, heads_fastest=False, diag="loop"):
+          threads=128, heads_fastest=False, diag="loop", fast_exp=False):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -58,6 +58,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     offset, a (16, K) tile of products formed by all threads along the channels (no
     conflicts) and reduced along K, before the GEMM phase (its fragments not yet live),
     with the fast exponential (ex2.approx; its exponents are <= 0 here).
+    fast_exp: the same fast exponential for every decay of the chunk (the factored
+    sub-blocks, qg, kg, w: all exponents <= 0, i.e. factors in (0, 1]).
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
@@ -69,6 +71,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     SUB = 16                    # row block of the factored decays and of the inverse
     assert inverse in ("column", "blocked", "tc"), inverse
     assert diag in ("loop", "rows"), diag
+    dexp = T.__exp if fast_exp else T.exp     # the decays' exponential
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -176,12 +179,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 r = blk * SUB
                 for i, j in T.Parallel(BT, K):
                     right_s[i, j] = T.if_then_else(
-                        i < r, T.cast(T.cast(k_s[i, j], f32) * T.exp(g_s[r, j] - g_s[i, j]), dtype),
+                        i < r, T.cast(T.cast(k_s[i, j], f32) * dexp(g_s[r, j] - g_s[i, j]), dtype),
                         T.cast(0, dtype))
                 for i, j in T.Parallel(BT, K):
                     left_s[i, j] = T.if_then_else(
                         (i >= r) & (i < r + SUB),
-                        T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j] - g_s[r, j]), dtype),
+                        T.cast(T.cast(q_s[i, j], f32) * dexp(g_s[i, j] - g_s[r, j]), dtype),
                         T.cast(0, dtype))
                 T.gemm(left_s, right_s, qk_f, transpose_B=True)
 
@@ -210,11 +213,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             # qg = q exp(G), kg = k exp(G_last - G), A_qk (masked i >= j)
             for i, j in T.Parallel(BT, K):
                 if i < rows:
-                    qg[t0 + i, hv, j] = T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j]), dtype)
+                    qg[t0 + i, hv, j] = T.cast(T.cast(q_s[i, j], f32) * dexp(g_s[i, j]), dtype)
             for i, j in T.Parallel(BT, K):
                 if i < rows:
                     kg[t0 + i, hv, j] = T.cast(
-                        T.cast(k_s[i, j], f32) * T.exp(g_s[rows - 1, j] - g_s[i, j]), dtype)
+                        T.cast(k_s[i, j], f32) * dexp(g_s[rows - 1, j] - g_s[i, j]), dtype)
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
                     aqk[t0 + i, hv, j] = T.cast(
