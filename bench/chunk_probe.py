@@ -51,6 +51,8 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "q35-397b-tp4-8x1024": ("gdn", 1, None, 4, 16, 128, 128, (), [1024] * 8),
     "q35-27b-16384": ("gdn", 1, 16384, 16, 48, 128, 128, (), None),
     "q35-symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168]),
+    # GLAFwd's K = 128 rows (0.40-0.53x fla in run s4-4): varlen-ragged f16's shape, bf16
+    "gla-k128-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032]),
 }
 
 
