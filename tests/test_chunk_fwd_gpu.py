@@ -257,6 +257,13 @@ def assert_within_tolerance(errs: dict, dtype: str):
         assert e < tol, f"{name}: rel err {e:.3e} >= {tol} ({errs})"
 
 
+def check_with_knobs(p, knobs, rng, monkeypatch):
+    """One case under the chunk module's knobs (set for this test only), within tolerance."""
+    from linattn.ops import chunk
+    for knob, value in knobs.items():
+        monkeypatch.setattr(chunk, knob, value)
+    assert_within_tolerance(run_case(p, rng), p["dtype"])
+
 
 @pytest.mark.parametrize("p", CASES)
 def test_chunk_forward_matches_reference(p, rng):
@@ -335,10 +342,7 @@ GRID_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(GRID_VARIANTS))
 @pytest.mark.parametrize("p", STATE_VARIANT_CASES + FUSED_CASES)
 def test_grid_order_and_staged_output(p, variant, rng, monkeypatch):
-    from linattn.ops import chunk
-    for knob, value in GRID_VARIANTS[variant].items():
-        monkeypatch.setattr(chunk, knob, value)
-    assert_within_tolerance(run_case(p, rng), p["dtype"])
+    check_with_knobs(p, GRID_VARIANTS[variant], rng, monkeypatch)
 
 
 #: the per-key gate's one-kernel prepare (KDA, GLA): threads, inverse, diagonal blocks
@@ -365,10 +369,7 @@ KEY_PREPARE_CASES = [
 @pytest.mark.parametrize("p", KEY_PREPARE_CASES)
 def test_key_prepare_variant(p, variant, rng, monkeypatch):
     """The per-key gate's prepare knobs keep the forward correct (output and state)."""
-    from linattn.ops import chunk
-    for knob, value in KEY_PREPARE_VARIANTS[variant].items():
-        monkeypatch.setattr(chunk, knob, value)
-    assert_within_tolerance(run_case(p, rng), p["dtype"])
+    check_with_knobs(p, KEY_PREPARE_VARIANTS[variant], rng, monkeypatch)
 
 
 @pytest.mark.parametrize("p", STATE_VARIANT_CASES)
@@ -417,10 +418,7 @@ def prepare_variant_jobs(names=None):
 @pytest.mark.parametrize("variant", sorted(PREPARE_VARIANTS))
 @pytest.mark.parametrize("p", PREPARE_VARIANT_CASES)
 def test_prepare_variant(p, variant, rng, monkeypatch):
-    from linattn.ops import chunk
-    for name, value in PREPARE_VARIANTS[variant].items():
-        monkeypatch.setattr(chunk, name, value)
-    assert_within_tolerance(run_case(p, rng), p["dtype"])
+    check_with_knobs(p, PREPARE_VARIANTS[variant], rng, monkeypatch)
 
 
 def test_key_gate_refuses_wide_keys():
