@@ -487,9 +487,8 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     if output_final_state:   # sequence n's last row: chunk_offsets[n + 1] + n
         if cu_seqlens is None:
             final = states.view(N, NT // N + 1, *state_shape[1:])[:, -1]
-        else:
-            rows = [-(-(e - b) // C) for b, e in zip(cu, cu[1:])]
-            last = torch.tensor([sum(rows[:n + 1]) + n for n in range(N)], device=dev)
+        else:                # (on the device: no host sync)
+            last = chunk_offsets[1:].long() + torch.arange(N, device=dev)
             final = states.index_select(0, last)
     return o.reshape(B, T, HV, V), (final if output_final_state else None), states
 
