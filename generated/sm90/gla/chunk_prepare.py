@@ -57,7 +57,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     rows: 16-way shared-memory bank conflicts); "rows": per diagonal block and column
     offset, a (16, K) tile of products formed by all threads along the channels (no
     conflicts) and reduced along K, before the GEMM phase (its fragments not yet live),
-    with the fast exponential (ex2.approx; its exponents are <= 0 here).
+    with the fast exponential (ex2.approx; its exponents are <= 0 here);
+    q k^T only (the additive rule has no k k^T).
     fast_exp: the same fast exponential for every decay of the chunk (the factored
     sub-blocks, qg, kg, w: all exponents <= 0, i.e. factors in (0, 1]).
 
@@ -149,9 +150,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 # diagonal blocks first: for block b and column offset jj, row i = 16 b + ii
                 # against column j = 16 b + jj (j <= i kept), all threads along the channels
                 pq = T.alloc_fragment((SUB, K), f32)
-                pk = T.alloc_fragment((SUB, K), f32)
                 sq = T.alloc_fragment((SUB,), f32)
-                sk = T.alloc_fragment((SUB,), f32)
                 for b in T.serial(BT // SUB):
                     for jj in T.serial(SUB):
                         for ii, cc in T.Parallel(SUB, K):
@@ -161,14 +160,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                                 * T.cast(k_s[b * SUB + jj, cc], f32),
                                 T.float32(0))
                             pq[ii, cc] = T.cast(q_s[b * SUB + ii, cc], f32) * dec
-                            pk[ii, cc] = T.cast(k_s[b * SUB + ii, cc], f32) * dec
                         T.reduce_sum(pq, sq, dim=1)
-                        T.reduce_sum(pk, sk, dim=1)
                         for ii in T.Parallel(SUB):
                             if jj <= ii:
                                 d_s[b * SUB + ii, b * SUB + jj] = sq[ii]
-                            if jj < ii:
-                                d_s[b * SUB + jj, b * SUB + ii] = sk[ii]
                 T.sync_threads()
 
             # sub-blocks below the diagonal: row block I (rows r..r+15, r = 16 I) against

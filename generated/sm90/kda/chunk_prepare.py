@@ -152,8 +152,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 # diagonal blocks first: for block b and column offset jj, row i = 16 b + ii
                 # against column j = 16 b + jj (j <= i kept), all threads along the channels
                 pq = T.alloc_fragment((SUB, K), f32)
-                pk = T.alloc_fragment((SUB, K), f32)
                 sq = T.alloc_fragment((SUB,), f32)
+                pk = T.alloc_fragment((SUB, K), f32)
                 sk = T.alloc_fragment((SUB,), f32)
                 for b in T.serial(BT // SUB):
                     for jj in T.serial(SUB):
