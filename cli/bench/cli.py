@@ -49,10 +49,8 @@ def parse_args(argv=None):
 def timed_rows(doc: dict, impls) -> set:
     """Keys (op, workload, dtype) of the results rows where every one of ``impls`` has a
     time, is reported not implemented, or does not apply to the op."""
-    by_key = {r.key: r for r in load_rows()}
-
     def settled(rec, impl):
-        row = by_key.get((rec["op"], rec["workload"], rec["dtype"]))
+        row = report.table_rows().get((rec["op"], rec["workload"], rec["dtype"]))
         if row is not None and not applies(impl, row):
             return True
         res = rec.get("impls", {}).get(impl) or {}

@@ -94,7 +94,7 @@ def family(rec) -> str:
     """GDN workload family (the issue's grouping): decode (one token per sequence),
     varlen (cu_seqlens), GVA tp1..tp8 (the tensor-parallel Qwen3.5 shapes), prefill."""
     import re
-    row = _table_rows().get((rec["op"], rec["workload"], rec["dtype"]))
+    row = table_rows().get((rec["op"], rec["workload"], rec["dtype"]))
     t = rec.get("tensors") or (row.tensors if row is not None else {})
     name = rec["workload"]
     q = (t.get("q") or {}).get("shape")
@@ -108,7 +108,7 @@ def family(rec) -> str:
     return "prefill"
 
 
-def _table_rows() -> dict:
+def table_rows() -> dict:
     """(op, workload, dtype) -> the packaged workload table's row (memoised)."""
     global _ROWS
     if _ROWS is None:
@@ -230,7 +230,7 @@ def merge_into(path: str, doc: dict) -> dict:
         return rec
 
     rows = {key(r): stamped(r, {}) for r in old.get("rows", [])}
-    table = _table_rows()
+    table = table_rows()
     for r in doc["rows"]:
         fresh = stamped(r, stamp)
         prev = rows.get(key(fresh))
