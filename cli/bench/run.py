@@ -158,8 +158,6 @@ def _warm_worker(args):
     """One process of warm_rows: call each implementation once per row (no reference, no
     timing), so its kernels are compiled into the shared on-disk caches."""
     rows, impl_names, device, deadline = args
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"   # picks made on a shared GPU are not kept
-    # (also set by warm_rows before the spawn, for a Triton that reads it once at import)
     import torch
     out = []
     for row in rows:
@@ -205,7 +203,8 @@ def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) ->
     jobs = [[g[0] for g in s] + [r for g in s for r in g[1:]] for s in shares]
     deadline = time.time() + (budget_s if budget_s else 1e9)
     keep = os.environ.get("TRITON_CACHE_AUTOTUNING")
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"     # the workers inherit it when spawned
+    # the workers inherit it when spawned: picks made on a shared GPU are not kept
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "0"
     try:
         with mp.get_context("spawn").Pool(len(jobs)) as pool:
             done = [r for part in pool.map(_warm_worker, [(j, names, device, deadline) for j in jobs])
