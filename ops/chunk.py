@@ -493,6 +493,25 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     return o.reshape(B, T, HV, V), (final if output_final_state else None), states
 
 
+def _prepare_tuning(spec: OpSpec) -> dict:
+    """chunk_prepare's tuning knobs that differ from its template's defaults: the scalar /
+    no-gate template's (PREPARE_INVERSE, _THREADS, _PREFETCH) or the per-key gate's
+    (PREPARE_KEY_INVERSE falling back to PREPARE_INVERSE, _THREADS, _DIAG, _FAST_EXP)."""
+    key = spec.gate is Gate.KEY
+    inverse = (PREPARE_KEY_INVERSE or PREPARE_INVERSE) if key else PREPARE_INVERSE
+    threads = PREPARE_KEY_THREADS if key else PREPARE_THREADS
+    out = {"inverse": inverse} if spec.has_beta else {}
+    if threads != 128:
+        out["threads"] = threads
+    if key and PREPARE_KEY_DIAG != "loop":
+        out["diag"] = PREPARE_KEY_DIAG
+    if key and PREPARE_KEY_FAST_EXP:
+        out["fast_exp"] = True
+    if not key and PREPARE_PREFETCH and spec.has_beta:
+        out["prefetch"] = True
+    return out
+
+
 def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype="float32",
                  beta_dtype="float32", N=1, has_initial_state=False,
                  output_final_state=False, fused=False, seq_chunks=None,
@@ -519,17 +538,7 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
             beta_dtype=beta_dtype if spec.has_beta else "float32",
             l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
             allow_neg_eigval=options.allow_neg_eigval, gate_in_kernel=options.gate_in_kernel,
-            **({"inverse": (PREPARE_KEY_INVERSE if spec.gate is Gate.KEY and PREPARE_KEY_INVERSE
-                            else PREPARE_INVERSE)} if spec.has_beta else {}),
-            **({"threads": PREPARE_THREADS} if PREPARE_THREADS != 128
-               and spec.gate is not Gate.KEY else {}),
-            **({"threads": PREPARE_KEY_THREADS} if PREPARE_KEY_THREADS != 128
-               and spec.gate is Gate.KEY else {}),
-            **({"diag": PREPARE_KEY_DIAG} if PREPARE_KEY_DIAG != "loop"
-               and spec.gate is Gate.KEY else {}),
-            **({"fast_exp": True} if PREPARE_KEY_FAST_EXP and spec.gate is Gate.KEY else {}),
-            **({"prefetch": True} if PREPARE_PREFETCH and spec.has_beta
-               and spec.gate is not Gate.KEY else {}), **order)
+            **_prepare_tuning(spec), **order)
     if PREPARE_SPLIT and spec.has_beta and spec.gate is not Gate.KEY:
         prep = out.pop("chunk_prepare")
         for name in ("V", "inverse", "threads", "prefetch"):
