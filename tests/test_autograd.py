@@ -1,8 +1,8 @@
 """CPU tests of training through linattn.chunk_delta_rule (ops/autograd.py).
 
 The kernels are replaced by fakes that check each launch against the traced prim_func and
-carry out the stage's math in fp64 (tests/test_chunk_bwd.py's emulators, plus the forward
-chunk_state pass here); the forward itself is the fp64 reference rounded to the input
+carry out the stage's math in fp64 (tests/test_chunk_bwd.py's emulators, the forward
+chunk_state pass included); the forward itself is the fp64 reference rounded to the input
 dtype. Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
 fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
 the l2norm backward, the state-gradient flags and the stage decomposition together.
@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 
-from test_chunk import SignatureCheckingKernel
-from test_chunk_bwd import EMULATE_WY, EmulatingKernel, EmulatingWYKernel
+from test_chunk_bwd import EMULATE_WY, EmulatingFwdKernel, EmulatingKernel
 
 import linattn
 from linattn.dsl import Options, SpecError
@@ -22,35 +21,6 @@ from linattn.ops import autograd, chunk, chunk_bwd, deltanet
 from linattn.ops.registry import get_spec
 
 F64 = torch.float64
-
-
-def _chunk_state(k, w, u, g_cum, cu, offsets, h0, h, v_new, ht, has_initial_state=False,
-                 output_final_state=False):
-    """fp64 emulation of ops.chunk's chunk_state without a gate (one head per sequence)."""
-    C = chunk_bwd.CHUNK
-    for n in range(cu.numel() - 1):
-        t0, t1, c0 = int(cu[n]), int(cu[n + 1]), int(offsets[n])
-        S = h0[n].to(F64).clone() if has_initial_state else \
-            torch.zeros(k.shape[1], k.shape[2], u.shape[2], dtype=F64)
-        for c, s in enumerate(range(t0, t1, C)):
-            e = min(s + C, t1)
-            h[c0 + c] = S.to(h.dtype)
-            kc, wc, uc = (x[s:e].to(F64).transpose(0, 1) for x in (k, w, u))
-            vn = uc - wc @ S
-            v_new[s:e] = vn.transpose(0, 1).to(v_new.dtype)
-            S = S + kc.transpose(-1, -2) @ vn
-        if output_final_state:
-            ht[n] = S
-
-
-class _FakeState(SignatureCheckingKernel):
-    def __init__(self, func, params):
-        super().__init__(func)
-        self.flags = {f: params[f] for f in ("has_initial_state", "output_final_state")}
-
-    def __call__(self, *args):
-        super().__call__(*args)
-        _chunk_state(*args, **self.flags)
 
 
 def _reference_forward(call, q, k, v, beta, initial_state):
@@ -74,10 +44,8 @@ def fake_kernels(monkeypatch):
     def fake_fwd(spec, stage, **params):
         assert stage == "chunk_state" or stage in EMULATE_WY, stage
         calls.append(stage)
-        func = chunk.stage_module(spec, stage).build(**params)
-        if stage in EMULATE_WY:          # the split prepare (A, w, u for the backward)
-            return EmulatingWYKernel(stage, func, params)
-        return _FakeState(func, params)
+        # the split prepare (A, w, u for the backward) and the state pass (S)
+        return EmulatingFwdKernel(stage, chunk.stage_module(spec, stage).build(**params), params)
 
     monkeypatch.setattr(chunk_bwd, "compiled_stage", fake_bwd)
     monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)

@@ -304,34 +304,45 @@ def _emulate_wu_beta(k, v, A, beta, bos, lens, w, u):
 
 
 #: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
-def _emulate_state_out(k, w, u, g_cum, cu, offs, h0, h, v_new, ht):
-    """chunk_state with states_out (no gate, delta rule, zero initial state): h[c0 + t] the
-    state entering chunk t in the input dtype, ht[c0 + n + t] the same in f32 and
-    ht[c0 + n + NC_n] the final state."""
-    cu, offs = cu.tolist(), offs.tolist()
-    for n in range(len(cu) - 1):
-        S = torch.zeros(k.shape[-1], u.shape[-1], dtype=F64)
-        for t in range(offs[n + 1] - offs[n]):
-            a, b = cu[n] + t * C, min(cu[n] + (t + 1) * C, cu[n + 1])
-            h[offs[n] + t, 0] = S.to(h.dtype)
-            ht[offs[n] + n + t, 0] = S.float()
-            vn = u[a:b, 0].to(F64) - w[a:b, 0].to(F64) @ S
-            v_new[a:b, 0] = vn.to(v_new.dtype)
-            S = S + k[a:b, 0].to(F64).T @ vn
-        ht[offs[n + 1] + n, 0] = S.float()
+def emulate_chunk_state(k, w, u, g_cum, cu, offsets, h0, h, v_new, ht,
+                        has_initial_state=False, output_final_state=False, states_out=False):
+    """fp64 emulation of ops.chunk's chunk_state without a gate (one head per sequence):
+    h[c0 + t] the state entering chunk t in the input dtype; the final state in ht[n], or
+    with states_out every entering state in f32 at ht[c0 + n + t] and the final state
+    after them (ht[c0' + n], c0' the next sequence's first chunk)."""
+    for n in range(cu.numel() - 1):
+        t0, t1, c0 = int(cu[n]), int(cu[n + 1]), int(offsets[n])
+        S = h0[n].to(F64).clone() if has_initial_state else \
+            torch.zeros(k.shape[1], k.shape[2], u.shape[2], dtype=F64)
+        for c, s in enumerate(range(t0, t1, C)):
+            e = min(s + C, t1)
+            h[c0 + c] = S.to(h.dtype)
+            if states_out:
+                ht[c0 + n + c] = S
+            kc, wc, uc = (x[s:e].to(F64).transpose(0, 1) for x in (k, w, u))
+            vn = uc - wc @ S
+            v_new[s:e] = vn.transpose(0, 1).to(v_new.dtype)
+            S = S + kc.transpose(-1, -2) @ vn
+        if output_final_state:
+            ht[int(offsets[n + 1]) + n if states_out else n] = S
 
 
+#: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
 EMULATE_WY = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
-EMULATE_FWD = {**EMULATE_WY, "chunk_state": _emulate_state_out}   # the contract's forward
+STATE_FLAGS = ("has_initial_state", "output_final_state", "states_out")
 
 
-class EmulatingWYKernel(SignatureCheckingKernel):
-    """A split-prepare (or the contract's state pass) launch checked against the traced
-    kernel, then its math emulated."""
+class EmulatingFwdKernel(SignatureCheckingKernel):
+    """A split-prepare or state-pass launch of the chunked forward's stages checked
+    against the traced kernel, then its math emulated."""
     def __init__(self, stage, func, params):
         super().__init__(func)
-        assert params.get("a_beta", False) is False and params.get("states_out", True), params
-        self.body = EMULATE_FWD[stage]
+        assert params.get("a_beta", False) is False, params
+        if stage == "chunk_state":
+            flags = {f: params.get(f, False) for f in STATE_FLAGS}
+            self.body = lambda *args: emulate_chunk_state(*args, **flags)
+        else:
+            self.body = EMULATE_WY[stage]
 
     def __call__(self, *args):
         super().__call__(*args)
@@ -350,7 +361,8 @@ def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
     def fake(spec, stage, **params):
         fakes.append(stage)
         func = chunk.stage_module(spec, stage).build(**params)
-        return (EmulatingWYKernel(stage, func, params) if stage in EMULATE_FWD
+        return (EmulatingFwdKernel(stage, func, params)
+                if stage in EMULATE_WY or stage == "chunk_state"
                 else SignatureCheckingKernel(func))
 
     monkeypatch.setattr(chunk, "compiled_stage", fake)
