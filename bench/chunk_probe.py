@@ -94,17 +94,11 @@ PATH_VARIANTS = {
     "state-t256-bv32": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32),
     "state-t256-3stage": dict(STATE_THREADS=256, FUSE_OUTPUT=False),
     "state-t256-fused": dict(STATE_THREADS=256, FUSE_OUTPUT=True),
-    # the per-key gate's one-kernel chunk_prepare (KDA, GLA): 256 threads, blocked inverse
-    "key-t256": dict(PREPARE_KEY_THREADS=256),
+    # the per-key gate's one-kernel chunk_prepare (KDA, GLA): 128 threads (the default
+    # before run s5-3: 256), the blocked inverse
+    "key-t128": dict(PREPARE_KEY_THREADS=128),
     "key-blocked": dict(PREPARE_KEY_INVERSE="blocked"),
-    "key-t256-blocked": dict(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked"),
-    # ... its diagonal blocks by rows of channels (no bank conflicts)
-    "key-rows": dict(PREPARE_KEY_DIAG="rows"),
-    "key-rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
-    "key-rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
-    "key-rows-fast": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True),
-    "key-rows-fast-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True,
-                                  PREPARE_KEY_INVERSE="blocked"),
+    "key-t128-blocked": dict(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"),
 }
 
 

@@ -161,19 +161,16 @@ PREPARE_INVERSE = os.environ.get("LINATTN_CHUNK_INVERSE", "tc")
 #: registers instead of ~184, twice the warps per SM for the latency-bound phases)
 PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: the per-key gate's chunk_prepare (KDA, GLA: one kernel, 144 KB of shared memory at K =
-#: V = 128 with the "tc" inverse, so one CTA of 128 threads per SM): its threads (256: twice
-#: the warps for the element-wise diagonal blocks and exponentials, 138 registers instead
-#: of 235) and its inverse ("blocked": 112 KB). Untimed so far: the probe's key-* variants.
-PREPARE_KEY_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_KEY_THREADS", "128"))
+#: V = 128 with the "tc" inverse, so one CTA per SM): its threads and its inverse
+#: (PREPARE_KEY_INVERSE, None = PREPARE_INVERSE). 256 threads since run s5-3 (two
+#: warpgroups for the element-wise diagonal blocks and decays, 138 registers instead of
+#: 235): prepare 0.705 -> 0.471 ms at KDA kda-tp2-4096, 0.311 -> 0.297 at GLA K = 128
+#: ragged; KDAFwd prefill rows 1.26-1.42x faster (run s5-4a). Measured and dropped: the
+#: "blocked" inverse (112 KB, 2 CTAs per SM: +0.025 ms at 256 threads), a conflict-free
+#: (16, K)-tile form of the diagonal blocks (3.5x slower: 64 serial block-reductions) and
+#: the fast exponential (+0.03 ms).
+PREPARE_KEY_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_KEY_THREADS", "256"))
 PREPARE_KEY_INVERSE = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_INVERSE") or None
-#: ... and how it sums the 16 x 16 diagonal blocks: "loop" (one (i, j) pair per thread
-#: over the K channels: the warp's lanes read one channel of 16 rows 512 bytes apart, a
-#: 16-way bank conflict per load; estimated ~70 us per CTA at K = 128, i.e. most of
-#: KDAFwd kda-tp1-4096's 1.44 ms) or "rows" (per block and column offset, a (16, K) tile
-#: with the threads along the channels, then a 16-lane all-reduce: conflict-free).
-PREPARE_KEY_DIAG = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_DIAG", "loop")
-#: ... and the fast exponential (ex2.approx) for all its decays (exponents <= 0)
-PREPARE_KEY_FAST_EXP = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_FAST_EXP", "0") == "1"
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
@@ -496,17 +493,13 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 def _prepare_tuning(spec: OpSpec) -> dict:
     """chunk_prepare's tuning knobs that differ from its template's defaults: the scalar /
     no-gate template's (PREPARE_INVERSE, _THREADS, _PREFETCH) or the per-key gate's
-    (PREPARE_KEY_INVERSE falling back to PREPARE_INVERSE, _THREADS, _DIAG, _FAST_EXP)."""
+    (PREPARE_KEY_INVERSE falling back to PREPARE_INVERSE, _THREADS)."""
     key = spec.gate is Gate.KEY
     inverse = (PREPARE_KEY_INVERSE or PREPARE_INVERSE) if key else PREPARE_INVERSE
     threads = PREPARE_KEY_THREADS if key else PREPARE_THREADS
     out = {"inverse": inverse} if spec.has_beta else {}
     if threads != 128:
         out["threads"] = threads
-    if key and PREPARE_KEY_DIAG != "loop":
-        out["diag"] = PREPARE_KEY_DIAG
-    if key and PREPARE_KEY_FAST_EXP:
-        out["fast_exp"] = True
     if not key and PREPARE_PREFETCH and spec.has_beta:
         out["prefetch"] = True
     return out

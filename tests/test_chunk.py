@@ -497,22 +497,18 @@ def test_qk_group_loop_launch_matches_kernel(monkeypatch):
 
 
 def test_key_gate_prepare_knobs():
-    """PREPARE_KEY_THREADS / _INVERSE / _DIAG reach the per-key gate's chunk_prepare (KDA;
-    GLA has no inverse) and leave the scalar-gate stages alone; the defaults are the
-    template's (128 threads, the shared PREPARE_INVERSE, the "loop" diagonal)."""
+    """PREPARE_KEY_THREADS / _INVERSE reach the per-key gate's chunk_prepare (KDA; GLA has
+    no inverse) and leave the scalar-gate stages alone; the default is 256 threads (run
+    s5-3) and the shared PREPARE_INVERSE."""
     kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16")
     kda, gla, gdn = (get_spec(n) for n in ("kda", "gla", "gdn"))
     p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
-    assert "threads" not in p and p["inverse"] == chunk.PREPARE_INVERSE
-    assert "diag" not in p                       # the template's default ("loop")
-    assert "fast_exp" not in p
-    with chunk.using(PREPARE_KEY_THREADS=256, PREPARE_KEY_INVERSE="blocked",
-                     PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True):
+    assert p["threads"] == 256 and p["inverse"] == chunk.PREPARE_INVERSE
+    assert all("threads" not in v or v["threads"] != 256
+               for v in chunk.stage_params(gdn, Options(), **kw).values())
+    with chunk.using(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"):
         p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
-        assert p["threads"] == 256 and p["inverse"] == "blocked" and p["diag"] == "rows"
-        assert p["fast_exp"]
+        assert "threads" not in p and p["inverse"] == "blocked"   # 128: the template's
         p = chunk.stage_params(gla, Options(), **kw)["chunk_prepare"]
-        assert p["threads"] == 256 and "inverse" not in p
-        assert all("threads" not in v or v["threads"] != 256
-                   for v in chunk.stage_params(gdn, Options(), **kw).values())
+        assert "threads" not in p and "inverse" not in p
         chunk.stage_module(kda, "chunk_prepare").build(**chunk.stage_params(kda, Options(), **kw)["chunk_prepare"])

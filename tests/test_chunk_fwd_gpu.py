@@ -345,15 +345,12 @@ def test_grid_order_and_staged_output(p, variant, rng, monkeypatch):
     check_with_knobs(p, GRID_VARIANTS[variant], rng, monkeypatch)
 
 
-#: the per-key gate's one-kernel prepare (KDA, GLA): threads, inverse, diagonal blocks
+#: the per-key gate's one-kernel prepare (KDA, GLA): threads (128: the default before run
+#: s5-3) and inverse
 KEY_PREPARE_VARIANTS = {
-    "t256": dict(PREPARE_KEY_THREADS=256),
+    "t128": dict(PREPARE_KEY_THREADS=128),
     "blocked": dict(PREPARE_KEY_INVERSE="blocked"),
-    "rows": dict(PREPARE_KEY_DIAG="rows"),
-    "rows-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_INVERSE="blocked"),
-    "rows-t256": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_THREADS=256),
-    "rows-fast-blocked": dict(PREPARE_KEY_DIAG="rows", PREPARE_KEY_FAST_EXP=True,
-                              PREPARE_KEY_INVERSE="blocked"),
+    "t128-blocked": dict(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"),
 }
 KEY_PREPARE_CASES = [
     case("kda", 1, 200, 2, 4, 128, 128, opts=("l2norm_qk",)),

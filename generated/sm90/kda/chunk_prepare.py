@@ -49,21 +49,12 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128, heads_fastest=False, diag="loop", fast_exp=False):
+          threads=128, heads_fastest=False):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
-    diag: how the 16 x 16 diagonal blocks are summed. "loop": one (i, j) pair per thread,
-    its K channels in a serial loop (the lanes of a warp read one channel of 16 different
-    rows: 16-way shared-memory bank conflicts); "rows": per diagonal block and column
-    offset, a (16, K) tile of products formed by all threads along the channels (no
-    conflicts) and reduced along K, before the GEMM phase (its fragments not yet live),
-    with the fast exponential (ex2.approx; its exponents are <= 0 here).
-    fast_exp: the same fast exponential for every decay of the chunk (the factored
-    sub-blocks, qg, kg, w: all exponents <= 0, i.e. factors in (0, 1]).
-
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
@@ -73,8 +64,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     BT = CHUNK
     SUB = 16                    # row block of the factored decays and of the inverse
     assert inverse in ("column", "blocked", "tc"), inverse
-    assert diag in ("loop", "rows"), diag
-    dexp = T.__exp if fast_exp else T.exp     # the decays' exponential
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -148,32 +137,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             for j in T.Parallel(K):
                 g_last[c, hv, j] = g_s[rows - 1, j]
 
-            if diag == "rows":
-                # diagonal blocks first: for block b and column offset jj, row i = 16 b + ii
-                # against column j = 16 b + jj (j <= i kept), all threads along the channels
-                pq = T.alloc_fragment((SUB, K), f32)
-                sq = T.alloc_fragment((SUB,), f32)
-                pk = T.alloc_fragment((SUB, K), f32)
-                sk = T.alloc_fragment((SUB,), f32)
-                for b in T.serial(BT // SUB):
-                    for jj in T.serial(SUB):
-                        for ii, cc in T.Parallel(SUB, K):
-                            dec = T.if_then_else(
-                                jj <= ii,
-                                T.__exp(g_s[b * SUB + ii, cc] - g_s[b * SUB + jj, cc])
-                                * T.cast(k_s[b * SUB + jj, cc], f32),
-                                T.float32(0))
-                            pq[ii, cc] = T.cast(q_s[b * SUB + ii, cc], f32) * dec
-                            pk[ii, cc] = T.cast(k_s[b * SUB + ii, cc], f32) * dec
-                        T.reduce_sum(pq, sq, dim=1)
-                        T.reduce_sum(pk, sk, dim=1)
-                        for ii in T.Parallel(SUB):
-                            if jj <= ii:
-                                d_s[b * SUB + ii, b * SUB + jj] = sq[ii]
-                            if jj < ii:
-                                d_s[b * SUB + jj, b * SUB + ii] = sk[ii]
-                T.sync_threads()
-
             # sub-blocks below the diagonal: row block I (rows r..r+15, r = 16 I) against
             # columns j < r, through exp(G_i - G_r) exp(G_r - G_j), both factors <= 1
             qk_f = T.alloc_fragment((BT, BT), f32)
@@ -184,51 +147,50 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 r = blk * SUB
                 for i, j in T.Parallel(BT, K):
                     right_s[i, j] = T.if_then_else(
-                        i < r, T.cast(T.cast(k_s[i, j], f32) * dexp(g_s[r, j] - g_s[i, j]), dtype),
+                        i < r, T.cast(T.cast(k_s[i, j], f32) * T.exp(g_s[r, j] - g_s[i, j]), dtype),
                         T.cast(0, dtype))
                 for i, j in T.Parallel(BT, K):
                     left_s[i, j] = T.if_then_else(
                         (i >= r) & (i < r + SUB),
-                        T.cast(T.cast(q_s[i, j], f32) * dexp(g_s[i, j] - g_s[r, j]), dtype),
+                        T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j] - g_s[r, j]), dtype),
                         T.cast(0, dtype))
                 T.gemm(left_s, right_s, qk_f, transpose_B=True)
                 for i, j in T.Parallel(BT, K):
                     left_s[i, j] = T.if_then_else(
                         (i >= r) & (i < r + SUB),
-                        T.cast(T.cast(k_s[i, j], f32) * dexp(g_s[i, j] - g_s[r, j]), dtype),
+                        T.cast(T.cast(k_s[i, j], f32) * T.exp(g_s[i, j] - g_s[r, j]), dtype),
                         T.cast(0, dtype))
                 T.gemm(left_s, right_s, kk_f, transpose_B=True)
 
             # diagonal sub-blocks, element by element in f32: d_s[i, j] = sum_c q_ic k_jc e_ijc
             # (i >= j) and, strictly below the diagonal, d_s[j, i] = sum_c k_ic k_jc e_ijc
-            if diag == "loop":
-                for i, j in T.Parallel(BT, BT):
-                    d_s[i, j] = T.float32(0)
-                T.sync_threads()
-                for e in T.serial(BT * SUB // threads):
-                    idx = e * threads + tx
-                    i = idx // SUB
-                    j = i // SUB * SUB + idx % SUB
-                    if j <= i:
-                        acc[0] = T.float32(0)
-                        acc[1] = T.float32(0)
-                        for cc in T.serial(K):
-                            dec = T.exp(g_s[i, cc] - g_s[j, cc]) * T.cast(k_s[j, cc], f32)
-                            acc[0] = acc[0] + T.cast(q_s[i, cc], f32) * dec
-                            acc[1] = acc[1] + T.cast(k_s[i, cc], f32) * dec
-                        d_s[i, j] = acc[0]
-                        if j < i:
-                            d_s[j, i] = acc[1]
+            for i, j in T.Parallel(BT, BT):
+                d_s[i, j] = T.float32(0)
+            T.sync_threads()
+            for e in T.serial(BT * SUB // threads):
+                idx = e * threads + tx
+                i = idx // SUB
+                j = i // SUB * SUB + idx % SUB
+                if j <= i:
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    for cc in T.serial(K):
+                        dec = T.exp(g_s[i, cc] - g_s[j, cc]) * T.cast(k_s[j, cc], f32)
+                        acc[0] = acc[0] + T.cast(q_s[i, cc], f32) * dec
+                        acc[1] = acc[1] + T.cast(k_s[i, cc], f32) * dec
+                    d_s[i, j] = acc[0]
+                    if j < i:
+                        d_s[j, i] = acc[1]
             T.sync_threads()
 
             # qg = q exp(G), kg = k exp(G_last - G), A_qk (masked i >= j)
             for i, j in T.Parallel(BT, K):
                 if i < rows:
-                    qg[t0 + i, hv, j] = T.cast(T.cast(q_s[i, j], f32) * dexp(g_s[i, j]), dtype)
+                    qg[t0 + i, hv, j] = T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j]), dtype)
             for i, j in T.Parallel(BT, K):
                 if i < rows:
                     kg[t0 + i, hv, j] = T.cast(
-                        T.cast(k_s[i, j], f32) * dexp(g_s[rows - 1, j] - g_s[i, j]), dtype)
+                        T.cast(k_s[i, j], f32) * T.exp(g_s[rows - 1, j] - g_s[i, j]), dtype)
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
                     aqk[t0 + i, hv, j] = T.cast(
@@ -346,7 +308,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             for i, j in T.Parallel(BT, BT):
                 x_lp[i, j] = T.cast(x_s[i, j], dtype)
             for i, j in T.Parallel(BT, K):
-                left_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * dexp(g_s[i, j])), dtype)
+                left_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * T.exp(g_s[i, j])), dtype)
             for i, j in T.Parallel(BT, V):
                 vb_s[i, j] = T.if_then_else(i < rows, T.cast(T.cast(v[t0 + i, hv, j], f32) * b_s[i], dtype),
                                             T.cast(0, dtype))
