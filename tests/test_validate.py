@@ -252,3 +252,14 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first):
         assert N * HV * V // 64 >= 6 * sm90.NUM_SMS
     if (N, HV, state_dtype, v_first) == (8, 64, "bfloat16", False):   # the swept row
         assert t == {"block_v": 64, "threads": 128, "vec": 8, "warps_k": 4}
+    if v_first and state_dtype == "float32" and N * HV * V // 8 <= 32 * sm90.NUM_SMS:
+        assert t == {"block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}   # one warp, 32 B
+
+
+def test_decode_tuning_v_first_swept_row():
+    """GDNFwd decode-vfirst-b17 (f32 state, value rows first): the swept winner."""
+    from linattn.codegen.arch import sm90
+    problem = dict(K=128, V=128, HV=12, state_dtype="float32", state_v_first=True)
+    assert sm90.tuning("recurrent", problem, {"N": 17}) == {
+        "block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
+    assert sm90.tuning("recurrent", problem, {"N": 256})["block_v"] == 32    # many CTAs

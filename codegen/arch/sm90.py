@@ -61,6 +61,15 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     if (item == 2 and n is not None and not v_first and V % (2 * block_v) == 0
             and n * HV * (V // (2 * block_v)) >= 6 * NUM_SMS):
         block_v *= 2
+    # f32 states with the value rows first and a grid that fits one wave of resident CTAs
+    # (32 per SM) at one warp per 8 value rows: that warp, 32-byte loads (run s5-3 sweep,
+    # GDNFwd decode-vfirst-b17 [N 17, HV 12, 128 x 128]: 9.15 us at (32, 128 threads,
+    # vec 4), 8.54 at (16, 64, vec 8), 8.16 at (8, 32, vec 8); fla 9.12; the only v-first
+    # decode row of the table, so kept to grids this small)
+    if v_first and item == 4 and n is not None and V % 8 == 0 \
+            and n * HV * (V // 8) <= 32 * NUM_SMS \
+            and recurrent_layout_ok(K, V, 8, 32, 8, 1, True):
+        return {"block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
     per_thread = 64 if block_v == 64 and item == 2 else 32
     for vec in (16 // item, 4, 2, 1):
         threads = max(32, min(256, K * block_v // per_thread))
