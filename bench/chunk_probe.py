@@ -230,7 +230,7 @@ def probe(name, args):
         res["prepare_variants"][pv] = r
         print(name, "prepare", pv, r, flush=True)
     # the other path, side by side
-    fused = chunk.fuse_output((B if lens is None else len(lens)) * HV, DTYPES[args.dtype])
+    fused = chunk.fuse_output((B if lens is None else len(lens)) * HV, DTYPES[args.dtype], K)
     res["default_path"] = "fused" if fused else "three_stage"
     key_f = "three_stage" if fused else "fused"
     res[key_f] = ({"error": "skipped (--no-alt)"} if args.no_alt
@@ -308,7 +308,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=(), dtype="bflo
     op, B, T, H, HV, K, V, opts, lens = WORKLOADS[name]
     spec, options = get_spec(op), Options(**{n: True for n in opts})
     N = B if lens is None else len(lens)
-    variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.fuse_output(N * HV, dtype))] if alt else [])
+    variants = [{}] + ([dict(FUSE_OUTPUT=not chunk.fuse_output(N * HV, dtype, K))] if alt else [])
     variants += [PREPARE_VARIANTS[pv] for pv in prepare or ()]
     variants += [PATH_VARIANTS[pv] for pv in paths or ()]
     if sweep:
@@ -324,7 +324,7 @@ def workload_jobs(name, sweep=False, prepare=(), alt=True, paths=(), dtype="bflo
             params = chunk.stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                                         g_dtype="float32", beta_dtype=dtype, N=N,
                                         has_initial_state=True, output_final_state=True,
-                                        fused=chunk.fuse_output(N * HV, dtype))
+                                        fused=chunk.fuse_output(N * HV, dtype, K))
         jobs += [(spec, stage, pr) for stage, pr in params.items()]
     return jobs
 

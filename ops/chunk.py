@@ -272,12 +272,13 @@ def state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = None) -> 
         raise SpecError(str(e)) from None
 
 
-def fuse_output(n_seq_heads: int, dtype: str = "bfloat16") -> bool:
+def fuse_output(n_seq_heads: int, dtype: str = "bfloat16", K: int = 128) -> bool:
     """Whether a call with ``n_seq_heads`` (sequences x value heads) state chains in
-    ``dtype`` runs the fused path: FUSE_OUTPUT when set, else the arch table's rule."""
+    ``dtype`` and key dimension ``K`` runs the fused path: FUSE_OUTPUT when set, else the
+    arch table's rule."""
     if FUSE_OUTPUT is not None:
         return bool(FUSE_OUTPUT)
-    return _ARCH.chunk_fuse_output(n_seq_heads, dtype)
+    return _ARCH.chunk_fuse_output(n_seq_heads, dtype, K)
 
 
 #: the output stage's value block (None: all of V up to 128, so q k^T is formed once)
@@ -409,7 +410,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     if many_chunks and return_states:
         raise SpecError(f"{NT} chunks: the per-chunk states of more than "
                         f"{_ARCH.MAX_GRID_YZ} chunks in one call are not supported")
-    fused = (fuse_output(N * HV, dtype) or many_chunks) and not return_states
+    fused = (fuse_output(N * HV, dtype, K) or many_chunks) and not return_states
     params = stage_params(spec, options, H=H, HV=HV, K=K, V=V, dtype=dtype,
                           g_dtype=_dtype_name(gf), beta_dtype=_dtype_name(betaf), N=N,
                           has_initial_state=initial_state is not None,

@@ -364,6 +364,11 @@ def test_fuse_output_rule():
             assert not chunk.fuse_output(m - 1, dtype) and chunk.fuse_output(m, dtype)
         assert not chunk.fuse_output(8) and chunk.fuse_output(16)    # tp8-8192, prefill-4k
         assert chunk.fuse_output(8, "float16")      # tp8 f16: the 3-stage state pass is slower
+        small = sm90.CHUNK_FUSE_OUTPUT_MIN_CHAINS_SMALL_K["bfloat16"]
+        assert not chunk.fuse_output(16, "bfloat16", 64)    # prefill-narrow-state
+        assert not chunk.fuse_output(small - 1, "bfloat16", 64)
+        assert chunk.fuse_output(small, "bfloat16", 64) and chunk.fuse_output(16, "bfloat16", 128)
+        assert chunk.fuse_output(8, "float16", 64)
     for forced in (True, False):
         with chunk.using(FUSE_OUTPUT=forced):
             assert chunk.fuse_output(1) is forced and chunk.fuse_output(10_000) is forced

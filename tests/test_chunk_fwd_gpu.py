@@ -110,7 +110,7 @@ def case_jobs(p, **knobs):
                                     dtype=p["dtype"], g_dtype="float32", beta_dtype=p["dtype"],
                                     N=N, has_initial_state=p["init"],
                                     output_final_state=p["final"],
-                                    fused=chunk.fuse_output(N * p["HV"], p["dtype"]))
+                                    fused=chunk.fuse_output(N * p["HV"], p["dtype"], p["K"]))
         return [(spec, stage, pr) for stage, pr in params.items()]
 
 

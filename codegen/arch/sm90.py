@@ -148,13 +148,20 @@ def chunk_state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = Non
 #: paths are within 2 % (tp8-8192: fused 0.224, 3-stage 0.220) while f16's 3-stage path
 #: took 0.248: expected f16 tp8-8192 ~0.225 fused (fla 0.238); not yet measured (LOG,
 #: session 4: the next run's probe compares both paths).
+#: Measured in run s5-1: f16 tp8-8192 fused 0.224 ms (fla 0.237), tp8-16384 0.435 (0.466).
 CHUNK_FUSE_OUTPUT_MIN_CHAINS = {"float16": 8}
 CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT = 16
+#: ... and with K <= 64 in bf16 (run s5-5 probe, GDN prefill-narrow-state [1, 4096, 16, 64],
+#: 16 chains: fused 0.115 ms, 3-stage 0.111, fla 0.113; the state pass is 0.064 of the
+#: 3-stage path's and the output's 0.019 gains less from the fusion at half the state)
+CHUNK_FUSE_OUTPUT_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 
 
-def chunk_fuse_output(n_seq_heads: int, dtype: str = "bfloat16") -> bool:
+def chunk_fuse_output(n_seq_heads: int, dtype: str = "bfloat16", K: int = 128) -> bool:
     """Whether the chunked forward runs the fused state + output path."""
-    return n_seq_heads >= CHUNK_FUSE_OUTPUT_MIN_CHAINS.get(dtype, CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT)
+    table = CHUNK_FUSE_OUTPUT_MIN_CHAINS_SMALL_K if K <= 64 else {}
+    m = table.get(dtype) or CHUNK_FUSE_OUTPUT_MIN_CHAINS.get(dtype, CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT)
+    return n_seq_heads >= m
 
 
 def chunk_output_block_v(V: int) -> int:
