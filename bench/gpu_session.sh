@@ -35,8 +35,9 @@ for s in $STEPS; do
   case $s in
     # decode cases compile one kernel each: spread them over processes (pytest-xdist from
     # .whl); the chunk tests precompile their kernels in parallel themselves
+    # DECODE_K narrows it (a -k expression on the test ids, e.g. "state_v_first")
     decode) run_step decode "${DECODE_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             -n 8 -rfE tests/test_decode_gpu.py --junitxml="$R/decode.xml" ;;
+             -n 8 -rfE tests/test_decode_gpu.py -k "${DECODE_K:-}" --junitxml="$R/decode.xml" ;;
     # CHUNK_K narrows it (a -k expression; with LINATTN_TEST_PRECOMPILE=default and
     # CHUNK_K="matches_reference or grid_order" only those cases' kernels are compiled)
     chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
