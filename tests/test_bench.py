@@ -222,6 +222,12 @@ def test_summary_table_and_merge(tmp_path):
     assert row["impls"]["linattn"]["ms"] == 0.04 and row["impls"]["linattn"]["commit"] == "c3"
     assert row["impls"]["fla"]["ms"] == 0.2 and row["impls"]["fla"]["commit"] == "c2"
     assert row["ratio"] == pytest.approx(0.2 / 0.04) and row["ours_ms"] == 0.04
+    # the header describes the merged table, not the last run
+    assert merged["geomeans"]["GDNFwd"]["rows"] == 2 and merged["geomeans"]["KDAFwd"]["rows"] == 1
+    assert "skipped_for_budget" not in report.merge_into(
+        path, {"gpu": "x", "commit": "c4", "impls": ["fla"], "skipped_for_budget": ["r"],
+               "rows": []})
+    assert json.load(open(path))["impls"] == ["fla"]
 
 
 def test_bound_labels_match_seed_page():

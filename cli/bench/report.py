@@ -240,11 +240,20 @@ def merge_into(path: str, doc: dict) -> dict:
             summarize(fresh, table[key(fresh)])
         rows[key(fresh)] = fresh
     order = {op: i for i, op in enumerate(OPS)}
-    merged = {**{k: v for k, v in old.items() if k != "rows"},
-              **{k: v for k, v in doc.items() if k != "rows"},
-              "rows": sorted(rows.values(), key=lambda r: order.get(r["op"], len(order)))}
+    merged_rows = sorted(rows.values(), key=lambda r: order.get(r["op"], len(order)))
+    # the header describes the merged table: the implementations of all its rows and their
+    # geomeans; what one run alone measured (its budget skips, wall time, compile count)
+    # stays in that run's own JSON
+    impls = list(dict.fromkeys([*old.get("impls", []), *doc.get("impls", [])]))
+    merged = {**{k: v for k, v in old.items() if k not in RUN_ONLY},
+              **{k: v for k, v in doc.items() if k not in RUN_ONLY},
+              "impls": impls, "geomeans": geomeans(merged_rows), "rows": merged_rows}
     write_json(merged, path)
     return merged
+
+
+#: header fields of one run that a merged table does not carry
+RUN_ONLY = ("rows", "skipped_for_budget", "wall_s", "precompile")
 
 
 def plot(records, path: str) -> bool:
