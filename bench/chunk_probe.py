@@ -99,6 +99,9 @@ PATH_VARIANTS = {
     "key-t128": dict(PREPARE_KEY_THREADS=128),
     "key-blocked": dict(PREPARE_KEY_INVERSE="blocked"),
     "key-t128-blocked": dict(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"),
+    # ... its diagonal blocks' channel loop skewed per lane (no bank conflicts)
+    "key-skew": dict(PREPARE_KEY_SKEW=True),
+    "key-skew-t128": dict(PREPARE_KEY_SKEW=True, PREPARE_KEY_THREADS=128),
 }
 
 

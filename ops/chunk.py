@@ -171,6 +171,11 @@ PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: the fast exponential (+0.03 ms).
 PREPARE_KEY_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_KEY_THREADS", "256"))
 PREPARE_KEY_INVERSE = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_INVERSE") or None
+#: ... and its diagonal blocks' channel loop skewed per lane (no bank conflicts on the
+#: 16 rows j a warp reads; ncu, run s5-6: the shared-memory pipe 71 % busy, short-scoreboard
+#: stalls on it first). Expected: that loop ~6x fewer shared-memory wavefronts; not yet
+#: GPU-run (probe variant key-skew, GPU test variant "skew").
+PREPARE_KEY_SKEW = os.environ.get("LINATTN_CHUNK_PREPARE_KEY_SKEW", "0") == "1"
 #: chunk_prepare issues v's loads at the start (registers) so they overlap the inverse
 #: (default since run 5: prepare 0.103 -> 0.095 ms on GDN prefill-4k, GPU-checked)
 PREPARE_PREFETCH = os.environ.get("LINATTN_CHUNK_PREPARE_PREFETCH", "1") == "1"
@@ -494,13 +499,15 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
 def _prepare_tuning(spec: OpSpec) -> dict:
     """chunk_prepare's tuning knobs that differ from its template's defaults: the scalar /
     no-gate template's (PREPARE_INVERSE, _THREADS, _PREFETCH) or the per-key gate's
-    (PREPARE_KEY_INVERSE falling back to PREPARE_INVERSE, _THREADS)."""
+    (PREPARE_KEY_INVERSE falling back to PREPARE_INVERSE, _THREADS, _SKEW)."""
     key = spec.gate is Gate.KEY
     inverse = (PREPARE_KEY_INVERSE or PREPARE_INVERSE) if key else PREPARE_INVERSE
     threads = PREPARE_KEY_THREADS if key else PREPARE_THREADS
     out = {"inverse": inverse} if spec.has_beta else {}
     if threads != 128:
         out["threads"] = threads
+    if key and PREPARE_KEY_SKEW:
+        out["skew"] = True
     if not key and PREPARE_PREFETCH and spec.has_beta:
         out["prefetch"] = True
     return out

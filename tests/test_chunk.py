@@ -511,9 +511,13 @@ def test_key_gate_prepare_knobs():
     assert p["threads"] == 256 and p["inverse"] == chunk.PREPARE_INVERSE
     assert all("threads" not in v or v["threads"] != 256
                for v in chunk.stage_params(gdn, Options(), **kw).values())
-    with chunk.using(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"):
+    assert "skew" not in p                       # the template's default: no skew
+    with chunk.using(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked",
+                     PREPARE_KEY_SKEW=True):
         p = chunk.stage_params(kda, Options(), **kw)["chunk_prepare"]
         assert "threads" not in p and p["inverse"] == "blocked"   # 128: the template's
+        assert p["skew"]
         p = chunk.stage_params(gla, Options(), **kw)["chunk_prepare"]
-        assert "threads" not in p and "inverse" not in p
+        assert "threads" not in p and "inverse" not in p and p["skew"]
+        assert all("skew" not in v for v in chunk.stage_params(gdn, Options(), **kw).values())
         chunk.stage_module(kda, "chunk_prepare").build(**chunk.stage_params(kda, Options(), **kw)["chunk_prepare"])

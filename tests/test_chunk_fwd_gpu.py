@@ -346,11 +346,13 @@ def test_grid_order_and_staged_output(p, variant, rng, monkeypatch):
 
 
 #: the per-key gate's one-kernel prepare (KDA, GLA): threads (128: the default before run
-#: s5-3) and inverse
+#: s5-3), inverse, the skewed channel loop of the diagonal blocks
 KEY_PREPARE_VARIANTS = {
     "t128": dict(PREPARE_KEY_THREADS=128),
     "blocked": dict(PREPARE_KEY_INVERSE="blocked"),
     "t128-blocked": dict(PREPARE_KEY_THREADS=128, PREPARE_KEY_INVERSE="blocked"),
+    "skew": dict(PREPARE_KEY_SKEW=True),
+    "skew-t128": dict(PREPARE_KEY_SKEW=True, PREPARE_KEY_THREADS=128),
 }
 KEY_PREPARE_CASES = [
     case("kda", 1, 200, 2, 4, 128, 128, opts=("l2norm_qk",)),

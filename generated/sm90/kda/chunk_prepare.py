@@ -49,12 +49,16 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128, heads_fastest=False):
+          threads=128, heads_fastest=False, skew=False):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
+    skew: in the diagonal blocks' loop over the K channels, lane l of a warp starts at
+    channel l (then wraps): a warp's 32 (i, j) pairs (2 rows i x 16 columns j) read g and k
+    of their 16 rows j in 32 different banks instead of one column of 16 rows 512 / 256
+    bytes apart (a 16-way conflict per load); the sums only change their order.
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
@@ -66,6 +70,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     assert inverse in ("column", "blocked", "tc"), inverse
     f32 = "float32"
     group = HV // H
+    # the diagonal loop's channel for lane tx % 32 (skew) or the loop's own
+    _c = (lambda cc: (cc + T.get_thread_binding() % 32) % K) if skew else (lambda cc: cc)
     Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
@@ -175,9 +181,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                     acc[0] = T.float32(0)
                     acc[1] = T.float32(0)
                     for cc in T.serial(K):
-                        dec = T.exp(g_s[i, cc] - g_s[j, cc]) * T.cast(k_s[j, cc], f32)
-                        acc[0] = acc[0] + T.cast(q_s[i, cc], f32) * dec
-                        acc[1] = acc[1] + T.cast(k_s[i, cc], f32) * dec
+                        dec = T.exp(g_s[i, _c(cc)] - g_s[j, _c(cc)]) * T.cast(k_s[j, _c(cc)], f32)
+                        acc[0] = acc[0] + T.cast(q_s[i, _c(cc)], f32) * dec
+                        acc[1] = acc[1] + T.cast(k_s[i, _c(cc)], f32) * dec
                     d_s[i, j] = acc[0]
                     if j < i:
                         d_s[j, i] = acc[1]
