@@ -53,6 +53,8 @@ WORKLOADS = {   # in priority order (a --budget-s cut keeps the first ones)
     "q35-symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168]),
     # GLAFwd's K = 128 rows (0.40-0.53x fla in run s4-4): varlen-ragged f16's shape, bf16
     "gla-k128-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032]),
+    # GLAFwd varlen-4x1k's shape (K = 64, 16 chains: the 3-stage path since b2aac9a)
+    "gla-varlen-4x1k": ("gla", 1, None, 4, 4, 64, 64, (), [1024] * 4),
 }
 
 
