@@ -398,7 +398,9 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     w = empty(Ttot, HV, K, dt=dt)
     u = empty(Ttot, HV, V, dt=dt) if spec.has_beta else vf   # additive: the state reads v
     o = empty(Ttot, HV, V, dt=dt)
-    final = empty(*state_shape) if output_final_state else empty(1, *state_shape[1:])
+    # with return_states the final states are rows of the states tensor (taken below)
+    full_final = output_final_state and (Ttot == 0 or not return_states)
+    final = empty(*state_shape) if full_final else empty(1, *state_shape[1:])
     if Ttot == 0:
         if output_final_state:
             final.copy_(initial_state.float() if initial_state is not None else 0.0)
