@@ -165,7 +165,7 @@ PREPARE_THREADS = int(os.environ.get("LINATTN_CHUNK_PREPARE_THREADS", "128"))
 #: (PREPARE_KEY_INVERSE, None = PREPARE_INVERSE). 256 threads since run s5-3 (two
 #: warpgroups for the element-wise diagonal blocks and decays, 138 registers instead of
 #: 235): prepare 0.705 -> 0.471 ms at KDA kda-tp2-4096, 0.311 -> 0.297 at GLA K = 128
-#: ragged; KDAFwd prefill rows 1.26-1.42x faster (run s5-4a). Measured and dropped: the
+#: ragged; the 19 KDAFwd prefill rows 1.29-1.66x faster (run s5-4a). Measured and dropped: the
 #: "blocked" inverse (112 KB, 2 CTAs per SM: +0.025 ms at 256 threads), a conflict-free
 #: (16, K)-tile form of the diagonal blocks (3.5x slower: 64 serial block-reductions) and
 #: the fast exponential (+0.03 ms).

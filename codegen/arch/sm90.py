@@ -146,14 +146,16 @@ def chunk_state_block_v(V: int, n_seq_heads: int, seq_chunks: tuple | None = Non
 #: prefill-4k: 0.087 vs 0.075 ms; same CUDA source up to the element type, cause open),
 #: the fused kernel is not (prefill-4k f16 0.148 vs bf16 0.147 ms). At 8 chains the bf16
 #: paths are within 2 % (tp8-8192: fused 0.224, 3-stage 0.220) while f16's 3-stage path
-#: took 0.248: expected f16 tp8-8192 ~0.225 fused (fla 0.238); not yet measured (LOG,
-#: session 4: the next run's probe compares both paths).
-#: Measured in run s5-1: f16 tp8-8192 fused 0.224 ms (fla 0.237), tp8-16384 0.435 (0.466).
+#: took 0.248. Measured with this rule (runs s5-1, s5-3): f16 tp8-8192 fused 0.224 ms vs
+#: 3-stage 0.245 (fla 0.237), tp8-16384 0.435 (fla 0.466).
 CHUNK_FUSE_OUTPUT_MIN_CHAINS = {"float16": 8}
 CHUNK_FUSE_OUTPUT_MIN_CHAINS_DEFAULT = 16
-#: ... and with K <= 64 in bf16 (run s5-5 probe, GDN prefill-narrow-state [1, 4096, 16, 64],
-#: 16 chains: fused 0.115 ms, 3-stage 0.111, fla 0.113; the state pass is 0.064 of the
-#: 3-stage path's and the output's 0.019 gains less from the fusion at half the state)
+#: ... and with K <= 64 in bf16, from 32 (run s5-5 probe, GDN prefill-narrow-state [1, 4096,
+#: 16, 64], 16 chains: 3-stage 0.111 ms (state 0.064 + output 0.019 after the prepare),
+#: fused 0.115 (chunk_qk 0.015 + state_output 0.072), fla 0.113: at half the state the
+#: saved h round trip is worth less than the output work added to the sequential pass).
+#: Measured on GDN only; GLAFwd varlen-4x1k (K = 64, 16 chains) took 0.0562 ms with it vs
+#: 0.0549 fused (runs s5-8 / s5-4a).
 CHUNK_FUSE_OUTPUT_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 
 
