@@ -104,6 +104,14 @@ PATH_VARIANTS = {
     # ... its diagonal blocks' channel loop skewed per lane (no bank conflicts)
     "key-skew": dict(PREPARE_KEY_SKEW=True),
     "key-skew-t128": dict(PREPARE_KEY_SKEW=True, PREPARE_KEY_THREADS=128),
+    # two state-pass CTAs per SM (registers capped, one pipeline stage for the shared
+    # memory), alone and with the sequence split into segments of 8 / 16 / 32 chunks
+    "occ2": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1),
+    "occ2-3stage": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, FUSE_OUTPUT=False),
+    "occ2-L8": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, SPLIT=True, SPLIT_SEGMENT_CHUNKS=8),
+    "occ2-L16": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, SPLIT=True, SPLIT_SEGMENT_CHUNKS=16),
+    "occ2-L32": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, SPLIT=True, SPLIT_SEGMENT_CHUNKS=32),
+    "s1": dict(STATE_NUM_STAGES=1),
 }
 
 

@@ -118,6 +118,12 @@ STATE_NUM_STAGES = int(os.environ.get("LINATTN_CHUNK_STATE_STAGES", "2"))
 #: split w S GEMM is 8 columns wide, not a wgmma shape): smaller blocks keep 128. 256
 #: not yet GPU-run
 STATE_THREADS = int(os.environ.get("LINATTN_CHUNK_STATE_THREADS", "128"))
+#: state pass CTAs per SM the registers are capped for (__launch_bounds__ minimum blocks;
+#: the consumer warpgroup's setmaxnreg share: 232 at 2). 1 (default): one CTA per SM, 240
+#: registers (a 128-consumer CTA needs 33.8 K of the SM's 64 K). 2 with num_stages 1 (~64
+#: KB of shared memory at K = 128, block 16) lets two sequential chains share an SM, e.g.
+#: with SPLIT's segments. Compiles without spills; not yet GPU-run (probe variants occ2*).
+STATE_MIN_BLOCKS = int(os.environ.get("LINATTN_CHUNK_STATE_MIN_BLOCKS", "1"))
 #: scalar gate: the state pass stores v_new straight from registers instead of through
 #: shared memory. On: alone, the smem path measured faster (session 2 sweep: state pass
 #: 3.58 -> 3.30 ms at q35-397b-tp1-65536, 0.079 -> 0.078 at prefill-4k), but with h by
@@ -563,6 +569,8 @@ def stage_params(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, g_dtype=
                               **({"h_from_fragment": True} if STATE_H_FROM_FRAGMENT else {}),
                               **({"threads": STATE_THREADS}
                                  if STATE_THREADS != 128 and state_bv >= 32 else {}),
+                              **({"min_blocks": STATE_MIN_BLOCKS} if STATE_MIN_BLOCKS > 1
+                                 and not (STATE_THREADS != 128 and state_bv >= 32) else {}),
                               **({"states_out": True} if states_out and not fused else {}))
     out["chunk_output"] = dict(common, l2norm_qk=options.l2norm_qk, block_v=output_block_v(V),
                                **({"tile_loads": True} if OUTPUT_TILE_LOADS else {}),

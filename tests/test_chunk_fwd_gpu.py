@@ -336,6 +336,12 @@ GRID_VARIANTS = {
     "state-t256-3stage": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32, FUSE_OUTPUT=False),
     "state-t256-fused": dict(STATE_THREADS=256, STATE_BLOCK_V_OVERRIDE=32, FUSE_OUTPUT=True),
     "qk-group-fused": dict(QK_GROUP_LOOP=True, FUSE_OUTPUT=True),
+    # two state-pass CTAs per SM by registers (and shared memory: one stage), alone and
+    # with the sequence split into segments
+    "occ2-fused": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, FUSE_OUTPUT=True),
+    "occ2-3stage": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, FUSE_OUTPUT=False),
+    "occ2-split": dict(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1, SPLIT=True,
+                       SPLIT_SEGMENT_CHUNKS=2),
 }
 
 

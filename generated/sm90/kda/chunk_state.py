@@ -51,7 +51,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
-          h_from_fragment=False, threads=128, states_out=False):
+          h_from_fragment=False, threads=128, min_blocks=1, states_out=False):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -64,7 +64,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
     prefetch the next chunks), v_new_from_fragment (scalar gate: store v_new from
     registers instead of through shared memory), h_from_fragment (store h from registers
-    instead of a TMA store, whose completion the warpgroup otherwise waits for).
+    instead of a TMA store, whose completion the warpgroup otherwise waits for),
+    min_blocks (> 1: __launch_bounds__(threads, min_blocks) and the consumer warpgroup's
+    register allocation cut to its share, so that many CTAs fit on an SM by registers:
+    several sequential chains per SM, e.g. sequence segments; shared memory must fit too,
+    i.e. num_stages = 1 at K = 128).
     """
     BT = CHUNK
     BV = block_v
@@ -90,6 +94,12 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         ht: T.Tensor(ht_shape, f32),
     ):
         with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+                # the consumer warpgroup's share of the SM's 64 K registers / min_blocks,
+                # next to the producer's 24 (multiples of 8)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(min(240, (65536 // min_blocks // 128 - 24) // 8 * 8))
             n = nh // HV
             hv = nh % HV
             hk = hv
