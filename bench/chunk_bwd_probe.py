@@ -29,7 +29,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chunk_probe import device_times  # noqa: E402
+from probe_lib import device_times  # noqa: E402
 
 from linattn.ops import chunk, chunk_bwd, contracts  # noqa: E402
 from linattn.ops.deltanet import SPEC  # noqa: E402

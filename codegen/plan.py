@@ -27,6 +27,7 @@ class Stage:
     variant:  "fwd" | "bwd" | "decode"
     doc:      one line on what the stage computes
     rules, gates: the rule / gate values the template implements (others are skipped)
+    skip:     "rule/gate" pairs inside rules x gates that no pipeline runs it for
     """
     name: str
     template: str
@@ -34,16 +35,33 @@ class Stage:
     doc: str = ""
     rules: frozenset = ALL_RULES
     gates: frozenset = ALL_GATES
+    skip: frozenset = frozenset()
 
     def applies_to(self, spec: OpSpec) -> bool:
-        return spec.rule.value in self.rules and spec.gate.value in self.gates
+        return (spec.rule.value in self.rules and spec.gate.value in self.gates
+                and f"{spec.rule.value}/{spec.gate.value}" not in self.skip)
 
 
 STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
     "fwd": (
+        Stage("chunk_kkt_inverse", "chunk_kkt_inverse.py.jinja", "fwd",
+              doc="per chunk: gate cumsum, l2norm q, k, beta, A diag(beta), the chunk's norm bound",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
+              doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_walk_map", "chunk_walk.py.jinja", "fwd",
+              doc="sequence split, per segment: its affine map [M | B] (M only where needed)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_segment_combine", "chunk_segment_combine.py.jinja", "fwd",
+              doc="sequence split: chain segment maps into the segments' start states",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_wu", "chunk_wu.py.jinja", "fwd",
+              doc="per chunk: w = A_b e^g k, u = A_b v (the per-chunk-state pipeline, the contracts)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_prepare", "chunk_prepare.py.jinja", "fwd",
-              doc="per chunk: gate cumsum, l2norm k, beta, WY inverse A, w, u",
-              gates=frozenset({"none", "scalar"})),
+              doc="per chunk, additive rule: gate cumsum, l2norm k",
+              rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_prepare", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate: cumsum, A_qk, WY inverse A, w, u, qg, kg",
               gates=frozenset({"key"})),
@@ -52,23 +70,11 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_output", "chunk_output.py.jinja", "fwd",
               doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated"),
         Stage("chunk_qk", "chunk_qk.py.jinja", "fwd",
-              doc="fused path, per chunk: qg = q e^g and the causal gated A_qk",
-              gates=frozenset({"none", "scalar"})),
+              doc="fused path, per chunk: the causal gated A_qk (and the l2-normalised q)",
+              rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_state_output", "chunk_state_output.py.jinja", "fwd",
-              doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)"),
-        Stage("chunk_segment_state", "chunk_segment_state.py.jinja", "fwd",
-              doc="split state pass, per segment: its affine map [A_seg | B_seg]"),
-        Stage("chunk_segment_combine", "chunk_segment_combine.py.jinja", "fwd",
-              doc="split state pass: chain segment maps into start and final states"),
-        Stage("chunk_kkt_inverse", "chunk_kkt_inverse.py.jinja", "fwd",
-              doc="split prepare, per chunk: gate cumsum, l2norm k, beta, A diag(beta)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
-        Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
-              doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
-        Stage("chunk_wu", "chunk_wu.py.jinja", "fwd",
-              doc="split prepare, per chunk and column block: w = A_b e^g k, u = A_b v",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)",
+              skip=frozenset({"delta/none", "delta/scalar"})),
     ),
     "bwd": (
         Stage("chunk_bwd_wy_recompute", "chunk_bwd_wy_recompute.py.jinja", "bwd",

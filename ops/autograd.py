@@ -28,7 +28,9 @@ HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class DeltaRuleCall:
-    """The non-tensor arguments of one differentiable chunk_delta_rule call."""
+    """The non-tensor arguments of one differentiable chunk_delta_rule call (spec: the
+    family's OpSpec, the delta rule without a gate)."""
+    spec: object
     scale: float
     l2norm_qk: bool = False
     output_final_state: bool = False
@@ -45,8 +47,8 @@ def needs_grad(*tensors) -> bool:
 
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state):
     """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
-    from . import api, deltanet
-    return api.forward(deltanet.SPEC, q, k, v, None, beta, scale=call.scale,
+    from . import api
+    return api.forward(call.spec, q, k, v, None, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,
                        options=Options(l2norm_qk=call.l2norm_qk), cu_seqlens=call.cu_seqlens,

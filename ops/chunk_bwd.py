@@ -1,7 +1,6 @@
 """DeltaNet's chunked backward (the DeltaNetChunkBwd contract): four generated stages.
 
-Two schemes for the reverse state-gradient recurrence (``SCHEME``, env
-LINATTN_BWD_SCHEME), both exact:
+Two schemes for the reverse state-gradient recurrence (``SCHEME``), both exact:
 
 "direct" (default, mirrors dsl/chunked_bwd.py):
     chunk_bwd_dv_local  grid (NC, B*H):       dv_local = tril_incl(q k^T)^T do
@@ -22,23 +21,23 @@ The kernels read the contract's head-first tensors [B, H, L, D] directly (no lay
 conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
-u): A, w, u (:func:`compute_wy`: the chunked forward's split prepare, chunk_kkt_inverse
-and chunk_wu, or the stage chunk_bwd_wy_recompute when that is switched off), then the
-chunked forward's chunk_state and chunk_output (ops/chunk.py) with each (b, h) as one
-sequence; :func:`recompute_for_backward` (autograd) takes A, w, u the same way.
+u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
+chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each
+(b, h) as one sequence; :func:`recompute_for_backward` (autograd) takes A, w, u the same
+way.
 """
 from __future__ import annotations
 
-import os
-
+from ..codegen.arch import get_arch
 from ..dsl import Options, SpecError
-from . import chunk, deltanet, runtime
+from . import chunk, runtime
 
 #: the stages each scheme runs, in order
 SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"),
            "scan": ("chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
                     "chunk_bwd_wy")}
-SCHEME = os.environ.get("LINATTN_BWD_SCHEME", "direct")
+#: the scheme run (tests and probes may set "scan")
+SCHEME = "direct"
 #: every stage of this module, in the plan's order
 ALL_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",
               "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw", "chunk_bwd_wy")
@@ -50,15 +49,24 @@ CHUNK = 64
 
 #: pipeline depth of the reverse dh pass, either scheme (0: plain loop; >= 1: TMA producer
 #: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
-#: (run 2, direct scheme); 2 is the default, like the forward's state pass
-DH_NUM_STAGES = int(os.environ.get("LINATTN_BWD_DH_STAGES", "2"))
-#: force the dh pass's value block (16 / 32 / 64; probing); None = chunk.state_block_v
+#: (run 2, direct scheme); 2, like the forward's state pass
+DH_NUM_STAGES = 2
+#: the WY recompute's inverse (the tensor-core merge, as the per-key prepare's)
+RECOMPUTE_INVERSE = "tc"
+#: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
 DH_BLOCK_V_OVERRIDE = None
 
 
-def compiled_stage(stage: str, spec=deltanet.SPEC, **params):
+def default_spec():
+    """The spec these stages are generated for: DeltaNet (the delta rule, no gate),
+    looked up by name so the engine imports no family module."""
+    from .registry import get_spec
+    return get_spec("deltanet")
+
+
+def compiled_stage(stage: str, spec=None, **params):
     """The compiled kernel of backward ``stage`` at ``params`` (memoised by ops.runtime)."""
-    return runtime.compile_stage(spec, stage, ARCH, params)
+    return runtime.compile_stage(spec or default_spec(), stage, ARCH, params)
 
 
 def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
@@ -66,16 +74,16 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict
     contract's forward) and the scheme's four backward stages. B sets the dh pass's value
     block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
     dh pass starts from the final state's gradient / writes the initial state's. Reads
-    the knobs SCHEME, DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    SCHEME, DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
     if SCHEME not in SCHEMES:
-        raise SpecError(f"LINATTN_BWD_SCHEME / SCHEME must be one of {sorted(SCHEMES)}, "
-                        f"got {SCHEME!r}")
+        raise SpecError(f"SCHEME must be one of {sorted(SCHEMES)}, got {SCHEME!r}")
+    from ..codegen.arch.sm90.stages import state_block_v
     common = dict(H=H, K=K, V=V, dtype=dtype)
     dh = dict(common, num_stages=DH_NUM_STAGES,
-              block_v=DH_BLOCK_V_OVERRIDE or chunk.state_block_v(V, B * H),
+              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, B * H),
               **({"use_dht": True} if use_dht else {}),
               **({"store_dh0": True} if store_dh0 else {}))
-    params = {RECOMPUTE: dict(common, inverse=chunk.PREPARE_INVERSE),   # the forward's choice
+    params = {RECOMPUTE: dict(common, inverse=RECOMPUTE_INVERSE),
               "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
                                                 else {})),
               "chunk_bwd_wy": common}
@@ -89,7 +97,7 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict
 def precompile(param_sets, workers=None) -> list:
     """Compile every stage of each stage_params() dict in parallel processes
     (runtime.precompile). Returns error strings (empty when all compiled)."""
-    return runtime.precompile([(deltanet.SPEC, stage, ARCH, params)
+    return runtime.precompile([(default_spec(), stage, ARCH, params)
                                for ps in param_sets for stage, params in ps.items()], workers)
 
 
@@ -123,7 +131,7 @@ def _dims(q, k, v, beta, forward=False):
                         f"got DK={K}, DV={V}")
     # the grids put B * H (backward) and the B * H * NC chunks (forward's output stage) on
     # gridDim.y, which CUDA limits
-    limit = chunk._ARCH.MAX_GRID_YZ
+    limit = get_arch(ARCH).forward.MAX_GRID_YZ
     if B * H > limit or (forward and B * H * -(-L // CHUNK) > limit):
         raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
                         f"DeltaNet contract supports up to {limit} (batch, head) pairs and "
@@ -184,7 +192,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
     q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                           use_dht=dht is not None, store_dh0=want_dh0)
-    runtime.announce(deltanet.SPEC, ARCH, params)     # recording(): every stage at once
+    runtime.announce(default_spec(), ARCH, params)     # recording(): every stage at once
     run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
     dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
@@ -210,59 +218,58 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
 
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
-def wy_params(*, H, K, V, dtype, B=1) -> dict:
-    """The split prepare's two stages for head-first A, w, u (each (batch, head) pair one
-    sequence): chunk_kkt_inverse writing A itself, chunk_wu applying beta (a_beta=False);
-    {} when ops.chunk's knobs (PREPARE_SPLIT, PREPARE_SPLIT_WU="loop") do not select
-    them, and the RECOMPUTE stage computes A, w, u instead."""
-    params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                                beta_dtype=dtype, N=B * H)
-    if "chunk_kkt_inverse" not in params or not params["chunk_wu"].get("loop_columns"):
-        return {}
+def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, states=True):
+    """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
+    [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
+    DeltaNetChunkFwd contract (states: every chunk's state in f32 and the final one) and
+    the backward's recompute (the per-chunk states h, no final state)."""
+    NC = -(-L // CHUNK)
+    return chunk.forward_plan(default_spec(), Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
+                              beta_dtype=dtype, seq_chunks=(NC,) * (B * H), Ttot=B * H * L,
+                              has_initial_state=has_initial_state, output_final_state=states,
+                              return_states=states, config={"fused": False})
+
+
+def wy_params(*, H, K, V, dtype, B=1, L=64) -> dict:
+    """The plan's prepare stages for head-first A, w, u: chunk_kkt_inverse writing A
+    itself, chunk_wu applying beta (a_beta=False)."""
+    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L))
     return {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], a_beta=False),
             "chunk_wu": dict(params["chunk_wu"], a_beta=False, beta_dtype=dtype)}
 
 
-def forward_params(*, H, K, V, dtype, B=1) -> dict:
-    """ops.chunk stage params the contract's forward runs (for chunk.precompile): each
-    (batch, head) pair is one sequence of a single head (see chunk_forward_intermediates).
-    A, w, u from the split prepare (wy_params) or, when it is off, this module's
-    RECOMPUTE stage (not listed here); then chunk_state, chunk_output."""
-    params = chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                                beta_dtype=dtype, N=B * H, output_final_state=True,
-                                states_out=True)
-    return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B),
+def forward_params(*, H, K, V, dtype, B=1, L=64) -> dict:
+    """Stage params the contract's forward runs (for chunk.precompile): the prepare
+    (wy_params), then chunk_state (every chunk's state in f32), chunk_output."""
+    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L))
+    return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L),
             **{s: params[s] for s in ("chunk_state", "chunk_output")}}
 
 
-def compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len, wy=None):
+def compute_wy(k, v, beta, A, w, u, tables, wy=None):
     """A, w, u of head-first k, v [B, H, L, D], beta [B, H, L] into A [B, H, L, 64], w, u
-    (contiguous, the input dtype): the split prepare's two kernels over the B * H one-head
-    sequences (chunk_bos / chunk_len: their chunk tables; wy: their wy_params when the
-    caller has them), or the RECOMPUTE stage."""
+    (contiguous, the input dtype): the plan's two prepare kernels over the B * H one-head
+    sequences (tables: their chunk tables, ops.chunk._tables; wy: their wy_params)."""
     import torch
     B, H, L, K = k.shape
     V = v.shape[-1]
     Ttot = B * H * L
     dtype = str(k.dtype).replace("torch.", "")
     if wy is None:
-        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B)
-    k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
-    if not wy:
-        mine = stage_params(H=H, K=K, V=V, dtype=dtype, B=B)[RECOMPUTE]
-        runtime.announce(deltanet.SPEC, ARCH, {RECOMPUTE: mine})
-        compiled_stage(RECOMPUTE, **mine)(k, v, beta, A, w, u)
-        return
-    runtime.announce(deltanet.SPEC, ARCH, wy)
-    kf, bf = k.view(Ttot, 1, K), beta.view(Ttot, 1)
-    unused = torch.empty(Ttot, 1, dtype=torch.float32, device=k.device)   # g, g_cum, A_log..
-    spec = deltanet.SPEC
-    chunk.compiled_stage(spec, "chunk_kkt_inverse", **wy["chunk_kkt_inverse"])(
-        kf, unused, bf, unused[:1, 0], unused[:1, 0], chunk_bos, chunk_len, unused, kf,
-        A.view(Ttot, 1, CHUNK))
-    chunk.compiled_stage(spec, "chunk_wu", **wy["chunk_wu"])(
-        kf, v.view(Ttot, 1, V), A.view(Ttot, 1, CHUNK), bf, chunk_bos, chunk_len,
-        w.view(Ttot, 1, K), u.view(Ttot, 1, V))
+        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L)
+    spec = default_spec()
+    runtime.announce(spec, ARCH, wy)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
+    kf = k.contiguous().view(Ttot, 1, K)
+    x = dict(tables, q=kf, k=kf, qn=kf, kn=kf, v=v.contiguous().view(Ttot, 1, V),
+             beta=beta.contiguous().view(Ttot, 1), g=f32(Ttot, 1), g_cum=f32(Ttot, 1),
+             A_log=f32(1), dt_bias=f32(1), A=A.view(Ttot, 1, CHUNK),
+             chunk_norm=f32(1, tables["chunk_bos"].numel()), w=w.view(Ttot, 1, K),
+             u=u.view(Ttot, 1, V))
+    runtime.launch_kernel(spec, ARCH, "chunk_kkt_inverse", wy["chunk_kkt_inverse"], x)
+    # chunk_wu with a_beta=False reads beta in its (unused without a gate) g_cum slot
+    runtime.launch_kernel(spec, ARCH, "chunk_wu", wy["chunk_wu"], x,
+                          lambda n: "beta" if n == "g_cum" else n)
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -272,49 +279,40 @@ def chunk_forward_intermediates(q, k, v, beta):
     o [B, H, L, DV], w [B, H, L, DK], u [B, H, L, DV], Aw = Au [B, H, L, 64] in the input
     dtype; S [B, H, NC+1, DK, DV] f32 (S[0] = 0, S[t] the state entering chunk t, S[NC]
     the final state), written by the state pass from its f32 registers (the output reads
-    the states rounded to the input dtype; no conversion pass). A, w, u come from
-    the split prepare's two kernels (forward_params) or the RECOMPUTE stage; Aw and Au
-    are the same tensor (equal by definition; no copy is made).
+    the states rounded to the input dtype; no conversion pass). Aw and Au are the same
+    tensor (equal by definition; no copy is made).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta, forward=True)
-    dt = q.dtype
-    dev = q.device
+    dt, dev = q.dtype, q.device
     NC = -(-L // CHUNK)
     if B * H * L == 0:
         e = lambda *s: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
         S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
         return (e(B, H, L, V), S, e(B, H, L, CHUNK), e(B, H, L, CHUNK), e(B, H, L, K),
                 e(B, H, L, V))
-    # head-first [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h):
-    # ops.chunk's varlen stages run on it as it is, no layout conversion either way
     N, Ttot = B * H, B * H * L
-    spec = deltanet.SPEC
-    flat = lambda x: x.contiguous().view(Ttot, 1, -1)  # noqa: E731
-    qf, kf = flat(q), flat(k)
-    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(
-        tuple(range(0, Ttot + 1, L)), CHUNK, dev)
-    params_dtype = str(dt).replace("torch.", "")
-    params = forward_params(H=H, K=K, V=V, dtype=params_dtype, B=B)
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    g_cum = f32(Ttot, 1)                        # unread without a gate
+    spec = default_spec()
+    params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, L=L)
+    runtime.announce(spec, ARCH, params)                        # recording(): all at once
+    tables = chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0)
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    runtime.announce(spec, ARCH, params)                        # recording(): all at once
-    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len,
-               wy={s: p for s, p in params.items() if s in chunk.SPLIT_PREPARE_STAGES})
-    h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
-    v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)
+    compute_wy(k, v, beta, A, w, u, tables, wy={s: params[s] for s in
+                                                 ("chunk_kkt_inverse", "chunk_wu")})
     # sequence n = (b, h) owns chunks n NC .. n NC + NC - 1: its states land at rows
     # n (NC + 1) + t of S, its final state at n (NC + 1) + NC (states_out)
     S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
-    chunk.compiled_stage(spec, "chunk_state", **params["chunk_state"])(
-        kf, w.view(Ttot, 1, K), u.view(Ttot, 1, V), g_cum, cu32, chunk_offsets,
-        f32(1, 1, K, V), h, v_new, S.view(N * (NC + 1), 1, K, V))
     o = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    chunk.compiled_stage(spec, "chunk_output", **params["chunk_output"])(
-        qf, kf, v_new, h, g_cum, chunk_bos, chunk_len, o.view(Ttot, 1, V), 1.0)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    x = dict(tables, q=q.contiguous().view(Ttot, 1, K), k=k.contiguous().view(Ttot, 1, K),
+             w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V), g_cum=f32(Ttot, 1),
+             h0=f32(1, 1, K, V), h=torch.empty(N * NC, 1, K, V, dtype=dt, device=dev),
+             v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev),
+             ht=S.view(N * (NC + 1), 1, K, V), o=o.view(Ttot, 1, V), scale=1.0)
+    for stage in ("chunk_state", "chunk_output"):
+        runtime.launch_kernel(spec, ARCH, stage, params[stage], x)
     return o, S, A, A, w, u
 
 
@@ -337,28 +335,26 @@ def recompute_for_backward(k, v, beta, initial_state=None):
     if B * H * L == 0:
         return A, w, u, torch.zeros(B, H, NC, K, V, dtype=torch.float32, device=dev)
     N, Ttot = B * H, B * H * L
-    k, v, beta = k.contiguous(), v.contiguous(), beta.contiguous()
     dtype = str(dt).replace("torch.", "")
-    # each (b, h) is one single-head sequence of L tokens (see chunk_forward_intermediates)
-    cu32, chunk_bos, chunk_len, chunk_offsets = chunk._device_tables(
-        tuple(range(0, Ttot + 1, L)), CHUNK, dev)
-    compute_wy(k, v, beta, A, w, u, chunk_bos, chunk_len)
+    tables = chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0)
+    compute_wy(k, v, beta, A, w, u, tables)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     has_h0 = initial_state is not None
-    h0 = (initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
-          else f32(1, 1, K, V))
     h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
-    v_new = torch.empty(Ttot, 1, V, dtype=dt, device=dev)     # written, not needed
-    params = state_params(H=H, K=K, V=V, dtype=dtype, B=B, has_initial_state=has_h0)
-    chunk.compiled_stage(deltanet.SPEC, "chunk_state", **params)(
-        k.view(Ttot, 1, K), w.view(Ttot, 1, K), u.view(Ttot, 1, V), f32(Ttot, 1), cu32,
-        chunk_offsets, h0, h, v_new, f32(1, 1, K, V))
+    x = dict(tables, k=k.contiguous().view(Ttot, 1, K), w=w.view(Ttot, 1, K),
+             u=u.view(Ttot, 1, V), g_cum=f32(Ttot, 1), h=h, ht=f32(1, 1, K, V),
+             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
+                 else f32(1, 1, K, V)),
+             v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
+    runtime.launch_kernel(default_spec(), ARCH, "chunk_state",
+                          state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
+                                       has_initial_state=has_h0), x)
     return A, w, u, h.view(B, H, NC, K, V).float()
 
 
-def state_params(*, H, K, V, dtype, B=1, has_initial_state=False) -> dict:
-    """ops.chunk's chunk_state params for :func:`recompute_for_backward` (B * H one-head
+def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False) -> dict:
+    """The plan's chunk_state params for :func:`recompute_for_backward` (B * H one-head
     sequences, no final state)."""
-    return chunk.stage_params(deltanet.SPEC, Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                              beta_dtype=dtype, N=B * H, has_initial_state=has_initial_state,
-                              output_final_state=False)["chunk_state"]
+    plan = contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
+                         has_initial_state=has_initial_state, states=False)
+    return chunk.plan_params(plan)["chunk_state"]

@@ -31,7 +31,7 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
             host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
             cu = tuple(int(x) for x in host.tolist())
         call = autograd.DeltaRuleCall(
-            scale=SPEC.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
+            spec=SPEC, scale=SPEC.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
             output_final_state=bool(output_final_state), cu=cu, cu_seqlens=cu_seqlens,
             cu_seqlens_cpu=cu_seqlens_cpu)
         return autograd.ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state)

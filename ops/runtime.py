@@ -124,6 +124,11 @@ def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
     """The compiled kernel of ``stage`` for ``spec`` at exactly ``params`` (all build()
     keywords, tuning included), memoised per process; TileLang's disk cache makes a
     repeat across processes cheap. Every kernel of linattn is compiled here."""
+    return _compiled(spec, stage, arch, params)[0]
+
+
+def _compiled(spec: OpSpec, stage: str, arch: str, params: dict):
+    """(kernel, its argument names in order), memoised."""
     key = _key(spec, stage, arch, params)
     hit = _KERNELS.get(key)
     if hit is not None:
@@ -133,12 +138,47 @@ def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
         raise KernelRequested(f"{spec.name}/{stage}")
     import tilelang
     module = stage_module(spec, stage, arch)
-    kernel = tilelang.compile(module.build(**params), out_idx=module.out_idx(**params),
+    func = module.build(**params)
+    kernel = tilelang.compile(func, out_idx=module.out_idx(**params),
                               target=get_arch(arch).TARGET,
                               pass_configs=module.pass_configs(**params) or None)
+    entry = (kernel, arg_names(func))
     with _LOCK:
-        _KERNELS[key] = kernel
-    return kernel
+        _KERNELS[key] = entry
+    return entry
+
+
+def arg_names(func) -> tuple:
+    """A prim_func's argument names in order (buffers by their buffer name)."""
+    return tuple(func.buffer_map[p].name if p in func.buffer_map else p.name
+                 for p in func.params)
+
+
+def launch_kernel(spec: OpSpec, arch: str, stage: str, params: dict, tensors: dict,
+                  bind=lambda name: name) -> None:
+    """Run ``stage`` at ``params`` with each kernel argument taken from ``tensors`` by name
+    (``bind(arg)`` names the tensor an argument reads)."""
+    kernel, names = _compiled(spec, stage, arch, params)
+    missing = [n for n in names if bind(n) not in tensors]
+    if missing:
+        raise KeyError(f"{spec.name}/{stage}: no tensor for argument(s) "
+                       f"{[(n, bind(n)) for n in missing]}")
+    kernel(*[tensors[bind(n)] for n in names])
+
+
+def run_plan(spec: OpSpec, plan, tensors: dict) -> dict:
+    """Run a codegen.pipeline.Plan: allocate its buffers (dtype "input" = q's) next to the
+    call's ``tensors`` (inputs, outputs, tables, by name) and launch its stages in order.
+    Returns the tensors, buffers included."""
+    import torch
+    q = tensors["q"]
+    announce(spec, plan.arch, {la.stage: la.kwargs for la in plan.launches})
+    for b in plan.buffers:
+        dt = q.dtype if b.dtype == "input" else getattr(torch, b.dtype)
+        tensors[b.name] = torch.empty(b.shape, dtype=dt, device=q.device)
+    for la in plan.launches:
+        launch_kernel(spec, plan.arch, la.stage, la.kwargs, tensors, la.tensor)
+    return tensors
 
 
 def _key(spec: OpSpec, stage: str, arch: str, params: dict) -> tuple:

@@ -2,18 +2,26 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_kkt_inverse  variant: fwd  arch: sm90
 # regenerate: linattn-gen --op deltanet --arch sm90
-"""Chunked forward, split prepare, kernel 1 of 2: per chunk and value head, the gate
-cumsum, l2norm of k, beta and the WY inverse, written as A_b = A diag(beta).
+"""Chunked forward of the delta rule, step 1: per chunk and value head, the gate cumsum,
+l2norm of q and k, beta and the WY inverse, written as A_b = A diag(beta).
 
-One CTA per (chunk, value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the first token
-and the valid rows (1..64) of chunk c; rows past the end are masked (read as 0, never
-written). With g the (activated) log gate and i, j rows of the chunk:
-  k <- k * rsqrt(sum k^2 + 1e-6)                       (l2norm_qk; written as kn once per key head)
+One CTA of 64 threads per (chunk, value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the
+first token and the valid rows (1..64) of chunk c; rows past the end are masked (read as 0,
+never written). With g the (activated) log gate and i, j rows of the chunk:
+  k, q <- x * rsqrt(sum x^2 + 1e-6)                    (l2norm_qk; written as kn, qn once per
+                                                       key head)
   beta <- sigmoid(beta) (x2 with allow_neg_eigval)     (beta_sigmoid)
   A = (I + strict_tril(beta_i (k_i . k_j)))^-1   (f32)
   A_b[i, j] = A[i, j] beta_j         (written [Ttot, HV, 64] in a_dtype; columns past the
                                       chunk's rows are 0)
-so that chunk_wu forms w = A_b (k) and u = A_b v without beta.
+  chunk_norm = sum_i (g_i + log max(1, beta_i |k_i|^2 - 1))
+                                     (f32 [HV, NT]: log of a bound on the chunk transition's
+                                      spectral norm, prod_i e^(g_i) (I - beta_i k_i k_i^T);
+                                      the sequence split's warm-up reads it)
+KKT is one tensor-core GEMM; l2norm comes from its diagonal. A (f32, 64 x 64) takes k's
+place in shared memory and is inverted in place: the 16 x 16 diagonal blocks by forward
+substitution, one column per thread, in registers; then block columns s = 2, 1, 0,
+X[R:, s] = -X[R:, R:] (A[R:, s] X_ss) as tf32 MMAs on sub-tiles of the same buffer.
 a_beta=False writes A itself (the DeltaNetChunkFwd contract returns it); chunk_wu then
 applies beta (its a_beta=False).
 """
@@ -34,13 +42,9 @@ EXAMPLES = [
     dict(H=2, HV=8, K=64, dtype="float16", g_dtype="float32", beta_dtype="float32",
          l2norm_qk=True, beta_sigmoid=True, allow_neg_eigval=True,
          gate_in_kernel=False),
-    # the one-warp inverse (ops.chunk PREPARE_SPLIT_INVERSE="warp"), then its two-warp form
     dict(H=16, HV=32, K=128, dtype="bfloat16", g_dtype="float32", beta_dtype="bfloat16",
          l2norm_qk=True, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
-         inverse="warp"),
-    dict(H=2, HV=8, K=64, dtype="float16", g_dtype="float32", beta_dtype="float32",
-         l2norm_qk=True, beta_sigmoid=True, allow_neg_eigval=True,
-         gate_in_kernel=False, inverse="warp", threads=64),
+         heads_fastest=True),
 ]
 CHUNK = 64
 LOG_EPS = 1e-6
@@ -55,8 +59,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
-          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="tc",
-          a_dtype=None, threads=None, heads_fastest=False, a_beta=True):
+          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, a_dtype=None,
+          heads_fastest=False, a_beta=True):
     """prim_func for chunk_kkt_inverse.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -64,23 +68,16 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
     group's q / k rows through L2.
 
     Tensors (Ttot tokens, NT chunks, dynamic):
-      k [Ttot, H, K], g [Ttot, HV], beta [Ttot, HV], A_log [HV], dt_bias [HV],
+      q, k [Ttot, H, K], g [Ttot, HV], beta [Ttot, HV], A_log [HV], dt_bias [HV],
       chunk_bos [NT], chunk_len [NT] (int32)
       -> g_cum [HV, NT * 64] f32 (scalar gate; [Ttot, HV] and unused without a gate),
-         kn [Ttot, H, K] (written with l2norm_qk), A [Ttot, HV, 64] (a_dtype)
-    inverse: "blocked" | "column" | "tc" (as chunk_prepare's; 128 threads), or "warp":
-    one warp (threads=32, the default) or two (threads=64) per (chunk, head), ~20 KB of
-    shared memory (k, then A and its inverse in place) for 8 CTAs per SM, as fla's
-    kkt_solve; a_dtype: the stored A's dtype ("float32" or the input dtype; None = the
-    input dtype).
+         qn, kn [Ttot, H, K] (written with l2norm_qk), A [Ttot, HV, 64] (a_dtype: the input
+         dtype when None, or "float32"), chunk_norm [HV, NT] f32
     """
     BT = CHUNK
-    SUB = 16                    # diagonal block of the blocked inverse
-    assert inverse in ("column", "blocked", "tc", "warp"), inverse
-    warp = inverse == "warp"
-    threads = threads or (32 if warp else 128)
-    assert not warp or threads in (32, 64), threads
-    merge_steps = tuple(range(BT // SUB - 2, -1, -1))   # "warp": block columns, last first
+    SUB = 16                    # diagonal block of the inverse
+    threads = 64
+    merge_steps = tuple(range(BT // SUB - 2, -1, -1))   # block columns, last first
     a_dtype = a_dtype or dtype
     f32 = "float32"
     group = HV // H
@@ -88,6 +85,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
 
     @T.prim_func
     def chunk_kkt_inverse(
+        q: T.Tensor((Ttot, H, K), dtype),
         k: T.Tensor((Ttot, H, K), dtype),
         g: T.Tensor((Ttot, HV), g_dtype),
         beta: T.Tensor((Ttot, HV), beta_dtype),
@@ -96,8 +94,10 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         g_cum: T.Tensor((Ttot, HV), f32),
+        qn: T.Tensor((Ttot, H, K), dtype),
         kn: T.Tensor((Ttot, H, K), dtype),
         A: T.Tensor((Ttot, HV, BT), a_dtype),
+        chunk_norm: T.Tensor((HV, NT), f32),
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
                       threads=threads) as (bx, by):
@@ -106,31 +106,17 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
+            T.annotate_min_blocks_per_sm(8)         # 64 threads: <= 128 registers
             k_s = T.alloc_shared((BT, K), dtype)
             g_s = T.alloc_shared((BT,), f32)
             b_s = T.alloc_shared((BT,), f32)
-            if warp:
-                T.annotate_min_blocks_per_sm(8)     # 64 threads: <= 128 registers
-                r_s = T.alloc_shared((BT,), f32)    # l2norm's 1 / |k_i|
+            r_s = T.alloc_shared((BT,), f32)        # l2norm's 1 / |x_i|
+            d_s = T.alloc_shared((BT,), f32)        # log max(1, beta_i |kn_i|^2 - 1)
 
             for i, j in T.Parallel(BT, K):
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
             for i in T.Parallel(BT):
                 b_s[i] = T.if_then_else(i < rows, T.cast(beta[t0 + i, hv], f32), T.float32(0))
-            if l2norm_qk and not warp:     # (the warp variant: from KKT's diagonal)
-                k_f = T.alloc_fragment((BT, K), f32)
-                k_sq = T.alloc_fragment((BT, K), f32)
-                k_ss = T.alloc_fragment((BT,), f32)
-                T.copy(k_s, k_f)
-                for i, j in T.Parallel(BT, K):
-                    k_sq[i, j] = k_f[i, j] * k_f[i, j]
-                T.reduce_sum(k_sq, k_ss, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    k_s[i, j] = T.cast(k_f[i, j] * T.rsqrt(k_ss[i] + LOG_EPS), dtype)
-                if hv % group == 0:
-                    for i, j in T.Parallel(BT, K):
-                        if i < rows:
-                            kn[t0 + i, hk, j] = k_s[i, j]
             for i in T.Parallel(BT):
                 g_s[i] = T.float32(0)
 
@@ -143,174 +129,93 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         T.float32(0))
             kk = T.alloc_fragment((BT, BT), f32)
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
-            if warp:
-                # l2norm from KKT's diagonal: kn_i . kn_j = kk_ij r_i r_j, r = rsqrt(kk_ii + eps)
-                if l2norm_qk:
+            # l2norm from KKT's diagonal: kn_i . kn_j = kk_ij r_i r_j, r = rsqrt(kk_ii + eps);
+            # the chunk's norm bound from it too
+            for i, j in T.Parallel(BT, BT):
+                if i == j:
+                    r_s[i] = T.rsqrt(kk[i, j] + LOG_EPS) if l2norm_qk else T.float32(1)
+                    d_s[i] = T.log(T.max(T.float32(1), b_s[i] * kk[i, j] * (
+                        1 / (kk[i, j] + LOG_EPS) if l2norm_qk else 1) - 1))
+            if l2norm_qk:
+                if hv % group == 0:
+                    for i, j in T.Parallel(BT, K):
+                        if i < rows:
+                            kn[t0 + i, hk, j] = T.cast(T.cast(k_s[i, j], f32) * r_s[i], dtype)
+            tx = T.get_thread_binding()
+            if tx == 0:
+                growth = T.alloc_var(f32)
+                growth = g_s[BT - 1]
+                for i in T.serial(BT):
+                    growth = growth + d_s[i]
+                chunk_norm[hv, c] = growth
+            T.sync_threads()        # k_s is dead from here: w_s takes its place
+            w_s = T.alloc_shared((BT, BT), f32)
+            for i, j in T.Parallel(BT, BT):     # (kn's products when l2norm_qk)
+                w_s[i, j] = T.if_then_else(
+                    i > j, b_s[i] * kk[i, j] * r_s[i] * r_s[j] * T.exp(g_s[i] - g_s[j]),
+                    T.float32(0))
+            T.sync_threads()
+
+            # X = (I + A)^-1 in place of A in w_s. The 16 x 16 diagonal blocks by forward
+            # substitution, one column per thread and pass, in registers (unrolled)
+            x_col = T.alloc_local((SUB,), f32)
+            for p in T.unroll(BT // threads):
+                col = tx + p * threads
+                b0 = col // SUB * SUB
+                for ii in T.unroll(SUB):
+                    x_col[ii] = T.float32(0)
+                for ii in T.unroll(SUB):
+                    acc = T.alloc_var(f32)
+                    acc = T.float32(0)
+                    for jj in T.unroll(SUB):
+                        if jj < ii:
+                            acc = acc + w_s[b0 + ii, b0 + jj] * x_col[jj]
+                    x_col[ii] = T.if_then_else(
+                        ii == col % SUB, T.float32(1),
+                        T.if_then_else(ii < col % SUB, T.float32(0), -acc))
+                T.sync_threads()
+                for ii in T.unroll(SUB):
+                    w_s[b0 + ii, col] = x_col[ii]
+                T.sync_threads()
+            # then block columns s, last first (R = 16 (s + 1)):
+            #   X[R:, s] = -X[R:, R:] (A[R:, s] X_ss)
+            # two tf32 MMAs per step, both operands K-major (W^T = X_ss^T A[R:, s]^T first, so
+            # W reaches the second MMA K-major); each step writes over the A block it consumed
+            xt_s = T.alloc_shared((SUB, SUB), f32)
+            wt_s = T.alloc_shared((SUB, BT - SUB), f32)
+            for s in merge_steps:
+                R = SUB * (s + 1)
+                c0 = SUB * s
+                wt_f = T.alloc_fragment((SUB, BT - R), f32)
+                x_f = T.alloc_fragment((BT - R, SUB), f32)
+                for i, j in T.Parallel(SUB, SUB):
+                    xt_s[i, j] = w_s[c0 + j, c0 + i]
+                T.gemm(xt_s, w_s[R:BT, c0:c0 + SUB], wt_f, transpose_B=True, clear_accum=True)
+                T.copy(wt_f, wt_s[0:SUB, 0:BT - R])
+                T.gemm(w_s[R:BT, R:BT], wt_s[0:SUB, 0:BT - R], x_f, transpose_B=True,
+                       clear_accum=True)
+                for i, j in T.Parallel(BT - R, SUB):
+                    w_s[R + i, c0 + j] = -x_f[i, j]
+
+            # A_b = X diag(beta) (X's upper triangle is 0 in w_s); X itself without a_beta
+            for i, j in T.Parallel(BT, BT):
+                if i < rows:
+                    A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j] if a_beta else w_s[i, j],
+                                              a_dtype)
+
+            if l2norm_qk:               # qn, by the key head's first value head
+                if hv % group == 0:
+                    T.sync_threads()    # w_s is dead: q_s takes its place
+                    q_s = T.alloc_shared((BT, K), dtype)
+                    for i, j in T.Parallel(BT, K):
+                        q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
+                    qq = T.alloc_fragment((BT, BT), f32)
+                    T.gemm(q_s, q_s, qq, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BT):
                         if i == j:
-                            r_s[i] = T.rsqrt(kk[i, j] + LOG_EPS)
-                    if hv % group == 0:
-                        for i, j in T.Parallel(BT, K):
-                            if i < rows:
-                                kn[t0 + i, hk, j] = T.cast(T.cast(k_s[i, j], f32) * r_s[i], dtype)
-                T.sync_threads()        # k_s is dead from here: w_s takes its place
-                w_s = T.alloc_shared((BT, BT), f32)
-                for i, j in T.Parallel(BT, BT):     # (kn's products when l2norm_qk)
-                    w_s[i, j] = T.if_then_else(
-                        i > j, (b_s[i] * kk[i, j] * r_s[i] * r_s[j] if l2norm_qk
-                                else b_s[i] * kk[i, j]) * T.exp(g_s[i] - g_s[j]),
-                        T.float32(0))
-                T.sync_threads()
-
-                # X = (I + A)^-1 in place of A in w_s. The 16 x 16 diagonal blocks by forward
-                # substitution, one column per thread and pass, in registers (unrolled)
-                x_col = T.alloc_local((SUB,), f32)
-                tx = T.get_thread_binding()
-                for p in T.unroll(BT // threads):
-                    col = tx + p * threads
-                    b0 = col // SUB * SUB
-                    for ii in T.unroll(SUB):
-                        x_col[ii] = T.float32(0)
-                    for ii in T.unroll(SUB):
-                        acc = T.alloc_var(f32)
-                        acc = T.float32(0)
-                        for jj in T.unroll(SUB):
-                            if jj < ii:
-                                acc = acc + w_s[b0 + ii, b0 + jj] * x_col[jj]
-                        x_col[ii] = T.if_then_else(
-                            ii == col % SUB, T.float32(1),
-                            T.if_then_else(ii < col % SUB, T.float32(0), -acc))
-                    T.sync_threads()
-                    for ii in T.unroll(SUB):
-                        w_s[b0 + ii, col] = x_col[ii]
-                    T.sync_threads()
-                # then block columns s, last first (R = 16 (s + 1)):
-                #   X[R:, s] = -X[R:, R:] (A[R:, s] X_ss)
-                # two tf32 MMAs per step, both operands K-major as the "tc" inverse's (W^T =
-                # X_ss^T A[R:, s]^T first, so W reaches the second MMA K-major); each step
-                # writes over the A block it consumed
-                xt_s = T.alloc_shared((SUB, SUB), f32)
-                wt_s = T.alloc_shared((SUB, BT - SUB), f32)
-                for s in merge_steps:
-                    R = SUB * (s + 1)
-                    c0 = SUB * s
-                    wt_f = T.alloc_fragment((SUB, BT - R), f32)
-                    x_f = T.alloc_fragment((BT - R, SUB), f32)
-                    for i, j in T.Parallel(SUB, SUB):
-                        xt_s[i, j] = w_s[c0 + j, c0 + i]
-                    T.gemm(xt_s, w_s[R:BT, c0:c0 + SUB], wt_f, transpose_B=True,
-                           clear_accum=True)
-                    T.copy(wt_f, wt_s[0:SUB, 0:BT - R])
-                    T.gemm(w_s[R:BT, R:BT], wt_s[0:SUB, 0:BT - R], x_f, transpose_B=True,
-                           clear_accum=True)
-                    for i, j in T.Parallel(BT - R, SUB):
-                        w_s[R + i, c0 + j] = -x_f[i, j]
-
-                # A_b = X diag(beta) (X's upper triangle is 0 in w_s); X itself without a_beta
-                for i, j in T.Parallel(BT, BT):
-                    if i < rows:
-                        A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j] if a_beta else w_s[i, j],
-                                                  a_dtype)
-            else:
-                # a_s = strict_tril(beta_i k_i.k_j decay_ij)
-                a_s = T.alloc_shared((BT, BT), f32)
-                for i, j in T.Parallel(BT, BT):
-                    a_s[i, j] = T.if_then_else(
-                        i > j, b_s[i] * kk[i, j] * T.exp(g_s[i] - g_s[j]), T.float32(0))
-
-                acc = T.alloc_local((1,), f32)
-                tx = T.get_thread_binding()
-                # X = (I + A)^-1 (A strictly lower triangular), f32; "tc" merges in tf32
-                x_s = T.alloc_shared((BT, BT), f32)
-                if inverse == "column":
-                    # forward substitution, one column per thread:
-                    # X[i, c] = [i == c] - sum_{c <= j < i} A[i, j] X[j, c]
-                    if tx < BT:
-                        for i in T.serial(BT):
-                            acc[0] = T.float32(0)
-                            for jj in T.serial(T.max(i - tx, 0)):
-                                acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
-                            x_s[i, tx] = T.if_then_else(
-                                i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
-                else:
-                    # the 16 x 16 diagonal blocks by forward substitution (one column per
-                    # thread, all blocks at once); then "blocked": block row r from the rows
-                    # above, X[r, :r] = -X[r, r] (A[r, :r] X[:r, :r]); or "tc" (below)
-                    for i, j in T.Parallel(BT, BT):
-                        x_s[i, j] = T.float32(0)
-                    T.sync_threads()
-                    if tx < BT:
-                        for ii in T.serial(SUB):
-                            i = tx // SUB * SUB + ii
-                            acc[0] = T.float32(0)
-                            for jj in T.serial(T.max(i - tx, 0)):
-                                acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
-                            x_s[i, tx] = T.if_then_else(
-                                i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
-                    T.sync_threads()
-                if inverse == "blocked":
-                    y_s = T.alloc_shared((SUB, BT), f32)
-                    for r in range(1, BT // SUB):           # block rows, in order
-                        R0 = r * SUB
-                        for e in T.serial((SUB * R0 + threads - 1) // threads):
-                            idx = e * threads + tx
-                            if idx < SUB * R0:
-                                ii = idx // R0
-                                j = idx % R0
-                                acc[0] = T.float32(0)
-                                for kk in T.serial(R0 - j):
-                                    acc[0] = acc[0] + a_s[R0 + ii, j + kk] * x_s[j + kk, j]
-                                y_s[ii, j] = acc[0]
-                        T.sync_threads()
-                        for e in T.serial((SUB * R0 + threads - 1) // threads):
-                            idx = e * threads + tx
-                            if idx < SUB * R0:
-                                ii = idx // R0
-                                j = idx % R0
-                                acc[0] = T.float32(0)
-                                for m in T.serial(ii + 1):
-                                    acc[0] = acc[0] + x_s[R0 + ii, R0 + m] * y_s[m, j]
-                                x_s[R0 + ii, j] = -acc[0]
-                        T.sync_threads()
-                if inverse == "tc":
-                    # with D = blockdiag(X_ii) and L the blocks of A below the diagonal:
-                    # I + A = D^-1 (I + M), M = D L strictly block-lower (M^4 = 0), so
-                    # X = (I - M)(I + M^2) D = Q - M Q with Q = D + M^2 D: four tf32 MMAs
-                    # (the B operands stored transposed: K-major)
-                    lt_s = T.alloc_shared((BT, BT), f32)
-                    dt_s = T.alloc_shared((BT, BT), f32)
-                    m_s = T.alloc_shared((BT, BT), f32)
-                    mt_s = T.alloc_shared((BT, BT), f32)
-                    m2_s = T.alloc_shared((BT, BT), f32)
-                    qt_s = T.alloc_shared((BT, BT), f32)
-                    m_f = T.alloc_fragment((BT, BT), f32)
-                    q_f = T.alloc_fragment((BT, BT), f32)
-                    for i, j in T.Parallel(BT, BT):
-                        lt_s[j, i] = T.if_then_else(i // SUB != j // SUB, a_s[i, j], T.float32(0))
-                    for i, j in T.Parallel(BT, BT):
-                        dt_s[j, i] = x_s[i, j]
-                    T.gemm(x_s, lt_s, m_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        m_s[i, j] = m_f[i, j]
-                    for i, j in T.Parallel(BT, BT):
-                        mt_s[j, i] = m_f[i, j]
-                    T.gemm(m_s, mt_s, m_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        m2_s[i, j] = m_f[i, j]
-                    T.gemm(m2_s, dt_s, q_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        q_f[i, j] = q_f[i, j] + x_s[i, j]
-                    for i, j in T.Parallel(BT, BT):
-                        qt_s[j, i] = q_f[i, j]
-                    T.gemm(m_s, qt_s, m_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        x_s[i, j] = q_f[i, j] - m_f[i, j]
-
-                # A_b = X diag(beta): beta_j = 0 past the chunk's rows, so those columns are 0
-                # (X's are 0 as well: X is lower triangular); X itself without a_beta
-                for i, j in T.Parallel(BT, BT):
-                    if i < rows:
-                        A[t0 + i, hv, j] = T.cast(x_s[i, j] * b_s[j] if a_beta else x_s[i, j],
-                                                  a_dtype)
+                            r_s[i] = T.rsqrt(qq[i, j] + LOG_EPS)
+                    for i, j in T.Parallel(BT, K):
+                        if i < rows:
+                            qn[t0 + i, hk, j] = T.cast(T.cast(q_s[i, j], f32) * r_s[i], dtype)
 
     return chunk_kkt_inverse

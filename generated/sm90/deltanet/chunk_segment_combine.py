@@ -2,11 +2,14 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_segment_combine  variant: fwd  arch: sm90
 # regenerate: linattn-gen --op deltanet --arch sm90
-"""Chunked forward, split state pass, step 2 of 2: chain the segments' affine maps.
+"""Chunked forward, sequence split: chain the segments' affine maps.
 
-Per sequence n with segments s0 .. s1 (from chunk_segment_state: seg_map[s] = [A_s | B_s])
+Per sequence n with segments s0 .. s1 (from chunk_walk_map: seg_map[s] = [A_s | B_s], and
+exact[s] = 1 where A_s was formed; elsewhere the segment's start no longer reaches its
+end and S_end = B_s)
 
-  S = h0[n] (or 0);  for s in s0 .. s1:  starts[s] = S;  S = A_s S + B_s;  ht[n] = S
+  S = h0[n] (or 0);  for s in s0 .. s1:  starts[s] = S;  S = (A_s S if exact[s]) + B_s
+  ht[n] = S      (only meaningful when every segment of n, its last included, was mapped)
 
 One CTA per (value block, sequence x value head); sequential over the sequence's few
 segments. A_s S is a tf32 tensor-core product (A_s K x K f32 in shared memory, S^T
@@ -29,7 +32,7 @@ EXAMPLES = [
     dict(HV=8, K=128, V=128, state_v_first=False, has_initial_state=False,
          output_final_state=True),
     dict(HV=4, K=64, V=64, state_v_first=True, has_initial_state=True,
-         output_final_state=True, block_v=32),
+         output_final_state=False, block_v=32),
 ]
 
 
@@ -46,10 +49,11 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
     """prim_func for chunk_segment_combine.
 
     Tensors (N sequences, NS segments; dynamic):
-      seg_map [NS, HV, K, K + V] f32, seq_seg_offsets [N + 1] int32 (sequence n owns
-      segments seq_seg_offsets[n] .. seq_seg_offsets[n+1]), h0 f32 [N0, HV, K, V]
+      seg_map [NS, HV, K, K + V] f32, exact [NS, HV] int32, seq_seg_offsets [N + 1] int32
+      (sequence n owns segments seq_seg_offsets[n] .. seq_seg_offsets[n+1]),
+      h0 f32 [N0, HV, K, V]
       -> starts [NS, HV, K, V] f32 (the state entering each segment), ht f32 [N1, HV, K, V]
-      (states [., HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
+      (all states [., HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     """
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
@@ -57,13 +61,15 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
     N, NS, N0, N1 = T.dynamic("N, NS, N0, N1")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
+    starts_shape = (NS, HV, V, K) if state_v_first else (NS, HV, K, V)
 
     @T.prim_func
     def chunk_segment_combine(
         seg_map: T.Tensor((NS, HV, K, K + V), f32),
+        exact: T.Tensor((NS, HV), "int32"),
         seq_seg_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
-        starts: T.Tensor((NS, HV, K, V), f32),
+        starts: T.Tensor(starts_shape, f32),
         ht: T.Tensor(ht_shape, f32),
     ):
         with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
@@ -86,12 +92,18 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
 
             for s in T.serial(nseg):
                 for i, j in T.Parallel(K, BV):
-                    starts[s0 + s, hv, i, iv * BV + j] = S[i, j]
-                for i, j in T.Parallel(K, BV):
-                    St_s[j, i] = S[i, j]
-                T.copy(seg_map[s0 + s, hv, 0:K, 0:K], A_s)
-                T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], S)
-                T.gemm(A_s, St_s, S, transpose_B=True)
+                    if state_v_first:
+                        starts[s0 + s, hv, iv * BV + j, i] = S[i, j]
+                    else:
+                        starts[s0 + s, hv, i, iv * BV + j] = S[i, j]
+                if exact[s0 + s, hv] != 0:
+                    for i, j in T.Parallel(K, BV):
+                        St_s[j, i] = S[i, j]
+                    T.copy(seg_map[s0 + s, hv, 0:K, 0:K], A_s)
+                    T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], S)
+                    T.gemm(A_s, St_s, S, transpose_B=True)
+                else:
+                    T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], S)
 
             if output_final_state:
                 for i, j in T.Parallel(K, BV):

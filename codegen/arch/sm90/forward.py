@@ -1,0 +1,218 @@
+"""Hopper's chunked forward: which pipeline a call runs, with which tiles (a Plan).
+
+Pipelines (codegen/pipeline.py has the Plan structure):
+
+  walk        the delta rule with no / a scalar gate: chunk_kkt_inverse (A_b, g_cum, the
+              l2-normalised q, k), then chunk_walk (state, WY step and output per chunk in
+              one kernel of four warpgroups)
+  walk-split  the same when (sequences x value heads x value blocks) leave SMs idle: each
+              sequence cut into segments of L chunks; chunk_walk_map forms each segment's
+              affine map (only what its start still reaches, see that template), then
+              chunk_segment_combine chains them into every segment's start state and
+              chunk_walk runs all segments at once
+  fused       chunk prepare (chunk_prepare for the additive rule, chunk_prepare_key for the
+              per-key gate, kkt + chunk_wu for the delta rule where the walk does not fit),
+              chunk_qk (no / scalar gate), chunk_state_output
+  three-stage the prepare, chunk_state (h per chunk), chunk_output: with few chains, and
+              for the per-chunk states (return_states)
+
+The value block and the segment length of the walk come from a cost model of the SMs'
+makespan (the walk is one CTA per SM), with per-step times measured on the H200.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+
+from ...pipeline import Buffer, ForwardProblem, Plan, launch
+
+NAME = "sm90"
+NUM_SMS = 132
+MAX_GRID_YZ = 65535
+SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
+
+#: the walk's time per chunk step of one CTA (us) by value block at K = 128, bf16 (session
+#: 6, runs s6-3 / s6-4: prefill-4k 64 CTAs at block 32: 1.67 us a step, 64 CTAs at block
+#: 64: 1.85; q35-2b-8x8192 128 CTAs at block 128: 2.68, there at 82 % of the copy bandwidth)
+WALK_STEP_US = {16: 1.55, 32: 1.67, 64: 1.85, 128: 2.68}
+#: ... its K dependence: step(K) = step(128) (WALK_STEP_K0 + (1 - WALK_STEP_K0) K / 128)
+WALK_STEP_K0 = 0.5
+#: the map pass's step relative to the walk's (no output group; run s6-2's walk without
+#: output: 0.073 vs 0.108 ms at block 32, 0.168 vs 0.218 at block 128)
+MAP_STEP_FRACTION = 0.75
+#: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
+#: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
+MAP_WARM_CHUNKS = 2
+#: the combine's time per segment of a sequence (us; one K x K x 64 tf32 product)
+COMBINE_STEP_US = 1.5
+#: the split's two extra launches and their tails (us)
+SPLIT_FIXED_US = 8.0
+#: HBM bytes per us the walk streams at (3.5 TB/s: run s6-4, q35-2b-8x8192)
+WALK_BYTES_PER_US = 3.5e6
+#: segment lengths tried (chunks)
+SEGMENT_CHUNKS = (2, 4, 8, 16, 32, 64, 128, 256)
+#: register budgets of the walk's warpgroups (state, WY, output, loads): ptxas, no spills
+WALK_REGS = (168, 160, 160, 24)
+MAP_REGS = (184, 176, 24, 24)
+
+
+def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
+    """Shared memory of chunk_walk: two stages of q, k, v, A_b and the exchanged tiles."""
+    stages = 2 * chunk * (2 * K + BV + chunk) * itemsize
+    tiles = (chunk * K + K * BV + chunk * BV + chunk * chunk + chunk * BV) * itemsize
+    return stages + tiles + 4 * 1024
+
+
+def walk_blocks(p: ForwardProblem) -> tuple:
+    """The value blocks chunk_walk can run at for p (fitting shared memory), largest first."""
+    return tuple(bv for bv in (128, 64, 32, 16)
+                 if p.V % bv == 0 and p.K % 16 == 0 and walk_smem(p.K, bv) <= SMEM_BYTES)
+
+
+def _step_us(p: ForwardProblem, bv: int) -> float:
+    return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
+
+
+@functools.lru_cache(maxsize=1024)
+def _makespan(durations: tuple, sms: int = NUM_SMS) -> float:
+    """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
+    free = [0.0] * sms
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        heapq.heappush(free, t)
+        end = max(end, t)
+    return end
+
+
+def _segments(seq_chunks: tuple, L: int) -> list:
+    """Chunk counts of the segments of each sequence (L = 0: the sequences themselves)."""
+    if not L:
+        return [[n] for n in seq_chunks]
+    return [[min(L, n - s) for s in range(0, n, L)] or [0] for n in seq_chunks]
+
+
+def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
+    """Modelled time of the walk (and the split's map + combine when L) at value block bv."""
+    step = _step_us(p, bv)
+    segs = _segments(p.seq_chunks, L)
+    heads = p.HV * (p.V // bv)
+    walk = _makespan(tuple(c * step for seq in segs for c in seq for _ in range(heads)))
+    bytes_ = p.Ttot * (2 * p.H * p.K + p.HV * (2 * p.V + p.chunk_size)) * 2
+    walk = max(walk, bytes_ / WALK_BYTES_PER_US)
+    if not L or all(len(seq) == 1 for seq in segs):
+        return walk
+    mapped = [c for seq in segs for c in seq[:-1]]
+    warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if p.gate == "scalar" else (lambda c: c)
+    cols = (p.V if p.gate == "scalar" else p.K + p.V) // bv
+    maps = _makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
+                           for c in mapped for _ in range(p.HV * cols)))
+    combine = max(len(seq) for seq in segs) * COMBINE_STEP_US
+    return walk + maps + combine + SPLIT_FIXED_US
+
+
+def walk_choice(p: ForwardProblem, config: dict) -> tuple:
+    """(value block, segment length or 0, modelled us): the cheapest by walk_time_us, or
+    config's block_v / segments where given. Segments are only tried for sequences
+    longer than a segment."""
+    longest = max(p.seq_chunks, default=0)
+    blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p)
+    lengths = ([config["segments"]] if "segments" in config
+               else (0,) + tuple(L for L in SEGMENT_CHUNKS if L < longest))
+    best = None
+    for bv in blocks:
+        for L in lengths:
+            n_seg = sum(max(1, -(-c // L)) if L else 1 for c in p.seq_chunks)
+            if n_seg * p.HV > 2 ** 31 - 1:
+                continue
+            t = walk_time_us(p, bv, L)
+            if best is None or t < best[2] * 0.98:      # ties: the earlier (larger block, no split)
+                best = (bv, L, t)
+    return best
+
+
+def walk_applies(p: ForwardProblem) -> bool:
+    return (p.rule == "delta" and p.gate in ("none", "scalar") and not p.return_states
+            and bool(walk_blocks(p)))
+
+
+#: what a probe or test may set in forward_plan's config
+CONFIG_KEYS = ("block_v", "segments", "fused")
+
+
+def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
+    """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
+    (CONFIG_KEYS: the walk's block_v and segment length, the other pipelines' fused)."""
+    config = dict(config)
+    bad = sorted(set(config) - set(CONFIG_KEYS))
+    if bad:
+        raise ValueError(f"unknown plan config {bad}; known: {list(CONFIG_KEYS)}")
+    if walk_applies(p) and "fused" not in config:
+        return _walk_plan(p, config)
+    from .stages import stage_plan
+    return stage_plan(p, config)
+
+
+def _kkt(p: ForwardProblem, heads_fastest: bool) -> dict:
+    return dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
+                g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
+                beta_dtype=p.beta_dtype, l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
+                allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
+                heads_fastest=heads_fastest)
+
+
+def prepare_buffers(p: ForwardProblem) -> list:
+    """chunk_kkt_inverse's outputs."""
+    C, gated = p.chunk_size, p.gate == "scalar"
+    out = [Buffer("A", (p.Ttot, p.HV, C), "input"),
+           Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
+           Buffer("chunk_norm", (p.HV, p.NT))]
+    if p.l2norm_qk:
+        out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    return out
+
+
+def kkt_launch(p: ForwardProblem):
+    """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk)."""
+    heads_fastest = p.NT <= MAX_GRID_YZ
+    binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
+    return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
+
+
+def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
+    bv, L, t = walk_choice(p, config)
+    split = bool(L) and any(c > L for c in p.seq_chunks)
+    qk = dict(q="qn", k="kn", a="A") if p.l2norm_qk else dict(a="A")
+    gate = {} if p.gate == "scalar" else dict(g_cum="gate_none")
+    walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, state_v_first=p.state_v_first,
+                has_initial_state=p.has_initial_state or split,
+                output_final_state=p.output_final_state, block_v=bv, regs=WALK_REGS)
+    buffers = prepare_buffers(p) + ([] if p.gate == "scalar" else [Buffer("gate_none", (1,))])
+    reasons = [f"the delta rule's walk fits at value blocks {walk_blocks(p)}; block {bv}"
+               f"{f' with segments of {L} chunks' if split else ', one CTA per sequence'}"
+               + (f" (config {config})" if config else f" models fastest ({t:.0f} us)")]
+    launches = [kkt_launch(p)]
+    if split:
+        state = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
+        n_seg = sum(max(1, -(-c // L)) for c in p.seq_chunks)     # (one for an empty one)
+        buffers += [Buffer("seg_map", (n_seg, p.HV, p.K, p.K + p.V)),
+                    Buffer("exact", (n_seg, p.HV), "int32"), Buffer("starts", (n_seg,) + state),
+                    Buffer("ht_none", (1,) + state)]
+        mbv = max(b for b in walk_blocks(p) if p.K % b == 0 and b <= bv)
+        mbind = {a: t for a, t in dict(qk, **gate).items() if a != "q"}
+        if p.gate != "scalar":
+            mbind["chunk_norm"] = "gate_none"
+        launches.append(launch("chunk_walk_map", dict(H=p.H, HV=p.HV, K=p.K, V=p.V,
+                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS),
+                               **mbind))
+        launches.append(launch("chunk_segment_combine", dict(
+            HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
+            has_initial_state=p.has_initial_state, output_final_state=False, block_v=64
+            if p.V % 64 == 0 else 32 if p.V % 32 == 0 else 16), ht="ht_none"))
+        walk_bind = dict(qk, **gate, cu_seqlens="seg_cu", chunk_offsets="seg_c0", h0="starts",
+                         final_row="seg_final_row")
+    else:
+        walk_bind = dict(qk, **gate)
+    launches.append(launch("chunk_walk", walk, **walk_bind))
+    return Plan("walk-split" if split else "walk", NAME, tuple(launches), tuple(buffers),
+                L if split else 0, tuple(reasons))

@@ -1,0 +1,158 @@
+"""Hopper's chunked forward for what the walk does not run (the per-key gate, the additive
+rule, the per-chunk states of the chunk contracts, heads too wide for the walk): a prepare
+stage, then the sequential state pass and the output, fused (chunk_qk +
+chunk_state_output: o formed inside the state pass) or as three stages (chunk_state
+writes h per chunk, chunk_output reads it). The rules and their measurements follow."""
+from __future__ import annotations
+
+import functools
+import heapq
+
+from ...pipeline import Buffer, ForwardProblem, Plan, launch
+from .forward import MAX_GRID_YZ, NAME, NUM_SMS, kkt_launch, prepare_buffers
+
+#: the state pass's time per chunk step of one CTA by value block, relative (run s2-5's
+#: sweep at q35-397b-tp1-65536: 4 / 2 / 1 waves of CTAs took 4.88 / 4.80 / 3.58 ms at
+#: block 16 / 32 / 64, i.e. 1.19 / 2.34 / 3.50 us per step; prefill-4k at block 16: 1.17)
+CHUNK_STATE_STEP_COST = {16: 1.19, 32: 2.34, 64: 3.50}
+#: the fused state + output path pays off from this many (sequence, value head) chains.
+#: Run s3-1 (bf16, K = V = 128), fused vs 3-stage: 0.97x at 8 chains, 1.00x at 16, 1.06x
+#: at 64, 1.08x at 128; run s3-3 (chunk_qk's stores through shared memory): 0.98x at 8,
+#: 1.05x at 16, 1.19x at 64. f16 from 8 (its 3-stage state pass is ~15 % slower than bf16's,
+#: run s3-3; runs s5-1 / s5-3: f16 tp8-8192 fused 0.224 ms vs 3-stage 0.245). bf16 with
+#: K <= 64 from 32 (run s5-5, GDN prefill-narrow-state: 3-stage 0.111 ms, fused 0.115).
+FUSE_MIN_CHAINS = {"float16": 8}
+FUSE_MIN_CHAINS_DEFAULT = 16
+FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
+#: the per-key gate's prepare: 256 threads (run s5-3: 0.705 -> 0.471 ms at KDA
+#: kda-tp2-4096; measured and dropped: the blocked inverse, a (16, K)-tile diagonal form,
+#: the fast exponential) with the "tc" inverse
+KEY_PREPARE = dict(threads=256)
+KEY_PREPARE_INVERSE = "tc"
+#: chunk_wu: one CTA per (chunk, head), A_b loaded once, 64-column GEMMs (run s3-1: the
+#: split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse)
+WU_TUNING = dict(block_n=64, loop_columns=True)
+#: the state pass: two TMA pipeline stages (s2-5 sweep); the scalar gate's v_new stored
+#: from registers (runs s2-6 / s2-7: with h by TMA store the best measured pair)
+STATE_STAGES = 2
+
+
+@functools.lru_cache(maxsize=256)
+def _state_makespan(bv: int, V: int, heads: int, seq_chunks: tuple) -> float:
+    step = CHUNK_STATE_STEP_COST[bv]
+    sms, end = [0.0] * NUM_SMS, 0.0
+    for n_chunks in seq_chunks:
+        for _ in range(heads * (V // bv)):
+            t = heapq.heappop(sms) + n_chunks * step
+            heapq.heappush(sms, t)
+            end = max(end, t)
+    return end
+
+
+def state_block_v(V: int, n_chains: int, seq_chunks: tuple | None = None) -> int:
+    """Value block of chunk_state: the makespan of its CTAs over the SMs (one CTA per SM),
+    each (chunks of its sequence) x CHUNK_STATE_STEP_COST; ties: the larger block. Equal
+    lengths (or many waves) reduce to "the smallest block that keeps one wave, else 64"."""
+    divisors = [bv for bv in (16, 32, 64) if V % bv == 0]
+    if not divisors:
+        raise ValueError(f"V={V} must be a multiple of 16")
+    if seq_chunks and (len(set(seq_chunks)) == 1 or n_chains * V // 16 > 8 * NUM_SMS):
+        seq_chunks = None
+    if not seq_chunks:
+        seq_chunks, heads = (1,) * n_chains, 1
+    else:
+        heads = n_chains // len(seq_chunks)
+    return min(reversed(divisors), key=lambda bv: _state_makespan(bv, V, heads, tuple(seq_chunks)))
+
+
+def output_block_v(V: int) -> int:
+    """chunk_output's value block: all of V up to 128, so q k^T is formed once per chunk."""
+    return next(bv for bv in (128, 64, 32, 16) if V % bv == 0)
+
+
+def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
+    table = FUSE_MIN_CHAINS_SMALL_K if K <= 64 else {}
+    return n_chains >= (table.get(dtype) or FUSE_MIN_CHAINS.get(dtype, FUSE_MIN_CHAINS_DEFAULT))
+
+
+def _prepare(p: ForwardProblem, order: dict) -> tuple:
+    """(launches, buffers, bind for the state / output stages) of the prepare step."""
+    C, key = p.chunk_size, p.gate == "key"
+    common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    flags = dict(g_dtype=p.g_dtype if p.gate != "none" else "float32",
+                 beta_dtype=p.beta_dtype if p.rule == "delta" else "float32",
+                 l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
+                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel)
+    delta = p.rule == "delta"
+    bufs = [Buffer("w", (p.Ttot, p.HV, p.K), "input")]
+    bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input")] if delta else []
+    if key:
+        bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
+                 Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
+        tune = dict(KEY_PREPARE, **({"inverse": KEY_PREPARE_INVERSE} if delta else {}))
+        prep = launch("chunk_prepare", dict(common, **flags, **order, **tune),
+                      **({} if delta else {"u": "v"}))
+        return [prep], bufs, dict(k="kg", g_cum="g_last", u="u" if delta else "v", q="qg",
+                                  aqk="aqk")
+    bind = dict(u="u" if delta else "v", k="kn" if p.l2norm_qk else "k")
+    if delta:
+        bufs += prepare_buffers(p)
+        return [kkt_launch(p), launch("chunk_wu", dict(common, **WU_TUNING, **order),
+                                      k=bind["k"])], bufs, bind
+    gated = p.gate == "scalar"
+    bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
+    if p.l2norm_qk:
+        bufs += [Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    if not (gated or p.l2norm_qk):
+        return [], bufs, bind
+    prep = launch("chunk_prepare", dict(common, **flags, **order), u="v", kn=bind["k"])
+    return [prep], bufs, bind
+
+
+def stage_plan(p: ForwardProblem, config: dict) -> Plan:
+    """The fused or three-stage plan of p (config may force "fused")."""
+    many = p.NT > MAX_GRID_YZ
+    if many and p.return_states:
+        raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {MAX_GRID_YZ} "
+                         "chunks in one call are not supported")
+    fused = config.get("fused", fuse_output(p.N * p.HV, p.dtype, p.K) or many)
+    if fused and (p.return_states or (p.rule == "delta" and p.gate != "key")):
+        fused = False           # per-chunk states need h; the delta rule's fused path is the walk
+    order = {} if many else {"heads_fastest": True}
+    launches, bufs, bind = _prepare(p, order)
+    common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
+                 output_final_state=p.output_final_state or p.return_states,
+                 block_v=state_block_v(p.V, p.N * p.HV, p.seq_chunks), num_stages=STATE_STAGES)
+    if p.gate == "scalar" and p.rule == "delta":
+        state["v_new_from_fragment"] = True
+    sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
+    if fused:
+        if p.gate != "key":
+            bufs.append(Buffer("aqk", (p.Ttot, p.HV, p.chunk_size), "input"))
+            if p.l2norm_qk:
+                bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
+            launches.append(launch("chunk_qk", dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
+                                                    l2norm_qk=p.l2norm_qk, **order,
+                                                    q_out="normed" if p.l2norm_qk else "none"),
+                                   k=bind["k"], qg="qn" if p.l2norm_qk else "q"))
+            bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
+            state["q_gated"] = False
+        launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
+        why = f"{p.N * p.HV} chains: o inside the state pass"
+    else:
+        bufs += [Buffer("h", (p.NT, p.HV, p.K, p.V), "input")]
+        if p.rule == "delta":
+            bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
+        if p.return_states:
+            state["states_out"] = True
+        launches.append(launch("chunk_state", state, **sbind,
+                               **({} if p.rule == "delta" else {"v_new": "v"})))
+        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), stage_o=True, **order)
+        launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
+                               k=bind.get("aqk", bind["k"]), g_cum=bind.get("g_cum", "g_cum"),
+                               **({} if p.rule == "delta" else {"v_new": "v"})))
+        why = ("the per-chunk states are asked for" if p.return_states
+               else f"{p.N * p.HV} chains: the state pass alone is the critical path")
+    return Plan("fused" if fused else "three-stage", NAME, tuple(launches), tuple(bufs),
+                reasons=(why,))

@@ -1,0 +1,128 @@
+"""A call's pipeline as data: which generated stages run, with which parameters, and the
+named tensors that flow between them.
+
+An arch module (codegen/arch/<arch>.py) turns a :class:`ForwardProblem` into a
+:class:`Plan`; the runtime (ops/runtime.py ``run_plan``) allocates the plan's buffers and
+launches its stages in order, passing each kernel its tensors by name: a kernel argument
+``x`` reads the plan tensor ``launch.bind.get(x, x)``. Tensor names the runtime provides
+itself (the call's inputs, outputs and host tables) are listed in :data:`PROVIDED`.
+
+    plan = get_arch("sm90").forward_plan(problem)
+    print(plan)                                   # stages, tiles, tensors, the rules used
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: tensors the runtime binds from the call (flat [Ttot, ...] views), its outputs and the
+#: host tables (int32 on the device); everything else a plan uses is one of its buffers
+PROVIDED = {
+    "q": "q [Ttot, H, K]", "k": "k [Ttot, H, K]", "v": "v [Ttot, HV, V]",
+    "g": "gate [Ttot, HV] (scalar) or [Ttot, HV, K] (per key)", "beta": "beta [Ttot, HV]",
+    "A_log": "A_log [HV]", "dt_bias": "dt_bias [HV] or [HV * K]",
+    "h0": "initial state f32 in the state layout (or a placeholder)",
+    "scale": "f32 scalar", "o": "output [Ttot, HV, V]",
+    "ht": "final states f32 in the state layout (or a placeholder)",
+    "cu_seqlens": "[N + 1]", "chunk_bos": "[NT] first token of each chunk",
+    "chunk_len": "[NT] valid rows of each chunk", "chunk_offsets": "[N + 1] first chunk of each sequence",
+    "final_row": "[N] row of ht per sequence (0 .. N-1)",
+    "seg_cu": "[NS + 1] token bounds of the segments", "seg_c0": "[NS + 1] first chunk of each segment",
+    "seq_seg_offsets": "[N + 1] first segment of each sequence",
+    "map_seg": "[NM] the segments whose maps are formed (all but each sequence's last)",
+    "seg_final_row": "[NS] row of ht per segment (-1 but for each sequence's last)",
+}
+
+
+@dataclass(frozen=True)
+class ForwardProblem:
+    """One chunked-forward call, as the arch rules see it (sizes, dtypes, flags; no data).
+
+    seq_chunks: each sequence's chunk count (the split and the value block depend on it).
+    """
+    rule: str                     # "delta" | "additive"
+    gate: str                     # "none" | "scalar" | "key"
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str
+    g_dtype: str
+    beta_dtype: str
+    Ttot: int
+    seq_chunks: tuple
+    l2norm_qk: bool = False
+    beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
+    gate_in_kernel: bool = False
+    state_v_first: bool = False
+    has_initial_state: bool = False
+    output_final_state: bool = False
+    return_states: bool = False
+    chunk_size: int = 64
+
+    @property
+    def N(self) -> int:
+        return len(self.seq_chunks)
+
+    @property
+    def NT(self) -> int:
+        return sum(self.seq_chunks)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A tensor the plan allocates: shape (ints), dtype ("float32", "int32", or "input":
+    the dtype of q)."""
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One generated stage: its build() params (problem and tuning) as sorted pairs, and
+    the kernel arguments that read a plan tensor of another name."""
+    stage: str
+    params: tuple
+    bind: tuple = ()
+    note: str = ""
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+    def tensor(self, arg: str) -> str:
+        return dict(self.bind).get(arg, arg)
+
+
+def launch(stage: str, params: dict, note: str = "", **bind) -> Launch:
+    return Launch(stage, tuple(sorted(params.items())), tuple(sorted(bind.items())), note)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The stages one call runs, in order. ``name`` says which pipeline; ``segments`` the
+    sequence split's segment length in chunks (0: not split); ``reasons`` the rules that
+    chose it, one line each."""
+    name: str
+    arch: str
+    launches: tuple
+    buffers: tuple = ()
+    segments: int = 0
+    reasons: tuple = field(default=(), compare=False)
+
+    def stages(self) -> list[str]:
+        return [la.stage for la in self.launches]
+
+    def __str__(self) -> str:
+        lines = [f"plan {self.name} ({self.arch})" + (f", segments of {self.segments} chunks"
+                                                       if self.segments else "")]
+        lines += [f"  because {r}" for r in self.reasons]
+        for la in self.launches:
+            tune = ", ".join(f"{k}={v}" for k, v in la.params)
+            lines.append(f"  {la.stage}: {tune}" + (f"  # {la.note}" if la.note else ""))
+            if la.bind:
+                lines.append("      " + ", ".join(f"{a} <- {t}" for a, t in la.bind))
+        for b in self.buffers:
+            lines.append(f"  buffer {b.name} {list(b.shape)} {b.dtype}")
+        return "\n".join(lines)
