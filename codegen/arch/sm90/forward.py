@@ -43,14 +43,19 @@ MAP_STEP_FRACTION = 0.75
 #: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
 #: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
 MAP_WARM_CHUNKS = 2
-#: the combine's time per segment of a sequence (us; one K x K x 64 tf32 product)
-COMBINE_STEP_US = 1.5
-#: the split's two extra launches and their tails (us)
-SPLIT_FIXED_US = 8.0
+#: the combine's time per segment of a sequence (us): a copy of B, plus M S (a K x K x 64
+#: tf32 product) where the map was formed (run s6-5: 2.0 - 2.3 us a segment under a real
+#: gate, 4.4 without a gate at K = 128, 1.8 at K = 64)
+COMBINE_STEP_US = 2.0
+COMBINE_EXACT_STEP_US = 2.7                 # at K = 128, scaled by (K / 128)^2
+#: each launch's fixed cost in the split (us; run s6-5: the map and combine of short
+#: segments take 9 - 15 us of which ~6 is launch and prologue)
+LAUNCH_US = 5.0
 #: HBM bytes per us the walk streams at (3.5 TB/s: run s6-4, q35-2b-8x8192)
 WALK_BYTES_PER_US = 3.5e6
-#: segment lengths tried (chunks)
+#: segment lengths tried (chunks; chunk_walk_map's MAX_SEGMENT is the longest)
 SEGMENT_CHUNKS = (2, 4, 8, 16, 32, 64, 128, 256)
+MAX_SEGMENT = 256
 #: register budgets of the walk's warpgroups (state, WY, output, loads): ptxas, no spills
 WALK_REGS = (168, 160, 160, 24)
 MAP_REGS = (184, 176, 24, 24)
@@ -103,12 +108,14 @@ def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
     if not L or all(len(seq) == 1 for seq in segs):
         return walk
     mapped = [c for seq in segs for c in seq[:-1]]
-    warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if p.gate == "scalar" else (lambda c: c)
-    cols = (p.V if p.gate == "scalar" else p.K + p.V) // bv
+    gated = p.gate == "scalar"
+    warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if gated else (lambda c: c)
+    cols = (p.V if gated else p.K + p.V) // bv
     maps = _makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
                            for c in mapped for _ in range(p.HV * cols)))
-    combine = max(len(seq) for seq in segs) * COMBINE_STEP_US
-    return walk + maps + combine + SPLIT_FIXED_US
+    combine_step = COMBINE_STEP_US + (0 if gated else COMBINE_EXACT_STEP_US * (p.K / 128) ** 2)
+    combine = max(len(seq) for seq in segs) * combine_step
+    return walk + maps + combine + 2 * LAUNCH_US
 
 
 def walk_choice(p: ForwardProblem, config: dict) -> tuple:
@@ -118,7 +125,7 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
     longest = max(p.seq_chunks, default=0)
     blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p)
     lengths = ([config["segments"]] if "segments" in config
-               else (0,) + tuple(L for L in SEGMENT_CHUNKS if L < longest))
+               else (0,) + tuple(L for L in reversed(SEGMENT_CHUNKS) if L < longest))
     best = None
     for bv in blocks:
         for L in lengths:
@@ -126,7 +133,7 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
             if n_seg * p.HV > 2 ** 31 - 1:
                 continue
             t = walk_time_us(p, bv, L)
-            if best is None or t < best[2] * 0.98:      # ties: the earlier (larger block, no split)
+            if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
                 best = (bv, L, t)
     return best
 
@@ -182,6 +189,8 @@ def kkt_launch(p: ForwardProblem):
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     bv, L, t = walk_choice(p, config)
     split = bool(L) and any(c > L for c in p.seq_chunks)
+    if split and L > MAX_SEGMENT:
+        raise ValueError(f"segments of {L} chunks: chunk_walk_map takes at most {MAX_SEGMENT}")
     qk = dict(q="qn", k="kn", a="A") if p.l2norm_qk else dict(a="A")
     gate = {} if p.gate == "scalar" else dict(g_cum="gate_none")
     walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, state_v_first=p.state_v_first,

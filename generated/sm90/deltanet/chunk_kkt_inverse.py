@@ -142,12 +142,13 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         if i < rows:
                             kn[t0 + i, hk, j] = T.cast(T.cast(k_s[i, j], f32) * r_s[i], dtype)
             tx = T.get_thread_binding()
+            for r in T.unroll(6):               # sum d_s into d_s[0]: a tree over 64 rows
+                T.sync_threads()
+                if tx < (BT >> (r + 1)):
+                    d_s[tx] = d_s[tx] + d_s[tx + (BT >> (r + 1))]
+            T.sync_threads()
             if tx == 0:
-                growth = T.alloc_var(f32)
-                growth = g_s[BT - 1]
-                for i in T.serial(BT):
-                    growth = growth + d_s[i]
-                chunk_norm[hv, c] = growth
+                chunk_norm[hv, c] = g_s[BT - 1] + d_s[0]
             T.sync_threads()        # k_s is dead from here: w_s takes its place
             w_s = T.alloc_shared((BT, BT), f32)
             for i, j in T.Parallel(BT, BT):     # (kn's products when l2norm_qk)

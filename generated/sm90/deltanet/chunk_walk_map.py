@@ -34,6 +34,8 @@ EXAMPLES = [
 ]
 #: log of the relative contribution of a segment's start below which it is dropped
 WARMUP_LOG_BOUND = -15.95
+#: the longest segment (chunks) a map is formed for
+MAX_SEGMENT = 256
 CHUNK = 64
 #: threads per warpgroup; the CTA is four of them (state, WY, output, loads)
 WARPGROUP = 128
@@ -54,7 +56,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
       k [Ttot, H, K], v [Ttot, HV, V], a [Ttot, HV, 64] (A_b),
       g_cum, chunk_norm (unused placeholders: without a gate every map is formed),
       seg_cu [NS+1], seg_c0 [NS+1] int32 (segment s: tokens seg_cu[s] .., chunks seg_c0[s]
-      .., whole chunks only), map_seg [NM] int32 (the segments to map)
+      .., whole chunks only, at most MAX_SEGMENT), map_seg [NM] int32 (the segments to map)
       -> seg_map [NS, HV, K, K + V] f32 ([M | B] of the mapped segments), exact [NS, HV]
       int32 (1 where M was formed)
     Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles).
