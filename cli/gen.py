@@ -13,7 +13,7 @@ never the package's generated/ unless ``--out`` names it:
 
     linattn-gen --spec my_variants.py:SIMPLE_GLA --arch sm90          generate
     linattn-gen --spec my_variants.py:SIMPLE_GLA --check              exit 1 if stale
-    linattn-gen --spec my_pkg.variants:SIMPLE_GLA --list --out DIR    (module:NAME too)
+    linattn-gen --spec my_pkg.variants:SIMPLE_GLA --out DIR --compile (module:NAME too)
 """
 from __future__ import annotations
 
