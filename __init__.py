@@ -5,6 +5,12 @@ Public functions follow flash-linear-attention's signatures::
     import linattn
     o, ht = linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta,
                                                      output_final_state=True)
+
+A variant of your own is an :class:`OpSpec` anywhere (README, "Add a variant")::
+
+    ops = linattn.build(linattn.OpSpec(name="simple_gla_user", rule="additive",
+                                       gate="scalar"))
+    o, ht = ops.chunk(q, k, v, g, output_final_state=True)
 """
 __version__ = "0.1.0"
 
@@ -12,6 +18,7 @@ __version__ = "0.1.0"
 # name (pytest sets up the repository root as a package), where relative imports fail.
 
 from linattn.dsl import Gate, OpSpec, Options, Rule, SpecError  # noqa: F401
+from linattn.ops.build import Ops, build  # noqa: F401
 from linattn.ops.deltanet import chunk_delta_rule, fused_recurrent_delta_rule  # noqa: F401
 from linattn.ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
                       fused_recurrent_gated_delta_rule, fused_recurrent_gdn)

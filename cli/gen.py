@@ -4,6 +4,16 @@
     linattn-gen --op all --check                exit 1 listing stale/missing/extra files
     linattn-gen --list                          ops, variants, stages
     linattn-gen --op all --compile --report bench/compile_sm90.json
+
+A spec of your own (an OpSpec in a file or module outside the package) goes through the
+same commands with ``--spec`` instead of ``--op``; its files land under
+``<out>/<arch>/<name>/``, where ``<out>`` is ``--out`` or else the per-user folder the
+runtime renders into (``$LINATTN_GEN_DIR``, default ``~/.cache/linattn/generated``),
+never the package's generated/ unless ``--out`` names it:
+
+    linattn-gen --spec my_variants.py:SIMPLE_GLA --arch sm90          generate
+    linattn-gen --spec my_variants.py:SIMPLE_GLA --check              exit 1 if stale
+    linattn-gen --spec my_pkg.variants:SIMPLE_GLA --out DIR --compile (module:NAME too)
 """
 from __future__ import annotations
 
@@ -17,7 +27,8 @@ from ..codegen.plan import VARIANTS, plan
 from ..codegen.arch import ARCHES
 from ..codegen.render import DEFAULT_OUT, check, render_tree, write
 from ..dsl import SpecError
-from ..ops.registry import specs
+from ..ops.runtime import gen_dir
+from ..ops.registry import load_spec, specs
 
 
 def _resolve_ops(names: tuple[str, ...]) -> list:
@@ -26,9 +37,31 @@ def _resolve_ops(names: tuple[str, ...]) -> list:
         return [table[n] for n in sorted(table)]
     bad = [n for n in names if n not in table]
     if bad:
-        raise click.BadParameter(f"unknown op {bad[0]!r}; valid ops: all, {', '.join(sorted(table))}",
-                                 param_hint="'--op'")
+        raise click.BadParameter(f"unknown op {bad[0]!r}; valid ops: all, "
+                                 f"{', '.join(sorted(table))} (a spec of your own: "
+                                 "--spec FILE.py:NAME)", param_hint="'--op'")
     return [table[n] for n in dict.fromkeys(names)]
+
+
+def _resolve_specs(refs: tuple[str, ...]) -> list:
+    """--spec FILE.py:NAME / module:NAME -> OpSpecs (one-line errors, distinct names)."""
+    out = {}
+    for ref in dict.fromkeys(refs):
+        try:
+            spec = load_spec(ref)
+        except SpecError as e:
+            raise click.BadParameter(str(e), param_hint="'--spec'")
+        if spec.name in out and out[spec.name].hash != spec.hash:
+            raise click.BadParameter(f"two different specs are named {spec.name!r}",
+                                     param_hint="'--spec'")
+        out[spec.name] = spec
+    return list(out.values())
+
+
+def _rerun_hint(op_names, spec_refs, arch, out_dir) -> str:
+    sel = [f"--op {n}" for n in op_names or ("all",)] if not spec_refs else [
+        f"--spec {r}" for r in spec_refs]
+    return " ".join(["linattn-gen", *sel, "--arch", arch] + (["--out", out_dir] if out_dir else []))
 
 
 def _list(ops, arch) -> None:
@@ -44,6 +77,10 @@ def _list(ops, arch) -> None:
 @click.command(name="linattn-gen", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--op", "op_names", multiple=True, metavar="NAME",
               help="op to generate (repeatable), or 'all' (default: all)")
+@click.option("--spec", "spec_refs", multiple=True, metavar="FILE.py:NAME|module:NAME",
+              help="an OpSpec of your own instead of --op (repeatable); default --out: "
+                   "the runtime's per-user folder ($LINATTN_GEN_DIR or "
+                   "~/.cache/linattn/generated)")
 @click.option("--arch", default="sm90", show_default=True, type=click.Choice(ARCHES),
               help="target architecture")
 @click.option("--variant", default=None, type=click.Choice(VARIANTS),
@@ -52,19 +89,24 @@ def _list(ops, arch) -> None:
               help="write nothing; exit 1 listing stale, missing or extra files")
 @click.option("--list", "list_only", is_flag=True, help="list ops, variants and stages")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="output folder (default: the package's generated/)")
+              help="output folder (default: the package's generated/ for --op, the "
+                   "per-user folder for --spec)")
 @click.option("--compile", "compile_all", is_flag=True,
               help="compile every generated stage for its representative configurations "
                    "and print registers / shared memory / spills")
 @click.option("--report", default=None, type=click.Path(dir_okay=False),
               help="with --compile: write the results as JSON to this file")
-def cli(op_names, arch, variant, check_only, list_only, out_dir, compile_all, report):
-    """Generate TileLang kernels from the linattn op specs."""
-    ops = _resolve_ops(op_names)
+def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, compile_all,
+        report):
+    """Generate TileLang kernels from the linattn op specs (or your own: --spec)."""
+    if op_names and spec_refs:
+        raise click.UsageError("give --op (the package's families) or --spec (your own), "
+                               "not both")
+    ops = _resolve_specs(spec_refs) if spec_refs else _resolve_ops(op_names)
     if list_only:
         _list(ops, arch)
         return
-    out = Path(out_dir) if out_dir else DEFAULT_OUT
+    out = Path(out_dir) if out_dir else gen_dir() if spec_refs else DEFAULT_OUT
     try:
         files = render_tree(ops, arch, variant)
     except SpecError as e:
@@ -75,8 +117,8 @@ def cli(op_names, arch, variant, check_only, list_only, out_dir, compile_all, re
         if not res.ok:
             for line in res.lines():
                 click.echo(line)
-            click.echo(f"generated/ is not current: run linattn-gen --op "
-                       f"{' --op '.join(s.name for s in ops)} --arch {arch}", err=True)
+            click.echo(f"{out} is not current: run "
+                       f"{_rerun_hint(op_names, spec_refs, arch, out_dir)}", err=True)
             sys.exit(1)
         click.echo(f"ok: {len(files)} files current under {out}")
         return
