@@ -4,6 +4,7 @@
     linattn-gen --op all --check                exit 1 listing stale/missing/extra files
     linattn-gen --list                          ops, variants, stages
     linattn-gen --op all --compile --report bench/compile_sm90.json
+    linattn-gen --op gdn --plan B=1,T=4096,H=16,K=128    the chunked forward's plan for a call
 
 A spec of your own (an OpSpec in a file or module outside the package) goes through the
 same commands with ``--spec`` instead of ``--op``; its files land under
@@ -96,13 +97,22 @@ def _list(ops, arch) -> None:
                    "and print registers / shared memory / spills")
 @click.option("--report", default=None, type=click.Path(dir_okay=False),
               help="with --compile: write the results as JSON to this file")
+@click.option("--plan", "plan_sizes", default=None, metavar="B=1,T=4096,H=16,K=128",
+              help="print the chunked forward's plan for a call: B, T (or lens=1024:7168), "
+                   "H, HV (default H), K, V (default K), dtype (bf16 / f16), option flags "
+                   "(l2norm_qk, gate_in_kernel, state_v_first, ...), h0 / ht (initial / "
+                   "final state), and plan config keys (block_v, segments, fused)")
 def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, compile_all,
-        report):
+        report, plan_sizes):
     """Generate TileLang kernels from the linattn op specs (or your own: --spec)."""
     if op_names and spec_refs:
         raise click.UsageError("give --op (the package's families) or --spec (your own), "
                                "not both")
     ops = _resolve_specs(spec_refs) if spec_refs else _resolve_ops(op_names)
+    if plan_sizes is not None:
+        for spec in ops:
+            click.echo(f"{spec.name}: {_plan(spec, arch, plan_sizes)}")
+        return
     if list_only:
         _list(ops, arch)
         return
@@ -139,6 +149,46 @@ def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, comp
             click.echo(f"report: {report}")
         if any(r.get("error") for r in results):
             sys.exit(1)
+
+
+_PLAN_INTS = ("B", "T", "H", "HV", "K", "V")
+_PLAN_CONFIG = ("block_v", "segments", "fused")
+
+
+def _plan(spec, arch: str, text: str):
+    """The arch's forward plan for the sizes in ``text`` (--plan)."""
+    from ..dsl import Options
+    from ..ops import chunk
+    kv, flags = {}, set()
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = item.partition("=")
+        if eq:
+            kv[key] = value
+        else:
+            flags.add(key)
+    try:
+        n = {k: int(kv.pop(k)) for k in _PLAN_INTS if k in kv}
+        lens = [int(x) for x in kv.pop("lens").split(":")] if "lens" in kv else None
+        dtype = {"bf16": "bfloat16", "f16": "float16"}.get(kv.get("dtype", "bf16"), kv.get("dtype"))
+        kv.pop("dtype", None)
+        config = {k: (kv.pop(k) == "true" if k == "fused" else int(kv.pop(k)))
+                  for k in _PLAN_CONFIG if k in kv}
+        options = Options(**{f: True for f in flags - {"h0", "ht"}})
+    except (ValueError, TypeError, KeyError) as e:
+        raise click.BadParameter(f"{text!r}: {e}", param_hint="'--plan'")
+    if kv or not {"T", "H", "K"} <= set(n) | ({"T"} if lens else set()):
+        raise click.BadParameter(f"{text!r}: needs T (or lens), H, K; unknown {sorted(kv)}",
+                                 param_hint="'--plan'")
+    B, C = n.get("B", 1), spec.chunk_size
+    lens = lens or [n["T"]] * B
+    try:
+        return chunk.forward_plan(
+            spec, options, arch, config, H=n["H"], HV=n.get("HV", n["H"]), K=n["K"],
+            V=n.get("V", n["K"]), dtype=dtype, seq_chunks=tuple(-(-t // C) for t in lens),
+            Ttot=sum(lens), beta_dtype=dtype, has_initial_state="h0" in flags,
+            output_final_state="ht" in flags)
+    except SpecError as e:
+        raise click.UsageError(str(e))
 
 
 def main(argv=None):
