@@ -6,6 +6,8 @@
   element a kernel never writes cannot pass a comparison.
 * ``rng``: a fresh NumPy generator per test (seeded from the test id and the clock, and
   printed on failure) so every run sees new random inputs.
+* ``fresh_plans``: forget ops.chunk's memoised plans before and after a test, for tests
+  that monkeypatch the arch's rules (codegen.arch.sm90.forward / stages constants).
 """
 import json
 import os
@@ -56,6 +58,16 @@ def nan_poison(request, monkeypatch):
         monkeypatch.setattr(torch, name, _poisoned(getattr(torch, name)))
     monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(torch.Tensor.new_empty))
     yield
+
+
+@pytest.fixture
+def fresh_plans():
+    """ops.chunk memoises plans per (arch, problem, config): a test that patches the arch's
+    rules must not see (or leave behind) plans made under other rules."""
+    from linattn.ops import chunk
+    chunk._plan.cache_clear()
+    yield
+    chunk._plan.cache_clear()
 
 
 @pytest.fixture
