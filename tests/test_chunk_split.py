@@ -1,36 +1,32 @@
-"""CPU tests of the split state pass (ops/chunk_split.py, LINATTN_CHUNK_SPLIT=1): segment
-tables against a walk over the sequences, the cost model, sm_90a compiles of the two new
-stages, and the decomposition itself: fake kernels carry out each state stage's formula in
-fp64 through the real buffers and tables (chunk_state / chunk_state_output as the
-GPU-verified kernels compute it; chunk_segment_state on [I | 0] with values [0 | u];
-chunk_segment_combine), and the split run's h, v_new, o and final state must equal the
-unsplit run's on the same random stage inputs."""
+"""CPU tests of the walk's sequence split (codegen/arch/sm90/forward.py walk-split; ops/
+chunk_split.py's tables): segment tables against a walk over the sequences (every
+sequence owns at least one segment, an empty one too), the tables the plan reads, the
+walk's cost model (value blocks that fit shared memory; few chains split, many do not),
+and sm_90a compiles of the walk's kernels within the shared memory the model assumes.
+The split's arithmetic (maps, warm-up, combine) is checked against the fp64 reference
+in tests/test_chunk_walk.py, and on the GPU in tests/test_chunk_fwd_gpu.py /
+tests/test_chunk_split_gpu.py."""
+import shutil
+
 import numpy as np
 import pytest
-import torch
 
-from test_chunk import fake_stages
-
-from linattn.dsl import Gate, Options, all_rule_gate_specs
+from linattn.codegen.arch.sm90 import forward as fw
+from linattn.dsl import Options, SpecError
 from linattn.ops import chunk, chunk_split
 from linattn.ops.registry import get_spec
 
-F64 = torch.float64
-SIX = {s.name: s for s in all_rule_gate_specs()}
+C = 64
 
 
-def _spec(name):
-    return SIX[name] if name in SIX else get_spec(name)
-
-
-# -- tables and the cost model ------------------------------------------------------------
+# -- tables ----------------------------------------------------------------------------------
 
 def _segments_by_walking(lens, L, C):
-    seg_cu, seg_c0, seq_seg, chunk0, tok = [0], [0], [0], 0, 0
-    seg_cu, seg_c0 = [], []
-    for n, length in enumerate(lens):
+    """(seg_cu, seg_c0, seq_seg): segments of L chunks; an empty sequence, one empty one."""
+    seg_cu, seg_c0, seq_seg, chunk0, tok = [], [], [0], 0, 0
+    for length in lens:
         nch = -(-length // C)
-        for c in range(0, nch, L):
+        for c in range(0, max(nch, 1), L):
             seg_cu.append(tok + c * C)
             seg_c0.append(chunk0 + c)
         seq_seg.append(len(seg_cu))
@@ -41,231 +37,148 @@ def _segments_by_walking(lens, L, C):
 
 @pytest.mark.parametrize("L", [1, 2, 3, 8])
 def test_segment_tables_match_walk(rng, L):
-    lens = [0, 1, 64, 65, 1000] + rng.integers(0, 400, size=6).tolist()
+    lens = [0, 1, 64, 65, 1000, 0] + rng.integers(0, 400, size=6).tolist()
     rng.shuffle(lens)
     cu = np.concatenate([[0], np.cumsum(lens)])
-    got = chunk_split.build_segment_tables(cu, L, 64)
-    want = _segments_by_walking(lens, L, 64)
+    got = chunk_split.build_segment_tables(cu, L, C)
+    want = _segments_by_walking(lens, L, C)
     for g, w in zip(got, want):
         assert g.dtype == np.int32 and g.tolist() == list(w)
-    # every segment has 1..L chunks and tiles its sequence
-    seg_cu, seg_c0, _ = got
-    assert np.all(np.diff(seg_cu) > 0) and np.all((np.diff(seg_c0) >= 1) & (np.diff(seg_c0) <= L))
+    seg_cu, seg_c0, seq_seg = got
+    # every sequence owns >= 1 segment; segments hold 0..L chunks (0: an empty sequence's)
+    assert np.all(np.diff(seq_seg) >= 1) and seq_seg[-1] == len(seg_cu) - 1
+    assert np.all(np.diff(seg_cu) >= 0) and np.all((np.diff(seg_c0) >= 0) & (np.diff(seg_c0) <= L))
+    counts = np.diff(seg_c0)
+    for n, length in enumerate(lens):
+        segs = counts[seq_seg[n]:seq_seg[n + 1]]
+        assert segs.sum() == -(-length // C)
+        assert np.all(segs[:-1] == L)            # only the last segment is short
+        assert np.all(np.diff(seg_cu)[seq_seg[n]:seq_seg[n + 1]] <= L * C)
 
 
-def test_cost_model_splits_few_heads_only():
+def test_segment_tables_of_equal_sequences():
+    seg_cu, seg_c0, seq_seg = chunk_split.build_segment_tables([0, 300, 600], 2, C)
+    assert seg_cu.tolist() == [0, 128, 256, 300, 428, 556, 600]
+    assert seg_c0.tolist() == [0, 2, 4, 5, 7, 9, 10]
+    assert seq_seg.tolist() == [0, 3, 6]
+
+
+@pytest.mark.parametrize("cu,L", [([0, 5], 0), ([1, 4], 2), ([0, 5, 3], 2), ([0], 2)])
+def test_segment_tables_reject_bad_input(cu, L):
+    with pytest.raises(SpecError):
+        chunk_split.build_segment_tables(cu, L, C)
+
+
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_plan_tables_name_each_sequences_last_segment(rng, L):
+    """What the walk-split plan reads (ops.chunk._tables): seg_final_row gives each
+    sequence's last segment its row of ht (-1 elsewhere), map_seg lists the other
+    segments (whose maps are formed), the chunk tables are the unsplit ones."""
+    lens = [0] + rng.integers(0, 500, size=7).tolist() + [1]
+    cu = tuple(int(x) for x in np.concatenate([[0], np.cumsum(lens)]))
+    t = {k: v.tolist() for k, v in chunk._tables(cu, C, "cpu", L).items()}
+    seg_cu, seg_c0, seq_seg = (x.tolist() for x in chunk_split.build_segment_tables(cu, L, C))
+    assert (t["seg_cu"], t["seg_c0"], t["seq_seg_offsets"]) == (seg_cu, seg_c0, seq_seg)
+    last = [seq_seg[n + 1] - 1 for n in range(len(lens))]
+    assert [t["seg_final_row"][s] for s in last] == list(range(len(lens)))
+    assert sorted(set(range(len(seg_cu) - 1)) - set(last)) == t["map_seg"]
+    assert all(t["seg_final_row"][s] == -1 for s in t["map_seg"])
+    bos, length, offsets = chunk.build_chunk_tables(cu, C)
+    assert t["chunk_bos"] == bos.tolist() and t["chunk_offsets"] == offsets.tolist()
+    for s in t["map_seg"]:                  # mapped segments are whole: L full chunks
+        assert seg_cu[s + 1] - seg_cu[s] == L * C and seg_c0[s + 1] - seg_c0[s] == L
+
+
+# -- the walk's cost model ---------------------------------------------------------------------
+
+def _problem(seq_chunks, H, HV, K=128, V=128, gate="scalar", **kw):
+    return fw.ForwardProblem(rule="delta", gate=gate, H=H, HV=HV, K=K, V=V, dtype="bfloat16",
+                             g_dtype="float32", beta_dtype="bfloat16",
+                             Ttot=64 * sum(seq_chunks), seq_chunks=tuple(seq_chunks), **kw)
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (256, 128), (128, 256), (256, 256),
+                                 (32, 48), (64, 16)])
+def test_walk_blocks_fit_shared_memory(K, V):
+    blocks = fw.walk_blocks(_problem([4], 1, 1, K, V))
+    assert blocks, (K, V)                              # the walk runs at every K, V checked
+    assert list(blocks) == sorted(blocks, reverse=True)
+    for bv in blocks:
+        assert V % bv == 0 and fw.walk_smem(K, bv) <= fw.SMEM_BYTES
+    assert fw.walk_smem(K, 128) > fw.walk_smem(K, 16)  # the model grows with the block
+
+
+def test_walk_smem_model():
+    # two stages of q, k, v, A_b plus the exchanged tiles, 4 KB spare (bf16)
+    assert fw.walk_smem(128, 128) == 2 * 64 * (256 + 128 + 64) * 2 + (
+        64 * 128 + 128 * 128 + 64 * 128 + 64 * 64 + 64 * 128) * 2 + 4096
+    assert fw.walk_smem(128, 128) <= fw.SMEM_BYTES < fw.walk_smem(256, 256) + 1
+    assert fw.walk_smem(64, 64, itemsize=4) > fw.walk_smem(64, 64)
+
+
+def test_cost_model_splits_few_chains_only():
     # q35-397b-tp8-8192: one sequence, 128 chunks, 8 value heads: split
-    assert chunk_split.segment_chunks([128], 8, 128, 128, 132) >= 2
+    bv, L, t = fw.walk_choice(_problem([128], 2, 8), {})
+    assert L >= 2 and bv in fw.walk_blocks(_problem([128], 2, 8))
+    assert t < fw.walk_time_us(_problem([128], 2, 8), bv, 0)
     # 64 value heads x 8 sequences fill the GPU already: no split
-    assert chunk_split.segment_chunks([64] * 8, 64, 128, 128, 132) == 0
-    assert chunk_split.segment_chunks([1, 1], 2, 64, 64, 132) == 0      # nothing to split
-    assert chunk_split.segment_chunks([40], 2, 64, 64, 132, override=4) == 4
+    assert fw.walk_choice(_problem([64] * 8, 64, 64), {})[1] == 0
+    assert fw.walk_choice(_problem([1, 1], 2, 2, 64, 64), {})[1] == 0   # nothing to split
+    # forced: the config's segment length and block
+    bv, L, _ = fw.walk_choice(_problem([40], 2, 2, 64, 64), {"segments": 4})
+    assert L == 4 and bv in fw.walk_blocks(_problem([40], 2, 2, 64, 64))
+    assert fw.walk_choice(_problem([40], 2, 2, 64, 64), {"block_v": 16})[0] == 16
 
 
-# -- compiling ---------------------------------------------------------------------------
+def test_cost_model_basics():
+    assert fw._makespan((1.0,) * fw.NUM_SMS) == 1.0
+    assert fw._makespan((1.0,) * (fw.NUM_SMS + 1)) == 2.0
+    assert fw._makespan((3.0, 1.0, 1.0), sms=2) == 3.0
+    assert fw._segments((5, 0, 2), 2) == [[2, 2, 1], [0], [2]]
+    assert fw._segments((5, 0), 0) == [[5], [0]]
+    p = _problem([64], 1, 1)
+    # more value heads or chunks, no faster; segments as long as the sequence: no split
+    assert fw.walk_time_us(_problem([64], 1, 2), 128, 0) >= fw.walk_time_us(p, 128, 0)
+    assert fw.walk_time_us(_problem([65], 1, 1), 128, 0) >= fw.walk_time_us(p, 128, 0)
+    assert fw.walk_time_us(p, 128, 64) == fw.walk_time_us(p, 128, 0)
+    # the scalar gate's warm-up makes the maps cheaper than without a gate
+    assert fw.walk_time_us(_problem([64], 1, 1, gate="scalar"), 64, 8) <= fw.walk_time_us(
+        _problem([64], 1, 1, gate="none"), 64, 8)
+
+
+def test_split_plan_buffers():
+    """The walk-split plan: its segment count in seg_map / starts / exact, the walk
+    reading the segment tables and starting from the combine's starts."""
+    plan = chunk.forward_plan(get_spec("gdn"), Options(), H=2, HV=4, K=64, V=64,
+                              dtype="bfloat16", seq_chunks=(5, 0, 2), Ttot=7 * 64,
+                              output_final_state=True, config={"segments": 2})
+    assert plan.name == "walk-split" and plan.segments == 2
+    bufs = {b.name: b for b in plan.buffers}
+    assert bufs["seg_map"].shape == (5, 4, 64, 128) and bufs["starts"].shape == (5, 4, 64, 64)
+    assert bufs["exact"].dtype == "int32"
+    walk = plan.launches[-1]
+    assert walk.stage == "chunk_walk" and walk.kwargs["has_initial_state"]
+    assert [walk.tensor(a) for a in ("cu_seqlens", "chunk_offsets", "h0", "final_row")] == [
+        "seg_cu", "seg_c0", "starts", "seg_final_row"]
+
+
+# -- compiling --------------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name", ["gdn", "kda", "additive_none"])
-def test_split_stages_compile(name):
-    spec = _spec(name)
-    for stage in chunk.SPLIT_STAGES:
-        mod = chunk.stage_module(spec, stage)
-        src = chunk.compiled_stage(spec, stage, **mod.EXAMPLES[0]).get_kernel_source()
-        assert "__global__" in src and ("wgmma" in src or "mma" in src)
-
-
-# -- fake kernels: the stage formulas in fp64 ---------------------------------------------
-
-def _state_layout(x, v_first):          # [.., K, V] <-> [.., V, K]
-    return x.transpose(-1, -2) if v_first else x
-
-
-class StateMath:
-    """fp64 state recurrence over (cu, chunk offsets) tables, as the state kernels do it.
-    cols_is_map (segment stage): the first K columns carry values 0 (the map P)."""
-
-    def __init__(self, spec, C, K):
-        self.spec, self.C, self.K = spec, C, K
-
-    def run(self, k, w, u, g_cum, cu, c0, S_init, HV, group, on_chunk=None, map_cols=0):
-        spec, C = self.spec, self.C
-        ends = []
-        for n in range(len(cu) - 1):
-            bos, seqlen = int(cu[n]), int(cu[n + 1] - cu[n])
-            for hv in range(HV):
-                S = S_init(n, hv).clone()
-                hk = hv if spec.gate is Gate.KEY else hv // group
-                for c in range(-(-seqlen // C)):
-                    t0, rows = bos + c * C, min(C, seqlen - c * C)
-                    kk = k[t0:t0 + rows, hk].to(F64)
-                    uu = u[t0:t0 + rows, hv].to(F64)
-                    uu = torch.cat([torch.zeros(rows, map_cols, dtype=F64), uu], 1)
-                    vn = uu - w[t0:t0 + rows, hv].to(F64) @ S if spec.has_beta else uu
-                    if on_chunk is not None:
-                        on_chunk(int(c0[n]) + c, t0, rows, hv, S, vn)
-                    if spec.gate is Gate.KEY:
-                        gl = g_cum[int(c0[n]) + c, hv].to(F64)
-                        S = gl.exp()[:, None] * S + kk.T @ vn
-                    elif spec.has_gate:
-                        row0 = (int(c0[n]) + c) * C
-                        gc = g_cum[hv, row0:row0 + rows].to(F64)
-                        S = gc[-1].exp() * S + kk.T @ (vn * (gc[-1] - gc).exp()[:, None])
-                    else:
-                        S = S + kk.T @ vn
-                ends.append((n, hv, S))
-        return ends
-
-
-def _run(monkeypatch, spec, lens, options, init, final, fused, split_L, HV=4, H=2, K=32, V=32,
-         seed=0):
-    """chunk_forward with fake kernels; returns the fp64 record {h, v_new, o, final}."""
-    C = spec.chunk_size
-    monkeypatch.setattr(chunk, "FUSE_OUTPUT", fused)
-    monkeypatch.setattr(chunk, "SPLIT", split_L is not None)
-    monkeypatch.setattr(chunk, "SPLIT_SEGMENT_CHUNKS", split_L)
-    monkeypatch.setattr(chunk, "PREPARE_SPLIT", False)   # the fakes do chunk_prepare's math
-    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
-    math = StateMath(spec, C, K)
-    rec = {"h": {}, "v_new": {}, "o": {}, "final": None, "calls": []}
-    gen = torch.Generator().manual_seed(seed)
-    key_gate = spec.gate is Gate.KEY
-
-    def fill(t, scale=0.3):
-        t.copy_((scale * torch.randn(t.shape, generator=gen, dtype=F64)).to(t.dtype))
-
-    def prepare(*a):          # random stage operands (reproducible per seed)
-        if key_gate:
-            *_, chunk_bos, chunk_len, k_out, q_out, k_state, g_cum, w, u = a
-            for t in (k_out, q_out, k_state, w, u):
-                fill(t)
-            g_cum.copy_(-0.2 * torch.rand(g_cum.shape, generator=gen, dtype=F64))
-        else:
-            *_, chunk_bos, chunk_len, g_cum, kn, w, u = a
-            for t in (kn, w, u):
-                fill(t)
-            if spec.has_gate:     # chunk-padded within-chunk cumsums of negative logs
-                steps = -0.1 * torch.rand(g_cum.shape[0], g_cum.shape[1] // C, C,
-                                          generator=gen, dtype=F64)
-                g_cum.copy_(steps.cumsum(-1).reshape(g_cum.shape))
-
-    def qk(qf, kn, g_cum, chunk_bos, chunk_len, q_out, k_out):
-        fill(q_out), fill(k_out)
-
-    def state_kernel(stage, p):
-        def run(k, w, u, g_cum, cu, c0, h0, *rest):
-            if stage == "chunk_state":
-                h, v_new, ht = rest
-            else:
-                ht, qg, aqk, o, scale = rest
-            vf = p["state_v_first"]
-            init = (lambda n, hv: _state_layout(h0[n, hv].to(F64), vf)) if \
-                p["has_initial_state"] else (lambda n, hv: torch.zeros(K, V, dtype=F64))
-
-            def on_chunk(ci, t0, rows, hv, S, vn):
-                rec["h"][(ci, hv)] = S.clone()
-                for i in range(rows):
-                    rec["v_new"][(t0 + i, hv)] = vn[i].clone()
-                if stage == "chunk_state_output":
-                    if p.get("q_gated", True):
-                        qq = qg[t0:t0 + rows, hv].to(F64)
-                    else:          # q itself [Ttot, H, K], gated here (scalar gate)
-                        qq = qg[t0:t0 + rows, hv // (HV // H)].to(F64)
-                        if spec.gate is Gate.SCALAR:
-                            qq = qq * g_cum[hv, ci * C:ci * C + rows].to(F64).exp()[:, None]
-                    oo = scale * (qq @ S + aqk[t0:t0 + rows, hv, :rows].to(F64) @ vn)
-                    for i in range(rows):
-                        rec["o"][(t0 + i, hv)] = oo[i]
-
-            ends = math.run(k, w, u, g_cum, cu.tolist(), c0.tolist(), init, HV, HV // H,
-                            on_chunk)
-            if p["output_final_state"]:
-                rec["final"] = torch.zeros(ht.shape, dtype=F64)
-                for n, hv, S in ends:
-                    rec["final"][n, hv] = _state_layout(S, vf)
-        return run
-
-    def segment_state(p):
-        def run(k, w, u, g_cum, seg_cu, seg_c0, seg_map):
-            init = lambda n, hv: torch.cat(   # noqa: E731
-                [torch.eye(K, dtype=F64), torch.zeros(K, V, dtype=F64)], 1)
-            for s, hv, S in math.run(k, w, u, g_cum, seg_cu.tolist(), seg_c0.tolist(), init,
-                                     HV, HV // H, map_cols=K):
-                seg_map[s, hv] = S.to(seg_map.dtype)
-            rec["seg_map"] = seg_map.clone()
-        return run
-
-    def combine(p):
-        def run(seg_map, seq_seg, h0, starts, ht):
-            vf = p["state_v_first"]
-            fin = torch.zeros(ht.shape, dtype=F64)
-            for n in range(len(seq_seg) - 1):
-                for hv in range(HV):
-                    S = (_state_layout(h0[n, hv].to(F64), vf) if p["has_initial_state"]
-                         else torch.zeros(K, V, dtype=F64))
-                    for s in range(int(seq_seg[n]), int(seq_seg[n + 1])):
-                        starts[s, hv] = S.to(starts.dtype)
-                        S = seg_map[s, hv, :, :K].to(F64) @ S + seg_map[s, hv, :, K:].to(F64)
-                    if p["output_final_state"]:
-                        fin[n, hv] = _state_layout(S, vf)
-            if p["output_final_state"]:
-                rec["final"] = fin
-        return run
-
-    fakes = {"chunk_prepare": lambda p: prepare, "chunk_qk": lambda p: qk,
-             "chunk_state": lambda p: state_kernel("chunk_state", p),
-             "chunk_state_output": lambda p: state_kernel("chunk_state_output", p),
-             "chunk_segment_state": segment_state, "chunk_segment_combine": combine,
-             "chunk_output": lambda p: (lambda *a: None)}
-
-    fake_stages(monkeypatch, fakes, rec["calls"])
-    N, T = len(lens), sum(lens)
-    cu = torch.tensor([0] + np.cumsum(lens).tolist())
-    bf = torch.bfloat16
-    q, k = torch.randn(1, T, H, K, dtype=bf), torch.randn(1, T, H, K, dtype=bf)
-    v = torch.randn(1, T, HV, V, dtype=bf)
-    g = -torch.rand(*spec.gate_shape(1, T, HV, K)) if spec.has_gate else None
-    beta = torch.rand(1, T, HV, dtype=bf) if spec.has_beta else None
-    shape = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
-    h0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)) if init else None
-    chunk.chunk_forward(spec, q, k, v, g, beta, initial_state=h0, output_final_state=final,
-                        options=options, cu_seqlens=cu, cu_seqlens_cpu=cu)
-    return rec
-
-
-CASES = [   # name, lens, options, init, final
-    ("gdn", [300], Options(), True, True),
-    ("gdn", [0, 1, 129, 64, 260], Options(state_v_first=True), True, True),
-    ("deltanet", [200, 70], Options(), False, True),
-    ("kda", [1, 250], Options(), True, True),
-    ("additive_scalar", [190], Options(), True, False),
-]
-
-
-def _assert_rel_close(got, want, tol=1e-6):
-    """||got - want|| / ||want|| < tol: f32 rounding of the maps and start states only (a
-    wrong table or formula gives O(1))."""
-    err = ((got - want).norm() / want.norm()).item()
-    assert err < tol, err
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["3stage", "fused"])
-@pytest.mark.parametrize("L", [1, 2])
-@pytest.mark.parametrize("name,lens,options,init,final", CASES,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
-def test_split_pass_equals_sequential(monkeypatch, name, lens, options, init, final, fused, L):
-    spec = _spec(name)
-    ref = _run(monkeypatch, spec, lens, options, init, final, fused, None)
-    got = _run(monkeypatch, spec, lens, options, init, final, fused, L)
-    assert "chunk_segment_state" in got["calls"] and "chunk_segment_combine" in got["calls"]
-    assert "chunk_segment_state" not in ref["calls"]
-    for what in ("h", "v_new", "o"):
-        assert got[what].keys() == ref[what].keys(), what
-        assert len(ref[what]) > 0 or (what == "o") != fused
-        if ref[what]:
-            keys = sorted(ref[what])
-            _assert_rel_close(torch.stack([got[what][q] for q in keys]),
-                              torch.stack([ref[what][q] for q in keys]))
-    if final:
-        _assert_rel_close(got["final"], ref["final"])
-    else:
-        assert got["final"] is None
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", ["gdn", "deltanet"])
+@pytest.mark.parametrize("stage", ["chunk_walk", "chunk_walk_map", "chunk_segment_combine"])
+def test_walk_stages_compile_within_the_model(name, stage):
+    """Every example of the walk's kernels compiles without spills, in the shared memory
+    walk_smem assumes (chunk_walk: at most the model; all: at most SMEM_BYTES)."""
+    from linattn.codegen.compile import compile_stage, format_record
+    mod = chunk.stage_module(get_spec(name), stage)
+    for ex in mod.EXAMPLES:
+        rec = compile_stage(mod, ex, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
+        smem = rec["static_smem_bytes"] + rec["dynamic_smem_bytes"]
+        assert smem <= fw.SMEM_BYTES, smem
+        if stage == "chunk_walk":
+            assert rec["dynamic_smem_bytes"] <= fw.walk_smem(ex["K"], ex["block_v"])
