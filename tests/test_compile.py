@@ -84,27 +84,32 @@ def test_recording_notes_every_announced_stage_and_compiles_nothing():
     runtime.announce(gdn.SPEC, "sm90", {"chunk_output": p1})    # outside recording: no-op
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_state_pass_two_ctas_per_sm_compiles(fused):
-    """STATE_MIN_BLOCKS=2 (one pipeline stage): __launch_bounds__(256, 2), the consumer
-    warpgroup's setmaxnreg share 232 next to the producer's 24 (2 x 256 x 128 registers
-    fit the SM's 64 K), no spills."""
-    from linattn.codegen.compile import compile_kernel, ptxas_usage
-    from linattn.dsl.spec import Options
+#: representative calls (op, options, sizes, config) whose plans' launches must compile
+PLAN_CASES = [
+    ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(64,)), {}),          # prefill-4k
+    ("gdn", dict(H=2, HV=8, K=128, V=128, seq_chunks=(128,)), {}),           # tp8: split
+    ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(32, 32)), {"fused": False}),
+    ("kda", dict(H=16, HV=16, K=128, V=128, seq_chunks=(64,)), {}),          # fused
+    ("gla", dict(H=2, HV=2, K=64, V=64, seq_chunks=(16,)), {}),              # three-stage
+]
+
+
+@pytest.mark.parametrize("name,sizes,config", PLAN_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(PLAN_CASES)])
+def test_plan_launches_compile(name, sizes, config):
+    """The arch's plans ask for params the templates compile (not only their EXAMPLES):
+    every launch of a few representative plans, no ptxas error, no more than 255
+    registers."""
+    from linattn.codegen.compile import compile_stage
+    from linattn.dsl import Options
     from linattn.ops import chunk
     from linattn.ops.registry import get_spec
-    spec = get_spec("gdn")
-    stage = "chunk_state_output" if fused else "chunk_state"
-    with chunk.using(STATE_MIN_BLOCKS=2, STATE_NUM_STAGES=1):
-        p = chunk.stage_params(spec, Options(), H=16, HV=16, K=128, V=128, dtype="bfloat16",
-                               N=1, fused=fused, n_chunks=64, output_final_state=True)[stage]
-    assert p["min_blocks"] == 2 and p["num_stages"] == 1
-    assert "min_blocks" not in chunk.stage_params(
-        spec, Options(), H=16, HV=16, K=128, V=128, dtype="bfloat16", N=1, fused=fused,
-        n_chunks=64)[stage]                                  # the default: one CTA per SM
-    k = compile_kernel(chunk.stage_module(spec, stage), p)
-    src = k.get_kernel_source()
-    assert "__launch_bounds__(256, 2)" in src
-    assert "warpgroup_reg_alloc<232>" in src and "warpgroup_reg_dealloc<24>" in src
-    use = ptxas_usage(k)
-    assert use["registers"] <= 128 and use["spill_store_bytes"] == 0 == use["spill_load_bytes"]
+    spec = get_spec(name)
+    p = chunk.forward_plan(spec, Options(), dtype="bfloat16", beta_dtype="bfloat16",
+                           Ttot=64 * sum(sizes["seq_chunks"]), output_final_state=True,
+                           config=config, **sizes)
+    print(p)
+    assert p.name in ("walk", "walk-split", "fused", "three-stage")
+    for la in p.launches:
+        rec = compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH)
+        _check(rec)
