@@ -1,8 +1,8 @@
 """CPU tests of training through linattn.chunk_delta_rule (ops/autograd.py).
 
 The kernels are replaced by fakes that check each launch against the traced prim_func and
-carry out the stage's math in fp64 (tests/test_chunk_bwd.py's emulators, the forward
-chunk_state pass included); the forward itself is the fp64 reference rounded to the input
+carry out the stage's math in fp64 (tests/test_chunk_bwd.py's install_fakes: the
+backward's emulators and the forward stages of the recompute); the forward itself is the fp64 reference rounded to the input
 dtype. Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
 fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
 the l2norm backward, the state-gradient flags and the stage decomposition together.
@@ -12,13 +12,12 @@ import math
 import pytest
 import torch
 
-from test_chunk_bwd import EMULATE_WY, EmulatingFwdKernel, EmulatingKernel
+from test_chunk_bwd import install_fakes
 
 import linattn
 from linattn.dsl import Options, SpecError
 from linattn.dsl import torch_reference as tref
-from linattn.ops import autograd, chunk, chunk_bwd, deltanet
-from linattn.ops.registry import get_spec
+from linattn.ops import autograd, chunk_bwd, deltanet
 
 F64 = torch.float64
 
@@ -34,22 +33,10 @@ def _reference_forward(call, q, k, v, beta, initial_state):
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    from linattn.ops.runtime import stage_module
-    calls = []
-
-    def fake_bwd(stage, spec=get_spec("deltanet"), **params):
-        calls.append(stage)
-        return EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params), params)
-
-    def fake_fwd(spec, stage, **params):
-        assert stage == "chunk_state" or stage in EMULATE_WY, stage
-        calls.append(stage)
-        # the split prepare (A, w, u for the backward) and the state pass (S)
-        return EmulatingFwdKernel(stage, chunk.stage_module(spec, stage).build(**params), params)
-
-    monkeypatch.setattr(chunk_bwd, "compiled_stage", fake_bwd)
-    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
-    monkeypatch.setattr(chunk, "compiled_stage", fake_fwd)
+    """Every compile routed to tests/test_chunk_bwd.py's fakes (signature checks, the
+    stage math in fp64); the forward itself is the fp64 reference. Returns the stage
+    names compiled."""
+    calls = install_fakes(monkeypatch)
     monkeypatch.setattr(autograd, "run_forward", _reference_forward)
     return calls
 
@@ -96,8 +83,9 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
                                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert "chunk_bwd_wy" in fake_kernels and "chunk_state" in fake_kernels
-    assert {"chunk_kkt_inverse", "chunk_wu"} <= set(fake_kernels)      # the split prepare
+    # the recompute (the plan's prepare, the state pass from h0), then the scheme's stages
+    assert fake_kernels == ["chunk_kkt_inverse", "chunk_wu", "chunk_state",
+                            *chunk_bwd.SCHEMES[scheme]]
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)

@@ -1,15 +1,18 @@
 """CPU tests of DeltaNet's chunked backward (ops/chunk_bwd.py): the plan lists the four
-stages, they render and compile for sm_90a, and the launch arguments match the traced
-kernel signatures. The fake kernels also carry out each stage's math in fp64 (the
-algorithm the template implements, stage by stage, through the same buffers), so the
-host code's plumbing and the stage decomposition are checked against autograd of the
+stages, they render and compile for sm_90a, the contract's forward takes its stages from
+the arch's three-stage plan (contract_plan, wy_params, forward_params, state_params), and
+the launch arguments match the traced kernel signatures. The fake kernels also carry out
+each stage's math in fp64 (the algorithm the template implements, stage by stage, through
+the same buffers; the forward's stages by tests/test_chunk_fused.py's PipelineMath), so
+the host code's plumbing and the stage decomposition are checked against autograd of the
 fp64 reference without a GPU."""
 import math
 
 import pytest
 import torch
 
-from test_chunk import SignatureCheckingKernel
+from _kernel_check import fake_compiles
+from test_chunk_fused import PipelineMath
 
 from linattn.codegen.plan import plan
 from linattn.dsl import SpecError, all_rule_gate_specs
@@ -58,7 +61,7 @@ def test_dqkw_compiles_with_dv2_from_dh():
 
 def test_unknown_scheme_is_refused(monkeypatch):
     monkeypatch.setattr(chunk_bwd, "SCHEME", "fast")
-    with pytest.raises(SpecError, match="LINATTN_BWD_SCHEME"):
+    with pytest.raises(SpecError, match="SCHEME must be one of"):
         chunk_bwd.stage_params(H=4, K=64, V=64, dtype="float16")
 
 
@@ -183,30 +186,32 @@ EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_lo
            "chunk_bwd_wy": _wy}
 
 
-class EmulatingKernel(SignatureCheckingKernel):
-    def __init__(self, stage, func, params):
-        super().__init__(func)
-        self.stage = stage
-        self.flags = {f: True for f in ("dv2_from_dh", "use_dht", "store_dh0") if params.get(f)}
+def _bwd_flags(params):
+    return {f: True for f in ("dv2_from_dh", "use_dht", "store_dh0") if params.get(f)}
 
-    def __call__(self, *args):
-        super().__call__(*args)
-        EMULATE[self.stage](*args, **self.flags)
+
+def install_fakes(monkeypatch):
+    """Route every compile (ops.runtime) to fakes checked against the traced kernels: the
+    backward's stages run EMULATE (positional, the kernels' argument order), the forward's
+    (chunk_kkt_inverse, chunk_wu, chunk_state, chunk_output) PipelineMath's formulas by
+    argument name. Returns the list of stage names compiled, in order."""
+    names = []
+
+    def body(spec, stage, params):
+        names.append(stage)
+        if stage in EMULATE:
+            flags = _bwd_flags(params)
+            return lambda *args: EMULATE[stage](*args, **flags)
+        math = PipelineMath(spec, params["H"], params["HV"], params["K"], params.get("V"))
+        return math.body(spec, stage, params)
+    fake_compiles(monkeypatch, body)
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    return names
 
 
 @pytest.fixture
 def fake_backward(monkeypatch):
-    from linattn.ops.runtime import stage_module
-    calls = []
-
-    def fake(stage, spec=get_spec("deltanet"), **params):
-        kern = EmulatingKernel(stage, stage_module(spec, stage, "sm90").build(**params), params)
-        calls.append(stage)
-        return kern
-
-    monkeypatch.setattr(chunk_bwd, "compiled_stage", fake)
-    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
-    return calls
+    return install_fakes(monkeypatch)
 
 
 def _contract_inputs(rng, B, H, L, K, V, dtype):
@@ -261,119 +266,83 @@ def test_backward_refuses_bad_inputs(fake_backward):
         contracts.deltanet_chunk_bwd(x, x.float(), x, x, b, S, A, A, x, x)
 
 
-def test_forward_plumbing(fake_backward, monkeypatch, rng):
-    """The RECOMPUTE form of the contract's forward (ops.chunk.PREPARE_SPLIT off)."""
-    monkeypatch.setattr(chunk, "PREPARE_SPLIT", False)
-    fakes = []
+def test_contract_plan_and_params():
+    """The contract's forward is the arch's three-stage plan over B * H one-head sequences
+    of L tokens: kkt (A itself, a_beta=False) and chunk_wu (applying beta), chunk_state
+    with every chunk's state in f32 (states_out) and the final one, chunk_output; the
+    backward's recompute takes the same chunk_state without states and final state."""
+    plan = chunk_bwd.contract_plan(K=64, V=128, dtype="float16", B=2, H=3, L=130)
+    assert plan.name == "three-stage"
+    assert plan.stages() == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
+    dims = dict(H=3, K=64, V=128, dtype="float16", B=2, L=130)
+    wy = chunk_bwd.wy_params(**dims)
+    assert set(wy) == {"chunk_kkt_inverse", "chunk_wu"}
+    assert wy["chunk_kkt_inverse"]["a_beta"] is False and wy["chunk_wu"]["a_beta"] is False
+    assert wy["chunk_wu"]["beta_dtype"] == "float16"
+    assert wy["chunk_kkt_inverse"]["H"] == wy["chunk_kkt_inverse"]["HV"] == 1
+    fwd = chunk_bwd.forward_params(**dims)
+    assert list(fwd) == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
+    assert fwd["chunk_state"]["states_out"] and fwd["chunk_state"]["output_final_state"]
+    assert not fwd["chunk_state"]["has_initial_state"]
+    st = chunk_bwd.state_params(**dims, has_initial_state=True)
+    assert st["has_initial_state"] and not st.get("states_out") and not st["output_final_state"]
+    assert st["block_v"] == fwd["chunk_state"]["block_v"]
+    spec = chunk_bwd.default_spec()
+    assert spec.name == "deltanet"
+    for stage, params in list(fwd.items()) + [("chunk_state", st)]:
+        chunk.stage_module(spec, stage).build(**params)        # the templates take them
+    # the backward's stages at the same sizes
+    params = chunk_bwd.stage_params(H=3, K=64, V=128, dtype="float16", B=2, use_dht=True)
+    assert set(chunk_bwd.SCHEMES[chunk_bwd.SCHEME]) | {chunk_bwd.RECOMPUTE} == set(params)
+    assert params["chunk_bwd_dh"]["num_stages"] == chunk_bwd.DH_NUM_STAGES
+    assert params["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in params["chunk_bwd_dh"]
 
-    def fake(spec, stage, **params):
-        fakes.append(stage)
-        return SignatureCheckingKernel(chunk.stage_module(spec, stage).build(**params))
 
-    monkeypatch.setattr(chunk, "compiled_stage", fake)
-    B, H, L, K, V = 2, 2, 130, 64, 128
+def test_compute_wy_matches_reference(fake_backward, rng):
+    """compute_wy: A (without beta), w = A diag(beta) k, u = A diag(beta) v of head-first
+    inputs, through the plan's two prepare kernels and the chunk tables."""
+    B, H, L, K, V = 2, 2, 100, 64, 64
     q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.float16)
-    o, S, Aw, Au, w, u = contracts.deltanet_chunk_fwd(q, k, v, beta)
-    assert fakes == ["chunk_state", "chunk_output"]
-    assert fake_backward == [chunk_bwd.RECOMPUTE]
+    A = torch.empty(B, H, L, C, dtype=torch.float16)
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    tables = chunk._tables(tuple(range(0, B * H * L + 1, L)), C, "cpu", 0)
+    chunk_bwd.compute_wy(k, v, beta, A, w, u, tables)
+    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
     ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
-    for name, x, r in (("A", Aw, ref[2]), ("w", w, ref[4]), ("u", u, ref[5])):
+    for name, x, r in (("A", A, ref[2]), ("w", w, ref[4]), ("u", u, ref[5])):
         assert _rel(x, r) < 2e-3, (name, _rel(x, r))
-    NC = math.ceil(L / C)
-    assert o.shape == (B, H, L, V) and u.shape == (B, H, L, V) and w.shape == (B, H, L, K)
-    assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
-    assert Aw.shape == Au.shape == (B, H, L, C) and Aw.dtype == torch.float16
 
 
-def _emulate_kkt_plain(k, g, beta, A_log, dt_bias, bos, lens, g_cum, kn, A):
-    """chunk_kkt_inverse with a_beta=False (no gate): A = (I + strict_tril(beta k k^T))^-1."""
-    for t0, n in zip(bos.tolist(), lens.tolist()):
-        kc, bc = k[t0:t0 + n, 0].to(F64), beta[t0:t0 + n, 0].to(F64)
-        M = torch.tril(bc[:, None] * (kc @ kc.T), -1)
-        eye = torch.eye(n, dtype=F64)
-        A[t0:t0 + n, 0] = 0
-        A[t0:t0 + n, 0, :n] = torch.linalg.solve_triangular(eye + M, eye, upper=False).to(A.dtype)
-
-
-def _emulate_wu_beta(k, v, A, beta, bos, lens, w, u):
-    """chunk_wu with a_beta=False: w = A diag(beta) k, u = A diag(beta) v."""
-    for t0, n in zip(bos.tolist(), lens.tolist()):
-        Ab = A[t0:t0 + n, 0, :n].to(F64) * beta[t0:t0 + n, 0].to(F64)[None, :]
-        w[t0:t0 + n, 0] = (Ab @ k[t0:t0 + n, 0].to(F64)).to(w.dtype)
-        u[t0:t0 + n, 0] = (Ab @ v[t0:t0 + n, 0].to(F64)).to(u.dtype)
-
-
-#: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
-def emulate_chunk_state(k, w, u, g_cum, cu, offsets, h0, h, v_new, ht,
-                        has_initial_state=False, output_final_state=False, states_out=False):
-    """fp64 emulation of ops.chunk's chunk_state without a gate (one head per sequence):
-    h[c0 + t] the state entering chunk t in the input dtype; the final state in ht[n], or
-    with states_out every entering state in f32 at ht[c0 + n + t] and the final state
-    after them (ht[c0' + n], c0' the next sequence's first chunk)."""
-    for n in range(cu.numel() - 1):
-        t0, t1, c0 = int(cu[n]), int(cu[n + 1]), int(offsets[n])
-        S = h0[n].to(F64).clone() if has_initial_state else \
-            torch.zeros(k.shape[1], k.shape[2], u.shape[2], dtype=F64)
-        for c, s in enumerate(range(t0, t1, C)):
-            e = min(s + C, t1)
-            h[c0 + c] = S.to(h.dtype)
-            if states_out:
-                ht[c0 + n + c] = S
-            kc, wc, uc = (x[s:e].to(F64).transpose(0, 1) for x in (k, w, u))
-            vn = uc - wc @ S
-            v_new[s:e] = vn.transpose(0, 1).to(v_new.dtype)
-            S = S + kc.transpose(-1, -2) @ vn
-        if output_final_state:
-            ht[int(offsets[n + 1]) + n if states_out else n] = S
-
-
-#: the split prepare's stages as the DeltaNet contract / autograd run them (a_beta=False)
-EMULATE_WY = {"chunk_kkt_inverse": _emulate_kkt_plain, "chunk_wu": _emulate_wu_beta}
-STATE_FLAGS = ("has_initial_state", "output_final_state", "states_out")
-
-
-class EmulatingFwdKernel(SignatureCheckingKernel):
-    """A split-prepare or state-pass launch of the chunked forward's stages checked
-    against the traced kernel, then its math emulated."""
-    def __init__(self, stage, func, params):
-        super().__init__(func)
-        assert params.get("a_beta", False) is False, params
-        if stage == "chunk_state":
-            flags = {f: params.get(f, False) for f in STATE_FLAGS}
-            self.body = lambda *args: emulate_chunk_state(*args, **flags)
-        else:
-            self.body = EMULATE_WY[stage]
-
-    def __call__(self, *args):
-        super().__call__(*args)
-        self.body(*args)
-
-
-def test_forward_plumbing_split_prepare(fake_backward, monkeypatch, rng):
-    """The contract's forward through the split prepare (the default): chunk_kkt_inverse
-    writes A itself and chunk_wu applies beta; launches match the traced kernels, and A,
-    w, u and S (emulated stage math; the state pass writes S itself) match the fp64
-    reference."""
-    monkeypatch.setattr(chunk, "PREPARE_SPLIT", True)
-    monkeypatch.setattr(chunk, "PREPARE_SPLIT_WU", "loop")
-    fakes = []
-
-    def fake(spec, stage, **params):
-        fakes.append(stage)
-        func = chunk.stage_module(spec, stage).build(**params)
-        return (EmulatingFwdKernel(stage, func, params)
-                if stage in EMULATE_WY or stage == "chunk_state"
-                else SignatureCheckingKernel(func))
-
-    monkeypatch.setattr(chunk, "compiled_stage", fake)
+def test_forward_plumbing(fake_backward, rng):
+    """The contract's forward: chunk_kkt_inverse writes A itself and chunk_wu applies
+    beta; launches match the traced kernels, and o, A, w, u and S (emulated stage math; the
+    state pass writes S itself) match the fp64 reference; no backward stage runs."""
     B, H, L, K, V = 2, 2, 130, 64, 128
     q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.bfloat16)
     o, S, Aw, Au, w, u = contracts.deltanet_chunk_fwd(q, k, v, beta)
-    assert fakes == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
-    assert fake_backward == []
+    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
     ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
-    for name, x, r in (("A", Aw, ref[2]), ("w", w, ref[4]), ("u", u, ref[5]),
-                       ("S", S, ref[1])):
+    for name, x, r in (("o", o, ref[0]), ("A", Aw, ref[2]), ("w", w, ref[4]),
+                       ("u", u, ref[5]), ("S", S, ref[1])):
         assert _rel(x, r) < 1e-2, (name, _rel(x, r))
+    NC = math.ceil(L / C)
+    assert o.shape == (B, H, L, V) and u.shape == (B, H, L, V) and w.shape == (B, H, L, K)
     assert Aw.shape == (B, H, L, C) and Aw.dtype == torch.bfloat16 and Aw is Au
-    assert S.shape == (B, H, math.ceil(L / C) + 1, K, V) and S.dtype == torch.float32
+    assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
+
+
+def test_recompute_for_backward(fake_backward, rng):
+    """A, w, u and the states entering each chunk (from h0), as the autograd backward
+    takes them."""
+    B, H, L, K, V = 1, 2, 70, 64, 64
+    q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.float16)
+    h0 = torch.randn(B, H, K, V, dtype=F64)
+    A, w, u, S = chunk_bwd.recompute_for_backward(k, v, beta, h0.float())
+    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu", "chunk_state"]
+    ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
+    assert _rel(A, ref[2]) < 2e-3 and _rel(w, ref[4]) < 2e-3 and _rel(u, ref[5]) < 2e-3
+    # S[t] = the state entering chunk t from h0: S[0] = h0, S[1] = h0 + k^T (u - w h0)
+    kc, wc, uc = (x[:, :, :C].to(F64) for x in (k, w, u))
+    S1 = h0 + kc.transpose(-1, -2) @ (uc - wc @ h0)
+    assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float32
+    assert _rel(S[:, :, 0], h0) < 1e-3 and _rel(S[:, :, 1], S1) < 1e-2
