@@ -6,8 +6,8 @@ the call) and contracts.deltanet_chunk_bwd on its outputs.
 fla:  chunk_delta_rule(q, k, v, beta, scale=1.0) on [B, T, H, D] copies made outside the
 timing; its backward timed through the autograd node of one untimed forward
 (grad_fn(do, None), as the seed timed it; torch.autograd.grad if that fails).
-Device time as bench/chunk_probe.py takes it: union of the call's kernels, L2 flushed
-before each call, median over calls; each kernel's median too.
+Device time as bench/probe_lib.py's device_times takes it: union of the call's kernels,
+L2 flushed before each call, median over calls; each kernel's median too.
 
     python3 bench/chunk_bwd_probe.py [--iters 20] [--only train-4k-bf16 ...]
         [--sweep-on train-16k-f16] [--budget-s 0] [--precompile]
@@ -188,7 +188,7 @@ def main():
         for n in names:
             B, H, L, D, dtn = WORKLOADS[n]
             dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
-            fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims).items()]
+            fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims, L=L).items()]
             bwd.append(chunk_bwd.stage_params(**dims))
             bwd.append(_with_scheme("scan", lambda: chunk_bwd.stage_params(**dims)))
             if n == args.sweep_on:

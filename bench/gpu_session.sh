@@ -6,9 +6,10 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, split, psplit, autograd, warm, bench2, ncu: see the case below), each with a
-# limit <STEP>_S in seconds; probe, decode probe and bench arguments with PROBE_ARGS
-# (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS (BENCH2_ARGS). Everything lands in
+# cbprobe, split, autograd, warm, bench2, ncu: see the case below), each with a limit
+# <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
+# probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
+# (BENCH2_ARGS). Everything lands in
 # $OUT/${TAG:-results}.tar.gz (logs, JSON), and the short summaries are printed last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,8 +39,7 @@ for s in $STEPS; do
     # DECODE_K narrows it (a -k expression on the test ids, e.g. "state_v_first")
     decode) run_step decode "${DECODE_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -n 8 -rfE tests/test_decode_gpu.py -k "${DECODE_K:-}" --junitxml="$R/decode.xml" ;;
-    # CHUNK_K narrows it (a -k expression; with LINATTN_TEST_PRECOMPILE=default and
-    # CHUNK_K="matches_reference or grid_order" only those cases' kernels are compiled)
+    # CHUNK_K narrows it (a -k expression on the test ids, e.g. "walk_plans")
     chunk) run_step chunk "${CHUNK_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_fwd_gpu.py -k "${CHUNK_K:-}" \
              --junitxml="$R/chunk.xml" ;;
@@ -50,12 +50,9 @@ for s in $STEPS; do
              -rfE --durations=8 tests/test_chunk_bwd_gpu.py -k "${CBWD_K:-}" \
              --junitxml="$R/chunk_bwd.xml" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
+    # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
-    # PSPLIT_K narrows it, e.g. PSPLIT_K="split-warp" (a -k expression on the test ids)
-    psplit) LINATTN_TEST_PRECOMPILE=split run_step psplit "${PSPLIT_S:-180}" python3 -m pytest -q \
-             -m gpu -p no:cacheprovider -rfE tests/test_chunk_fwd_gpu.py \
-             -k "prepare_variant and ${PSPLIT_K:-split}" ;;
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_autograd_gpu.py --junitxml="$R/autograd.xml" ;;
     # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)
@@ -64,9 +61,13 @@ for s in $STEPS; do
              "$N" --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
              --csv --page details python3 bench/ncu_probe.py '"${NCU_ARGS:-}"' > "$OUT_DIR/ncu.csv"' ;;
-    probe) run_step probe "${PROBE_S:-90}" python3 bench/chunk_probe.py ${PROBE_ARGS:-} ;;
-    # a second probe with other arguments (e.g. --dtype f16); its JSON is named by dtype
-    probe2) run_step probe2 "${PROBE2_S:-90}" python3 bench/chunk_probe.py ${PROBE2_ARGS:-} ;;
+    # the chunked forward's plans (PROBE_ARGS e.g. "--only prefill-4k --configs default
+    # segments=8"): correctness vs fp64 and device time, JSON to walk_probe.json
+    probe) run_step probe "${PROBE_S:-90}" python3 bench/walk_probe.py ${PROBE_ARGS:-} \
+             --out "$R/walk_probe.json" ;;
+    # a second probe with other arguments (other workloads or configs)
+    probe2) run_step probe2 "${PROBE2_S:-90}" python3 bench/walk_probe.py ${PROBE2_ARGS:-} \
+             --out "$R/walk_probe2.json" ;;
     # compile fla's autotuning configs and torch.compile's graphs for the selected rows in
     # WARM_P processes first (linattn-bench --warm-only); the bench steps then find them
     warm) run_step warm "${WARM_S:-240}" python3 -m linattn.cli.bench ${WARM_ARGS:-} --warm-only \
@@ -98,7 +99,7 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-for s in split psplit autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in split autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

@@ -57,20 +57,29 @@ def _n_seqs(p):
     return p["B"] if p["cu"] is None else len(p["cu"]) - 1
 
 
+def _lens(p):
+    return [p["T"]] * p["B"] if p["cu"] is None else [b - a for a, b in zip(p["cu"], p["cu"][1:])]
+
+
 def _jobs(p):
-    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs."""
+    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs: the forward's plan,
+    the backward's recompute (chunk_bwd.wy_params, state_params over the N padded
+    head-first sequences of the longest length L) and the backward's stages."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
-    N, dt = _n_seqs(p), p["dtype"]
-    fwd = chunk.stage_params(SPEC, Options(l2norm_qk=p["l2norm"]), H=p["H"], HV=p["H"],
-                             K=p["K"], V=p["V"], dtype=dt, beta_dtype=dt, N=N,
-                             has_initial_state=p["h0"], output_final_state=True)
-    jobs = [(SPEC, s, pr) for s, pr in fwd.items()]
-    dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N)
+    N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    plan = chunk.forward_plan(SPEC, Options(l2norm_qk=p["l2norm"]), H=p["H"], HV=p["H"],
+                              K=p["K"], V=p["V"], dtype=dt, beta_dtype=dt,
+                              seq_chunks=tuple(-(-n // 64) for n in lens),
+                              Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
+                              output_final_state=True)
+    jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
+    dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N, L=max(lens))
     jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(**dims,
                                                              has_initial_state=p["h0"])))
     jobs += [(SPEC, s, pr) for s, pr in chunk_bwd.wy_params(**dims).items()]
+    del dims["L"]
     bwd = chunk_bwd.stage_params(**dims, use_dht=True, store_dh0=p["h0"])
     return jobs, bwd
 

@@ -77,7 +77,7 @@ def precompiled():
     for c in CASES:
         p = c.values[0]
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
-        fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims).items()]
+        fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims, L=p["L"]).items()]
         bwd.append(chunk_bwd.stage_params(**dims))
         saved = _scheme("scan")
         try:
