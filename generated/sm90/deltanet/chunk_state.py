@@ -49,8 +49,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, v_new_from_fragment=False,
-          h_from_fragment=False, threads=128, min_blocks=1, states_out=False):
+          output_final_state=False, block_v=64, num_stages=2, states_out=False):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -61,13 +60,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks), v_new_from_fragment (scalar gate: store v_new from
-    registers instead of through shared memory), h_from_fragment (store h from registers
-    instead of a TMA store, whose completion the warpgroup otherwise waits for),
-    min_blocks (> 1: __launch_bounds__(threads, min_blocks) and the consumer warpgroup's
-    register allocation cut to its share, so that many CTAs fit on an SM by registers:
-    several sequential chains per SM, e.g. sequence segments; shared memory must fit too,
-    i.e. num_stages = 1 at K = 128).
+    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    v_new straight from registers, the others' through shared memory (the pair measured
+    fastest, runs s2-5 .. s2-7).
     """
     BT = CHUNK
     BV = block_v
@@ -92,13 +87,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         v_new: T.Tensor((Ttot, HV, V), dtype),
         ht: T.Tensor(ht_shape, f32),
     ):
-        with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
-            if min_blocks > 1:
-                T.annotate_min_blocks_per_sm(min_blocks)
-                # the consumer warpgroup's share of the SM's 64 K registers / min_blocks,
-                # next to the producer's 24 (multiples of 8)
-                T.annotate_producer_reg_dealloc(24)
-                T.annotate_consumer_reg_alloc(min(240, (65536 // min_blocks // 128 - 24) // 8 * 8))
+        with T.Kernel(V // BV, N * HV, threads=128) as (iv, nh):
             n = nh // HV
             hv = nh % HV
             hk = hv // group
@@ -132,11 +121,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(w[t0:t0 + BT, hv, 0:K], w_s)
                 T.copy(S, S_s)
-                if h_from_fragment:       # plain stores from registers: nothing to wait for
-                    for i, j in T.Parallel(K, BV):
-                        h[c0 + c, hv, i, iv * BV + j] = T.cast(S[i, j], dtype)
-                else:                     # one TMA store from shared memory
-                    T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])
+                T.copy(S_s, h[c0 + c, hv, 0:K, iv * BV:(iv + 1) * BV])    # one TMA store
                 if states_out:            # and in f32 for the contract, from registers
                     for i, j in T.Parallel(K, BV):
                         if state_v_first:

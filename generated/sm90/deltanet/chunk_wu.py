@@ -2,22 +2,18 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_wu  variant: fwd  arch: sm90
 # regenerate: linattn-gen --op deltanet --arch sm90
-"""Chunked forward, split prepare, kernel 2 of 2: per chunk, value head and column block,
-w = A_b (k) and u = A_b v as plain tensor-core GEMMs.
+"""Chunked forward of the delta rule, the per-chunk-state pipeline's second kernel: per
+chunk and value head, w = A_b (k) and u = A_b v as tensor-core GEMMs.
 
 A_b = A diag(beta) [Ttot, HV, 64] comes from chunk_kkt_inverse (columns past a chunk's
-rows are 0, so rows past its end, read from the next tokens, never contribute). The
-grid's third axis walks column blocks of the concatenation [w | u]: block nb < K / BN
-forms w[:, nb BN : (nb+1) BN] = (A_b) k[:, block], the others u's
-blocks = A_b v[:, block]. Each CTA: one 64 x 64 x BN GEMM, small smem, few registers.
-
-loop_columns=True (one CTA per (chunk, value head), as fla's recompute_w_u): k's and
-v's whole 64-row tiles are copied asynchronously at the start (rows past the chunk read
-the next tokens, or zeros past Ttot, and meet A_b's zero columns) while A_b is loaded
-and scaled once; then the column blocks of w, then of u, each one GEMM whose result goes
-back into the block of the tile it read and out from there: one whole-tile (TMA) store
-when the chunk is full, row-predicated stores otherwise (a partial chunk's tile overlaps
-the next chunk's rows, which another CTA writes).
+rows are 0, so rows past its end, read from the next tokens, never contribute). One CTA
+per (chunk, value head), as fla's recompute_w_u: k's and v's whole 64-row tiles are
+copied asynchronously at the start (rows past the chunk read the next tokens, or zeros
+past Ttot, and meet A_b's zero columns) while A_b is loaded and scaled once; then the
+column blocks of w, then of u, each one GEMM whose result goes back into the block of the
+tile it read and out from there: one whole-tile (TMA) store when the chunk is full,
+row-predicated stores otherwise (a partial chunk's tile overlaps the next chunk's rows,
+which another CTA writes).
 """
 import tilelang
 import tilelang.language as T
@@ -31,9 +27,7 @@ SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16"),
-    dict(H=2, HV=8, K=64, V=64, dtype="float16", a_dtype="float32", block_n=32),
-    dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", loop_columns=True),
-    dict(H=2, HV=8, K=64, V=128, dtype="float16", a_dtype="float32", loop_columns=True),
+    dict(H=2, HV=8, K=64, V=128, dtype="float16", a_dtype="float32"),
 ]
 CHUNK = 64
 
@@ -46,8 +40,8 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_columns=False,
-          heads_fastest=False, a_beta=True, beta_dtype="float32"):
+def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, heads_fastest=False,
+          a_beta=True, beta_dtype="float32"):
     """prim_func for chunk_wu.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -59,83 +53,11 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, loop_column
       g_cum [HV, NT * 64] f32 (scalar gate; [Ttot, HV] and unused without a gate),
       chunk_bos [NT], chunk_len [NT] (int32)
       -> w [Ttot, HV, K], u [Ttot, HV, V]
-    block_n: columns per CTA (divides K and V); grid (NT, HV, (K + V) / block_n).
-    loop_columns: grid (NT, HV), each CTA loops over the K / block_n + V / block_n column
-    blocks of its chunk's whole k and v tiles.
-    a_beta=False (no gate, loop_columns): A arrives without beta (chunk_kkt_inverse's
-    a_beta=False) and the third tensor is beta [Ttot, HV] (beta_dtype): w = A diag(beta) k,
-    u = A diag(beta) v (the DeltaNetChunkFwd contract).
+    block_n: the columns of one GEMM (divides K and V); grid (NT, HV).
+    a_beta=False (no gate): A arrives without beta (chunk_kkt_inverse's a_beta=False) and
+    the g_cum tensor is beta [Ttot, HV] (beta_dtype): w = A diag(beta) k, u = A diag(beta)
+    v (the DeltaNetChunkFwd contract).
     """
-    if loop_columns:
-        return _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest,
-                           a_beta, beta_dtype)
-    assert a_beta, "a_beta=False (A without beta) needs loop_columns"
-    BT = CHUNK
-    BN = block_n
-    assert K % BN == 0 and V % BN == 0, (K, V, BN)
-    NK = K // BN
-    a_dtype = a_dtype or dtype
-    f32 = "float32"
-    group = HV // H
-    Ttot, NT = T.dynamic("Ttot, NT")
-
-    @T.prim_func
-    def chunk_wu(
-        k: T.Tensor((Ttot, H, K), dtype),
-        v: T.Tensor((Ttot, HV, V), dtype),
-        A: T.Tensor((Ttot, HV, BT), a_dtype),
-        g_cum: T.Tensor((Ttot, HV), f32),           # unused
-        chunk_bos: T.Tensor((NT,), "int32"),
-        chunk_len: T.Tensor((NT,), "int32"),
-        w: T.Tensor((Ttot, HV, K), dtype),
-        u: T.Tensor((Ttot, HV, V), dtype),
-    ):
-        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV, (K + V) // BN,
-                      threads=threads) as (bx, by, nb):
-            c = by if heads_fastest else bx
-            hv = bx if heads_fastest else by
-            hk = hv // group
-            t0 = chunk_bos[c]
-            rows = chunk_len[c]
-            a_s = T.alloc_shared((BT, BT), dtype)
-            x_s = T.alloc_shared((BT, BN), dtype)
-            acc = T.alloc_fragment((BT, BN), f32)
-            if nb < NK:
-                for i, j in T.Parallel(BT, BT):
-                    a_s[i, j] = T.if_then_else(i < rows, T.cast(A[t0 + i, hv, j], dtype),
-                                               T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BN):
-                    x_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, nb * BN + j],
-                                               T.cast(0, dtype))
-            else:
-                for i, j in T.Parallel(BT, BT):
-                    a_s[i, j] = T.if_then_else(i < rows, T.cast(A[t0 + i, hv, j], dtype),
-                                               T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BN):
-                    x_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, (nb - NK) * BN + j],
-                                               T.cast(0, dtype))
-            T.gemm(a_s, x_s, acc, clear_accum=True)
-            if nb < NK:
-                for i, j in T.Parallel(BT, BN):
-                    if i < rows:
-                        w[t0 + i, hv, nb * BN + j] = T.cast(acc[i, j], dtype)
-            else:
-                for i, j in T.Parallel(BT, BN):
-                    if i < rows:
-                        u[t0 + i, hv, (nb - NK) * BN + j] = T.cast(acc[i, j], dtype)
-
-    return chunk_wu
-
-
-
-def _build_loop(H, HV, K, V, dtype, a_dtype, block_n, threads, heads_fastest, a_beta,
-                beta_dtype):
-    """chunk_wu with one CTA per (chunk, value head): build()'s loop_columns=True.
-
-    k's and v's whole 64-row tiles are copied at the start (cp.async, two groups, no
-    wait) while A_b is loaded and scaled; then per column block of block_n: one GEMM into
-    registers, rounded back into the k / v tile's block it read (each block is read by
-    its own GEMM only), stored from there (full chunks: TMA stores, one wait at the end)."""
     BT = CHUNK
     BN = block_n
     assert K % BN == 0 and V % BN == 0, (K, V, BN)

@@ -25,8 +25,7 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "l2norm_qk")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=False),
     dict(H=2, HV=8, K=64, V=64, dtype="float16", l2norm_qk=True),
-    dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=True, block_v=128,
-         tile_loads=True),
+    dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=True, block_v=128),
 ]
 CHUNK = 64
 NORM_EPS = 1e-6
@@ -40,17 +39,12 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loads=False,
-          heads_fastest=False, stage_o=False):
+def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fastest=False):
     """prim_func for chunk_output.
 
-    tile_loads: whole-tile copies of q, k (or A_qk) and v_new instead of row-predicated
-    element loads: rows past the chunk's end hold the next tokens (zeros past Ttot) and
-    only meet masked entries (j > i) or rows that are never stored.
     heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV): the value
-    heads of a chunk run together and share q / k through L2.
-    stage_o: o goes through shared memory and out as whole-row vector stores (instead of
-    the MMA fragment's scattered 4-byte stores).
+    heads of a chunk run together and share q / k through L2. o goes through shared memory
+    and out as whole-row vector stores (not the MMA fragment's scattered 4-byte stores).
 
     Tensors (Ttot tokens, NT chunks; dynamic):
       q [Ttot, H, K], k [Ttot, H, K] (normalised when l2norm_qk), v_new [Ttot, HV, V],
@@ -92,30 +86,20 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, tile_loa
             o_f = T.alloc_fragment((BT, BV), f32)
 
             T.copy(h[c, hv, 0:K, iv * BV:(iv + 1) * BV], h_s)
-            if tile_loads:
-                T.copy(q[t0:t0 + BT, hv, 0:K], q_s)
-                T.copy(k[t0:t0 + BT, hv, 0:BT], p_s)
-                T.copy(v_new[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], v_s)
-            else:
-                for i, j in T.Parallel(BT, K):
-                    q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hv, j], T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BT):
-                    p_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hv, j], T.cast(0, dtype))
-                for i, j in T.Parallel(BT, BV):
-                    v_s[i, j] = T.if_then_else(i < rows, v_new[t0 + i, hv, iv * BV + j],
-                                               T.cast(0, dtype))
+            for i, j in T.Parallel(BT, K):
+                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hv, j], T.cast(0, dtype))
+            for i, j in T.Parallel(BT, BT):
+                p_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hv, j], T.cast(0, dtype))
+            for i, j in T.Parallel(BT, BV):
+                v_s[i, j] = T.if_then_else(i < rows, v_new[t0 + i, hv, iv * BV + j],
+                                           T.cast(0, dtype))
             T.gemm(q_s, h_s, o_f, clear_accum=True)
             T.gemm(p_s, v_s, o_f)
-            if stage_o:      # through shared memory: whole-row vector stores
-                o_s = T.alloc_shared((BT, BV), dtype)
-                for i, j in T.Parallel(BT, BV):
-                    o_s[i, j] = T.cast(o_f[i, j] * scale, dtype)
-                for i, j in T.Parallel(BT, BV):
-                    if i < rows:
-                        o[t0 + i, hv, iv * BV + j] = o_s[i, j]
-            else:
-                for i, j in T.Parallel(BT, BV):
-                    if i < rows:
-                        o[t0 + i, hv, iv * BV + j] = T.cast(o_f[i, j] * scale, dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)     # through shared memory: whole rows
+            for i, j in T.Parallel(BT, BV):
+                o_s[i, j] = T.cast(o_f[i, j] * scale, dtype)
+            for i, j in T.Parallel(BT, BV):
+                if i < rows:
+                    o[t0 + i, hv, iv * BV + j] = o_s[i, j]
 
     return chunk_output
