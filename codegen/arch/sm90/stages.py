@@ -29,11 +29,15 @@ FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 #: the fast exponential) with the "tc" inverse
 KEY_PREPARE = dict(threads=256)
 KEY_PREPARE_INVERSE = "tc"
-#: chunk_wu: one CTA per (chunk, head), A_b loaded once, 64-column GEMMs (run s3-1: the
-#: split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse)
-WU_TUNING = dict(block_n=64, loop_columns=True)
-#: the state pass: two TMA pipeline stages (s2-5 sweep); the scalar gate's v_new stored
-#: from registers (runs s2-6 / s2-7: with h by TMA store the best measured pair)
+#: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
+#: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
+#: where 64 does not divide K and V
+WU_BLOCK_N = 64
+
+
+def wu_block_n(K: int, V: int) -> int:
+    return next(bn for bn in (WU_BLOCK_N, 32, 16) if K % bn == 0 and V % bn == 0)
+#: the state pass: two TMA pipeline stages (s2-5 sweep)
 STATE_STAGES = 2
 
 
@@ -67,7 +71,10 @@ def state_block_v(V: int, n_chains: int, seq_chunks: tuple | None = None) -> int
 
 def output_block_v(V: int) -> int:
     """chunk_output's value block: all of V up to 128, so q k^T is formed once per chunk."""
-    return next(bv for bv in (128, 64, 32, 16) if V % bv == 0)
+    for bv in (128, 64, 32, 16):
+        if V % bv == 0:
+            return bv
+    raise ValueError(f"V={V} must be a multiple of 16")
 
 
 def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
@@ -97,7 +104,7 @@ def _prepare(p: ForwardProblem, order: dict) -> tuple:
     bind = dict(u="u" if delta else "v", k="kn" if p.l2norm_qk else "k")
     if delta:
         bufs += prepare_buffers(p)
-        return [kkt_launch(p), launch("chunk_wu", dict(common, **WU_TUNING, **order),
+        return [kkt_launch(p), launch("chunk_wu", dict(common, block_n=wu_block_n(p.K, p.V), **order),
                                       k=bind["k"])], bufs, bind
     gated = p.gate == "scalar"
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
@@ -118,14 +125,15 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     fused = config.get("fused", fuse_output(p.N * p.HV, p.dtype, p.K) or many)
     if fused and (p.return_states or (p.rule == "delta" and p.gate != "key")):
         fused = False           # per-chunk states need h; the delta rule's fused path is the walk
+    if many and not fused:      # (chunk_output's grid has the chunks on gridDim.y)
+        raise ValueError(f"{p.NT} chunks: the three-stage pipeline takes at most "
+                         f"{MAX_GRID_YZ} chunks in one call")
     order = {} if many else {"heads_fastest": True}
     launches, bufs, bind = _prepare(p, order)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
                  block_v=state_block_v(p.V, p.N * p.HV, p.seq_chunks), num_stages=STATE_STAGES)
-    if p.gate == "scalar" and p.rule == "delta":
-        state["v_new_from_fragment"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
     if fused:
         if p.gate != "key":
@@ -148,7 +156,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
             state["states_out"] = True
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
-        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), stage_o=True, **order)
+        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), **order)
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=bind.get("g_cum", "g_cum"),
                                **({} if p.rule == "delta" else {"v_new": "v"})))
