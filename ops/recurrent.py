@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..dsl import OpSpec, Options, SpecError
+from ..dsl import OpSpec, Options
 from . import runtime, validate
 
 STAGE = "recurrent"
@@ -33,10 +33,11 @@ def tuning_override(**knobs):
 def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                     output_final_state=False, options: Options = Options(), cu_seqlens=None,
                     A_log=None, dt_bias=None, state_dtype=None, cu_seqlens_cpu=None,
-                    tuning=None):
+                    tuning=None, ssm_state_indices=None, num_accepted_tokens=None,
+                    inplace_final_state=False):
     """Recurrent forward of ``spec``; inputs are never modified.
 
-    q, k:    [B, T, H, K]  f16 / bf16
+    q, k:    [B, T, H, K]  f16 / bf16 / f32
     v:       [B, T, HV, V] same dtype; HV % H == 0 (value head hv reads key head hv // (HV/H))
     g:       [B, T, HV] (scalar gate) or [B, T, HV, K] (key gate), natural-log decay
              (raw, before the activation, with options.gate_in_kernel); f32 or q's dtype
@@ -57,25 +58,13 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     ``state_dtype`` when output_final_state, else None).
     """
     import torch
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
-    spec.check_options(options)
-    dims = validate.check_qkv(spec, q, k, v)
-    g = validate.check_gate(spec, g, dims, q)
-    beta = validate.check_beta(spec, beta, dims, q)
-    dt_bias = validate.check_gate_params(spec, options, A_log, dt_bias, dims, q)
-    N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q)
-    state_dtype = torch.float32 if state_dtype is None else state_dtype
-    if state_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise SpecError(f"state_dtype must be float32, float16 or bfloat16, got {state_dtype}")
+    if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state:
+        raise validate.error("ssm_state_indices / num_accepted_tokens / inplace_final_state "
+                             "are not supported yet")
+    dims, N, state_dtype, scale = _check(spec, options, q, k, v, g, beta, initial_state,
+                                         cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                                         state_dtype, scale)
     v_first = options.state_v_first
-    validate.check_state("initial_state", initial_state, N, dims, v_first, state_dtype, q)
-    validate.check_head_dims(dims.K, dims.V, what="the recurrent kernel")
-    if v_first and dims.K not in (16, 32, 64, 128, 256):
-        raise SpecError(f"state_v_first in the recurrent kernel needs K in 16, 32, 64, 128, "
-                        f"256; got K={dims.K}")
-    scale = spec.scale_for(dims.K, scale)
-    validate.check_cuda("q", q)
-
     o = torch.empty(dims.B, dims.T, dims.HV, dims.V, dtype=q.dtype, device=q.device)
     ht = (torch.empty(validate.state_shape(N, dims, v_first), dtype=state_dtype, device=q.device)
           if output_final_state else None)
@@ -83,26 +72,11 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
         if ht is not None:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
-
-    problem = dict(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V,
-                   dtype=runtime.dtype_name(q.dtype),
-                   state_dtype=runtime.dtype_name(state_dtype),
-                   l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
-                   allow_neg_eigval=options.allow_neg_eigval,
-                   gate_in_kernel=options.gate_in_kernel, state_v_first=v_first,
-                   has_initial_state=initial_state is not None,
-                   output_final_state=bool(output_final_state),
-                   varlen=cu_seqlens is not None,
-                   index_dtype=runtime.dtype_name(cu_seqlens.dtype) if cu_seqlens is not None
-                   else "int32")
-    if spec.has_gate:
-        problem["g_dtype"] = runtime.dtype_name(g.dtype)
-    if spec.has_beta:
-        problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
+    problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
+                       output_final_state, cu_seqlens)
     arch = runtime.device_arch(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
                                            **problem, **(tuning or _OVERRIDE))
-
     dummy_f32 = runtime.placeholder(q.device, torch.float32)
     tensors = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
@@ -115,3 +89,52 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
         tensors["A_log"] = tensors["dt_bias"] = dummy_f32
     kernel(*[tensors[name] for name in module.args(**problem)])
     return o, ht
+
+
+def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+           A_log, dt_bias, state_dtype, scale):
+    """The kernel's checks (device last): (dims, N, state_dtype, scale)."""
+    import torch
+    from .api import host_checks
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    spec.check_options(options)
+    dims = validate.check_qkv(spec, q, k, v)
+    validate.check_gate(spec, g, dims, q)
+    validate.check_beta(spec, beta, dims, q)
+    validate.check_gate_params(spec, options, A_log, dt_bias, dims, q)
+    N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q,
+                                  values=host_checks())
+    state_dtype = torch.float32 if state_dtype is None else state_dtype
+    if state_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise validate.error(f"state_dtype must be float32, float16 or bfloat16, "
+                             f"got {state_dtype}")
+    v_first = options.state_v_first
+    validate.check_state("initial_state", initial_state, N, dims, v_first, state_dtype, q)
+    validate.check_head_dims(dims.K, dims.V, what="the recurrent kernel")
+    if v_first and dims.K not in (16, 32, 64, 128, 256):
+        raise validate.error(f"state_v_first in the recurrent kernel needs K in 16, 32, 64, "
+                             f"128, 256; got K={dims.K}")
+    scale = spec.scale_for(dims.K, scale)
+    validate.check_cuda("q", q)
+    return dims, N, state_dtype, scale
+
+
+def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output_final_state,
+             cu_seqlens) -> dict:
+    """The build() keywords describing one call (sizes, dtypes, flags)."""
+    problem = dict(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V,
+                   dtype=runtime.dtype_name(q.dtype),
+                   state_dtype=runtime.dtype_name(state_dtype),
+                   l2norm_qk=options.l2norm_qk, beta_sigmoid=options.beta_sigmoid,
+                   allow_neg_eigval=options.allow_neg_eigval,
+                   gate_in_kernel=options.gate_in_kernel, state_v_first=options.state_v_first,
+                   has_initial_state=initial_state is not None,
+                   output_final_state=bool(output_final_state),
+                   varlen=cu_seqlens is not None,
+                   index_dtype=runtime.dtype_name(cu_seqlens.dtype) if cu_seqlens is not None
+                   else "int32")
+    if spec.has_gate:
+        problem["g_dtype"] = runtime.dtype_name(g.dtype)
+    if spec.has_beta:
+        problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
+    return problem
