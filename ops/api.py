@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..codegen.plan import plan
-from ..dsl import Gate, OpSpec, Options, SpecError
+from ..dsl import Gate, OpSpec, Options
 from . import validate
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
@@ -85,8 +85,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=host_checks(), sizes=_head_dims, **extra)
     path = choose_path(spec, chk.dims, q.dtype, cu_seqlens is not None)
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
-                            state_dtype="float32" if path == "recurrent" else None)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     from . import library
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                         x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
@@ -112,9 +111,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
                               values=host_checks(), sizes=_head_dims, **extra, **pool)
-    in_pool = ssm_state_indices is not None or inplace_final_state
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
-                            state_dtype=None if in_pool else "float32")
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
     from . import library
     o, ht = library.run(spec, "recurrent", x["q"], x["k"], x["v"], x["g"], x["beta"],
@@ -128,17 +125,15 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
 
 
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
-                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None,
-                  state_dtype="float32"):
+                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None):
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
     (after check_call): contiguous (an in-place state is already), gates and beta in f32
     or q's dtype (ones for a missing beta), simple
     GLA's g_gamma added to g, A_log / dt_bias f32 [HV] / [HV * K] (zeros for no dt_bias).
     KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
     exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
-    the kernels take it as a ready log decay. state_dtype: the recurrent kernel's
-    ("float32"; None keeps the state's own, a pool's); the chunked forward reads any
-    float state as f32 itself."""
+    the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
+    (the kernels read them as f32; an in-place one is updated in its dtype), f64 as f32."""
     import torch
 
     def f32(x):
@@ -161,9 +156,8 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
         from .runtime import zeros
         b = zeros(q.device, n)
     h0 = initial_state
-    if h0 is not None and state_dtype is not None and validate._name(h0.dtype) != state_dtype:
-        h0 = h0.to(getattr(torch, state_dtype))
-    h0 = h0 if h0 is None else h0.contiguous()
+    if h0 is not None:       # (an in-place state passed the checks contiguous, not f64)
+        h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
     return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
                 beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0), options
 

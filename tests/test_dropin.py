@@ -16,6 +16,8 @@ from linattn.dsl import torch_reference as tr
 from linattn.ops import api, library, validate
 from linattn.ops.registry import get_spec, specs
 
+from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+
 BF, F32 = torch.bfloat16, torch.float32
 PUBLIC = ["chunk_delta_rule", "fused_recurrent_delta_rule", "chunk_gated_delta_rule",
           "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda", "chunk_gla",
@@ -248,59 +250,6 @@ def test_path_choice(gate, K, V, dtype, T, path):
 
 
 # ------------------------------------------------------------------ end to end on the CPU
-_CPU = {"on": False}
-
-
-def _cpu_kernel(spec, path):
-    """The ops' CPU kernel in these tests: the fp64 torch reference (the real
-    implementation, which refuses CPU tensors, unless a test turned it on)."""
-    real = library._impl(spec, path)
-
-    def kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
-               scale, output_final_state, options, *pool):
-        if not _CPU["on"]:
-            return real(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                        cu_seqlens_cpu, scale, output_final_state, options, *pool)
-        assert not any(p is not None for p in pool), "pool: see test_pool.py"
-        for name, t in dict(q=q, k=k, v=v, g=g, beta=beta, h0=initial_state).items():
-            assert t is None or t.is_contiguous(), name
-        o, ht = tr.recurrent_forward(spec, q, k, v, g, beta,
-                                     options=library.options_from_key(options), scale=scale,
-                                     initial_state=initial_state, cu_seqlens=cu_seqlens,
-                                     A_log=A_log, dt_bias=dt_bias)
-        if path == "inplace":
-            initial_state.copy_(ht)
-            return o.to(q.dtype)
-        return o.to(q.dtype), (ht.float() if output_final_state else q.new_empty(0, dtype=F32))
-    return kernel
-
-
-_REGISTERED = []
-
-
-@pytest.fixture
-def cpu_ops(monkeypatch):
-    """Public calls on CPU tensors: the device check off, the ops' CPU kernel the fp64
-    reference; yields the list of (op name) the calls ran."""
-    if not _REGISTERED:
-        for spec in specs().values():
-            for path in library.SCHEMAS:
-                name = f"linattn::{library.op_name(spec, path)}"
-                torch.library.register_kernel(name, "cpu", _cpu_kernel(spec, path))
-        _REGISTERED.append(True)
-    ran = []
-    real_run = library.run
-
-    def run(spec, path, *args, **kw):
-        ran.append((spec.name, "inplace" if kw.get("inplace") else path))
-        return real_run(spec, path, *args, **kw)
-    monkeypatch.setattr(library, "run", run)
-    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
-    _CPU["on"] = True
-    yield ran
-    _CPU["on"] = False
-
-
 def _close(got, want, tol=2e-2):
     got, want = got.double(), want.double()
     err = float((got - want).norm() / want.norm().clamp_min(1e-30))
