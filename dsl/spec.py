@@ -147,6 +147,7 @@ class OpSpec:
                 (isinstance(self.default_scale, (int, float)) and self.default_scale > 0)):
             raise SpecError(f"default_scale must be 'rsqrt_k' or a positive number, "
                             f"got {self.default_scale!r}")
+        object.__setattr__(self, "_content_hash", self._compute_hash())
 
     # -- derived facts -------------------------------------------------------------------
     @property
@@ -161,8 +162,9 @@ class OpSpec:
         """The scale a call uses: the given one, else the spec's default."""
         if scale is None:
             return K ** -0.5 if self.default_scale == "rsqrt_k" else float(self.default_scale)
-        if not isinstance(scale, (int, float)) or not scale > 0:
-            raise SpecError(f"scale must be a positive number, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            got = repr(scale) if isinstance(scale, (int, float)) else type(scale).__name__
+            raise SpecError(f"scale must be a positive number, got {got}")
         return float(scale)
 
     def check_options(self, options: Options) -> Options:
@@ -195,7 +197,11 @@ class OpSpec:
 
     @property
     def hash(self) -> str:
-        """Content hash of everything that shapes generated code (not the doc)."""
+        """Content hash of everything that shapes generated code (not the doc); computed
+        once (a spec is frozen), so a traced call (torch.compile) reads a constant."""
+        return self._content_hash
+
+    def _compute_hash(self) -> str:
         blob = json.dumps(self.as_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -232,6 +232,48 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
     return o, (final.transpose(-1, -2) if options.state_v_first else final)
 
 
+def pool_recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, pool,
+                           ssm_state_indices, num_accepted_tokens=None, inplace=False,
+                           options: Options = Options(), scale=None, cu_seqlens=None,
+                           A_log=None, dt_bias=None):
+    """Decode on a state pool (fla's continuous batching), as a loop over sequences and
+    tokens of :func:`recurrent_forward`: sequence n starts from pool slot
+    ssm_state_indices[n] ([N]) or [n, c] ([N, S]; c = num_accepted_tokens[n] - 1, else
+    0); a slot outside [0, P) skips the sequence (o rows zero, nothing written).
+
+    Returns (o [B, T, HV, V] fp64, new_pool fp64: ``pool`` with the final state written
+    to slot [n] ([N] form) or the state after token t to slot [n, t] ([N, S] form) when
+    ``inplace``, else unchanged; final [N, HV, K, V] fp64, the sequences' final states
+    (zeros for a skipped one))."""
+    B, T = q.shape[:2]
+    HV, V = v.shape[2], v.shape[3]
+    new_pool = _f64(pool).clone()
+    idx = ssm_state_indices.long().cpu()
+    o = torch.zeros(B, T, HV, V, dtype=F64, device=q.device)
+    finals = []
+    for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens) if cu_seqlens is not None
+                                     else [(slice(b, b + 1), 0, T) for b in range(B)]):
+        col = int(num_accepted_tokens[n]) - 1 if num_accepted_tokens is not None else 0
+        slot = int(idx[n, max(0, min(col, idx.shape[1] - 1))] if idx.dim() == 2 else idx[n])
+        if not 0 <= slot < pool.shape[0]:
+            finals.append(torch.zeros_like(new_pool[:1]))
+            continue
+        S = _f64(pool[slot:slot + 1])
+        for t in range(t0, t1):
+            one = lambda x: None if x is None else x[bs, t:t + 1]  # noqa: E731
+            o_t, S = recurrent_forward(spec, one(q), one(k), one(v), one(g), one(beta),
+                                       options=options, scale=scale, initial_state=S,
+                                       A_log=A_log, dt_bias=dt_bias)
+            o[bs, t:t + 1] = o_t
+            w = int(idx[n, t - t0]) if idx.dim() == 2 and t - t0 < idx.shape[1] else -1
+            if inplace and idx.dim() == 2 and 0 <= w < pool.shape[0]:
+                new_pool[w] = S[0]
+        if inplace and idx.dim() == 1:
+            new_pool[slot] = S[0]
+        finals.append(S)
+    return o, new_pool, torch.cat(finals, 0)
+
+
 # -- the seed's contract ops -----------------------------------------------------------------
 _DELTANET_PLAIN = OpSpec(name="deltanet_contract", rule="delta", gate="none", chunk_size=64)
 _GLA_PLAIN = OpSpec(name="gla_contract", rule="additive", gate="key", chunk_size=64, gva=False)

@@ -1,59 +1,183 @@
 """Dispatch shared by the fla-named functions of every family.
 
-``forward`` picks the kernel path for one call of a spec:
+A public call (``chunk_*`` -> :func:`forward`, ``fused_recurrent_*`` -> :func:`recurrent`)
+runs in three steps:
 
-* T == 1 (one token per sequence, no cu_seqlens): the fused recurrent (decode) kernel;
-* otherwise the chunked forward when the generator has chunked stages for the spec's
-  rule and gate (``codegen.plan(spec, "fwd")``);
-* otherwise the fused recurrent kernel over all T tokens (correct for every spec, but
-  sequential in T: the chunked stages for that gate have not been generated yet).
+1. ``validate.check_call``: every argument, in fla's terms, before any device work (the
+   device check last);
+2. :func:`choose_path` picks the kernels:
 
-``options_from_fla`` maps fla's keyword names onto :class:`Options`, and ``reject`` turns
-keywords linattn does not implement into a clear error instead of a silent difference.
+   * ``"recurrent"``, the fused recurrent (decode) kernel: T == 1 without cu_seqlens,
+     float32 inputs (the kernel reads them and computes in f32: exact, sequential in T),
+     head dims the chunked kernels lack (V up to 512, K = 256 with a per-key gate), and
+     every ``fused_recurrent_*`` call;
+   * ``"chunk"``, the chunked forward (ops/chunk.py), otherwise;
+
+3. :func:`kernel_inputs` puts the arguments in the form the kernels take (A_log /
+   dt_bias as f32 [HV] / [HV * K], zeros for a missing dt_bias, gates and beta in f32 or
+   q's dtype, KDA's lower-bounded gate applied, states in f32), and the call goes through
+   the torch.library op of its spec and path (ops/library.py), so torch.compile and CUDA
+   graphs see one opaque op.
+
+``fla_options`` maps fla's keyword names onto :class:`Options` and checks fla's keywords
+that change nothing here (``chunk_size=64``, ``chunk_indices``, ...); anything else is
+refused in one line (:func:`reject`) instead of being silently ignored.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from ..codegen.plan import plan
-from ..dsl import OpSpec, Options, SpecError
+from ..dsl import Gate, OpSpec, Options
 from . import validate
-from .recurrent import fused_recurrent  # noqa: F401 (re-exported to the wrappers)
+from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
+
+_CHUNKED: dict = {}
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
-    return bool(plan(spec, "fwd"))
+    hit = _CHUNKED.get(spec.hash)
+    if hit is None:
+        hit = _CHUNKED[spec.hash] = bool(plan(spec, "fwd"))
+    return hit
+
+
+def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
+    """Whether the chunked kernels take this call (dtype, head dims; see ops/chunk.py)."""
+    k_max = 128 if spec.gate is Gate.KEY else 256
+    return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
+            and dims.K % 16 == 0 and 16 <= dims.K <= k_max
+            and dims.V % 16 == 0 and 16 <= dims.V <= 256)
+
+
+def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool) -> str:
+    """"chunk" or "recurrent" for a chunk_* call (see the module docstring)."""
+    decode = dims.T == 1 and not varlen
+    return "chunk" if not decode and chunk_supports(spec, dims, dtype) else "recurrent"
+
+
+def _head_dims(dims) -> None:
+    """Head dims some kernel takes: the recurrent kernel's limits are the wider ones (the
+    chunked kernels' calls outside theirs take it, see choose_path)."""
+    validate.check_head_dims(dims.K, dims.V, what="linattn (the recurrent kernel; the "
+                             "chunked ones: K, V multiples of 16 up to 256)")
+
+
+def host_checks() -> bool:
+    """Whether value checks that read device memory may run (not while torch.compile
+    traces, nor while a CUDA graph is captured; the kernel entry points check then)."""
+    import torch
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             output_final_state=False, options: Options = Options(), cu_seqlens=None,
-            cu_seqlens_cpu=None, A_log=None, dt_bias=None):
-    """(o, final_state or None) for ``spec``; see ops.chunk.chunk_forward for shapes.
-    Not differentiable: raises when autograd would record it (DeltaNet's chunk_delta_rule
-    routes such calls to ops/autograd.py first)."""
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
-    T = q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else None
-    decode = T == 1 and cu_seqlens is None
-    if decode or not has_chunked_forward(spec):
-        return fused_recurrent(spec, q, k, v, g, beta, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, options=options,
-                               cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                               A_log=A_log, dt_bias=dt_bias)
-    from .chunk import chunk_forward
-    return chunk_forward(spec, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, options=options,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                         A_log=A_log, dt_bias=dt_bias)
+            cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None, g_gamma=None):
+    """(o, final_state or None) of a chunk_* call of ``spec``; shapes as the family's
+    functions (ops/<family>.py). Not differentiable: raises when autograd would record it
+    (DeltaNet's chunk_delta_rule routes such calls to ops/autograd.py first)."""
+    extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
+                 initial_state=initial_state)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
+                              values=host_checks(), sizes=_head_dims, **extra)
+    path = choose_path(spec, chk.dims, q.dtype, cu_seqlens is not None)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    from . import library
+    o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
+                        x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
+                        spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts)
+    return o, (ht if output_final_state else None)
 
 
-def options_from_fla(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                     allow_neg_eigval=False, use_gate_in_kernel=False, state_v_first=False,
-                     kwargs=None) -> Options:
-    """fla's flag names -> Options (``transpose_state_layout`` is fla's old name for
-    ``state_v_first`` and is accepted from ``kwargs``)."""
+def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
+              output_final_state=False, options: Options = Options(), cu_seqlens=None,
+              cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None,
+              g_gamma=None, beta_ones=False, ssm_state_indices=None,
+              num_accepted_tokens=None, inplace_final_state=False):
+    """(o, final_state or None) of a fused_recurrent_* call: the recurrent kernel for any
+    T; ``beta_ones``: a missing beta means ones (fla's fused_recurrent delta rules). With
+    ``ssm_state_indices`` initial_state is a pool of states [P, HV, K, V] (ops/recurrent.py);
+    ``inplace_final_state`` writes the final states into initial_state, which is
+    returned as the final state."""
+    extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
+                 initial_state=initial_state)
+    pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
+                              inplace_final_state=inplace_final_state, beta_optional=beta_ones,
+                              values=host_checks(), sizes=_head_dims, **extra, **pool)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
+    from . import library
+    o, ht = library.run(spec, "recurrent", x["q"], x["k"], x["v"], x["g"], x["beta"],
+                        x["A_log"], x["dt_bias"], x["initial_state"], cu_seqlens,
+                        cu_seqlens_cpu, spec.scale_for(chk.dims.K, scale),
+                        bool(output_final_state), opts, inplace=bool(inplace_final_state),
+                        **pool)
+    if inplace_final_state:
+        return o, initial_state
+    return o, (ht if output_final_state else None)
+
+
+def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
+                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None):
+    """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
+    (after check_call): contiguous (an in-place state is already), gates and beta in f32
+    or q's dtype (ones for a missing beta), simple
+    GLA's g_gamma added to g, A_log / dt_bias f32 [HV] / [HV * K] (zeros for no dt_bias).
+    KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
+    exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
+    the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
+    (the kernels read them as f32; an in-place one is updated in its dtype), f64 as f32."""
+    import torch
+
+    def f32(x):
+        return x if x is None else (x if x.dtype in (torch.float32, q.dtype)
+                                    else x.float()).contiguous()
+    if g_gamma is not None:
+        gam = g_gamma.reshape(1, 1, dims.HV).float()
+        g = (gam if g is None else g.float() + gam).expand(dims.B, dims.T, dims.HV).contiguous()
+    if spec.has_beta and beta is None:
+        beta = torch.ones(dims.B, dims.T, dims.HV, dtype=q.dtype, device=q.device)
+    gate_params = options.gate_in_kernel and spec.has_gate
+    HV, n = dims.HV, dims.HV * (dims.K if spec.gate is Gate.KEY else 1)
+    a = A_log.reshape(HV).float() if gate_params and A_log is not None else None
+    b = dt_bias.reshape(n).float() if gate_params and dt_bias is not None else None
+    if gate_params and lower_bound is not None:
+        x = g.float() + (b.view(HV, -1) if b is not None else 0.0)
+        g = float(lower_bound) * torch.sigmoid(x if a is None else torch.exp(a).view(HV, 1) * x)
+        options, a, b = dataclasses.replace(options, gate_in_kernel=False), None, None
+    elif gate_params and b is None:
+        from .runtime import zeros
+        b = zeros(q.device, n)
+    h0 = initial_state
+    if h0 is not None:       # (an in-place state passed the checks contiguous, not f64)
+        h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
+    return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
+                beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0), options
+
+
+def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, use_gate_in_kernel=False, state_v_first=False,
+                kwargs=None, chunked=True) -> Options:
+    """fla's flag names -> Options; fla's other keywords (``kwargs``) checked: the old name
+    ``transpose_state_layout`` of ``state_v_first`` is accepted, ``chunk_size`` must be 64
+    in a chunked call (ignored by fused_recurrent, as in fla), the rest must be no-ops."""
     kwargs = dict(kwargs or {})
     if "transpose_state_layout" in kwargs:
         state_v_first = bool(kwargs.pop("transpose_state_layout")) or state_v_first
+    size = kwargs.pop("chunk_size", None)
+    if chunked and size is not None:
+        check_chunk_size(size)
     reject(kwargs)
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise validate.error("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
+                             "(beta becomes 2 * sigmoid(beta))")
     return Options(l2norm_qk=bool(use_qk_l2norm_in_kernel),
                    beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
                    allow_neg_eigval=bool(allow_neg_eigval),
@@ -61,19 +185,35 @@ def options_from_fla(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=F
                    state_v_first=bool(state_v_first))
 
 
-#: fla keywords that change nothing in a forward call when left at these values
-_HARMLESS = {"chunk_size": (64,), "chunk_indices": (None,), "cp_context": (None,),
-             "safe_gate": (False,), "lower_bound": (None,), "disable_recompute": (False,),
+def check_chunk_size(chunk_size) -> None:
+    """fla's chunk_size: linattn's chunked kernels are generated for 64 (fla's default)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size != 64:
+        raise validate.error(f"chunk_size={validate.describe(chunk_size)} is not supported: "
+                             "linattn's chunked kernels use chunk_size=64 (fla's default) "
+                             "only; omit it or pass 64")
+
+
+#: fla keywords that change nothing in a forward call when left at these values (None in
+#: the tuple: any value; chunk_indices is derived from cu_seqlens here)
+_HARMLESS = {"chunk_indices": None, "cp_context": (None,), "safe_gate": (False,),
+             "lower_bound": (None,), "disable_recompute": (False, True),
              "return_intermediate_states": (False,), "reverse": (False,), "gv": (None,),
              "head_first": (False,)}
 
 
 def reject(kwargs: dict) -> None:
-    """Raise for any keyword linattn does not implement (unless it is at a no-op value)."""
+    """Raise for any keyword linattn does not implement (unless it is at a no-op value);
+    the message shows each value's type and shape, never a tensor's contents."""
     def harmless(name, value):
+        if name not in _HARMLESS:
+            return False
+        allowed = _HARMLESS[name]
         plain = value is None or isinstance(value, (bool, int, float))
-        return name in _HARMLESS and plain and value in _HARMLESS[name]
+        return allowed is None or (plain and value in allowed)
     bad = {k: v for k, v in kwargs.items() if not harmless(k, v)}
     if bad:
-        raise SpecError(f"linattn does not support {sorted(bad)} "
-                        f"(got {', '.join(f'{k}={v!r}' for k, v in bad.items())})")
+        got = ", ".join(f"{k}={validate.describe(v)}" for k, v in sorted(bad.items()))
+        unknown = [k for k in bad if k not in _HARMLESS]
+        hint = (f" ({', '.join(sorted(unknown))}: not an argument of this function)"
+                if unknown else " (only the defaults of these arguments are supported)")
+        raise validate.error(f"linattn does not support {got}{hint}")

@@ -135,15 +135,12 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
     if extra.pop("chunk_size", spec.chunk_size) != spec.chunk_size:
         raise SpecError(f"{spec.name} is built for chunk_size {spec.chunk_size}")
     flags = {n: a.pop(FLA_OPTION[n], False) for n in OPTION_NAMES}
-    opts = spec.check_options(api.options_from_fla(
+    opts = spec.check_options(api.fla_options(
         flags["l2norm_qk"], flags["beta_sigmoid"], flags["allow_neg_eigval"],
-        flags["gate_in_kernel"], flags["state_v_first"], extra))
+        flags["gate_in_kernel"], flags["state_v_first"], extra, chunked=not recurrent))
     q, k, v, g, beta = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g", None), a.pop("beta", None)
-    if recurrent:
-        if spec.has_beta and beta is None:
-            import torch
-            beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-        return api.fused_recurrent(spec, q, k, v, g, beta, options=opts, **a)
+    if recurrent:           # (a missing beta means ones, as in fla)
+        return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
     if has_backward(spec):
         from . import autograd
         if autograd.needs_grad(q, k, v, beta, a["initial_state"]):

@@ -176,7 +176,8 @@ def _dtype_name(t) -> str:
 
 def _check_device(name, t):
     if not t.is_cuda:
-        raise SpecError(f"{name} must be on a CUDA device, got {t.device}")
+        from .validate import device_error
+        raise device_error(name, t.device)
     if name == "q":
         runtime.device_arch(t.device)      # clear error on a GPU without linattn kernels
 
@@ -185,9 +186,7 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
                   A_log, dt_bias):
     """B's shared checks (ops/validate.py); returns (dims, N)."""
     from . import validate as val
-    dims = val.check_qkv(spec, q, k, v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_device(name, t)
+    dims = val.check_qkv(spec, q, k, v, dtypes=val.CHUNK_DTYPES)
     val.check_head_dims(dims.K, dims.V, k_multiple=16, k_max=256, v_multiple=16, v_max=256,
                         what="the chunked forward")
     val.check_gate(spec, g, dims, q)
@@ -199,6 +198,8 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
                         initial_state.dtype, q)
         if not initial_state.is_floating_point():
             raise SpecError(f"initial_state must be floating point, got {initial_state.dtype}")
+    for name, t in (("q", q), ("k", k), ("v", v)):      # the device check last
+        _check_device(name, t)
     return dims, N
 
 

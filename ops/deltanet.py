@@ -14,15 +14,16 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
                      **kwargs):
     """fla's chunk_delta_rule. T == 1 takes the decode kernel.
 
-    q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; scale default K^-0.5;
-    initial_state [N, H, K, V] read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1).
+    q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; f16 / bf16 / f32 (f32: the
+    recurrent kernel); scale default K^-0.5; initial_state [N, H, K, V] of any float
+    dtype, read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1); chunk_size: 64 only.
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, beta, initial_state requires
     grad: gradients for all five, from o's and final_state's (K, V in {64, 128}; f16 /
     bf16; anything the backward does not support raises SpecError).
     """
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, kwargs=kwargs)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs)
     from . import autograd
     if autograd.needs_grad(q, k, v, beta, initial_state):
         autograd.check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens)
@@ -42,14 +43,17 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
 
 def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=None,
                                output_final_state=False, use_qk_l2norm_in_kernel=False,
-                               cu_seqlens=None, **kwargs):
+                               cu_seqlens=None, cu_seqlens_cpu=None, ssm_state_indices=None,
+                               num_accepted_tokens=None, inplace_final_state=False,
+                               **kwargs):
     """fla's fused_recurrent_delta_rule: the token-by-token kernel for any T; a missing
-    beta means ones (as in fla). Shapes as chunk_delta_rule."""
-    import torch
-    if beta is None:
-        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, kwargs=kwargs)
-    return api.fused_recurrent(SPEC, q, k, v, None, beta, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, options=opts,
-                               cu_seqlens=cu_seqlens)
+    beta means ones (as in fla). Shapes as chunk_delta_rule; the state pool arguments
+    (ssm_state_indices, num_accepted_tokens, inplace_final_state) as
+    fused_recurrent_gated_delta_rule's."""
+    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunked=False)
+    return api.recurrent(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         beta_ones=True, ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state)

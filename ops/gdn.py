@@ -17,15 +17,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            use_gate_in_kernel=False, A_log=None, dt_bias=None, **kwargs):
     """fla's chunk_gated_delta_rule. T == 1 takes the decode kernel.
 
-    q, k [B, T, H, K]; v [B, T, HV, V] (HV % H == 0); g, beta [B, T, HV]; g is a natural-log
-    decay (raw, with A_log [HV] and dt_bias [HV], when use_gate_in_kernel); beta is
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV % H == 0), f16 / bf16 / f32 (f32: the
+    recurrent kernel); g, beta [B, T, HV], any float dtype; g is a natural-log decay
+    (raw with use_gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias), A_log with
+    HV elements ([HV], [1, 1, HV, 1], ...), dt_bias [HV] or None for no bias); beta is
     post-sigmoid unless use_beta_sigmoid_in_kernel (2 sigmoid with allow_neg_eigval).
-    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), read as f32; N = B,
-    or len(cu_seqlens) - 1 (then B == 1). Returns (o [B, T, HV, V] in q's dtype,
-    final_state f32 or None).
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read
+    as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). chunk_size: 64 only.
+    Returns (o [B, T, HV, V] in q's dtype, final_state f32 or None).
     """
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
     return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -37,29 +39,45 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                      A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, state_v_first=False,
-                                     cu_seqlens=None, **kwargs):
+                                     cu_seqlens=None, cu_seqlens_cpu=None,
+                                     ssm_state_indices=None, num_accepted_tokens=None,
+                                     inplace_final_state=False, **kwargs):
     """fla's fused_recurrent_gated_delta_rule: the token-by-token kernel for any T.
 
     As chunk_gated_delta_rule; additionally, as in fla, ``gk`` [B, T, HV, K] (a per-key
     decay: the KDA spec) may replace ``g``, neither means no decay (the DeltaNet spec),
     and a missing beta means ones. ``gv`` (per-value decay) is not supported.
+
+    State pool (fla's / vLLM's continuous batching): with ``ssm_state_indices`` int [N]
+    (one slot per sequence) or [N, S] (per token), initial_state is a pool [P, HV, K, V]
+    (any P; f32, f16 or bf16): sequence n starts from slot ssm_state_indices[n] (or
+    [n, num_accepted_tokens[n] - 1] with ``num_accepted_tokens`` [N], speculative
+    decoding; [n, 0] without). ``inplace_final_state=True`` writes into the pool: the
+    final state into slot [n] ([N] form), or the state after each token t into slot
+    [n, t] ([N, S] form); it returns (o, initial_state). Without it the final states
+    are returned as usual ([N, HV, K, V] f32). A negative or out-of-range slot is never
+    read (the sequence is skipped: its o rows are zeros) nor written; a slot not named
+    is never touched.
     """
     from . import deltanet, kda
-    import torch
     if gv is not None:
         api.reject({"gv": gv})
     if g is not None and gk is not None:
-        raise api.SpecError("give g (scalar decay) or gk (per-key decay), not both")
+        raise api.validate.error("give g (scalar decay) or gk (per-key decay), not both")
     spec, gate = (SPEC, g) if g is not None else (kda.SPEC, gk) if gk is not None else (
         deltanet.SPEC, None)
-    if beta is None:
-        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
-    return api.fused_recurrent(spec, q, k, v, gate, beta, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, options=opts,
-                               cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+    if spec is deltanet.SPEC and use_gate_in_kernel:
+        raise api.validate.error("use_gate_in_kernel=True needs g (the raw gate input)")
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
+                           chunked=False)
+    return api.recurrent(spec, q, k, v, gate, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         A_log=A_log, dt_bias=dt_bias, beta_ones=True,
+                         ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state)
 
 
 chunk_gdn = chunk_gated_delta_rule

@@ -1,5 +1,5 @@
 """Gated Linear Attention: the additive rule with a log decay per key channel."""
-from ..dsl import OpSpec, all_rule_gate_specs
+from ..dsl import OpSpec
 from . import api
 
 SPEC = OpSpec(
@@ -13,11 +13,12 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
     """fla's chunk_gla (forward). T == 1 takes the decode kernel.
 
-    q, k, g [B, T, H, K] (g: natural-log decay per key channel); v [B, T, H, V];
-    initial_state f32 [N, H, K, V] ([N, H, V, K] with state_v_first).
-    Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+    q, k, g [B, T, H, K] (g: natural-log decay per key channel, any float dtype);
+    v [B, T, H, V]; f16 / bf16 / f32 (f32, and K = 256: the recurrent kernel);
+    initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any float dtype, read
+    as f32. Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
     """
-    opts = api.options_from_fla(state_v_first=state_v_first, kwargs=kwargs)
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
     return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -25,17 +26,18 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
 
 def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=None,
                         output_final_state=False, reverse=False, state_v_first=False,
-                        cu_seqlens=None, **kwargs):
+                        cu_seqlens=None, cu_seqlens_cpu=None, ssm_state_indices=None,
+                        num_accepted_tokens=None, inplace_final_state=False, **kwargs):
     """fla's fused_recurrent_gla: the token-by-token kernel for any T. Without ``gk`` it is
     plain linear attention (the additive rule without a gate). ``gv`` and ``reverse``
-    are not supported."""
+    are not supported; the state pool arguments as fused_recurrent_gated_delta_rule's."""
+    from . import linear_attn
     api.reject({k_: v_ for k_, v_ in (("gv", gv), ("reverse", reverse))})
-    opts = api.options_from_fla(state_v_first=state_v_first, kwargs=kwargs)
-    spec = SPEC if gk is not None else _LINEAR_ATTENTION
-    return api.fused_recurrent(spec, q, k, v, gk, None, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, options=opts,
-                               cu_seqlens=cu_seqlens)
-
-
-_LINEAR_ATTENTION = next(s for s in all_rule_gate_specs() if s.name == "additive_none")
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
+    spec = SPEC if gk is not None else linear_attn.SPEC
+    return api.recurrent(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state)

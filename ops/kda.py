@@ -10,35 +10,66 @@ SPEC = OpSpec(
 )
 
 
+def check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel) -> None:
+    """fla's rules for KDA's safe gate: with use_gate_in_kernel, safe_gate needs a
+    lower_bound in [-5, 0). safe_gate itself changes no result here (linattn's per-key
+    chunk stages only ever exponentiate non-positive numbers); lower_bound changes the
+    gate activation when use_gate_in_kernel (see api.kernel_inputs), else nothing."""
+    if lower_bound is not None and (isinstance(lower_bound, bool)
+                                    or not isinstance(lower_bound, (int, float))):
+        raise api.validate.error(f"lower_bound must be a number or None, got "
+                                 f"{api.validate.describe(lower_bound)}")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise api.validate.error("safe_gate=True with use_gate_in_kernel=True needs "
+                                     "lower_bound (a float in [-5, 0), e.g. -5)")
+        if not -5 <= lower_bound < 0:
+            raise api.validate.error(f"lower_bound must be in the safe range [-5, 0), "
+                                     f"got {lower_bound}")
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+              use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
+              lower_bound=None, disable_recompute=False, state_v_first=False,
               cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
     """fla's chunk_kda (forward). T == 1 takes the decode kernel.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] natural-log decay per key channel
-    (raw with A_log [HV], dt_bias [HV * K] when use_gate_in_kernel); beta [B, T, HV].
-    initial_state f32 [N, HV, K, V] ([N, HV, V, K] with state_v_first).
-    Returns (o [B, T, HV, V], final_state f32 or None). safe_gate / lower_bound are not
-    supported.
+    q, k [B, T, H, K]; v [B, T, HV, V], f16 / bf16 / f32 (f32, and K = 256: the
+    recurrent kernel); g [B, T, HV, K] natural-log decay per key channel (raw with
+    use_gate_in_kernel: -exp(A_log) * softplus(g + dt_bias), or with ``lower_bound``
+    lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log optional then); A_log with
+    HV elements, dt_bias [HV * K] / [HV, K] or None; beta [B, T, HV]. initial_state
+    [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read as f32.
+    safe_gate (fla's rules checked) and disable_recompute change nothing in a forward;
+    chunk_size: 64 only. Returns (o [B, T, HV, V], final_state f32 or None).
     """
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
     return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                       A_log=A_log, dt_bias=dt_bias)
+                       A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                         initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                        state_v_first=False, cu_seqlens=None, **kwargs):
-    """fla's fused_recurrent_kda: the token-by-token kernel for any T. Shapes as chunk_kda."""
-    opts = api.options_from_fla(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
-    return api.fused_recurrent(SPEC, q, k, v, g, beta, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, options=opts,
-                               cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias)
+                        lower_bound=None, state_v_first=False, cu_seqlens=None,
+                        cu_seqlens_cpu=None, ssm_state_indices=None,
+                        num_accepted_tokens=None, inplace_final_state=False, **kwargs):
+    """fla's fused_recurrent_kda: the token-by-token kernel for any T. Shapes as
+    chunk_kda; the state pool arguments as fused_recurrent_gated_delta_rule's."""
+    check_safe_gate(False, lower_bound, use_gate_in_kernel)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
+                           chunked=False)
+    return api.recurrent(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                         ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state)

@@ -40,7 +40,8 @@ def device_arch(device) -> str:
     import torch
     device = torch.device(device)
     if device.type != "cuda":
-        raise SpecError(f"linattn kernels run on CUDA devices, got a tensor on {device}")
+        from .validate import device_error
+        raise device_error("q", device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ARCH_BY_DEVICE:
         major, minor = torch.cuda.get_device_capability(index)
@@ -259,6 +260,17 @@ def placeholder(device, dtype):
     t = _PLACEHOLDERS.get(key)
     if t is None:
         t = torch.zeros(1, device=device, dtype=dtype)
+        _PLACEHOLDERS[key] = t
+    return t
+
+
+def zeros(device, n: int):
+    """A cached f32 tensor of n zeros (a missing dt_bias); never written."""
+    import torch
+    key = (str(device), "zeros", n)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(n, device=device, dtype=torch.float32)
         _PLACEHOLDERS[key] = t
     return t
 

@@ -198,7 +198,7 @@ def _tensors(B=1, T=8, H=2, K=16, V=16, gate_k=False, requires_grad=False):
     (dict(A_log=None), "takes no A_log"),
     (dict(transpose_state_layout=True), "does not support \\['state_v_first'\\]"),
     (dict(chunk_size=32), "built for chunk_size 64"),
-    (dict(head_first=True), "linattn does not support \\['head_first'\\]"),
+    (dict(head_first=True), "linattn does not support head_first=True"),
 ])
 def test_build_rejects_what_the_spec_lacks(kwargs, message):
     ops = linattn.build(SIMPLE)
@@ -210,12 +210,12 @@ def test_build_rejects_what_the_spec_lacks(kwargs, message):
 
 
 def test_build_dispatch(monkeypatch):
-    """chunk -> api.forward, fused_recurrent -> api.fused_recurrent, with the options,
-    every keyword, and beta = ones when fused_recurrent gets none (as fla)."""
+    """chunk -> api.forward, fused_recurrent -> api.recurrent, with the options, every
+    keyword, and beta_ones when fused_recurrent gets no beta (ones, as in fla)."""
     import torch
     seen = {}
     monkeypatch.setattr(api, "forward", lambda *a, **kw: seen.setdefault("chunk", (a, kw)))
-    monkeypatch.setattr(api, "fused_recurrent",
+    monkeypatch.setattr(api, "recurrent",
                         lambda *a, **kw: seen.setdefault("recurrent", (a, kw)))
     ops = linattn.build(DELTA_KEY)
     q, k, v, g = _tensors(gate_k=True)
@@ -229,7 +229,7 @@ def test_build_dispatch(monkeypatch):
     assert kw["options"] == Options(beta_sigmoid=True, state_v_first=True)
     a, kw = seen["recurrent"]
     assert kw["options"] == Options(gate_in_kernel=True) and kw["output_final_state"]
-    assert torch.equal(a[5], torch.ones(1, 8, 2)) and kw["A_log"] is not None
+    assert a[5] is None and kw["beta_ones"] and kw["A_log"] is not None
 
 
 def test_build_without_backward_refuses_gradients():

@@ -38,8 +38,10 @@ GDN, KDA, GLA, DN = (get_spec(n) for n in ("gdn", "kda", "gla", "deltanet"))
 
 @pytest.mark.parametrize("spec, change, err, match", [
     (GDN, dict(q="not a tensor"), TypeError, "q must be a torch.Tensor"),
-    (GDN, dict(q=torch.randn(2, 3, 2, 32)), SpecError, "q has dtype torch.float32"),
-    (GDN, dict(q=torch.randn(2, 3, 64, dtype=BF)), SpecError, r"q must be \[B, T, H, K\]"),
+    (GDN, dict(q=torch.randn(2, 3, 2, 32, dtype=torch.float64)), SpecError,
+     "q has dtype float64; expected float16 or bfloat16 or float32"),
+    (GDN, dict(q=torch.randn(2, 3, 64, dtype=BF)), SpecError,
+     r"q has shape \[2, 3, 64\]; expected \[B, T, H, K\]"),
     (GDN, dict(k=torch.randn(2, 3, 2, 32, dtype=torch.float16)), SpecError, "k has dtype"),
     (GDN, dict(k=torch.randn(2, 3, 2, 16, dtype=BF)), SpecError, r"k has shape \[2, 3, 2, 16\]"),
     (GDN, dict(k=torch.randn(2, 3, 32, 2, dtype=BF).transpose(2, 3)), SpecError, "contiguous"),
@@ -69,13 +71,14 @@ GDN, KDA, GLA, DN = (get_spec(n) for n in ("gdn", "kda", "gla", "deltanet"))
     (GDN, dict(initial_state=torch.zeros(2, 4, 16, 32)), SpecError, r"layout \[N, HV, K, V\]"),
     (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16), options=Options(state_v_first=True)),
      SpecError, r"state_v_first"),
-    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16, dtype=BF)), SpecError,
-     "initial_state has dtype torch.bfloat16; expected float32"),
-    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16), state_dtype=BF), SpecError,
-     "expected bfloat16"),
+    (GDN, dict(initial_state=torch.zeros(2, 4, 32, 16, dtype=torch.float64)), SpecError,
+     "initial_state has dtype float64; expected float32 or float16 or bfloat16"),
+    (GDN, dict(ssm_state_indices=torch.zeros(2, dtype=torch.int32)), SpecError,
+     r"ssm_state_indices needs initial_state"),
+    (GDN, dict(inplace_final_state=True), SpecError, "inplace_final_state=True needs"),
     (GDN, dict(state_dtype=torch.float64), SpecError, "state_dtype must be"),
     (GDN, dict(scale=-1.0), SpecError, "scale must be a positive number"),
-    (GDN, dict(), SpecError, "q is on cpu; linattn kernels need CUDA tensors"),
+    (GDN, dict(), SpecError, "q is on cpu; linattn runs on one CUDA device"),
 ])
 def test_fused_recurrent_rejects(spec, change, err, match):
     with pytest.raises(err, match=match):
@@ -88,8 +91,8 @@ def test_allow_neg_eigval_needs_sigmoid():
 
 
 @pytest.mark.parametrize("vals, cpu, match", [
-    ([[0, 3]], False, r"1-D \[N \+ 1\]"),
-    ([0], False, r"1-D \[N \+ 1\]"),
+    ([[0, 3]], False, r"expected \[N \+ 1\]"),
+    ([0], False, r"expected \[N \+ 1\]"),
     ([1, 3], False, "must start at 0"),
     ([0, 2, 1, 3], False, "nondecreasing"),
     ([0, 1, 2], False, "must end at T=3"),
@@ -103,7 +106,7 @@ def test_cu_seqlens(vals, cpu, match):
     else:
         with pytest.raises(SpecError, match=match):
             validate.check_cu_seqlens(cu, 1, 3)
-    with pytest.raises(SpecError, match="cu_seqlens has dtype torch.float32"):
+    with pytest.raises(SpecError, match="cu_seqlens has dtype float32"):
         validate.check_cu_seqlens(torch.tensor([0.0, 3.0]), 1, 3)
     with pytest.raises(SpecError, match=r"cu_seqlens_cpu has shape"):
         validate.check_cu_seqlens(torch.tensor([0, 3]), 1, 3, torch.tensor([0, 1, 3]))
@@ -116,7 +119,7 @@ def test_cu_seqlens_cpu_is_used_without_reading_device_values():
 
 def test_same_device():
     q = torch.randn(1, 2, 1, 16, dtype=BF)
-    with pytest.raises(SpecError, match="is on meta, q is on cpu"):
+    with pytest.raises(SpecError, match=r"k is on meta \(q is on cpu\)"):
         validate.check_tensor("k", torch.empty(1, 2, 1, 16, dtype=BF, device="meta"), like=q)
 
 

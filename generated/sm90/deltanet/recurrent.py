@@ -15,10 +15,18 @@ once. Per token t (S in R^{K x V}, K-first maths whatever the storage layout):
 Shapes (B, T, N dynamic: one compile serves every batch and length):
     q, k [B, T, H, K]; v, o [B, T, HV, V]; beta [B, T, HV]
     states h0, ht [N, HV, K, V] ([N, HV, V, K] with state_v_first); N = B, or the
-    number of sequences with varlen (cu_seqlens [N + 1], B == 1)
+    number of sequences with varlen (cu_seqlens [N + 1], B == 1); h0 of h0_dtype
     value head hv reads key head hv // (HV // H)
+
+A state pool (state_pool, fla's continuous batching): h0 holds P states [P, HV, K, V]
+and sequence n starts from slot slots[n] ([N]) or slots[n, c] ([N, S] with
+slots_per_token; c = accepted[n] - 1 with accepted_tokens, else 0). A slot outside
+[0, P) is padding: the sequence is skipped (no o rows written, no state read or
+written). With ``inplace`` ht is h0 (the same tensor): the final state goes back to
+slot slots[n] ([N]) or, per token, the state after token t to slots[n, t] ([N, S]);
+without a pool, to row n. Every slot not named is never read or written.
 Arguments a call does not use (h0 without an initial state, ht without a final state,
-cu_seqlens without varlen) have shape (1,).
+cu_seqlens without varlen, slots / accepted without a pool) have shape (1,).
 """
 import tilelang.language as T
 
@@ -31,7 +39,8 @@ SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "beta_dtype",
                 "l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "state_v_first", "has_initial_state", "output_final_state", "varlen",
-                "index_dtype")
+                "index_dtype", "h0_dtype", "state_pool", "slots_per_token", "accepted_tokens",
+                "inplace", "slot_dtype")
 EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="bfloat16", state_dtype="float32"),
     dict(H=2, HV=8, K=128, V=128, dtype="float16", state_dtype="float32",
@@ -39,6 +48,12 @@ EXAMPLES = [
          has_initial_state=True, output_final_state=True, varlen=True),
     dict(H=4, HV=4, K=64, V=64, dtype="bfloat16", state_dtype="bfloat16",
          has_initial_state=True, output_final_state=True),
+    dict(H=4, HV=8, K=128, V=128, dtype="bfloat16", state_dtype="float32",
+         has_initial_state=True, output_final_state=True, varlen=True, state_pool=True,
+         slots_per_token=True, accepted_tokens=True, inplace=True, slot_dtype="int64"),
+    dict(H=4, HV=8, K=128, V=128, dtype="float32", state_dtype="float32",
+         h0_dtype="bfloat16", has_initial_state=True, output_final_state=True,
+         state_pool=True),
 ]
 EPS_L2 = 1e-6    # l2norm: x * rsqrt(sum x^2 + EPS_L2)
 
@@ -46,7 +61,7 @@ EPS_L2 = 1e-6    # l2norm: x * rsqrt(sum x^2 + EPS_L2)
 def args(**params):
     """Names of the kernel's arguments, in order (scale is a float scalar)."""
     names = ["q", "k", "v", "beta"]
-    return names + ["h0", "cu_seqlens", "scale", "o", "ht"]
+    return names + ["h0", "cu_seqlens", "slots", "accepted", "scale", "o", "ht"]
 
 
 def out_idx(**params):
@@ -147,7 +162,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           beta_dtype=None,
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
-          varlen=False, index_dtype="int32", block_v=32, threads=128, vec=4, warps_k=1):
+          varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
+          slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
+          block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
@@ -159,6 +176,13 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         raise ValueError(f"{SPEC_KEY} does not support {unsupported}")
     if allow_neg_eigval and not beta_sigmoid:
         raise ValueError("allow_neg_eigval needs beta_sigmoid")
+    h0_dtype = h0_dtype or state_dtype
+    if (slots_per_token and not state_pool) or (accepted_tokens and not slots_per_token):
+        raise ValueError("slots_per_token needs state_pool, accepted_tokens slots_per_token")
+    if state_pool and not has_initial_state:
+        raise ValueError("state_pool needs has_initial_state (h0 is the pool)")
+    if inplace and not (has_initial_state and h0_dtype == state_dtype):
+        raise ValueError("inplace needs has_initial_state and h0_dtype == state_dtype")
     beta_dtype = beta_dtype or dtype
     acc = "float32"
     BV = block_v
@@ -170,9 +194,14 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     Tlen = T.dynamic("T")
     N = T.dynamic("N") if varlen else B
     state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    h0_shape = state_shape if has_initial_state else (1,)
-    ht_shape = state_shape if output_final_state else (1,)
+    P = T.dynamic("P") if state_pool else N          # states the pool holds
+    pool_shape = (P, HV, V, K) if state_v_first else (P, HV, K, V)
+    h0_shape = pool_shape if has_initial_state else (1,)
+    ht_shape = h0_shape if inplace else state_shape if output_final_state else (1,)
     cu_shape = (N + 1,) if varlen else (1,)
+    S_slots = T.dynamic("S") if slots_per_token else 1
+    slots_shape = (N, S_slots) if slots_per_token else (N,) if state_pool else (1,)
+    accepted_shape = (N,) if accepted_tokens else (1,)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
         return (n, hv, j, i) if state_v_first else (n, hv, i, j)
@@ -183,8 +212,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         k: T.Tensor((B, Tlen, H, K), dtype),
         v: T.Tensor((B, Tlen, HV, V), dtype),
         beta: T.Tensor((B, Tlen, HV), beta_dtype),
-        h0: T.Tensor(h0_shape, state_dtype),
+        h0: T.Tensor(h0_shape, h0_dtype),
         cu_seqlens: T.Tensor(cu_shape, index_dtype),
+        slots: T.Tensor(slots_shape, slot_dtype),
+        accepted: T.Tensor(accepted_shape, slot_dtype),
         scale: T.float32,
         o: T.Tensor((B, Tlen, HV, V), dtype),
         ht: T.Tensor(ht_shape, state_dtype),
@@ -216,7 +247,21 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 bos = 0
                 seq_len = Tlen
 
-            if has_initial_state:
+            if state_pool:      # the sequence's slot; outside [0, P): padding, skipped
+                if slots_per_token:
+                    col = 0
+                    if accepted_tokens:
+                        col = T.min(T.max(T.cast(accepted[i_n], "int32") - 1, 0), S_slots - 1)
+                    slot = T.cast(slots[i_n, col], "int32")
+                else:
+                    slot = T.cast(slots[i_n], "int32")
+                live = T.And(slot >= 0, slot < P)
+                seq_len = T.if_then_else(live, seq_len, 0)
+                row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.if_then_else(
+                        live, T.cast(h0[state_at(row, i_hv, i, v0 + j)], acc), 0.0)
+            elif has_initial_state:
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
             else:
@@ -254,8 +299,17 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 T.reduce_sum(SX, of, dim=0, batch=red_batch)               # o = S^T (scale q)
                 for j in T.Parallel(BV):
                     o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
+                if inplace and slots_per_token:     # the state after token t: slot [n, t]
+                    wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
+                    if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
+                        for i, j in T.Parallel(K, BV):
+                            ht[state_at(wslot, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
 
-            if output_final_state:
+            if inplace and state_pool and not slots_per_token:     # back to its slot
+                if live:
+                    for i, j in T.Parallel(K, BV):
+                        ht[state_at(row, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+            elif (output_final_state or inplace) and not (inplace and slots_per_token):
                 for i, j in T.Parallel(K, BV):
                     ht[state_at(i_n, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
 

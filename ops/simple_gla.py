@@ -1,0 +1,52 @@
+"""Simple GLA: the additive rule with one scalar log decay per head and token."""
+from ..dsl import OpSpec
+from . import api
+
+SPEC = OpSpec(
+    name="simple_gla", rule="additive", gate="scalar", chunk_size=64,
+    supports=frozenset({"state_v_first"}), gva=False,
+    doc="Simple GLA: S <- exp(g) S + k v^T; o = S^T (scale q).",
+)
+
+
+def _spec(g, g_gamma):
+    """Without g and g_gamma fla's simple GLA is plain linear attention."""
+    from . import linear_attn
+    return SPEC if g is not None or g_gamma is not None else linear_attn.SPEC
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                     output_final_state=False, state_v_first=False, cu_seqlens=None,
+                     cu_seqlens_cpu=None, **kwargs):
+    """fla's chunk_simple_gla (forward). T == 1 takes the decode kernel.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; f16 / bf16 / f32 (f32: the recurrent kernel);
+    g [B, T, H] natural-log decay per head and token and / or g_gamma [H] (a decay per
+    head, the same at every token; with both the decay is g + g_gamma, as in fla);
+    neither: no decay. initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any
+    float dtype, read as f32; chunk_size: 64 only.
+    Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+    """
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
+    return api.forward(_spec(g, g_gamma), q, k, v, g, None, scale=scale,
+                       initial_state=initial_state, output_final_state=output_final_state,
+                       options=opts, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                       g_gamma=g_gamma)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False,
+                               cu_seqlens=None, cu_seqlens_cpu=None, ssm_state_indices=None,
+                               num_accepted_tokens=None, inplace_final_state=False,
+                               **kwargs):
+    """fla's fused_recurrent_simple_gla: the token-by-token kernel for any T. Shapes as
+    chunk_simple_gla; ``reverse`` is not supported; the state pool arguments as
+    fused_recurrent_gated_delta_rule's."""
+    api.reject({"reverse": reverse})
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
+    return api.recurrent(_spec(g, g_gamma), q, k, v, g, None, scale=scale,
+                         initial_state=initial_state, output_final_state=output_final_state,
+                         options=opts, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         g_gamma=g_gamma, ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state)

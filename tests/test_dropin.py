@@ -1,0 +1,413 @@
+"""The fla drop-in surface on the CPU: names, fla's argument forms, one-line errors, the
+torch.library ops (fake implementations, torch.compile without graph breaks).
+
+End-to-end tests run the public functions with the device check switched off and the
+ops' CPU kernel set to the fp64 torch reference (``cpu_ops``), so everything the wrapper
+does (argument forms, conversions, KDA's lower-bounded gate, g_gamma, normalize, the
+path choice) is checked against an independent fp64 computation without a GPU.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.dsl import Options, SpecError
+from linattn.dsl import torch_reference as tr
+from linattn.ops import api, library, validate
+from linattn.ops.registry import get_spec, specs
+
+from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+
+BF, F32 = torch.bfloat16, torch.float32
+PUBLIC = ["chunk_delta_rule", "fused_recurrent_delta_rule", "chunk_gated_delta_rule",
+          "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda", "chunk_gla",
+          "fused_recurrent_gla", "chunk_simple_gla", "fused_recurrent_simple_gla",
+          "chunk_linear_attn", "fused_recurrent_linear_attn"]
+DEVICE_ERROR = r"q is on cpu; linattn runs on one CUDA device \(Hopper, sm90\)"
+
+
+def inputs(B=2, T=5, H=2, HV=4, K=32, V=16, dtype=BF, gate="scalar", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = r(B, T, H, K).to(dtype), r(B, T, H, K).to(dtype)
+    v = r(B, T, HV, V).to(dtype)
+    g = F.logsigmoid(r(B, T, HV, K) if gate == "key" else r(B, T, HV))
+    beta = torch.rand(B, T, HV, generator=gen)
+    return q, k, v, g, beta
+
+
+def calls(dtype=BF):
+    """One valid CPU call of every public function: (name, thunk)."""
+    q, k, v, g, beta = inputs(dtype=dtype)
+    qs, ks, vs, gs, _ = inputs(HV=2, dtype=dtype)
+    _, _, vk, gk, bk = inputs(gate="key", dtype=dtype)
+    _, _, vg, gg, _ = inputs(HV=2, gate="key", dtype=dtype)
+    L = linattn
+    return [
+        ("chunk_delta_rule", lambda: L.chunk_delta_rule(qs, ks, vs, beta[..., :2])),
+        ("fused_recurrent_delta_rule", lambda: L.fused_recurrent_delta_rule(qs, ks, vs)),
+        ("chunk_gated_delta_rule", lambda: L.chunk_gated_delta_rule(q, k, v, g, beta)),
+        ("fused_recurrent_gated_delta_rule",
+         lambda: L.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta)),
+        ("chunk_kda", lambda: L.chunk_kda(q, k, vk, gk, bk)),
+        ("fused_recurrent_kda", lambda: L.fused_recurrent_kda(q, k, vk, gk, bk)),
+        ("chunk_gla", lambda: L.chunk_gla(qs, ks, vs, gg)),
+        ("fused_recurrent_gla", lambda: L.fused_recurrent_gla(qs, ks, vs, gg)),
+        ("chunk_simple_gla", lambda: L.chunk_simple_gla(qs, ks, vs, gs)),
+        ("fused_recurrent_simple_gla", lambda: L.fused_recurrent_simple_gla(qs, ks, vs, gs)),
+        ("chunk_linear_attn", lambda: L.chunk_linear_attn(qs, ks, vs)),
+        ("fused_recurrent_linear_attn", lambda: L.fused_recurrent_linear_attn(qs, ks, vs)),
+    ]
+
+
+# ------------------------------------------------------------------ names and ops
+def test_public_functions_are_importable():
+    for name in PUBLIC:
+        assert callable(getattr(linattn, name)), name
+
+
+def test_import_registers_the_ops():
+    for spec in specs().values():
+        for path in library.SCHEMAS:
+            assert hasattr(torch.ops.linattn, library.op_name(spec, path))
+    schema = str(torch.ops.linattn.fused_recurrent_gdn_inplace.default._schema)
+    assert "Tensor(a!) initial_state" in schema and schema.endswith("-> Tensor")
+
+
+@pytest.mark.parametrize("path", ["chunk", "recurrent", "inplace"])
+@pytest.mark.parametrize("v_first", [False, True])
+def test_fake_impls_give_shapes_and_dtypes(path, v_first):
+    """The meta (fake) implementations: o [B, T, HV, V] in q's dtype, the final state
+    f32 in the state layout, or [0] without output_final_state."""
+    spec = get_spec("gdn")
+    op = getattr(torch.ops.linattn, library.op_name(spec, path))
+    m = lambda *s, dt=BF: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    B, T, H, HV, K, V = 1, 9, 2, 4, 32, 16
+    opts = Options(state_v_first=v_first).key()
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    h0 = m(3, HV, K, V, dt=F32)
+    args = [m(B, T, H, K), m(B, T, H, K), m(B, T, HV, V), m(B, T, HV, dt=F32), m(B, T, HV),
+            None, None, h0, cu, None, 0.5, True, opts]
+    if path != "chunk":
+        args += [None, None]
+    out = op(*args)
+    if path == "inplace":
+        assert out.shape == (B, T, HV, V) and out.dtype == BF
+        return
+    o, ht = out
+    assert o.shape == (B, T, HV, V) and o.dtype == BF and o.device.type == "meta"
+    assert ht.shape == ((3, HV, V, K) if v_first else (3, HV, K, V)) and ht.dtype == F32
+    args[11] = False
+    assert op(*args)[1].shape == (0,)
+
+
+def test_fake_impl_under_fake_tensor_mode_with_symbolic_sizes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        q = mode.from_tensor(torch.empty(2, 70, 2, 32, dtype=BF))
+        v = mode.from_tensor(torch.empty(2, 70, 4, 16, dtype=BF))
+        g = mode.from_tensor(torch.empty(2, 70, 4))
+        o, ht = torch.ops.linattn.chunk_gdn(q, q, v, g, g, None, None, None, None, None,
+                                            0.5, True, "plain")
+    assert tuple(o.shape) == (2, 70, 4, 16) and tuple(ht.shape) == (2, 4, 32, 16)
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("dtype", [BF, F32])
+def test_valid_cpu_calls_fail_with_the_one_device_error(dtype):
+    """float32 passes the dtype checks: a valid CPU call of every public function reaches
+    the device check, which has one wording."""
+    for name, call in calls(dtype):
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            call()
+
+
+def test_bad_argument_on_cpu_is_reported_before_the_device():
+    q, k, v, g, beta = inputs()
+    with pytest.raises(SpecError, match=r"g has shape \[2, 5, 3\]; expected \[2, 5, 4\]"):
+        linattn.chunk_gated_delta_rule(q, k, v, g[..., :3], beta)
+    with pytest.raises(SpecError, match=r"beta has dtype int64"):
+        linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta.long())
+    with pytest.raises(SpecError, match="initial_state has shape"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, 4, 16, 32))
+    with pytest.raises(SpecError, match=r"ssm_state_indices has shape \[3\]"):
+        linattn.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, initial_state=torch.zeros(8, 4, 32, 16),
+            ssm_state_indices=torch.zeros(3, dtype=torch.int32))
+
+
+def _bad_calls():
+    q, k, v, g, beta = inputs()
+    big = torch.full((2, 5, 4, 16), 1234.5)           # its contents must never be printed
+    _, _, vk, gk, bk = inputs(gate="key")
+    L = linattn
+    return [
+        lambda: L.fused_recurrent_gated_delta_rule(q, k, v, g, gv=big, beta=beta),
+        lambda: L.fused_recurrent_gla(q[:, :, :1], k[:, :, :1], v[:, :, :1], gv=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, reverse=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, not_an_argument=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, big, beta),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, scale=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True,
+                                         A_log=big),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.arange(999)),
+        lambda: L.chunk_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1],
+                                         cu_seqlens=torch.tensor([0] + [3, 1] * 400 + [5])),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, safe_gate=True, use_gate_in_kernel=True),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, safe_gate=True, use_gate_in_kernel=True,
+                            lower_bound=-9.0),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, lower_bound=big),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, return_intermediate_states=True),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, cp_context=big),
+        lambda: L.chunk_delta_rule(q, k, v[:, :, :2], g, beta[..., :2]),
+        lambda: L.chunk_linear_attn(q, k, v[:, :, :2], g),
+        lambda: L.chunk_simple_gla(q, k, v[:, :, :2], g_gamma=big),
+        lambda: L.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta,
+                                                   num_accepted_tokens=big.long()),
+        lambda: L.chunk_gated_delta_rule(q.double(), k.double(), v.double(), g, beta),
+        lambda: L.chunk_gated_delta_rule(torch.randn(2, 5, 2, 100, dtype=BF),
+                                         torch.randn(2, 5, 2, 100, dtype=BF), v, g, beta),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_errors_are_one_short_line_without_tensor_contents(index):
+    with pytest.raises((SpecError, TypeError)) as info:
+        _bad_calls()[index]()
+    msg = str(info.value)
+    print(msg)
+    assert "\n" not in msg and len(msg) <= validate.MAX_MESSAGE, msg
+    assert "1234" not in msg and "tensor(" not in msg, msg
+    assert "cuda" not in msg.lower() or "CUDA device" in msg, msg
+
+
+def test_chunk_size_error_names_the_argument_and_the_supported_value():
+    q, k, v, g, beta = inputs()
+    with pytest.raises(SpecError, match=r"chunk_size=32 is not supported.*chunk_size=64"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32)
+    with pytest.raises(SpecError, match=DEVICE_ERROR):     # 64: honoured
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+    with pytest.raises(SpecError, match=DEVICE_ERROR):     # fused_recurrent: ignored (fla)
+        linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, chunk_size=16)
+
+
+def test_fla_argument_forms_are_accepted():
+    """fla's A_log shapes, no dt_bias, states of any float dtype, KDA's safe gate and
+    disable_recompute, chunk_indices: all reach the device check."""
+    q, k, v, g, beta = inputs()
+    _, _, vk, gk, bk = inputs(gate="key")
+    L = linattn
+    ok = [
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True,
+                                         A_log=torch.randn(1, 1, 4, 1)),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True,
+                                         A_log=torch.randn(4, dtype=BF), dt_bias=torch.randn(4)),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, A_log=torch.randn(7)),  # ignored
+        lambda: L.chunk_gated_delta_rule(q, k, v, g.to(torch.float16), beta.to(BF),
+                                         initial_state=torch.zeros(2, 4, 32, 16, dtype=BF)),
+        lambda: L.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, initial_state=torch.zeros(2, 4, 32, 16, dtype=torch.float64)),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, use_gate_in_kernel=True, A_log=torch.randn(4),
+                            dt_bias=torch.randn(4, 32), safe_gate=True, lower_bound=-5.0,
+                            disable_recompute=True),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, use_gate_in_kernel=True, lower_bound=-3.0),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, safe_gate=True),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_indices=torch.zeros(3, 2)),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, transpose_state_layout=True),
+        lambda: L.chunk_simple_gla(q, k, v[:, :, :2], g_gamma=torch.randn(2)),
+        lambda: L.chunk_linear_attn(q, k, v[:, :, :2], normalize=False),
+    ]
+    for call in ok:
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            call()
+
+
+def test_safe_gate_follows_fla():
+    q, k, _, _, _ = inputs()
+    _, _, vk, gk, bk = inputs(gate="key")
+    with pytest.raises(SpecError, match="needs lower_bound"):
+        linattn.chunk_kda(q, k, vk, gk, bk, safe_gate=True, use_gate_in_kernel=True,
+                          A_log=torch.randn(4))
+    with pytest.raises(SpecError, match=r"safe range \[-5, 0\), got -6"):
+        linattn.chunk_kda(q, k, vk, gk, bk, safe_gate=True, use_gate_in_kernel=True,
+                          lower_bound=-6)
+    with pytest.raises(SpecError, match=r"needs A_log of shape \[4\]"):
+        linattn.chunk_kda(q, k, vk, gk, bk, use_gate_in_kernel=True)
+
+
+@pytest.mark.parametrize("gate, K, V, dtype, T, path", [
+    ("scalar", 128, 128, BF, 64, "chunk"), ("scalar", 128, 128, BF, 1, "recurrent"),
+    ("scalar", 128, 128, F32, 64, "recurrent"), ("scalar", 128, 512, BF, 64, "recurrent"),
+    ("key", 128, 128, BF, 64, "chunk"), ("key", 256, 128, BF, 64, "recurrent"),
+    ("scalar", 256, 256, torch.float16, 64, "chunk")])
+def test_path_choice(gate, K, V, dtype, T, path):
+    spec = get_spec("gdn" if gate == "scalar" else "kda")
+    assert api.choose_path(spec, validate.Dims(1, T, 2, 2, K, V), dtype, False) == path
+
+
+# ------------------------------------------------------------------ end to end on the CPU
+def _close(got, want, tol=2e-2):
+    got, want = got.double(), want.double()
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    assert err < tol, err
+
+
+def test_gdn_gate_in_kernel_with_fla_shapes(cpu_ops):
+    """A_log [1, 1, HV, 1] in bf16, no dt_bias: -exp(A_log) * softplus(g)."""
+    q, k, v, g, beta = inputs(T=70)
+    A_log = torch.randn(1, 1, 4, 1).to(BF)
+    h0 = torch.randn(2, 4, 32, 16).to(BF)
+    o, ht = linattn.chunk_gated_delta_rule(q, k, v, g, beta, use_gate_in_kernel=True,
+                                           A_log=A_log, initial_state=h0,
+                                           output_final_state=True)
+    assert cpu_ops == [("gdn", "chunk")] and o.dtype == BF and ht.dtype == F32
+    g_act = -torch.exp(A_log.double().reshape(4)) * F.softplus(g.double())
+    ro, rht = tr.recurrent_forward(get_spec("gdn"), q, k, v, g_act, beta, initial_state=h0)
+    _close(o, ro)
+    _close(ht, rht)
+
+
+@pytest.mark.parametrize("with_A", [True, False])
+def test_kda_lower_bound_gate(cpu_ops, with_A):
+    """fla's lower-bounded gate: lower_bound * sigmoid(exp(A_log) * (g + dt_bias))."""
+    q, k, _, _, _ = inputs(T=9)
+    _, _, v, g, beta = inputs(T=9, gate="key", seed=1)
+    A_log = torch.randn(4) if with_A else None
+    dt_bias = torch.randn(4, 32)
+    o, ht = linattn.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log,
+                              dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0,
+                              output_final_state=True)
+    x = g.double() + dt_bias.double()
+    if with_A:
+        x = torch.exp(A_log.double()).view(4, 1) * x
+    g_act = -5.0 * torch.sigmoid(x)
+    ro, rht = tr.recurrent_forward(get_spec("kda"), q, k, v, g_act, beta)
+    _close(o, ro)
+    _close(ht, rht)
+
+
+def test_float32_inputs_take_the_recurrent_kernel(cpu_ops):
+    q, k, v, g, beta = inputs(T=70, dtype=F32)
+    o, _ = linattn.chunk_gated_delta_rule(q, k, v, g, beta)
+    assert cpu_ops == [("gdn", "recurrent")] and o.dtype == F32
+    _close(o, tr.recurrent_forward(get_spec("gdn"), q, k, v, g, beta)[0], 1e-5)
+
+
+def test_non_contiguous_inputs_are_accepted(cpu_ops):
+    q, k, v, g, beta = inputs(T=6)
+    qt = q.transpose(0, 1).contiguous().transpose(0, 1)
+    o, _ = linattn.fused_recurrent_gated_delta_rule(qt, k, v, g, beta=beta[..., ::1])
+    _close(o, tr.recurrent_forward(get_spec("gdn"), q, k, v, g, beta)[0])
+
+
+@pytest.mark.parametrize("form", ["g", "g_gamma", "both", "none"])
+def test_simple_gla_gates(cpu_ops, form):
+    q, k, v, g, _ = inputs(T=9, HV=2)
+    gamma = -torch.rand(2)
+    kw = dict(g=g if form in ("g", "both") else None,
+              g_gamma=gamma if form in ("g_gamma", "both") else None)
+    o, ht = linattn.chunk_simple_gla(q, k, v, output_final_state=True, **kw)
+    g_eff = (g.double() if kw["g"] is not None else 0) + (
+        gamma.double().view(1, 1, 2) if kw["g_gamma"] is not None else 0)
+    spec = get_spec("linear_attn" if form == "none" else "simple_gla")
+    assert cpu_ops == [(spec.name, "chunk")]
+    ro, rht = tr.recurrent_forward(spec, q, k, v,
+                                   None if form == "none" else g_eff.expand(2, 9, 2))
+    _close(o, ro)
+    _close(ht, rht)
+
+
+def _normalized_reference(q, k, v, scale, cu=None, z0=None, h0=None):
+    """fla's normalized linear attention, token by token in fp64."""
+    B, T, H, K = q.shape
+    cu = cu.tolist() if cu is not None else None
+    runs = [(b, 0, T) for b in range(B)] if cu is None else [
+        (0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=torch.float64)
+    zs = []
+    for n, (b, t0, t1) in enumerate(runs):
+        S = h0[n].double() if h0 is not None else torch.zeros(H, K, v.shape[-1],
+                                                              dtype=torch.float64)
+        z = z0[n, 0].double() if z0 is not None else torch.zeros(H, K, dtype=torch.float64)
+        for t in range(t0, t1):
+            S = S + k[b, t].double().unsqueeze(-1) * v[b, t].double().unsqueeze(-2)
+            z = z + k[b, t].double()
+            qt = q[b, t].double() * scale
+            o[b, t] = torch.einsum("hkv,hk->hv", S, qt) / ((qt * z).sum(-1, keepdim=True)
+                                                           + 1e-10)
+        zs.append(z)
+    return o, torch.stack(zs).unsqueeze(1)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_linear_attn_normalize(cpu_ops, varlen):
+    B = 1 if varlen else 2
+    q, k, v, _, _ = inputs(B=B, T=12, HV=2)
+    q, k = q.float().abs().to(BF), k.float().abs().to(BF)      # positive feature maps
+    cu = torch.tensor([0, 5, 5, 12]) if varlen else None
+    N = 3 if varlen else 2
+    z0 = torch.rand(N, 1, 2, 32)
+    h0 = torch.randn(N, 2, 32, 16)
+    o, (ht, z) = linattn.chunk_linear_attn(q, k, v, initial_state=(h0, z0),
+                                           output_final_state=True, cu_seqlens=cu)
+    ro, rz = _normalized_reference(q, k, v, 32 ** -0.5, cu, z0, h0)
+    _close(o, ro)
+    _close(z, rz, 1e-5)
+    assert z.shape == (N, 1, 2, 32) and ht.shape == (N, 2, 32, 16)
+    o2, (ht2, z2) = linattn.fused_recurrent_linear_attn(q, k, v, initial_state=(h0, z0),
+                                                        normalize=True, cu_seqlens=cu)
+    _close(o2, ro)
+    assert ht2 is None
+
+
+def test_decode_and_fused_recurrent_paths(cpu_ops):
+    q, k, v, g, beta = inputs(T=1)
+    linattn.chunk_gated_delta_rule(q, k, v, g, beta)
+    linattn.fused_recurrent_gla(q[:, :, :1], k[:, :, :1], v[:, :, :1])
+    linattn.fused_recurrent_delta_rule(q, k, v)
+    assert cpu_ops == [("gdn", "recurrent"), ("linear_attn", "recurrent"),
+                       ("deltanet", "recurrent")]
+
+
+# ------------------------------------------------------------------ torch.compile
+def test_torch_compile_fullgraph_without_graph_breaks(cpu_ops):
+    """A model calling a chunk_* and a fused_recurrent_* function compiles as one graph
+    (the ops opaque, the checks traced away) and matches eager."""
+    q, k, v, g, beta = inputs(T=70)
+
+    def model(q, k, v, g, beta):
+        o, ht = linattn.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+        o1, _ = linattn.fused_recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:],
+                                                         g[:, -1:], beta=beta[:, -1:],
+                                                         initial_state=ht)
+        return o.float().sum(-1) + o1.float().sum()
+
+    with torch.no_grad():
+        want = model(q, k, v, g, beta)
+        torch._dynamo.reset()
+        explain = torch._dynamo.explain(model)(q, k, v, g, beta)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        names = {str(n.target) for gm in explain.graphs for n in gm.graph.nodes}
+        assert any("linattn.chunk_gdn" in n for n in names), names
+        assert any("linattn.fused_recurrent_gdn" in n for n in names), names
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(q, k, v, g, beta)
+    torch.testing.assert_close(got, want)
+
+
+def test_opcheck(cpu_ops):
+    """torch.library.opcheck: schema, fake implementation, aot dispatch (on the CPU
+    kernel of these tests)."""
+    q, k, v, g, beta = inputs(T=7)
+    args = (q, k, v, g, beta, None, None, torch.zeros(2, 4, 32, 16), None, None, 0.3, True,
+            "l2norm_qk")
+    torch.library.opcheck(torch.ops.linattn.chunk_gdn.default, args,
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.linattn.fused_recurrent_gdn.default, args + (None, None),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
