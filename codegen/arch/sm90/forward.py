@@ -130,7 +130,7 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
     for bv in blocks:
         for L in lengths:
             n_seg = sum(max(1, -(-c // L)) if L else 1 for c in p.seq_chunks)
-            if n_seg * p.HV > 2 ** 31 - 1:
+            if n_seg * p.HV > MAX_GRID_YZ:          # (segments x value heads: gridDim.y)
                 continue
             t = walk_time_us(p, bv, L)
             if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
@@ -187,7 +187,14 @@ def kkt_launch(p: ForwardProblem):
 
 
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
-    bv, L, t = walk_choice(p, config)
+    if p.N * p.HV > MAX_GRID_YZ:
+        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
+                         f"at most {MAX_GRID_YZ} (sequence, head) pairs in one call")
+    choice = walk_choice(p, config)
+    if choice is None:
+        raise ValueError(f"no walk configuration fits {dict(config)} (segments x value heads "
+                         f"<= {MAX_GRID_YZ}, the value block a divisor of V={p.V})")
+    bv, L, t = choice
     split = bool(L) and any(c > L for c in p.seq_chunks)
     if split and L > MAX_SEGMENT:
         raise ValueError(f"segments of {L} chunks: chunk_walk_map takes at most {MAX_SEGMENT}")

@@ -119,6 +119,9 @@ def _prepare(p: ForwardProblem, order: dict) -> tuple:
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused")."""
     many = p.NT > MAX_GRID_YZ
+    if p.N * p.HV > MAX_GRID_YZ:        # (the state pass's grid: sequences x heads on y)
+        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
+                         f"at most {MAX_GRID_YZ} (sequence, head) pairs in one call")
     if many and p.return_states:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {MAX_GRID_YZ} "
                          "chunks in one call are not supported")
