@@ -215,14 +215,8 @@ def test_state_block_fills_gpu():
         sbv(40, 1)
     ob = sm90_stages.output_block_v
     assert ob(128) == 128 and ob(192) == 64 and ob(256) == 128 and ob(48) == 16
-
-
-@pytest.mark.xfail(strict=True, reason="codegen/arch/sm90/stages.py output_block_v: a V "
-                   "that is no multiple of 16 raises StopIteration (a bare next()), not "
-                   "ValueError as state_block_v does")
-def test_output_block_refuses_odd_widths():
     with pytest.raises(ValueError):
-        sm90_stages.output_block_v(40)
+        ob(40)
 
 
 def test_fuse_output_rule():
@@ -630,13 +624,11 @@ def test_many_chunks_take_grids_that_fit(monkeypatch, fresh_plans, name, config,
         assert y <= 2 and z <= 2, (stage, (x, y, z))
 
 
-@pytest.mark.xfail(strict=True, reason="codegen/arch/sm90/stages.py stage_plan: with more "
-                   "than MAX_GRID_YZ chunks and the three-stage pipeline forced (config "
-                   "fused=False, or the delta rule's walk not taken) it still launches "
-                   "chunk_output, whose grid has NT on y (z with heads_fastest): a launch "
-                   "CUDA refuses, where it should refuse the plan as for return_states")
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_many_chunks_forced_three_stage_fits_or_is_refused(monkeypatch, fresh_plans, name):
+    """The three-stage pipeline forced past the chunk limit: chunk_output's grid has the
+    chunks on y (z heads-fastest), so the call is refused with a clear error (or, should
+    the pipeline learn to split it, every grid fits); never a launch CUDA refuses."""
     _many_chunks(monkeypatch, 2)
     grids = grid_recorder(monkeypatch)
     q, k, v, g, beta = _gdn_inputs(name)
@@ -649,13 +641,10 @@ def test_many_chunks_forced_three_stage_fits_or_is_refused(monkeypatch, fresh_pl
         assert y <= 2 and z <= 2, (stage, (x, y, z))
 
 
-@pytest.mark.xfail(strict=True, reason="codegen/arch/sm90/forward.py: the walk's grid has "
-                   "(sequences or segments) x value heads on y, checked against 2^31 - 1 "
-                   "(walk_choice) instead of MAX_GRID_YZ; the state passes (chunk_state, "
-                   "chunk_state_output, chunk_segment_combine) likewise: N * HV > 65535 "
-                   "(e.g. 2048 sequences x 32 heads) gives a launch CUDA refuses")
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_many_sequences_take_grids_that_fit(monkeypatch, fresh_plans, name):
+    """(sequences or segments) x value heads lie on gridDim.y in the walk and the state
+    passes: past MAX_GRID_YZ such a call is refused with a clear error or its grids fit."""
     _many_chunks(monkeypatch, 2)
     grids = grid_recorder(monkeypatch)
     q, k, v, g, beta = _gdn_inputs(name, T=64, B=3)    # 3 sequences x 1 head > 2
@@ -734,30 +723,16 @@ def _is_environ(node) -> bool:
 
 
 MAX_FUNCTION_LINES = 80
-#: functions over the limit, known (their owners told): checked by the xfail test below
-KNOWN_LONG = {"ops/recurrent.py::fused_recurrent"}
-
-
-def _function_lengths():
-    out = {}
-    for path in _sources("ops"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                key = f"{path.relative_to(ROOT)}::{node.name}"
-                out[key] = max(out.get(key, 0), node.end_lineno - node.lineno + 1)
-    return out
 
 
 def test_ops_functions_are_short():
     """No function in ops/ longer than 80 lines (def to its last line, docstring
-    included), but the known ones."""
-    long = {k: n for k, n in _function_lengths().items() if n > MAX_FUNCTION_LINES}
-    assert set(long) <= KNOWN_LONG, long
-
-
-@pytest.mark.xfail(strict=True, reason="ops/recurrent.py fused_recurrent is 85 lines "
-                   "(26 of them its docstring), over the 80-line limit")
-def test_known_long_functions_are_short():
-    lengths = _function_lengths()
-    assert all(lengths.get(k, 0) <= MAX_FUNCTION_LINES for k in KNOWN_LONG), \
-        {k: lengths.get(k) for k in KNOWN_LONG}
+    included)."""
+    long = {}
+    for path in _sources("ops"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(ROOT)}::{node.name}"] = n
+    assert not long, long

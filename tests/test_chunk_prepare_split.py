@@ -12,7 +12,6 @@ import torch
 from _kernel_check import fake_compiles
 from test_chunk_fused import PipelineMath
 
-from linattn.codegen.arch.sm90 import stages as sm90_stages
 from linattn.codegen.plan import plan
 from linattn.dsl import Options, all_rule_gate_specs
 from linattn.dsl.chunked import chunked_forward as np_chunked_forward
@@ -34,8 +33,11 @@ def test_prepare_stages_planned_for_delta_without_key_gate():
                                               or spec.gate.value == "key"), (spec.name, names)
 
 
+SIZES_KV = (128, 128)
+
+
 def _params(name, config=None, options=Options(), **kw):
-    sizes = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", seq_chunks=(4, 2), Ttot=384,
+    sizes = dict(H=2, HV=4, K=SIZES_KV[0], V=SIZES_KV[1], dtype="bfloat16", seq_chunks=(4, 2), Ttot=384,
                  beta_dtype="bfloat16")
     sizes.update(kw)
     p = chunk.forward_plan(get_spec(name), options, config=config, **sizes)
@@ -45,7 +47,7 @@ def _params(name, config=None, options=Options(), **kw):
 @pytest.mark.parametrize("name", ["gdn", "deltanet"])
 def test_plans_take_the_kkt_and_wu_where_needed(name):
     """The walk reads A_b from chunk_kkt_inverse and forms w, u itself; the three-stage
-    plan (per-chunk states, or forced) runs chunk_wu at WU_TUNING after it; kkt has one
+    plan (per-chunk states, or forced) runs chunk_wu (64 columns) after it; kkt has one
     inverse (the two-warp one: no inverse / threads knobs) and the grid order of the
     chunk count."""
     walk, params = _params(name)
@@ -53,8 +55,8 @@ def test_plans_take_the_kkt_and_wu_where_needed(name):
     for p, params in (_params(name, {"fused": False}), _params(name, return_states=True)):
         assert p.name == "three-stage" and p.stages()[:2] == list(PREPARE)
         wu = params["chunk_wu"]
-        assert {k: wu[k] for k in sm90_stages.WU_TUNING} == sm90_stages.WU_TUNING
-        assert wu["heads_fastest"]
+        assert SIZES_KV[0] % wu["block_n"] == 0 and SIZES_KV[1] % wu["block_n"] == 0
+        assert wu["block_n"] == 64 and wu["heads_fastest"]      # run s3-1's 64 columns
     kkt = params["chunk_kkt_inverse"]
     assert "inverse" not in kkt and "threads" not in kkt and kkt["heads_fastest"]
     assert kkt["g_dtype"] == "float32" and kkt["beta_dtype"] == "bfloat16"
