@@ -383,7 +383,7 @@ def launch_counts(fakes) -> collections.Counter:
     return +out
 
 
-def _random_call(spec, dims, options, init, lens, gen=None):
+def _random_call(spec, dims, options, init, lens):
     import torch
     B, T, H, HV, K, V = (dims[k] for k in ("B", "T", "H", "HV", "K", "V"))
     cu = None
