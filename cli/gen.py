@@ -152,11 +152,11 @@ def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, comp
 
 
 _PLAN_INTS = ("B", "T", "H", "HV", "K", "V")
-_PLAN_CONFIG = ("block_v", "segments", "fused")
 
 
 def _plan(spec, arch: str, text: str):
     """The arch's forward plan for the sizes in ``text`` (--plan)."""
+    from ..codegen.arch import get_arch
     from ..dsl import Options
     from ..ops import chunk
     kv, flags = {}, set()
@@ -172,7 +172,7 @@ def _plan(spec, arch: str, text: str):
         dtype = {"bf16": "bfloat16", "f16": "float16"}.get(kv.get("dtype", "bf16"), kv.get("dtype"))
         kv.pop("dtype", None)
         config = {k: (kv.pop(k) == "true" if k == "fused" else int(kv.pop(k)))
-                  for k in _PLAN_CONFIG if k in kv}
+                  for k in get_arch(arch).CONFIG_KEYS if k in kv}
         options = Options(**{f: True for f in flags - {"h0", "ht"}})
     except (ValueError, TypeError, KeyError) as e:
         raise click.BadParameter(f"{text!r}: {e}", param_hint="'--plan'")

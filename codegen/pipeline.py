@@ -1,7 +1,7 @@
 """A call's pipeline as data: which generated stages run, with which parameters, and the
 named tensors that flow between them.
 
-An arch module (codegen/arch/<arch>.py) turns a :class:`ForwardProblem` into a
+An arch package (codegen/arch/<arch>/) turns a :class:`ForwardProblem` into a
 :class:`Plan`; the runtime (ops/runtime.py ``run_plan``) allocates the plan's buffers and
 launches its stages in order, passing each kernel its tensors by name: a kernel argument
 ``x`` reads the plan tensor ``launch.bind.get(x, x)``. Tensor names the runtime provides

@@ -131,7 +131,7 @@ def _dims(q, k, v, beta, forward=False):
                         f"got DK={K}, DV={V}")
     # the grids put B * H (backward) and the B * H * NC chunks (forward's output stage) on
     # gridDim.y, which CUDA limits
-    limit = get_arch(ARCH).forward.MAX_GRID_YZ
+    limit = get_arch(ARCH).hardware.MAX_GRID_YZ
     if B * H > limit or (forward and B * H * -(-L // CHUNK) > limit):
         raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
                         f"DeltaNet contract supports up to {limit} (batch, head) pairs and "

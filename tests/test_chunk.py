@@ -14,6 +14,7 @@ import pytest
 from _kernel_check import fake_compiles
 
 from linattn.codegen.arch.sm90 import forward as sm90_forward
+from linattn.codegen.arch.sm90 import hardware as sm90_hardware
 from linattn.codegen.arch.sm90 import stages as sm90_stages
 from linattn.codegen.plan import plan as stage_plan
 from linattn.dsl import Gate, Options, SpecError, all_rule_gate_specs
@@ -587,8 +588,7 @@ def grid_recorder(monkeypatch):
 
 
 def _many_chunks(monkeypatch, limit):
-    for mod in (sm90_forward, sm90_stages):
-        monkeypatch.setattr(mod, "MAX_GRID_YZ", limit)
+    monkeypatch.setattr(sm90_hardware, "MAX_GRID_YZ", limit)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
 
 

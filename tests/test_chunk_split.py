@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from linattn.codegen.arch.sm90 import forward as fw
+from linattn.codegen.arch.sm90 import hardware as hw
 from linattn.dsl import Options, SpecError
 from linattn.ops import chunk, chunk_split
 from linattn.ops.registry import get_spec
@@ -104,7 +105,7 @@ def test_walk_blocks_fit_shared_memory(K, V):
     assert blocks, (K, V)                              # the walk runs at every K, V checked
     assert list(blocks) == sorted(blocks, reverse=True)
     for bv in blocks:
-        assert V % bv == 0 and fw.walk_smem(K, bv) <= fw.SMEM_BYTES
+        assert V % bv == 0 and fw.walk_smem(K, bv) <= hw.SMEM_BYTES
     assert fw.walk_smem(K, 128) > fw.walk_smem(K, 16)  # the model grows with the block
 
 
@@ -112,7 +113,7 @@ def test_walk_smem_model():
     # two stages of q, k, v, A_b plus the exchanged tiles, 4 KB spare (bf16)
     assert fw.walk_smem(128, 128) == 2 * 64 * (256 + 128 + 64) * 2 + (
         64 * 128 + 128 * 128 + 64 * 128 + 64 * 64 + 64 * 128) * 2 + 4096
-    assert fw.walk_smem(128, 128) <= fw.SMEM_BYTES < fw.walk_smem(256, 256) + 1
+    assert fw.walk_smem(128, 128) <= hw.SMEM_BYTES < fw.walk_smem(256, 256) + 1
     assert fw.walk_smem(64, 64, itemsize=4) > fw.walk_smem(64, 64)
 
 
@@ -131,9 +132,9 @@ def test_cost_model_splits_few_chains_only():
 
 
 def test_cost_model_basics():
-    assert fw._makespan((1.0,) * fw.NUM_SMS) == 1.0
-    assert fw._makespan((1.0,) * (fw.NUM_SMS + 1)) == 2.0
-    assert fw._makespan((3.0, 1.0, 1.0), sms=2) == 3.0
+    assert hw.makespan((1.0,) * hw.NUM_SMS) == 1.0
+    assert hw.makespan((1.0,) * (hw.NUM_SMS + 1)) == 2.0
+    assert hw.makespan((3.0, 1.0, 1.0), sms=2) == 3.0
     assert fw._segments((5, 0, 2), 2) == [[2, 2, 1], [0], [2]]
     assert fw._segments((5, 0), 0) == [[5], [0]]
     p = _problem([64], 1, 1)
@@ -179,6 +180,6 @@ def test_walk_stages_compile_within_the_model(name, stage):
         assert "error" not in rec and "ptxas_error" not in rec, rec
         assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
         smem = rec["static_smem_bytes"] + rec["dynamic_smem_bytes"]
-        assert smem <= fw.SMEM_BYTES, smem
+        assert smem <= hw.SMEM_BYTES, smem
         if stage == "chunk_walk":
             assert rec["dynamic_smem_bytes"] <= fw.walk_smem(ex["K"], ex["block_v"])

@@ -1,7 +1,10 @@
-"""Per-arch tables: the compile target and the tuning (tile sizes, threads) per stage.
+"""Per-arch packages: the compile target, the chunked forward's plans and the tuning
+(tile sizes, threads) per stage.
 
-Each arch module defines ``NAME``, ``TARGET`` (TileLang target dict), ``CAPABILITIES``
-(CUDA compute capabilities it serves, as (major, minor) prefixes) and
+Each arch package defines ``NAME``, ``TARGET`` (TileLang target dict), ``CAPABILITIES``
+(CUDA compute capabilities it serves, as (major, minor) prefixes), a ``hardware``
+module (SMs, grid and shared-memory limits), ``forward_plan(problem, config)`` (a
+codegen.pipeline.Plan) with the ``CONFIG_KEYS`` a config may set, and
 ``tuning(stage, problem) -> dict`` (tuning knobs for a stage's build(); ``{}`` means the
 template's defaults).
 """

@@ -1,6 +1,6 @@
-"""Hopper (sm_90a: H100 / H200): compile target, the chunked forward's plans
-(forward.py: the delta rule's walk; stages.py: the prepare / state / output pipelines)
-and the decode kernel's tuning.
+"""Hopper (sm_90a: H100 / H200): the hardware facts (hardware.py), the chunked forward's
+plans (forward.py: the delta rule's walk; stages.py: the prepare / state / output
+pipelines) and the decode kernel's tuning.
 
 Tuning is a function of the static problem (head dims, dtypes) and, optionally, of a
 call's dynamic sizes (``sizes``: e.g. {"N": 4}, to fill the GPU), never of the data; the
@@ -8,13 +8,8 @@ problem itself (sizes, dtypes, flags) is passed to build() separately.
 """
 from __future__ import annotations
 
-from .forward import forward_plan  # noqa: F401  (the arch's plan of a chunked forward)
-
-NAME = "sm90"
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
-CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
-NUM_SMS = 132                   # H100 SXM / H200
-MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
+from .forward import CONFIG_KEYS, forward_plan  # noqa: F401  (the chunked forward's plan)
+from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -21,15 +21,9 @@ makespan (the walk is one CTA per SM), with per-step times measured on the H200.
 """
 from __future__ import annotations
 
-import functools
-import heapq
-
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
-
-NAME = "sm90"
-NUM_SMS = 132
-MAX_GRID_YZ = 65535
-SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
+from . import hardware as hw
+from .hardware import NAME, SMEM_BYTES, makespan
 
 #: the walk's time per chunk step of one CTA (us) by value block at K = 128, bf16 (session
 #: 6, runs s6-3 / s6-4: prefill-4k 64 CTAs at block 32: 1.67 us a step, 64 CTAs at block
@@ -78,18 +72,6 @@ def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
 
-@functools.lru_cache(maxsize=1024)
-def _makespan(durations: tuple, sms: int = NUM_SMS) -> float:
-    """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
-    free = [0.0] * sms
-    end = 0.0
-    for d in durations:
-        t = heapq.heappop(free) + d
-        heapq.heappush(free, t)
-        end = max(end, t)
-    return end
-
-
 def _segments(seq_chunks: tuple, L: int) -> list:
     """Chunk counts of the segments of each sequence (L = 0: the sequences themselves)."""
     if not L:
@@ -97,12 +79,17 @@ def _segments(seq_chunks: tuple, L: int) -> list:
     return [[min(L, n - s) for s in range(0, n, L)] or [0] for n in seq_chunks]
 
 
+def n_segments(seq_chunks: tuple, L: int) -> int:
+    """Segments of the split at length L (every sequence, an empty one too, owns one)."""
+    return sum(len(seq) for seq in _segments(seq_chunks, L))
+
+
 def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
     """Modelled time of the walk (and the split's map + combine when L) at value block bv."""
     step = _step_us(p, bv)
     segs = _segments(p.seq_chunks, L)
     heads = p.HV * (p.V // bv)
-    walk = _makespan(tuple(c * step for seq in segs for c in seq for _ in range(heads)))
+    walk = makespan(tuple(c * step for seq in segs for c in seq for _ in range(heads)))
     bytes_ = p.Ttot * (2 * p.H * p.K + p.HV * (2 * p.V + p.chunk_size)) * 2
     walk = max(walk, bytes_ / WALK_BYTES_PER_US)
     if not L or all(len(seq) == 1 for seq in segs):
@@ -111,8 +98,8 @@ def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
     gated = p.gate == "scalar"
     warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if gated else (lambda c: c)
     cols = (p.V if gated else p.K + p.V) // bv
-    maps = _makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
-                           for c in mapped for _ in range(p.HV * cols)))
+    maps = makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
+                          for c in mapped for _ in range(p.HV * cols)))
     combine_step = COMBINE_STEP_US + (0 if gated else COMBINE_EXACT_STEP_US * (p.K / 128) ** 2)
     combine = max(len(seq) for seq in segs) * combine_step
     return walk + maps + combine + 2 * LAUNCH_US
@@ -129,8 +116,7 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
     best = None
     for bv in blocks:
         for L in lengths:
-            n_seg = sum(max(1, -(-c // L)) if L else 1 for c in p.seq_chunks)
-            if n_seg * p.HV > MAX_GRID_YZ:          # (segments x value heads: gridDim.y)
+            if n_segments(p.seq_chunks, L) * p.HV > hw.MAX_GRID_YZ:    # (gridDim.y)
                 continue
             t = walk_time_us(p, bv, L)
             if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
@@ -154,6 +140,9 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:
         raise ValueError(f"unknown plan config {bad}; known: {list(CONFIG_KEYS)}")
+    if p.N * p.HV > hw.MAX_GRID_YZ:    # (each pipeline's state pass: sequences x heads on y)
+        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
+                         f"at most {hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
     if walk_applies(p) and "fused" not in config:
         return _walk_plan(p, config)
     from .stages import stage_plan
@@ -181,19 +170,16 @@ def prepare_buffers(p: ForwardProblem) -> list:
 
 def kkt_launch(p: ForwardProblem):
     """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk)."""
-    heads_fastest = p.NT <= MAX_GRID_YZ
+    heads_fastest = p.NT <= hw.MAX_GRID_YZ
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
     return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
 
 
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
-    if p.N * p.HV > MAX_GRID_YZ:
-        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
-                         f"at most {MAX_GRID_YZ} (sequence, head) pairs in one call")
     choice = walk_choice(p, config)
     if choice is None:
         raise ValueError(f"no walk configuration fits {dict(config)} (segments x value heads "
-                         f"<= {MAX_GRID_YZ}, the value block a divisor of V={p.V})")
+                         f"<= {hw.MAX_GRID_YZ}, the value block a divisor of V={p.V})")
     bv, L, t = choice
     split = bool(L) and any(c > L for c in p.seq_chunks)
     if split and L > MAX_SEGMENT:
@@ -210,7 +196,7 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     launches = [kkt_launch(p)]
     if split:
         state = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
-        n_seg = sum(max(1, -(-c // L)) for c in p.seq_chunks)     # (one for an empty one)
+        n_seg = n_segments(p.seq_chunks, L)
         buffers += [Buffer("seg_map", (n_seg, p.HV, p.K, p.K + p.V)),
                     Buffer("exact", (n_seg, p.HV), "int32"), Buffer("starts", (n_seg,) + state),
                     Buffer("ht_none", (1,) + state)]

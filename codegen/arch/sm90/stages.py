@@ -5,11 +5,10 @@ chunk_state_output: o formed inside the state pass) or as three stages (chunk_st
 writes h per chunk, chunk_output reads it). The rules and their measurements follow."""
 from __future__ import annotations
 
-import functools
-import heapq
-
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
-from .forward import MAX_GRID_YZ, NAME, NUM_SMS, kkt_launch, prepare_buffers
+from .forward import kkt_launch, prepare_buffers
+from . import hardware as hw
+from .hardware import NAME, NUM_SMS, makespan
 
 #: the state pass's time per chunk step of one CTA by value block, relative (run s2-5's
 #: sweep at q35-397b-tp1-65536: 4 / 2 / 1 waves of CTAs took 4.88 / 4.80 / 3.58 ms at
@@ -33,24 +32,17 @@ KEY_PREPARE_INVERSE = "tc"
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
 WU_BLOCK_N = 64
-
-
-def wu_block_n(K: int, V: int) -> int:
-    return next(bn for bn in (WU_BLOCK_N, 32, 16) if K % bn == 0 and V % bn == 0)
 #: the state pass: two TMA pipeline stages (s2-5 sweep)
 STATE_STAGES = 2
 
 
-@functools.lru_cache(maxsize=256)
+def wu_block_n(K: int, V: int) -> int:
+    return next(bn for bn in (WU_BLOCK_N, 32, 16) if K % bn == 0 and V % bn == 0)
+
+
 def _state_makespan(bv: int, V: int, heads: int, seq_chunks: tuple) -> float:
     step = CHUNK_STATE_STEP_COST[bv]
-    sms, end = [0.0] * NUM_SMS, 0.0
-    for n_chunks in seq_chunks:
-        for _ in range(heads * (V // bv)):
-            t = heapq.heappop(sms) + n_chunks * step
-            heapq.heappush(sms, t)
-            end = max(end, t)
-    return end
+    return makespan(tuple(n * step for n in seq_chunks for _ in range(heads * (V // bv))))
 
 
 def state_block_v(V: int, n_chains: int, seq_chunks: tuple | None = None) -> int:
@@ -118,19 +110,16 @@ def _prepare(p: ForwardProblem, order: dict) -> tuple:
 
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused")."""
-    many = p.NT > MAX_GRID_YZ
-    if p.N * p.HV > MAX_GRID_YZ:        # (the state pass's grid: sequences x heads on y)
-        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
-                         f"at most {MAX_GRID_YZ} (sequence, head) pairs in one call")
+    many = p.NT > hw.MAX_GRID_YZ
     if many and p.return_states:
-        raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {MAX_GRID_YZ} "
+        raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
     fused = config.get("fused", fuse_output(p.N * p.HV, p.dtype, p.K) or many)
     if fused and (p.return_states or (p.rule == "delta" and p.gate != "key")):
         fused = False           # per-chunk states need h; the delta rule's fused path is the walk
     if many and not fused:      # (chunk_output's grid has the chunks on gridDim.y)
         raise ValueError(f"{p.NT} chunks: the three-stage pipeline takes at most "
-                         f"{MAX_GRID_YZ} chunks in one call")
+                         f"{hw.MAX_GRID_YZ} chunks in one call")
     order = {} if many else {"heads_fastest": True}
     launches, bufs, bind = _prepare(p, order)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)

@@ -1,0 +1,25 @@
+"""Hopper's hardware facts (H100 SXM / H200, sm_90a) and the placement model the plans'
+cost rules share: CTAs of one kernel, one per SM, each starting as an SM frees up."""
+from __future__ import annotations
+
+import functools
+import heapq
+
+NAME = "sm90"
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
+NUM_SMS = 132                   # H100 SXM / H200
+MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
+SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
+
+
+@functools.lru_cache(maxsize=1024)
+def makespan(durations: tuple, sms: int = NUM_SMS) -> float:
+    """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
+    free = [0.0] * sms
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        heapq.heappush(free, t)
+        end = max(end, t)
+    return end
