@@ -131,6 +131,17 @@ def test_cost_model_splits_few_chains_only():
     assert fw.walk_choice(_problem([40], 2, 2, 64, 64), {"block_v": 16})[0] == 16
 
 
+@pytest.mark.parametrize("config,match", [({"block_v": 48}, "block_v=48"),
+                                          ({"block_v": 128}, "block_v=128"),
+                                          ({"segments": -1}, "segments=-1"),
+                                          ({"segments": 2.5}, "segments=2.5")])
+def test_walk_config_outside_the_walk_is_refused(config, match):
+    """A forced value block the walk cannot run at V = 64, or a segment length that is not
+    a count of chunks, is one clear error (was a KeyError in the cost model)."""
+    with pytest.raises(ValueError, match=match):
+        fw.walk_choice(_problem([40], 2, 2, 64, 64), config)
+
+
 def test_cost_model_basics():
     assert hw.makespan((1.0,) * hw.NUM_SMS) == 1.0
     assert hw.makespan((1.0,) * (hw.NUM_SMS + 1)) == 2.0

@@ -110,6 +110,13 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
     config's block_v / segments where given. Segments are only tried for sequences
     longer than a segment."""
     longest = max(p.seq_chunks, default=0)
+    if "block_v" in config and config["block_v"] not in walk_blocks(p):
+        raise ValueError(f"plan config block_v={config['block_v']}: the walk runs at value "
+                         f"blocks {walk_blocks(p)} at K={p.K}, V={p.V}")
+    if "segments" in config and not (isinstance(config["segments"], int)
+                                     and config["segments"] >= 0):
+        raise ValueError(f"plan config segments={config['segments']!r}: a segment length "
+                         "in chunks (0: no split)")
     blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p)
     lengths = ([config["segments"]] if "segments" in config
                else (0,) + tuple(L for L in reversed(SEGMENT_CHUNKS) if L < longest))
