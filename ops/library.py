@@ -90,7 +90,7 @@ def _fake(spec: OpSpec, path: str):
         if path == "inplace":
             return o
         N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-        shape = (N, HV, V, K) if "state_v_first" in options.split("-") else (N, HV, K, V)
+        shape = (N, HV, V, K) if options_from_key(options).state_v_first else (N, HV, K, V)
         ht = q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)
         return o, ht
     return fake
