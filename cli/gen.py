@@ -29,7 +29,7 @@ from ..codegen.arch import ARCHES
 from ..codegen.render import DEFAULT_OUT, check, render_tree, write
 from ..dsl import SpecError
 from ..ops.runtime import gen_dir
-from ..ops.registry import load_spec, specs
+from ..ops.registry import is_registered, load_spec, specs
 
 
 def _resolve_ops(names: tuple[str, ...]) -> list:
@@ -118,7 +118,7 @@ def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, comp
         return
     out = Path(out_dir) if out_dir else gen_dir() if spec_refs else DEFAULT_OUT
     try:
-        files = render_tree(ops, arch, variant)
+        files = render_tree(ops, arch, variant, shipped=is_registered)
     except SpecError as e:
         raise click.UsageError(str(e))
     if check_only:

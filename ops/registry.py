@@ -47,6 +47,12 @@ def get_spec(name: str) -> OpSpec:
     return table[name]
 
 
+def is_registered(spec: OpSpec) -> bool:
+    """Whether ``spec`` is one of the package's families (same name and content hash)."""
+    known = specs().get(spec.name)
+    return known is not None and known.hash == spec.hash
+
+
 def load_spec(ref: str) -> OpSpec:
     """The OpSpec named by ``ref``: ``path/to/file.py:NAME`` or ``package.module:NAME``.
 

@@ -49,12 +49,6 @@ def device_arch(device) -> str:
     return _ARCH_BY_DEVICE[index]
 
 
-def _registered(spec: OpSpec) -> bool:
-    from .registry import specs
-    known = specs().get(spec.name)
-    return known is not None and known.hash == spec.hash
-
-
 def gen_dir() -> Path:
     """Where specs outside the registry are rendered (per user, created on demand)."""
     root = os.environ.get("LINATTN_GEN_DIR")
@@ -67,7 +61,8 @@ def stage_module(spec: OpSpec, stage: str, arch: str):
     with _LOCK:
         if key in _MODULES:
             return _MODULES[key]
-    if _registered(spec):
+    from .registry import is_registered
+    if is_registered(spec):
         name = f"linattn.generated.{arch}.{spec.name}.{stage}"
         try:
             mod = importlib.import_module(name)
@@ -105,7 +100,7 @@ def _render_and_load(spec: OpSpec, stage_name: str, arch: str):
         raise SpecError(f"{spec.name} has no stage {stage_name!r}; it has {sorted(stages)}")
     folder = f"{arch}/{spec.name}_{spec.hash}"
     rel = f"{folder}/{stage_name}.py"
-    write({rel: render_stage(spec, stages[stage_name], arch)}, gen_dir())
+    write({rel: render_stage(spec, stages[stage_name], arch, shipped=False)}, gen_dir())
     return load_module(gen_dir() / rel, f"linattn_rendered_{spec.name}_{spec.hash}_{stage_name}")
 
 
