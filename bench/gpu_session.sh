@@ -49,6 +49,12 @@ for s in $STEPS; do
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_bwd_gpu.py -k "${CBWD_K:-}" \
              --junitxml="$R/chunk_bwd.xml" ;;
+    # fla's drop-in arguments, torch.compile, CUDA graphs, pool decode, user specs (issue 15/16)
+    dropin) run_step dropin "${DROPIN_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 tests/test_dropin_gpu.py tests/test_pool_gpu.py \
+             tests/test_user_spec.py --junitxml="$R/dropin.xml" ;;
+    # decode on a state pool against fla's (bench/pool_probe.py)
+    pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py --out "$R/pool_probe.json" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -99,7 +105,7 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-for s in split autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in dropin pool split autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

@@ -37,6 +37,8 @@ CASES = {
     "raw-ragged": ("gdn", 1, None, 6, 24, 64, 64, ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"),
                    [1, 59, 937, 2003], False),
     "deltanet-16k-k64": ("deltanet", 2, 16384, 4, 4, 64, 64, (), None, False),
+    "deltanet-2k-k64": ("deltanet", 2, 2048, 4, 4, 64, 64, (), None, False),
+    "deltanet-8k-k64": ("deltanet", 2, 8192, 4, 4, 64, 64, (), None, False),
     "deltanet-prefill-4k": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None, False),
     "symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168], False),
 }
