@@ -8,7 +8,10 @@ token, num_accepted_tokens random in 1..T); both implementations update the pool
 place. Checked: o and the written slots of ours against fla's on the same inputs (fresh
 copies of the pool), relative error; timed: device time per call (probe_lib).
 
-    python3 bench/pool_probe.py [--out pool_probe.json]
+    python3 bench/pool_probe.py [--sweep] [--out pool_probe.json]
+
+--sweep: ours also at decode_probe's candidate tunings (block_v, threads, vec, warps_k),
+each checked against fla before it is timed.
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_lib import device_times  # noqa: E402
+from decode_probe import CANDIDATES  # noqa: E402
 
 import linattn  # noqa: E402
+from linattn.codegen.arch.sm90 import recurrent_layout_ok  # noqa: E402
+from linattn.ops.recurrent import tuning_override  # noqa: E402
 
 #: (name, pool slots P, sequences N, tokens T, heads HV, K = V)
 CASES = [
@@ -65,8 +71,29 @@ def fla(x, idx, acc, pool):
                                    num_accepted_tokens=acc)
 
 
+def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
+    """[(knobs, ms or error)] of ours at the valid candidate tunings."""
+    out = []
+    slots = idx.flatten().long()
+    for c in CANDIDATES:
+        if not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"], c["warps_k"],
+                                   False):
+            continue
+        try:
+            with tuning_override(**c):
+                p = pool.clone()
+                o, _ = ours(x, idx, acc, p)
+                err = max(rel(o, o_fla), rel(p[slots], p_fla[slots]))
+                ms = device_times(lambda: ours(x, idx, acc, p))[0] if err < 1e-3 else None
+            out.append(dict(c, err=err, ms=ms))
+        except Exception as e:          # a config the template refuses
+            out.append(dict(c, error=f"{type(e).__name__}: {e}"[:200]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
@@ -77,6 +104,7 @@ def main():
         o1, _ = ours(x, idx, acc, p_ours)
         o2, _ = fla(x, idx, acc, p_fla)
         torch.cuda.synchronize()
+        fla_once = p_fla.clone()            # (the timing below updates the pools again)
         slots = idx.flatten().long()
         rec = dict(case=name, P=P, N=N, T=T, HV=HV, K=D, V=D,
                    err_o_vs_fla=rel(o1, o2), err_pool_vs_fla=rel(p_ours[slots], p_fla[slots]),
@@ -86,6 +114,8 @@ def main():
         rec["ours_ms"] = device_times(lambda: ours(x, idx, acc, p_ours))[0]
         rec["fla_ms"] = device_times(lambda: fla(x, idx, acc, p_fla))[0]
         rec["speedup"] = rec["fla_ms"] / rec["ours_ms"]
+        if args.sweep:
+            rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         with open(args.out, "w") as f:
@@ -94,6 +124,8 @@ def main():
     for r in results:
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
+        for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
+            print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
 
 
 if __name__ == "__main__":

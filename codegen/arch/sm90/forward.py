@@ -41,6 +41,10 @@ MAP_WARM_CHUNKS = 2
 #: tf32 product) where the map was formed (run s6-5: 2.0 - 2.3 us a segment under a real
 #: gate, 4.4 without a gate at K = 128, 1.8 at K = 64)
 COMBINE_STEP_US = 2.0
+#: the combine's value block: its step is bound by the CTA's M S product and element
+#: passes, not by the loads (run s7-1, DeltaNet [2, 16384, 4, 64], 8 exact segments a
+#: sequence: 28.3 us at block 64, 15.1 at 32; block 16 with 4 segments 8.6)
+COMBINE_BLOCK_V = 16
 COMBINE_EXACT_STEP_US = 2.7                 # at K = 128, scaled by (K / 128)^2
 #: each launch's fixed cost in the split (us; run s6-5: the map and combine of short
 #: segments take 9 - 15 us of which ~6 is launch and prologue)
@@ -216,8 +220,8 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
                                **mbind))
         launches.append(launch("chunk_segment_combine", dict(
             HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
-            has_initial_state=p.has_initial_state, output_final_state=False, block_v=64
-            if p.V % 64 == 0 else 32 if p.V % 32 == 0 else 16), ht="ht_none"))
+            has_initial_state=p.has_initial_state, output_final_state=False,
+            block_v=COMBINE_BLOCK_V), ht="ht_none"))
         walk_bind = dict(qk, **gate, cu_seqlens="seg_cu", chunk_offsets="seg_c0", h0="starts",
                          final_row="seg_final_row")
     else:

@@ -12,7 +12,8 @@ end and S_end = B_s)
   ht[n] = S      (only meaningful when every segment of n, its last included, was mapped)
 
 One CTA per (value block, sequence x value head); sequential over the sequence's few
-segments. A_s S is a tf32 tensor-core product (A_s K x K f32 in shared memory, S^T
+segments, B's tile of the next segment prefetched (two stages); A_s (read only where
+exact) S is a tf32 tensor-core product (A_s K x K f32 in shared memory, S^T
 stored K-major, as tf32 MMAs take both operands). The delta rule's maps are
 non-expansive (each token's transition alpha (I - beta k k^T) with |k| = 1, beta in
 [0, 2], alpha <= 1 has spectral norm <= 1, and A_s is their product), so rounding
@@ -78,8 +79,10 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
             s0 = seq_seg_offsets[n]
             nseg = seq_seg_offsets[n + 1] - s0
             S = T.alloc_fragment((K, BV), f32)
+            AS = T.alloc_fragment((K, BV), f32)
             St_s = T.alloc_shared((BV, K), f32)
             A_s = T.alloc_shared((K, K), f32)
+            B_s = T.alloc_shared((K, BV), f32)
 
             if has_initial_state:
                 for i, j in T.Parallel(K, BV):
@@ -90,20 +93,21 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
             else:
                 T.clear(S)
 
-            for s in T.serial(nseg):
+            for s in T.Pipelined(nseg, num_stages=2):
+                T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], B_s)
                 for i, j in T.Parallel(K, BV):
                     if state_v_first:
                         starts[s0 + s, hv, iv * BV + j, i] = S[i, j]
                     else:
                         starts[s0 + s, hv, i, iv * BV + j] = S[i, j]
+                T.clear(AS)
                 if exact[s0 + s, hv] != 0:
                     for i, j in T.Parallel(K, BV):
                         St_s[j, i] = S[i, j]
                     T.copy(seg_map[s0 + s, hv, 0:K, 0:K], A_s)
-                    T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], S)
-                    T.gemm(A_s, St_s, S, transpose_B=True)
-                else:
-                    T.copy(seg_map[s0 + s, hv, 0:K, K + iv * BV:K + (iv + 1) * BV], S)
+                    T.gemm(A_s, St_s, AS, transpose_B=True)
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = AS[i, j] + B_s[i, j]
 
             if output_final_state:
                 for i, j in T.Parallel(K, BV):
