@@ -67,6 +67,14 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
             and n * HV * (V // 8) <= 32 * NUM_SMS \
             and recurrent_layout_ok(K, V, 8, 32, 8, 1, True):
         return {"block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
+    # f32 states (K <= 128) with a grid of >= 16 CTAs per SM at block 64: 64 values x 128
+    # threads, one warp per 16 value columns (run s7-2 sweep, KDA pool decode [N, 32, 128,
+    # 128]: N 64 84.6 -> 78.6 us, N 256 327 -> 296 (fla 77.5, 321); N 8 (4 CTAs per SM):
+    # 13.8 at the default, 14.7 at this tile)
+    if (item == 4 and not v_first and n is not None and K <= 128 and V % 64 == 0
+            and n * HV * (V // 64) >= 16 * NUM_SMS
+            and recurrent_layout_ok(K, V, 64, 128, 4, 1, False)):
+        return {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
     per_thread = 64 if block_v == 64 and item == 2 else 32
     for vec in (16 // item, 4, 2, 1):
         threads = max(32, min(256, K * block_v // per_thread))

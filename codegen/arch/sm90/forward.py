@@ -37,15 +37,17 @@ MAP_STEP_FRACTION = 0.75
 #: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
 #: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
 MAP_WARM_CHUNKS = 2
-#: the combine's time per segment of a sequence (us): a copy of B, plus M S (a K x K x 64
-#: tf32 product) where the map was formed (run s6-5: 2.0 - 2.3 us a segment under a real
-#: gate, 4.4 without a gate at K = 128, 1.8 at K = 64)
-COMBINE_STEP_US = 2.0
+#: the combine's time per segment of a sequence (us) at value block 16 with B prefetched:
+#: a copy of B, plus M S (a K x K x 16 tf32 product) where the map was formed (run s7-2:
+#: 0.9 - 1.0 us a segment under a real gate, prefill-4k / q35-2b-16384, launch included;
+#: 1.1 exact at K = 64, DeltaNet [2, 16384, 4, 64] at 16 segments a sequence)
+COMBINE_STEP_US = 0.8
+COMBINE_EXACT_STEP_US = 1.2                 # at K = 128, scaled by (K / 128)^2
 #: the combine's value block: its step is bound by the CTA's M S product and element
 #: passes, not by the loads (run s7-1, DeltaNet [2, 16384, 4, 64], 8 exact segments a
-#: sequence: 28.3 us at block 64, 15.1 at 32; block 16 with 4 segments 8.6)
+#: sequence, B read without prefetch: 28.3 us at block 64, 15.1 at 32; run s7-2 at
+#: block 16 with B prefetched: 9.6 at 4 segments, 18.3 at 16)
 COMBINE_BLOCK_V = 16
-COMBINE_EXACT_STEP_US = 2.7                 # at K = 128, scaled by (K / 128)^2
 #: each launch's fixed cost in the split (us; run s6-5: the map and combine of short
 #: segments take 9 - 15 us of which ~6 is launch and prologue)
 LAUNCH_US = 5.0
