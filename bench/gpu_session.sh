@@ -50,7 +50,7 @@ for s in $STEPS; do
              -rfE --durations=8 tests/test_chunk_bwd_gpu.py -k "${CBWD_K:-}" \
              --junitxml="$R/chunk_bwd.xml" ;;
     # fla's drop-in arguments, torch.compile, CUDA graphs, pool decode, user specs (issue 15/16)
-    dropin) run_step dropin "${DROPIN_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    dropin) run_step dropin "${DROPIN_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -k "${DROPIN_K:-}" --tb=short \
              -rfE --durations=8 tests/test_dropin_gpu.py tests/test_pool_gpu.py \
              tests/test_user_spec.py --junitxml="$R/dropin.xml" ;;
     # decode on a state pool against fla's (bench/pool_probe.py)

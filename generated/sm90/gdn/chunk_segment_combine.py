@@ -13,8 +13,8 @@ end and S_end = B_s)
 
 One CTA per (value block, sequence x value head); sequential over the sequence's few
 segments, B's tile of the next segment prefetched (two stages); A_s (read only where
-exact) S is a tf32 tensor-core product (A_s K x K f32 in shared memory, S^T
-stored K-major, as tf32 MMAs take both operands). The delta rule's maps are
+exact) S is a tf32 tensor-core product over column blocks of A_s (K x 64 f32 in shared
+memory, S^T stored K-major, as tf32 MMAs take both operands). The delta rule's maps are
 non-expansive (each token's transition alpha (I - beta k k^T) with |k| = 1, beta in
 [0, 2], alpha <= 1 has spectral norm <= 1, and A_s is their product), so rounding
 errors here are not amplified by later segments.
@@ -57,7 +57,8 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
       (all states [., HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     """
     BV = block_v
-    assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
+    KB = min(K, 64)             # A_s S over column blocks of A_s (K x K f32 at K = 256: 256 KB)
+    assert K % KB == 0 and V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
     N, NS, N0, N1 = T.dynamic("N, NS, N0, N1")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
@@ -81,7 +82,7 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
             S = T.alloc_fragment((K, BV), f32)
             AS = T.alloc_fragment((K, BV), f32)
             St_s = T.alloc_shared((BV, K), f32)
-            A_s = T.alloc_shared((K, K), f32)
+            A_s = T.alloc_shared((K, KB), f32)      # a column block of A_s
             B_s = T.alloc_shared((K, BV), f32)
 
             if has_initial_state:
@@ -104,8 +105,9 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
                 if exact[s0 + s, hv] != 0:
                     for i, j in T.Parallel(K, BV):
                         St_s[j, i] = S[i, j]
-                    T.copy(seg_map[s0 + s, hv, 0:K, 0:K], A_s)
-                    T.gemm(A_s, St_s, AS, transpose_B=True)
+                    for kb in T.serial(K // KB):
+                        T.copy(seg_map[s0 + s, hv, 0:K, kb * KB:(kb + 1) * KB], A_s)
+                        T.gemm(A_s, St_s[0:BV, kb * KB:(kb + 1) * KB], AS, transpose_B=True)
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = AS[i, j] + B_s[i, j]
 
