@@ -229,7 +229,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
     gx = (g_cum.contiguous(),) if gated else ()     # the gated stages' extra input
     dv_local = torch.empty_like(v)
-    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
+    dh = torch.empty(B, H, NC, K, V, dtype=torch.float32 if gated else dt, device=q.device)
     if "chunk_bwd_dh_scan" in params:
         nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
         X = f32(B, H, NC, K, V)
@@ -254,12 +254,14 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
 def _gate_grad(dg_cum, dh, S_leaving):
     """The gradient of g [B, H, L] from the stages' gradient of g_cum (dg_cum [B, H, L]
     f32, L = NC * 64): each chunk's g_last also scales the state it leaves
-    (S_leaving = e^g_last S_in + k_dec^T v_new), adding <dh, S_leaving> to its last row;
-    then g_cum = cumsum(g) within the chunk gives the reverse cumulative sum."""
+    (S_leaving = e^g_last S_in + k_dec^T v_new), adding <dh, S_leaving> to its last row
+    (dh, S_leaving [B, H, NC, K, V] f32: a sum of K V terms of both signs, so neither is
+    rounded to the input dtype); then g_cum = cumsum(g) within the chunk gives the reverse
+    cumulative sum."""
     import torch
     B, H, L = dg_cum.shape
     x = dg_cum.view(B, H, L // CHUNK, CHUNK).clone()
-    x[..., -1] += (dh.float() * S_leaving).sum((-1, -2))
+    x[..., -1] += (dh * S_leaving).sum((-1, -2))
     return x.flip(-1).cumsum(-1).flip(-1).reshape(B, H, L)
 
 
@@ -279,17 +281,17 @@ def _gated_spec():
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
 def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, states=True,
-                  spec=None, final_state=None):
+                  spec=None):
     """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
     [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
     DeltaNetChunkFwd contract (states: every chunk's state in f32 and the final one) and
-    the backward's recompute (the per-chunk states h, no final state; the gated one's
-    spec: with the final state, final_state=True)."""
+    the backward's recompute (the per-chunk states h, no final state; the gated
+    recompute's spec: with states)."""
     NC = -(-L // CHUNK)
     return chunk.forward_plan(spec or default_spec(), Options(), H=1, HV=1, K=K, V=V,
                               dtype=dtype, beta_dtype=dtype, seq_chunks=(NC,) * (B * H),
                               Ttot=B * H * L, has_initial_state=has_initial_state,
-                              output_final_state=states if final_state is None else final_state,
+                              output_final_state=states,
                               return_states=states, config={"fused": False})
 
 
@@ -421,11 +423,10 @@ def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None
 
 def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False, spec=None) -> dict:
     """The plan's chunk_state params for :func:`recompute_for_backward` (B * H one-head
-    sequences, no final state) or, with the gated spec, :func:`gated_recompute` (with
-    the final state)."""
+    sequences, no final state) or, with the gated spec, :func:`gated_recompute` (every
+    chunk's state in f32 and the final one, as the contract's forward)."""
     plan = contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                         has_initial_state=has_initial_state, states=False, spec=spec,
-                         final_state=is_gated(spec))
+                         has_initial_state=has_initial_state, states=is_gated(spec), spec=spec)
     return chunk.plan_params(plan)["chunk_state"]
 
 
@@ -433,9 +434,9 @@ def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
     """recompute_for_backward for the scalar gate: head-first k, v, beta as there, g_cum
     [B, H, L] f32 (in-chunk cumulative log gate, L a multiple of 64). The gated
     chunk_bwd_wy_recompute gives A = (I + strict_tril(beta_i k_i.k_j e^(g_i - g_j)))^-1,
-    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states.
-    Returns (A, w, u, S [B, H, NC + 1, DK, DV] f32: the state entering each chunk, then
-    the final state)."""
+    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states, in
+    f32 from its registers. Returns (A, w, u, S [B, H, NC + 1, DK, DV] f32: the state
+    entering each chunk, then the final state)."""
     import torch
     B, H, L, K, V = _dims(k, k, v, beta)
     _check_gate(g_cum, B, H, L)
@@ -445,28 +446,24 @@ def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    S = torch.zeros(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
+    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
     has_h0 = initial_state is not None
     h0 = initial_state.to(torch.float32).contiguous() if has_h0 else None
     if Ttot == 0:
-        if has_h0:
-            S[:, :, 0] = h0
+        S.copy_(h0.view(B, H, 1, K, V) if has_h0 else 0.0)
         return A, w, u, S
     k, v, beta, g_cum = (x.contiguous() for x in (k, v, beta, g_cum))
     dtype = str(dt).replace("torch.", "")
     params = stage_params(H=H, K=K, V=V, dtype=dtype, B=B, gated=True)[RECOMPUTE]
     compiled_stage(RECOMPUTE, spec, **params)(k, v, beta, g_cum, A, w, u)
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
-    ht = f32(N, 1, K, V)
+    # sequence n = (b, h): its states at rows n (NC + 1) + t of S, the final one at t = NC
     x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
              k=k.view(Ttot, 1, K), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V),
-             g_cum=g_cum.view(1, Ttot), h=h, ht=ht,
-             h0=h0.view(N, 1, K, V) if has_h0 else f32(1, 1, K, V),
+             g_cum=g_cum.view(1, Ttot), ht=S.view(N * (NC + 1), 1, K, V),
+             h=torch.empty(N * NC, 1, K, V, dtype=dt, device=dev),   # written, not needed
+             h0=h0.view(N, 1, K, V) if has_h0 else S.new_empty(1, 1, K, V),
              v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
     runtime.launch_kernel(spec, ARCH, "chunk_state",
                           state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
                                        has_initial_state=has_h0, spec=spec), x)
-    S[:, :, :NC] = h.view(B, H, NC, K, V).float()
-    S[:, :, NC] = ht.view(B, H, K, V)
     return A, w, u, S

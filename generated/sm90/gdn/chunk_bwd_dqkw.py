@@ -60,7 +60,7 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
     Tensors (B, L, NC = ceil(L / 64) dynamic; NC1 = NC + 1):
       q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
       dv2_from_dh), S [B, H, NC1, K, V] f32,
-      dh [B, H, NC, K, V] (input dtype)
+      dh [B, H, NC, K, V] (f32)
       -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
       g_cum [B, H, L] f32 -> dg_part [B, H, L] f32 (the scan scheme's dv2_from_dh: no gate)
     """
@@ -79,7 +79,7 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
         g_cum: T.Tensor((B, H, L), f32),
         dv2: T.Tensor((B, H, L, V), dtype),
         S: T.Tensor((B, H, NC1, K, V), f32),
-        dh: T.Tensor((B, H, NC, K, V), dtype),
+        dh: T.Tensor((B, H, NC, K, V), f32),
         dq: T.Tensor((B, H, L, K), dtype),
         dk_part: T.Tensor((B, H, L, K), f32),
         dw: T.Tensor((B, H, L, K), dtype),
@@ -112,7 +112,8 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
                 do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(K, V):
                 S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
-            T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
+            for i, j in T.Parallel(K, V):
+                dh_s[i, j] = T.cast(dh[b, h, c, i, j], dtype)
             if dv2_from_dh:
                 # dv2 = dv_local + k dh  (k rows past L are 0)
                 dv2_f = T.alloc_fragment((BT, V), f32)
