@@ -444,3 +444,23 @@ def test_recompute_for_backward(fake_backward, rng):
     S1 = h0 + kc.transpose(-1, -2) @ (uc - wc @ h0)
     assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float32
     assert _rel(S[:, :, 0], h0) < 1e-3 and _rel(S[:, :, 1], S1) < 1e-2
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("K,V,dtype,dh_stages", [(128, 128, "bfloat16", None),
+                                                 (64, 64, "float16", 2)])
+def test_gated_stages_compile(K, V, dtype, dh_stages):
+    """Gated DeltaNet's backward stages at the params one call runs (B=2, H=4, with dht
+    and dh0) compile for sm_90a; dh_stages: the dh pass's pipelined form as well."""
+    from linattn.codegen.compile import compile_stage, format_record
+    spec = get_spec("gdn")
+    params = chunk_bwd.stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
+                                    store_dh0=True, gated=True)
+    if dh_stages is not None:
+        params = {"chunk_bwd_dh": dict(params["chunk_bwd_dh"], num_stages=dh_stages)}
+    assert params["chunk_bwd_dh"]["num_stages"] == (dh_stages or chunk_bwd.GATED_DH_NUM_STAGES)
+    for stage, p in params.items():
+        rec = compile_stage(chunk.stage_module(spec, stage), p, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["registers"] and rec["registers"] <= 255, rec
