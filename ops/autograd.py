@@ -125,9 +125,9 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
     what = "the Gated DeltaNet backward" if gated else "the DeltaNet backward"
     if beta is None:
         raise SpecError(f"{what} needs beta")
-    heads_ok = v.dim() == 4 and (v.shape[2] % max(q.shape[2], 1) == 0 if gated
-                                 else v.shape[2] == q.shape[2])
-    if q.dim() != 4 or k.shape != q.shape or not heads_ok or v.shape[:2] != q.shape[:2]:
+    heads_ok = v.dim() == 4 and q.dim() == 4 and (
+        v.shape[2] % max(q.shape[2], 1) == 0 if gated else v.shape[2] == q.shape[2])
+    if not heads_ok or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
         heads = "HV a multiple of H" if gated else "the same heads"
         raise SpecError(f"{what} needs q, k [B, T, H, K] and v [B, T, HV, V] with {heads}, "
                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
