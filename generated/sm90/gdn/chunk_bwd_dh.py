@@ -10,7 +10,7 @@ flows into the final state) or, with use_dht, at dht (the gradient of the final 
 f32). Per chunk t (rows past L read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
-f32)
+                                               f32)
   dv2 = dv_local + (k dh) exp(g_last - g_cum_i)   (g_cum [B, H, L] f32: the in-chunk
                                                   cumulative log gate, g_last its last
                                                   row's; rows past L take that value)
