@@ -14,6 +14,13 @@ recomputes what it needs, as fla does:
 
 The scale is folded into do: o = scale * f(q, ...) and the final state does not depend on
 it, so every gradient is that of f under do * scale.
+
+Gated DeltaNet (the scalar gate, :func:`gated_backward`) on the same path: the gate's
+activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias)) and beta's
+sigmoid are differentiated by torch like the l2norm; the key heads are expanded to the
+value heads (GVA) and dq, dk summed back over each group; the head-first length is padded
+to a multiple of 64 (zero rows with g = 0 leave every gradient unchanged); the in-chunk
+cumulative gate g_cum is a torch cumsum (f32); then the gated recompute and stages.
 """
 from __future__ import annotations
 
@@ -28,15 +35,27 @@ HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class DeltaRuleCall:
-    """The non-tensor arguments of one differentiable chunk_delta_rule call (spec: the
-    family's OpSpec, the delta rule without a gate)."""
+    """The non-tensor arguments of one differentiable chunk_delta_rule (or, with a scalar
+    gate spec, chunk_gated_delta_rule) call (spec: the family's OpSpec)."""
     spec: object
     scale: float
     l2norm_qk: bool = False
     output_final_state: bool = False
+    gate_in_kernel: bool = False
+    beta_sigmoid: bool = False
+    allow_neg_eigval: bool = False
     cu: tuple | None = None                 # host cu_seqlens (varlen) or None
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
+
+    @property
+    def options(self) -> Options:
+        return Options(l2norm_qk=self.l2norm_qk, gate_in_kernel=self.gate_in_kernel,
+                       beta_sigmoid=self.beta_sigmoid, allow_neg_eigval=self.allow_neg_eigval)
+
+    @property
+    def gated(self) -> bool:
+        return chunk_bwd.is_gated(self.spec)
 
 
 def needs_grad(*tensors) -> bool:
@@ -45,14 +64,15 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state):
+def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,
+                dt_bias=None):
     """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
     from . import api
-    return api.forward(call.spec, q, k, v, None, beta, scale=call.scale,
+    return api.forward(call.spec, q, k, v, g, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,
-                       options=Options(l2norm_qk=call.l2norm_qk), cu_seqlens=call.cu_seqlens,
-                       cu_seqlens_cpu=call.cu_seqlens_cpu)
+                       options=call.options, cu_seqlens=call.cu_seqlens,
+                       cu_seqlens_cpu=call.cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
 
 
 class ChunkDeltaRuleFunction:
@@ -60,10 +80,11 @@ class ChunkDeltaRuleFunction:
     _fn = None
 
     @classmethod
-    def apply(cls, call, q, k, v, beta, initial_state):
+    def apply(cls, call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
+        """g, A_log, dt_bias: the scalar gate's inputs (call.spec gated)."""
         if cls._fn is None:
             cls._fn = _make_function()
-        return cls._fn.apply(call, q, k, v, beta, initial_state)
+        return cls._fn.apply(call, q, k, v, beta, initial_state, g, A_log, dt_bias)
 
 
 def _make_function():
@@ -71,46 +92,63 @@ def _make_function():
 
     class _ChunkDeltaRule(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, call, q, k, v, beta, initial_state):
-            o, final = run_forward(call, q, k, v, beta, initial_state)
+        def forward(ctx, call, q, k, v, beta, initial_state, g, A_log, dt_bias):
+            gate = (g, A_log, dt_bias) if call.gated else ()
+            o, final = run_forward(call, q, k, v, beta, initial_state, *gate)
             ctx.call = call
-            ctx.save_for_backward(q, k, v, beta, initial_state)
+            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias)
             ctx.set_materialize_grads(False)
             return o, final
 
         @staticmethod
         def backward(ctx, do, dht):
-            q, k, v, beta, initial_state = ctx.saved_tensors
-            grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht)
-            return (None, *(g if need else None
-                            for g, need in zip(grads, ctx.needs_input_grad[1:])))
+            q, k, v, beta, initial_state, g, A_log, dt_bias = ctx.saved_tensors
+            if ctx.call.gated:
+                grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
+                                       dt_bias, do, dht)
+                grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
+            else:
+                grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht)
+                grads = grads + (None, None, None)
+            return (None, *(x if need else None
+                            for x, need in zip(grads, ctx.needs_input_grad[1:])))
 
     return _ChunkDeltaRule
 
 
-def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens):
-    """Raise SpecError for what the backward does not support (never a wrong gradient)."""
+def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, g=None,
+                    spec=None):
+    """Raise SpecError for what the backward does not support (never a wrong gradient).
+    spec: a scalar-gate spec checks Gated DeltaNet's call (g [B, T, HV], GVA allowed)."""
     import torch
+    gated = chunk_bwd.is_gated(spec)
+    what = "the Gated DeltaNet backward" if gated else "the DeltaNet backward"
     if beta is None:
-        raise SpecError("the DeltaNet backward needs beta")
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise SpecError(f"the DeltaNet backward needs q, k [B, T, H, K] and v [B, T, H, V] "
-                        f"with the same heads, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                        f"{tuple(v.shape)}")
-    if tuple(beta.shape) != tuple(q.shape[:3]):
-        raise SpecError(f"the DeltaNet backward needs beta [B, T, H] = {tuple(q.shape[:3])}, "
-                        f"got {tuple(beta.shape)}")
+        raise SpecError(f"{what} needs beta")
+    heads_ok = v.dim() == 4 and q.dim() == 4 and (
+        v.shape[2] % max(q.shape[2], 1) == 0 if gated else v.shape[2] == q.shape[2])
+    if not heads_ok or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        heads = "HV a multiple of H" if gated else "the same heads"
+        raise SpecError(f"{what} needs q, k [B, T, H, K] and v [B, T, HV, V] with {heads}, "
+                        f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    want = tuple(v.shape[:3])
+    if tuple(beta.shape) != want:
+        raise SpecError(f"{what} needs beta [B, T, HV] = {want}, got {tuple(beta.shape)}")
+    if gated and (g is None or tuple(g.shape) != want):
+        raise SpecError(f"{what} needs g [B, T, HV] = {want}, got "
+                        f"{None if g is None else tuple(g.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or \
             v.dtype != q.dtype:
-        raise SpecError(f"the DeltaNet backward needs q, k, v in one of float16 / bfloat16, "
+        raise SpecError(f"{what} needs q, k, v in one of float16 / bfloat16, "
                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
-        raise SpecError(f"the DeltaNet backward is generated for K, V in {HEAD_DIMS}, got "
+        raise SpecError(f"{what} is generated for K, V in {HEAD_DIMS}, got "
                         f"K={q.shape[-1]}, V={v.shape[-1]}")
-    unsupported = [n for n in ("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
-                               "state_v_first") if getattr(options, n)]
+    names = ("state_v_first",) if gated else ("beta_sigmoid", "allow_neg_eigval",
+                                              "gate_in_kernel", "state_v_first")
+    unsupported = [n for n in names if getattr(options, n)]
     if unsupported:
-        raise SpecError(f"the DeltaNet backward does not support {unsupported} (yet)")
+        raise SpecError(f"{what} does not support {unsupported} (yet)")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise SpecError(f"cu_seqlens needs B == 1, got B={q.shape[0]}")
 
@@ -119,21 +157,26 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens):
 
 class _Layout:
     """[B, T, H, (D)] <-> head-first [N, H, L, (D)]: a transpose for fixed length; for
-    varlen (B == 1, host cu) each sequence is a row of N, zero-padded to the longest."""
+    varlen (B == 1, host cu) each sequence is a row of N, zero-padded to the longest;
+    multiple: the head-first length is zero-padded to a multiple of it."""
 
-    def __init__(self, B, T, cu, device):
+    def __init__(self, B, T, cu, device, multiple=1):
         import torch
-        self.cu = cu
+        self.cu, self.T = cu, T
+        self.pad = -T % multiple
         if cu is None:
             return
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         self.N, self.L = len(lens), max(lens, default=0)
+        self.L += -self.L % multiple
         seq = torch.repeat_interleave(torch.arange(self.N), torch.tensor(lens, dtype=torch.long))
         pos = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.long)[seq]
         self.seq, self.pos = seq.to(device), pos.to(device)
 
     def to_head_first(self, x):
         if self.cu is None:
+            if self.pad:
+                x = torch_pad_time(x, self.pad)
             return x.transpose(1, 2).contiguous()
         out = x.new_zeros(self.N, self.L, *x.shape[2:])
         out[self.seq, self.pos] = x[0]
@@ -141,8 +184,14 @@ class _Layout:
 
     def from_head_first(self, y):
         if self.cu is None:
-            return y.transpose(1, 2).contiguous()
+            return y.transpose(1, 2)[:, :self.T].contiguous()
         return y.transpose(1, 2)[self.seq, self.pos].unsqueeze(0)
+
+
+def torch_pad_time(x, n):
+    """x [B, T, ...] with n zero rows appended along T."""
+    import torch
+    return torch.cat([x, x.new_zeros(x.shape[0], n, *x.shape[2:])], 1)
 
 
 def _l2norm(x):
@@ -181,3 +230,88 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
         dq, dk = torch.autograd.grad((q_in, k_in), (q_raw, k_raw), (dq, dk))
     return (dq, dk, dv, dbeta.to(beta.dtype),
             None if dh0 is None else dh0.to(initial_state.dtype))
+
+
+def _gated_inputs(call: DeltaRuleCall, q, k, g, beta, A_log, dt_bias):
+    """The effective q, k, g, beta of a gated call from its raw inputs, by torch (so that
+    torch.autograd differentiates the activations): l2norm, the gate's activation
+    -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla), beta's sigmoid."""
+    import torch
+    from ..dsl.torch_reference import softplus_fla
+    q_in, k_in = (_l2norm(q), _l2norm(k)) if call.l2norm_qk else (q, k)
+    g_in = g.float()
+    if call.gate_in_kernel:
+        x = g_in if dt_bias is None else g_in + dt_bias.float().reshape(-1)
+        g_in = -torch.exp(A_log.float().reshape(-1)) * softplus_fla(x)
+    b_in = beta.float()
+    if call.beta_sigmoid:
+        b_in = torch.sigmoid(b_in) * (2.0 if call.allow_neg_eigval else 1.0)
+    return q_in, k_in, g_in, b_in
+
+
+def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
+                   dht):
+    """Gradients of chunk_gated_delta_rule under sum(o * do) + sum(final_state * dht).
+
+    q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); g, beta
+    [B, T, HV] (any float dtype); A_log (HV elements), dt_bias [HV] or None (with
+    gate_in_kernel, else None); initial_state [N, HV, K, V] or None; do like v or None
+    (0); dht [N, HV, K, V] or None (0). Returns (dq, dk, dv, dg, dbeta, dh0, dA_log,
+    ddt_bias) in the inputs' shapes and dtypes (None for an input not given).
+    """
+    import torch
+    dt = q.dtype
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    group = HV // H
+    raw = [None if x is None else x.detach().requires_grad_()
+           for x in (q, k, g, beta, A_log, dt_bias)]
+    with torch.enable_grad():
+        eff = _gated_inputs(call, *raw)
+    q_in, k_in, g_in, b_in = (x.detach() for x in eff)
+    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(dt)
+    lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
+    qh, kh = (lay.to_head_first(x.repeat_interleave(group, dim=2)) for x in (q_in, k_in))
+    vh, doh, bh = (lay.to_head_first(x) for x in (v.detach(), do_s, b_in.to(dt)))
+    gh = lay.to_head_first(g_in.float())
+    N, _, L = gh.shape
+    g_cum = gh.view(N, HV, L // chunk_bwd.CHUNK, chunk_bwd.CHUNK).cumsum(-1).view(N, HV, L)
+    h0 = None if initial_state is None else initial_state.detach().float()
+    dhth = None if dht is None else dht.float().contiguous()
+    A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0, g_cum=g_cum, spec=call.spec)
+    dq, dk, dv, dbeta, dh0, dg = chunk_bwd.backward_stages(
+        doh, qh, kh, vh, bh, S, A, w, u, dht=dhth, want_dh0=h0 is not None, g_cum=g_cum,
+        spec=call.spec)
+    dq, dk, dv, dbeta, dg = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta, dg))
+    dq, dk = (x.float().view(B, T, H, group, K).sum(3) for x in (dq, dk))
+    # back through the activations (torch): the raw inputs' gradients
+    leaves = [x for x in raw if x is not None]
+    grads = torch.autograd.grad(
+        eff, leaves, [d.to(e.dtype) for d, e in zip((dq, dk, dg, dbeta), eff)],
+        allow_unused=True)
+    it = iter(grads)
+    out = [None if x is None else next(it) for x in raw]
+    out = [None if d is None else d.to(x.dtype) for d, x in zip(out, raw)]
+    dq, dk, dg, dbeta, dA_log, ddt_bias = out
+    return (dq, dk, dv, dg, dbeta,
+            None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
+
+
+def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,
+          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None):
+    """A differentiable call of a scalar-gate delta-rule spec (chunk_gated_delta_rule):
+    checked, then the autograd Function. Returns (o, final_state or None)."""
+    check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec)
+    if opts.gate_in_kernel and A_log is None:
+        raise SpecError("use_gate_in_kernel=True needs A_log")
+    cu = None
+    if cu_seqlens is not None:
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+        cu = tuple(int(x) for x in host.tolist())
+    call = DeltaRuleCall(
+        spec=spec, scale=spec.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
+        output_final_state=bool(output_final_state), gate_in_kernel=opts.gate_in_kernel,
+        beta_sigmoid=opts.beta_sigmoid, allow_neg_eigval=opts.allow_neg_eigval, cu=cu,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    return ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state, g, A_log,
+                                        dt_bias)

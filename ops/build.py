@@ -28,9 +28,10 @@ state_v_first). ``chunk`` takes the chunked forward (one token per sequence: the
 kernel); ``fused_recurrent`` the token-by-token kernel for any T. Specs outside the
 registry are rendered on first use into ``ops.runtime.gen_dir()`` and compiled there.
 
-Gradients: a spec with DeltaNet's mathematics (rule "delta", gate "none", chunk size 64)
-trains through ``chunk`` (DeltaNet's generated backward, ops/autograd.py); every other
-call whose inputs need gradients raises SpecError instead of dropping them.
+Gradients: a spec with DeltaNet's or Gated DeltaNet's mathematics (rule "delta", gate
+"none" or "scalar", chunk size 64) trains through ``chunk`` (the generated backward,
+ops/autograd.py); every other call whose inputs need gradients raises SpecError instead
+of dropping them.
 """
 from __future__ import annotations
 
@@ -75,10 +76,11 @@ def build(spec: OpSpec) -> Ops:
 
 
 def has_backward(spec: OpSpec) -> bool:
-    """Whether ``chunk`` is differentiable: DeltaNet's rule, gate and chunk size."""
+    """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet) or
+    with the scalar gate (Gated DeltaNet), at DeltaNet's chunk size."""
     from . import deltanet
-    return (spec.rule, spec.gate, spec.chunk_size) == (
-        Rule.DELTA, Gate.NONE, deltanet.SPEC.chunk_size)
+    return (spec.rule, spec.chunk_size) == (Rule.DELTA, deltanet.SPEC.chunk_size) and \
+        spec.gate in (Gate.NONE, Gate.SCALAR)
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
@@ -143,6 +145,12 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
     if has_backward(spec):
         from . import autograd
+        if spec.gate is Gate.SCALAR and autograd.needs_grad(
+                q, k, v, g, beta, a["initial_state"], a.get("A_log"), a.get("dt_bias")):
+            return autograd.train(spec, opts, q, k, v, g, beta, a["scale"],
+                                  a["initial_state"], a["output_final_state"],
+                                  a["cu_seqlens"], a["cu_seqlens_cpu"], a.get("A_log"),
+                                  a.get("dt_bias"))
         if autograd.needs_grad(q, k, v, beta, a["initial_state"]):
             return _train(spec, opts, q, k, v, beta, a)
     return api.forward(spec, q, k, v, g, beta, options=opts, **a)

@@ -20,6 +20,12 @@ then, both:
 The kernels read the contract's head-first tensors [B, H, L, D] directly (no layout
 conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
 
+The scalar gate (Gated DeltaNet; ``g_cum`` given: the in-chunk cumulative log gate
+[B, H, L] f32, L a multiple of 64) runs the same four stages of the direct scheme in their
+gated form (each template's has_gate), which add the gradient of g_cum per token; the host
+adds each chunk's e^g_last term <dh, S leaving> to its last row and takes the reverse
+cumulative sum within the chunk (:func:`_gate_grad`): the gradient of g.
+
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
 chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each
@@ -55,6 +61,14 @@ DH_NUM_STAGES = 2
 RECOMPUTE_INVERSE = "tc"
 #: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
 DH_BLOCK_V_OVERRIDE = None
+#: pipeline depth of the gated dh pass (0: plain loop; the pipelined form compiles for
+#: sm_90a but is not yet GPU-checked)
+GATED_DH_NUM_STAGES = 0
+
+
+def is_gated(spec) -> bool:
+    """Whether spec takes the gated backward (the delta rule with a scalar gate)."""
+    return spec is not None and spec.gate.value == "scalar"
 
 
 def default_spec():
@@ -69,17 +83,20 @@ def compiled_stage(stage: str, spec=None, **params):
     return runtime.compile_stage(spec or default_spec(), stage, ARCH, params)
 
 
-def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
+def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=False) -> dict:
     """stage name -> build() params of the stages one call runs: the WY recompute (the
     contract's forward) and the scheme's four backward stages. B sets the dh pass's value
     block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
-    dh pass starts from the final state's gradient / writes the initial state's. Reads
-    SCHEME, DH_NUM_STAGES and DH_BLOCK_V_OVERRIDE."""
+    dh pass starts from the final state's gradient / writes the initial state's; gated:
+    the scalar gate's stages (the direct scheme). Reads SCHEME, DH_NUM_STAGES (or
+    GATED_DH_NUM_STAGES) and DH_BLOCK_V_OVERRIDE."""
     if SCHEME not in SCHEMES:
         raise SpecError(f"SCHEME must be one of {sorted(SCHEMES)}, got {SCHEME!r}")
+    if gated and SCHEME != "direct":
+        raise SpecError(f"the gated backward runs the 'direct' scheme, not {SCHEME!r}")
     from ..codegen.arch.sm90.stages import state_block_v
     common = dict(H=H, K=K, V=V, dtype=dtype)
-    dh = dict(common, num_stages=DH_NUM_STAGES,
+    dh = dict(common, num_stages=GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES,
               block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, B * H),
               **({"use_dht": True} if use_dht else {}),
               **({"store_dh0": True} if store_dh0 else {}))
@@ -94,10 +111,11 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict
     return params
 
 
-def precompile(param_sets, workers=None) -> list:
+def precompile(param_sets, workers=None, spec=None) -> list:
     """Compile every stage of each stage_params() dict in parallel processes
-    (runtime.precompile). Returns error strings (empty when all compiled)."""
-    return runtime.precompile([(default_spec(), stage, ARCH, params)
+    (runtime.precompile; spec: the gated family's for its stages). Returns error strings
+    (empty when all compiled)."""
+    return runtime.precompile([(spec or default_spec(), stage, ARCH, params)
                                for ps in param_sets for stage, params in ps.items()], workers)
 
 
@@ -160,13 +178,18 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
     return backward_stages(do, q, k, v, beta, S, Aw, w, u)[:4]
 
 
-def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
+def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_cum=None,
+                    spec=None):
     """The scheme's four backward stages, with the state gradients.
 
     Shapes as :func:`chunk_backward`, but S [B, H, NS, DK, DV] f32 with NS >= NC (only
     S[:, :, :NC] is read: the states entering the chunks); dht [B, H, DK, DV] f32 or None
     (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
     [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
+    With g_cum [B, H, L] f32 (the scalar gate's in-chunk cumulative log gate, L a multiple
+    of 64; spec: the gated spec, default the registry's "gdn"): S must hold NC + 1 states
+    (S[:, :, NC] the final one) and the result is (dq, dk, dv, dbeta, dh0, dg), dg
+    [B, H, L] f32 the gradient of the per-token log gate g.
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -176,29 +199,37 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
     _check("w", w, (B, H, L, K), dt)
     _check("u", u, (B, H, L, V), dt)
     _check("A", A, (B, H, L, CHUNK), dt)
-    if S.dim() != 5 or S.shape[2] < NC:
-        raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
+    gated = g_cum is not None
+    need = NC + 1 if gated else NC
+    if S.dim() != 5 or S.shape[2] < need:
+        raise SpecError(f"S must be [B, H, NS >= {need}, K, V], got shape {tuple(S.shape)}")
     _check("S", S, (B, H, S.shape[2], K, V), torch.float32)
     if dht is not None:
         _check("dht", dht, (B, H, K, V), torch.float32)
+    if gated:
+        _check_gate(g_cum, B, H, L)
+        spec = spec or _gated_spec()
+    spec = spec or default_spec()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
     dh0 = f32(B, H, K, V) if want_dh0 else None
+    dg = f32(B, H, L) if gated else None
+    out = (dq, dk, dv, dbeta, dh0) + ((dg,) if gated else ())
     if L == 0 or B == 0:
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else 0.0)
-        return dq, dk, dv, dbeta, dh0
+        return out
     q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                          use_dht=dht is not None, store_dh0=want_dh0)
-    runtime.announce(default_spec(), ARCH, params)     # recording(): every stage at once
-    run = lambda stage, *xs: compiled_stage(stage, **params[stage])(*xs)  # noqa: E731
+                          use_dht=dht is not None, store_dh0=want_dh0, gated=gated)
+    runtime.announce(spec, ARCH, params)     # recording(): every stage at once
+    run = lambda stage, *xs: compiled_stage(stage, spec, **params[stage])(*xs)  # noqa: E731
     dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
-
+    gx = (g_cum.contiguous(),) if gated else ()     # the gated stages' extra input
     dv_local = torch.empty_like(v)
-    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
+    dh = torch.empty(B, H, NC, K, V, dtype=torch.float32 if gated else dt, device=q.device)
     if "chunk_bwd_dh_scan" in params:
         nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
         X = f32(B, H, NC, K, V)
@@ -206,27 +237,61 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False):
         run("chunk_bwd_dh_scan", nP, X, dh, dht_in, dh0_out)
         dv2 = dv_local                      # stage 3 turns it into dv2 in place
     else:
-        run("chunk_bwd_dv_local", q, k, do, dv_local)
+        run("chunk_bwd_dv_local", q, k, do, *gx, dv_local)
         dv2 = torch.empty_like(v)
-        run("chunk_bwd_dh", q, k, w, do, dv_local, dh, dv2, dht_in, dh0_out)
+        run("chunk_bwd_dh", q, k, w, do, *gx, dv_local, dh, dv2, dht_in, dh0_out)
     dk_part = f32(B, H, L, K)
     dw = torch.empty_like(k)
-    run("chunk_bwd_dqkw", q, k, w, u, do, dv2, S, dh, dq, dk_part, dw)
-    run("chunk_bwd_wy", k, v, beta, A, dw, dv2, dk_part, dk, dv, dbeta)
-    return dq, dk, dv, dbeta, dh0
+    dg_part = (f32(B, H, L),) if gated else ()
+    run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, dh, dq, dk_part, dw, *dg_part)
+    run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
+        *((dg,) if gated else ()))
+    if gated:
+        dg.copy_(_gate_grad(dg, dh, S[:, :, 1:NC + 1]))
+    return out
+
+
+def _gate_grad(dg_cum, dh, S_leaving):
+    """The gradient of g [B, H, L] from the stages' gradient of g_cum (dg_cum [B, H, L]
+    f32, L = NC * 64): each chunk's g_last also scales the state it leaves
+    (S_leaving = e^g_last S_in + k_dec^T v_new), adding <dh, S_leaving> to its last row
+    (dh, S_leaving [B, H, NC, K, V] f32: a sum of K V terms of both signs, so neither is
+    rounded to the input dtype); then g_cum = cumsum(g) within the chunk gives the reverse
+    cumulative sum."""
+    import torch
+    B, H, L = dg_cum.shape
+    x = dg_cum.view(B, H, L // CHUNK, CHUNK).clone()
+    x[..., -1] += (dh * S_leaving).sum((-1, -2))
+    return x.flip(-1).cumsum(-1).flip(-1).reshape(B, H, L)
+
+
+def _check_gate(g_cum, B, H, L):
+    import torch
+    if L % CHUNK:
+        raise SpecError(f"the gated backward needs L a multiple of {CHUNK}, got {L}")
+    _check("g_cum", g_cum, (B, H, L), torch.float32)
+
+
+def _gated_spec():
+    """The gated stages' default spec: Gated DeltaNet, by name (no family import)."""
+    from .registry import get_spec
+    return get_spec("gdn")
 
 
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
-def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, states=True):
+def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, states=True,
+                  spec=None):
     """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
     [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
     DeltaNetChunkFwd contract (states: every chunk's state in f32 and the final one) and
-    the backward's recompute (the per-chunk states h, no final state)."""
+    the backward's recompute (the per-chunk states h, no final state; the gated
+    recompute's spec: with states)."""
     NC = -(-L // CHUNK)
-    return chunk.forward_plan(default_spec(), Options(), H=1, HV=1, K=K, V=V, dtype=dtype,
-                              beta_dtype=dtype, seq_chunks=(NC,) * (B * H), Ttot=B * H * L,
-                              has_initial_state=has_initial_state, output_final_state=states,
+    return chunk.forward_plan(spec or default_spec(), Options(), H=1, HV=1, K=K, V=V,
+                              dtype=dtype, beta_dtype=dtype, seq_chunks=(NC,) * (B * H),
+                              Ttot=B * H * L, has_initial_state=has_initial_state,
+                              output_final_state=states,
                               return_states=states, config={"fused": False})
 
 
@@ -316,7 +381,7 @@ def chunk_forward_intermediates(q, k, v, beta):
     return o, S, A, A, w, u
 
 
-def recompute_for_backward(k, v, beta, initial_state=None):
+def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None):
     """What the backward needs from the forward, recomputed from its inputs.
 
     Head-first k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype),
@@ -324,8 +389,12 @@ def recompute_for_backward(k, v, beta, initial_state=None):
     (A [B, H, L, 64], w [B, H, L, DK], u [B, H, L, DV]) in the input dtype and S
     [B, H, NC, DK, DV] f32, the state entering each chunk (S[:, :, 0] = initial_state);
     the chunked forward keeps these states in the input dtype, so S carries that rounding.
+    With g_cum [B, H, L] f32 (the scalar gate, L a multiple of 64; spec the gated spec):
+    :func:`gated_recompute`.
     """
     import torch
+    if g_cum is not None:
+        return gated_recompute(k, v, beta, g_cum, initial_state, spec)
     B, H, L, K, V = _dims(k, k, v, beta)
     dt, dev = k.dtype, k.device
     NC = -(-L // CHUNK)
@@ -352,9 +421,49 @@ def recompute_for_backward(k, v, beta, initial_state=None):
     return A, w, u, h.view(B, H, NC, K, V).float()
 
 
-def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False) -> dict:
+def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False, spec=None) -> dict:
     """The plan's chunk_state params for :func:`recompute_for_backward` (B * H one-head
-    sequences, no final state)."""
+    sequences, no final state) or, with the gated spec, :func:`gated_recompute` (every
+    chunk's state in f32 and the final one, as the contract's forward)."""
     plan = contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                         has_initial_state=has_initial_state, states=False)
+                         has_initial_state=has_initial_state, states=is_gated(spec), spec=spec)
     return chunk.plan_params(plan)["chunk_state"]
+
+
+def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
+    """recompute_for_backward for the scalar gate: head-first k, v, beta as there, g_cum
+    [B, H, L] f32 (in-chunk cumulative log gate, L a multiple of 64). The gated
+    chunk_bwd_wy_recompute gives A = (I + strict_tril(beta_i k_i.k_j e^(g_i - g_j)))^-1,
+    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states, in
+    f32 from its registers. Returns (A, w, u, S [B, H, NC + 1, DK, DV] f32: the state
+    entering each chunk, then the final state)."""
+    import torch
+    B, H, L, K, V = _dims(k, k, v, beta)
+    _check_gate(g_cum, B, H, L)
+    spec = spec or _gated_spec()
+    dt, dev = k.dtype, k.device
+    NC, N, Ttot = L // CHUNK, B * H, B * H * L
+    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
+    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
+    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
+    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else None
+    if Ttot == 0:
+        S.copy_(h0.view(B, H, 1, K, V) if has_h0 else 0.0)
+        return A, w, u, S
+    k, v, beta, g_cum = (x.contiguous() for x in (k, v, beta, g_cum))
+    dtype = str(dt).replace("torch.", "")
+    params = stage_params(H=H, K=K, V=V, dtype=dtype, B=B, gated=True)[RECOMPUTE]
+    compiled_stage(RECOMPUTE, spec, **params)(k, v, beta, g_cum, A, w, u)
+    # sequence n = (b, h): its states at rows n (NC + 1) + t of S, the final one at t = NC
+    x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
+             k=k.view(Ttot, 1, K), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V),
+             g_cum=g_cum.view(1, Ttot), ht=S.view(N * (NC + 1), 1, K, V),
+             h=torch.empty(N * NC, 1, K, V, dtype=dt, device=dev),   # written, not needed
+             h0=h0.view(N, 1, K, V) if has_h0 else S.new_empty(1, 1, K, V),
+             v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
+    runtime.launch_kernel(spec, ARCH, "chunk_state",
+                          state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
+                                       has_initial_state=has_h0, spec=spec), x)
+    return A, w, u, S

@@ -25,9 +25,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read
     as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). chunk_size: 64 only.
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 or None).
+
+    Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
+    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V in
+    {64, 128}; f16 / bf16; anything the backward does not support raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    from . import autograd
+    if autograd.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return autograd.train(SPEC, opts, q, k, v, g, beta, scale, initial_state,
+                              output_final_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
     return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

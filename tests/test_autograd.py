@@ -17,17 +17,16 @@ from test_chunk_bwd import install_fakes
 import linattn
 from linattn.dsl import Options, SpecError
 from linattn.dsl import torch_reference as tref
-from linattn.ops import autograd, chunk_bwd, deltanet
+from linattn.ops import autograd, chunk_bwd, deltanet, gdn
 
 F64 = torch.float64
 
 
-def _reference_forward(call, q, k, v, beta, initial_state):
+def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
     cu = None if call.cu is None else torch.tensor(call.cu)
-    o, final = tref.chunked_forward(deltanet.SPEC, q, k, v, beta=beta,
-                                    options=Options(l2norm_qk=call.l2norm_qk),
+    o, final = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=call.options,
                                     scale=call.scale, initial_state=initial_state,
-                                    cu_seqlens=cu)
+                                    cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
     return o.to(q.dtype), (final.float() if call.output_final_state else None)
 
 
@@ -147,7 +146,7 @@ def test_unsupported_options_raise():
         linattn.chunk_delta_rule(*_grad_inputs(), transpose_state_layout=True)
 
 
-@pytest.mark.parametrize("op", ["chunk_gated_delta_rule", "chunk_kda", "chunk_gla",
+@pytest.mark.parametrize("op", ["chunk_kda", "chunk_gla",
                                 "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
                                 "fused_recurrent_gla", "fused_recurrent_delta_rule"])
 def test_ops_without_backward_refuse_requires_grad(op):
@@ -181,3 +180,72 @@ def test_gpu_check_recorder():
     with pytest.raises(AssertionError):
         record_errors(res, "t", {"dtype": "bfloat16"}, {"a": float("nan")}, 1)
     assert [r["passed"] for r in res] == [True, False, False] and res[2]["errors"]["a"] is None
+
+
+# -- Gated DeltaNet (the scalar gate) -------------------------------------------------------
+
+def _gdn_inputs(rng, B, T, H, HV, K, V, dtype, N, h0, gik):
+    g = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(B, T, H, K), dim=-1) for _ in "qk")
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=r(B, T, HV, V).to(dtype),
+             beta=torch.sigmoid(r(B, T, HV)).to(dtype),
+             initial_state=r(N, HV, K, V).float() if h0 else None)
+    if gik:
+        x.update(g=r(B, T, HV).float(), A_log=torch.log(torch.rand(HV, generator=g) * 4 + .5),
+                 dt_bias=(r(HV) * 0.5).float())
+    else:
+        x["g"] = (torch.nn.functional.logsigmoid(r(B, T, HV)) / 8).float()
+    return x, r(B, T, HV, V).to(dtype), r(N, HV, K, V).float()
+
+
+GDN_CASES = [   # B, T, H, HV, K, V, cu_seqlens, initial state, dht, l2norm, gate in kernel
+    pytest.param(2, 130, 2, 2, 64, 64, None, False, False, False, False, id="B2-T130-plain"),
+    pytest.param(1, 65, 1, 2, 64, 128, None, True, True, True, False, id="T65-GVA2-h0-dht"),
+    pytest.param(2, 64, 2, 4, 128, 64, None, True, False, False, True, id="T64-GVA2-gik"),
+    pytest.param(1, 135, 1, 2, 64, 64, (0, 1, 70, 71, 135), True, True, True, True,
+                 id="varlen-h0-dht-l2norm-gik"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,cu,h0,use_dht,l2norm,gik", GDN_CASES)
+def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu, h0,
+                                           use_dht, l2norm, gik):
+    """chunk_gated_delta_rule under autograd: q, k, v, g, beta, h0 (and A_log, dt_bias
+    with the gate in the kernel) vs torch autograd of the fp64 chunked reference."""
+    N = B if cu is None else len(cu) - 1
+    x, do, dht = _gdn_inputs(rng, B, T, H, HV, K, V, torch.float16, N, h0, gik)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items() if t is not None}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    o, ht = linattn.chunk_gated_delta_rule(**leaves, output_final_state=use_dht,
+                                           use_qk_l2norm_in_kernel=l2norm,
+                                           use_gate_in_kernel=gik, cu_seqlens=cu_t)
+    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
+    loss.backward()
+    assert fake_kernels == ["chunk_bwd_wy_recompute", "chunk_state", "chunk_bwd_dv_local",
+                            "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"]
+    refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
+    o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=None if cu is None else
+                                     torch.tensor(cu),
+                                     options=Options(l2norm_qk=l2norm, gate_in_kernel=gik))
+    loss_r = (o_r * do.to(F64)).sum() + ((ht_r * dht.to(F64)).sum() if use_dht else 0)
+    loss_r.backward()
+    for n, t in leaves.items():
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype, n
+        assert not torch.isnan(t.grad).any(), n
+        # A_log's and dt_bias' gradients are torch's sums over tokens of dg's (checked to
+        # 5e-3) times the activation's derivative: terms of both signs cancel, so the sum's
+        # relative error is larger
+        tol = 3e-2 if n in ("A_log", "dt_bias") else 5e-3
+        assert _rel(t.grad, refs[n].grad) < tol, (n, _rel(t.grad, refs[n].grad))
+
+
+def test_gdn_unsupported_raise():
+    q, k, v, beta = _grad_inputs()
+    g = torch.zeros(1, 70, 2)
+    with pytest.raises(SpecError, match="state_v_first"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, transpose_state_layout=True)
+    with pytest.raises(SpecError, match="g \\[B, T, HV\\]"):
+        linattn.chunk_gated_delta_rule(q, k, v, g[:, :, :1], beta)
+    with pytest.raises(SpecError, match="HV a multiple of H"):
+        linattn.chunk_gated_delta_rule(q, k, v[:, :, :1], g[:, :, :1], beta[:, :, :1])

@@ -9,12 +9,19 @@ final_state themselves); ||x - ref|| / ||ref|| < 1e-2 bf16, 5e-3 f16. Fresh rand
 Kernels are compiled first in parallel processes. JSON summary to
 $OUT_DIR (else $OUT)/autograd_gpu.json when set.
 
+Gated DeltaNet (the ``gdn`` tests): chunk_gated_delta_rule the same way, gradients of q,
+k, v, g, beta, h0 (and A_log, dt_bias with the gate in the kernel: sums over tokens of
+dg's terms, whose cancellation loosens them to 5x the limit), GVA, varlen, l2norm;
+g = logsigmoid(x) / 8 (or raw x with use_gate_in_kernel). Only the selected tests'
+kernels are precompiled.
+
 Run: python3 -m pytest -q -m gpu tests/test_autograd_gpu.py   (skips without a GPU)
+     python3 -m pytest -q -m gpu tests/test_autograd_gpu.py -k gdn   (Gated DeltaNet only)
 """
 import time
 
 import pytest
-from conftest import record_errors, rel_err, write_summary
+from conftest import GRAD_TOL, record_errors, rel_err, write_summary
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
@@ -90,22 +97,36 @@ def _scheme(name):
     return saved
 
 
+def _selected(request, gdn):
+    """Whether this run selected any of the module's Gated DeltaNet (gdn) / other tests."""
+    return any(("gdn" in item.name) == gdn for item in request.session.items
+               if getattr(item, "module", None) is request.module)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def precompiled():
+def precompiled(request):
     from linattn.ops import chunk, chunk_bwd
+    from linattn.ops.gdn import SPEC as GDN
     t0 = time.time()
-    fwd, bwd = [], []
-    for c in CASES:
-        jobs, params = _jobs(c.values[0])
-        fwd += jobs
-        bwd.append(params)
-    for c in SCAN_CASES:
-        saved = _scheme("scan")
-        try:
-            bwd.append(_jobs(c.values[0])[1])
-        finally:
-            _scheme(saved)
-    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+    fwd, bwd, gated = [], [], []
+    if _selected(request, gdn=False):
+        for c in CASES:
+            jobs, params = _jobs(c.values[0])
+            fwd += jobs
+            bwd.append(params)
+        for c in SCAN_CASES:
+            saved = _scheme("scan")
+            try:
+                bwd.append(_jobs(c.values[0])[1])
+            finally:
+                _scheme(saved)
+    if _selected(request, gdn=True):
+        for c in GDN_CASES:
+            jobs, params = _gdn_jobs(c.values[0])
+            fwd += jobs
+            gated.append(params)
+    errors = (chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+              + chunk_bwd.precompile(gated, spec=GDN))
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)
@@ -212,3 +233,168 @@ def test_gradients_vs_chunked_bwd(p, rng):
                            cu_seqlens=None if p["cu"] is None else list(p["cu"]))
     rgrads = [None if ref[n] is None else torch.from_numpy(ref[n]).cuda() for n in NAMES]
     record_errors(RESULTS, "vs_chunked_bwd", p, _grad_errors(grads, rgrads, xs), seed)
+
+
+# -- Gated DeltaNet ---------------------------------------------------------------------------
+
+def gdn_case(B, T, H, HV, K, V, dtype, cu=None, h0=False, dht=False, l2norm=False, gik=False,
+             name=None):
+    p = dict(family="gdn", B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0,
+             dht=dht, l2norm=l2norm, gik=gik)
+    flags = "".join(f"-{n}" for n in ("h0", "dht", "l2norm", "gik") if p[n])
+    return pytest.param(p, id=name or f"gdn-B{B}-T{T}-H{H}-HV{HV}-K{K}-V{V}-{SHORT[dtype]}"
+                                      f"{flags}")
+
+
+GDN_CASES = [
+    gdn_case(2, 2048, 4, 4, 128, 128, "bfloat16", dht=True, name="gdn-train-2k-K128-bf16-dht"),
+    gdn_case(2, 2048, 2, 4, 64, 64, "float16", h0=True, dht=True, l2norm=True,
+             name="gdn-train-2k-GVA2-f16-h0-dht-l2norm"),
+    gdn_case(1, 1000, 4, 8, 128, 128, "bfloat16", h0=True, dht=True, l2norm=True, gik=True,
+             name="gdn-T1000-GVA2-K128-bf16-h0-dht-l2norm-gik"),
+    gdn_case(2, 63, 4, 4, 64, 64, "bfloat16", h0=True, dht=True),
+    gdn_case(2, 65, 2, 4, 64, 64, "float16", l2norm=True),
+    gdn_case(1, 130, 2, 2, 64, 128, "bfloat16", h0=True, gik=True),
+    gdn_case(1, 130, 1, 3, 128, 64, "float16", h0=True, dht=True, l2norm=True),
+    gdn_case(2, 1, 2, 2, 64, 64, "bfloat16", h0=True, dht=True),
+    gdn_case(1, 1 + 129 + 1 + 64 + 300 + 1, 2, 4, 64, 64, "bfloat16",
+             cu=(0, 1, 130, 131, 195, 495, 496), h0=True, dht=True, l2norm=True, gik=True,
+             name="gdn-varlen-1tok-GVA2-bf16-h0-dht-l2norm-gik"),
+    gdn_case(1, 1 + 2047 + 1 + 1000, 4, 4, 128, 128, "float16", cu=(0, 1, 2048, 2049, 3049),
+             h0=True, dht=True, name="gdn-varlen-long-K128-f16-h0-dht"),
+]
+GDN_SMALL_CASES = [c for c in GDN_CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
+#: checked again with the dh pass's pipelined form (GATED_DH_NUM_STAGES = 2, not the default)
+GDN_PIPELINED_CASES = [GDN_CASES[1], GDN_CASES[3], GDN_CASES[8]]
+
+
+def _gdn_jobs(p):
+    """(forward jobs, backward stage_params) of one GDN case, as _jobs (best effort: a
+    kernel missed here compiles on its first call)."""
+    from linattn.dsl import Options
+    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops.gdn import SPEC
+    N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    opts = Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"])
+    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+                              dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
+                              Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
+                              output_final_state=True)
+    jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
+    L = -(-max(lens) // 64) * 64
+    dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
+    jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(
+        **dims, L=L, has_initial_state=p["h0"], spec=SPEC)))
+    return jobs, chunk_bwd.stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"],
+                                        gated=True)
+
+
+def _gdn_inputs(p, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, T, H, HV, K, V = (p[n] for n in ("B", "T", "H", "HV", "K", "V"))
+    N, dt = _n_seqs(p), getattr(torch, p["dtype"])
+    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=F64)  # noqa: E731
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not p["l2norm"]:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    xs = dict(q=q.to(dt), k=k.to(dt), v=rnd(B, T, HV, V).to(dt),
+              beta=torch.sigmoid(rnd(B, T, HV)).to(dt))
+    if p["gik"]:
+        xs.update(g=rnd(B, T, HV).float(),
+                  A_log=torch.log(torch.rand(HV, generator=g, device="cuda") * 4 + 0.5),
+                  dt_bias=(rnd(HV) * 0.5).float())
+    else:
+        xs["g"] = (torch.nn.functional.logsigmoid(rnd(B, T, HV)) / 8).float()
+    if p["h0"]:
+        xs["initial_state"] = rnd(N, HV, K, V).float()
+    return xs, rnd(B, T, HV, V).to(dt), rnd(N, HV, K, V).float()
+
+
+def _gdn_run(p, xs, do, dht, fn, **kw):
+    """o, final_state and each leaf's gradient of fn(**leaves, ...) under the loss."""
+    leaves = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    o, ht = fn(**leaves, output_final_state=True, **kw)
+    loss = (o * do.to(o.dtype)).sum() + ((ht * dht.to(ht.dtype)).sum() if p["dht"] else 0)
+    loss.backward()
+    torch.cuda.synchronize()
+    return o.detach(), ht.detach(), {n: x.grad for n, x in leaves.items()}
+
+
+def _gdn_ours(p, xs, do, dht):
+    import linattn
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], dtype=torch.int32)
+    return _gdn_run(p, xs, do, dht, linattn.chunk_gated_delta_rule,
+                    use_qk_l2norm_in_kernel=p["l2norm"], use_gate_in_kernel=p["gik"],
+                    cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
+
+
+def _gdn_reference(p, xs, do, dht):
+    from linattn.dsl import Options
+    from linattn.dsl import torch_reference as tref
+    from linattn.ops.gdn import SPEC
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], device="cuda")
+    return _gdn_run(p, {n: x.to(F64) for n, x in xs.items()}, do, dht,
+                    lambda output_final_state, **a: tref.chunked_forward(SPEC, **a),
+                    options=Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"]),
+                    cu_seqlens=cu)
+
+
+#: gradients that are sums over tokens (cancelling terms): 5x the limit
+GDN_SUMS = ("A_log", "dt_bias")
+
+
+def _gdn_record(test, p, grads, rgrads, xs, seed, extra_errs=None, **extra):
+    errs = dict(extra_errs or {})
+    for n, x in xs.items():
+        assert grads[n] is not None and grads[n].shape == x.shape and \
+            grads[n].dtype == x.dtype, n
+        errs["d" + n] = rel_err(grads[n], rgrads[n])
+    sums = {n: errs.pop("d" + n) for n in GDN_SUMS if "d" + n in errs}
+    record_errors(RESULTS, test, p, errs, seed, **extra)
+    tol = 5 * GRAD_TOL[p["dtype"]]
+    RESULTS.append(dict(test=test + "_sums", **p, seed=seed, tol=tol, errors=sums,
+                        passed=all(e < tol for e in sums.values())))
+    assert all(e < tol for e in sums.values()), f"{test}: sums over {tol}: {sums}"
+
+
+def _gdn_check(p, rng, **extra):
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _gdn_inputs(p, seed)
+    saved = {n: x.clone() for n, x in xs.items()}
+    o, ht, grads = _gdn_ours(p, xs, do, dht)
+    assert all(torch.equal(xs[n], saved[n]) for n in xs), "inputs modified"
+    ro, rht, rgrads = _gdn_reference(p, xs, do, dht)
+    _gdn_record("gdn_autograd", p, grads, rgrads, xs, seed,
+                dict(o=rel_err(o, ro), ht=rel_err(ht, rht)), **extra)
+
+
+@pytest.mark.parametrize("p", GDN_CASES)
+def test_gdn_gradients_vs_torch_fp64(p, rng):
+    _gdn_check(p, rng)
+
+
+@pytest.mark.parametrize("p", GDN_PIPELINED_CASES)
+def test_gdn_dh_pipelined(p, rng, monkeypatch):
+    from linattn.ops import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "GATED_DH_NUM_STAGES", 2)
+    _gdn_check(p, rng, dh_num_stages=2)
+
+
+@pytest.mark.parametrize("p", GDN_SMALL_CASES)
+def test_gdn_gradients_vs_chunked_bwd(p, rng):
+    """The same run against the NumPy fp64 chunked backward (the kernels' algorithm)."""
+    from linattn.dsl import Options
+    from linattn.dsl.chunked_bwd import chunked_backward
+    from linattn.ops.gdn import SPEC
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _gdn_inputs(p, seed)
+    _, _, grads = _gdn_ours(p, xs, do, dht)
+    npy = lambda x: x.detach().to(F64).cpu().numpy()  # noqa: E731
+    ref = chunked_backward(SPEC, **{n: npy(x) for n, x in xs.items()}, do=npy(do),
+                           dht=npy(dht) if p["dht"] else None,
+                           options=Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"]),
+                           cu_seqlens=None if p["cu"] is None else list(p["cu"]))
+    names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0",
+                 A_log="dA_log", dt_bias="ddt_bias")
+    rgrads = {n: torch.from_numpy(ref[names[n]]).cuda() for n in xs}
+    _gdn_record("gdn_vs_chunked_bwd", p, grads, rgrads, xs, seed)

@@ -27,15 +27,22 @@ C = chunk_bwd.CHUNK
 def test_plan_lists_backward_stages():
     want = list(chunk_bwd.ALL_STAGES)
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
-    for spec in all_rule_gate_specs():          # delta rule without a gate only (so far)
+    gated = [s for s in want if s not in chunk_bwd.SCHEMES["scan"][:2]]   # direct scheme
+    assert [s.name for s in plan(get_spec("gdn"), "bwd")] == gated
+    for spec in all_rule_gate_specs():          # the delta rule without a gate or scalar
         names = [s.name for s in plan(spec, "bwd")]
-        assert names == (want if spec.name == "delta_none" else [])
+        assert names == {"delta_none": want, "delta_scalar": gated}.get(spec.name, [])
 
 
-@pytest.mark.parametrize("stage", chunk_bwd.ALL_STAGES)
-def test_stage_renders(stage):
+GATED_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",
+                 "chunk_bwd_dqkw", "chunk_bwd_wy")
+
+
+@pytest.mark.parametrize("family,stage", [("deltanet", s) for s in chunk_bwd.ALL_STAGES]
+                         + [("gdn", s) for s in GATED_STAGES])
+def test_stage_renders(family, stage):
     from linattn.ops.runtime import stage_module
-    spec = get_spec("deltanet")
+    spec = get_spec(family)
     mod = stage_module(spec, stage, "sm90")
     assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
     ex = mod.EXAMPLES[0]
@@ -186,6 +193,96 @@ EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_lo
            "chunk_bwd_wy": _wy}
 
 
+# the scalar gate's stages (g_cum [B, H, L] f32, L a multiple of 64): the same math with
+# E_ij = exp(g_cum_i - g_cum_j) on the pairs and the e^g scalings of the templates
+
+def _decays(g_cum, L):
+    gc = _chunks(g_cum, L)                          # [B, H, NC, C, 1]
+    E = torch.tril(torch.exp(gc - gc.transpose(-1, -2)))
+    return gc, gc[..., -1:, :], E                   # g_cum, g_last [.., 1, 1], E
+
+
+def _dv_local_g(q, k, do, g_cum, dv_local):
+    L = q.shape[2]
+    qc, kc, doc = (_chunks(x, L) for x in (q, k, do))
+    _, _, E = _decays(g_cum, L)
+    _store(dv_local, ((qc @ kc.transpose(-1, -2)) * E).transpose(-1, -2) @ doc, L)
+
+
+def _dh_g(q, k, w, do, g_cum, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
+          store_dh0=False):
+    L = q.shape[2]
+    qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
+    gc, gl, _ = _decays(g_cum, L)
+    B, H, NC = qc.shape[:3]
+    dh = _dh_start(dht, (B, H, k.shape[-1], do.shape[-1]), use_dht)
+    out = torch.zeros_like(dvc)
+    for c in reversed(range(NC)):
+        dh_out[:, :, c] = dh.to(dh_out.dtype)
+        dh_lp = dh.to(dh_out.dtype).to(F64)
+        out[:, :, c] = dvc[:, :, c] + (kc[:, :, c] @ dh_lp) * torch.exp(gl[:, :, c] - gc[:, :, c])
+        d = out[:, :, c].to(dv2.dtype).to(F64)
+        dh = (torch.exp(gl[:, :, c]) * dh + qc[:, :, c].transpose(-1, -2)
+              @ (doc[:, :, c] * torch.exp(gc[:, :, c])) - wc[:, :, c].transpose(-1, -2) @ d)
+    _store(dv2, out, L)
+    if store_dh0:
+        dh0.copy_(dh)
+
+
+def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
+    L = q.shape[2]
+    qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
+    gc, gl, E = _decays(g_cum, L)
+    NC = qc.shape[2]
+    St = S[:, :, :NC].to(F64)
+    vn = uc - wc @ St
+    ds = torch.tril(doc @ vn.transpose(-1, -2)) * E
+    dqc = (doc @ St.transpose(-1, -2)) * torch.exp(gc) + ds @ kc
+    dkc = ds.transpose(-1, -2) @ qc + (vn @ dh.to(F64).transpose(-1, -2)) * torch.exp(gl - gc)
+    _store(dq, dqc, L)
+    _store(dk_part, dkc, L)
+    _store(dw, -dvc @ St.transpose(-1, -2), L)
+    _store(dg_part, ((qc * dqc).sum(-1) - (kc * dkc).sum(-1)).unsqueeze(-1), L)
+
+
+def _wy_g(k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
+    L = k.shape[2]
+    kc, vc, bc, Ac, dwc, duc, dkp, dgp = (_chunks(x, L) for x in
+                                          (k, v, beta, A, dw, du, dk_part, dg_part))
+    gc, _, E = _decays(g_cum, L)
+    At = Ac.transpose(-1, -2)
+    bk = bc * kc * torch.exp(gc)
+    dbk, dbv = At @ dwc, At @ duc
+    dA = duc @ (bc * vc).transpose(-1, -2) + dwc @ bk.transpose(-1, -2)
+    dM = torch.tril(-At @ dA @ At, -1)
+    Q = dM * (kc @ kc.transpose(-1, -2)) * E
+    P = bc * Q
+    G = bc * dM * E
+    rk = (dbk * kc).sum(-1, keepdim=True) * torch.exp(gc)
+    _store(dv, bc * dbv, L)
+    _store(dk, dkp + bc * torch.exp(gc) * dbk + G @ kc + G.transpose(-1, -2) @ kc, L)
+    _store(dbeta, (dbv * vc).sum(-1, keepdim=True) + rk + Q.sum(-1, keepdim=True), L)
+    dgc = dgp + bc * rk + P.sum(-1, keepdim=True) - P.sum(-2).unsqueeze(-1)
+    _store(dg, dgc, L)
+
+
+def _wy_recompute_g(k, v, beta, g_cum, A_out, w, u):
+    L = k.shape[2]
+    kc, vc, bc = (_chunks(x, L) for x in (k, v, beta))
+    gc, _, E = _decays(g_cum, L)
+    M = torch.tril(bc * (kc @ kc.transpose(-1, -2)) * E, -1)
+    eye = torch.eye(C, dtype=F64)
+    A = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False)
+    A_lp = A.to(A_out.dtype).to(F64)
+    _store(A_out, A, L)
+    _store(w, A_lp @ (bc * kc * torch.exp(gc)), L)
+    _store(u, A_lp @ (bc * vc), L)
+
+
+EMULATE_GATED = {"chunk_bwd_wy_recompute": _wy_recompute_g, "chunk_bwd_dv_local": _dv_local_g,
+                 "chunk_bwd_dh": _dh_g, "chunk_bwd_dqkw": _dqkw_g, "chunk_bwd_wy": _wy_g}
+
+
 def _bwd_flags(params):
     return {f: True for f in ("dv2_from_dh", "use_dht", "store_dh0") if params.get(f)}
 
@@ -199,9 +296,10 @@ def install_fakes(monkeypatch):
 
     def body(spec, stage, params):
         names.append(stage)
-        if stage in EMULATE:
+        table = EMULATE_GATED if chunk_bwd.is_gated(spec) else EMULATE
+        if stage in table:
             flags = _bwd_flags(params)
-            return lambda *args: EMULATE[stage](*args, **flags)
+            return lambda *args: table[stage](*args, **flags)
         math = PipelineMath(spec, params["H"], params["HV"], params["K"], params.get("V"))
         return math.body(spec, stage, params)
     fake_compiles(monkeypatch, body)
@@ -346,3 +444,23 @@ def test_recompute_for_backward(fake_backward, rng):
     S1 = h0 + kc.transpose(-1, -2) @ (uc - wc @ h0)
     assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float32
     assert _rel(S[:, :, 0], h0) < 1e-3 and _rel(S[:, :, 1], S1) < 1e-2
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("K,V,dtype,dh_stages", [(128, 128, "bfloat16", None),
+                                                 (64, 64, "float16", 2)])
+def test_gated_stages_compile(K, V, dtype, dh_stages):
+    """Gated DeltaNet's backward stages at the params one call runs (B=2, H=4, with dht
+    and dh0) compile for sm_90a; dh_stages: the dh pass's pipelined form as well."""
+    from linattn.codegen.compile import compile_stage, format_record
+    spec = get_spec("gdn")
+    params = chunk_bwd.stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
+                                    store_dh0=True, gated=True)
+    if dh_stages is not None:
+        params = {"chunk_bwd_dh": dict(params["chunk_bwd_dh"], num_stages=dh_stages)}
+    assert params["chunk_bwd_dh"]["num_stages"] == (dh_stages or chunk_bwd.GATED_DH_NUM_STAGES)
+    for stage, p in params.items():
+        rec = compile_stage(chunk.stage_module(spec, stage), p, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["registers"] and rec["registers"] <= 255, rec

@@ -267,6 +267,39 @@ def test_build_trains_a_deltanet_like_spec(fake_kernels, rng):
         assert err < 5e-3, err
 
 
+MY_GDN = OpSpec(name="my_gdn_user", rule="delta", gate="scalar", chunk_size=64,
+                supports={"l2norm_qk", "beta_sigmoid", "gate_in_kernel"})
+
+
+def test_build_trains_a_gdn_like_spec(fake_kernels, rng):
+    """A user spec with Gated DeltaNet's maths trains through the gated backward (its own
+    stages, beta's sigmoid and the gate's activation by torch); GVA."""
+    import torch
+    from linattn.dsl import torch_reference as tref
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    B, T, H, HV, K, V = 1, 70, 1, 2, 64, 64
+    xs = dict(q=r(B, T, H, K).half(), k=r(B, T, H, K).half(), v=r(B, T, HV, V).half(),
+              g=r(B, T, HV).float(), beta=r(B, T, HV).half(), A_log=r(HV).float(),
+              dt_bias=r(HV).float())
+    do = r(B, T, HV, V).to(torch.float16)
+    leaves = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 use_gate_in_kernel=True)
+    ops = linattn.build(MY_GDN)
+    assert ops.has_backward
+    o, _ = ops.chunk(**leaves, **flags)
+    (o.float() * do.float()).sum().backward()
+    assert "chunk_bwd_wy" in fake_kernels
+    refs = {n: x.to(torch.float64).requires_grad_() for n, x in xs.items()}
+    o_r, _ = tref.chunked_forward(MY_GDN, **refs, options=Options(
+        l2norm_qk=True, beta_sigmoid=True, gate_in_kernel=True))
+    (o_r * do.to(torch.float64)).sum().backward()
+    for n, x in leaves.items():
+        err = float((x.grad.double() - refs[n].grad).norm() / refs[n].grad.norm())
+        assert err < (3e-2 if n in ("A_log", "dt_bias") else 5e-3), (n, err)
+
+
 def test_build_training_checks_first():
     import torch
     ops = linattn.build(MY_DELTANET.replace(supports=frozenset({"l2norm_qk",
