@@ -244,14 +244,18 @@ def test_arguments_match_kernel_signature(fake_kernels, spec, options, varlen, i
                                       (256, 32, 128, 128), (3, 4, 64, 96), (512, 16, 256, 64)])
 def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first):
     """The sm90 decode table's pick always satisfies the template's thread-map rules;
-    the doubled block (64 values a thread) only for 16-bit states with CTAs to spare."""
+    the doubled block (64 values a thread) only for 16-bit states with CTAs to spare, the
+    f32 block of 64 (one warp per 16 columns) only on grids of >= 16 CTAs per SM."""
     from linattn.codegen.arch import sm90
     problem = dict(K=K, V=V, HV=HV, state_dtype=state_dtype, state_v_first=v_first)
     t = sm90.tuning("recurrent", problem, {"N": N})
     assert sm90.recurrent_layout_ok(K, V, t["block_v"], t["threads"], t["vec"], t["warps_k"],
                                     v_first)
-    if t["block_v"] == 64:
-        assert state_dtype != "float32" and not v_first
+    if t["block_v"] == 64 and state_dtype == "float32":
+        assert not v_first and K <= 128 and N * HV * V // 64 >= 16 * sm90.NUM_SMS
+        assert t == {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
+    elif t["block_v"] == 64:
+        assert not v_first
         assert N * HV * V // 64 >= 6 * sm90.NUM_SMS
     if (N, HV, state_dtype, v_first) == (8, 64, "bfloat16", False):   # the swept row
         assert t == {"block_v": 64, "threads": 128, "vec": 8, "warps_k": 4}
