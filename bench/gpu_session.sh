@@ -59,8 +59,10 @@ for s in $STEPS; do
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
+    # AUTOGRAD_K narrows it (e.g. "gdn")
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-             -rfE --durations=8 tests/test_autograd_gpu.py --junitxml="$R/autograd.xml" ;;
+             -rfE --tb=short --durations=8 tests/test_autograd_gpu.py -k "${AUTOGRAD_K:-}" \
+             --junitxml="$R/autograd.xml" ;;
     # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)
     ncu) run_step ncu "${NCU_S:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu \
              /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$N" ] || { echo "no ncu"; exit 3; }
