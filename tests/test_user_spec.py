@@ -300,6 +300,20 @@ def test_build_trains_a_gdn_like_spec(fake_kernels, rng):
         assert err < (3e-2 if n in ("A_log", "dt_bias") else 5e-3), (n, err)
 
 
+def test_chunk_sizes_the_chunked_kernels_do_not_run_take_the_recurrent_kernel():
+    """A spec at chunk 16 / 32 is computed by the recurrent kernel (exact for any chunk
+    size): sm90's chunked kernels are GPU-checked at chunk 64 only (CHUNK_SIZES)."""
+    import torch
+    from linattn.codegen.arch import get_arch
+    from linattn.ops import validate
+    dims = validate.Dims(B=1, T=300, H=2, HV=4, K=128, V=128)
+    for C in (16, 32, 64):
+        spec = OpSpec(name=f"gated_delta_c{C}_route", rule="delta", gate="scalar", chunk_size=C)
+        want = "chunk" if C in get_arch("sm90").CHUNK_SIZES else "recurrent"
+        assert api.choose_path(spec, dims, torch.bfloat16, varlen=False) == want, C
+    assert get_arch("sm90").CHUNK_SIZES == (64,)
+
+
 def test_build_training_checks_first():
     import torch
     ops = linattn.build(MY_DELTANET.replace(supports=frozenset({"l2norm_qk",
@@ -326,6 +340,8 @@ def test_readme_python_call_matches_fp64(workdir):
 
 
 GPU_SPECS = [   # spec, B, T, H, HV, K, V, options, varlen lengths
+    # (chunk 32: the chunked call takes the recurrent kernel, sm90's CHUNK_SIZES; run s7-4
+    # found the chunk-32 kernels wrong before that routing)
     pytest.param(OpSpec(name="gated_delta_c32_user", rule="delta", gate="scalar", chunk_size=32,
                         supports={"l2norm_qk", "beta_sigmoid", "gate_in_kernel"}),
                  1, None, 2, 4, 128, 128, ("l2norm_qk", "beta_sigmoid", "gate_in_kernel"),

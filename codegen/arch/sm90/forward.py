@@ -142,6 +142,13 @@ def walk_applies(p: ForwardProblem) -> bool:
             and bool(walk_blocks(p)))
 
 
+#: the spec chunk sizes the chunked forward runs at: the kernels are GPU-checked at 64 only
+#: (run s7-4: a chunk-32 delta-rule user spec came out wrong, o 0.98 relative: the kkt
+#: inverse's diagonal pass ran no column when the chunk had fewer rows than its 64
+#: threads; fixed in the template, not yet re-run on the GPU). Other chunk sizes take the
+#: recurrent kernel (ops/api.py chunk_supports).
+CHUNK_SIZES = (64,)
+
 #: what a probe or test may set in forward_plan's config
 CONFIG_KEYS = ("block_v", "segments", "fused")
 

@@ -160,8 +160,10 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             # X = (I + A)^-1 in place of A in w_s. The 16 x 16 diagonal blocks by forward
             # substitution, one column per thread and pass, in registers (unrolled)
             x_col = T.alloc_local((SUB,), f32)
-            for p in T.unroll(BT // threads):
-                col = tx + p * threads
+            for p in T.unroll(max(1, BT // threads)):
+                # (a chunk of fewer rows than threads: the extra threads redo column
+                # tx % BT and do not write)
+                col = (tx + p * threads) % BT
                 b0 = col // SUB * SUB
                 for ii in T.unroll(SUB):
                     x_col[ii] = T.float32(0)
@@ -175,8 +177,9 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         ii == col % SUB, T.float32(1),
                         T.if_then_else(ii < col % SUB, T.float32(0), -acc))
                 T.sync_threads()
-                for ii in T.unroll(SUB):
-                    w_s[b0 + ii, col] = x_col[ii]
+                if tx + p * threads < BT:
+                    for ii in T.unroll(SUB):
+                        w_s[b0 + ii, col] = x_col[ii]
                 T.sync_threads()
             # then block columns s, last first (R = 16 (s + 1)):
             #   X[R:, s] = -X[R:, R:] (A[R:, s] X_ss)
