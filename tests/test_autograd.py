@@ -249,3 +249,6 @@ def test_gdn_unsupported_raise():
         linattn.chunk_gated_delta_rule(q, k, v, g[:, :, :1], beta)
     with pytest.raises(SpecError, match="HV a multiple of H"):
         linattn.chunk_gated_delta_rule(q, k, v[:, :, :1], g[:, :, :1], beta[:, :, :1])
+    assert q.dtype == torch.bfloat16     # (GPU-checked in float16 only, run s7-4)
+    with pytest.raises(SpecError, match="float16 only"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta)
