@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..codegen.arch import get_arch
 from ..codegen.plan import plan
 from ..dsl import Gate, OpSpec, Options
 from . import validate
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
 _CHUNKED: dict = {}
+
+
+#: spec chunk sizes the chunked kernels run at (the arch's; others take the recurrent kernel)
+CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
@@ -45,10 +50,9 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims, the spec's chunk size;
     see ops/chunk.py); the others take the recurrent kernel."""
-    from ..codegen.arch import get_arch
     k_max = 128 if spec.gate is Gate.KEY else 256
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
-            and spec.chunk_size in get_arch("sm90").CHUNK_SIZES
+            and spec.chunk_size in CHUNK_SIZES
             and dims.K % 16 == 0 and 16 <= dims.K <= k_max
             and dims.V % 16 == 0 and 16 <= dims.V <= 256)
 
