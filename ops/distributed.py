@@ -37,7 +37,8 @@ all_reduce of the final states (output_final_state). ``group``: a ProcessGroup, 
 and ``all_reduce_sum(t) -> tensor`` (tests/test_distributed.py simulates ranks with
 threads so). With gloo the carries travel through the CPU. ``fn`` is any function with
 the fla chunk signature (the injectable local pass: the tests give the fp64 reference).
-Forward only: the result does not carry gradients across ranks.
+Forward only: inputs that require grad (with grad mode on) are refused; the backward
+(the adjoint scan of the carries in reverse rank order) is not implemented.
 """
 from __future__ import annotations
 
@@ -129,6 +130,11 @@ def check_args(fn, q, k, v, gate_args, cu_seqlens, initial_state, kw) -> list | 
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape[:2] != q.shape[:2]):
             raise validate.error(f"gate_args[{i}] must be None or a per-token tensor "
                                  f"[{q.shape[0]}, {q.shape[1]}, ...], got {validate.describe(x)}")
+    tensors = [x for x in (q, k, v, *gate_args, initial_state, *kw.values())
+               if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        raise validate.error("cp_forward is forward only (no gradient crosses the ranks): "
+                             "call it under torch.no_grad() or on tensors without grad")
     bad = sorted(set(kw) & {"cu_seqlens", "initial_state", "output_final_state"})
     if bad:
         raise validate.error(f"{bad[0]} given twice")
@@ -161,7 +167,7 @@ def cp_forward(fn, q, k, v, *gate_args, group=None, cu_seqlens=None, initial_sta
     lengths = [q.shape[1]] * comm.size
     if cu is not None:
         import torch
-        got = comm.all_gather(torch.tensor([q.shape[1]], dtype=torch.int64))
+        got = comm.all_gather(torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device))
         lengths = [int(x[0]) for x in got]
         if sum(lengths) != cu[-1]:
             raise validate.error(f"cu_seqlens ends at {cu[-1]}, but the ranks hold "

@@ -113,6 +113,8 @@ def worker(rank, world, port, case, out_dir):
 
     from linattn.distributed import cp_forward
     backend = "nccl" if case.get("nccl") else "gloo"
+    if case.get("nccl"):
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
     try:
