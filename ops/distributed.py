@@ -150,10 +150,12 @@ def check_args(fn, q, k, v, gate_args, cu_seqlens, initial_state, kw) -> list | 
     elif "cu_seqlens_cpu" in kw:
         raise validate.error("cu_seqlens_cpu given without cu_seqlens")
     N = q.shape[0] if cu is None else len(cu) - 1
+    kv = (v.shape[3], k.shape[3]) if kw.get("state_v_first") or kw.get(
+        "transpose_state_layout") else (k.shape[3], v.shape[3])
+    want = (N, v.shape[2], *kv)
     if initial_state is not None and (not isinstance(initial_state, torch.Tensor)
-                                      or initial_state.dim() != 4
-                                      or initial_state.shape[:2] != (N, v.shape[2])):
-        raise validate.error(f"initial_state must be [N={N}, HV={v.shape[2]}, K, V] (global), "
+                                      or tuple(initial_state.shape) != want):
+        raise validate.error(f"initial_state must be {list(want)} (global: every sequence), "
                              f"got {validate.describe(initial_state)}")
     return cu
 
@@ -175,7 +177,9 @@ def cp_forward(fn, q, k, v, *gate_args, group=None, cu_seqlens=None, initial_sta
     shard = shard_of(lengths, comm.rank, cu)
     local = Local(fn, q, k, v, gate_args, kw, shard, initial_state)
     o, ht, carry = local.first_pass()
-    carries = comm.all_gather(carry)
+    # every rank knows every shard: skip the gather when no piece continues across ranks
+    if any(shard_of(lengths, r, cu).continues for r in range(comm.size)):
+        carries = comm.all_gather(carry)
     if shard.continues:
         o, ht = local.rerun_first(o, ht, local.entering(carries, comm.rank))
     if not output_final_state:

@@ -183,8 +183,9 @@ def _rel(got, want):
 def test_gpu_kernels_context_parallel(name, world, tmp_path):
     """The family's kernels over ``world`` processes (NCCL when there are as many GPUs,
     else gloo with every rank on GPU 0) against one call on the whole sequence."""
-    lengths = [300, 450, 250][:world] if world == 3 else [520, 480]
-    cu = [0, 100, 700, sum(lengths)]
+    # 3 ranks: rank 1 lies inside sequence 1 (the M pass); 2 ranks: sequence 1 crosses
+    lengths, cu = ([300, 450, 250], [0, 100, 800, 1000]) if world == 3 else (
+        [520, 480], [0, 100, 700, 1000])
     case = dict(spec=name, lengths=lengths, cu=cu, seed=_seed(), gpu=True,
                 nccl=torch.cuda.device_count() >= world, dims=dict(H=4, K=128, V=128))
     o_ref, ht_ref = _single(case)          # first: the kernels compiled before the ranks start
