@@ -399,6 +399,22 @@ def test_torch_compile_fullgraph_without_graph_breaks(cpu_ops):
     torch.testing.assert_close(got, want)
 
 
+
+def test_torch_compile_first_call_traces_the_plan_lookup(cpu_ops):
+    """A spec's first call under torch.compile(fullgraph=True) (no eager call before it)
+    traces the plan lookup (codegen.arch.get_arch is a dict lookup once loaded)."""
+    from linattn.ops import api
+    q, k, v, g, beta = inputs(T=70)
+    api._CHUNKED.clear()
+
+    def model(q, k, v, g, beta):
+        return linattn.chunk_gated_delta_rule(q, k, v, g, beta)[0]
+    with torch.no_grad():
+        torch._dynamo.reset()
+        got = torch.compile(model, fullgraph=True)(q, k, v, g, beta)
+        want = model(q, k, v, g, beta)
+    torch.testing.assert_close(got, want)
+
 def test_opcheck(cpu_ops):
     """torch.library.opcheck: schema, fake implementation, aot dispatch (on the CPU
     kernel of these tests)."""

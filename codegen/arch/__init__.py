@@ -15,13 +15,16 @@ import importlib
 from ...dsl import SpecError  # noqa: F401  (re-exported for callers)
 
 ARCHES = ("sm90",)
+_LOADED: dict = {}      # name -> module (a dict lookup once loaded: torch.compile traces it)
 
 
 def get_arch(name: str):
     """The arch module for ``name`` ("sm90"), with a clear error for unknown names."""
     if name not in ARCHES:
         raise SpecError(f"unknown arch {name!r}; valid arches: {', '.join(ARCHES)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    if name not in _LOADED:
+        _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
+    return _LOADED[name]
 
 
 def arch_for_capability(major: int, minor: int) -> str:
