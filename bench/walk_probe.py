@@ -41,6 +41,13 @@ CASES = {
     "deltanet-8k-k64": ("deltanet", 2, 8192, 4, 4, 64, 64, (), None, False),
     "deltanet-prefill-4k": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None, False),
     "symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168], False),
+    # the per-key gate (KDA, GLA): the table's shapes
+    "kda-tp1-4096": ("kda", 1, 4096, 32, 32, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp2-16384": ("kda", 1, 16384, 16, 16, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp8-4096": ("kda", 1, 4096, 4, 4, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp1-4x1024": ("kda", 1, None, 32, 32, 128, 128, ("l2norm_qk",), [1024] * 4, False),
+    "gla-prefill-8k": ("gla", 2, 8192, 4, 4, 64, 64, (), None, False),
+    "gla-varlen-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032], False),
 }
 
 

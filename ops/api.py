@@ -50,10 +50,9 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims, the spec's chunk size;
     see ops/chunk.py); the others take the recurrent kernel."""
-    k_max = 128 if spec.gate is Gate.KEY else 256
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
             and spec.chunk_size in CHUNK_SIZES
-            and dims.K % 16 == 0 and 16 <= dims.K <= k_max
+            and dims.K % 16 == 0 and 16 <= dims.K <= 256
             and dims.V % 16 == 0 and 16 <= dims.V <= 256)
 
 

@@ -12,7 +12,7 @@ a plan that splits sequences, each segment to its tokens and chunks. The plans
 and the fused or three-stage prepare / state / output pipelines for the rest.
 
 Supported: every rule x gate (DeltaNet, GDN, KDA, GLA and the other combinations); K, V
-multiples of 16 up to 256 (K <= 128 with the per-key gate); f16 / bf16 inputs.
+multiples of 16 up to 256; f16 / bf16 inputs.
 """
 from __future__ import annotations
 
@@ -225,8 +225,6 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     spec.check_options(options)
     (B, T, H, HV, K, V), N = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
                                            cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
-    if spec.gate is Gate.KEY and K > 128:
-        raise SpecError(f"the chunked forward with a per-key gate supports K <= 128, got K={K}")
     cu = _cu_tuple(B, T, cu_seqlens, cu_seqlens_cpu)
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
     C = spec.chunk_size
