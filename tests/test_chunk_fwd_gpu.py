@@ -139,12 +139,14 @@ def _jobs(p):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def precompiled():
-    """Compile every kernel these tests need in parallel processes first (disk cache)."""
+def precompiled(request):
+    """Compile the kernels of the selected cases in parallel processes first (disk cache)."""
     import time
     from linattn.ops import runtime
     t0 = time.time()
-    jobs = [j for c in CASES + WALK_CASES for j in _jobs(c.values[0])]
+    chosen = [it.callspec.params["p"] for it in request.session.items
+              if it.module is request.module and hasattr(it, "callspec") and "p" in it.callspec.params]
+    jobs = [j for p in chosen for j in _jobs(p)]
     errors = runtime.precompile(jobs)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
