@@ -92,7 +92,7 @@ CASES = [
     case("kda", 1, 300, 2, 2, 128, 128, opts=("l2norm_qk",), gate_scale=40.0),
     case("gla", 2, 100, 2, 2, 64, 64, gate_scale=40.0),
     case("kda", 1, 200, 2, 2, 256, 256, opts=("l2norm_qk",)),
-    case("gla", 1, 200, 2, 2, 256, 128, opts=("l2norm_qk",)),
+    case("gla", 1, 200, 2, 2, 256, 128),
     case("kda", 1, 150, 1, 2, 96, 64, dtype="float16", opts=("l2norm_qk", "beta_sigmoid")),
     case("kda", 1, None, 2, 4, 128, 128, dtype="float16", opts=("l2norm_qk",),
          lens=[1, 63, 200, 1, 64, 129], gate_scale=5.0),

@@ -282,7 +282,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         a_s[d0 + ii, col] = x_col[ii]
                 T.sync_threads()
             xt_s = T.alloc_shared((SUB, SUB), f32)
-            yt_s = T.alloc_shared((SUB, BT - SUB), f32)
+            yt_s = T.alloc_shared((SUB, BT), f32)
             y_f = T.alloc_fragment((BT, SUB), f32)
             z_f = T.alloc_fragment((BT, SUB), f32)
             for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
@@ -291,14 +291,14 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 for i, j in T.Parallel(SUB, SUB):
                     xt_s[i, j] = a_s[m0 + j, m0 + i]
                 T.gemm(a_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
+                # (writes of whole fragments, selected: a condition on a fragment's row
+                # would put the next barrier inside a branch)
                 for i, j in T.Parallel(BT, SUB):
-                    if i >= R:
-                        yt_s[j, i - R] = y_f[i, j]
-                T.gemm(a_s[0:BT, R:BT], yt_s[0:SUB, 0:BT - R], z_f, transpose_B=True,
+                    yt_s[j, i] = y_f[i, j]
+                T.gemm(a_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
                        clear_accum=True)
                 for i, j in T.Parallel(BT, SUB):
-                    if i >= R:
-                        a_s[i, m0 + j] = -z_f[i, j]
+                    a_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], a_s[i, m0 + j])
 
             x_lp = T.alloc_shared((BT, BT), dtype)
             for i, j in T.Parallel(BT, BT):
