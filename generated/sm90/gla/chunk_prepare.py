@@ -206,6 +206,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             aqk_s = T.alloc_shared((BT, BT), dtype)     # scaled, as written
             a_s = T.alloc_shared((BT, BT), f32)
             part_s = T.alloc_shared((BT, 2 * diag), f32)
+            st_s = T.alloc_shared((BT, HALF), f32)
             if l2norm_qk:
                 for i in T.Parallel(BT):
                     nq_s[i] = T.rsqrt(ssq[i] + NORM_EPS)
@@ -218,14 +219,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 aqk_s[i, j] = T.cast(0, dtype)
                 a_s[i, j] = T.float32(0)
             for W, acc in zip(levels, accs):
-                for a, a2 in T.Parallel(BT, HALF):
-                    i = a % HALF // W * 2 * W + W + a % W
+                # (through shared memory: a branch writing two buffers from a fragment
+                # was lowered with both stores unconditional)
+                T.copy(acc, st_s)
+                for a, a2 in T.Parallel(HALF, HALF):
+                    i = a // W * 2 * W + W + a % W
                     j = a2 // W * 2 * W + a2 % W
-                    if a % HALF // W == a2 // W:
-                        if a < HALF:
-                            a_s[i, j] = acc[a, a2]
-                        else:
-                            aqk_s[i, j] = T.cast(acc[a, a2] * nq_s[i] * nk_s[j], dtype)
+                    if a // W == a2 // W:
+                        a_s[i, j] = st_s[a, a2]
+                        aqk_s[i, j] = T.cast(st_s[HALF + a, a2] * nq_s[i] * nk_s[j], dtype)
             if eh == 1:
                 for jj in T.unroll(diag):
                     part_s[er, jj] = dq[jj]
