@@ -26,8 +26,8 @@ barriers would serialise the warps' independent blocks below):
   rows    k (and q) read in 16-byte pieces, a row's lanes summing |k_i|^2 by shuffles; k
           (normalised with l2norm_qk) into shared memory, kn written from registers
   gram    K K^T, one tensor-core GEMM; L = its strict lower triangle scaled, f32 in a_s
-  diag    warp b inverts the diagonal block L_bb (16 x 16) by forward substitution, one
-          column per lane, in registers: X_bb replaces L_bb in a_s
+  diag    the diagonal blocks L_bb (16 x 16) inverted by forward substitution, one column
+          per thread (the first BT threads), in registers: X_bb replaces L_bb in a_s
   levels  for d = 1, 2, 3 the blocks d below the diagonal, X_{b, b-d} = -X_bb (L_{b, b-d:b}
           X_{b-d:b, b-d}), warp b alone for its block: two tf32 MMAs (the B operands K-major:
           X's column blocks are kept transposed in xt_s)
@@ -59,7 +59,7 @@ EXAMPLES = [
 CHUNK = 64
 LOG_EPS = 1e-6
 SUB = 16                        # diagonal block of the inverse, one warp each
-MIN_CTAS_PER_SM = 4             # 128 threads: <= 128 registers
+MIN_CTAS_PER_SM = 5             # 128 threads: <= 102 registers
 
 
 def out_idx(**params):
@@ -222,27 +222,31 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                 g_cum[hv, c * BT + tx] = g_s[tx]
             T.sync_threads()
 
-            # diag: warp b, lane n < 16: column n of X_bb = (I + L_bb)^-1,
-            # X[i, n] = [i == n] - sum_{n <= j < i} L[i, j] X[j, n] (lanes >= 16 repeat it)
-            wb = tx // 32 * SUB
-            n = tx % 32 % SUB
-            for ii in T.unroll(SUB):
-                x_col[ii] = T.float32(0)
-            for ii in T.unroll(SUB):
-                acc = T.float32(0)
-                for jj in T.unroll(ii):
-                    acc = acc + a_s[wb + ii, wb + jj] * x_col[jj]
-                x_col[ii] = T.if_then_else(ii == n, T.float32(1),
-                                           T.if_then_else(ii < n, T.float32(0), -acc))
-            T.sync_warp()                       # (the warp's reads of L_bb are done)
-            if tx % 32 < SUB:
+            # diag: thread t < BT inverts column n = t % 16 of X_bb = (I + L_bb)^-1, b = t // 16
+            # (blocks 2w, 2w + 1 in warp w): X[i, n] = [i == n] - sum_{n <= j < i} L[i, j] X[j, n]
+            if tx < BT:
+                wb = tx // SUB * SUB
+                n = tx % SUB
+                for ii in T.unroll(SUB):
+                    x_col[ii] = T.float32(0)
+                for ii in T.unroll(SUB):
+                    acc = T.float32(0)
+                    for jj in T.unroll(ii):
+                        acc = acc + a_s[wb + ii, wb + jj] * x_col[jj]
+                    x_col[ii] = T.if_then_else(ii == n, T.float32(1),
+                                               T.if_then_else(ii < n, T.float32(0), -acc))
+                # (the warp's reads of L_bb are done; at chunk 16 only lanes < 16 are here)
+                if BT >= 32:
+                    T.sync_warp()
+                else:
+                    T.sync_warp(0xFFFF)
                 for ii in T.unroll(SUB):
                     a_s[wb + ii, wb + n] = x_col[ii]
                     o_s[wb + ii, wb + n] = T.cast(
                         x_col[ii] * b_s[wb + n] if a_beta else x_col[ii], a_dtype)
-                if tx // 32 < NB - 1:
+                if tx < BT - SUB:
                     for ii in T.unroll(SUB):
-                        xt_s[tx // 32, n, ii] = x_col[ii]
+                        xt_s[tx // SUB, n, ii] = x_col[ii]
             for i, j in T.Parallel(BT, BT):     # X's blocks above the diagonal
                 if i // SUB < j // SUB:
                     o_s[i, j] = T.cast(0, a_dtype)
