@@ -12,7 +12,8 @@ value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the first token and the va
   k, q <- x * rsqrt(sum x^2 + 1e-6)                    (l2norm_qk; written as kn, qn once per
                                                        key head)
   beta <- sigmoid(beta) (x2 with allow_neg_eigval)     (beta_sigmoid)
-  A = (I + L)^-1, L = strict_tril(beta_i (k_i . k_j))   (f32)
+  A = (I + L)^-1 (f32),
+  L = strict_tril(beta_i (k_i . k_j))
   A_b[i, j] = A[i, j] beta_j         (written [Ttot, HV, 64] in a_dtype; columns past the
                                       chunk's rows are 0)
   chunk_norm = sum_i (g_i + log max(1, beta_i |k_i|^2 - 1))
@@ -169,7 +170,8 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             k_s = T.alloc_shared((BT, K), dtype)
             a_s = T.alloc_shared((BT, BT), f32)            # L; X's diagonal blocks in place
-            xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)   # xt_s[b, n, m] = X[16 b + m, 16 b + n]
+            # X's column blocks transposed: xt_s[b, n, m] = X[16 b + m, 16 b + n]
+            xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)
             yt_s = T.alloc_shared((NB, SUB, SUB), f32)     # each warp's (L X)^T block
             o_s = T.alloc_shared((BT, BT), a_dtype)        # A_b, staged
             b_s = T.alloc_shared((BT,), f32)
@@ -195,7 +197,8 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             T.sync_threads()                    # (g_s's cumsum; k_s is dead from here)
             for i, j in T.Parallel(BT, BT):
                 kk[i, j] = T.if_then_else(
-                    i > j, b_s[i] * kk[i, j], T.float32(0))
+                    i > j, b_s[i] * kk[i, j],
+                    T.float32(0))
             T.copy(kk, a_s)
             if tx < 32:                         # the chunk's norm bound
                 acc = T.float32(0)
@@ -238,7 +241,8 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                     o_s[i, j] = T.cast(0, a_dtype)
             T.sync_threads()
 
-            # levels: block (b, b - d) by warp b; xt_s[r, :, 0:16 d] holds X[16 r:16 b, 16 r:16 r + 16]^T
+            # levels: block (b, b - d) by warp b;
+            # xt_s[r, :, 0:16 d] = X[16 r:16 b, 16 r:16 r + 16]^T
             for d, warps in LEVELS:
                 for b in warps:
                     if tx >= 32 * b and tx < 32 * (b + 1):
