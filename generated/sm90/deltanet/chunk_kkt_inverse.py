@@ -195,10 +195,8 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             kk = T.alloc_fragment((BT, BT), f32)
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
             T.sync_threads()                    # (g_s's cumsum; k_s is dead from here)
-            for i, j in T.Parallel(BT, BT):
-                kk[i, j] = T.if_then_else(
-                    i > j, b_s[i] * kk[i, j],
-                    T.float32(0))
+            for i, j in T.Parallel(BT, BT):     # (b_s, g_s read unconditionally: one load a row)
+                kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
             T.copy(kk, a_s)
             if tx < 32:                         # the chunk's norm bound
                 acc = T.float32(0)

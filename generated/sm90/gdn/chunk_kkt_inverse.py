@@ -207,10 +207,9 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             kk = T.alloc_fragment((BT, BT), f32)
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
             T.sync_threads()                    # (g_s's cumsum; k_s is dead from here)
-            for i, j in T.Parallel(BT, BT):
-                kk[i, j] = T.if_then_else(
-                    i > j, b_s[i] * kk[i, j] * T.exp(g_s[i] - g_s[j]),
-                    T.float32(0))
+            for i, j in T.Parallel(BT, BT):     # (b_s, g_s read unconditionally: one load a row)
+                gap = g_s[i] - g_s[j]
+                kk[i, j] = kk[i, j] * b_s[i] * T.exp(T.if_then_else(i > j, gap, -T.infinity(f32)))
             T.copy(kk, a_s)
             if tx < 32:                         # the chunk's norm bound
                 acc = T.float32(0)
