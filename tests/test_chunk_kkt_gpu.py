@@ -73,11 +73,13 @@ def _spec(p):
 
 
 def _params(p, options):
-    return dict(H=p["H"], HV=p["HV"], K=p["K"], dtype=p["dtype"],
-                g_dtype="float32", beta_dtype=p["dtype"], l2norm_qk=options.l2norm_qk,
-                beta_sigmoid=options.beta_sigmoid, allow_neg_eigval=options.allow_neg_eigval,
-                gate_in_kernel=options.gate_in_kernel, heads_fastest=p["heads_fastest"],
-                a_beta=p["a_beta"])
+    """build() keywords as the plans pass them (codegen/arch/sm90/forward.py kkt_launch; the
+    contract's a_beta=False as ops/chunk_bwd.py wy_params), so the compiles are shared."""
+    params = dict(H=p["H"], HV=p["HV"], K=p["K"], dtype=p["dtype"],
+                  g_dtype="float32", beta_dtype=p["dtype"], l2norm_qk=options.l2norm_qk,
+                  beta_sigmoid=options.beta_sigmoid, allow_neg_eigval=options.allow_neg_eigval,
+                  gate_in_kernel=options.gate_in_kernel, heads_fastest=p["heads_fastest"])
+    return params if p["a_beta"] else dict(params, a_beta=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
