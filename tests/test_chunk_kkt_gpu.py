@@ -219,6 +219,8 @@ def test_kkt_matches_fp64(p, rng):
         errs["kn"] = _rel(x["kn"], kn_ref)
     print(errs, "worst chunk", worst, "of", NT)
     tol = TOL[p["dtype"]]
-    assert errs["A"] < tol and errs["A_worst_chunk"] < 2 * tol, errs
+    # (A's rounding to bf16 alone is ~5e-4 here, f16 ~7e-5; a wrong 16 x 16 block moves its
+    # chunk by far more than tol)
+    assert errs["A"] < tol / 2 and errs["A_worst_chunk"] < tol, errs
     assert errs.get("g_cum", 0) < 1e-5 and errs["chunk_norm"] < 1e-4, errs
     assert errs.get("qn", 0) < tol / 2 and errs.get("kn", 0) < tol / 2, errs
