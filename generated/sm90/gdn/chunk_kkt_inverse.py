@@ -59,7 +59,7 @@ EXAMPLES = [
 ]
 CHUNK = 64
 LOG_EPS = 1e-6
-SUB = 16                        # diagonal block of the inverse, one warp each
+SUB = 16                        # diagonal block of the inverse (a warp per block row)
 MIN_CTAS_PER_SM = 5             # 128 threads: <= 102 registers
 
 
