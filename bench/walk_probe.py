@@ -119,11 +119,13 @@ def main():
         results.append(rec)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("\ncase                  config                  ms     err_o    err_ht")
+    print("\ncase                  config                  ms     err_o    err_ht  kernels (us)")
     for r in results:
+        per = " ".join(f"{k.replace('chunk_', '').replace('_kernel', '')} {v * 1e3:.1f}"
+                       for k, v in (r.get("stages_ms") or {}).items())
         print(f"{r['case']:21s} {r['config']:20s} {r.get('ms', float('nan')):8.4f} "
-              f"{r.get('err_o', float('nan')):9.2e} {r.get('err_ht', float('nan')):9.2e} "
-              f"{r.get('error', '')[:60]}")
+              f"{r.get('err_o', float('nan')):9.2e} {r.get('err_ht', float('nan')):9.2e}  "
+              f"{per} {r.get('error', '')[:60]}")
 
 
 if __name__ == "__main__":
