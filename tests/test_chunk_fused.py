@@ -160,8 +160,11 @@ class PipelineMath:
 
     # -- the state pass and the output ----------------------------------------------------
     def _walk(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, on_chunk):
-        """The sequential pass; on_chunk(ci, t0, n, hv, S, vn) per chunk; yields finals."""
+        """The sequential pass; on_chunk(ci, t0, n, hv, S, vn) per chunk; yields finals
+        (with the state passes' roundings to the input dtype)."""
         v_first, cu, c0s = p["state_v_first"], cu_seqlens.tolist(), chunk_offsets.tolist()
+        # the kernels' w S takes S in the input dtype, and k^T v_new the (decayed) v_new
+        lp = lambda x: x.to(u.dtype).to(F64)  # noqa: E731
         for s in range(len(cu) - 1):
             for hv in range(self.HV):
                 S = torch.zeros(self.K, self.V, dtype=F64)
@@ -172,13 +175,13 @@ class PipelineMath:
                     ci, n = c0s[s] + j, min(C, cu[s + 1] - t0)
                     kk = k[t0:t0 + n, hv if self.key else hv // self.group].to(F64)
                     uu = u[t0:t0 + n, hv].to(F64)
-                    vn = uu - w[t0:t0 + n, hv].to(F64) @ S if self.spec.has_beta else uu
+                    vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
                     on_chunk(ci, t0, n, hv, S, vn)
                     if self.key:
-                        S = g_cum[ci, hv].to(F64).exp()[:, None] * S + kk.T @ vn
+                        S = g_cum[ci, hv].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
                     else:
                         gc = self.scalar_gate(g_cum, hv, ci, n)
-                        S = gc[-1].exp() * S + ((gc[-1] - gc).exp()[:, None] * kk).T @ vn
+                        S = gc[-1].exp() * S + kk.T @ lp((gc[-1] - gc).exp()[:, None] * vn)
                 yield s, hv, (S.T if v_first else S)
 
     def state(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, h, v_new, ht):
