@@ -133,7 +133,7 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("op,params", [
-    ("kda", dict(diag=4)), ("kda", dict(block_k=32)), ("gla", dict(diag=4)),
+    ("kda", dict(diag=8)), ("kda", dict(block_k=32)), ("gla", dict(diag=8)),
     ("kda", dict(H=2, HV=2, K=96, V=48, dtype="float16", l2norm_qk=True)),
 ])
 def test_key_prepare_tunings_compile(op, params):
@@ -282,6 +282,21 @@ def test_plans_are_printable_and_frozen():
             assert chunk.plan_params(p) == {la.stage: la.kwargs for la in p.launches}
 
 
+def test_state_pass_takes_k_in_64s():
+    """The state pass (per-key gate, additive rule) takes K a multiple of 64: other K are
+    refused with one line by the plan and routed to the recurrent kernel by the API; the
+    delta rule's walk takes any K a multiple of 16."""
+    from linattn.ops import api, validate
+    for name in ("kda", "gla"):
+        with pytest.raises(SpecError, match="multiple of 64"):
+            _plan(name, K=96)
+        assert _plan(name, K=192).name in ("fused", "three-stage")
+        assert not api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
+        assert api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 192, 64), "bfloat16")
+    assert _plan("gdn", K=96).name in ("walk", "walk-split")
+    assert api.chunk_supports(_spec("gdn"), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
+
+
 def test_key_gate_prepare_tuning():
     """The per-key gate's chunk_prepare takes KEY_PREPARE's diag (and a probe's key_diag /
     key_block_k); the scalar-gate stages take no such knobs; the params build."""
@@ -289,9 +304,9 @@ def test_key_gate_prepare_tuning():
     for op in ("kda", "gla"):
         prep = chunk.plan_params(_plan(op, **kw))["chunk_prepare"]
         assert prep["diag"] == sm90_stages.KEY_PREPARE["diag"] and "block_k" not in prep
-        forced = chunk.plan_params(_plan(op, config={"key_diag": 4, "key_block_k": 32},
+        forced = chunk.plan_params(_plan(op, config={"key_diag": 8, "key_block_k": 32},
                                          **kw))["chunk_prepare"]
-        assert forced["diag"] == 4 and forced["block_k"] == 32
+        assert forced["diag"] == 8 and forced["block_k"] == 32
         chunk.stage_module(get_spec(op), "chunk_prepare").build(**forced)
     for config in ({}, {"fused": False}):
         for p in chunk.plan_params(_plan("gdn", config=config, **kw)).values():

@@ -88,12 +88,12 @@ CASES = [
     case("gla", 1, 63, 2, 2, 128, 64, opts=("state_v_first",), scale=0.2),
     case("additive_key", 1, 100, 1, 2, 64, 64, opts=("gate_in_kernel", "l2norm_qk")),
     # the per-key prepare: strong gates (per-token log decays to -40: no exponent may
-    # overflow), K = 256 and a K of three 32-channel panels, ragged varlen in f16
+    # overflow), K = 256 and K = 192 (three 64-channel panels), ragged varlen in f16
     case("kda", 1, 300, 2, 2, 128, 128, opts=("l2norm_qk",), gate_scale=40.0),
     case("gla", 2, 100, 2, 2, 64, 64, gate_scale=40.0),
     case("kda", 1, 200, 2, 2, 256, 256, opts=("l2norm_qk",)),
     case("gla", 1, 200, 2, 2, 256, 128),
-    case("kda", 1, 150, 1, 2, 96, 64, dtype="float16", opts=("l2norm_qk", "beta_sigmoid")),
+    case("kda", 1, 150, 1, 2, 192, 64, dtype="float16", opts=("l2norm_qk", "beta_sigmoid")),
     case("kda", 1, None, 2, 4, 128, 128, dtype="float16", opts=("l2norm_qk",),
          lens=[1, 63, 200, 1, 64, 129], gate_scale=5.0),
     case("delta_key", 1, None, 1, 4, 64, 128, opts=("gate_in_kernel",), lens=[70, 1, 20]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan  # noqa: F401  (the chunked forward's plan)
 from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
+from .stages import STATE_K_MULTIPLE  # noqa: F401  (K of the state pass: a multiple of this)
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

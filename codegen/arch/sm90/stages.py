@@ -25,15 +25,21 @@ FUSE_MIN_CHAINS_DEFAULT = 16
 FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 #: the per-key gate's prepare (chunk_prepare_key): one CTA of 128 threads per (chunk,
 #: head), the pair sums by bisection levels on tensor cores down to diag x diag diagonal
-#: blocks summed element by element, channels in panels of up to 64. Its predecessor (256
-#: threads, every 16 x 16 diagonal block element by element from shared memory) was bound
-#: by the shared-memory pipe: kda-tp2-4096 prepare 0.471 ms (run s5-3; ncu 71 % busy, one
-#: CTA per SM). A probe may force diag / block_k (config key_diag, key_block_k).
-KEY_PREPARE = dict(diag=8)
+#: blocks summed element by element, channels in panels of up to 64. Runs s8-3 / s8-6 at
+#: kda-tp1-4096 (us, prepare alone): the predecessor (every 16 x 16 diagonal block element
+#: by element from shared memory, 256 threads) ~930; this one at diag 8 with TileLang's
+#: column cumsum 724, with the register cumsum 527; diag 4: 419 (tp2-16384 1062 -> 839,
+#: tp8-4096 71 -> 56, GLA prefill-8k 94 -> 74). A probe may force diag / block_k (config
+#: key_diag, key_block_k).
+KEY_PREPARE = dict(diag=4)
 #: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
 WU_BLOCK_N = 64
+#: the state pass's K: a multiple of 64 (its k^T v_new GEMM has K rows, a warpgroup's
+#: wgmma takes M in 64s: K = 96 failed to compile, run s8-3); the API routes other K of the
+#: per-key gate and the additive rule to the recurrent kernel (ops/api.chunk_supports)
+STATE_K_MULTIPLE = 64
 #: the state pass: two TMA pipeline stages (s2-5 sweep); one where two do not fit: the
 #: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
 #: block 32; one: 132 KB)
@@ -123,6 +129,9 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
 
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused")."""
+    if p.K % STATE_K_MULTIPLE:
+        raise ValueError(f"K={p.K}: the chunked state pass takes K a multiple of "
+                         f"{STATE_K_MULTIPLE} (this rule and gate; the recurrent kernel takes it)")
     many = p.NT > hw.MAX_GRID_YZ
     if many and p.return_states:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "

@@ -66,7 +66,7 @@ def _block(n: int, widest: int = 64) -> int:
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
-          heads_fastest=False, block_k=None, diag=8):
+          heads_fastest=False, block_k=None, diag=4):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
