@@ -38,6 +38,8 @@ _CHUNKED: dict = {}
 
 #: spec chunk sizes the chunked kernels run at (the arch's; others take the recurrent kernel)
 CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
+#: (rule, gate) -> the chunked kernels' (K max, V max) (the arch's)
+CHUNK_HEAD_LIMITS = get_arch("sm90").chunk_head_limits
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
@@ -50,11 +52,11 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims, the spec's chunk size;
     see ops/chunk.py); the others take the recurrent kernel."""
-    k_max = 128 if spec.gate is Gate.KEY else 256
+    k_max, v_max = CHUNK_HEAD_LIMITS(spec.rule.value, spec.gate.value)
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
             and spec.chunk_size in CHUNK_SIZES
             and dims.K % 16 == 0 and 16 <= dims.K <= k_max
-            and dims.V % 16 == 0 and 16 <= dims.V <= 256)
+            and dims.V % 16 == 0 and 16 <= dims.V <= v_max)
 
 
 def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool) -> str:

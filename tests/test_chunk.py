@@ -13,6 +13,7 @@ import pytest
 
 from _kernel_check import fake_compiles
 
+from linattn.codegen.arch.sm90 import additive as sm90_additive
 from linattn.codegen.arch.sm90 import forward as sm90_forward
 from linattn.codegen.arch.sm90 import hardware as sm90_hardware
 from linattn.codegen.arch.sm90 import stages as sm90_stages
@@ -254,11 +255,21 @@ def test_pipeline_rules():
         assert _plan(name, config={"segments": 2}).name == "walk-split"
         assert _plan(name, config={"segments": 4}).name == "walk"       # no segment to cut
     for name in ("kda", "gla", "additive_none", "additive_scalar"):
-        assert _plan(name, HV=2).name == "three-stage"                # 2 chains: 3-stage
-        assert _plan(name, HV=32, H=32).name == "fused"               # 32 chains: fused
         assert _plan(name, config={"fused": True}).name == "fused"
+        assert _plan(name, config={"fused": False}).name == "three-stage"
         assert _plan(name, HV=32, H=32, return_states=True,
                      config={"fused": True}).name == "three-stage"    # states need h
+    assert _plan("kda", HV=2).name == "three-stage"                    # 2 chains: 3-stage
+    assert _plan("kda", HV=32, H=32).name == "fused"                   # 32 chains: fused
+    for name in ("gla", "additive_none", "additive_scalar"):          # (additive.choose)
+        long = dict(seq_chunks=(256, 256), Ttot=512 * 64)
+        assert _plan(name, **long).name == "fused-split"              # 4 chains, 256 chunks
+        assert _plan(name, return_states=True, **long).name == "three-stage-split"
+        assert _plan(name, config={"segments": 0}, **long).name == "three-stage"  # (critical
+        assert _plan(name, config={"segments": 0, "fused": True}, **long).name == "fused"  # path)
+        assert _plan(name, config={"segments": 2}).name == "fused-split"
+        assert _plan(name, config={"segments": 4}).name == "fused"    # no segment to cut
+        assert _plan(name, HV=64, H=64, seq_chunks=(64,) * 8, Ttot=512 * 64).name == "fused"
     with pytest.raises(SpecError, match="unknown plan config"):
         _plan("gdn", config={"FUSE": 1})
 
@@ -328,7 +339,7 @@ LAUNCH_PARAMS = [
     pytest.param(*c, cfg, id=f"{c[0]}-{i}-" + ("-".join(f"{k}{v}" for k, v in cfg.items())
                                             or "default"))
     for i, c in enumerate(LAUNCH_CASES) for cfg in CONFIGS
-    if "segments" not in cfg or (_spec(c[0]).has_beta and _spec(c[0]).gate is not Gate.KEY)]
+    if "segments" not in cfg or not (_spec(c[0]).has_beta and _spec(c[0]).gate is Gate.KEY)]
 
 
 def _walks(spec) -> bool:
@@ -341,6 +352,12 @@ def expected_stages(spec, options, plan_name):
         return ["chunk_kkt_inverse", "chunk_walk"]
     if plan_name == "walk-split":
         return ["chunk_kkt_inverse", "chunk_walk_map", "chunk_segment_combine", "chunk_walk"]
+    if plan_name.endswith("-split"):        # the additive rule's: summaries first
+        stages = expected_stages(spec, options, plan_name[:-len("-split")])
+        at = stages.index("chunk_qk" if "chunk_qk" in stages else
+                          "chunk_state_output" if "chunk_state_output" in stages else
+                          "chunk_state")
+        return stages[:at] + ["chunk_state_summary"] + stages[at:]
     key = spec.gate is Gate.KEY
     if key:
         prep = ["chunk_prepare"]
@@ -359,8 +376,13 @@ def expected_plan(spec, problem, config):
     if _walks(spec) and "fused" not in config and not problem.return_states:
         _, L, _ = sm90_forward.walk_choice(problem, config)
         return "walk-split" if L and max(problem.seq_chunks) > L else "walk"
-    if _walks(spec) or problem.return_states:
+    if _walks(spec) or problem.return_states and spec.rule.value == "delta":
         return "three-stage"
+    if spec.rule.value == "additive":
+        forms = [False] if problem.return_states else [config.get("fused", True)] if (
+            "fused" in config) else [True, False]
+        c = sm90_additive.choose(problem, config, sm90_stages.output_block_v(problem.V), forms)
+        return ("fused" if c.fused else "three-stage") + ("-split" if c.segments else "")
     fused = config.get("fused", sm90_stages.fuse_output(problem.N * problem.HV, problem.dtype,
                                                         problem.K))
     return "fused" if fused else "three-stage"
@@ -437,7 +459,7 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
     assert plan.stages() == expected_stages(spec, options, plan.name), str(plan)
     assert launch_counts(fakes) == collections.Counter(plan.stages())
     if "segments" in config:
-        assert plan.segments == (config["segments"] if plan.name == "walk-split" else 0)
+        assert plan.segments == (config["segments"] if plan.name.endswith("-split") else 0)
 
 
 @pytest.mark.parametrize("bad,match", [
