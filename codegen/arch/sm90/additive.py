@@ -26,18 +26,20 @@ from dataclasses import dataclass
 from . import hardware as hw
 
 #: chunk_state's time per chunk step of one CTA: STEP_FIXED_US + STEP_ELEMENT_US per
-#: element of its f32 state tile (block_k x block_v). Fitted to run s2-5's sweep of the
-#: state pass (K = 128: 1.19 / 2.34 / 3.50 us a step at value blocks 16 / 32 / 64; 4
-#: CTAs on one SM took 4 times one CTA's step, so an SM is one slot of the makespan)
-STEP_FIXED_US = 0.42
-STEP_ELEMENT_US = 3.8e-4
+#: element of its f32 state tile (block_k x block_v). The shape from run s2-5's sweep of
+#: the delta rule's pass (K = 128: 1.19 / 2.34 / 3.50 us a step at value blocks 16 / 32 /
+#: 64; the warp-specialised CTA's 240 registers a consumer thread leave one CTA a SM, an
+#: SM is one slot of the makespan), scaled to the additive rule's own step (run s5-3, GLA
+#: [1, 4096, 16, 128] ragged, 128 x 16 tiles: chunk_state 52 us over a 64-step critical
+#: path, 0.81 us a step; chunk_state_output 68 us, 1.06)
+STEP_FIXED_US = 0.29
+STEP_ELEMENT_US = 2.6e-4
 #: a step relative to chunk_state's at the same tile: the summary (no h stored), the
-#: contracts' f32 states (states_out: every state stored from registers as well) and the
-#: fused output (q S and A_qk v in the step: run s5-3, kda-tp2-4096, 1.09 us a step
-#: fused against 0.93 for chunk_state at K = 128, value block 16)
+#: contracts' f32 states (states_out: every state stored from registers as well; not
+#: measured yet) and the fused output (q S and A_qk v in the step: 1.06 / 0.81, above)
 SUMMARY_STEP = 0.85
 STATES_OUT_STEP = 1.15
-FUSED_STEP = 1.17
+FUSED_STEP = 1.3
 #: chaining one earlier segment's summary into a segment's start (a block_k x block_v
 #: f32 tile and block_k decays from L2; the chain is serial per CTA)
 CHAIN_STEP_US = 0.3

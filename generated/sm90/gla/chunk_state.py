@@ -127,6 +127,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             vn = T.alloc_fragment((BT, BV), f32)
             vn_s = T.alloc_shared((BT, BV), dtype)
             gl_s = T.alloc_shared((BK,), f32)
+            d_f = T.alloc_fragment((BK,), f32)
 
             m = seg_seq[n]                # the piece's sequence: its row of h0
             if has_initial_state:
@@ -162,8 +163,10 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                             ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = S[i, j]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
+                for i in T.Parallel(BK):      # each key row's decay once, not per element
+                    d_f[i] = T.exp(gl_s[i])
                 for i, j in T.Parallel(BK, BV):
-                    S[i, j] = S[i, j] * T.exp(gl_s[i])
+                    S[i, j] = S[i, j] * d_f[i]
                 T.copy(vn, vn_s)
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 

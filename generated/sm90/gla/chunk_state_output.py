@@ -136,6 +136,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             p_s = T.alloc_shared((BT, BT), dtype)
             o_f = T.alloc_fragment((BT, BV), f32)
             gl_s = T.alloc_shared((BK,), f32)
+            d_f = T.alloc_fragment((BK,), f32)
 
             m = seg_seq[n]                # the piece's sequence: its row of h0
             if has_initial_state:
@@ -173,8 +174,10 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         o[t0 + i, hv, iv * BV + j] = T.cast(o_f[i, j] * scale, dtype)
+                for i in T.Parallel(BK):      # each key row's decay once, not per element
+                    d_f[i] = T.exp(gl_s[i])
                 for i, j in T.Parallel(BK, BV):
-                    S[i, j] = S[i, j] * T.exp(gl_s[i])
+                    S[i, j] = S[i, j] * d_f[i]
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 
             if output_final_state:

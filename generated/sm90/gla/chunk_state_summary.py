@@ -88,6 +88,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
             vn = T.alloc_fragment((BT, BV), f32)
             vn_s = T.alloc_shared((BT, BV), dtype)
             gl_s = T.alloc_shared((BK,), f32)
+            d_f = T.alloc_fragment((BK,), f32)
             G_s = T.alloc_shared((BK,), f32)          # the segment's log decay so far
 
             T.clear(S)
@@ -105,8 +106,10 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
                 T.copy(g_cum[c0 + c, hv, ik * BK:(ik + 1) * BK], gl_s)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
+                for i in T.Parallel(BK):      # each key row's decay once, not per element
+                    d_f[i] = T.exp(gl_s[i])
                 for i, j in T.Parallel(BK, BV):
-                    S[i, j] = S[i, j] * T.exp(gl_s[i])
+                    S[i, j] = S[i, j] * d_f[i]
                 for i in T.Parallel(BK):
                     G_s[i] = G_s[i] + gl_s[i]
                 T.copy(vn, vn_s)
