@@ -9,7 +9,8 @@ runs in three steps:
 
    * ``"recurrent"``, the fused recurrent (decode) kernel: T == 1 without cu_seqlens,
      float32 inputs (the kernel reads them and computes in f32: exact, sequential in T),
-     head dims the chunked kernels lack (V up to 512, K = 256 with a per-key gate), and
+     head dims the chunked kernels lack (the delta rules' V up to 512, K = 256 with a
+     per-key gate: the arch's chunk_head_limits), and
      every ``fused_recurrent_*`` call;
    * ``"chunk"``, the chunked forward (ops/chunk.py), otherwise;
 

@@ -119,6 +119,7 @@ def test_stage_compiles(name, example, stage):
     if uses_gemm:
         assert ("wgmma" in src) == (stage not in MMA_ONLY)
     assert ("mbarrier" in src) == (stage in ("chunk_state", "chunk_state_output",
+                                             "chunk_state_summary",
                                              "chunk_segment_combine"))    # (TMA loads)
 
 
@@ -257,14 +258,16 @@ def test_pipeline_rules():
     for name in ("kda", "gla", "additive_none", "additive_scalar"):
         assert _plan(name, config={"fused": True}).name == "fused"
         assert _plan(name, config={"fused": False}).name == "three-stage"
-        assert _plan(name, HV=32, H=32, return_states=True,
-                     config={"fused": True}).name == "three-stage"    # states need h
+    assert _plan("kda", HV=32, H=32, return_states=True,
+                 config={"fused": True}).name == "three-stage"        # states need h
     assert _plan("kda", HV=2).name == "three-stage"                    # 2 chains: 3-stage
     assert _plan("kda", HV=32, H=32).name == "fused"                   # 32 chains: fused
     for name in ("gla", "additive_none", "additive_scalar"):          # (additive.choose)
         long = dict(seq_chunks=(256, 256), Ttot=512 * 64)
         assert _plan(name, **long).name == "fused-split"              # 4 chains, 256 chunks
-        assert _plan(name, return_states=True, **long).name == "three-stage-split"
+        assert _plan(name, return_states=True, **long).name.endswith("-split")
+        assert _plan(name, HV=32, H=32, return_states=True,       # (its fused pass writes
+                     config={"fused": True}).name == "fused"      # the states too)
         assert _plan(name, config={"segments": 0}, **long).name == "three-stage"  # (critical
         assert _plan(name, config={"segments": 0, "fused": True}, **long).name == "fused"  # path)
         assert _plan(name, config={"segments": 2}).name == "fused-split"
@@ -379,8 +382,7 @@ def expected_plan(spec, problem, config):
     if _walks(spec) or problem.return_states and spec.rule.value == "delta":
         return "three-stage"
     if spec.rule.value == "additive":
-        forms = [False] if problem.return_states else [config.get("fused", True)] if (
-            "fused" in config) else [True, False]
+        forms = [config["fused"]] if "fused" in config else [True, False]
         c = sm90_additive.choose(problem, config, sm90_stages.output_block_v(problem.V), forms)
         return ("fused" if c.fused else "three-stage") + ("-split" if c.segments else "")
     fused = config.get("fused", sm90_stages.fuse_output(problem.N * problem.HV, problem.dtype,
@@ -509,39 +511,40 @@ def by_name(bodies):
 
 def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
     """GLAChunkFwd through the chunked forward (fake kernels checked against the traced
-    prim_funcs): the 3-stage path even where the fused one would be chosen, the state pass
-    with states_out writing h [B, NC+1, H, K, V] f32 itself (chunk c of sequence n at row
-    chunk_offsets[n] + n + c, the final state after them), final_state the view h[:, NC];
-    varlen: each sequence's final row gathered; a bad shape is refused before any launch."""
+    prim_funcs), at the plan the arch picks: the state pass (chunk_state or
+    chunk_state_output, over whole sequences or segments) with states_out writing h
+    [B, NC+1, H, K, V] f32 itself (chunk c of sequence n at row chunk_offsets[n] + n + c,
+    the final state after them), final_state the view h[:, NC]; varlen: each sequence's
+    final row gathered; a bad shape is refused before any launch."""
     import torch
     from linattn.ops import contracts
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
-    monkeypatch.setattr(sm90_stages, "fuse_output", lambda *a: True)
     chunk._plan.cache_clear()
 
-    def state(params, chunk_offsets, ht, **_):
-        # states: chunk c of the call holds c; final: -1-n
+    def state(params, chunk_offsets, ht, final_row, seg_seq, **_):
+        # states: chunk c of the call holds c; final: -1-n (piece p of sequence seg_seq[p])
         assert params["states_out"] and params["output_final_state"]
         offs = chunk_offsets.tolist()
         ht.fill_(float("nan"))
-        for n in range(len(offs) - 1):
-            for c in range(offs[n], offs[n + 1]):
-                ht[c + n] = c
-            ht[offs[n + 1] + n] = -1.0 - n
+        for p in range(len(offs) - 1):
+            m = int(seg_seq[p])
+            for c in range(offs[p], offs[p + 1]):
+                ht[c + m] = c
+            if final_row[p] >= 0:
+                ht[offs[p + 1] + int(final_row[p])] = -1.0 - m
 
     calls = []
-    fake_compiles(monkeypatch, by_name({"chunk_state": state}), calls)
+    fake_compiles(monkeypatch, by_name({"chunk_state": state, "chunk_state_output": state}),
+                  calls)
     plans = record_plans(monkeypatch)
     try:
         B, T, H, K, V = 2, 130, 2, 64, 64
         bf = torch.bfloat16
         q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
         v, g = torch.randn(B, T, H, V, dtype=bf), -torch.rand(B, T, H, K).to(bf)
-        assert _plan("gla").name == "fused"         # (fuse_output patched: always)
         o, final, h = contracts.gla_chunk_fwd(q, k, v, g, scale=0.125)
         NC = 3
-        assert [s for s, _ in calls] == ["chunk_prepare", "chunk_state", "chunk_output"]
-        assert plans[0].name == "three-stage"
+        assert [s for s, _ in calls] == plans[0].stages()
         assert o.shape == (B, T, H, V) and o.dtype == bf
         assert final.shape == (B, H, K, V) and final.dtype == torch.float32
         assert h.shape == (B, NC + 1, H, K, V) and h.dtype == torch.float32

@@ -113,20 +113,23 @@ def test_split_matches_reference(monkeypatch, poisoned, name, options, config):
         assert seen["block_k"] == {config["block_k"]}
 
 
-@pytest.mark.parametrize("name,config", [("gla", {"segments": 2}),
+@pytest.mark.parametrize("name,config", [("gla", {"segments": 2, "fused": False}),
+                                         ("gla", {"segments": 2, "fused": True}),
                                          ("gla", {"segments": 1, "block_k": 32}),
-                                         ("additive_scalar", {"segments": 3}),
+                                         ("additive_scalar", {"segments": 3, "fused": True}),
                                          ("additive_none", {"segments": 2, "block_v": 16}),
                                          ("gla", {})])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kv", "vfirst"])
 def test_split_states_match_reference(monkeypatch, poisoned, name, config, v_first):
     """return_states (GLAChunkFwd's h): every chunk's entering state and each sequence's
     final state at the contract's rows, written by the segments' walks from their chained
-    starts (f32: within the f16 inputs' rounding of the fp64 states)."""
+    starts, with h for chunk_output or with o inside (f32: within the f16 inputs' rounding
+    of the fp64 states)."""
     (o, fin, states), ref, seen, plan = run(monkeypatch, name, Options(state_v_first=v_first),
                                             LENS, config, states=True)
-    assert plan.name.startswith("three-stage")
-    assert seen["state"]["states_out"]
+    if "fused" in config:
+        assert plan.name.startswith("fused" if config["fused"] else "three-stage")
+    assert plan.launches[-2 if plan.name.startswith("three") else -1].kwargs["states_out"]
     want = _ref_states(ref, LENS, v_first)
     assert states.shape == want.shape and states.dtype == torch.float32
     assert _rel(states, want) < 5e-3
@@ -134,16 +137,17 @@ def test_split_states_match_reference(monkeypatch, poisoned, name, config, v_fir
 
 
 @pytest.mark.parametrize("name", ["gla", "additive_scalar", "additive_none"])
-@pytest.mark.parametrize("L", [1, 2, 3])
-def test_split_is_exact(monkeypatch, poisoned, name, L):
+@pytest.mark.parametrize("L,tile", [(1, {"block_k": 32, "block_v": 16}), (2, {"fused": True}),
+                                    (3, {"block_k": 32, "fused": False})])
+def test_split_is_exact(monkeypatch, poisoned, name, L, tile):
     """The split changes nothing but f32 rounding: through the same fakes (so the same
-    prepared, rounded operands), every per-chunk state and final state of the split
-    three-stage plan equals the unsplit plan's within the f32 storage of the segment
-    summaries (1e-6), at any segment length, key block and value block."""
-    got = run(monkeypatch, name, Options(), LENS, {"segments": L, "block_k": 32,
-                                                   "block_v": 16}, states=True)
-    want = run(monkeypatch, name, Options(), LENS, {"segments": 0}, states=True)
-    assert got[3].name == "three-stage-split" and want[3].name == "three-stage"
+    prepared, rounded operands), every per-chunk state and final state of the split plan
+    equals the unsplit plan's within the f32 storage of the segment summaries (1e-6), at
+    any segment length, key block, value block and output form."""
+    got = run(monkeypatch, name, Options(), LENS, dict(tile, segments=L), states=True)
+    want = run(monkeypatch, name, Options(), LENS, {"segments": 0, "fused": False},
+               states=True)
+    assert got[3].name.endswith("-split") and want[3].name == "three-stage"
     (_, fin, states), (_, fin0, states0) = got[0], want[0]
     assert _rel(states, states0.double()) < 1e-6 and _rel(fin, fin0.double()) < 1e-6
 
@@ -225,6 +229,20 @@ def test_wide_heads_plan(monkeypatch):
             kw = la.kwargs
             if la.stage.startswith("chunk_state"):
                 assert (kw.get("block_k") or K) * kw["block_v"] <= am.MAX_TILE, str(p)
+
+
+@pytest.mark.parametrize("name,K,V,path", [
+    ("gla", 128, 512, "chunk"), ("simple_gla", 256, 512, "chunk"),
+    ("linear_attn", 64, 512, "chunk"),
+    ("gla", 256, 512, "recurrent"),          # (the per-key prepare: K <= 128 for now)
+    ("gla", 128, 640, "recurrent"), ("gdn", 128, 512, "recurrent")])
+def test_public_calls_take_the_chunked_kernels_up_to_512(name, K, V, path):
+    """fla's chunk_gla / chunk_simple_gla / chunk_linear_attn with V = 512 (GLA-1.3B's
+    value heads) take the chunked forward, not the sequential recurrent kernel."""
+    from linattn.ops import api, validate
+    from linattn.ops.registry import get_spec
+    dims = validate.Dims(1, 64, 2, 2, K, V)
+    assert api.choose_path(get_spec(name), dims, torch.bfloat16, False) == path
 
 
 def test_refusals_name_the_limits(monkeypatch):

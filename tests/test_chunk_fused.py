@@ -260,6 +260,8 @@ class PipelineMath:
         self.seen["qg_heads"] = qg.shape[1]
 
         def on_chunk(ci, t0, n, hv, S, vn, m):
+            if p.get("states_out"):
+                ht[ci + m, hv] = S.T if p["state_v_first"] else S
             if self.seen["q_gated"]:
                 qq = qg[t0:t0 + n, hv].to(F64)
             else:       # q itself (or its normed copy) per key head, gated here
@@ -269,7 +271,7 @@ class PipelineMath:
             o[t0:t0 + n, hv] = oo.to(o.dtype)
         for a, m, hv, S, walked in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets,
                                               h0, on_chunk, extra):
-            row = self._final_row(dict(p, states_out=False), extra, a, m, 0, walked)
+            row = self._final_row(p, extra, a, m, int(chunk_offsets[a]), walked)
             if p["output_final_state"] and row is not None:
                 ht[row, hv] = S
 

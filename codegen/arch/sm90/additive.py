@@ -121,8 +121,8 @@ def walk_us(p, L: int, bk: int, bv: int, fused: bool) -> float:
     """The main state pass (from the chained starts when split) at tile (bk, bv)."""
     segs = pieces(p.seq_chunks, L)
     split = any(len(s) > 1 for s in segs)
-    step = step_us(bk, bv) * (FUSED_STEP if fused else
-                              STATES_OUT_STEP if p.return_states else 1.0)
+    step = (step_us(bk, bv) * (FUSED_STEP if fused else 1.0)
+            * (STATES_OUT_STEP if p.return_states else 1.0))
     per_tile = [c * step + (j * CHAIN_STEP_US if split else 0.0)
                 for seq in segs for j, c in enumerate(seq)]
     return span(per_tile, p.HV * (p.K // bk) * (p.V // bv)) + LAUNCH_US

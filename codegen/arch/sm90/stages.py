@@ -129,8 +129,9 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
     forms = [config["fused"]] if "fused" in config else [True, False]
-    if p.return_states or (p.rule == "delta" and p.gate != "key"):
-        forms = [False]         # per-chunk states need h; the delta rule's fused path is the walk
+    if p.rule == "delta" and (p.return_states or p.gate != "key"):
+        forms = [False]         # (the delta rule's fused path is the walk; its fused state
+                                # pass writes no per-chunk states; the additive rule's does)
     if many:                    # (chunk_output's grid has the chunks on gridDim.y)
         forms = [f for f in forms if f]
     if not forms:
@@ -148,6 +149,8 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
                  block_v=choice.block_v, num_stages=STATE_STAGES)
+    if p.return_states:
+        state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
     if p.rule == "additive":
         s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind)
@@ -170,8 +173,6 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         bufs += [Buffer("h", (p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
-        if p.return_states:
-            state["states_out"] = True
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
         out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), **order)
@@ -211,6 +212,7 @@ def _why(p: ForwardProblem, choice, config: dict) -> str:
             f"{choice.summary_block_k} x {choice.summary_block_v}), " if choice.segments
             else "whole sequences, ")
     how = "o inside the state pass" if choice.fused else "h per chunk, then chunk_output"
+    how += ", every chunk's state in f32" if p.return_states else ""
     model = f"config {config}" if config else f"models fastest: {choice.us:.0f} us"
     return (f"{p.N * p.HV} chains, additive rule: {what}state tile {choice.block_k} x "
             f"{choice.block_v}, {how} ({model})")

@@ -23,6 +23,9 @@ piece n belongs to sequence seg_seq[n] (its h0 row), writes its final state at r
 final_row[n] (-1: none; a segment that does not end its sequence) and, with
 segment_starts, enters from the chain of the summaries of its sequence's earlier pieces
 seg_first[n] .. n - 1 (chunk_state_summary): S = h0; S = exp(G_s) S + B_s for each.
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
+per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
+after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -43,7 +46,8 @@ EXAMPLES = [
     dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", state_v_first=False,
          has_initial_state=True, output_final_state=True, q_gated=False),
     dict(H=4, HV=4, K=64, V=64, dtype="bfloat16", state_v_first=False,
-         has_initial_state=True, output_final_state=True, segment_starts=True),
+         has_initial_state=True, output_final_state=True, segment_starts=True,
+         states_out=True),
     dict(H=2, HV=2, K=256, V=512, dtype="float16", state_v_first=True,
          has_initial_state=True, output_final_state=True, segment_starts=True,
          block_v=16),
@@ -60,7 +64,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True,
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False,
           block_k=None, segment_starts=False):
     """prim_func for chunk_state_output.
 
@@ -93,6 +97,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
+    assert not states_out or output_final_state, "states_out writes the final state too"
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -162,6 +167,12 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
+                if states_out:            # the contracts' f32 states, from registers
+                    for i, j in T.Parallel(BK, BV):
+                        if state_v_first:
+                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                        else:
+                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = S[i, j]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 # o = scale (qg S + aqk v_new), v_new ungated
@@ -174,7 +185,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
 
             if output_final_state:
                 if final_row[n] >= 0:     # (a segment that does not end its sequence: -1)
-                    nf = final_row[n]
+                    nf = final_row[n] + int(states_out) * (c0 + T.ceildiv(seqlen, BT))
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
                             ht[nf, hv, iv * BV + j, ik * BK + i] = S[i, j]
