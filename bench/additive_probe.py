@@ -53,7 +53,8 @@ EXTRA = {
     "fwd-continue-b4-bf16": ("GLAFwd", "gla-continue-b4", "bf16", 4, 257, 16, 128, 128, None,
                              True, False),
 }
-SWEEP = ["segments=8", "segments=32", "segments=16,block_k=32", "segments=16,block_v=32"]
+SWEEP = ["segments=8", "segments=32", "segments=16,fused=false",
+         "segments=16,block_k=32,fused=false"]
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -152,6 +152,40 @@ def test_split_is_exact(monkeypatch, poisoned, name, L, tile):
     assert _rel(states, states0.double()) < 1e-6 and _rel(fin, fin0.double()) < 1e-6
 
 
+def test_gpu_step_cases_bind(monkeypatch):
+    """Every case of the GPU step (tests/test_chunk_additive_gpu.py) plans and binds on the
+    CPU: each launch's arguments checked against the traced kernel (no arithmetic), the
+    forced configs taken, GLAChunkFwd's h shaped [B, NC+1, H, K, V]."""
+    import test_chunk_additive_gpu as gpu
+    from linattn.ops.registry import get_spec
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    fake_compiles(monkeypatch)
+    plans = record_plans(monkeypatch)
+    for c in gpu.CASES:
+        p = c.values[0]
+        spec, opts = get_spec(p["op"]), Options(**{n: True for n in p["opts"]})
+        B, T, cu = p["B"], p["T"], None
+        if p["lens"]:
+            cu = torch.tensor([0] + np.cumsum(p["lens"]).tolist())
+            T = int(cu[-1])
+        N, dt = len(p["lens"] or [0] * B), getattr(torch, p["dtype"])
+        q, v = torch.randn(B, T, p["H"], p["K"]).to(dt), torch.randn(B, T, p["HV"], p["V"]).to(dt)
+        g = -torch.rand(*spec.gate_shape(B, T, p["HV"], p["K"])) if spec.has_gate else None
+        shape = (N, p["HV"]) + ((p["V"], p["K"]) if opts.state_v_first else (p["K"], p["V"]))
+        chunk.chunk_forward(spec, q, q, v, g, None, options=opts, cu_seqlens=cu,
+                            cu_seqlens_cpu=cu, initial_state=torch.randn(shape) if p["init"]
+                            else None, output_final_state=p["final"], config=p["config"])
+        if "segments" in p["config"]:
+            L = p["config"]["segments"]
+            assert plans[-1].segments == (L if max(p["lens"] or [T]) > C * L else 0), c.id
+    for B, T, H, K, V, init, dtype, config in gpu.CONTRACT:
+        dt = getattr(torch, dtype)
+        q, v = torch.randn(B, T, H, K).to(dt), torch.randn(B, T, H, V).to(dt)
+        _, _, h = gpu.gla_states(q, q, v, -torch.rand(B, T, H, K).to(dt),
+                                 torch.randn(B, H, K, V) if init else None, config)
+        assert h.shape == (B, -(-T // C) + 1, H, K, V)
+
+
 # -- the model ------------------------------------------------------------------------
 
 def _problem(seq_chunks, HV=4, K=64, V=64, gate="key", return_states=False, **kw):

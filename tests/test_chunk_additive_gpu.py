@@ -29,7 +29,7 @@ CASES = [
          config={"segments": 3, "fused": False, "block_k": 32, "block_v": 16}),
     case("gla", 1, None, 4, 4, 128, 128, opts=("state_v_first",),
          lens=[1, 64, 0, 65, 700, 1, 200], config={"segments": 1}),
-    case("gla", 2, 63, 4, 4, 64, 64),
+    case("gla", 2, 63, 4, 4, 64, 64, config={"fused": False}),
     case("gla", 1, None, 2, 2, 128, 512, lens=[300, 1, 900], config={"segments": 4}),
     case("gla", 1, 700, 2, 2, 128, 512, dtype="float16", final=False),
     # simple GLA (scalar gate) and linear attention (no gate), K = 256 / V = 512
@@ -72,9 +72,14 @@ def test_additive_forward(p, rng, monkeypatch):
 
 
 #: GLAChunkFwd (the contract: return_states) on the table's [2, T, 4, 64] rows and others
-CONTRACT = [(2, 2048, 4, 64, 64, False, "float16"), (2, 2048, 4, 64, 64, False, "bfloat16"),
-            (2, 16384, 4, 64, 64, True, "float16"), (2, 16384, 4, 64, 64, True, "bfloat16"),
-            (1, 1000, 2, 128, 128, True, "bfloat16"), (2, 129, 2, 128, 512, True, "float16")]
+CONTRACT = [(2, 2048, 4, 64, 64, False, "float16", {}),
+            (2, 2048, 4, 64, 64, False, "bfloat16", {}),
+            (2, 16384, 4, 64, 64, True, "float16", {}),
+            (2, 16384, 4, 64, 64, True, "bfloat16", {}),
+            (1, 1000, 2, 128, 128, True, "bfloat16", {}), (2, 129, 2, 128, 512, True, "float16", {}),
+            (2, 1000, 4, 64, 64, True, "bfloat16", {"segments": 2, "fused": False}),
+            (1, 700, 2, 128, 128, False, "float16", {"segments": 3, "block_k": 64,
+                                                     "block_v": 32, "fused": False})]
 
 
 def _contract_inputs(B, T, H, K, V, init, dtype, seed):
@@ -88,32 +93,44 @@ def _contract_inputs(B, T, H, K, V, init, dtype, seed):
     return q, k, v, gk, h0
 
 
+def gla_states(q, k, v, gk, h0, config):
+    """GLAChunkFwd: the contract itself ({}), or its call of the chunked forward under a
+    forced plan config (o, final state, h [B, NC+1, H, K, V])."""
+    from linattn.ops import chunk, gla
+    from linattn.ops.contracts import gla_chunk_fwd
+    if not config:
+        return gla_chunk_fwd(q, k, v, gk, scale=0.125, initial_state=h0)
+    o, final, states = chunk.chunk_forward(gla.SPEC, q, k, v, gk, None, scale=0.125,
+                                           initial_state=h0, output_final_state=True,
+                                           return_states=True, config=config)
+    B, T, H, V = v.shape
+    return o, final, states.view(B, -(-T // 64) + 1, H, q.shape[-1], V)
+
+
 def contract_jobs():
     from linattn.ops import runtime
-    from linattn.ops.contracts import gla_chunk_fwd
     jobs = []
-    for B, T, H, K, V, init, dtype in CONTRACT:
-        q, k, v, gk, h0 = _contract_inputs(B, T, H, K, V, init, dtype, 0)
+    for B, T, H, K, V, init, dtype, config in CONTRACT:
         with runtime.recording() as j:
             try:
-                gla_chunk_fwd(q, k, v, gk, scale=0.125, initial_state=h0)
+                gla_states(*_contract_inputs(B, T, H, K, V, init, dtype, 0), config)
             except runtime.KernelRequested:
                 pass
         jobs += j
     return jobs
 
 
-@pytest.mark.parametrize("B,T,H,K,V,init,dtype", CONTRACT,
+@pytest.mark.parametrize("B,T,H,K,V,init,dtype,config", CONTRACT,
                          ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}-V{c[4]}-{'h0-' if c[5] else ''}"
-                              f"{c[6][:4]}" for c in CONTRACT])
-def test_gla_chunk_fwd_split(B, T, H, K, V, init, dtype, rng):
+                              f"{c[6][:4]}" + "".join(f"-{a}{b}" for a, b in c[7].items())
+                              for c in CONTRACT])
+def test_gla_chunk_fwd_split(B, T, H, K, V, init, dtype, config, rng):
     """GLAChunkFwd: o, the final state and every chunk's state h [B, NC+1, H, K, V] f32
     against the fp64 reference, through the plan the model picks (the split at the
-    table's few long chains)."""
+    table's few long chains, the fused pass writing the states) and forced ones."""
     from linattn.dsl import torch_reference as tref
-    from linattn.ops.contracts import gla_chunk_fwd
     q, k, v, gk, h0 = _contract_inputs(B, T, H, K, V, init, dtype, int(rng.integers(2**31)))
-    o, final, h = gla_chunk_fwd(q, k, v, gk, scale=0.125, initial_state=h0)
+    o, final, h = gla_states(q, k, v, gk, h0, config)
     torch.cuda.synchronize()
     ro, rfinal, rh = tref.gla_chunk_fwd(q.double(), k.double(), v.double(), gk.double(),
                                         scale=0.125,
