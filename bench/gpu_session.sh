@@ -6,8 +6,8 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, split, autograd, additive, aprobe, warm, bench2, ncu: see the case below),
-# each with a limit
+# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, warm, bench2, ncu: see the case
+# below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
 # (BENCH2_ARGS). Everything lands in
@@ -57,6 +57,9 @@ for s in $STEPS; do
     # decode on a state pool against fla's (bench/pool_probe.py)
     pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py --out "$R/pool_probe.json" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
+    # chunk_kkt_inverse alone against fp64 (A_b, g_cum, chunk_norm, qn / kn; awkward cases)
+    kkt) run_step kkt "${KKT_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --durations=8 -s tests/test_chunk_kkt_gpu.py --junitxml="$R/kkt.xml" ;;
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
@@ -72,6 +75,10 @@ for s in $STEPS; do
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_autograd_gpu.py -k "${AUTOGRAD_K:-}" \
              --junitxml="$R/autograd.xml" ;;
+    # the Gated DeltaNet backward bf16 vs f16, end to end and stage by stage against the
+    # fp64 of each stage on the GPU's own inputs (bench/gdn_bwd_probe.py; GDNBWD_ARGS)
+    gdnbwd) run_step gdnbwd "${GDNBWD_S:-200}" python3 bench/gdn_bwd_probe.py ${GDNBWD_ARGS:-} \
+             --out "$R/gdn_bwd_probe.json" ;;
     # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)
     ncu) run_step ncu "${NCU_S:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu \
              /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$N" ] || { echo "no ncu"; exit 3; }
@@ -116,7 +123,8 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-for s in dropin pool split autograd ncu additive aprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+[ -f "$R/gdnbwd.log" ] && { echo "===== gdnbwd (tail)"; tail -n 45 "$R/gdnbwd.log"; }
+for s in kkt dropin pool split autograd ncu additive aprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

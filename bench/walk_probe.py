@@ -41,6 +41,13 @@ CASES = {
     "deltanet-8k-k64": ("deltanet", 2, 8192, 4, 4, 64, 64, (), None, False),
     "deltanet-prefill-4k": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None, False),
     "symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168], False),
+    # the per-key gate (KDA, GLA): the table's shapes
+    "kda-tp1-4096": ("kda", 1, 4096, 32, 32, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp2-16384": ("kda", 1, 16384, 16, 16, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp8-4096": ("kda", 1, 4096, 4, 4, 128, 128, ("l2norm_qk",), None, False),
+    "kda-tp1-4x1024": ("kda", 1, None, 32, 32, 128, 128, ("l2norm_qk",), [1024] * 4, False),
+    "gla-prefill-8k": ("gla", 2, 8192, 4, 4, 64, 64, (), None, False),
+    "gla-varlen-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032], False),
 }
 
 
@@ -112,11 +119,13 @@ def main():
         results.append(rec)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("\ncase                  config                  ms     err_o    err_ht")
+    print("\ncase                  config                  ms     err_o    err_ht  kernels (us)")
     for r in results:
+        per = " ".join(f"{k.replace('chunk_', '').replace('_kernel', '')} {v * 1e3:.1f}"
+                       for k, v in (r.get("stages_ms") or {}).items())
         print(f"{r['case']:21s} {r['config']:20s} {r.get('ms', float('nan')):8.4f} "
-              f"{r.get('err_o', float('nan')):9.2e} {r.get('err_ht', float('nan')):9.2e} "
-              f"{r.get('error', '')[:60]}")
+              f"{r.get('err_o', float('nan')):9.2e} {r.get('err_ht', float('nan')):9.2e}  "
+              f"{per} {r.get('error', '')[:60]}")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 
 
 The scalar gate (Gated DeltaNet; ``g_cum`` given: the in-chunk cumulative log gate
 [B, H, L] f32, L a multiple of 64) runs the same four stages of the direct scheme in their
-gated form (each template's has_gate), which add the gradient of g_cum per token; the host
-adds each chunk's e^g_last term <dh, S leaving> to its last row and takes the reverse
-cumulative sum within the chunk (:func:`_gate_grad`): the gradient of g.
+gated form (each template's has_gate), which add the gradient of g_cum per token
+(chunk_bwd_dqkw also adds its rows' state terms sum_i <k_i, dk_i> to the chunk's last
+row, so that they cancel as computed, as dsl/chunked_bwd.py derives); the host adds each
+chunk's e^g_last <dh, S_in> to its last row and takes the reverse cumulative sum within
+the chunk (:func:`_gate_grad`): the gradient of g.
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
@@ -187,9 +189,9 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
     [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
     With g_cum [B, H, L] f32 (the scalar gate's in-chunk cumulative log gate, L a multiple
-    of 64; spec: the gated spec, default the registry's "gdn"): S must hold NC + 1 states
-    (S[:, :, NC] the final one) and the result is (dq, dk, dv, dbeta, dh0, dg), dg
-    [B, H, L] f32 the gradient of the per-token log gate g.
+    of 64; spec: the gated spec, default the registry's "gdn") the result is
+    (dq, dk, dv, dbeta, dh0, dg), dg [B, H, L] f32 the gradient of the per-token log
+    gate g.
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -200,9 +202,8 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     _check("u", u, (B, H, L, V), dt)
     _check("A", A, (B, H, L, CHUNK), dt)
     gated = g_cum is not None
-    need = NC + 1 if gated else NC
-    if S.dim() != 5 or S.shape[2] < need:
-        raise SpecError(f"S must be [B, H, NS >= {need}, K, V], got shape {tuple(S.shape)}")
+    if S.dim() != 5 or S.shape[2] < NC:
+        raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
     _check("S", S, (B, H, S.shape[2], K, V), torch.float32)
     if dht is not None:
         _check("dht", dht, (B, H, K, V), torch.float32)
@@ -247,21 +248,24 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
         *((dg,) if gated else ()))
     if gated:
-        dg.copy_(_gate_grad(dg, dh, S[:, :, 1:NC + 1]))
+        dg.copy_(_gate_grad(dg, dh, S[:, :, :NC], g_cum))
     return out
 
 
-def _gate_grad(dg_cum, dh, S_leaving):
+def _gate_grad(dg_cum, dh, S_in, g_cum):
     """The gradient of g [B, H, L] from the stages' gradient of g_cum (dg_cum [B, H, L]
-    f32, L = NC * 64): each chunk's g_last also scales the state it leaves
-    (S_leaving = e^g_last S_in + k_dec^T v_new), adding <dh, S_leaving> to its last row
-    (dh, S_leaving [B, H, NC, K, V] f32: a sum of K V terms of both signs, so neither is
-    rounded to the input dtype); then g_cum = cumsum(g) within the chunk gives the reverse
-    cumulative sum."""
+    f32, L = NC * 64; chunk_bwd_dqkw has added to each chunk's last row the state terms
+    sum_i <k_i, dk_i> of its rows, so that they cancel there exactly as computed): each
+    chunk's g_last also scales the state it enters with (S_leaving = e^g_last S_in +
+    k_dec^T v_new), adding e^g_last <dh, S_in> to its last row (dh, S_in [B, H, NC, K, V]
+    f32: a sum of K V terms of both signs, so neither is rounded to the input dtype); then
+    g_cum = cumsum(g) within the chunk gives the reverse cumulative sum."""
     import torch
     B, H, L = dg_cum.shape
-    x = dg_cum.view(B, H, L // CHUNK, CHUNK).clone()
-    x[..., -1] += (dh * S_leaving).sum((-1, -2))
+    NC = L // CHUNK
+    x = dg_cum.view(B, H, NC, CHUNK).clone()
+    g_last = g_cum.view(B, H, NC, CHUNK)[..., -1]
+    x[..., -1] += torch.exp(g_last) * torch.einsum("bhckv,bhckv->bhc", dh, S_in)
     return x.flip(-1).cumsum(-1).flip(-1).reshape(B, H, L)
 
 

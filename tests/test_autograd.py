@@ -252,3 +252,31 @@ def test_gdn_unsupported_raise():
     assert q.dtype == torch.bfloat16     # (GPU-checked in float16 only, run s7-4)
     with pytest.raises(SpecError, match="float16 only"):
         linattn.chunk_gated_delta_rule(q, k, v, g, beta)
+
+
+def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
+    """bfloat16 through the stages' emulators, which round where the templates do (the
+    recompute's states, dh and v_new in the input dtype): run s7-4's varlen case. The gate's
+    chunk-boundary term once came from <dh, S_leaving> in f32 while the rows subtracted
+    their part of it from dh and v_new rounded to bf16; that did not cancel (dA_log 8.6e-2,
+    dg 4e-3 here; 0.35 and 7e-2 at T = 1000, K = 128). Now dqkw adds the rows' own sum."""
+    cu = (0, 1, 130, 131, 195, 495, 496)
+    B, T, H, HV, K, V = 1, 496, 2, 4, 64, 64
+    x, do, dht = _gdn_inputs(rng, B, T, H, HV, K, V, torch.bfloat16, len(cu) - 1, True, True)
+    call = autograd.DeltaRuleCall(spec=gdn.SPEC, scale=gdn.SPEC.scale_for(K, None),
+                                  l2norm_qk=True, output_final_state=True,
+                                  gate_in_kernel=True, cu=cu)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+    grads = dict(zip(names, autograd.gated_backward(
+        call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
+        x["dt_bias"], do, dht)))
+    assert fake_kernels == ["chunk_bwd_wy_recompute", "chunk_state", "chunk_bwd_dv_local",
+                            "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"]
+    refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
+    o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=torch.tensor(cu),
+                                     options=Options(l2norm_qk=True, gate_in_kernel=True))
+    ((o_r * do.to(F64)).sum() + (ht_r * dht.to(F64)).sum()).backward()
+    for n in names:
+        assert grads[n].shape == x[n].shape and grads[n].dtype == x[n].dtype, n
+        tol = 2e-2 if n in ("A_log", "dt_bias") else 1e-2
+        assert _rel(grads[n], refs[n].grad) < tol, (n, _rel(grads[n], refs[n].grad))

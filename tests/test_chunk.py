@@ -50,7 +50,7 @@ def test_stage_renders(name, stage):
     assert mod.out_idx(**mod.EXAMPLES[0]) == []
     # the spec's structure reaches the text: the gate's cumsum only in the first stage
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
-    # bound), the WY inverse inlined; a prepare's x_s (the WY operand) only with beta
+    # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
     first = stage in ("chunk_prepare", "chunk_kkt_inverse")
     assert ("T.cumsum" in text) == (first and spec.has_gate)
@@ -58,7 +58,7 @@ def test_stage_renders(name, stage):
         assert "T.exp" not in text and "exp2" not in text
     assert "_chunk_inverse" not in text
     if stage == "chunk_prepare":
-        assert ("x_s = T.alloc_shared" in text) == spec.has_beta
+        assert ("x_lp = T.alloc_shared" in text) == spec.has_beta
 
 
 def _rendered_text(spec, stage):
@@ -98,8 +98,9 @@ def test_generated_stages_are_what_the_plans_launch():
 COMPILE_CASES = [   # (the other specs' kernels are traced in the launch tests below)
     ("gdn", 0), ("gdn", 1), ("deltanet", 1), ("kda", 0), ("gla", 1),
 ]
-#: stages whose GEMMs are mma.sync (tf32 / small tiles) rather than wgmma
-MMA_ONLY = ("chunk_kkt_inverse", "chunk_segment_combine")
+#: stages whose GEMMs are mma.sync (tf32 / small tiles) rather than wgmma (chunk_kkt_inverse
+#: has both: its Gram by wgmma, the inverse's blocks by one warp's tf32 mma.sync)
+MMA_ONLY = ("chunk_segment_combine",)
 
 
 @pytest.mark.compile
@@ -133,12 +134,17 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("inverse", ["column", "blocked", "tc"])
-def test_key_prepare_inverses_compile(inverse):
-    spec = get_spec("kda")
-    params = dict(chunk.stage_module(spec, "chunk_prepare").EXAMPLES[0], inverse=inverse)
-    src = chunk.compiled_stage(spec, "chunk_prepare", **params).get_kernel_source()
-    assert "wgmma" in src
+@pytest.mark.parametrize("op,params", [
+    ("kda", dict(diag=4)), ("kda", dict(block_k=32)), ("gla", dict(diag=4)),
+    ("kda", dict(H=2, HV=2, K=96, V=48, dtype="float16", l2norm_qk=True)),
+])
+def test_key_prepare_tunings_compile(op, params):
+    """The per-key prepare at the other diagonal block, a narrower panel, and a K that is
+    not a multiple of 64 (three panels of 32) lower to tensor-core GEMMs."""
+    spec = get_spec(op)
+    params = dict(chunk.stage_module(spec, "chunk_prepare").EXAMPLES[0], **params)
+    kernel = chunk.compiled_stage(spec, "chunk_prepare", **params)
+    assert "wgmma" in kernel.get_kernel_source()
 
 
 # -- host chunk tables --------------------------------------------------------------------
@@ -291,20 +297,19 @@ def test_plans_are_printable_and_frozen():
 
 
 def test_key_gate_prepare_tuning():
-    """The per-key gate's chunk_prepare runs at KEY_PREPARE's 256 threads, KDA with the
-    KEY_PREPARE_INVERSE inverse (GLA has none); the scalar-gate stages take no such knobs;
-    the params build."""
+    """The per-key gate's chunk_prepare takes KEY_PREPARE's diag (and a probe's key_diag /
+    key_block_k); the scalar-gate stages take no such knobs; the params build."""
     kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16", seq_chunks=(3,), Ttot=192)
-    kda = chunk.plan_params(_plan("kda", **kw))["chunk_prepare"]
-    assert kda["threads"] == sm90_stages.KEY_PREPARE["threads"] == 256
-    assert kda["inverse"] == sm90_stages.KEY_PREPARE_INVERSE
-    assert "skew" not in kda                       # the template's default: no skew
-    gla = chunk.plan_params(_plan("gla", **kw))["chunk_prepare"]
-    assert gla["threads"] == 256 and "inverse" not in gla
+    for op in ("kda", "gla"):
+        prep = chunk.plan_params(_plan(op, **kw))["chunk_prepare"]
+        assert prep["diag"] == sm90_stages.KEY_PREPARE["diag"] and "block_k" not in prep
+        forced = chunk.plan_params(_plan(op, config={"key_diag": 4, "key_block_k": 32},
+                                         **kw))["chunk_prepare"]
+        assert forced["diag"] == 4 and forced["block_k"] == 32
+        chunk.stage_module(get_spec(op), "chunk_prepare").build(**forced)
     for config in ({}, {"fused": False}):
         for p in chunk.plan_params(_plan("gdn", config=config, **kw)).values():
-            assert "threads" not in p and "inverse" not in p and "skew" not in p
-    chunk.stage_module(get_spec("kda"), "chunk_prepare").build(**kda)
+            assert "diag" not in p and "block_k" not in p
 
 
 def test_options_checked_before_launch():

@@ -253,9 +253,9 @@ def test_split_never_exceeds_the_grid(monkeypatch, fresh_plans):
 
 
 def test_wide_heads_plan(monkeypatch):
-    """V = 512 (and K = 256 for the gates whose prepare takes it): the chunked forward's
-    plan, through chunk_forward's checks, at tiles within the register budget."""
-    for name, K in (("gla", 128), ("additive_scalar", 256), ("additive_none", 256)):
+    """K = 256, V = 512 (GLA-1.3B's heads): the chunked forward's plan at tiles within the
+    register budget, one TMA stage for the fused pass at K > 128."""
+    for name, K in (("gla", 256), ("additive_scalar", 256), ("additive_none", 256)):
         p = chunk.forward_plan(_spec(name), Options(), H=2, HV=2, K=K, V=512,
                                dtype="bfloat16", seq_chunks=(64, 3), Ttot=67 * 64,
                                output_final_state=True)
@@ -263,12 +263,14 @@ def test_wide_heads_plan(monkeypatch):
             kw = la.kwargs
             if la.stage.startswith("chunk_state"):
                 assert (kw.get("block_k") or K) * kw["block_v"] <= am.MAX_TILE, str(p)
+            if la.stage == "chunk_state_output":
+                assert kw["num_stages"] == 1, str(p)
 
 
 @pytest.mark.parametrize("name,K,V,path", [
     ("gla", 128, 512, "chunk"), ("simple_gla", 256, 512, "chunk"),
     ("linear_attn", 64, 512, "chunk"),
-    ("gla", 256, 512, "recurrent"),          # (the per-key prepare: K <= 128 for now)
+    ("gla", 256, 512, "chunk"),              # GLA-1.3B's heads
     ("gla", 128, 640, "recurrent"), ("gdn", 128, 512, "recurrent")])
 def test_public_calls_take_the_chunked_kernels_up_to_512(name, K, V, path):
     """fla's chunk_gla / chunk_simple_gla / chunk_linear_attn with V = 512 (GLA-1.3B's

@@ -2,10 +2,10 @@
 sequence split with exact segment summaries, key and value blocks, fused or three-stage)
 against the fp64 references: GLA on the benchmark table's shapes (GLAFwd, and GLAChunkFwd
 through its contract with the per-chunk states), awkward ones (odd lengths, varlen with
-empty and one-token sequences, initial states, K = V = 128, V = 512, K = 256 where the
-prepare takes it), simple GLA and linear attention, f16 and bf16, the model's choice and
-forced plans. Reuses tests/test_chunk_fwd_gpu.py's cases and checker (outputs
-NaN-poisoned by conftest, inputs checked unchanged).
+empty and one-token sequences, initial states, K = V = 128, K = 256 / V = 512), simple
+GLA and linear attention, f16 and bf16, the model's choice and forced plans. Reuses
+tests/test_chunk_fwd_gpu.py's cases and checker (outputs NaN-poisoned by conftest,
+inputs checked unchanged).
 
 Run: python3 -m pytest -q -m gpu tests/test_chunk_additive_gpu.py
 """
@@ -32,6 +32,7 @@ CASES = [
     case("gla", 2, 63, 4, 4, 64, 64, config={"fused": False}),
     case("gla", 1, None, 2, 2, 128, 512, lens=[300, 1, 900], config={"segments": 4}),
     case("gla", 1, 700, 2, 2, 128, 512, dtype="float16", final=False),
+    case("gla", 1, 1000, 4, 4, 256, 512),               # GLA-1.3B's heads
     # simple GLA (scalar gate) and linear attention (no gate), K = 256 / V = 512
     case("simple_gla", 1, 2000, 4, 4, 128, 128, config={"segments": 4}),
     case("simple_gla", 1, None, 2, 2, 256, 512, dtype="float16", lens=[1, 500, 130],
@@ -76,7 +77,9 @@ CONTRACT = [(2, 2048, 4, 64, 64, False, "float16", {}),
             (2, 2048, 4, 64, 64, False, "bfloat16", {}),
             (2, 16384, 4, 64, 64, True, "float16", {}),
             (2, 16384, 4, 64, 64, True, "bfloat16", {}),
-            (1, 1000, 2, 128, 128, True, "bfloat16", {}), (2, 129, 2, 128, 512, True, "float16", {}),
+            (1, 1000, 2, 128, 128, True, "bfloat16", {}),
+            (2, 129, 2, 128, 512, True, "float16", {}),
+            (1, 1000, 4, 256, 512, False, "bfloat16", {}),
             (2, 1000, 4, 64, 64, True, "bfloat16", {"segments": 2, "fused": False}),
             (1, 700, 2, 128, 128, False, "float16", {"segments": 3, "block_k": 64,
                                                      "block_v": 32, "fused": False})]

@@ -194,7 +194,15 @@ EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_lo
 
 
 # the scalar gate's stages (g_cum [B, H, L] f32, L a multiple of 64): the same math with
-# E_ij = exp(g_cum_i - g_cum_j) on the pairs and the e^g scalings of the templates
+# E_ij = exp(g_cum_i - g_cum_j) on the pairs and the e^g scalings of the templates, each
+# value rounded to the input dtype (_lp) exactly where the template casts it or keeps it
+# in a 16-bit shared buffer (a GEMM operand), so that the emulated errors are the kernels'
+# (bf16 keeps 8 bits of mantissa: a cancellation that f16 hides shows there)
+
+def _lp(x, dt):
+    """x rounded to the kernel's input dtype dt, back in fp64."""
+    return x.to(dt).to(F64)
+
 
 def _decays(g_cum, L):
     gc = _chunks(g_cum, L)                          # [B, H, NC, C, 1]
@@ -203,61 +211,66 @@ def _decays(g_cum, L):
 
 
 def _dv_local_g(q, k, do, g_cum, dv_local):
-    L = q.shape[2]
+    L, dt = q.shape[2], q.dtype
     qc, kc, doc = (_chunks(x, L) for x in (q, k, do))
     _, _, E = _decays(g_cum, L)
-    _store(dv_local, ((qc @ kc.transpose(-1, -2)) * E).transpose(-1, -2) @ doc, L)
+    P = _lp((qc @ kc.transpose(-1, -2)) * E, dt)   # p_s
+    _store(dv_local, P.transpose(-1, -2) @ doc, L)
 
 
 def _dh_g(q, k, w, do, g_cum, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
           store_dh0=False):
-    L = q.shape[2]
+    L, dt = q.shape[2], q.dtype
     qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
     gc, gl, _ = _decays(g_cum, L)
     B, H, NC = qc.shape[:3]
     dh = _dh_start(dht, (B, H, k.shape[-1], do.shape[-1]), use_dht)
     out = torch.zeros_like(dvc)
     for c in reversed(range(NC)):
-        dh_out[:, :, c] = dh.to(dh_out.dtype)
-        dh_lp = dh.to(dh_out.dtype).to(F64)
-        out[:, :, c] = dvc[:, :, c] + (kc[:, :, c] @ dh_lp) * torch.exp(gl[:, :, c] - gc[:, :, c])
-        d = out[:, :, c].to(dv2.dtype).to(F64)
-        dh = (torch.exp(gl[:, :, c]) * dh + qc[:, :, c].transpose(-1, -2)
-              @ (doc[:, :, c] * torch.exp(gc[:, :, c])) - wc[:, :, c].transpose(-1, -2) @ d)
+        dh_out[:, :, c] = dh.to(dh_out.dtype)       # f32
+        dh_s = _lp(dh, dt)                          # the k dh operand
+        d = _lp(dvc[:, :, c] + (kc[:, :, c] @ dh_s) * torch.exp(gl[:, :, c] - gc[:, :, c]), dt)
+        out[:, :, c] = d
+        do_s = _lp(doc[:, :, c] * torch.exp(gc[:, :, c]), dt)
+        dh = (torch.exp(gl[:, :, c]) * dh + qc[:, :, c].transpose(-1, -2) @ do_s
+              - wc[:, :, c].transpose(-1, -2) @ d)
     _store(dv2, out, L)
     if store_dh0:
         dh0.copy_(dh)
 
 
 def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
-    L = q.shape[2]
+    L, dt = q.shape[2], q.dtype
     qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
     gc, gl, E = _decays(g_cum, L)
     NC = qc.shape[2]
-    St = S[:, :, :NC].to(F64)
-    vn = uc - wc @ St
-    ds = torch.tril(doc @ vn.transpose(-1, -2)) * E
+    St, dhs = _lp(S[:, :, :NC].to(F64), dt), _lp(dh.to(F64), dt)   # S_s, dh_s
+    vn = _lp(uc - wc @ St, dt)
+    ds = _lp(torch.tril(doc @ vn.transpose(-1, -2)) * E, dt)
+    dk_state = (vn @ dhs.transpose(-1, -2)) * torch.exp(gl - gc)
     dqc = (doc @ St.transpose(-1, -2)) * torch.exp(gc) + ds @ kc
-    dkc = ds.transpose(-1, -2) @ qc + (vn @ dh.to(F64).transpose(-1, -2)) * torch.exp(gl - gc)
+    dkc = dk_state + ds.transpose(-1, -2) @ qc
     _store(dq, dqc, L)
     _store(dk_part, dkc, L)
     _store(dw, -dvc @ St.transpose(-1, -2), L)
-    _store(dg_part, ((qc * dqc).sum(-1) - (kc * dkc).sum(-1)).unsqueeze(-1), L)
+    dg = (qc * dqc).sum(-1, keepdim=True) - (kc * dkc).sum(-1, keepdim=True)
+    dg[..., -1, :] += (kc * dk_state).sum((-1, -2)).unsqueeze(-1)
+    _store(dg_part, dg, L)
 
 
 def _wy_g(k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
-    L = k.shape[2]
+    L, dt = k.shape[2], k.dtype
     kc, vc, bc, Ac, dwc, duc, dkp, dgp = (_chunks(x, L) for x in
                                           (k, v, beta, A, dw, du, dk_part, dg_part))
     gc, _, E = _decays(g_cum, L)
     At = Ac.transpose(-1, -2)
-    bk = bc * kc * torch.exp(gc)
+    bk, bv = _lp(bc * kc * torch.exp(gc), dt), _lp(bc * vc, dt)
     dbk, dbv = At @ dwc, At @ duc
-    dA = duc @ (bc * vc).transpose(-1, -2) + dwc @ bk.transpose(-1, -2)
-    dM = torch.tril(-At @ dA @ At, -1)
+    dA = _lp(duc @ bv.transpose(-1, -2) + dwc @ bk.transpose(-1, -2), dt)
+    dM = torch.tril(-_lp(At @ dA, dt) @ At, -1)
     Q = dM * (kc @ kc.transpose(-1, -2)) * E
     P = bc * Q
-    G = bc * dM * E
+    G = _lp(bc * dM * E, dt)
     rk = (dbk * kc).sum(-1, keepdim=True) * torch.exp(gc)
     _store(dv, bc * dbv, L)
     _store(dk, dkp + bc * torch.exp(gc) * dbk + G @ kc + G.transpose(-1, -2) @ kc, L)
@@ -267,16 +280,15 @@ def _wy_g(k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
 
 
 def _wy_recompute_g(k, v, beta, g_cum, A_out, w, u):
-    L = k.shape[2]
+    L, dt = k.shape[2], k.dtype
     kc, vc, bc = (_chunks(x, L) for x in (k, v, beta))
     gc, _, E = _decays(g_cum, L)
     M = torch.tril(bc * (kc @ kc.transpose(-1, -2)) * E, -1)
     eye = torch.eye(C, dtype=F64)
-    A = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False)
-    A_lp = A.to(A_out.dtype).to(F64)
+    A = _lp(torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False), dt)
     _store(A_out, A, L)
-    _store(w, A_lp @ (bc * kc * torch.exp(gc)), L)
-    _store(u, A_lp @ (bc * vc), L)
+    _store(w, A @ _lp(bc * kc * torch.exp(gc), dt), L)
+    _store(u, A @ _lp(bc * vc, dt), L)
 
 
 EMULATE_GATED = {"chunk_bwd_wy_recompute": _wy_recompute_g, "chunk_bwd_dv_local": _dv_local_g,

@@ -161,14 +161,17 @@ class PipelineMath:
     # -- the state pass and the output ----------------------------------------------------
     def _chunk_step(self, p, k, u, w, g_cum, ci, t0, n, hv, S, kb=slice(None)):
         """(v_new, S after chunk ci) for key rows kb of S (the additive rule's rows are
-        independent; the delta rule's S is whole)."""
+        independent; the delta rule's S is whole), with the state passes' roundings to the
+        input dtype: the kernels' w S takes S in the input dtype, and k^T v_new the
+        (decayed) v_new."""
+        lp = lambda x: x.to(u.dtype).to(F64)  # noqa: E731
         kk = k[t0:t0 + n, hv if self.key else hv // self.group, kb].to(F64)
         uu = u[t0:t0 + n, hv].to(F64)
-        vn = uu - w[t0:t0 + n, hv].to(F64) @ S if self.spec.has_beta else uu
+        vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
         if self.key:
-            return vn, g_cum[ci, hv, kb].to(F64).exp()[:, None] * S + kk.T @ vn
+            return vn, g_cum[ci, hv, kb].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
         gc = self.scalar_gate(g_cum, hv, ci, n)
-        return vn, gc[-1].exp() * S + ((gc[-1] - gc).exp()[:, None] * kk).T @ vn
+        return vn, gc[-1].exp() * S + kk.T @ lp((gc[-1] - gc).exp()[:, None] * vn)
 
     def _chunk_decay(self, g_cum, ci, n, hv):
         """The log decay of chunk ci over all K (additive summaries' G)."""

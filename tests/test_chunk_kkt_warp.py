@@ -1,12 +1,17 @@
-"""CPU tests of chunk_kkt_inverse's one-warp-pair inverse (the only inverse it has now):
-the plans' params build it, it traces at 64 threads with 8 CTAs per SM asked for, it
-takes no inverse / threads knobs, and it compiles for sm_90a within the budget that
-gives 8 CTAs per SM (shared memory <= 26 KB; registers <= 128 at 64 threads; no spills).
-Its numbers are checked on the GPU by tests/test_chunk_fwd_gpu.py (every walk and
-three-stage case of the delta rule runs it)."""
+"""CPU tests of chunk_kkt_inverse (one warp per 16-row diagonal block, the blocks below
+the diagonal by level, each warp its own tf32 MMAs): the plans' params build it, it
+traces at 32 x chunk / 16 threads with its barriers its own (TileLang's automatic ones
+off) and MIN_CTAS_PER_SM asked for, it takes no inverse / threads knobs, and it compiles
+for sm_90a within that budget (registers and shared memory for 4 CTAs of 128 threads per
+SM; 5 by shared memory up to K = 128; no spills). An fp64 emulation of its block
+algorithm (the same operands, transposes and level order) checks the mathematics on CPU.
+Its numbers are checked on the GPU by tests/test_chunk_kkt_gpu.py (the kernel's outputs
+against fp64) and tests/test_chunk_fwd_gpu.py (every walk and three-stage case of the
+delta rule runs it)."""
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from linattn.dsl import Options
@@ -15,7 +20,9 @@ from linattn.ops.registry import get_spec
 
 SIZES = dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", seq_chunks=(3, 5), Ttot=512,
              beta_dtype="bfloat16")
-THREADS = 64
+THREADS = 128
+SMEM_PER_SM = 228 * 1024
+REGS_PER_SM = 64 * 1024
 
 
 def _kkt_params(op, options=Options(), config=None):
@@ -34,31 +41,87 @@ def test_plans_pass_no_inverse_knobs(op, config):
 @pytest.mark.parametrize("op", ["gdn", "deltanet"])
 @pytest.mark.parametrize("options", [Options(), Options(l2norm_qk=True, beta_sigmoid=True)],
                          ids=["plain", "l2norm-sigmoid"])
-def test_kernel_traces_at_one_warp_pair(op, options):
+def test_kernel_traces_at_a_warp_per_block(op, options):
     kkt = _kkt_params(op, options)
-    script = chunk.stage_module(get_spec(op), "chunk_kkt_inverse").build(**kkt).script()
+    mod = chunk.stage_module(get_spec(op), "chunk_kkt_inverse")
+    script = mod.build(**kkt).script()
     assert re.search(r'"tl.launch_threads": \[(\d+), 1, 1\]', script).group(1) == str(THREADS)
-    assert '"tl.min_blocks_per_sm", 8' in script
+    assert f'"tl.min_blocks_per_sm", {mod.MIN_CTAS_PER_SM}' in script
+    # the kernel places its barriers itself
+    assert mod.pass_configs(**kkt) == {"tl.disable_thread_storage_sync": True}
 
 
 def test_kernel_refuses_the_old_knobs():
     mod = chunk.stage_module(get_spec("gdn"), "chunk_kkt_inverse")
-    for knob in (dict(threads=128), dict(inverse="tc")):
+    for knob in (dict(threads=64), dict(inverse="tc")):
         with pytest.raises(TypeError):
             mod.build(**dict(mod.EXAMPLES[2], **knob))
+
+
+@pytest.mark.parametrize("K,lanes", [(16, 2), (48, 2), (64, 8), (128, 16), (256, 32)])
+def test_row_lanes(K, lanes):
+    mod = chunk.stage_module(get_spec("gdn"), "chunk_kkt_inverse")
+    assert mod.row_lanes(K) == lanes
+
+
+def _emulated_inverse(L, beta, SUB=16):
+    """The kernel's A_b in fp64 from L = strict_tril(beta_i k_i . k_j Gamma_ij): the diagonal
+    blocks by column forward substitution, then level d = 1.. blocks (b, b - d) from
+    xt (X's column blocks transposed) and L's row blocks, as the kernel's two MMAs."""
+    BT = L.shape[0]
+    NB = BT // SUB
+    a_s = L.copy()
+    xt = np.zeros((max(NB - 1, 1), SUB, BT))
+    o = np.zeros((BT, BT))
+    for b in range(NB):
+        wb = b * SUB
+        for n in range(SUB):
+            x = np.zeros(SUB)
+            for ii in range(SUB):
+                acc = sum(L[wb + ii, wb + jj] * x[jj] for jj in range(ii))
+                x[ii] = 1.0 if ii == n else (0.0 if ii < n else -acc)
+            a_s[wb:wb + SUB, wb + n] = x
+            o[wb:wb + SUB, wb + n] = x * beta[wb + n]
+            if b < NB - 1:
+                xt[b, n, :SUB] = x
+    for d in range(1, NB):
+        for b in range(d, NB):
+            r = b - d
+            yt = xt[r, :, :SUB * d] @ a_s[SUB * b:SUB * b + SUB, SUB * r:SUB * b].T
+            xb = a_s[SUB * b:SUB * b + SUB, SUB * b:SUB * b + SUB] @ yt.T
+            o[SUB * b:SUB * b + SUB, SUB * r:SUB * r + SUB] = -xb * beta[SUB * r:SUB * r + SUB]
+            if d < NB - 1:
+                xt[r, :, SUB * d:SUB * d + SUB] = -xb.T
+    return o
+
+
+@pytest.mark.parametrize("BT", [16, 32, 64])
+@pytest.mark.parametrize("rows", [1, 15, 17, 33, 64])
+def test_block_algorithm_is_the_inverse(BT, rows):
+    rows = min(rows, BT)
+    rng = np.random.default_rng(BT * 100 + rows)
+    k = rng.standard_normal((BT, 32)) * 0.4
+    beta = rng.random(BT) * 2
+    g = np.cumsum(-rng.random(BT))
+    k[rows:], beta[rows:] = 0, 0
+    L = np.tril(beta[:, None] * (k @ k.T) * np.exp(g[:, None] - g[None, :]), -1)
+    want = np.linalg.inv(np.eye(BT) + L) * beta[None, :]
+    got = _emulated_inverse(L, beta)
+    assert np.abs(got - want).max() <= 1e-12 * max(1.0, np.abs(want).max())
+    assert not got[:, rows:].any()          # columns past the chunk's rows are 0
 
 
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("op,example", [("gdn", 0), ("gdn", 2), ("deltanet", 1)])
-def test_kernel_fits_eight_ctas_per_sm(op, example):
+def test_kernel_fits_its_ctas_per_sm(op, example):
     from linattn.codegen.compile import compile_stage, format_record
     mod = chunk.stage_module(get_spec(op), "chunk_kkt_inverse")
     rec = compile_stage(mod, mod.EXAMPLES[example], "sm90")
     print(format_record(rec))
     assert "error" not in rec and "ptxas_error" not in rec, rec
     assert rec["threads"] == THREADS
-    assert rec["registers"] <= 128             # 8 CTAs x 64 threads x 128 = the SM's 64 K
+    assert rec["registers"] * THREADS * mod.MIN_CTAS_PER_SM <= REGS_PER_SM
     assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0
     smem = rec["static_smem_bytes"] + rec["dynamic_smem_bytes"]
-    assert smem <= 26 * 1024, smem         # 8 CTAs: 8 x (smem + 1 KB reserved) <= 228 KB
+    assert 5 * (smem + 1024) <= SMEM_PER_SM, smem      # (+ 1 KB reserved per CTA)

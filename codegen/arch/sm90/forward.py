@@ -153,14 +153,15 @@ def walk_applies(p: ForwardProblem) -> bool:
 #: recurrent kernel (ops/api.py chunk_supports).
 CHUNK_SIZES = (64,)
 
-#: what a probe or test may set in forward_plan's config (block_k: the additive rule's
-#: state pass, additive.py)
-CONFIG_KEYS = ("block_v", "segments", "fused", "block_k")
+#: what a probe or test may set in forward_plan's config (the per-key prepare's in
+#: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
+CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "block_k")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
-    (CONFIG_KEYS: the walk's block_v and segment length, the other pipelines' fused)."""
+    (CONFIG_KEYS: the walk's block_v and segment length, the other pipelines' fused, the
+    per-key prepare's key_diag / key_block_k)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:

@@ -24,29 +24,36 @@ CHUNK_STATE_STEP_COST = {16: 1.19, 32: 2.34, 64: 3.50}
 FUSE_MIN_CHAINS = {"float16": 8}
 FUSE_MIN_CHAINS_DEFAULT = 16
 FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
-#: the per-key gate's prepare: 256 threads (run s5-3: 0.705 -> 0.471 ms at KDA
-#: kda-tp2-4096; measured and dropped: the blocked inverse, a (16, K)-tile diagonal form,
-#: the fast exponential) with the "tc" inverse
-KEY_PREPARE = dict(threads=256)
-KEY_PREPARE_INVERSE = "tc"
+#: the per-key gate's prepare (chunk_prepare_key): one CTA of 128 threads per (chunk,
+#: head), the pair sums by bisection levels on tensor cores down to diag x diag diagonal
+#: blocks summed element by element, channels in panels of up to 64. Its predecessor (256
+#: threads, every 16 x 16 diagonal block element by element from shared memory) was bound
+#: by the shared-memory pipe: kda-tp2-4096 prepare 0.471 ms (run s5-3; ncu 71 % busy, one
+#: CTA per SM). A probe may force diag / block_k (config key_diag, key_block_k).
+KEY_PREPARE = dict(diag=8)
 #: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
 WU_BLOCK_N = 64
-#: the state pass: two TMA pipeline stages (s2-5 sweep)
+#: the state pass: two TMA pipeline stages (s2-5 sweep); one where two do not fit: the
+#: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
+#: block 32; one: 132 KB)
 STATE_STAGES = 2
-#: the chunked forward's head dims, multiples of 16 up to: K 256, but 128 with the per-key
-#: gate (its one-kernel prepare keeps [64, K] f32 decays on chip); V 256, but 512 for the
+#: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
 #: additive rule (its state pass splits K and V into tiles within the register budget,
 #: additive.py). Other calls take the recurrent kernel (ops/api.py).
-KEY_GATE_MAX_K = 128
+MAX_K = 256
+MAX_V = 256
 ADDITIVE_MAX_V = 512
 
 
 def chunk_head_limits(rule: str, gate: str) -> tuple:
     """(K max, V max) of the chunked forward for a rule and gate."""
-    return (KEY_GATE_MAX_K if gate == "key" else 256, ADDITIVE_MAX_V if rule == "additive"
-            else 256)
+    return MAX_K, ADDITIVE_MAX_V if rule == "additive" else MAX_V
+
+
+def state_stages(p: ForwardProblem, fused: bool) -> int:
+    return 1 if fused and p.K > 128 else STATE_STAGES
 
 
 def wu_block_n(K: int, V: int) -> int:
@@ -87,7 +94,13 @@ def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
     return n_chains >= (table.get(dtype) or FUSE_MIN_CHAINS.get(dtype, FUSE_MIN_CHAINS_DEFAULT))
 
 
-def _prepare(p: ForwardProblem, order: dict) -> tuple:
+def key_prepare(config: dict) -> dict:
+    """chunk_prepare_key's tuning: KEY_PREPARE, or a probe's key_diag / key_block_k."""
+    forced = {"diag": config.get("key_diag"), "block_k": config.get("key_block_k")}
+    return dict(KEY_PREPARE, **{k: v for k, v in forced.items() if v is not None})
+
+
+def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     """(launches, buffers, bind for the state / output stages) of the prepare step."""
     C, key = p.chunk_size, p.gate == "key"
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
@@ -101,8 +114,7 @@ def _prepare(p: ForwardProblem, order: dict) -> tuple:
     if key:
         bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
                  Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
-        tune = dict(KEY_PREPARE, **({"inverse": KEY_PREPARE_INVERSE} if delta else {}))
-        prep = launch("chunk_prepare", dict(common, **flags, **order, **tune),
+        prep = launch("chunk_prepare", dict(common, **flags, **order, **key_prepare(config)),
                       **({} if delta else {"u": "v"}))
         return [prep], bufs, dict(k="kg", g_cum="g_last", u="u" if delta else "v", q="qg",
                                   aqk="aqk")
@@ -144,11 +156,11 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         choice = additive.StateChoice(0, p.K, state_block_v(p.V, p.N * p.HV, p.seq_chunks),
                                       fused)
     order = {} if many else {"heads_fastest": True}
-    launches, bufs, bind = _prepare(p, order)
+    launches, bufs, bind = _prepare(p, order, config)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
-                 block_v=choice.block_v, num_stages=STATE_STAGES)
+                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused))
     if p.return_states:
         state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}

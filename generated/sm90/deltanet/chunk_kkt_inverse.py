@@ -5,23 +5,32 @@
 """Chunked forward of the delta rule, step 1: per chunk and value head, the gate cumsum,
 l2norm of q and k, beta and the WY inverse, written as A_b = A diag(beta).
 
-One CTA of 64 threads per (chunk, value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the
-first token and the valid rows (1..64) of chunk c; rows past the end are masked (read as 0,
-never written). With g the (activated) log gate and i, j rows of the chunk:
+One CTA of one warp per 16-row block of the chunk (128 threads at chunk 64) per (chunk,
+value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the first token and the valid rows
+(1..64) of chunk c; rows past the end are masked (read as 0, never written). With g the
+(activated) log gate and i, j rows of the chunk:
   k, q <- x * rsqrt(sum x^2 + 1e-6)                    (l2norm_qk; written as kn, qn once per
                                                        key head)
   beta <- sigmoid(beta) (x2 with allow_neg_eigval)     (beta_sigmoid)
-  A = (I + strict_tril(beta_i (k_i . k_j)))^-1   (f32)
+  A = (I + L)^-1 (f32),
+  L = strict_tril(beta_i (k_i . k_j))
   A_b[i, j] = A[i, j] beta_j         (written [Ttot, HV, 64] in a_dtype; columns past the
                                       chunk's rows are 0)
   chunk_norm = sum_i (g_i + log max(1, beta_i |k_i|^2 - 1))
                                      (f32 [HV, NT]: log of a bound on the chunk transition's
                                       spectral norm, prod_i e^(g_i) (I - beta_i k_i k_i^T);
                                       the sequence split's warm-up reads it)
-KKT is one tensor-core GEMM; l2norm comes from its diagonal. A (f32, 64 x 64) takes k's
-place in shared memory and is inverted in place: the 16 x 16 diagonal blocks by forward
-substitution, one column per thread, in registers; then block columns s = 2, 1, 0,
-X[R:, s] = -X[R:, R:] (A[R:, s] X_ss) as tf32 MMAs on sub-tiles of the same buffer.
+Phases, a CTA barrier between each (the kernel places its own: TileLang's automatic
+barriers would serialise the warps' independent blocks below):
+  rows    k (and q) read in 16-byte pieces, a row's lanes summing |k_i|^2 by shuffles; k
+          (normalised with l2norm_qk) into shared memory, kn written from registers
+  gram    K K^T, one tensor-core GEMM; L = its strict lower triangle scaled, f32 in a_s
+  diag    the diagonal blocks L_bb (16 x 16) inverted by forward substitution, one column
+          per thread (the first BT threads), in registers: X_bb replaces L_bb in a_s
+  levels  for d = 1, 2, 3 the blocks d below the diagonal, X_{b, b-d} = -X_bb (L_{b, b-d:b}
+          X_{b-d:b, b-d}), warp b alone for its block: two tf32 MMAs (the B operands K-major:
+          X's column blocks are kept transposed in xt_s)
+  store   A_b (staged in o_s in a_dtype) to memory; qn
 a_beta=False writes A itself (the DeltaNetChunkFwd contract returns it); chunk_wu then
 applies beta (its a_beta=False).
 """
@@ -48,6 +57,8 @@ EXAMPLES = [
 ]
 CHUNK = 64
 LOG_EPS = 1e-6
+SUB = 16                        # diagonal block of the inverse (a warp per block row)
+MIN_CTAS_PER_SM = 5             # 128 threads: <= 102 registers
 
 
 def out_idx(**params):
@@ -55,7 +66,17 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    return {}
+    # the kernel places its barriers itself (see the module docstring)
+    return {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+
+
+def row_lanes(K: int) -> int:
+    """Lanes sharing one row of q / k in the row passes: 16-byte pieces (8 elements), the
+    largest power of two <= 32 dividing K / 8."""
+    lanes = 1
+    while lanes < 32 and (K // 8) % (2 * lanes) == 0:
+        lanes *= 2
+    return lanes
 
 
 def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
@@ -75,13 +96,53 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
          dtype when None, or "float32"), chunk_norm [HV, NT] f32
     """
     BT = CHUNK
-    SUB = 16                    # diagonal block of the inverse
-    threads = 64
-    merge_steps = tuple(range(BT // SUB - 2, -1, -1))   # block columns, last first
+    NB = BT // SUB                      # diagonal blocks = warps
+    threads = 32 * NB
     a_dtype = a_dtype or dtype
     f32 = "float32"
     group = HV // H
+    VEC = 8                             # elements of a 16-byte piece of a q / k row
+    LPR = row_lanes(K)                  # lanes per row
+    NV = K // (VEC * LPR)               # pieces per lane and row
+    RPP = threads // LPR                # rows per pass
+    PASSES = BT // RPP
+    XOR = tuple(LPR >> (s + 1) for s in range(LPR.bit_length() - 1))   # LPR/2, ..., 1
+    LEVELS = tuple((d, tuple(range(d, NB))) for d in range(1, NB))   # (d, its warps)
     Ttot, NT = T.dynamic("Ttot, NT")
+
+    @T.macro
+    def row_pass(x, xn, x_s, n_s, rows, t0, hk, tx, write):
+        """Rows of x [t0:t0 + BT, hk, :] (masked past rows): |x_i|^2 into n_s (x_s given),
+        x_i (normalised with l2norm_qk) into x_s, written to xn when `write`."""
+        xv = T.alloc_local((NV * VEC,), dtype)
+        ss = T.alloc_var(f32)
+        lr = tx % LPR
+        for p in T.unroll(PASSES):
+            i = p * RPP + tx // LPR
+            ss = T.float32(0)
+            for v in T.unroll(NV):
+                for e in T.vectorized(VEC):
+                    xv[v * VEC + e] = T.if_then_else(
+                        i < rows, x[t0 + i, hk, (v * LPR + lr) * VEC + e], T.cast(0, dtype))
+            for v in T.unroll(NV * VEC):
+                ss = ss + T.cast(xv[v], f32) * T.cast(xv[v], f32)
+            for s in XOR:
+                ss = ss + T.shfl_xor(ss, s)
+            r = T.rsqrt(ss + LOG_EPS) if l2norm_qk else T.float32(1)
+            if l2norm_qk:
+                for v in T.unroll(NV * VEC):
+                    xv[v] = T.cast(T.cast(xv[v], f32) * r, dtype)
+            if x_s is not None:
+                if lr == 0:
+                    n_s[i] = ss * r * r
+                for v in T.unroll(NV):
+                    for e in T.vectorized(VEC):
+                        x_s[i, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
+            if write:
+                if i < rows:
+                    for v in T.unroll(NV):
+                        for e in T.vectorized(VEC):
+                            xn[t0 + i, hk, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
 
     @T.prim_func
     def chunk_kkt_inverse(
@@ -106,120 +167,106 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
-            T.annotate_min_blocks_per_sm(8)         # 64 threads: <= 128 registers
+            T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             k_s = T.alloc_shared((BT, K), dtype)
-            g_s = T.alloc_shared((BT,), f32)
+            a_s = T.alloc_shared((BT, BT), f32)            # L; X's diagonal blocks in place
+            # X's column blocks transposed: xt_s[b, n, m] = X[16 b + m, 16 b + n]
+            xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)
+            yt_s = T.alloc_shared((NB, SUB, SUB), f32)     # each warp's (L X)^T block
+            o_s = T.alloc_shared((BT, BT), a_dtype)        # A_b, staged
             b_s = T.alloc_shared((BT,), f32)
-            r_s = T.alloc_shared((BT,), f32)        # l2norm's 1 / |x_i|
-            d_s = T.alloc_shared((BT,), f32)        # log max(1, beta_i |kn_i|^2 - 1)
+            g_s = T.alloc_shared((BT,), f32)
+            d_s = T.alloc_shared((BT,), f32)               # |kn_i|^2
+            x_col = T.alloc_local((SUB,), f32)
+            acc = T.alloc_var(f32)
+            tx = T.get_thread_binding()
 
-            for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-            for i in T.Parallel(BT):
-                b_s[i] = T.if_then_else(i < rows, T.cast(beta[t0 + i, hv], f32), T.float32(0))
-            for i in T.Parallel(BT):
-                g_s[i] = T.float32(0)
-
-            # beta (masked rows 0)
-            if beta_sigmoid:
-                for i in T.Parallel(BT):
-                    b_s[i] = T.if_then_else(
-                        i < rows,
-                        (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[i])),
+            # rows: beta (threads < BT), then k
+            if tx < BT:
+                b_s[tx] = T.if_then_else(tx < rows, T.cast(beta[t0 + tx, hv], f32), T.float32(0))
+                if beta_sigmoid:
+                    b_s[tx] = T.if_then_else(
+                        tx < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[tx])),
                         T.float32(0))
+            row_pass(k, kn, k_s, d_s, rows, t0, hk, tx, l2norm_qk and hv % group == 0)
+            T.sync_threads()
+
+            # gram
             kk = T.alloc_fragment((BT, BT), f32)
             T.gemm(k_s, k_s, kk, transpose_B=True, clear_accum=True)
-            # l2norm from KKT's diagonal: kn_i . kn_j = kk_ij r_i r_j, r = rsqrt(kk_ii + eps);
-            # the chunk's norm bound from it too
-            for i, j in T.Parallel(BT, BT):
-                if i == j:
-                    r_s[i] = T.rsqrt(kk[i, j] + LOG_EPS) if l2norm_qk else T.float32(1)
-                    d_s[i] = T.log(T.max(T.float32(1), b_s[i] * kk[i, j] * (
-                        1 / (kk[i, j] + LOG_EPS) if l2norm_qk else 1) - 1))
-            if l2norm_qk:
-                if hv % group == 0:
-                    for i, j in T.Parallel(BT, K):
-                        if i < rows:
-                            kn[t0 + i, hk, j] = T.cast(T.cast(k_s[i, j], f32) * r_s[i], dtype)
-            tx = T.get_thread_binding()
-            for r in T.unroll(6):               # sum d_s into d_s[0]: a tree over 64 rows
-                T.sync_threads()
-                if tx < (BT >> (r + 1)):
-                    d_s[tx] = d_s[tx] + d_s[tx + (BT >> (r + 1))]
-            T.sync_threads()
-            if tx == 0:
-                chunk_norm[hv, c] = g_s[BT - 1] + d_s[0]
-            T.sync_threads()        # k_s is dead from here: w_s takes its place
-            w_s = T.alloc_shared((BT, BT), f32)
-            for i, j in T.Parallel(BT, BT):     # (kn's products when l2norm_qk)
-                w_s[i, j] = T.if_then_else(
-                    i > j, b_s[i] * kk[i, j] * r_s[i] * r_s[j] * T.exp(g_s[i] - g_s[j]),
-                    T.float32(0))
+            T.sync_threads()                    # (g_s's cumsum; k_s is dead from here)
+            for i, j in T.Parallel(BT, BT):     # (b_s, g_s read unconditionally: one load a row)
+                kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
+            T.copy(kk, a_s)
+            if tx < 32:                         # the chunk's norm bound
+                acc = T.float32(0)
+                for m in T.unroll(max(1, BT // 32)):
+                    if tx + 32 * m < BT:
+                        acc = acc + T.log(T.max(T.float32(1),
+                                                b_s[tx + 32 * m] * d_s[tx + 32 * m] - 1))
+                acc = T.warp_reduce_sum(acc)
+                if tx == 0:
+                    chunk_norm[hv, c] = acc
             T.sync_threads()
 
-            # X = (I + A)^-1 in place of A in w_s. The 16 x 16 diagonal blocks by forward
-            # substitution, one column per thread and pass, in registers (unrolled)
-            x_col = T.alloc_local((SUB,), f32)
-            for p in T.unroll(max(1, BT // threads)):
-                # (a chunk of fewer rows than threads: the extra threads redo column
-                # tx % BT and do not write)
-                col = (tx + p * threads) % BT
-                b0 = col // SUB * SUB
+            # diag: thread t < BT inverts column n = t % 16 of X_bb = (I + L_bb)^-1, b = t // 16
+            # (blocks 2w, 2w + 1 in warp w): X[i, n] = [i == n] - sum_{n <= j < i} L[i, j] X[j, n]
+            if tx < BT:
+                wb = tx // SUB * SUB
+                n = tx % SUB
                 for ii in T.unroll(SUB):
                     x_col[ii] = T.float32(0)
                 for ii in T.unroll(SUB):
-                    acc = T.alloc_var(f32)
                     acc = T.float32(0)
-                    for jj in T.unroll(SUB):
-                        if jj < ii:
-                            acc = acc + w_s[b0 + ii, b0 + jj] * x_col[jj]
-                    x_col[ii] = T.if_then_else(
-                        ii == col % SUB, T.float32(1),
-                        T.if_then_else(ii < col % SUB, T.float32(0), -acc))
-                T.sync_threads()
-                if tx + p * threads < BT:
+                    for jj in T.unroll(ii):
+                        acc = acc + a_s[wb + ii, wb + jj] * x_col[jj]
+                    x_col[ii] = T.if_then_else(ii == n, T.float32(1),
+                                               T.if_then_else(ii < n, T.float32(0), -acc))
+                # (the warp's reads of L_bb are done; at chunk 16 only lanes < 16 are here)
+                if BT >= 32:
+                    T.sync_warp()
+                else:
+                    T.sync_warp(0xFFFF)
+                for ii in T.unroll(SUB):
+                    a_s[wb + ii, wb + n] = x_col[ii]
+                    o_s[wb + ii, wb + n] = T.cast(
+                        x_col[ii] * b_s[wb + n] if a_beta else x_col[ii], a_dtype)
+                if tx < BT - SUB:
                     for ii in T.unroll(SUB):
-                        w_s[b0 + ii, col] = x_col[ii]
-                T.sync_threads()
-            # then block columns s, last first (R = 16 (s + 1)):
-            #   X[R:, s] = -X[R:, R:] (A[R:, s] X_ss)
-            # two tf32 MMAs per step, both operands K-major (W^T = X_ss^T A[R:, s]^T first, so
-            # W reaches the second MMA K-major); each step writes over the A block it consumed
-            xt_s = T.alloc_shared((SUB, SUB), f32)
-            wt_s = T.alloc_shared((SUB, BT - SUB), f32)
-            for s in merge_steps:
-                R = SUB * (s + 1)
-                c0 = SUB * s
-                wt_f = T.alloc_fragment((SUB, BT - R), f32)
-                x_f = T.alloc_fragment((BT - R, SUB), f32)
-                for i, j in T.Parallel(SUB, SUB):
-                    xt_s[i, j] = w_s[c0 + j, c0 + i]
-                T.gemm(xt_s, w_s[R:BT, c0:c0 + SUB], wt_f, transpose_B=True, clear_accum=True)
-                T.copy(wt_f, wt_s[0:SUB, 0:BT - R])
-                T.gemm(w_s[R:BT, R:BT], wt_s[0:SUB, 0:BT - R], x_f, transpose_B=True,
-                       clear_accum=True)
-                for i, j in T.Parallel(BT - R, SUB):
-                    w_s[R + i, c0 + j] = -x_f[i, j]
+                        xt_s[tx // SUB, n, ii] = x_col[ii]
+            for i, j in T.Parallel(BT, BT):     # X's blocks above the diagonal
+                if i // SUB < j // SUB:
+                    o_s[i, j] = T.cast(0, a_dtype)
+            T.sync_threads()
 
-            # A_b = X diag(beta) (X's upper triangle is 0 in w_s); X itself without a_beta
+            # levels: block (b, b - d) by warp b;
+            # xt_s[r, :, 0:16 d] = X[16 r:16 b, 16 r:16 r + 16]^T
+            for d, warps in LEVELS:
+                for b in warps:
+                    if tx >= 32 * b and tx < 32 * (b + 1):
+                        r = b - d
+                        yt = T.alloc_fragment((SUB, SUB), f32)
+                        T.gemm(xt_s[r, :, 0:SUB * d], a_s[SUB * b:SUB * b + SUB, SUB * r:SUB * b],
+                               yt, transpose_B=True, clear_accum=True)
+                        T.copy(yt, yt_s[b, :, :])
+                        T.sync_warp()
+                        xb = T.alloc_fragment((SUB, SUB), f32)
+                        T.gemm(a_s[SUB * b:SUB * b + SUB, SUB * b:SUB * b + SUB], yt_s[b, :, :],
+                               xb, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(SUB, SUB):
+                            o_s[SUB * b + i, SUB * r + j] = T.cast(
+                                -xb[i, j] * b_s[SUB * r + j] if a_beta else -xb[i, j], a_dtype)
+                        if d < NB - 1:
+                            for i, j in T.Parallel(SUB, SUB):
+                                xt_s[r, j, SUB * d + i] = -xb[i, j]
+                T.sync_threads()
+
+            # store
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
-                    A[t0 + i, hv, j] = T.cast(w_s[i, j] * b_s[j] if a_beta else w_s[i, j],
-                                              a_dtype)
-
+                    A[t0 + i, hv, j] = o_s[i, j]
             if l2norm_qk:               # qn, by the key head's first value head
                 if hv % group == 0:
-                    T.sync_threads()    # w_s is dead: q_s takes its place
-                    q_s = T.alloc_shared((BT, K), dtype)
-                    for i, j in T.Parallel(BT, K):
-                        q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
-                    qq = T.alloc_fragment((BT, BT), f32)
-                    T.gemm(q_s, q_s, qq, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):
-                        if i == j:
-                            r_s[i] = T.rsqrt(qq[i, j] + LOG_EPS)
-                    for i, j in T.Parallel(BT, K):
-                        if i < rows:
-                            qn[t0 + i, hk, j] = T.cast(T.cast(q_s[i, j], f32) * r_s[i], dtype)
+                    row_pass(q, qn, None, None, rows, t0, hk, tx, True)
 
     return chunk_kkt_inverse

@@ -16,8 +16,14 @@ dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as
   dw    = -dv2 S[t]^T
   dg    = rowsum(q dq) - rowsum(k dk)         (f32, the gradient of g_cum from the output
                                                and state terms; stage 4 adds the WY part,
-                                               the host the chunk's e^g_last terms and the
+                                               the host e^g_last <dh[t], S[t]> and the
                                                reverse cumulative sum)
+  dg[last row] += sum_i <k_i, dk_state_i>     (dk_state = (v_new dh[t]^T) exp(g_last -
+                                               g_cum): g_last's share of the state
+                                               leaving the chunk; the same f32 values its
+                                               rows subtract, so the two cancel as computed
+                                               in the reverse cumulative sum, where dh[t]
+                                               and v_new are rounded to the input dtype)
 
 g_cum [B, H, L] f32: the in-chunk cumulative log gate (rows past L take the last row's).
 
@@ -139,6 +145,8 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
             g_s = T.alloc_shared((BT,), f32)
             prod = T.alloc_fragment((BT, K), f32)
             row = T.alloc_fragment((BT,), f32)
+            sk_s = T.alloc_shared((BT,), f32)
+            tx = T.get_thread_binding()
             for i in T.Parallel(BT):
                 g_s[i] = g_cum[b, h, T.min(t0 + i, L - 1)]
             # ds = tril_incl(do v_new^T) exp(g_cum_i - g_cum_j)
@@ -158,17 +166,30 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
             T.gemm(vn_s, dh_s, dk_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 dk_f[i, j] = dk_f[i, j] * T.exp(g_s[BT - 1] - g_s[i])
+            # the state terms' chunk sum sum_i <k_i, dk_i> into sk_s[0] (a tree over the rows)
+            for i, j in T.Parallel(BT, K):
+                prod[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
+            T.reduce_sum(prod, row, dim=1)
+            for i in T.Parallel(BT):
+                sk_s[i] = row[i]
+            for r in T.unroll(BT.bit_length() - 1):
+                T.sync_threads()
+                if tx < (BT >> (r + 1)):
+                    sk_s[tx] = sk_s[tx] + sk_s[tx + (BT >> (r + 1))]
+            T.sync_threads()
             T.gemm(ds_s, q_s, dk_f, transpose_A=True)
             for i, j in T.Parallel(BT, K):
                 if t0 + i < L:
                     dk_part[b, h, t0 + i, j] = dk_f[i, j]
-            # dg = rowsum(q dq) - rowsum(k dk)  (q, k rows past L are 0)
+            # dg = rowsum(q dq) - rowsum(k dk), the last row + the state terms' sum (q, k
+            # rows past L are 0)
             for i, j in T.Parallel(BT, K):
                 prod[i, j] = dq_f[i, j] * T.cast(q_s[i, j], f32) - dk_f[i, j] * T.cast(k_s[i, j], f32)
             T.reduce_sum(prod, row, dim=1)
             for i in T.Parallel(BT):
                 if t0 + i < L:
-                    dg_part[b, h, t0 + i] = row[i]
+                    dg_part[b, h, t0 + i] = row[i] + T.if_then_else(i == BT - 1, sk_s[0],
+                                                                    T.float32(0))
             # dw = -dv2 S^T
             T.gemm(dv_s, S_s, dw_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):

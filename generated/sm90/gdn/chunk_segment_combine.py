@@ -58,6 +58,9 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
     """
     BV = block_v
     KB = min(K, 64)             # A_s S over column blocks of A_s (K x K f32 at K = 256: 256 KB)
+    # without a gate every mapped segment is exact (chunk_walk_map forms M always): A_s, one
+    # block at K <= 64, is then loaded with B_s, two stages ahead
+    PREFETCH_A = False
     assert K % KB == 0 and V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
     N, NS, N0, N1 = T.dynamic("N, NS, N0, N1")
@@ -106,7 +109,8 @@ def build(HV, K, V, state_v_first=False, has_initial_state=False, output_final_s
                     for i, j in T.Parallel(K, BV):
                         St_s[j, i] = S[i, j]
                     for kb in T.serial(K // KB):
-                        T.copy(seg_map[s0 + s, hv, 0:K, kb * KB:(kb + 1) * KB], A_s)
+                        if not PREFETCH_A:
+                            T.copy(seg_map[s0 + s, hv, 0:K, kb * KB:(kb + 1) * KB], A_s)
                         T.gemm(A_s, St_s[0:BV, kb * KB:(kb + 1) * KB], AS, transpose_B=True)
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = AS[i, j] + B_s[i, j]

@@ -2,20 +2,32 @@
 # spec: kda_delta_key_c64  hash: 94942efbb8b8c0b7  generator: linattn-gen 0.1.0
 # stage: chunk_prepare  variant: fwd  arch: sm90
 # regenerate: linattn-gen --op kda --arch sm90
-"""Chunked forward, stage 1 of 3, per-key-channel gate: the intra-chunk preparation.
+"""Chunked forward, per-key-channel gate: the intra-chunk preparation.
 
 One CTA per (chunk, value head); rows i, j of the chunk (i < len valid), key channel c,
-G = within-chunk cumsum of the log gate per channel (G <= 0, decreasing along rows):
+G = within-chunk cumsum of the log gate per channel (G <= 0, decreasing down the rows):
 
   A_qk[i, j] = sum_c q_ic k_jc exp(G_ic - G_jc)          (i >= j; written, input dtype)
   A_kk[i, j] = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)   (i > j)
-  X = (I + A_kk)^-1                                     (f32, blocked forward substitution)
+  X = (I + A_kk)^-1                                     (f32, in place; tf32 merges)
   w = X (beta k exp(G)),  u = X (beta v)                (written)
   qg = q exp(G),  kg = k exp(G_last - G),  g_last = G[len - 1]   (written)
+(q, k l2-normalised first with l2norm_qk.)
 
-Only exponentials of non-positive numbers are taken: the 16-row sub-blocks below the
-diagonal factor through the first row r of their row block, exp(G_i - G_r) exp(G_r - G_j)
-(tensor-core GEMMs), and the diagonal sub-blocks are summed element by element.
+No exponential of a positive number is taken, so nothing overflows whatever the gate.
+The pairs (i, j) are cut by bisection: at level W (32, 16, ..., diag) the rows come in
+groups of 2 W, and the pairs (i in a group's second half, j in its first half) factor
+through the last row r of the first half,
+
+  exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j),      both factors <= 1,
+
+so a level is one tensor-core GEMM: [k rows i | q rows i] (64 x K, each row scaled by
+its first factor) times the 32 rows j (scaled by the second), of which the pairs inside
+a group are kept. The pairs of the diag x diag blocks on the diagonal are summed
+element by element in f32 (one thread per row and half of the channels; the channel
+loop starts at the thread's lane so that the shared-memory reads do not conflict).
+Channels come in panels of block_k; the l2norm scales apply to the sums afterwards (the
+sums are bilinear in q and k), so a second pass over the panels writes qg, kg, w.
 """
 import tilelang
 import tilelang.language as T
@@ -34,6 +46,9 @@ EXAMPLES = [
     dict(H=2, HV=4, K=64, V=64, dtype="float16", g_dtype="float32", beta_dtype="float32",
          l2norm_qk=False, beta_sigmoid=True,
          allow_neg_eigval=False, gate_in_kernel=True),
+    dict(H=2, HV=2, K=256, V=256, dtype="bfloat16",
+         g_dtype="float32", beta_dtype="float32", l2norm_qk=True, beta_sigmoid=False,
+         allow_neg_eigval=False, gate_in_kernel=False, heads_fastest=True),
 ]
 CHUNK = 64
 NORM_EPS = 1e-6
@@ -44,21 +59,25 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    return {}
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+def _block(n: int, widest: int = 64) -> int:
+    """The widest of widest, 32, 16 dividing n."""
+    return next(b for b in (widest, 32, 16) if n % b == 0)
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
-          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, inverse="blocked",
-          threads=128, heads_fastest=False, skew=False):
+          beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
+          heads_fastest=False, block_k=None, diag=8):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
-    skew: in the diagonal blocks' loop over the K channels, lane l of a warp starts at
-    channel l (then wraps): a warp's 32 (i, j) pairs (2 rows i x 16 columns j) read g and k
-    of their 16 rows j in 32 different banks instead of one column of 16 rows 512 / 256
-    bytes apart (a 16-way conflict per load); the sums only change their order.
+    Tuning: block_k (channels per panel, a divisor of K; default the widest of 64, 32,
+    16), diag (rows of the diagonal blocks summed element by element, 4 or 8; the
+    levels 32 .. diag are GEMMs).
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
@@ -66,13 +85,47 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
          g_last [NT, HV, K] f32, w [Ttot, HV, K], u [Ttot, HV, V] (delta rule)
     """
     BT = CHUNK
-    SUB = 16                    # row block of the factored decays and of the inverse
-    assert inverse in ("column", "blocked", "tc"), inverse
+    BK = block_k or _block(K)
+    BV = _block(V)
+    threads = 128
+    assert K % BK == 0 and BK % 16 == 0, (K, BK)
+    assert diag in (4, 8) and BT % (2 * diag) == 0, diag
+    levels = []                 # the half-widths W of the GEMM levels: 32, 16, .., diag
+    W = BT // 2
+    while W >= diag:
+        levels.append(W)
+        W //= 2
+    HALF = BT // 2              # rows of a level's operands: each group's second (first) half
+    CH = BK // 2                # channels of a panel per thread of the element-wise sums
+    n_panels = K // BK
+    reload = n_panels > 1       # the second pass reads its panel again
     f32 = "float32"
     group = HV // H
-    # the diagonal loop's channel for lane tx % 32 (skew) or the loop's own
-    _c = (lambda cc: (cc + T.get_thread_binding() % 32) % K) if skew else (lambda cc: cc)
     Ttot, NT = T.dynamic("Ttot, NT")
+
+    @T.macro
+    def load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, c0):
+        """q, k and the gate cumsum G of channels c0 .. c0 + BK (rows past len: 0)."""
+        for i, j in T.Parallel(BT, BK):
+            q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, c0 + j], T.cast(0, dtype))
+        for i, j in T.Parallel(BT, BK):
+            k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, c0 + j], T.cast(0, dtype))
+        for i, j in T.Parallel(BT, BK):
+            G_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, c0 + j], f32),
+                                       T.float32(0))
+        if gate_in_kernel:
+            for i, j in T.Parallel(BT, BK):
+                x = G_s[i, j] + dt_bias[hv * K + c0 + j]
+                G_s[i, j] = T.if_then_else(
+                    i < rows, -T.exp(A_log[hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))),
+                    T.float32(0))
+        T.cumsum(G_s, dim=0)
+
+    @T.macro
+    def add_row_sums(x_s, sq, ss):
+        for i, j in T.Parallel(BT, BK):
+            sq[i, j] = T.cast(x_s[i, j], f32) * T.cast(x_s[i, j], f32)
+        T.reduce_sum(sq, ss, dim=1, clear=False)
 
     @T.prim_func
     def chunk_prepare(
@@ -99,232 +152,198 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            g_s = T.alloc_shared((BT, K), f32)
-            left_s = T.alloc_shared((BT, K), dtype)
-            right_s = T.alloc_shared((BT, K), dtype)
-            d_s = T.alloc_shared((BT, BT), f32)
-            acc = T.alloc_local((2,), f32)
             tx = T.get_thread_binding()
-
-            for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
-            for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
+            er = tx % BT                                   # element-wise sums: this thread's
+            eh = tx // BT                                  # row, half of the channels,
+            b0 = er // diag * diag                         # and diagonal block
+            q_s = T.alloc_shared((BT, BK), dtype)
+            k_s = T.alloc_shared((BT, BK), dtype)
+            G_s = T.alloc_shared((BT, BK), f32)
+            l_s = T.alloc_shared((BT, BK), dtype)          # a level's [k rows i | q rows i]
+            r_s = T.alloc_shared((HALF, BK), dtype)        # a level's k rows j
+            nq_s = T.alloc_shared((BT,), f32)              # l2norm's 1 / |x_i| (or 1)
+            nk_s = T.alloc_shared((BT,), f32)
             if l2norm_qk:
-                x_f = T.alloc_fragment((BT, K), f32)
-                x_sq = T.alloc_fragment((BT, K), f32)
-                x_ss = T.alloc_fragment((BT,), f32)
-                T.copy(q_s, x_f)
-                for i, j in T.Parallel(BT, K):
-                    x_sq[i, j] = x_f[i, j] * x_f[i, j]
-                T.reduce_sum(x_sq, x_ss, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    q_s[i, j] = T.cast(x_f[i, j] * T.rsqrt(x_ss[i] + NORM_EPS), dtype)
-                T.copy(k_s, x_f)
-                for i, j in T.Parallel(BT, K):
-                    x_sq[i, j] = x_f[i, j] * x_f[i, j]
-                T.reduce_sum(x_sq, x_ss, dim=1)
-                for i, j in T.Parallel(BT, K):
-                    k_s[i, j] = T.cast(x_f[i, j] * T.rsqrt(x_ss[i] + NORM_EPS), dtype)
+                sq = T.alloc_fragment((BT, BK), f32)
+                ssq = T.alloc_fragment((BT,), f32)         # sums of squares of the q, k rows
+                ssk = T.alloc_fragment((BT,), f32)
+                T.clear(ssq)
+                T.clear(ssk)
+            accs = [T.alloc_fragment((BT, HALF), f32) for _ in levels]
+            dq = T.alloc_local((diag,), f32)
+            dk = T.alloc_local((diag,), f32)
 
-            # gate per key channel: activation, cumsum down the rows (rows past len add 0)
-            for i, j in T.Parallel(BT, K):
-                g_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, j], f32), T.float32(0))
-            if gate_in_kernel:
-                for i, j in T.Parallel(BT, K):
-                    x = g_s[i, j] + dt_bias[hv * K + j]
-                    g_s[i, j] = T.if_then_else(
-                        i < rows,
-                        -T.exp(A_log[hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))),
-                        T.float32(0))
-            T.cumsum(g_s, dim=0)
-            for j in T.Parallel(K):
-                g_last[c, hv, j] = g_s[rows - 1, j]
+            for acc in accs:
+                T.clear(acc)
+            for jj in T.unroll(diag):
+                dq[jj] = T.float32(0)
+                dk[jj] = T.float32(0)
 
-            # sub-blocks below the diagonal: row block I (rows r..r+15, r = 16 I) against
-            # columns j < r, through exp(G_i - G_r) exp(G_r - G_j), both factors <= 1
-            qk_f = T.alloc_fragment((BT, BT), f32)
-            kk_f = T.alloc_fragment((BT, BT), f32)
-            T.clear(kk_f)
-            T.clear(qk_f)
-            for blk in T.serial(1, BT // SUB):
-                r = blk * SUB
-                for i, j in T.Parallel(BT, K):
-                    right_s[i, j] = T.if_then_else(
-                        i < r, T.cast(T.cast(k_s[i, j], f32) * T.exp(g_s[r, j] - g_s[i, j]), dtype),
-                        T.cast(0, dtype))
-                for i, j in T.Parallel(BT, K):
-                    left_s[i, j] = T.if_then_else(
-                        (i >= r) & (i < r + SUB),
-                        T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j] - g_s[r, j]), dtype),
-                        T.cast(0, dtype))
-                T.gemm(left_s, right_s, qk_f, transpose_B=True)
-                for i, j in T.Parallel(BT, K):
-                    left_s[i, j] = T.if_then_else(
-                        (i >= r) & (i < r + SUB),
-                        T.cast(T.cast(k_s[i, j], f32) * T.exp(g_s[i, j] - g_s[r, j]), dtype),
-                        T.cast(0, dtype))
-                T.gemm(left_s, right_s, kk_f, transpose_B=True)
+            # pass 1: the pair sums over the channel panels
+            for p in T.serial(n_panels):
+                load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, p * BK)
+                if l2norm_qk:
+                    add_row_sums(q_s, sq, ssq)
+                    add_row_sums(k_s, sq, ssk)
+                for W, acc in zip(levels, accs):
+                    for a, j in T.Parallel(HALF, BK):
+                        i = a // W * 2 * W + W + a % W          # row of the second half
+                        jr = a // W * 2 * W + a % W             # row of the first half
+                        r = a // W * 2 * W + W - 1              # the group's reference row
+                        e = T.exp(G_s[i, j] - G_s[r, j])
+                        l_s[a, j] = T.cast(T.cast(k_s[i, j], f32) * e, dtype)
+                        l_s[HALF + a, j] = T.cast(T.cast(q_s[i, j], f32) * e, dtype)
+                        r_s[a, j] = T.cast(T.cast(k_s[jr, j], f32) * T.exp(G_s[r, j] - G_s[jr, j]),
+                                           dtype)
+                    T.gemm(l_s, r_s, acc, transpose_B=True)
+                for cc in T.serial(CH):
+                    ch = eh * CH + (cc + tx) % CH
+                    for jj in T.unroll(diag):
+                        if b0 + jj <= er:
+                            kj = T.cast(k_s[b0 + jj, ch], f32) * T.exp(G_s[er, ch] - G_s[b0 + jj, ch])
+                            dq[jj] = dq[jj] + T.cast(q_s[er, ch], f32) * kj
+                            dk[jj] = dk[jj] + T.cast(k_s[er, ch], f32) * kj
+                T.sync_threads()
 
-            # diagonal sub-blocks, element by element in f32: d_s[i, j] = sum_c q_ic k_jc e_ijc
-            # (i >= j) and, strictly below the diagonal, d_s[j, i] = sum_c k_ic k_jc e_ijc
+            # A_qk and A_kk (f32) from the levels and the diagonal blocks
+            aqk_s = T.alloc_shared((BT, BT), dtype)     # scaled, as written
+            a_s = T.alloc_shared((BT, BT), f32)
+            part_s = T.alloc_shared((BT, 2 * diag), f32)
+            st_s = T.alloc_shared((BT, HALF), f32)
+            if l2norm_qk:
+                for i in T.Parallel(BT):
+                    nq_s[i] = T.rsqrt(ssq[i] + NORM_EPS)
+                    nk_s[i] = T.rsqrt(ssk[i] + NORM_EPS)
+            else:
+                for i in T.Parallel(BT):
+                    nq_s[i] = T.float32(1)
+                    nk_s[i] = T.float32(1)
             for i, j in T.Parallel(BT, BT):
-                d_s[i, j] = T.float32(0)
+                aqk_s[i, j] = T.cast(0, dtype)
+                a_s[i, j] = T.float32(0)
+            for W, acc in zip(levels, accs):
+                # (through shared memory: a branch writing two buffers from a fragment
+                # was lowered with both stores unconditional)
+                T.copy(acc, st_s)
+                for a, a2 in T.Parallel(HALF, HALF):
+                    i = a // W * 2 * W + W + a % W
+                    j = a2 // W * 2 * W + a2 % W
+                    if a // W == a2 // W:
+                        a_s[i, j] = st_s[a, a2]
+                        aqk_s[i, j] = T.cast(st_s[HALF + a, a2] * nq_s[i] * nk_s[j], dtype)
+            if eh == 1:
+                for jj in T.unroll(diag):
+                    part_s[er, jj] = dq[jj]
+                    part_s[er, diag + jj] = dk[jj]
             T.sync_threads()
-            for e in T.serial(BT * SUB // threads):
-                idx = e * threads + tx
-                i = idx // SUB
-                j = i // SUB * SUB + idx % SUB
-                if j <= i:
-                    acc[0] = T.float32(0)
-                    acc[1] = T.float32(0)
-                    for cc in T.serial(K):
-                        dec = T.exp(g_s[i, _c(cc)] - g_s[j, _c(cc)]) * T.cast(k_s[j, _c(cc)], f32)
-                        acc[0] = acc[0] + T.cast(q_s[i, _c(cc)], f32) * dec
-                        acc[1] = acc[1] + T.cast(k_s[i, _c(cc)], f32) * dec
-                    d_s[i, j] = acc[0]
-                    if j < i:
-                        d_s[j, i] = acc[1]
+            if eh == 0:
+                for jj in T.unroll(diag):
+                    if b0 + jj <= er:
+                        aqk_s[er, b0 + jj] = T.cast((dq[jj] + part_s[er, jj]) * nq_s[er]
+                                                    * nk_s[b0 + jj], dtype)
+                    if b0 + jj < er:
+                        a_s[er, b0 + jj] = dk[jj] + part_s[er, diag + jj]
             T.sync_threads()
-
-            # qg = q exp(G), kg = k exp(G_last - G), A_qk (masked i >= j)
-            for i, j in T.Parallel(BT, K):
-                if i < rows:
-                    qg[t0 + i, hv, j] = T.cast(T.cast(q_s[i, j], f32) * T.exp(g_s[i, j]), dtype)
-            for i, j in T.Parallel(BT, K):
-                if i < rows:
-                    kg[t0 + i, hv, j] = T.cast(
-                        T.cast(k_s[i, j], f32) * T.exp(g_s[rows - 1, j] - g_s[i, j]), dtype)
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
-                    aqk[t0 + i, hv, j] = T.cast(
-                        T.if_then_else(i // SUB == j // SUB,
-                                       T.if_then_else(i >= j, d_s[i, j], T.float32(0)),
-                                       T.if_then_else(i > j, qk_f[i, j], T.float32(0))),
-                        dtype)
+                    aqk[t0 + i, hv, j] = aqk_s[i, j]
 
-            # beta, A = strict_tril(beta_i A_kk), X = (I + A)^-1, w, u
+            # beta; A = strict_tril(beta_i A_kk) with the l2norm scales, inverted in place
             b_s = T.alloc_shared((BT,), f32)
             for i in T.Parallel(BT):
                 b_s[i] = T.if_then_else(i < rows, T.cast(beta[t0 + i, hv], f32), T.float32(0))
             if beta_sigmoid:
                 for i in T.Parallel(BT):
                     b_s[i] = T.if_then_else(
-                        i < rows,
-                        (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[i])),
+                        i < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[i])),
                         T.float32(0))
-            a_s = T.alloc_shared((BT, BT), f32)
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(
-                    i > j,
-                    b_s[i] * T.if_then_else(i // SUB == j // SUB, d_s[j, i], kk_f[i, j]),
-                    T.float32(0))
-            # X = (I + A)^-1 (A strictly lower triangular), f32; "tc" merges in tf32
-            x_s = T.alloc_shared((BT, BT), f32)
-            if inverse == "column":
-                # forward substitution, one column per thread:
-                # X[i, c] = [i == c] - sum_{c <= j < i} A[i, j] X[j, c]
-                if tx < BT:
-                    for i in T.serial(BT):
-                        acc[0] = T.float32(0)
-                        for jj in T.serial(T.max(i - tx, 0)):
-                            acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
-                        x_s[i, tx] = T.if_then_else(
-                            i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
-            else:
-                # the 16 x 16 diagonal blocks by forward substitution (one column per
-                # thread, all blocks at once); then "blocked": block row r from the rows
-                # above, X[r, :r] = -X[r, r] (A[r, :r] X[:r, :r]); or "tc" (below)
-                for i, j in T.Parallel(BT, BT):
-                    x_s[i, j] = T.float32(0)
+                a_s[i, j] = T.if_then_else(i > j, b_s[i] * nk_s[i] * nk_s[j] * a_s[i, j],
+                                             T.float32(0))
+            SUB = 16
+            T.sync_threads()
+            x_col = T.alloc_local((SUB,), f32)
+            for p in T.unroll(max(1, BT // threads)):
+                # (more threads than columns: the extra ones redo column tx % BT, unwritten)
+                col = (tx + p * threads) % BT
+                d0 = col // SUB * SUB
+                for ii in T.unroll(SUB):
+                    x_col[ii] = T.float32(0)
+                for ii in T.unroll(SUB):
+                    xacc = T.alloc_var(f32)
+                    xacc = T.float32(0)
+                    for jj in T.unroll(SUB):
+                        if jj < ii:
+                            xacc = xacc + a_s[d0 + ii, d0 + jj] * x_col[jj]
+                    x_col[ii] = T.if_then_else(
+                        ii == col % SUB, T.float32(1),
+                        T.if_then_else(ii < col % SUB, T.float32(0), -xacc))
                 T.sync_threads()
-                if tx < BT:
-                    for ii in T.serial(SUB):
-                        i = tx // SUB * SUB + ii
-                        acc[0] = T.float32(0)
-                        for jj in T.serial(T.max(i - tx, 0)):
-                            acc[0] = acc[0] + a_s[i, tx + jj] * x_s[tx + jj, tx]
-                        x_s[i, tx] = T.if_then_else(
-                            i == tx, T.float32(1), T.if_then_else(i < tx, T.float32(0), -acc[0]))
+                if tx + p * threads < BT:
+                    for ii in T.unroll(SUB):
+                        a_s[d0 + ii, col] = x_col[ii]
                 T.sync_threads()
-            if inverse == "blocked":
-                y_s = T.alloc_shared((SUB, BT), f32)
-                for r in range(1, BT // SUB):           # block rows, in order
-                    R0 = r * SUB
-                    for e in T.serial((SUB * R0 + threads - 1) // threads):
-                        idx = e * threads + tx
-                        if idx < SUB * R0:
-                            ii = idx // R0
-                            j = idx % R0
-                            acc[0] = T.float32(0)
-                            for kk in T.serial(R0 - j):
-                                acc[0] = acc[0] + a_s[R0 + ii, j + kk] * x_s[j + kk, j]
-                            y_s[ii, j] = acc[0]
-                    T.sync_threads()
-                    for e in T.serial((SUB * R0 + threads - 1) // threads):
-                        idx = e * threads + tx
-                        if idx < SUB * R0:
-                            ii = idx // R0
-                            j = idx % R0
-                            acc[0] = T.float32(0)
-                            for m in T.serial(ii + 1):
-                                acc[0] = acc[0] + x_s[R0 + ii, R0 + m] * y_s[m, j]
-                            x_s[R0 + ii, j] = -acc[0]
-                    T.sync_threads()
-            if inverse == "tc":
-                # with D = blockdiag(X_ii) and L the blocks of A below the diagonal:
-                # I + A = D^-1 (I + M), M = D L strictly block-lower (M^4 = 0), so
-                # X = (I - M)(I + M^2) D = Q - M Q with Q = D + M^2 D: four tf32 MMAs
-                # (the B operands stored transposed: K-major)
-                lt_s = T.alloc_shared((BT, BT), f32)
-                dt_s = T.alloc_shared((BT, BT), f32)
-                m_s = T.alloc_shared((BT, BT), f32)
-                mt_s = T.alloc_shared((BT, BT), f32)
-                m2_s = T.alloc_shared((BT, BT), f32)
-                qt_s = T.alloc_shared((BT, BT), f32)
-                m_f = T.alloc_fragment((BT, BT), f32)
-                q_f = T.alloc_fragment((BT, BT), f32)
-                for i, j in T.Parallel(BT, BT):
-                    lt_s[j, i] = T.if_then_else(i // SUB != j // SUB, a_s[i, j], T.float32(0))
-                for i, j in T.Parallel(BT, BT):
-                    dt_s[j, i] = x_s[i, j]
-                T.gemm(x_s, lt_s, m_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    m_s[i, j] = m_f[i, j]
-                for i, j in T.Parallel(BT, BT):
-                    mt_s[j, i] = m_f[i, j]
-                T.gemm(m_s, mt_s, m_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    m2_s[i, j] = m_f[i, j]
-                T.gemm(m2_s, dt_s, q_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    q_f[i, j] = q_f[i, j] + x_s[i, j]
-                for i, j in T.Parallel(BT, BT):
-                    qt_s[j, i] = q_f[i, j]
-                T.gemm(m_s, qt_s, m_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BT):
-                    x_s[i, j] = q_f[i, j] - m_f[i, j]
+            xt_s = T.alloc_shared((SUB, SUB), f32)
+            yt_s = T.alloc_shared((SUB, BT), f32)
+            y_f = T.alloc_fragment((BT, SUB), f32)
+            z_f = T.alloc_fragment((BT, SUB), f32)
+            for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                R = SUB * (s + 1)
+                m0 = SUB * s
+                for i, j in T.Parallel(SUB, SUB):
+                    xt_s[i, j] = a_s[m0 + j, m0 + i]
+                T.gemm(a_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
+                # (writes of whole fragments, selected: a condition on a fragment's row
+                # would put the next barrier inside a branch)
+                for i, j in T.Parallel(BT, SUB):
+                    yt_s[j, i] = y_f[i, j]
+                T.gemm(a_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                       clear_accum=True)
+                for i, j in T.Parallel(BT, SUB):
+                    a_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], a_s[i, m0 + j])
 
             x_lp = T.alloc_shared((BT, BT), dtype)
-            vb_s = T.alloc_shared((BT, V), dtype)
-            w_f = T.alloc_fragment((BT, K), f32)
-            u_f = T.alloc_fragment((BT, V), f32)
             for i, j in T.Parallel(BT, BT):
-                x_lp[i, j] = T.cast(x_s[i, j], dtype)
-            for i, j in T.Parallel(BT, K):
-                left_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * T.exp(g_s[i, j])), dtype)
-            for i, j in T.Parallel(BT, V):
-                vb_s[i, j] = T.if_then_else(i < rows, T.cast(T.cast(v[t0 + i, hv, j], f32) * b_s[i], dtype),
-                                            T.cast(0, dtype))
-            T.gemm(x_lp, left_s, w_f, clear_accum=True)
-            T.gemm(x_lp, vb_s, u_f, clear_accum=True)
-            for i, j in T.Parallel(BT, K):
-                if i < rows:
-                    w[t0 + i, hv, j] = T.cast(w_f[i, j], dtype)
-            for i, j in T.Parallel(BT, V):
-                if i < rows:
-                    u[t0 + i, hv, j] = T.cast(u_f[i, j], dtype)
+                x_lp[i, j] = T.cast(a_s[i, j], dtype)
+            w_f = T.alloc_fragment((BT, BK), f32)
+
+            # pass 2: qg, kg, w and g_last per panel, with the l2norm scales
+            for p in T.serial(n_panels):
+                c0 = p * BK
+                if reload:
+                    T.sync_threads()
+                    load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, c0)
+                for j in T.Parallel(BK):
+                    g_last[c, hv, c0 + j] = G_s[rows - 1, j]
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        qg[t0 + i, hv, c0 + j] = T.cast(
+                            T.cast(q_s[i, j], f32) * nq_s[i] * T.exp(G_s[i, j]), dtype)
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        kg[t0 + i, hv, c0 + j] = T.cast(
+                            T.cast(k_s[i, j], f32) * nk_s[i] * T.exp(G_s[rows - 1, j] - G_s[i, j]),
+                            dtype)
+                for i, j in T.Parallel(BT, BK):
+                    l_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * nk_s[i]) * T.exp(G_s[i, j]),
+                                       dtype)
+                T.gemm(x_lp, l_s, w_f, clear_accum=True)
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        w[t0 + i, hv, c0 + j] = T.cast(w_f[i, j], dtype)
+
+            # u = X (beta v), per value panel
+            vb_s = T.alloc_shared((BT, BV), dtype)
+            u_f = T.alloc_fragment((BT, BV), f32)
+            for pv in T.serial(V // BV):
+                v0 = pv * BV
+                for i, j in T.Parallel(BT, BV):
+                    vb_s[i, j] = T.if_then_else(
+                        i < rows, T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i], dtype),
+                        T.cast(0, dtype))
+                T.gemm(x_lp, vb_s, u_f, clear_accum=True)
+                for i, j in T.Parallel(BT, BV):
+                    if i < rows:
+                        u[t0 + i, hv, v0 + j] = T.cast(u_f[i, j], dtype)
 
     return chunk_prepare
