@@ -128,8 +128,9 @@ def main():
         "OUT", ".")), "additive_probe.json"))
     args = ap.parse_args()
     t_start = time.time()
-    todo = [(n, c) for n in (args.only or list(WORKLOADS))
-            for c in args.configs + (SWEEP if n in args.sweep_on else [])]
+    names = args.only or list(WORKLOADS)
+    todo = [(n, c) for n in names for c in args.configs]          # the sweeps after these
+    todo += [(n, c) for n in names if n in args.sweep_on for c in SWEEP]
     prepared, jobs = [], []
     for name, text in todo:
         try:
@@ -157,7 +158,7 @@ def main():
                "reason": plan.reasons[0] if plan.reasons else "",
                "fla_table_ms": fla_table_ms(op, wl, dt)}
         try:
-            if name not in refs:
+            if name not in refs:                # (one workload's reference at a time)
                 refs = {name: reference()}
             rec.update(check(run, refs[name], lens, states))
             ms, per, nk = device_times(run, iters=args.iters)

@@ -242,7 +242,8 @@ def test_safe_gate_follows_fla():
 @pytest.mark.parametrize("gate, K, V, dtype, T, path", [
     ("scalar", 128, 128, BF, 64, "chunk"), ("scalar", 128, 128, BF, 1, "recurrent"),
     ("scalar", 128, 128, F32, 64, "recurrent"), ("scalar", 128, 512, BF, 64, "recurrent"),
-    ("key", 128, 128, BF, 64, "chunk"), ("key", 256, 128, BF, 64, "recurrent"),
+    ("key", 128, 128, BF, 64, "chunk"), ("key", 256, 128, BF, 64, "chunk"),
+    ("key", 128, 512, BF, 64, "recurrent"),
     ("scalar", 256, 256, torch.float16, 64, "chunk")])
 def test_path_choice(gate, K, V, dtype, T, path):
     spec = get_spec("gdn" if gate == "scalar" else "kda")
