@@ -226,15 +226,19 @@ class PipelineMath:
             return None
         return row + (c0 + walked if p.get("states_out") else 0)
 
-    def summary(self, p, k, u, g_cum, cu_seqlens, chunk_offsets, seg_state, seg_decay):
-        """chunk_state_summary: each segment walked from zero (B) and its log decay (G)."""
+    def summary(self, p, k, u, g_cum, cu_seqlens, chunk_offsets, map_seg, seg_state,
+                seg_decay):
+        """chunk_state_summary: each mapped segment walked from zero (B) and its log decay
+        (G); the others' rows are left as they were (NaN in the tests)."""
         self.seen["summary"] = dict(p)
-        h0 = torch.zeros(1)
+        h0, mapped = torch.zeros(1), set(map_seg.tolist())
         cu, c0s = cu_seqlens.tolist(), chunk_offsets.tolist()
         for a, _, hv, S, walked in self._walk(dict(p, has_initial_state=False,
                                                    state_v_first=False), k, None, u, g_cum,
                                               cu_seqlens, chunk_offsets, h0,
                                               lambda *_: None, {}):
+            if a not in mapped:
+                continue
             seg_state[a, hv] = S.to(seg_state.dtype)
             if self.spec.has_gate:
                 G = sum((self._chunk_decay(g_cum, c0s[a] + j, min(C, cu[a + 1] - cu[a] - j * C),

@@ -8,8 +8,8 @@ The additive rule's transition is diagonal, S <- diag(d_t) S + kg_t^T v_t per ch
 * a segment of L chunks acts on the state entering it exactly as S_end = diag(e^G)
   S_start + B (G: the segment's summed log decays, B: its end state from zero). With few
   (sequence, value head) chains the sequences are cut into segments: chunk_state_summary
-  walks every segment from zero (B, G), then chunk_state (h per chunk) or
-  chunk_state_output (o inside) walks every segment again from its true start, which
+  walks every segment but each sequence's last from zero (B, G), then chunk_state (h per
+  chunk) or chunk_state_output (o inside) walks every segment from its true start, which
   each CTA forms first by chaining its sequence's earlier summaries (segment_starts).
   Nothing is approximated: the split's result differs from the unsplit walk's only by
   f32 rounding.
@@ -129,9 +129,9 @@ def walk_us(p, L: int, bk: int, bv: int, fused: bool) -> float:
 
 
 def summary_us(p, L: int, bk: int, bv: int) -> float:
-    """chunk_state_summary over every segment at tile (bk, bv)."""
+    """chunk_state_summary over the segments but each sequence's last at tile (bk, bv)."""
     step = step_us(bk, bv) * SUMMARY_STEP
-    per_tile = [c * step for seq in pieces(p.seq_chunks, L) for c in seq]
+    per_tile = [c * step for seq in pieces(p.seq_chunks, L) for c in seq[:-1]]
     return span(per_tile, p.HV * (p.K // bk) * (p.V // bv)) + LAUNCH_US
 
 

@@ -210,6 +210,7 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     summary = launch("chunk_state_summary", dict(
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
         block_v=choice.summary_block_v, num_stages=STATE_STAGES), **sbind, **tables)
+    # (it summarises map_seg's segments: all but each sequence's last)
     bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns, p.HV, p.K))]
     return [summary], bufs, dict(tables, final_row="seg_final_row")
 

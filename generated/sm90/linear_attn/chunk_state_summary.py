@@ -11,12 +11,13 @@ cu_seqlens / chunk_offsets describe) acts on the state entering it exactly as
   S_end = diag(exp(G)) S_start + B,   G = sum of the segment's chunk log decays g_last,
                                       B = the segment's end state walked from zero.
 
-One CTA per (key block x value block, segment x value head) walks its segment from a
-zero state, as chunk_state does, and writes B (seg_state [NS, HV, K, V] f32, key rows
-first whatever the state layout) and G (seg_decay [NS, HV, K] f32, per key channel;
+One CTA per (key block x value block, mapped segment x value head) walks its segment
+from a zero state, as chunk_state does, and writes B (seg_state [NS, HV, K, V] f32, key
+rows first whatever the state layout) and G (seg_decay [NS, HV, K] f32, per key channel;
 not written without a gate: G = 0).
-chunk_state / chunk_state_output with segment_starts chain them into the state entering
-each segment and walk the segments again from there.
+The mapped segments (map_seg) are all but each sequence's last, whose summary nothing
+reads. chunk_state / chunk_state_output with segment_starts chain them into the state
+entering each segment and walk the segments again from there.
 """
 import tilelang
 import tilelang.language as T
@@ -48,8 +49,9 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
 
     Tensors (Ttot tokens, NT chunks, NS segments; all dynamic):
       k [Ttot, H, K], u [Ttot, HV, V] (v), g_cum [Ttot, HV] f32 (unused),
-      cu_seqlens [NS+1], chunk_offsets [NS+1] int32 (the segments' tokens and chunks)
-      -> seg_state [NS, HV, K, V] f32, seg_decay [NS, HV, K] f32
+      cu_seqlens [NS+1], chunk_offsets [NS+1] int32 (the segments' tokens and chunks),
+      map_seg [NM] int32 (the segments summarised)
+      -> seg_state [NS, HV, K, V] f32, seg_decay [NS, HV, K] f32 (rows map_seg)
     Tuning: block_k, block_v (the state tile; block_k None: K), num_stages (TMA
     pipeline stages, as chunk_state's).
     """
@@ -60,7 +62,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
     assert K % BK == 0, f"K={K} must be a multiple of block_k={BK}"
     f32 = "float32"
     group = HV // H
-    Ttot, NT, N = T.dynamic("Ttot, NT, N")
+    Ttot, NT, N, NM = T.dynamic("Ttot, NT, N, NM")
 
     @T.prim_func
     def chunk_state_summary(
@@ -69,13 +71,14 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
         g_cum: T.Tensor((Ttot, HV), f32),           # unused
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
+        map_seg: T.Tensor((NM,), "int32"),
         seg_state: T.Tensor((N, HV, K, V), f32),
         seg_decay: T.Tensor((N, HV, K), f32),
     ):
-        with T.Kernel((K // BK) * (V // BV), N * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), NM * HV, threads=128) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
-            n = nh // HV
+            n = map_seg[nh // HV]
             hv = nh % HV
             hk = hv // group
             bos = cu_seqlens[n]
