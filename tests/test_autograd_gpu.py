@@ -22,7 +22,6 @@ import time
 
 import pytest
 
-from linattn.dsl import SpecError
 from conftest import GRAD_TOL, record_errors, rel_err, write_summary
 
 torch = pytest.importorskip("torch")
@@ -244,13 +243,8 @@ def gdn_case(B, T, H, HV, K, V, dtype, cu=None, h0=False, dht=False, l2norm=Fals
     p = dict(family="gdn", B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0,
              dht=dht, l2norm=l2norm, gik=gik)
     flags = "".join(f"-{n}" for n in ("h0", "dht", "l2norm", "gik") if p[n])
-    # bf16 is refused by the gated backward: run s7-4 had 3 of its 6 bf16 cases (T >= 496)
-    # over the 1e-2 bound (cause not found); strict, so lifting the refusal shows here
-    marks = (pytest.mark.xfail(raises=SpecError, strict=True,
-                               reason="the Gated DeltaNet backward refuses bfloat16")
-             if dtype == "bfloat16" else ())
     return pytest.param(p, id=name or f"gdn-B{B}-T{T}-H{H}-HV{HV}-K{K}-V{V}-{SHORT[dtype]}"
-                                      f"{flags}", marks=marks)
+                                      f"{flags}")
 
 
 GDN_CASES = [

@@ -95,28 +95,46 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     HALF = BT // 2              # rows of a level's operands: each group's second (first) half
     CH = BK // 2                # channels of a panel per thread of the element-wise sums
     n_panels = K // BK
+    PARTS = threads // BK       # the gate cumsum: row parts per channel
+    RP = BT // PARTS
     reload = n_panels > 1       # the second pass reads its panel again
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.macro
-    def load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, c0):
-        """q, k and the gate cumsum G of channels c0 .. c0 + BK (rows past len: 0)."""
+    def gate(g, A_log, dt_bias, t0, rows, hv, c, r):
+        """The activated log gate of row r, channel c (0 past len)."""
+        x = T.cast(g[t0 + r, hv, c], f32)
+        if gate_in_kernel:
+            x = x + dt_bias[hv * K + c]
+            x = -T.exp(A_log[hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+        return T.if_then_else(r < rows, x, T.float32(0))
+
+    @T.macro
+    def load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, c0, tx):
+        """q, k and the gate cumsum G of channels c0 .. c0 + BK (rows past len: 0). The
+        cumsum: thread tx takes channel tx % BK and the rows of part tx // BK, summing
+        from global memory in registers (the parts' totals first, then the prefixes),
+        so the shared-memory scan's column-strided (bank-conflicted) reads are avoided."""
         for i, j in T.Parallel(BT, BK):
             q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, c0 + j], T.cast(0, dtype))
         for i, j in T.Parallel(BT, BK):
             k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, c0 + j], T.cast(0, dtype))
-        for i, j in T.Parallel(BT, BK):
-            G_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, c0 + j], f32),
-                                       T.float32(0))
-        if gate_in_kernel:
-            for i, j in T.Parallel(BT, BK):
-                x = G_s[i, j] + dt_bias[hv * K + c0 + j]
-                G_s[i, j] = T.if_then_else(
-                    i < rows, -T.exp(A_log[hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))),
-                    T.float32(0))
-        T.cumsum(G_s, dim=0)
+        run = T.alloc_var(f32)
+        run = T.float32(0)
+        for ii in T.serial(RP):
+            run = run + gate(g, A_log, dt_bias, t0, rows, hv, c0 + tx % BK, tx // BK * RP + ii)
+        tot_s[tx // BK, tx % BK] = run
+        T.sync_threads()
+        run = T.float32(0)
+        for pp in T.unroll(PARTS - 1):
+            if pp < tx // BK:
+                run = run + tot_s[pp, tx % BK]
+        for ii in T.serial(RP):
+            run = run + gate(g, A_log, dt_bias, t0, rows, hv, c0 + tx % BK, tx // BK * RP + ii)
+            G_s[tx // BK * RP + ii, tx % BK] = run
+        T.sync_threads()
 
     @T.macro
     def add_row_sums(x_s, sq, ss):
@@ -158,6 +176,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             G_s = T.alloc_shared((BT, BK), f32)
             l_s = T.alloc_shared((BT, BK), dtype)          # a level's [k rows i | q rows i]
             r_s = T.alloc_shared((HALF, BK), dtype)        # a level's k rows j
+            tot_s = T.alloc_shared((PARTS, BK), f32)       # the cumsum's part totals
             nq_s = T.alloc_shared((BT,), f32)              # l2norm's 1 / |x_i| (or 1)
             nk_s = T.alloc_shared((BT,), f32)
             if l2norm_qk:
@@ -178,7 +197,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
 
             # pass 1: the pair sums over the channel panels
             for p in T.serial(n_panels):
-                load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, p * BK)
+                load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, p * BK, tx)
                 if l2norm_qk:
                     add_row_sums(q_s, sq, ssq)
                     add_row_sums(k_s, sq, ssk)
@@ -193,13 +212,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         r_s[a, j] = T.cast(T.cast(k_s[jr, j], f32) * T.exp(G_s[r, j] - G_s[jr, j]),
                                            dtype)
                     T.gemm(l_s, r_s, acc, transpose_B=True)
-                for cc in T.serial(CH):
-                    ch = eh * CH + (cc + tx) % CH
-                    for jj in T.unroll(diag):
-                        if b0 + jj <= er:
-                            kj = T.cast(k_s[b0 + jj, ch], f32) * T.exp(G_s[er, ch] - G_s[b0 + jj, ch])
-                            dq[jj] = dq[jj] + T.cast(q_s[er, ch], f32) * kj
-                            dk[jj] = dk[jj] + T.cast(k_s[er, ch], f32) * kj
+                for cc4 in T.serial(CH // 4):                # (4 channels a step: their
+                    for cu in T.unroll(4):                      # loads can overlap)
+                        ch = eh * CH + (cc4 * 4 + cu + tx) % CH
+                        for jj in T.unroll(diag):
+                            if b0 + jj <= er:
+                                kj = T.cast(k_s[b0 + jj, ch], f32) * T.exp(G_s[er, ch]
+                                                                         - G_s[b0 + jj, ch])
+                                dq[jj] = dq[jj] + T.cast(q_s[er, ch], f32) * kj
+                                dk[jj] = dk[jj] + T.cast(k_s[er, ch], f32) * kj
                 T.sync_threads()
 
             # A_qk and A_kk (f32) from the levels and the diagonal blocks
@@ -250,7 +271,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 c0 = p * BK
                 if reload:
                     T.sync_threads()
-                    load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, t0, rows, hk, hv, c0)
+                    load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, c0, tx)
                 for j in T.Parallel(BK):
                     g_last[c, hv, c0 + j] = G_s[rows - 1, j]
                 for i, j in T.Parallel(BT, BK):
