@@ -6,7 +6,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, split, autograd, warm, bench2, ncu: see the case below), each with a limit
+# cbprobe, split, autograd, glabwd, warm, bench2, ncu: see the case below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
 # (BENCH2_ARGS). Everything lands in
@@ -56,6 +56,14 @@ for s in $STEPS; do
     # decode on a state pool against fla's (bench/pool_probe.py)
     pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py --out "$R/pool_probe.json" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
+    # the additive rule's backward (GLAChunkBwd, chunk_gla / chunk_simple_gla /
+    # chunk_linear_attn training): GPU tests (GLABWD_K narrows them), then the probe
+    # (GLAChunkBwd train-16k / train-2k vs fla, scan variants, a training step) in the rest
+    glabwd) run_step glabwd "${GLABWD_S:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --tb=short --durations=8 tests/test_additive_bwd_gpu.py -k "${GLABWD_K:-}" \
+             --junitxml="$R/glabwd.xml"
+            run_step glaprobe "${GLAPROBE_S:-70}" python3 bench/gla_bwd_probe.py ${GLAPROBE_ARGS:-} \
+             --budget-s $(( ${GLAPROBE_S:-70} - 35 )) ;;
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
@@ -107,7 +115,7 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-for s in dropin pool split autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in dropin pool split autograd glabwd glaprobe ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
