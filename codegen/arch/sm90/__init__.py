@@ -9,7 +9,7 @@ problem itself (sizes, dtypes, flags) is passed to build() separately.
 from __future__ import annotations
 
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan  # noqa: F401  (the chunked forward's plan)
-from .backward import additive_backward_plan  # noqa: F401  (the additive rule's backward)
+from .backward import additive_backward_plan, save_states  # noqa: F401  (the additive rule's backward)
 from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
 
 
