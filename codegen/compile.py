@@ -44,6 +44,27 @@ def compile_kernel(module, params: dict, arch: str = "sm90"):
                             pass_configs=module.pass_configs(**params) or None)
 
 
+def barriers_in_branches(src: str) -> list:
+    """Lines of a kernel's CUDA source where __syncthreads() sits inside an `if` whose
+    condition reads threadIdx: a CTA barrier only some threads reach hangs the CTA (TileLang
+    placed one after a fragment-row condition in run s8-1)."""
+    stack, found = [], []
+    for n, line in enumerate(src.split("\n"), 1):
+        s = line.strip()
+        if "__syncthreads()" in s and any(stack):
+            found.append(n)
+        popped = False
+        for _ in range(s.count("}")):
+            if stack:
+                popped = stack.pop()
+        # a branch on threadIdx, or the else of one
+        branch = bool(re.match(r"(\} )?(else )?if \(.*threadIdx", s)) or \
+            (popped and s.startswith("} else {"))
+        for i in range(s.count("{")):
+            stack.append(branch and i == 0)
+    return found
+
+
 def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v)."""
     from tilelang.contrib import nvcc as tl_nvcc
@@ -67,6 +88,7 @@ def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     usage["spill_store_bytes"] = int(m.group(1)) if m else 0
     usage["spill_load_bytes"] = int(m.group(2)) if m else 0
     src = kernel.get_kernel_source()
+    usage["barriers_in_branches"] = barriers_in_branches(src)
     usage["dynamic_smem"] = "buf_dyn_shmem" in src
     usage["dynamic_smem_bytes"] = 0
     m = re.search(r"__launch_bounds__\((\d+)", src)

@@ -36,6 +36,9 @@ def _check(rec):
     assert "error" not in rec, rec["error"]
     assert "ptxas_error" not in rec, rec["ptxas_error"]
     assert rec["registers"] and rec["registers"] <= 255
+    # a CTA barrier inside a branch on threadIdx (some threads never reach it: a hang)
+    assert not rec["barriers_in_branches"], f"__syncthreads in a thread-dependent branch, " \
+        f"CUDA lines {rec['barriers_in_branches']}"
     if rec["stage"] == "recurrent":     # state in registers: a spill would be a perf bug
         assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
 
