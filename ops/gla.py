@@ -14,7 +14,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     """fla's chunk_gla (forward). T == 1 takes the decode kernel.
 
     q, k, g [B, T, H, K] (g: natural-log decay per key channel, any float dtype);
-    v [B, T, H, V]; f16 / bf16 / f32 (f32, and K = 256: the recurrent kernel);
+    v [B, T, H, V]; f16 / bf16 / f32 (f32, K not a multiple of 64: the recurrent kernel);
     initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any float dtype, read
     as f32. Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
     """

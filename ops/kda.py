@@ -35,8 +35,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
     """fla's chunk_kda (forward). T == 1 takes the decode kernel.
 
-    q, k [B, T, H, K]; v [B, T, HV, V], f16 / bf16 / f32 (f32, and K = 256: the
-    recurrent kernel); g [B, T, HV, K] natural-log decay per key channel (raw with
+    q, k [B, T, H, K]; v [B, T, HV, V], f16 / bf16 / f32 (f32, and K not a
+    multiple of 64: the recurrent kernel); g [B, T, HV, K] natural-log decay per key channel (raw with
     use_gate_in_kernel: -exp(A_log) * softplus(g + dt_bias), or with ``lower_bound``
     lower_bound * sigmoid(exp(A_log) * (g + dt_bias)), A_log optional then); A_log with
     HV elements, dt_bias [HV * K] / [HV, K] or None; beta [B, T, HV]. initial_state
