@@ -29,7 +29,7 @@ import dataclasses
 
 from ..codegen.arch import get_arch
 from ..codegen.plan import plan
-from ..dsl import Gate, OpSpec, Options, Rule
+from ..dsl import Gate, OpSpec, Options
 from . import validate
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
@@ -38,8 +38,8 @@ _CHUNKED: dict = {}
 
 #: spec chunk sizes the chunked kernels run at (the arch's; others take the recurrent kernel)
 CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
-#: K of the state pass (the per-key gate, the additive rule): a multiple of this
-STATE_K_MULTIPLE = get_arch("sm90").STATE_K_MULTIPLE
+#: whether the chunked kernels take a (rule, gate)'s head dim K (the arch's rule)
+CHUNK_TAKES_K = get_arch("sm90").chunk_takes_k
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
@@ -50,13 +50,12 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 
 
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
-    """Whether the chunked kernels take this call (dtype, head dims, the spec's chunk size;
-    see ops/chunk.py; the state pass of the per-key gate and the additive rule, K a multiple
-    of STATE_K_MULTIPLE); the others take the recurrent kernel."""
-    walk = spec.rule is Rule.DELTA and spec.gate in (Gate.NONE, Gate.SCALAR)
+    """Whether the chunked kernels take this call (dtype, head dims as the arch's
+    chunk_takes_k says, the spec's chunk size; see ops/chunk.py); the others take the
+    recurrent kernel."""
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
             and spec.chunk_size in CHUNK_SIZES
-            and dims.K % (16 if walk else STATE_K_MULTIPLE) == 0 and 16 <= dims.K <= 256
+            and CHUNK_TAKES_K(spec.rule.value, spec.gate.value, dims.K)
             and dims.V % 16 == 0 and 16 <= dims.V <= 256)
 
 

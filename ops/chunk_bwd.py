@@ -59,7 +59,7 @@ CHUNK = 64
 #: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
 #: (run 2, direct scheme); 2, like the forward's state pass
 DH_NUM_STAGES = 2
-#: the WY recompute's inverse (the tensor-core merge, as the per-key prepare's)
+#: the WY recompute's inverse (_chunk_inverse.py.jinja's tensor-core merge)
 RECOMPUTE_INVERSE = "tc"
 #: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
 DH_BLOCK_V_OVERRIDE = None

@@ -8,9 +8,17 @@ problem itself (sizes, dtypes, flags) is passed to build() separately.
 """
 from __future__ import annotations
 
-from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan  # noqa: F401  (the chunked forward's plan)
+from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: F401  (the chunked forward's plan)
 from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
-from .stages import STATE_K_MULTIPLE  # noqa: F401  (K of the state pass: a multiple of this)
+from .stages import STATE_K_MULTIPLE
+
+
+def chunk_takes_k(rule: str, gate: str, K: int) -> bool:
+    """Whether the chunked forward's kernels take head dim K (a multiple of 16 up to 256):
+    the walk any, the state pass of the other rules and gates multiples of
+    STATE_K_MULTIPLE."""
+    step = 16 if walks(rule, gate) else STATE_K_MULTIPLE
+    return K % step == 0 and 16 <= K <= 256
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -137,9 +137,13 @@ def walk_choice(p: ForwardProblem, config: dict) -> tuple:
     return best
 
 
+def walks(rule: str, gate: str) -> bool:
+    """The walk's family: the delta rule with no or a scalar gate."""
+    return rule == "delta" and gate in ("none", "scalar")
+
+
 def walk_applies(p: ForwardProblem) -> bool:
-    return (p.rule == "delta" and p.gate in ("none", "scalar") and not p.return_states
-            and bool(walk_blocks(p)))
+    return walks(p.rule, p.gate) and not p.return_states and bool(walk_blocks(p))
 
 
 #: the spec chunk sizes the chunked forward runs at: the kernels are GPU-checked at 64 only

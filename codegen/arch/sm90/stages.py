@@ -38,7 +38,7 @@ KEY_PREPARE = dict(diag=4)
 WU_BLOCK_N = 64
 #: the state pass's K: a multiple of 64 (its k^T v_new GEMM has K rows, a warpgroup's
 #: wgmma takes M in 64s: K = 96 failed to compile, run s8-3); the API routes other K of the
-#: per-key gate and the additive rule to the recurrent kernel (ops/api.chunk_supports)
+#: per-key gate and the additive rule to the recurrent kernel (chunk_takes_k, __init__.py)
 STATE_K_MULTIPLE = 64
 #: the state pass: two TMA pipeline stages (s2-5 sweep); one where two do not fit: the
 #: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
