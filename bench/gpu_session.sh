@@ -6,7 +6,8 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, kkt, split, autograd, gdnbwd, warm, bench2, ncu: see the case below), each with a limit
+# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, warm, bench2, ncu: see the case
+# below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
 # (BENCH2_ARGS). Everything lands in
@@ -62,6 +63,14 @@ for s in $STEPS; do
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
+    # the additive rule's state pass (issue 13: GLA / simple GLA / linear attention, the
+    # sequence split): GPU tests vs fp64 (ADDITIVE_K narrows them), then the probe of the
+    # plans' device time per kernel (APROBE_ARGS: e.g. "--only chunk-train-16k-bf16")
+    additive) run_step additive "${ADDITIVE_S:-150}" python3 -m pytest -q -m gpu \
+             -p no:cacheprovider -rfE --durations=8 tests/test_chunk_additive_gpu.py \
+             -k "${ADDITIVE_K:-}" --junitxml="$R/additive.xml" ;;
+    aprobe) run_step aprobe "${APROBE_S:-90}" python3 bench/additive_probe.py ${APROBE_ARGS:-} \
+             --budget-s $(( ${APROBE_S:-90} - 15 )) --out "$R/additive_probe.json" ;;
     # AUTOGRAD_K narrows it (e.g. "gdn")
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_autograd_gpu.py -k "${AUTOGRAD_K:-}" \
@@ -115,7 +124,7 @@ echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 [ -f "$R/gdnbwd.log" ] && { echo "===== gdnbwd (tail)"; tail -n 45 "$R/gdnbwd.log"; }
-for s in kkt dropin pool split autograd ncu; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in kkt dropin pool split autograd ncu additive aprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

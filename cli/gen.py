@@ -101,7 +101,7 @@ def _list(ops, arch) -> None:
               help="print the chunked forward's plan for a call: B, T (or lens=1024:7168), "
                    "H, HV (default H), K, V (default K), dtype (bf16 / f16), option flags "
                    "(l2norm_qk, gate_in_kernel, state_v_first, ...), h0 / ht (initial / "
-                   "final state), and plan config keys (block_v, segments, fused)")
+                   "final state), and plan config keys (block_v, segments, fused, block_k)")
 def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, compile_all,
         report, plan_sizes):
     """Generate TileLang kernels from the linattn op specs (or your own: --spec)."""

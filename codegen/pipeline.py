@@ -30,6 +30,8 @@ PROVIDED = {
     "seq_seg_offsets": "[N + 1] first segment of each sequence",
     "map_seg": "[NM] the segments whose maps are formed (all but each sequence's last)",
     "seg_final_row": "[NS] row of ht per segment (-1 but for each sequence's last)",
+    "seg_seq": "[NS] the sequence of each segment",
+    "seg_first": "[NS] the first segment of each segment's sequence",
 }
 
 

@@ -65,6 +65,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_prepare", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate: cumsum, A_qk, WY inverse A, w, u, qg, kg",
               gates=frozenset({"key"})),
+        Stage("chunk_state_summary", "chunk_state.py.jinja", "fwd",
+              doc="sequence split, additive rule: each segment's end state from zero and "
+                  "its summed log decay (S_end = diag(e^G) S_start + B)",
+              rules=frozenset({"additive"})),
         Stage("chunk_state", "chunk_state.py.jinja", "fwd",
               doc="sequential inter-chunk state pass: h per chunk, v_new, final state"),
         Stage("chunk_output", "chunk_output.py.jinja", "fwd",

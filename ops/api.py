@@ -9,7 +9,8 @@ runs in three steps:
 
    * ``"recurrent"``, the fused recurrent (decode) kernel: T == 1 without cu_seqlens,
      float32 inputs (the kernel reads them and computes in f32: exact, sequential in T),
-     head dims the chunked kernels lack (V up to 512, K = 256 with a per-key gate), and
+     head dims the chunked kernels lack (the delta rules' V up to 512, K = 256 with a
+     per-key gate: the arch's chunk_head_limits), and
      every ``fused_recurrent_*`` call;
    * ``"chunk"``, the chunked forward (ops/chunk.py), otherwise;
 
@@ -40,6 +41,8 @@ _CHUNKED: dict = {}
 CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
 #: whether the chunked kernels take a (rule, gate)'s head dim K (the arch's rule)
 CHUNK_TAKES_K = get_arch("sm90").chunk_takes_k
+#: (rule, gate) -> the chunked kernels' (K max, V max) (the arch's)
+CHUNK_HEAD_LIMITS = get_arch("sm90").chunk_head_limits
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
@@ -51,12 +54,13 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims as the arch's
-    chunk_takes_k says, the spec's chunk size; see ops/chunk.py); the others take the
-    recurrent kernel."""
+    chunk_takes_k and chunk_head_limits say, the spec's chunk size; see ops/chunk.py);
+    the others take the recurrent kernel."""
+    rule, gate = spec.rule.value, spec.gate.value
+    v_max = CHUNK_HEAD_LIMITS(rule, gate)[1]
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
-            and spec.chunk_size in CHUNK_SIZES
-            and CHUNK_TAKES_K(spec.rule.value, spec.gate.value, dims.K)
-            and dims.V % 16 == 0 and 16 <= dims.V <= 256)
+            and spec.chunk_size in CHUNK_SIZES and CHUNK_TAKES_K(rule, gate, dims.K)
+            and dims.V % 16 == 0 and 16 <= dims.V <= v_max)
 
 
 def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool) -> str:

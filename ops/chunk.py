@@ -12,7 +12,8 @@ a plan that splits sequences, each segment to its tokens and chunks. The plans
 and the fused or three-stage prepare / state / output pipelines for the rest.
 
 Supported: every rule x gate (DeltaNet, GDN, KDA, GLA and the other combinations); K, V
-multiples of 16 up to 256; f16 / bf16 inputs.
+multiples of 16 up to 256 (V up to 512 with the additive rule: the arch's
+chunk_head_limits); f16 / bf16 inputs.
 """
 from __future__ import annotations
 
@@ -102,9 +103,10 @@ def _tables(cu: tuple, chunk_size: int, device, seg_chunks: int) -> dict:
             last = seq_seg[1:] - 1                      # every sequence owns a segment
             final = np.full(seg_cu.size - 1, -1)
             final[last] = np.arange(last.size)
+            seq_of = np.repeat(np.arange(len(cu) - 1), np.diff(seq_seg))
             named.update(seg_cu=seg_cu, seg_c0=seg_c0, seq_seg_offsets=seq_seg,
                          map_seg=np.setdiff1d(np.arange(seg_cu.size - 1), last),
-                         seg_final_row=final)
+                         seg_final_row=final, seg_seq=seq_of, seg_first=seq_seg[seq_of])
         return _to_device(named, device)
     return _cached((cu, chunk_size, seg_chunks, str(device)), build)
 
@@ -187,7 +189,8 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
     """B's shared checks (ops/validate.py); returns (dims, N)."""
     from . import validate as val
     dims = val.check_qkv(spec, q, k, v, dtypes=val.CHUNK_DTYPES)
-    val.check_head_dims(dims.K, dims.V, k_multiple=16, k_max=256, v_multiple=16, v_max=256,
+    _, v_max = get_arch(DEFAULT_ARCH).chunk_head_limits(spec.rule.value, spec.gate.value)
+    val.check_head_dims(dims.K, dims.V, k_multiple=16, k_max=256, v_multiple=16, v_max=v_max,
                         what="the chunked forward")
     val.check_gate(spec, g, dims, q)
     val.check_beta(spec, beta, dims, q)

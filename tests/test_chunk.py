@@ -13,6 +13,7 @@ import pytest
 
 from _kernel_check import fake_compiles
 
+from linattn.codegen.arch.sm90 import additive as sm90_additive
 from linattn.codegen.arch.sm90 import forward as sm90_forward
 from linattn.codegen.arch.sm90 import hardware as sm90_hardware
 from linattn.codegen.arch.sm90 import stages as sm90_stages
@@ -119,6 +120,7 @@ def test_stage_compiles(name, example, stage):
     if uses_gemm:
         assert ("wgmma" in src) == (stage not in MMA_ONLY)
     assert ("mbarrier" in src) == (stage in ("chunk_state", "chunk_state_output",
+                                             "chunk_state_summary",
                                              "chunk_segment_combine"))    # (TMA loads)
 
 
@@ -260,11 +262,23 @@ def test_pipeline_rules():
         assert _plan(name, config={"segments": 2}).name == "walk-split"
         assert _plan(name, config={"segments": 4}).name == "walk"       # no segment to cut
     for name in ("kda", "gla", "additive_none", "additive_scalar"):
-        assert _plan(name, HV=2).name == "three-stage"                # 2 chains: 3-stage
-        assert _plan(name, HV=32, H=32).name == "fused"               # 32 chains: fused
         assert _plan(name, config={"fused": True}).name == "fused"
-        assert _plan(name, HV=32, H=32, return_states=True,
-                     config={"fused": True}).name == "three-stage"    # states need h
+        assert _plan(name, config={"fused": False}).name == "three-stage"
+    assert _plan("kda", HV=32, H=32, return_states=True,
+                 config={"fused": True}).name == "three-stage"        # states need h
+    assert _plan("kda", HV=2).name == "three-stage"                    # 2 chains: 3-stage
+    assert _plan("kda", HV=32, H=32).name == "fused"                   # 32 chains: fused
+    for name in ("gla", "additive_none", "additive_scalar"):          # (additive.choose)
+        long = dict(seq_chunks=(256, 256), Ttot=512 * 64)
+        assert _plan(name, **long).name == "fused-split"              # 4 chains, 256 chunks
+        assert _plan(name, return_states=True, **long).name.endswith("-split")
+        assert _plan(name, HV=32, H=32, return_states=True,       # (its fused pass writes
+                     config={"fused": True}).name == "fused"      # the states too)
+        assert _plan(name, config={"segments": 0}, **long).name == "three-stage"  # (critical
+        assert _plan(name, config={"segments": 0, "fused": True}, **long).name == "fused"  # path)
+        assert _plan(name, config={"segments": 2}).name == "fused-split"
+        assert _plan(name, config={"segments": 4}).name == "fused"    # no segment to cut
+        assert _plan(name, HV=64, H=64, seq_chunks=(64,) * 8, Ttot=512 * 64).name == "fused"
     with pytest.raises(SpecError, match="unknown plan config"):
         _plan("gdn", config={"FUSE": 1})
 
@@ -348,7 +362,7 @@ LAUNCH_PARAMS = [
     pytest.param(*c, cfg, id=f"{c[0]}-{i}-" + ("-".join(f"{k}{v}" for k, v in cfg.items())
                                             or "default"))
     for i, c in enumerate(LAUNCH_CASES) for cfg in CONFIGS
-    if "segments" not in cfg or (_spec(c[0]).has_beta and _spec(c[0]).gate is not Gate.KEY)]
+    if "segments" not in cfg or not (_spec(c[0]).has_beta and _spec(c[0]).gate is Gate.KEY)]
 
 
 def _walks(spec) -> bool:
@@ -361,6 +375,12 @@ def expected_stages(spec, options, plan_name):
         return ["chunk_kkt_inverse", "chunk_walk"]
     if plan_name == "walk-split":
         return ["chunk_kkt_inverse", "chunk_walk_map", "chunk_segment_combine", "chunk_walk"]
+    if plan_name.endswith("-split"):        # the additive rule's: summaries first
+        stages = expected_stages(spec, options, plan_name[:-len("-split")])
+        at = stages.index("chunk_qk" if "chunk_qk" in stages else
+                          "chunk_state_output" if "chunk_state_output" in stages else
+                          "chunk_state")
+        return stages[:at] + ["chunk_state_summary"] + stages[at:]
     key = spec.gate is Gate.KEY
     if key:
         prep = ["chunk_prepare"]
@@ -379,8 +399,12 @@ def expected_plan(spec, problem, config):
     if _walks(spec) and "fused" not in config and not problem.return_states:
         _, L, _ = sm90_forward.walk_choice(problem, config)
         return "walk-split" if L and max(problem.seq_chunks) > L else "walk"
-    if _walks(spec) or problem.return_states:
+    if _walks(spec) or problem.return_states and spec.rule.value == "delta":
         return "three-stage"
+    if spec.rule.value == "additive":
+        forms = [config["fused"]] if "fused" in config else [True, False]
+        c = sm90_additive.choose(problem, config, sm90_stages.output_block_v(problem.V), forms)
+        return ("fused" if c.fused else "three-stage") + ("-split" if c.segments else "")
     fused = config.get("fused", sm90_stages.fuse_output(problem.N * problem.HV, problem.dtype,
                                                         problem.K))
     return "fused" if fused else "three-stage"
@@ -457,7 +481,7 @@ def test_launch_arguments_match_kernels(monkeypatch, name, dims, options, init, 
     assert plan.stages() == expected_stages(spec, options, plan.name), str(plan)
     assert launch_counts(fakes) == collections.Counter(plan.stages())
     if "segments" in config:
-        assert plan.segments == (config["segments"] if plan.name == "walk-split" else 0)
+        assert plan.segments == (config["segments"] if plan.name.endswith("-split") else 0)
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -507,39 +531,40 @@ def by_name(bodies):
 
 def test_gla_chunk_fwd_contract_assembles_states(monkeypatch):
     """GLAChunkFwd through the chunked forward (fake kernels checked against the traced
-    prim_funcs): the 3-stage path even where the fused one would be chosen, the state pass
-    with states_out writing h [B, NC+1, H, K, V] f32 itself (chunk c of sequence n at row
-    chunk_offsets[n] + n + c, the final state after them), final_state the view h[:, NC];
-    varlen: each sequence's final row gathered; a bad shape is refused before any launch."""
+    prim_funcs), at the plan the arch picks: the state pass (chunk_state or
+    chunk_state_output, over whole sequences or segments) with states_out writing h
+    [B, NC+1, H, K, V] f32 itself (chunk c of sequence n at row chunk_offsets[n] + n + c,
+    the final state after them), final_state the view h[:, NC]; varlen: each sequence's
+    final row gathered; a bad shape is refused before any launch."""
     import torch
     from linattn.ops import contracts
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
-    monkeypatch.setattr(sm90_stages, "fuse_output", lambda *a: True)
     chunk._plan.cache_clear()
 
-    def state(params, chunk_offsets, ht, **_):
-        # states: chunk c of the call holds c; final: -1-n
+    def state(params, chunk_offsets, ht, final_row, seg_seq, **_):
+        # states: chunk c of the call holds c; final: -1-n (piece p of sequence seg_seq[p])
         assert params["states_out"] and params["output_final_state"]
         offs = chunk_offsets.tolist()
         ht.fill_(float("nan"))
-        for n in range(len(offs) - 1):
-            for c in range(offs[n], offs[n + 1]):
-                ht[c + n] = c
-            ht[offs[n + 1] + n] = -1.0 - n
+        for p in range(len(offs) - 1):
+            m = int(seg_seq[p])
+            for c in range(offs[p], offs[p + 1]):
+                ht[c + m] = c
+            if final_row[p] >= 0:
+                ht[offs[p + 1] + int(final_row[p])] = -1.0 - m
 
     calls = []
-    fake_compiles(monkeypatch, by_name({"chunk_state": state}), calls)
+    fake_compiles(monkeypatch, by_name({"chunk_state": state, "chunk_state_output": state}),
+                  calls)
     plans = record_plans(monkeypatch)
     try:
         B, T, H, K, V = 2, 130, 2, 64, 64
         bf = torch.bfloat16
         q, k = torch.randn(B, T, H, K, dtype=bf), torch.randn(B, T, H, K, dtype=bf)
         v, g = torch.randn(B, T, H, V, dtype=bf), -torch.rand(B, T, H, K).to(bf)
-        assert _plan("gla").name == "fused"         # (fuse_output patched: always)
         o, final, h = contracts.gla_chunk_fwd(q, k, v, g, scale=0.125)
         NC = 3
-        assert [s for s, _ in calls] == ["chunk_prepare", "chunk_state", "chunk_output"]
-        assert plans[0].name == "three-stage"
+        assert [s for s, _ in calls] == plans[0].stages()
         assert o.shape == (B, T, H, V) and o.dtype == bf
         assert final.shape == (B, H, K, V) and final.dtype == torch.float32
         assert h.shape == (B, NC + 1, H, K, V) and h.dtype == torch.float32

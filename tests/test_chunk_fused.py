@@ -159,54 +159,116 @@ class PipelineMath:
                     qg[t0:t0 + n, hk] = qq.to(qg.dtype)
 
     # -- the state pass and the output ----------------------------------------------------
-    def _walk(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, on_chunk):
-        """The sequential pass; on_chunk(ci, t0, n, hv, S, vn) per chunk; yields finals
-        (with the state passes' roundings to the input dtype)."""
-        v_first, cu, c0s = p["state_v_first"], cu_seqlens.tolist(), chunk_offsets.tolist()
-        # the kernels' w S takes S in the input dtype, and k^T v_new the (decayed) v_new
+    def _chunk_step(self, p, k, u, w, g_cum, ci, t0, n, hv, S, kb=slice(None)):
+        """(v_new, S after chunk ci) for key rows kb of S (the additive rule's rows are
+        independent; the delta rule's S is whole), with the state passes' roundings to the
+        input dtype: the kernels' w S takes S in the input dtype, and k^T v_new the
+        (decayed) v_new."""
         lp = lambda x: x.to(u.dtype).to(F64)  # noqa: E731
-        for s in range(len(cu) - 1):
-            for hv in range(self.HV):
-                S = torch.zeros(self.K, self.V, dtype=F64)
-                if p["has_initial_state"]:
-                    S = h0[s, hv].to(F64)
-                    S = S.T if v_first else S
-                for j, t0 in enumerate(range(cu[s], cu[s + 1], C)):
-                    ci, n = c0s[s] + j, min(C, cu[s + 1] - t0)
-                    kk = k[t0:t0 + n, hv if self.key else hv // self.group].to(F64)
-                    uu = u[t0:t0 + n, hv].to(F64)
-                    vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
-                    on_chunk(ci, t0, n, hv, S, vn)
-                    if self.key:
-                        S = g_cum[ci, hv].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
-                    else:
-                        gc = self.scalar_gate(g_cum, hv, ci, n)
-                        S = gc[-1].exp() * S + kk.T @ lp((gc[-1] - gc).exp()[:, None] * vn)
-                yield s, hv, (S.T if v_first else S)
+        kk = k[t0:t0 + n, hv if self.key else hv // self.group, kb].to(F64)
+        uu = u[t0:t0 + n, hv].to(F64)
+        vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
+        if self.key:
+            return vn, g_cum[ci, hv, kb].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
+        gc = self.scalar_gate(g_cum, hv, ci, n)
+        return vn, gc[-1].exp() * S + kk.T @ lp((gc[-1] - gc).exp()[:, None] * vn)
 
-    def state(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, h, v_new, ht):
+    def _chunk_decay(self, g_cum, ci, n, hv):
+        """The log decay of chunk ci over all K (additive summaries' G)."""
+        if self.key:
+            return g_cum[ci, hv].to(F64)
+        return self.scalar_gate(g_cum, hv, ci, n)[-1].expand(self.K)
+
+    def _start(self, p, h0, hv, a, extra):
+        """The state entering piece a: h0 of its sequence (seg_seq), chained with the
+        summaries of its sequence's earlier pieces (segment_starts)."""
+        S = torch.zeros(self.K, self.V, dtype=F64)
+        m = int(extra["seg_seq"][a]) if "seg_seq" in extra else a
+        if p["has_initial_state"]:
+            S = h0[m, hv].to(F64)
+            S = S.T if p["state_v_first"] else S
+        if p.get("segment_starts"):
+            for s in range(int(extra["seg_first"][a]), a):
+                if self.spec.has_gate:
+                    S = extra["seg_decay"][s, hv].to(F64).exp()[:, None] * S
+                S = S + extra["seg_state"][s, hv].to(F64)
+        return S, m
+
+    def _walk(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, on_chunk, extra):
+        """The sequential pass over the pieces (sequences or segments); on_chunk(ci, t0, n,
+        hv, S, vn) per chunk; yields (piece, sequence, hv, final S, chunks walked). The
+        additive rule's state is walked tile by tile (block_k x block_v), as its CTAs do."""
+        cu, c0s = cu_seqlens.tolist(), chunk_offsets.tolist()
+        BK = p.get("block_k") or self.K
+        self.seen.setdefault("block_k", set()).add(BK)
+        for a in range(len(cu) - 1):
+            for hv in range(self.HV):
+                S, m = self._start(p, h0, hv, a, extra)
+                starts = range(cu[a], cu[a + 1], C)
+                for j, t0 in enumerate(starts):
+                    ci, n = c0s[a] + j, min(C, cu[a + 1] - t0)
+                    if self.spec.has_beta:
+                        vn, S_next = self._chunk_step(p, k, u, w, g_cum, ci, t0, n, hv, S)
+                    else:
+                        S_next = S.clone()
+                        for ik in range(self.K // BK):
+                            kb = slice(ik * BK, (ik + 1) * BK)
+                            vn, S_next[kb] = self._chunk_step(p, k, u, w, g_cum, ci, t0, n,
+                                                              hv, S[kb], kb)
+                    on_chunk(ci, t0, n, hv, S, vn, m)
+                    S = S_next
+                yield a, m, hv, (S.T if p["state_v_first"] else S), len(starts)
+
+    def _final_row(self, p, extra, a, m, c0, walked):
+        """ht's row of piece a's final state (None: a segment before its sequence's end)."""
+        row = int(extra["final_row"][a]) if "final_row" in extra else a
+        if row < 0:
+            return None
+        return row + (c0 + walked if p.get("states_out") else 0)
+
+    def summary(self, p, k, u, g_cum, cu_seqlens, chunk_offsets, map_seg, seg_state,
+                seg_decay):
+        """chunk_state_summary: each mapped segment walked from zero (B) and its log decay
+        (G); the others' rows are left as they were (NaN in the tests)."""
+        self.seen["summary"] = dict(p)
+        h0, mapped = torch.zeros(1), set(map_seg.tolist())
+        cu, c0s = cu_seqlens.tolist(), chunk_offsets.tolist()
+        for a, _, hv, S, walked in self._walk(dict(p, has_initial_state=False,
+                                                   state_v_first=False), k, None, u, g_cum,
+                                              cu_seqlens, chunk_offsets, h0,
+                                              lambda *_: None, {}):
+            if a not in mapped:
+                continue
+            seg_state[a, hv] = S.to(seg_state.dtype)
+            if self.spec.has_gate:
+                G = sum((self._chunk_decay(g_cum, c0s[a] + j, min(C, cu[a + 1] - cu[a] - j * C),
+                                           hv) for j in range(walked)),
+                        torch.zeros(self.K, dtype=F64))
+                seg_decay[a, hv] = G.to(seg_decay.dtype)
+
+    def state(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, h, v_new, ht, **extra):
         self.seen["state"] = dict(p)
 
-        def on_chunk(ci, t0, n, hv, S, vn):
+        def on_chunk(ci, t0, n, hv, S, vn, m):
             h[ci, hv] = S.to(h.dtype)          # h [NT, HV, K, V] whatever the state layout
             if self.spec.has_beta:
                 v_new[t0:t0 + n, hv] = vn.to(v_new.dtype)
             if p.get("states_out"):
-                ht[ci + self._seq_of(chunk_offsets, ci), hv] = S.T if p["state_v_first"] else S
-        for s, hv, S in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, on_chunk):
-            if p["output_final_state"]:
-                ht[int(chunk_offsets[s + 1]) + s if p.get("states_out") else s, hv] = S
-
-    @staticmethod
-    def _seq_of(chunk_offsets, ci):
-        return int((chunk_offsets[1:] <= ci).sum())
+                ht[ci + m, hv] = S.T if p["state_v_first"] else S
+        for a, m, hv, S, walked in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets,
+                                              h0, on_chunk, extra):
+            row = self._final_row(p, extra, a, m, int(chunk_offsets[a]), walked)
+            if p["output_final_state"] and row is not None:
+                ht[row, hv] = S
 
     def state_output(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, ht, qg, aqk, o,
-                     scale):
+                     scale, **extra):
         self.seen["q_gated"] = p.get("q_gated", True)
         self.seen["qg_heads"] = qg.shape[1]
 
-        def on_chunk(ci, t0, n, hv, S, vn):
+        def on_chunk(ci, t0, n, hv, S, vn, m):
+            if p.get("states_out"):
+                ht[ci + m, hv] = S.T if p["state_v_first"] else S
             if self.seen["q_gated"]:
                 qq = qg[t0:t0 + n, hv].to(F64)
             else:       # q itself (or its normed copy) per key head, gated here
@@ -214,9 +276,11 @@ class PipelineMath:
                 qq = qq * self.scalar_gate(g_cum, hv, ci, n).exp()[:, None]
             oo = scale * (qq @ S + aqk[t0:t0 + n, hv, :n].to(F64) @ vn)
             o[t0:t0 + n, hv] = oo.to(o.dtype)
-        for s, hv, S in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, on_chunk):
-            if p["output_final_state"]:
-                ht[s, hv] = S
+        for a, m, hv, S, walked in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets,
+                                              h0, on_chunk, extra):
+            row = self._final_row(p, extra, a, m, int(chunk_offsets[a]), walked)
+            if p["output_final_state"] and row is not None:
+                ht[row, hv] = S
 
     def output(self, p, q, k, v_new, h, g_cum, chunk_bos, chunk_len, o, scale):
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
@@ -237,6 +301,7 @@ class PipelineMath:
     def body(self, spec, stage, params):
         fn = {"chunk_prepare": self.prepare, "chunk_kkt_inverse": self.kkt, "chunk_wu": self.wu,
               "chunk_qk": self.qk, "chunk_state": self.state,
+              "chunk_state_summary": self.summary,
               "chunk_state_output": self.state_output, "chunk_output": self.output}[stage]
         return by_name({stage: fn})(spec, stage, params)
 

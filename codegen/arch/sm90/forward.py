@@ -15,6 +15,10 @@ Pipelines (codegen/pipeline.py has the Plan structure):
               chunk_qk (no / scalar gate), chunk_state_output
   three-stage the prepare, chunk_state (h per chunk), chunk_output: with few chains, and
               for the per-chunk states (return_states)
+  fused-split, three-stage-split
+              the additive rule with few chains: chunk_state_summary (each segment's
+              exact summary) before the state pass, which walks the segments from their
+              chained starts (additive.py: the split, key and value blocks, the form)
 
 The value block and the segment length of the walk come from a cost model of the SMs'
 makespan (the walk is one CTA per SM), with per-step times measured on the H200.
@@ -154,8 +158,8 @@ def walk_applies(p: ForwardProblem) -> bool:
 CHUNK_SIZES = (64,)
 
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
-#: stages.key_prepare)
-CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k")
+#: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
+CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "block_k")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from .forward import kkt_launch, prepare_buffers
+from . import additive
 from . import hardware as hw
 from .hardware import NAME, NUM_SMS, makespan
 
@@ -44,6 +45,17 @@ STATE_K_MULTIPLE = 64
 #: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
 #: block 32; one: 132 KB)
 STATE_STAGES = 2
+#: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
+#: additive rule (its state pass splits K and V into tiles within the register budget,
+#: additive.py). Other calls take the recurrent kernel (ops/api.py).
+MAX_K = 256
+MAX_V = 256
+ADDITIVE_MAX_V = 512
+
+
+def chunk_head_limits(rule: str, gate: str) -> tuple:
+    """(K max, V max) of the chunked forward for a rule and gate."""
+    return MAX_K, ADDITIVE_MAX_V if rule == "additive" else MAX_V
 
 
 def state_stages(p: ForwardProblem, fused: bool) -> int:
@@ -128,7 +140,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
 
 
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
-    """The fused or three-stage plan of p (config may force "fused")."""
+    """The fused or three-stage plan of p (config may force "fused"; for the additive
+    rule also the sequence split, key and value blocks: additive.choose)."""
     if p.K % STATE_K_MULTIPLE:
         raise ValueError(f"K={p.K}: the chunked state pass takes K a multiple of "
                          f"{STATE_K_MULTIPLE} (this rule and gate; the recurrent kernel takes it)")
@@ -136,21 +149,36 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     if many and p.return_states:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
-    fused = config.get("fused", fuse_output(p.N * p.HV, p.dtype, p.K) or many)
-    if fused and (p.return_states or (p.rule == "delta" and p.gate != "key")):
-        fused = False           # per-chunk states need h; the delta rule's fused path is the walk
-    if many and not fused:      # (chunk_output's grid has the chunks on gridDim.y)
+    forms = [config["fused"]] if "fused" in config else [True, False]
+    if p.rule == "delta" and (p.return_states or p.gate != "key"):
+        forms = [False]         # (the delta rule's fused path is the walk; its fused state
+                                # pass writes no per-chunk states; the additive rule's does)
+    if many:                    # (chunk_output's grid has the chunks on gridDim.y)
+        forms = [f for f in forms if f]
+    if not forms:
         raise ValueError(f"{p.NT} chunks: the three-stage pipeline takes at most "
                          f"{hw.MAX_GRID_YZ} chunks in one call")
+    if p.rule == "additive":
+        choice = additive.choose(p, config, output_block_v(p.V), forms)
+    else:
+        fused = (fuse_output(p.N * p.HV, p.dtype, p.K) or many) if len(forms) > 1 else forms[0]
+        choice = additive.StateChoice(0, p.K, state_block_v(p.V, p.N * p.HV, p.seq_chunks),
+                                      fused)
     order = {} if many else {"heads_fastest": True}
     launches, bufs, bind = _prepare(p, order, config)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
-                 block_v=state_block_v(p.V, p.N * p.HV, p.seq_chunks),
-                 num_stages=state_stages(p, fused))
+                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused))
+    if p.return_states:
+        state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
-    if fused:
+    if p.rule == "additive":
+        s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind)
+        launches, bufs = launches + s_launches, bufs + s_bufs
+        state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
+        sbind.update(s_bind)
+    if choice.fused:
         if p.gate != "key":
             bufs.append(Buffer("aqk", (p.Ttot, p.HV, p.chunk_size), "input"))
             if p.l2norm_qk:
@@ -162,20 +190,51 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
             bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
             state["q_gated"] = False
         launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
-        why = f"{p.N * p.HV} chains: o inside the state pass"
     else:
         bufs += [Buffer("h", (p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
-        if p.return_states:
-            state["states_out"] = True
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
         out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), **order)
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=bind.get("g_cum", "g_cum"),
                                **({} if p.rule == "delta" else {"v_new": "v"})))
-        why = ("the per-chunk states are asked for" if p.return_states
-               else f"{p.N * p.HV} chains: the state pass alone is the critical path")
-    return Plan("fused" if fused else "three-stage", NAME, tuple(launches), tuple(bufs),
-                reasons=(why,))
+    name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
+    return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
+                reasons=(_why(p, choice, config),))
+
+
+def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
+    """(launches, buffers, state-pass bindings) of the pieces the additive rule's state
+    pass walks: whole sequences, or segments after chunk_state_summary."""
+    state = (1, p.HV, p.K, p.V)
+    if not choice.segments:
+        return [], [Buffer("seg_none", state), Buffer("decay_none", state[:3])], dict(
+            seg_seq="final_row", seg_first="final_row", seg_state="seg_none",
+            seg_decay="decay_none")
+    from .forward import n_segments
+    ns = n_segments(p.seq_chunks, choice.segments)
+    tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
+    summary = launch("chunk_state_summary", dict(
+        H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
+        block_v=choice.summary_block_v, num_stages=STATE_STAGES), **sbind, **tables)
+    # (it summarises map_seg's segments: all but each sequence's last)
+    bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns, p.HV, p.K))]
+    return [summary], bufs, dict(tables, final_row="seg_final_row")
+
+
+def _why(p: ForwardProblem, choice, config: dict) -> str:
+    """The plan's reason line."""
+    if p.rule != "additive":
+        return ("the per-chunk states are asked for" if p.return_states
+                else f"{p.N * p.HV} chains: " + ("o inside the state pass" if choice.fused
+                                                 else "the state pass alone is the critical path"))
+    what = (f"segments of {choice.segments} chunks (summaries at block "
+            f"{choice.summary_block_k} x {choice.summary_block_v}), " if choice.segments
+            else "whole sequences, ")
+    how = "o inside the state pass" if choice.fused else "h per chunk, then chunk_output"
+    how += ", every chunk's state in f32" if p.return_states else ""
+    model = f"config {config}" if config else f"models fastest: {choice.us:.0f} us"
+    return (f"{p.N * p.HV} chains, additive rule: {what}state tile {choice.block_k} x "
+            f"{choice.block_v}, {how} ({model})")

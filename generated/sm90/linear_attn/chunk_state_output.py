@@ -4,9 +4,11 @@
 # regenerate: linattn-gen --op linear_attn --arch sm90
 """Chunked forward, stage 2 of 3: the sequential inter-chunk state pass.
 
-One CTA per (value block, sequence x value head); the state tile S (K x BV, f32) stays
-in registers while the CTA walks the sequence's chunks in order. Per chunk t (rows
-i < len valid, g_last = g_cum of the last valid row):
+One CTA per (key block x value block, sequence x value head); the state tile S (BK x BV,
+f32) stays in registers while the CTA walks the sequence's chunks in order (the additive
+rule's rows of S evolve independently, so key blocks split the pass; the fused
+output reads all of K: block_k = K).
+Per chunk t (rows i < len valid, g_last = g_cum of the last valid row):
 
   h[t] = S                                   (state entering the chunk, input dtype)
   v_new = v                                  (additive rule: no delta read)
@@ -16,6 +18,14 @@ The initial state (f32, [NS, HV, K, V], or [NS, HV, V, K] with state_v_first) is
 when has_initial_state; the final state is written in the same layout when
 output_final_state. Sequence n spans tokens cu_seqlens[n] .. cu_seqlens[n+1] and owns
 global chunks chunk_offsets[n] .. chunk_offsets[n+1].
+The pieces walked may be whole sequences or segments of them (the sequence split):
+piece n belongs to sequence seg_seq[n] (its h0 row), writes its final state at row
+final_row[n] (-1: none; a segment that does not end its sequence) and, with
+segment_starts, enters from the chain of the summaries of its sequence's earlier pieces
+seg_first[n] .. n - 1 (chunk_state_summary): S = h0; S = exp(G_s) S + B_s for each.
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
+per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
+after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -35,6 +45,12 @@ EXAMPLES = [
          has_initial_state=True, output_final_state=True),
     dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", state_v_first=False,
          has_initial_state=True, output_final_state=True, q_gated=False),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16", state_v_first=False,
+         has_initial_state=True, output_final_state=True, segment_starts=True,
+         states_out=True),
+    dict(H=2, HV=2, K=256, V=512, dtype="float16", state_v_first=True,
+         has_initial_state=True, output_final_state=True, segment_starts=True,
+         block_v=16),
 ]
 CHUNK = 64
 
@@ -48,7 +64,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True):
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False,
+          block_k=None, segment_starts=False):
     """prim_func for chunk_state_output.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -57,11 +74,14 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       cu_seqlens [N+1] int32, chunk_offsets [N+1] int32, h0 state f32 [N, HV, K, V]
       -> h [NT, HV, K, V] (input dtype), v_new [Ttot, HV, V], ht state f32 [N, HV, K, V]
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
+      final_row, seg_seq, seg_first [N] int32 (the pieces: whole sequences, or the
+      segments of the split); seg_state [NP, HV, K, V] f32, seg_decay [NP, HV, K] f32
+      (chunk_state_summary's, read with segment_starts; else any [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
     prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
-    fastest, runs s2-5 .. s2-7).
+    fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
     Fused output (this stage replaces chunk_state + chunk_output): qg [Ttot, HV, K] and
     aqk [Ttot, HV, 64] (from chunk_qk, or chunk_prepare for the per-key gate) give, per
     chunk, o = scale (qg S + aqk v_new) with S the state entering the chunk; neither h nor
@@ -71,10 +91,14 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     BT = CHUNK
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
+    BK = block_k or K
+    assert K % BK == 0, f"K={K} must be a multiple of block_k={BK}"
+    assert BK == K, "the fused output reads all of K: block_k = K"
     f32 = "float32"
     group = HV // H
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
-    Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
+    assert not states_out or output_final_state, "states_out writes the final state too"
+    Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
 
@@ -92,17 +116,24 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         aqk: T.Tensor((Ttot, HV, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
+        final_row: T.Tensor((N,), "int32"),
+        seg_seq: T.Tensor((N,), "int32"),
+        seg_first: T.Tensor((N,), "int32"),
+        seg_state: T.Tensor((NP, HV, K, V), f32),
+        seg_decay: T.Tensor((NP, HV, K), f32),
     ):
-        with T.Kernel(V // BV, N * HV, threads=128) as (iv, nh):
+        with T.Kernel((K // BK) * (V // BV), N * HV, threads=128) as (kv, nh):
+            ik = kv // (V // BV)
+            iv = kv % (V // BV)
             n = nh // HV
             hv = nh % HV
             hk = hv // group
             bos = cu_seqlens[n]
             seqlen = cu_seqlens[n + 1] - bos
             c0 = chunk_offsets[n]
-            S = T.alloc_fragment((K, BV), f32)
-            S_s = T.alloc_shared((K, BV), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
+            S = T.alloc_fragment((BK, BV), f32)
+            S_s = T.alloc_shared((BK, BV), dtype)
+            k_s = T.alloc_shared((BT, BK), dtype)
             u_s = T.alloc_shared((BT, BV), dtype)
             vn = T.alloc_fragment((BT, BV), f32)
             vn_s = T.alloc_shared((BT, BV), dtype)
@@ -110,14 +141,19 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             p_s = T.alloc_shared((BT, BT), dtype)
             o_f = T.alloc_fragment((BT, BV), f32)
 
+            m = seg_seq[n]                # the piece's sequence: its row of h0
             if has_initial_state:
-                for i, j in T.Parallel(K, BV):
+                for i, j in T.Parallel(BK, BV):
                     if state_v_first:
-                        S[i, j] = h0[n, hv, iv * BV + j, i]
+                        S[i, j] = h0[m, hv, iv * BV + j, ik * BK + i]
                     else:
-                        S[i, j] = h0[n, hv, i, iv * BV + j]
+                        S[i, j] = h0[m, hv, ik * BK + i, iv * BV + j]
             else:
                 T.clear(S)
+            if segment_starts:            # the earlier pieces' summaries: S <- e^G S + B
+                for s in T.serial(seg_first[n], n):
+                    for i, j in T.Parallel(BK, BV):
+                        S[i, j] = S[i, j] + seg_state[s, hv, ik * BK + i, iv * BV + j]
 
             for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=num_stages):
                 t0 = bos + c * BT
@@ -125,12 +161,18 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 # whole-tile copies (TMA / cp.async, prefetched by the pipeline). Rows past
                 # the sequence end hold the next tokens (zeros past Ttot): their v_new rows
                 # are set to 0 below, so they add nothing to the state.
-                T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
+                T.copy(k[t0:t0 + BT, hk, ik * BK:(ik + 1) * BK], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
                 T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
+                if states_out:            # the contracts' f32 states, from registers
+                    for i, j in T.Parallel(BK, BV):
+                        if state_v_first:
+                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                        else:
+                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = S[i, j]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 # o = scale (qg S + aqk v_new), v_new ungated
@@ -142,11 +184,12 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.gemm(k_s, vn_s, S, transpose_A=True)
 
             if output_final_state:
-                nf = n
-                for i, j in T.Parallel(K, BV):
-                    if state_v_first:
-                        ht[nf, hv, iv * BV + j, i] = S[i, j]
-                    else:
-                        ht[nf, hv, i, iv * BV + j] = S[i, j]
+                if final_row[n] >= 0:     # (a segment that does not end its sequence: -1)
+                    nf = final_row[n] + int(states_out) * (c0 + T.ceildiv(seqlen, BT))
+                    for i, j in T.Parallel(BK, BV):
+                        if state_v_first:
+                            ht[nf, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                        else:
+                            ht[nf, hv, ik * BK + i, iv * BV + j] = S[i, j]
 
     return chunk_state_output
