@@ -128,3 +128,31 @@ class Plan:
         for b in self.buffers:
             lines.append(f"  buffer {b.name} {list(b.shape)} {b.dtype}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class AdditiveBackwardProblem:
+    """One chunked backward of the additive rule (the GLA family), as the arch rules see
+    it. grad_dtype: the dtype of dq, dk, dv ("float32" for the GLAChunkBwd contract, the
+    input dtype under autograd); use_dht / store_dh0: the final state's gradient is given
+    / the initial state's is wanted."""
+    gate: str                     # "none" | "scalar" | "key"
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str
+    g_dtype: str
+    grad_dtype: str
+    seq_chunks: tuple
+    use_dht: bool = False
+    store_dh0: bool = False
+    chunk_size: int = 64
+
+    @property
+    def N(self) -> int:
+        return len(self.seq_chunks)
+
+    @property
+    def NT(self) -> int:
+        return sum(self.seq_chunks)

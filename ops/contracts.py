@@ -3,7 +3,7 @@ operators"), on top of the same generated kernels.
 
 Implemented here: the two one-step recurrent contracts, which keep the state in the
 input dtype and return it as a new tensor (the input state is not modified), the
-DeltaNet chunk forward / backward pair and the GLA chunk forward (GLAChunkBwd: not yet).
+DeltaNet chunk forward / backward pair and the GLA chunk forward / backward pair.
 """
 from __future__ import annotations
 
@@ -91,3 +91,15 @@ def gla_chunk_fwd(q, k, v, g, scale=-1.0, initial_state=None):
     B, T, HV, V = v.shape
     NC = -(-T // gla.SPEC.chunk_size)
     return o, final, states.view(B, NC + 1, HV, q.shape[-1], V)
+
+
+def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=-1.0, initial_state=None):
+    """GLAChunkBwd: (q, k, v, g, h, do, dht) -> (dq, dk, dv, dg), the gradients of
+    sum(o * do) + sum(final_state * dht) for gla_chunk_fwd started from h[:, 0]; h as
+    gla_chunk_fwd returned it ([B, NC+1, H, K, V] f32), dht [B, H, K, V] f32 or None;
+    scale <= 0 (or None) meaning K^-0.5. All four f32 (fla's), shaped like q, k, v, g;
+    with initial_state (the forward's, h[:, 0]) given, dh0 [B, H, K, V] f32 follows.
+    The kernels: ops/additive_bwd.py (three stages, no recompute: h is the forward's)."""
+    from .additive_bwd import gla_chunk_bwd as run
+    scale = None if scale is None or scale <= 0 else scale
+    return run(q, k, v, g, h, do, dht, scale=scale, initial_state=initial_state)

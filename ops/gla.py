@@ -17,8 +17,16 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     v [B, T, H, V]; f16 / bf16 / f32 (f32, K not a multiple of 64: the recurrent kernel);
     initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any float dtype, read
     as f32. Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+
+    Differentiable (ops/additive_bwd.py) when any of q, k, v, g, initial_state requires
+    grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V multiples
+    of 16, K <= 128, V <= 256; anything else raises SpecError).
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
+    from . import additive_bwd
+    if additive_bwd.needs_grad(q, k, v, g, initial_state):
+        return additive_bwd.train(SPEC, opts, q, k, v, g, scale, initial_state,
+                                  output_final_state, cu_seqlens, cu_seqlens_cpu)
     return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)

@@ -20,12 +20,20 @@ def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_stat
     pair (kv_state, z_state [N, 1, H, K]). Returns (o [B, T, H, V] in q's dtype,
     final_state f32 or None), final_state being (kv_state or None, z_state f32 [N, 1, H,
     K]) with normalize.
+
+    Differentiable (ops/additive_bwd.py) when any of q, k, v, initial_state requires grad
+    (normalize and z_state by torch); limits as chunk_gla's.
     """
     opts = api.fla_options(kwargs=kwargs)
     kv0, z0 = _split_state(initial_state, normalize, q, cu_seqlens)
-    o, ht = api.forward(SPEC, q, k, v, None, None, scale=scale, initial_state=kv0,
-                        output_final_state=output_final_state, options=opts,
-                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    from . import additive_bwd
+    if additive_bwd.needs_grad(q, k, v, kv0):     # (normalize: torch ops, differentiable)
+        o, ht = additive_bwd.train(SPEC, opts, q, k, v, None, scale, kv0, output_final_state,
+                                   cu_seqlens, cu_seqlens_cpu)
+    else:
+        o, ht = api.forward(SPEC, q, k, v, None, None, scale=scale, initial_state=kv0,
+                            output_final_state=output_final_state, options=opts,
+                            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     if not normalize:
         return o, ht
     o, z = normalize_output(o, q, k, SPEC.scale_for(q.shape[-1], scale), z0, cu_seqlens)

@@ -26,8 +26,20 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     neither: no decay. initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any
     float dtype, read as f32; chunk_size: 64 only.
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+
+    Differentiable (ops/additive_bwd.py) when any of q, k, v, g, g_gamma, initial_state
+    requires grad (g + g_gamma formed by torch, so g_gamma's gradient is g's summed);
+    limits as chunk_gla's.
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
+    from . import additive_bwd
+    if additive_bwd.needs_grad(q, k, v, g, g_gamma, initial_state):
+        if g_gamma is not None:
+            B, T, H = q.shape[0], q.shape[1], v.shape[2]
+            gam = g_gamma.float().reshape(1, 1, H)
+            g = (gam if g is None else g.float() + gam).expand(B, T, H)
+        return additive_bwd.train(_spec(g, None), opts, q, k, v, g, scale, initial_state,
+                                  output_final_state, cu_seqlens, cu_seqlens_cpu)
     return api.forward(_spec(g, g_gamma), q, k, v, g, None, scale=scale,
                        initial_state=initial_state, output_final_state=output_final_state,
                        options=opts, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -341,8 +341,9 @@ def reject_grad(spec: OpSpec, *tensors) -> None:
     torch = _torch()
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
         raise error(f"{spec.name}: no backward is generated for this call (only "
-                    f"chunk_delta_rule and chunk_gated_delta_rule are differentiable so "
-                    f"far); run it under torch.no_grad() or detach its inputs")
+                    f"chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla "
+                    f"and chunk_linear_attn are differentiable so far); run it under "
+                    f"torch.no_grad() or detach its inputs")
 
 
 def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_log=None,

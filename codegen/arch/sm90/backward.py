@@ -1,0 +1,82 @@
+"""Hopper's chunked backward of the additive rule (GLA, simple GLA, linear attention):
+three stages, every one generated from the spec (codegen/templates/chunk_bwd_*):
+
+  chunk_bwd_dstate_local  per chunk, in parallel: its own term of the state gradient,
+                          X = scale (q e^G)^T do, into the row of the state entering it,
+                          and its decay e^{G_last}
+  chunk_bwd_dstate_scan   per sequence, last chunk first: dh = decay (.) dh + X, element
+                          by element (the additive rule's transition is diagonal), leaving
+                          the gradient of the state leaving each chunk in its row
+  chunk_bwd_dqkvg         per chunk, in parallel: dq, dk, dv, dg from the states (f32, the
+                          forward's or recomputed), their gradients and the intra-chunk pairs
+
+The sequential part is the element-wise scan only, so a few long sequences (the
+GLAChunkBwd rows: 8 chains of 256 chunks) do not serialise matrix products. The
+tunings below are first choices, not yet measured (the GPU probe compares them).
+"""
+from __future__ import annotations
+
+from ...pipeline import AdditiveBackwardProblem, Buffer, Plan, launch
+from . import hardware as hw
+from .hardware import NAME, NUM_SMS
+
+#: per-chunk stages: value block of dstate_local's K x block_v f32 accumulator
+LOCAL_BLOCK_V = 64
+#: dqkvg: two warpgroups (a CTA's fragments and the element passes over 64 x K split in
+#: two), the value dimension walked in blocks of 64
+DQKVG = dict(threads=256)
+DQKVG_BLOCK_V = 64
+#: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
+#: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
+#: how many SMs share the streaming of X and dh (2 x 4 bytes a state element a chunk), so
+#: the first tile whose CTAs cover every SM wins, else the smallest. TMA prefetch depth.
+SCAN_TILES = ((16, 32), (16, 16), (8, 16))
+SCAN_STAGES = 3
+
+
+def value_block(V: int, most: int = 64) -> int:
+    """The largest of 64, 32, 16 (at most ``most``) dividing V."""
+    return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
+
+
+def scan_tile(p: AdditiveBackwardProblem) -> tuple:
+    """(block_k, block_v) of chunk_bwd_dstate_scan."""
+    fits = [(bk, bv) for bk, bv in SCAN_TILES if p.K % bk == 0 and p.V % bv == 0]
+    if not fits:
+        raise ValueError(f"K={p.K}, V={p.V}: the backward's scan needs multiples of 8 and 16")
+    for bk, bv in fits:
+        if p.N * p.HV * (p.K // bk) * (p.V // bv) >= NUM_SMS:
+            return bk, bv
+    return fits[-1]
+
+
+def additive_backward_plan(p: AdditiveBackwardProblem) -> Plan:
+    """The three backward stages of p with their tiles, and the buffers between them:
+    dstate [NT + N, HV, K, V] f32 (rows as the states': per sequence, entering each
+    chunk, then the final one) and, with a gate, decay [NT, HV, K] f32."""
+    if p.N * p.HV > hw.MAX_GRID_YZ:
+        raise ValueError(f"{p.N} sequences x {p.HV} value heads: the backward takes at most "
+                         f"{hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
+    if p.NT > hw.MAX_GRID_YZ:            # (the per-chunk stages put the chunks on gridDim.y / z)
+        raise ValueError(f"{p.NT} chunks: the backward takes at most {hw.MAX_GRID_YZ} chunks "
+                         "in one call")
+    gated = p.gate != "none"
+    order = {"heads_fastest": True}     # the value heads of a chunk together (q, k through L2)
+    heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    g = {"g_dtype": p.g_dtype} if gated else {}
+    bk, bv = scan_tile(p)
+    scan = dict(HV=p.HV, K=p.K, V=p.V, use_dht=p.use_dht, store_dh0=p.store_dh0,
+                block_k=bk, block_v=bv, num_stages=SCAN_STAGES)
+    launches = (
+        launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
+                                             **order)),
+        launch("chunk_bwd_dstate_scan", scan),
+        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **DQKVG,
+                                       block_v=value_block(p.V, DQKVG_BLOCK_V), **order)),
+    )
+    bufs = [Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V))]
+    if gated:
+        bufs.append(Buffer("decay", (p.NT, p.HV, p.K)))
+    scan_why = (f"{p.N * p.HV} chains x {(p.K // bk) * (p.V // bv)} tiles of {bk} x {bv} "
+                f"state elements: one scan CTA per tile")
+    return Plan("additive-backward", NAME, launches, tuple(bufs), reasons=(scan_why,))

@@ -1,0 +1,329 @@
+"""The additive rule's chunked backward (GLA, simple GLA, linear attention): the
+GLAChunkBwd contract and training through chunk_gla / chunk_simple_gla /
+chunk_linear_attn.
+
+The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
+[B * T, H, D]; a varlen batch is B == 1 with cu_seqlens, no padding): the arch's plan
+(codegen/arch/sm90/backward.py) runs
+
+    chunk_bwd_dstate_local   X = scale (q e^G)^T do per chunk, into dstate
+    chunk_bwd_dstate_scan    dh leaving each chunk = decay (.) dh leaving the next + X
+    chunk_bwd_dqkvg          dq, dk, dv, dg per chunk
+
+over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
+offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its
+final state (offset_n = the chunks of the sequences before it); dstate uses the same
+rows. Host table: state_row [NT], the row of the state entering chunk c.
+
+Training (:class:`AdditiveCall`, :func:`train`): the forward is the ordinary chunked
+forward and saves only its inputs (q, k, v, g, initial_state: references, no copies);
+the backward recomputes the states from them (the forward's prepare and state stages,
+in f32, K-first) and runs the three stages. Memory held between forward and backward:
+nothing beyond the inputs; during the backward: the states and their gradients, f32
+(NT + N) x HV x K x V each, the decays (NT x HV x K f32) and the gradients.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..codegen.arch import get_arch
+from ..codegen.pipeline import AdditiveBackwardProblem
+from ..dsl import Gate, Options, SpecError
+from . import chunk, runtime
+
+ARCH = "sm90"
+CHUNK = 64
+#: head dims the backward is generated and checked for (the chunked kernels' multiples
+#: of 16; K up to 128: dqkvg's shared memory at 64 x K tiles)
+K_MAX, V_MAX = 128, 256
+
+
+def state_rows(cu: tuple, device):
+    """int32 [NT] on device: the row of the state entering each chunk (c + its sequence)."""
+    def build():
+        _, _, offsets = chunk.build_chunk_tables(cu, CHUNK)
+        seq = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        return chunk._to_device({"state_row": np.arange(offsets[-1]) + seq}, device)
+    return chunk._cached(("state_row", cu, str(device)), build)["state_row"]
+
+
+@functools.lru_cache(maxsize=256)
+def backward_plan(problem: AdditiveBackwardProblem):
+    try:
+        return get_arch(ARCH).additive_backward_plan(problem)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+
+
+def _name(dtype) -> str:
+    return runtime.dtype_name(dtype)
+
+
+def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
+                 want_dh0: bool, grad_dtype):
+    """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
+    [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
+    None, states [NT + N, HV, K, V] f32 (rows as the module docstring), dht [N, HV, K, V]
+    f32 or None (zero); cu the sequences' token bounds. Returns (dq, dk [Ttot, H, K], dv
+    [Ttot, HV, V] in grad_dtype, dg f32 like g or None, dh0 [N, HV, K, V] f32 or None)."""
+    import torch
+    Ttot, H, K = q.shape
+    HV, V = v.shape[1:]
+    group = HV // H
+    seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
+    gated = spec.gate is not Gate.NONE
+    out_dtype = torch.float32 if group > 1 else grad_dtype     # GVA: dq, dk summed in f32
+    problem = AdditiveBackwardProblem(
+        gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
+        g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
+        seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0)
+    plan = backward_plan(problem)
+    N = len(seq_chunks)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,
+             state_row=state_rows(cu, q.device), scale=float(scale),
+             dht=dht if dht is not None else torch.empty(1, HV, K, V, **f32),
+             dh0=torch.empty(N if want_dh0 else 1, HV, K, V, **f32),
+             dq=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
+             dk=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
+             dv=torch.empty(Ttot, HV, V, dtype=out_dtype, device=q.device))
+    if gated:
+        x["g"], x["dg"] = g, torch.empty(g.shape, **f32)
+    if Ttot:
+        runtime.run_plan(spec, plan, x)
+    elif want_dh0:
+        x["dh0"].copy_(dht if dht is not None else 0.0)
+    dq, dk = x["dq"], x["dk"]
+    if group > 1:
+        dq, dk = (t.view(Ttot, H, group, K).sum(2).to(grad_dtype) for t in (dq, dk))
+    return dq, dk, x["dv"].to(grad_dtype), x.get("dg"), x["dh0"] if want_dh0 else None
+
+
+def check_backward(spec, q, k, v, what: str) -> None:
+    """One-line errors for what the backward kernels do not take."""
+    import torch
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or \
+            v.dtype != q.dtype:
+        raise SpecError(f"{what} needs q, k, v in one of float16 / bfloat16, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    K, V = q.shape[-1], v.shape[-1]
+    if K % 16 or V % 16 or not (16 <= K <= K_MAX and 16 <= V <= V_MAX):
+        raise SpecError(f"{what} is generated for K a multiple of 16 up to {K_MAX} and V a "
+                        f"multiple of 16 up to {V_MAX}, got K={K}, V={V}")
+
+
+def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
+    """The states entering each chunk and the final ones, f32 [NT + N, HV, K, V] K-first,
+    from flat q, k [Ttot, H, K], v [Ttot, HV, V], g (flat, or None), h0 [N, HV, K, V] f32
+    K-first or None: the forward plan's prepare and state stages (its output stage is not
+    run)."""
+    import torch
+    Ttot, H, K = q.shape
+    HV, V = v.shape[1:]
+    seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
+    N, NT = len(seq_chunks), sum(seq_chunks)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    key = spec.gate is Gate.KEY
+    x = dict(q=q, k=k, v=v, g=g if g is not None else torch.empty(Ttot, HV, **f32),
+             beta=torch.empty(Ttot, HV, **f32), A_log=torch.empty(HV, **f32),   # (unused)
+             dt_bias=torch.empty(HV * K if key else HV, **f32))
+    problem = chunk.forward_problem(
+        spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
+        seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
+        output_final_state=True, return_states=True)
+    plan = chunk._plan(ARCH, problem, chunk._config({"fused": False}))
+    x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
+             h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
+             ht=torch.empty(NT + N, HV, K, V, **f32))
+    if Ttot == 0:
+        return x["ht"].copy_(h0 if h0 is not None else 0.0)
+    launches = [la for la in plan.launches if la.stage != "chunk_output"]
+    runtime.announce(spec, plan.arch, {la.stage: la.kwargs for la in launches})
+    for b in plan.buffers:
+        x[b.name] = torch.empty(b.shape, dtype=q.dtype if b.dtype == "input"
+                                else getattr(torch, b.dtype), device=q.device)
+    for la in launches:
+        runtime.launch_kernel(spec, plan.arch, la.stage, la.kwargs, x, la.tensor)
+    return x["ht"]
+
+
+def _check(name, x, shape, dtype=None):
+    if tuple(x.shape) != tuple(shape):
+        raise SpecError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise SpecError(f"{name} must have dtype {dtype}, got {x.dtype}")
+
+
+def _check_device(name, x):
+    if not x.is_cuda:
+        raise SpecError(f"{name} must be on a CUDA device, got {x.device}")
+
+
+def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None):
+    """GLAChunkBwd: the gradients of sum(o * do) + sum(final_state * dht) for GLA's
+    chunked forward started from the state h[:, 0].
+
+    q, k, g [B, T, H, K] (g: natural-log decay per key channel, any float dtype), v, do
+    [B, T, H, V] (q, k, v, do one dtype: f16 / bf16); h [B, NC + 1, H, K, V] f32 as
+    GLAChunkFwd returns it (the state entering each chunk of 64, then the final state);
+    dht [B, H, K, V] f32 or None (zero); scale None meaning K^-0.5. Returns (dq, dk, dg
+    [B, T, H, K], dv [B, T, H, V]) as (dq, dk, dv, dg), all f32 (fla's float32 gradients),
+    then dh0 [B, H, K, V] f32 when initial_state (the forward's, h[:, 0]) is given.
+    Inputs are never modified."""
+    import torch
+    from .gla import SPEC
+    if q.dim() != 4:
+        raise SpecError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NC = -(-T // CHUNK)
+    check_backward(SPEC, q, k, v, "GLAChunkBwd")
+    for name, x, shape in (("k", k, q.shape), ("g", g, q.shape), ("v", v, (B, T, H, V)),
+                           ("do", do, (B, T, H, V))):
+        _check(name, x, shape)
+    _check("do", do, (B, T, H, V), q.dtype)
+    _check("h", h, (B, NC + 1, H, K, V), torch.float32)
+    if dht is not None:
+        _check("dht", dht, (B, H, K, V), torch.float32)
+    if initial_state is not None:
+        _check("initial_state", initial_state, (B, H, K, V))
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("h", h), ("do", do)):
+        _check_device(name, x)
+    flat = lambda x: x.reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
+    cu = tuple(range(0, (B + 1) * T, T)) if T else (0,) * (B + 1)
+    dq, dk, dv, dg, dh0 = run_backward(
+        SPEC, flat(q), flat(k), flat(v), flat(g), h.contiguous().view(B * (NC + 1), H, K, V),
+        flat(do), None if dht is None else dht.contiguous(),
+        scale=SPEC.scale_for(K, scale), cu=cu, want_dh0=initial_state is not None,
+        grad_dtype=torch.float32)
+    out = tuple(x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg))
+    return out + ((dh0,) if initial_state is not None else ())
+
+
+# -- training ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdditiveCall:
+    """The non-tensor arguments of one differentiable chunk call of an additive-rule spec
+    (chunk_gla, chunk_simple_gla, chunk_linear_attn)."""
+    spec: object
+    scale: float
+    output_final_state: bool = False
+    state_v_first: bool = False
+    cu: tuple | None = None                 # host cu_seqlens (varlen) or None
+    cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
+    cu_seqlens_cpu: object = field(default=None, compare=False)
+
+
+def needs_grad(*tensors) -> bool:
+    """True when autograd would record a call on these tensors."""
+    import torch
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
+    """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
+    from . import api
+    return api.forward(call.spec, q, k, v, g, None, scale=call.scale,
+                       initial_state=initial_state, output_final_state=call.output_final_state,
+                       options=Options(state_v_first=call.state_v_first),
+                       cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+
+
+class ChunkAdditiveFunction:
+    """Namespace of the autograd Function (built lazily so importing needs no torch)."""
+    _fn = None
+
+    @classmethod
+    def apply(cls, call, q, k, v, g, initial_state):
+        if cls._fn is None:
+            cls._fn = _make_function()
+        return cls._fn.apply(call, q, k, v, g, initial_state)
+
+
+def _make_function():
+    import torch
+
+    class _ChunkAdditive(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, call, q, k, v, g, initial_state):
+            o, final = run_forward(call, q, k, v, g, initial_state)
+            ctx.call = call
+            ctx.save_for_backward(q, k, v, g, initial_state)   # the inputs only
+            ctx.set_materialize_grads(False)
+            return o, final
+
+        @staticmethod
+        def backward(ctx, do, dht):
+            grads = additive_backward(ctx.call, *ctx.saved_tensors, do, dht)
+            return (None, *(x if need else None
+                            for x, need in zip(grads, ctx.needs_input_grad[1:])))
+
+    return _ChunkAdditive
+
+
+def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
+    """Gradients of a chunk call under sum(o * do) + sum(final_state * dht): q, k
+    [B, T, H, K], v [B, T, HV, V] (f16 / bf16), g as the spec's gate or None,
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; do like v or
+    None, dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
+    inputs' shapes and dtypes (None for an input not given)."""
+    import torch
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    cu = call.cu or (tuple(range(0, (B + 1) * T, T)) if T else (0,) * (B + 1))
+    flat = lambda x: x.detach().reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
+    k_first = lambda s: s.transpose(-1, -2) if call.state_v_first else s  # noqa: E731
+    gk = None
+    if g is not None:
+        gk = flat(g if g.dtype in (torch.float32, q.dtype) else g.float())
+    h0 = None if initial_state is None else k_first(initial_state.detach()).float().contiguous()
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    states = recompute_states(call.spec, qf, kf, vf, gk, h0, cu, call.scale)
+    dof = torch.zeros_like(vf) if do is None else flat(do.to(q.dtype))
+    dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
+    dq, dk, dv, dg, dh0 = run_backward(call.spec, qf, kf, vf, gk, states, dof, dhtk,
+                                       scale=call.scale, cu=cu, want_dh0=h0 is not None,
+                                       grad_dtype=q.dtype)
+    shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
+    dg = None if g is None else shaped(dg, g)
+    if dh0 is not None:
+        dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(initial_state.dtype)
+    return shaped(dq, q), shaped(dk, k), shaped(dv, v), dg, dh0
+
+
+def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlens) -> None:
+    """Raise SpecError for what the backward does not support (never a wrong gradient)."""
+    what = f"the {spec.name} backward"
+    spec.check_options(options)
+    if q.dim() != 4 or v.dim() != 4 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
+        raise SpecError(f"{what} needs q, k [B, T, H, K] and v [B, T, HV, V], got "
+                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, H, K = q.shape
+    spec.check_heads(H, v.shape[2])
+    check_backward(spec, q, k, v, what)
+    want = spec.gate_shape(B, T, v.shape[2], K)
+    if (g is None) != (not want) or (g is not None and tuple(g.shape) != want):
+        raise SpecError(f"{what} needs g {list(want) or 'None'}, got "
+                        f"{None if g is None else tuple(g.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise SpecError(f"cu_seqlens needs B == 1, got B={B}")
+
+
+def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final_state,
+          cu_seqlens, cu_seqlens_cpu):
+    """A differentiable chunk call of an additive-rule spec: checked, then the autograd
+    Function. Returns (o, final_state or None)."""
+    check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens)
+    cu = None
+    if cu_seqlens is not None:
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+        cu = tuple(int(x) for x in host.tolist())
+    call = AdditiveCall(spec=spec, scale=spec.scale_for(q.shape[-1], scale),
+                        output_final_state=bool(output_final_state),
+                        state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cu_seqlens_cpu)
+    return ChunkAdditiveFunction.apply(call, q, k, v, g, initial_state)

@@ -1,0 +1,349 @@
+"""CPU tests of the additive rule's chunked backward (ops/additive_bwd.py): the plan and
+its stages (rendered, traced, compiled for sm_90a), and the host code end to end through
+fp64 fakes of the kernels, every launch checked against the traced prim_func:
+
+  chunk_bwd_dstate_local / _scan / chunk_bwd_dqkvg    the stage formulas of
+        dsl/additive_bwd.py, read and written through the plan's real buffers, host
+        tables (state_row, chunk_offsets) and row layout
+  the forward's prepare and state stages (the backward's recompute of the states)
+        tests/test_chunk_fused.py's PipelineMath
+
+so the GLAChunkBwd contract and training through chunk_gla / chunk_simple_gla /
+chunk_linear_attn (varlen without padding, h0 / dht, state_v_first, GVA, g_gamma,
+normalize) are checked against torch.autograd of the fp64 recurrence without a GPU."""
+import numpy as np
+import pytest
+import torch
+
+from _kernel_check import fake_compiles
+from test_chunk import by_name
+from test_chunk_fused import PipelineMath
+
+from linattn.codegen.plan import plan
+from linattn.codegen.pipeline import AdditiveBackwardProblem
+from linattn.dsl import Gate, Options, SpecError, all_rule_gate_specs
+from linattn.dsl import torch_reference as tref
+from linattn.dsl.additive_bwd import chunk_grads
+from linattn.ops import additive_bwd, contracts, gla, linear_attn, simple_gla
+
+F64 = torch.float64
+C = 64
+STAGES = ["chunk_bwd_dstate_local", "chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"]
+SIX = {s.name: s for s in all_rule_gate_specs()}
+FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC}
+
+
+def test_plan_lists_the_stages():
+    for spec in list(FAMILIES.values()) + list(SIX.values()):
+        names = [s.name for s in plan(spec, "bwd")]
+        if spec.rule.value == "additive":
+            assert names == STAGES, spec.name
+        else:
+            assert not set(STAGES) & set(names), spec.name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_renders(family, stage):
+    from linattn.ops.runtime import stage_module
+    spec = FAMILIES[family]
+    mod = stage_module(spec, stage, "sm90")
+    assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
+    for ex in mod.EXAMPLES:
+        if spec.gate is Gate.NONE:
+            ex = {n: x for n, x in ex.items() if n != "g_dtype"}
+        mod.build(**ex)
+
+
+def test_backward_plan():
+    """Stages, tiles and buffers; the scan's tile shrinks until a CTA sits on every SM."""
+    p = AdditiveBackwardProblem(gate="key", H=4, HV=4, K=64, V=64, dtype="bfloat16",
+                                g_dtype="bfloat16", grad_dtype="float32",
+                                seq_chunks=(256, 256), use_dht=True)
+    pl = additive_bwd.backward_plan(p)
+    assert pl.stages() == STAGES
+    kw = {la.stage: la.kwargs for la in pl.launches}
+    assert (kw["chunk_bwd_dstate_scan"]["block_k"], kw["chunk_bwd_dstate_scan"]["block_v"]) \
+        == (8, 16)            # 8 chains x 32 tiles = 256 CTAs (16 x 16: 128 < 132 SMs)
+    assert kw["chunk_bwd_dstate_scan"]["use_dht"] and not kw["chunk_bwd_dstate_scan"]["store_dh0"]
+    assert kw["chunk_bwd_dqkvg"]["grad_dtype"] == "float32"
+    assert {b.name: b.shape for b in pl.buffers} == {"dstate": (514, 4, 64, 64),
+                                                     "decay": (512, 4, 64)}
+    big = AdditiveBackwardProblem(gate="none", H=16, HV=16, K=128, V=128, dtype="float16",
+                                  g_dtype="float32", grad_dtype="float16", seq_chunks=(64,) * 8)
+    pl = additive_bwd.backward_plan(big)
+    assert (pl.launches[1].kwargs["block_k"], pl.launches[1].kwargs["block_v"]) == (16, 32)
+    assert [b.name for b in pl.buffers] == ["dstate"]
+    assert "g_dtype" not in pl.launches[0].kwargs
+    print(pl)
+
+
+# -- fp64 fakes of the three stages -----------------------------------------------------------
+
+class BackwardMath:
+    """The stages' formulas (dsl/additive_bwd.py), by argument name, in fp64."""
+
+    def __init__(self, spec, H, HV, K, V):
+        self.spec, self.H, self.HV, self.K, self.V = spec, H, HV, K, V
+        self.group = HV // H
+        self.calls = []
+
+    def _gate(self, g, t0, n, hv):
+        """[n, K] per-key log gate rows (scalar broadcast, zeros without a gate)."""
+        if self.spec.gate is Gate.KEY:
+            return g[t0:t0 + n, hv].to(F64)
+        if self.spec.gate is Gate.SCALAR:
+            return g[t0:t0 + n, hv].to(F64)[:, None].expand(n, self.K)
+        return torch.zeros(n, self.K, dtype=F64)
+
+    def _chunks(self, chunk_bos, chunk_len):
+        return enumerate(zip(chunk_bos.tolist(), chunk_len.tolist()))
+
+    def local(self, p, q, do, chunk_bos, chunk_len, state_row, dstate, scale, g=None,
+              decay=None):
+        self.calls.append("local")
+        for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
+            for hv in range(self.HV):
+                G = self._gate(g, t0, n, hv).cumsum(0)
+                qg = q[t0:t0 + n, hv // self.group].to(F64) * G.exp()
+                dstate[state_row[c], hv] = (scale * qg.T @ do[t0:t0 + n, hv].to(F64)).float()
+                if decay is not None:
+                    decay[c, hv] = G[-1].exp().float()
+
+    def scan(self, p, chunk_offsets, dht, dstate, dh0, decay=None):
+        self.calls.append("scan")
+        offs = chunk_offsets.tolist()
+        for n in range(len(offs) - 1):
+            c0, nc = offs[n], offs[n + 1] - offs[n]
+            for hv in range(self.HV):
+                dh = dht[n, hv].to(F64) if p["use_dht"] else torch.zeros(self.K, self.V, dtype=F64)
+                for t in reversed(range(nc)):
+                    x = dstate[c0 + n + t, hv].to(F64)
+                    dstate[c0 + n + t + 1, hv] = dh.float()
+                    a = decay[c0 + t, hv].to(F64)[:, None] if decay is not None else 1.0
+                    dh = a * dh + x
+                if p["store_dh0"]:
+                    dh0[n, hv] = dh.float()
+
+    def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
+              dv, scale, g=None, dg=None):
+        self.calls.append("dqkvg")
+        pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, C - x.shape[0])).numpy()  # noqa: E731
+        for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
+            sr = int(state_row[c])
+            for hv in range(self.HV):
+                hk = hv // self.group
+                rows = lambda x, h: pad(x[t0:t0 + n, h].to(F64))[None]  # noqa: E731
+                out = chunk_grads(
+                    self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(v, hv), rows(do, hv),
+                    pad(self._gate(g, t0, n, hv))[None],
+                    *(x.to(F64).numpy()[None] for x in (states[sr, hv], states[sr + 1, hv],
+                                                        dstate[sr + 1, hv])))
+                dqc, dkc, dvc, dgc = (torch.from_numpy(x[0, :n]) for x in out)
+                dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)
+                dk[t0:t0 + n, hv] = dkc.to(dk.dtype)
+                dv[t0:t0 + n, hv] = dvc.to(dv.dtype)
+                if self.spec.gate is Gate.KEY:
+                    dg[t0:t0 + n, hv] = dgc.float()
+                elif self.spec.gate is Gate.SCALAR:
+                    dg[t0:t0 + n, hv] = dgc.sum(-1).float()
+
+
+def install_fakes(monkeypatch, spec, H, HV, K, V):
+    """Route every compile to fakes checked against the traced kernels: the backward's
+    stages run BackwardMath, the forward's (the states' recompute) PipelineMath."""
+    bwd = BackwardMath(spec, H, HV, K, V)
+    body = by_name({"chunk_bwd_dstate_local": bwd.local, "chunk_bwd_dstate_scan": bwd.scan,
+                    "chunk_bwd_dqkvg": bwd.dqkvg})
+
+    def route(spec_, stage, params):
+        if stage in STAGES:
+            return body(spec_, stage, params)
+        return PipelineMath(spec_, params["H"], params["HV"], params["K"],
+                            params.get("V")).body(spec_, stage, params)
+    fake_compiles(monkeypatch, route)
+    monkeypatch.setattr(additive_bwd, "_check_device", lambda n, x: None)
+    return bwd
+
+
+def _rel(x, ref):
+    return float(torch.linalg.norm(x.to(F64) - ref.to(F64)) / torch.linalg.norm(ref.to(F64)))
+
+
+# -- the GLAChunkBwd contract ---------------------------------------------------------------
+
+@pytest.mark.parametrize("B, T, H, K, V, h0", [(2, 130, 2, 64, 64, True), (1, 63, 3, 32, 64, False),
+                                               (2, 64, 1, 64, 32, True)])
+def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
+    bwd = install_fakes(monkeypatch, gla.SPEC, H, H, K, V)
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    dt = torch.float16
+    q, k, v, do = (x.to(dt) for x in (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, V)))
+    g = torch.nn.functional.logsigmoid(r(B, T, H, K) + 2).to(dt)
+    init = 0.1 * r(B, H, K, V)
+    _, _, h = tref.gla_chunk_fwd(q, k, v, g, scale=0.125, initial_state=init)
+    dht = (0.1 * r(B, H, K, V)).float()
+    out = contracts.gla_chunk_bwd(q, k, v, g, h.float(), do, dht, scale=0.125,
+                                  initial_state=init.float() if h0 else None)
+    assert bwd.calls == ["local", "scan", "dqkvg"]
+    refs = tref.gla_chunk_bwd(q, k, v, g, h, do, dht, scale=0.125)
+    assert len(out) == (5 if h0 else 4)
+    for name, x, ref, like in zip(("dq", "dk", "dv", "dg", "dh0"), out, refs,
+                                  (q, k, v, g, init)):
+        assert x.shape == like.shape and x.dtype == torch.float32, name
+        assert _rel(x, ref) < 2e-3, (name, _rel(x, ref))
+
+
+def test_contract_refuses_bad_inputs(monkeypatch):
+    install_fakes(monkeypatch, gla.SPEC, 2, 2, 64, 64)
+    x = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16)
+    h = torch.zeros(1, 3, 2, 64, 64)
+    contracts.gla_chunk_bwd(x, x, x, x, h, x, None)
+    with pytest.raises(SpecError, match="h must have shape"):
+        contracts.gla_chunk_bwd(x, x, x, x, h[:, :2], x, None)
+    with pytest.raises(SpecError, match="h must have dtype"):
+        contracts.gla_chunk_bwd(x, x, x, x, h.double(), x, None)
+    with pytest.raises(SpecError, match="float16 / bfloat16"):
+        contracts.gla_chunk_bwd(x.float(), x, x, x, h, x, None)
+    with pytest.raises(SpecError, match="K a multiple of 16 up to 128"):
+        y = torch.zeros(1, 70, 2, 256, dtype=torch.bfloat16)
+        contracts.gla_chunk_bwd(y, y, x, y, torch.zeros(1, 3, 2, 256, 64), x, None)
+    with pytest.raises(SpecError, match="dht must have shape"):
+        contracts.gla_chunk_bwd(x, x, x, x, h, x, torch.zeros(1, 2, 64, 32))
+
+
+# -- training ------------------------------------------------------------------------------
+
+def _reference_forward(call, q, k, v, g, initial_state):
+    """The forward (run_forward) on the CPU: the fp64 reference, rounded like the kernels'."""
+    o, ht = tref.chunked_forward(call.spec, q, k, v, g, options=Options(
+        state_v_first=call.state_v_first), scale=call.scale, initial_state=initial_state,
+        cu_seqlens=None if call.cu is None else torch.tensor(call.cu))
+    return o.to(q.dtype), (ht.float() if call.output_final_state else None)
+
+
+CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
+    pytest.param("gla", 2, 130, 2, 2, 32, 32, None, True, True, False, id="gla-B2-T130"),
+    pytest.param("gla", 1, 200, 2, 2, 32, 16, [1, 70, 0, 129], True, True, False,
+                 id="gla-varlen"),
+    pytest.param("gla", 1, 70, 1, 1, 16, 32, None, True, False, True, id="gla-v-first"),
+    pytest.param("simple_gla", 2, 100, 2, 2, 32, 32, None, False, True, False, id="sgla"),
+    pytest.param("simple_gla", 1, 150, 1, 1, 16, 16, [64, 1, 85], True, True, True,
+                 id="sgla-varlen-v-first"),
+    pytest.param("linear_attn", 1, 129, 2, 2, 32, 32, None, True, True, False, id="la"),
+    pytest.param("additive_key", 1, 90, 1, 2, 32, 16, None, True, True, False, id="key-GVA2"),
+    pytest.param("additive_scalar", 1, 90, 2, 4, 16, 16, [30, 60], True, False, False,
+                 id="scalar-GVA2-varlen"),
+    pytest.param("additive_none", 2, 65, 1, 2, 16, 16, None, False, True, False, id="none-GVA2"),
+]
+
+
+def _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first, dtype=torch.float16):
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    x = dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, HV, V).to(dtype))
+    if spec.has_gate:
+        x["g"] = torch.nn.functional.logsigmoid(r(*spec.gate_shape(B, T, HV, K)) + 2).float()
+    if h0:
+        x["initial_state"] = 0.1 * (r(N, HV, V, K) if v_first else r(N, HV, K, V))
+    st = (N, HV, V, K) if v_first else (N, HV, K, V)
+    return x, r(B, T, HV, V).to(dtype), 0.1 * r(*st)
+
+
+@pytest.mark.parametrize("name, B, T, H, HV, K, V, lens, h0, with_dht, v_first", CASES)
+def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, V, lens, h0,
+                                        with_dht, v_first):
+    spec = FAMILIES.get(name) or SIX[name]
+    bwd = install_fakes(monkeypatch, spec, H, HV, K, V)
+    monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    cu = None if lens is None else torch.tensor([0, *np.cumsum(lens).tolist()])
+    N = B if cu is None else len(lens)
+    x, do, dht = _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = additive_bwd.train(spec, Options(state_v_first=v_first), leaves["q"], leaves["k"],
+                               leaves["v"], leaves.get("g"), 0.3, leaves.get("initial_state"),
+                               True, cu, cu)
+    loss = (o.double() * do).sum() + ((ht.double() * dht).sum() if with_dht else 0)
+    loss.backward()
+    assert bwd.calls == ["local", "scan", "dqkvg"]
+    ref_leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tref.recurrent_forward(spec, **ref_leaves, options=Options(state_v_first=v_first),
+                                     scale=0.3, cu_seqlens=cu)
+    ((ro * do).sum() + ((rht * dht).sum() if with_dht else 0)).backward()
+    for n, t in leaves.items():
+        assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, n
+        assert _rel(t.grad, ref_leaves[n].grad) < 5e-3, (n, _rel(t.grad, ref_leaves[n].grad))
+
+
+def test_family_functions_train(monkeypatch, rng):
+    """chunk_gla / chunk_simple_gla (g and g_gamma) / chunk_linear_attn (normalize) route
+    calls that need gradients through the backward, with fla's argument names."""
+    monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    B, T, H, K, V = 1, 80, 2, 32, 32
+    for fn, spec, kw in ((gla.chunk_gla, gla.SPEC, {}),
+                         (simple_gla.chunk_simple_gla, simple_gla.SPEC, {"gamma": True}),
+                         (linear_attn.chunk_linear_attn, linear_attn.SPEC, {"normalize": True})):
+        install_fakes(monkeypatch, spec, H, H, K, V)
+        x, do, _ = _train_inputs(spec, rng, B, T, H, H, K, V, B, True, False)
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        args = dict(leaves)
+        if kw.get("gamma"):
+            args["g_gamma"] = torch.tensor([-0.05, -0.2]).requires_grad_()
+        if kw.get("normalize") is not None:
+            args["normalize"] = True
+        o, ht = fn(**args, scale=0.2, output_final_state=True)
+        o = o if not kw.get("normalize") else o
+        (o.double() * do).sum().backward()
+        ref = {n: t.detach().double().requires_grad_() for n, t in args.items()
+               if isinstance(t, torch.Tensor)}
+        g_ref = ref.get("g")
+        if kw.get("gamma"):
+            g_ref = ref["g"] + ref["g_gamma"].view(1, 1, H)
+        ro, _ = tref.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], g_ref, scale=0.2,
+                                       initial_state=ref["initial_state"])
+        if kw.get("normalize"):
+            ro, _ = linear_attn.normalize_output(ro, ref["q"], ref["k"], 0.2)
+        (ro * do).sum().backward()
+        for n, t in args.items():
+            if isinstance(t, torch.Tensor):
+                assert _rel(t.grad, ref[n].grad) < 5e-3, (fn.__name__, n)
+
+
+def test_no_grad_and_refusals(monkeypatch):
+    """Without gradients the plain forward runs; what the backward lacks is refused in
+    one line before any kernel."""
+    x = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.zeros(1, 70, 2, 64)
+    with pytest.raises(SpecError, match="float16 / bfloat16"):
+        gla.chunk_gla(x.float(), x.float(), x.float(), g)
+    y = torch.zeros(1, 70, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(SpecError, match="K a multiple of 16 up to 128"):
+        linear_attn.chunk_linear_attn(y, y, x)
+    with pytest.raises(SpecError, match="needs g"):
+        gla.chunk_gla(x, x, x, g[..., :32])
+    with pytest.raises(SpecError, match="cu_seqlens needs B == 1"):
+        z = torch.zeros(2, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+        gla.chunk_gla(z, z, z, torch.zeros(2, 70, 2, 64), cu_seqlens=torch.tensor([0, 70]))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("family, K, V, dtype", [("gla", 64, 64, "bfloat16"),
+                                                 ("gla", 128, 128, "float16"),
+                                                 ("simple_gla", 64, 64, "float16"),
+                                                 ("linear_attn", 128, 256, "bfloat16")])
+def test_stages_compile_without_spills(family, K, V, dtype):
+    """The plan's three stages at a table-like call (B=2, H=4, 256 chunks each, with dht
+    and dh0) compile for sm_90a: <= 255 registers, no spills."""
+    from linattn.codegen.compile import compile_stage, format_record
+    from linattn.ops.runtime import stage_module
+    spec = FAMILIES[family]
+    gated = spec.gate is not Gate.NONE
+    p = AdditiveBackwardProblem(gate=spec.gate.value, H=4, HV=4, K=K, V=V, dtype=dtype,
+                                g_dtype=dtype if gated else "float32", grad_dtype="float32",
+                                seq_chunks=(256, 256), use_dht=True, store_dh0=True)
+    for la in additive_bwd.backward_plan(p).launches:
+        rec = compile_stage(stage_module(spec, la.stage, "sm90"), la.kwargs, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["registers"] <= 255 and rec["spill_store_bytes"] == 0, rec
