@@ -6,8 +6,8 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, warm, bench2, ncu: see the case
-# below), each with a limit
+# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, glabwd, warm, bench2, ncu: see
+# the case below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
 # (BENCH2_ARGS). Everything lands in
@@ -60,6 +60,14 @@ for s in $STEPS; do
     # chunk_kkt_inverse alone against fp64 (A_b, g_cum, chunk_norm, qn / kn; awkward cases)
     kkt) run_step kkt "${KKT_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 -s tests/test_chunk_kkt_gpu.py --junitxml="$R/kkt.xml" ;;
+    # the additive rule's backward (GLAChunkBwd, chunk_gla / chunk_simple_gla /
+    # chunk_linear_attn training): GPU tests (GLABWD_K narrows them), then the probe
+    # (GLAChunkBwd train-16k / train-2k vs fla, scan variants, a training step) in the rest
+    glabwd) run_step glabwd "${GLABWD_S:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --tb=short --durations=8 tests/test_additive_bwd_gpu.py -k "${GLABWD_K:-}" \
+             --junitxml="$R/glabwd.xml"
+            run_step glaprobe "${GLAPROBE_S:-70}" python3 bench/gla_bwd_probe.py ${GLAPROBE_ARGS:-} \
+             --budget-s $(( ${GLAPROBE_S:-70} - 35 )) ;;
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
@@ -124,7 +132,7 @@ echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 [ -f "$R/gdnbwd.log" ] && { echo "===== gdnbwd (tail)"; tail -n 45 "$R/gdnbwd.log"; }
-for s in kkt dropin pool split autograd ncu additive aprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in kkt dropin pool split autograd ncu additive aprobe glabwd glaprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null

@@ -51,11 +51,17 @@ def state_rows(cu: tuple, device):
 
 
 @functools.lru_cache(maxsize=256)
-def backward_plan(problem: AdditiveBackwardProblem):
+def _plan(problem: AdditiveBackwardProblem, config: tuple):
     try:
-        return get_arch(ARCH).additive_backward_plan(problem)
+        return get_arch(ARCH).additive_backward_plan(problem, config)
     except ValueError as e:
         raise SpecError(str(e)) from None
+
+
+def backward_plan(problem: AdditiveBackwardProblem, config=None):
+    """The arch's plan (codegen.pipeline.Plan) of a backward; config: a dict forcing
+    choices (a probe's variant, e.g. {"scan_stages": 2})."""
+    return _plan(problem, tuple(sorted((config or {}).items())))
 
 
 def _name(dtype) -> str:
@@ -63,12 +69,13 @@ def _name(dtype) -> str:
 
 
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
-                 want_dh0: bool, grad_dtype):
+                 want_dh0: bool, grad_dtype, config=None):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
     [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
     None, states [NT + N, HV, K, V] f32 (rows as the module docstring), dht [N, HV, K, V]
-    f32 or None (zero); cu the sequences' token bounds. Returns (dq, dk [Ttot, H, K], dv
-    [Ttot, HV, V] in grad_dtype, dg f32 like g or None, dh0 [N, HV, K, V] f32 or None)."""
+    f32 or None (zero); cu the sequences' token bounds; config: the plan's (probes).
+    Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype, dg f32 like g or None,
+    dh0 [N, HV, K, V] f32 or None)."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
@@ -80,7 +87,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0)
-    plan = backward_plan(problem)
+    plan = backward_plan(problem, config)
     N = len(seq_chunks)
     f32 = dict(dtype=torch.float32, device=q.device)
     x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,
@@ -162,7 +169,7 @@ def _check_device(name, x):
         raise SpecError(f"{name} must be on a CUDA device, got {x.device}")
 
 
-def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None):
+def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None, config=None):
     """GLAChunkBwd: the gradients of sum(o * do) + sum(final_state * dht) for GLA's
     chunked forward started from the state h[:, 0].
 
@@ -172,7 +179,7 @@ def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None):
     dht [B, H, K, V] f32 or None (zero); scale None meaning K^-0.5. Returns (dq, dk, dg
     [B, T, H, K], dv [B, T, H, V]) as (dq, dk, dv, dg), all f32 (fla's float32 gradients),
     then dh0 [B, H, K, V] f32 when initial_state (the forward's, h[:, 0]) is given.
-    Inputs are never modified."""
+    Inputs are never modified. config: the backward plan's (probes)."""
     import torch
     from .gla import SPEC
     if q.dim() != 4:
@@ -198,7 +205,7 @@ def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None):
         SPEC, flat(q), flat(k), flat(v), flat(g), h.contiguous().view(B * (NC + 1), H, K, V),
         flat(do), None if dht is None else dht.contiguous(),
         scale=SPEC.scale_for(K, scale), cu=cu, want_dh0=initial_state is not None,
-        grad_dtype=torch.float32)
+        grad_dtype=torch.float32, config=config)
     out = tuple(x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg))
     return out + ((dh0,) if initial_state is not None else ())
 

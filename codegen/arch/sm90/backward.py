@@ -50,10 +50,19 @@ def scan_tile(p: AdditiveBackwardProblem) -> tuple:
     return fits[-1]
 
 
-def additive_backward_plan(p: AdditiveBackwardProblem) -> Plan:
+#: what a probe or test may set in additive_backward_plan's config
+BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads")
+
+
+def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
     """The three backward stages of p with their tiles, and the buffers between them:
     dstate [NT + N, HV, K, V] f32 (rows as the states': per sequence, entering each
-    chunk, then the final one) and, with a gate, decay [NT, HV, K] f32."""
+    chunk, then the final one) and, with a gate, decay [NT, HV, K] f32. config: (key,
+    value) pairs forcing a choice (BACKWARD_CONFIG_KEYS; probes)."""
+    config = dict(config)
+    bad = sorted(set(config) - set(BACKWARD_CONFIG_KEYS))
+    if bad:
+        raise ValueError(f"unknown backward plan config {bad}; known: {list(BACKWARD_CONFIG_KEYS)}")
     if p.N * p.HV > hw.MAX_GRID_YZ:
         raise ValueError(f"{p.N} sequences x {p.HV} value heads: the backward takes at most "
                          f"{hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
@@ -65,13 +74,16 @@ def additive_backward_plan(p: AdditiveBackwardProblem) -> Plan:
     heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     g = {"g_dtype": p.g_dtype} if gated else {}
     bk, bv = scan_tile(p)
+    bk, bv = config.get("scan_block_k", bk), config.get("scan_block_v", bv)
     scan = dict(HV=p.HV, K=p.K, V=p.V, use_dht=p.use_dht, store_dh0=p.store_dh0,
-                block_k=bk, block_v=bv, num_stages=SCAN_STAGES)
+                block_k=bk, block_v=bv, num_stages=config.get("scan_stages", SCAN_STAGES))
+    dqkvg = dict(DQKVG, **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config
+                           else {}))
     launches = (
         launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
                                              **order)),
         launch("chunk_bwd_dstate_scan", scan),
-        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **DQKVG,
+        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
                                        block_v=value_block(p.V, DQKVG_BLOCK_V), **order)),
     )
     bufs = [Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V))]

@@ -1,0 +1,182 @@
+"""Probe of the additive rule's backward on the GPU: GLAChunkBwd device time, ours vs fla,
+with the per-kernel split, a few plan variants of the state-gradient scan, and one GLA
+training step (forward + backward through autograd).
+
+ours: linattn.ops.contracts.gla_chunk_bwd on the benchmark row's inputs (cli/bench:
+      inputs.build_inputs, the same call linattn-bench makes); variants through
+      ops.additive_bwd.gla_chunk_bwd(config=...) (codegen/arch/sm90/backward.py keys)
+fla:  the benchmark's fla call of the row (fp32 upcasts, autograd of chunk_gla, forward
+      untimed)
+train: loss.backward() of chunk_gla (ours: forward, recompute of the states, the three
+      stages; fla: chunk_gla's autograd), [2, T, 4, 64] bf16, h0 and dht, both timed as
+      forward + backward per call
+Device time as bench/probe_lib.py's device_times: union of the call's kernels, L2 flushed
+before each call, median over calls.
+
+    python3 bench/gla_bwd_probe.py [--rows train-2k train-16k] [--dtypes f16 bf16]
+        [--iters 20] [--no-sweep] [--no-train] [--budget-s 150]
+    (JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_lib import device_times  # noqa: E402
+
+from linattn.cli.bench import impls, inputs, workloads  # noqa: E402
+from linattn.ops import additive_bwd, runtime  # noqa: E402
+
+#: scan variants timed on the first row (the default plan's choice is the baseline)
+SWEEP = [{"scan_stages": 2}, {"scan_stages": 4}, {"scan_block_k": 16, "scan_block_v": 32},
+         {"scan_block_k": 16, "scan_block_v": 16}]
+
+
+def _short(per):
+    return " ".join(f"{k.replace('_kernel', '').replace('chunk_', '')[:24]}={v:.4f}"
+                    for k, v in sorted(per.items(), key=lambda kv: -kv[1]))
+
+
+def _row(workload, dtype):
+    rows = workloads.select(workloads.load_rows(), ops=["GLAChunkBwd"], workload=workload,
+                            dtypes=[dtype])
+    if not rows:
+        raise SystemExit(f"no GLAChunkBwd row {workload} {dtype}")
+    return rows[0]
+
+
+def _ours(x, s, config=None):
+    args = [x[n] for n in ("q", "k", "v", "g", "h", "do", "dht")]
+    return lambda: additive_bwd.gla_chunk_bwd(*args, scale=s, config=config)
+
+
+def _precompile(calls):
+    """Compile what the calls would (recorded, one round) in parallel processes."""
+    with runtime.recording() as jobs:
+        for fn in calls:
+            try:
+                fn()
+            except Exception:       # KernelRequested (noted), or reported when timed
+                pass
+    return runtime.precompile(jobs) if jobs else []
+
+
+def probe_row(workload, dtype, iters, sweep):
+    row = _row(workload, dtype)
+    x = inputs.build_inputs(row, "cuda", 0)
+    s = row.options.get("scale")
+    res = {"workload": workload, "dtype": dtype, "fla_seed_ms": row.seed.get("alternatives",
+                                                                              {}).get("fla")}
+    ours = _ours(x, s)
+    configs = SWEEP if sweep else []
+    errs = _precompile([ours] + [_ours(x, s, c) for c in configs])
+    if errs:
+        res["compile_errors"] = errs[:3]
+    ref = ours()
+    ms, per, n = device_times(ours, iters=iters)
+    res.update(ours_ms=ms, ours_kernels_ms=per, ours_n_kernels=n)
+    for c in configs:
+        key = ",".join(f"{k}={v}" for k, v in c.items())
+        try:
+            got = _ours(x, s, c)()
+            diff = max(float((a - b).norm() / b.norm()) for a, b in zip(got, ref))
+            vms, vper, _ = device_times(_ours(x, s, c), iters=iters)
+            res.setdefault("sweep", {})[key] = dict(ms=vms, kernels_ms=vper, diff=diff)
+        except Exception as e:
+            res.setdefault("sweep", {})[key] = f"{type(e).__name__}: {e}"[:200]
+    try:
+        fla_fn, _ = impls.make("fla", row, x)
+        fms, fper, _ = device_times(fla_fn, iters=iters)
+        res.update(fla_ms=fms, fla_kernels_ms=fper, ratio=fms / ms)
+    except Exception as e:
+        res["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+def train_step(T, iters):
+    """One chunk_gla training step, ours and fla's: [2, T, 4, 64] bf16, h0, dht."""
+    import linattn
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rn = lambda *sh: torch.randn(*sh, generator=g, device="cuda")  # noqa: E731
+    B, H, K = 2, 4, 64
+    q, k, v = (rn(B, T, H, K).bfloat16().requires_grad_() for _ in range(3))
+    gk = torch.nn.functional.logsigmoid(rn(B, T, H, K) + 2).requires_grad_()
+    h0 = (0.1 * rn(B, H, K, K)).requires_grad_()
+    do, dht = rn(B, T, H, K).bfloat16(), 0.1 * rn(B, H, K, K)
+    res = {"workload": f"train-step-{T // 1024}k-bf16"}
+
+    def step(fn):
+        def run():
+            o, ht = fn(q, k, v, gk, initial_state=h0, output_final_state=True)
+            torch.autograd.backward((o, ht), (do, dht))
+        return run
+    ours = step(linattn.chunk_gla)
+    for _ in range(3):          # rounds: the forward, the backward's recompute, its stages
+        _precompile([ours])
+    res["ours_ms"], res["ours_kernels_ms"], _ = device_times(ours, iters=iters)
+    try:
+        from fla.ops.gla import chunk_gla
+        res["fla_ms"], res["fla_kernels_ms"], _ = device_times(step(chunk_gla), iters=iters)
+        res["ratio"] = res["fla_ms"] / res["ours_ms"]
+    except Exception as e:
+        res["fla_error"] = f"{type(e).__name__}: {e}"[:300]
+    return res
+
+
+def line(r):
+    if "error" in r:
+        return f"{r['workload']:22s} ERROR {r['error'][:160]}"
+    g = lambda k: r.get(k, float("nan"))  # noqa: E731
+    text = (f"{r['workload']:22s} {r.get('dtype', ''):5s} ours {g('ours_ms'):.4f} ms  fla "
+            f"{g('fla_ms'):.4f} ms  x{g('ratio'):.2f}\n   ours: {_short(r['ours_kernels_ms'])}")
+    if "fla_kernels_ms" in r:
+        text += f"\n   fla:  {_short(r['fla_kernels_ms'])}"
+    for key, x in r.get("sweep", {}).items():
+        text += f"\n   {key:36s} " + (x if isinstance(x, str) else
+                                       f"{x['ms']:.4f} ms (diff {x['diff']:.1e}) "
+                                       f"{_short(x['kernels_ms'])}")
+    return text
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="*", default=["train-16k", "train-2k"])
+    ap.add_argument("--dtypes", nargs="*", default=["bf16", "f16"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no new measurement after this many seconds (0: no limit)")
+    args = ap.parse_args()
+    t0, results = time.time(), []
+    out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
+    todo = [("row", w, d) for w in args.rows for d in args.dtypes]
+    todo += [] if args.no_train else [("train", 16384, None)]
+    for i, (kind, a, b) in enumerate(todo):
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            print(f"{kind} {a} {b or ''}: skipped (--budget-s)", flush=True)
+            continue
+        try:
+            r = (probe_row(a, b, args.iters, sweep=i == 0 and not args.no_sweep)
+                 if kind == "row" else train_step(a, args.iters))
+        except Exception as e:
+            traceback.print_exc()
+            r = {"workload": f"{a}", "dtype": b, "error": f"{type(e).__name__}: {e}"[:500]}
+        r["t_s"] = round(time.time() - t0, 1)
+        print(line(r), flush=True)
+        results.append(r)
+        if out:
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "gla_bwd_probe.json"), "w") as f:
+                json.dump(results, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
