@@ -76,12 +76,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
 
-    def _tri_row(p):
-        """ii with ii (ii + 1) / 2 <= p < (ii + 1) (ii + 2) / 2 (p < NP), as one expression."""
-        ii = 0
-        for t in range(1, SUB):
-            ii = ii + T.if_then_else(p >= t * (t + 1) // 2, 1, 0)
-        return ii
 
     @T.prim_func
     def chunk_bwd_dqkvg(
@@ -132,9 +126,29 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
             G_s = T.alloc_shared((BT, K), f32)
+            part_s = T.alloc_shared((4, K), f32)
+            run = T.alloc_local((1,), f32)
             for i, j in T.Parallel(BT, K):
                 G_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, j], f32), T.float32(0))
-            T.cumsum(G_s, dim=0)
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
+                    part_s[idx // K, idx % K] = run[0]
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for s in T.serial(4):
+                        run[0] = run[0] + T.if_then_else(s < idx // K, part_s[s, idx % K], T.float32(0))
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
+                        G_s[idx // K * (BT // 4) + r, idx % K] = run[0]
+            T.sync_threads()
             for i, j in T.Parallel(BT, K):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1, j] - G_s[i, j]),
                                     dtype)
@@ -187,16 +201,17 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     for ii in T.unroll(SUB):
                         dqd_s[r0 + ii, kk] = aq[ii]
                         dkd_s[r0 + ii, kk] = ak[ii]
-            # ... and A's diagonal blocks: item (block b, pair p) -> i = b 16 + ii, j = b 16 + jj,
-            # p = ii (ii + 1) / 2 + jj (the 136 pairs jj <= ii of a block); lane l starts at
-            # channel l, so a warp's loads of its 32 rows fall in 32 banks
+            # ... and A's diagonal blocks: item (block b, row pair rp, slot s) is entry
+            # (ii, jj) = (rp, s) for s <= rp, else (15 - rp, s - rp - 1): rows rp and 15 - rp
+            # hold 17 entries jj <= ii together; lane l starts at channel l, so a warp's
+            # loads of its 32 rows fall in 32 banks
             for e in T.serial(T.ceildiv(NB * NP, threads)):
                 idx = e * threads + tx
                 if idx < NB * NP:
-                    p = idx % NP
-                    ii = _tri_row(p)
-                    i = idx // NP * SUB + ii
-                    j = idx // NP * SUB + p - ii * (ii + 1) // 2
+                    rp = idx % NP // (SUB + 1)
+                    sl = idx % NP % (SUB + 1)
+                    i = idx // NP * SUB + T.if_then_else(sl <= rp, rp, SUB - 1 - rp)
+                    j = idx // NP * SUB + T.if_then_else(sl <= rp, sl, sl - rp - 1)
                     acc[0] = T.float32(0)
                     for cc in T.serial(K):
                         ch = (cc + tx) % K
@@ -273,7 +288,25 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             T.copy(dk_f, dkd_s)
             for i, j in T.Parallel(BT, K):
                 G_s[i, j] = dqd_s[i, j] * T.cast(q_s[i, j], f32) - dkd_s[i, j] * T.cast(k_s[i, j], f32)
-            T.cumsum(G_s, dim=0, reverse=True)
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
+                    part_s[idx // K, idx % K] = run[0]
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for s in T.serial(4):
+                        run[0] = run[0] + T.if_then_else(s > idx // K, part_s[s, idx % K], T.float32(0))
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + G_s[idx // K * (BT // 4) + BT // 4 - 1 - r, idx % K]
+                        G_s[idx // K * (BT // 4) + BT // 4 - 1 - r, idx % K] = run[0]
+            T.sync_threads()
             for i, j in T.Parallel(BT, K):
                 if i < rows:
                     dq[t0 + i, hv, j] = T.cast(dqd_s[i, j], grad_dtype)

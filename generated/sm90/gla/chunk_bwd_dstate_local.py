@@ -85,9 +85,30 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
             do_s = T.alloc_shared((BT, BV), dtype)
             x_f = T.alloc_fragment((K, BV), f32)
             g_s = T.alloc_shared((BT, K), f32)
+            part_s = T.alloc_shared((4, K), f32)
+            run = T.alloc_local((1,), f32)
+            tx = T.get_thread_binding()
             for i, j in T.Parallel(BT, K):
                 g_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, j], f32), T.float32(0))
-            T.cumsum(g_s, dim=0)
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + g_s[idx // K * (BT // 4) + r, idx % K]
+                    part_s[idx // K, idx % K] = run[0]
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(4 * K, threads)):
+                idx = e * threads + tx
+                if idx < 4 * K:
+                    run[0] = T.float32(0)
+                    for s in T.serial(4):
+                        run[0] = run[0] + T.if_then_else(s < idx // K, part_s[s, idx % K], T.float32(0))
+                    for r in T.serial(BT // 4):
+                        run[0] = run[0] + g_s[idx // K * (BT // 4) + r, idx % K]
+                        g_s[idx // K * (BT // 4) + r, idx % K] = run[0]
+            T.sync_threads()
             for i, j in T.Parallel(BT, K):
                 q_s[i, j] = T.if_then_else(
                     i < rows, T.cast(T.cast(q[t0 + i, hk, j], f32) * T.exp(g_s[i, j]), dtype),

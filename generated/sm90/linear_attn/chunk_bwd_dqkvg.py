@@ -65,12 +65,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
 
-    def _tri_row(p):
-        """ii with ii (ii + 1) / 2 <= p < (ii + 1) (ii + 2) / 2 (p < NP), as one expression."""
-        ii = 0
-        for t in range(1, SUB):
-            ii = ii + T.if_then_else(p >= t * (t + 1) // 2, 1, 0)
-        return ii
 
     @T.prim_func
     def chunk_bwd_dqkvg(
