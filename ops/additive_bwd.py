@@ -302,10 +302,13 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
     return shaped(dq, q), shaped(dk, k), shaped(dv, v), dg, dh0
 
 
-def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlens) -> None:
+def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlens,
+                    A_log=None) -> None:
     """Raise SpecError for what the backward does not support (never a wrong gradient)."""
     what = f"the {spec.name} backward"
     spec.check_options(options)
+    if options.gate_in_kernel and A_log is None:
+        raise SpecError("use_gate_in_kernel=True needs A_log")
     if q.dim() != 4 or v.dim() != 4 or k.shape != q.shape or v.shape[:2] != q.shape[:2]:
         raise SpecError(f"{what} needs q, k [B, T, H, K] and v [B, T, HV, V], got "
                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -320,15 +323,35 @@ def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlen
         raise SpecError(f"cu_seqlens needs B == 1, got B={B}")
 
 
+def _effective(spec, options: Options, q, k, g, A_log, dt_bias):
+    """The l2norm of q, k and the gate's activation -exp(A_log) softplus(g + dt_bias)
+    (f32), by torch, so that torch.autograd differentiates them (a user spec's options;
+    the kernels then run without them)."""
+    import torch
+    from ..dsl.torch_reference import l2norm, softplus_fla
+    if options.l2norm_qk:
+        q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
+    if options.gate_in_kernel:
+        HV, key = g.shape[2], spec.gate is Gate.KEY
+        x = g.float() if dt_bias is None else \
+            g.float() + dt_bias.float().reshape((HV, -1) if key else (HV,))
+        a = torch.exp(A_log.float().reshape(HV))
+        g = -(a.view(HV, 1) if key else a) * softplus_fla(x)
+    return q, k, g
+
+
 def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final_state,
-          cu_seqlens, cu_seqlens_cpu):
+          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None):
     """A differentiable chunk call of an additive-rule spec: checked, then the autograd
-    Function. Returns (o, final_state or None)."""
-    check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens)
+    Function (l2norm and the gate activation, where the spec has them, by torch before
+    it). Returns (o, final_state or None)."""
+    check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens, A_log)
+    q, k, g = _effective(spec, options, q, k, g, A_log, dt_bias)
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
         cu = tuple(int(x) for x in host.tolist())
+    options = Options(state_v_first=options.state_v_first)
     call = AdditiveCall(spec=spec, scale=spec.scale_for(q.shape[-1], scale),
                         output_final_state=bool(output_final_state),
                         state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,

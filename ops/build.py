@@ -30,8 +30,8 @@ registry are rendered on first use into ``ops.runtime.gen_dir()`` and compiled t
 
 Gradients: a spec with DeltaNet's or Gated DeltaNet's mathematics (rule "delta", gate
 "none" or "scalar", chunk size 64) trains through ``chunk`` (the generated backward,
-ops/autograd.py); every other call whose inputs need gradients raises SpecError instead
-of dropping them.
+ops/autograd.py), and so does the additive rule with any gate (ops/additive_bwd.py);
+every other call whose inputs need gradients raises SpecError instead of dropping them.
 """
 from __future__ import annotations
 
@@ -77,10 +77,12 @@ def build(spec: OpSpec) -> Ops:
 
 def has_backward(spec: OpSpec) -> bool:
     """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet) or
-    with the scalar gate (Gated DeltaNet), at DeltaNet's chunk size."""
+    with the scalar gate (Gated DeltaNet), and the additive rule with any gate, at
+    DeltaNet's chunk size."""
     from . import deltanet
-    return (spec.rule, spec.chunk_size) == (Rule.DELTA, deltanet.SPEC.chunk_size) and \
-        spec.gate in (Gate.NONE, Gate.SCALAR)
+    if spec.chunk_size != deltanet.SPEC.chunk_size:
+        return False
+    return spec.rule is Rule.ADDITIVE or spec.gate in (Gate.NONE, Gate.SCALAR)
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
@@ -143,7 +145,14 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
     q, k, v, g, beta = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g", None), a.pop("beta", None)
     if recurrent:           # (a missing beta means ones, as in fla)
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
-    if has_backward(spec):
+    if has_backward(spec) and spec.rule is Rule.ADDITIVE:
+        from . import additive_bwd
+        if additive_bwd.needs_grad(q, k, v, g, a["initial_state"], a.get("A_log"),
+                                   a.get("dt_bias")):
+            return additive_bwd.train(spec, opts, q, k, v, g, a["scale"], a["initial_state"],
+                                      a["output_final_state"], a["cu_seqlens"],
+                                      a["cu_seqlens_cpu"], a.get("A_log"), a.get("dt_bias"))
+    elif has_backward(spec):
         from . import autograd
         if spec.gate is Gate.SCALAR and autograd.needs_grad(
                 q, k, v, g, beta, a["initial_state"], a.get("A_log"), a.get("dt_bias")):

@@ -347,3 +347,31 @@ def test_stages_compile_without_spills(family, K, V, dtype):
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec
         assert rec["registers"] <= 255 and rec["spill_store_bytes"] == 0, rec
+
+
+@pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])
+def test_user_spec_options_train(monkeypatch, rng, name):
+    """A user's additive spec with l2norm_qk and gate_in_kernel (A_log, dt_bias) trains
+    through ops.build's chunk: the options by torch before the autograd Function, every
+    raw input's gradient (A_log, dt_bias included) against the fp64 recurrence's."""
+    from linattn.ops.build import build
+    spec = SIX[name]
+    B, T, H, HV, K, V = 1, 100, 1, 2, 16, 16
+    install_fakes(monkeypatch, spec, H, HV, K, V)
+    monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    x, do, dht = _train_inputs(spec, rng, B, T, H, HV, K, V, B, True, False)
+    gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
+    x["A_log"] = torch.rand(HV, generator=gen, dtype=F64).float()
+    x["dt_bias"] = 0.3 * torch.randn(HV * (K if spec.gate is Gate.KEY else 1), generator=gen,
+                                     dtype=F64).float()
+    x["g"] = torch.randn(x["g"].shape, generator=gen, dtype=F64).float()     # raw
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = build(spec).chunk(**leaves, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                              use_gate_in_kernel=True)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tref.recurrent_forward(spec, **ref, options=Options(l2norm_qk=True,
+                                                                  gate_in_kernel=True))
+    ((ro * do).sum() + (rht * dht).sum()).backward()
+    for n, t in leaves.items():
+        assert _rel(t.grad, ref[n].grad) < 5e-3, (n, _rel(t.grad, ref[n].grad))

@@ -177,7 +177,8 @@ def test_build_signatures_hold_only_what_the_spec_has():
             "state_v_first"} <= set(rec) and "use_qk_l2norm_in_kernel" not in rec
     assert "g" not in inspect.signature(linattn.build(MY_DELTANET).chunk).parameters
     assert "[B, T, HV]" in ops.chunk.__doc__ and SIMPLE.name in ops.chunk.__name__
-    assert ops.spec is SIMPLE and not ops.has_backward
+    assert ops.spec is SIMPLE and ops.has_backward          # (the additive rule trains)
+    assert not linattn.build(DELTA_KEY).has_backward
     assert linattn.build(MY_DELTANET).has_backward
     assert not linattn.build(MY_DELTANET.replace(chunk_size=32)).has_backward
     with pytest.raises(SpecError, match="build\\(\\) takes an OpSpec"):
@@ -233,11 +234,19 @@ def test_build_dispatch(monkeypatch):
 
 
 def test_build_without_backward_refuses_gradients():
-    ops = linattn.build(SIMPLE)
+    ops = linattn.build(DELTA_KEY)
+    q, k, v, g = _tensors(gate_k=True, requires_grad=True)
     with pytest.raises(SpecError, match="no backward is generated"):
-        ops.chunk(*_tensors(requires_grad=True))
+        ops.chunk(q, k, v, g, torch_rand_like(g[..., 0]))
     with pytest.raises(SpecError, match="no backward is generated"):
-        ops.fused_recurrent(*_tensors(requires_grad=True))
+        linattn.build(SIMPLE).fused_recurrent(*_tensors(requires_grad=True))
+    with pytest.raises(SpecError, match="float16 / bfloat16"):     # (the additive rule trains)
+        linattn.build(SIMPLE).chunk(*_tensors(requires_grad=True))
+
+
+def torch_rand_like(x):
+    import torch
+    return torch.rand_like(x)
 
 
 from test_autograd import fake_kernels  # noqa: E402,F401 (the emulated kernels fixture)
