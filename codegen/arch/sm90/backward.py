@@ -23,9 +23,12 @@ from .hardware import NAME, NUM_SMS
 #: per-chunk stages: value block of dstate_local's K x block_v f32 accumulator
 LOCAL_BLOCK_V = 64
 #: dqkvg: two warpgroups (a CTA's fragments and the element passes over 64 x K split in
-#: two), the value dimension walked in blocks of 64
+#: two), the value dimension walked in blocks of 32 (the value tiles are then small enough
+#: for two CTAs an SM at K = 64: dqkvg_smem); two CTAs an SM where their shared memory
+#: fits (min_blocks 2 caps the registers at 128: 127, no spills, at K = V = 64)
 DQKVG = dict(threads=256)
-DQKVG_BLOCK_V = 64
+DQKVG_BLOCK_V = 32
+SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
 #: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
 #: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
 #: how many SMs share the streaming of X and dh (2 x 4 bytes a state element a chunk), so
@@ -37,6 +40,17 @@ SCAN_STAGES = 3
 def value_block(V: int, most: int = 64) -> int:
     """The largest of 64, 32, 16 (at most ``most``) dividing V."""
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
+
+
+def dqkvg_smem(p: AdditiveBackwardProblem, bv: int) -> int:
+    """Bytes of shared memory chunk_bwd_dqkvg holds at its peak (the pair terms or the
+    state terms; buffers of disjoint lifetimes share memory), 16-bit inputs."""
+    C, K = p.chunk_size, p.K
+    if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
+        return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv)
+    held = C * K * (2 + 2 + 4 + 8) + 16 * K + 2 * C * C        # q, k, G, dq / dk diag, A
+    return held + max(2 * C * C + 4 * C * K,                   # dA, Qr, Kr
+                      2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K)   # kd, v, do, h, dh
 
 
 def scan_tile(p: AdditiveBackwardProblem) -> tuple:
@@ -51,7 +65,8 @@ def scan_tile(p: AdditiveBackwardProblem) -> tuple:
 
 
 #: what a probe or test may set in additive_backward_plan's config
-BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads")
+BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
+                        "dqkvg_min_blocks")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -77,14 +92,17 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     bk, bv = config.get("scan_block_k", bk), config.get("scan_block_v", bv)
     scan = dict(HV=p.HV, K=p.K, V=p.V, use_dht=p.use_dht, store_dh0=p.store_dh0,
                 block_k=bk, block_v=bv, num_stages=config.get("scan_stages", SCAN_STAGES))
-    dqkvg = dict(DQKVG, **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config
-                           else {}))
+    dbv = value_block(p.V, DQKVG_BLOCK_V)
+    # two CTAs: their shared memory fits, and K <= 64 (dq, dk and a product in flight are
+    # three 64 x K f32 fragments, 3 K / 4 registers a thread: over 128 at K = 128)
+    two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and p.K <= 64
+    dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
+                 **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}))
     launches = (
         launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
                                              **order)),
         launch("chunk_bwd_dstate_scan", scan),
-        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
-                                       block_v=value_block(p.V, DQKVG_BLOCK_V), **order)),
+        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg, **order)),
     )
     bufs = [Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V))]
     if gated:

@@ -14,9 +14,9 @@ gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstat
   dv = A^T do + k dh
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs. V is walked in blocks of
-block_v (twice: dA first, then the state terms and dv). dq, dk are per value head (the
-host sums a GVA group).
+f32 and rounded for the GEMMs. V is walked in
+blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+dq, dk are per value head (the host sums a GVA group).
 """
 import tilelang
 import tilelang.language as T
@@ -44,10 +44,11 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, heads_fastest=False):
+          threads=256, min_blocks=1, heads_fastest=False):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (HV, NT) instead of (NT, HV): the value heads of a chunk together.
+    min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
@@ -84,6 +85,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
                       threads=threads) as (bx, by):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             c = by if heads_fastest else bx
             hv = bx if heads_fastest else by
             hk = hv // group
@@ -112,7 +115,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for i, j in T.Parallel(BT, K):
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-            T.copy(k_s, kd_s)
 
             # dA = scale tril_incl(do v^T), over the value blocks
             T.clear(dA_f)
@@ -134,16 +136,17 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             T.gemm(dA_s, k_s, dq_f, clear_accum=True)
             T.gemm(dA_s, q_s, dk_f, transpose_A=True, clear_accum=True)
 
-            # the state terms and dv, over the value blocks
+            # the state terms and dv, over the value blocks (v, do read again: their tiles
+            # are not held through the pair terms); kd = k e^{G_l - G}
+            T.copy(k_s, kd_s)
             for j in T.Parallel(K):
                 dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
-                if NVB > 1:
-                    for i, j in T.Parallel(BT, BV):
-                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
-                                                   T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                    T.cast(0, dtype))
+                for i, j in T.Parallel(BT, BV):
+                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
+                                               T.cast(0, dtype))
+                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
+                                                T.cast(0, dtype))
                 for i, j in T.Parallel(K, BV):
                     h_s[i, j] = T.cast(states[sr, hv, i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, i, vb * BV + j], dtype)

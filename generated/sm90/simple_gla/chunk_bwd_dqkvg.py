@@ -16,9 +16,9 @@ G the in-chunk cumulative log gate, G_l its last row, E_ij = e^{G_i - G_j} (i >=
   dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)     (f32)
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs; rowsum(h_out * dh) stays f32. V is walked in blocks of
-block_v (twice: dA first, then the state terms and dv). dq, dk are per value head (the
-host sums a GVA group).
+f32 and rounded for the GEMMs; rowsum(h_out * dh) stays f32. V is walked in
+blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+dq, dk are per value head (the host sums a GVA group).
 """
 import tilelang
 import tilelang.language as T
@@ -46,10 +46,11 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, heads_fastest=False):
+          threads=256, min_blocks=1, heads_fastest=False):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (HV, NT) instead of (NT, HV): the value heads of a chunk together.
+    min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV] (g_dtype),
@@ -89,6 +90,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
                       threads=threads) as (bx, by):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             c = by if heads_fastest else bx
             hv = bx if heads_fastest else by
             hk = hv // group
@@ -121,8 +124,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for i in T.Parallel(BT):
                 G_s[i] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv], f32), T.float32(0))
             T.cumsum(G_s, dim=0)
-            for i, j in T.Parallel(BT, K):
-                kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
 
             # dA = scale tril_incl(do v^T) * E, over the value blocks
             T.clear(dA_f)
@@ -147,16 +148,18 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             T.gemm(dA_s, k_s, dq_f, clear_accum=True)
             T.gemm(dA_s, q_s, dk_f, transpose_A=True, clear_accum=True)
 
-            # the state terms and dv, over the value blocks
+            # the state terms and dv, over the value blocks (v, do read again: their tiles
+            # are not held through the pair terms); kd = k e^{G_l - G}
+            for i, j in T.Parallel(BT, K):
+                kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
             for j in T.Parallel(K):
                 dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
-                if NVB > 1:
-                    for i, j in T.Parallel(BT, BV):
-                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
-                                                   T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                    T.cast(0, dtype))
+                for i, j in T.Parallel(BT, BV):
+                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
+                                               T.cast(0, dtype))
+                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
+                                                T.cast(0, dtype))
                 for i, j in T.Parallel(K, BV):
                     h_s[i, j] = T.cast(states[sr, hv, i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, i, vb * BV + j], dtype)
