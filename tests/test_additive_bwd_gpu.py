@@ -183,9 +183,9 @@ def _dry_runs(selected):
         if "fn" in p:
             x, do, dht = _training_inputs(p, 0)
             runs.append(lambda p=p, x=x, do=do, dht=dht: _run_training(p, x, do, dht))
-        else:
+        else:       # (the kernels do not depend on T: a short call compiles them all)
             from linattn.ops.contracts import gla_chunk_bwd
-            q, k, v, g, h, do, dht, h0 = _contract_inputs(p, 0)
+            q, k, v, g, h, do, dht, h0 = _contract_inputs(dict(p, T=min(p["T"], 130)), 0)
             runs.append(lambda a=(q, k, v, g, h, do, dht), h0=h0, p=p: gla_chunk_bwd(
                 *a, scale=0.125, initial_state=h0 if p["h0"] else None))
     return runs
@@ -204,7 +204,7 @@ def precompiled(request):
             for run in runs:
                 try:
                     run()
-                except runtime.KernelRequested:
+                except Exception:   # KernelRequested (noted), or an error the test reports
                     pass
         if not jobs:
             break
