@@ -35,7 +35,7 @@ from linattn.cli.bench import impls, inputs, workloads  # noqa: E402
 from linattn.ops import additive_bwd, runtime  # noqa: E402
 
 #: scan variants timed on the first row (the default plan's choice is the baseline)
-SWEEP = [{"scan_stages": 2}, {"scan_stages": 4}, {"scan_block_k": 16, "scan_block_v": 32},
+SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_block_v": 32},
          {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
 
 
