@@ -17,10 +17,17 @@ rows. Host table: state_row [NT], the row of the state entering chunk c.
 
 Training (:class:`AdditiveCall`, :func:`train`): the forward is the ordinary chunked
 forward and saves only its inputs (q, k, v, g, initial_state: references, no copies);
-the backward recomputes the states from them (the forward's prepare and state stages,
-in f32, K-first) and runs the three stages. Memory held between forward and backward:
-nothing beyond the inputs; during the backward: the states and their gradients, f32
-(NT + N) x HV x K x V each, the decays (NT x HV x K f32) and the gradients.
+the backward recomputes the states from them (the forward plan's prepare and state
+stages, in f32, K-first; its output stage is not run) and runs the three stages.
+
+Memory. Held from forward to backward: nothing beyond the inputs. During the backward:
+the states and their gradients, f32, (NT + N) x HV x K x V x 4 bytes each; the decays
+NT x HV x K x 4; the gradients (dg in f32); and, only while the states are recomputed,
+the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w and h in the
+input dtype, g_last in f32). At the GLAChunkBwd shape ([2, 16384, 4, 64], bf16): 34 MB
+of states, 34 MB of their gradients, 84 MB transient in the recompute; fla's chunk_gla
+keeps A and the gate's cumulative sum (f32, 34 MB each) from forward to backward and
+recomputes h in f32 as well.
 """
 from __future__ import annotations
 
