@@ -26,8 +26,8 @@ NT x HV x K x 4; the gradients (dg in f32); and, only while the states are recom
 the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w and h in the
 input dtype, g_last in f32). At the GLAChunkBwd shape ([2, 16384, 4, 64], bf16): 34 MB
 of states, 34 MB of their gradients, 84 MB transient in the recompute; fla's chunk_gla
-keeps A and the gate's cumulative sum (f32, 34 MB each) from forward to backward and
-recomputes h in f32 as well.
+keeps A (f32, 34 MB) beyond its inputs from forward to backward (and, for an f32 g, the
+gate's cumulative sum in g's place) and recomputes h in f32 as well.
 """
 from __future__ import annotations
 
