@@ -15,19 +15,22 @@ offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_
 final state (offset_n = the chunks of the sequences before it); dstate uses the same
 rows. Host table: state_row [NT], the row of the state entering chunk c.
 
-Training (:class:`AdditiveCall`, :func:`train`): the forward is the ordinary chunked
-forward and saves only its inputs (q, k, v, g, initial_state: references, no copies);
-the backward recomputes the states from them (the forward plan's prepare and state
-stages, in f32, K-first; its output stage is not run) and runs the three stages.
+Training (:class:`AdditiveCall`, :func:`train`): the forward saves its inputs (q, k, v,
+g, initial_state: references, no copies) and, where the arch's rule says so
+(codegen/arch/sm90/backward.py save_states: K V <= 64 x 64), the states entering its
+chunks, which the three-stage forward writes in f32 anyway; otherwise the backward
+recomputes them (the forward plan's prepare and state stages, K-first; its output stage
+is not run). Then the three stages.
 
-Memory. Held from forward to backward: nothing beyond the inputs. During the backward:
-the states and their gradients, f32, (NT + N) x HV x K x V x 4 bytes each; the decays
-NT x HV x K x 4; the gradients (dg in f32); and, only while the states are recomputed,
-the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w and h in the
-input dtype, g_last in f32). At the GLAChunkBwd shape ([2, 16384, 4, 64], bf16): 34 MB
-of states, 34 MB of their gradients, 84 MB transient in the recompute; fla's chunk_gla
-keeps A (f32, 34 MB) beyond its inputs from forward to backward (and, for an f32 g, the
-gate's cumulative sum in g's place) and recomputes h in f32 as well.
+Memory. Held from forward to backward: the inputs, plus the states where saved,
+(NT + N) x HV x K x V x 4 bytes (4 K V / 64 bytes a token and head: at K = V = 64 what
+fla's chunk_gla keeps there, its A: f32, 4 x 64 bytes a token and head; fla also keeps
+the gate's cumulative sum in g's place for an f32 g). During the backward: the states
+(recomputed where not saved) and their gradients, f32, (NT + N) x HV x K x V x 4 bytes
+each; the decays NT x HV x K x 4; the gradients (dg in f32); and, only while states are
+recomputed, the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w and
+h in the input dtype, g_last in f32). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
+34 MB of their gradients in the backward.
 """
 from __future__ import annotations
 
@@ -230,6 +233,7 @@ class AdditiveCall:
     cu: tuple | None = None                 # host cu_seqlens (varlen) or None
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
+    save_states: bool = False       # the forward keeps its states (else the backward recomputes)
 
 
 def needs_grad(*tensors) -> bool:
@@ -239,12 +243,30 @@ def needs_grad(*tensors) -> bool:
 
 
 def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
-    """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
-    from . import api
-    return api.forward(call.spec, q, k, v, g, None, scale=call.scale,
-                       initial_state=initial_state, output_final_state=call.output_final_state,
-                       options=Options(state_v_first=call.state_v_first),
-                       cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+    """(o, final_state or None, states or None) from the chunked forward; with
+    call.save_states the three-stage plan's states, f32 [NT + N, HV, K, V] K-first (the
+    forward runs K-first; a v-first initial / final state is transposed around it).
+    Tests replace this on the CPU."""
+    import torch
+    if not call.save_states:
+        from . import api
+        o, final = api.forward(call.spec, q, k, v, g, None, scale=call.scale,
+                               initial_state=initial_state,
+                               output_final_state=call.output_final_state,
+                               options=Options(state_v_first=call.state_v_first),
+                               cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+        return o, final, None
+    vf = call.state_v_first
+    h0 = initial_state.transpose(-1, -2) if vf and initial_state is not None else initial_state
+    if g is not None and g.dtype not in (torch.float32, q.dtype):
+        g = g.float()
+    o, final, states = chunk.chunk_forward(
+        call.spec, q, k, v, g, None, scale=call.scale, initial_state=h0,
+        output_final_state=call.output_final_state, cu_seqlens=call.cu_seqlens,
+        cu_seqlens_cpu=call.cu_seqlens_cpu, return_states=True)
+    if final is not None and vf:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final, states
 
 
 class ChunkAdditiveFunction:
@@ -264,9 +286,9 @@ def _make_function():
     class _ChunkAdditive(torch.autograd.Function):
         @staticmethod
         def forward(ctx, call, q, k, v, g, initial_state):
-            o, final = run_forward(call, q, k, v, g, initial_state)
+            o, final, states = run_forward(call, q, k, v, g, initial_state)
             ctx.call = call
-            ctx.save_for_backward(q, k, v, g, initial_state)   # the inputs only
+            ctx.save_for_backward(q, k, v, g, initial_state, states)  # inputs (+ states)
             ctx.set_materialize_grads(False)
             return o, final
 
@@ -279,11 +301,12 @@ def _make_function():
     return _ChunkAdditive
 
 
-def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
+def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht):
     """Gradients of a chunk call under sum(o * do) + sum(final_state * dht): q, k
     [B, T, H, K], v [B, T, HV, V] (f16 / bf16), g as the spec's gate or None,
-    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; do like v or
-    None, dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
+    initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; states the
+    forward's (f32 [NT + N, HV, K, V] K-first) or None (recomputed); do like v or None,
+    dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
     inputs' shapes and dtypes (None for an input not given)."""
     import torch
     B, T, H, K = q.shape
@@ -296,7 +319,8 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
         gk = flat(g if g.dtype in (torch.float32, q.dtype) else g.float())
     h0 = None if initial_state is None else k_first(initial_state.detach()).float().contiguous()
     qf, kf, vf = flat(q), flat(k), flat(v)
-    states = recompute_states(call.spec, qf, kf, vf, gk, h0, cu, call.scale)
+    if states is None:
+        states = recompute_states(call.spec, qf, kf, vf, gk, h0, cu, call.scale)
     dof = torch.zeros_like(vf) if do is None else flat(do.to(q.dtype))
     dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
     dq, dk, dv, dg, dh0 = run_backward(call.spec, qf, kf, vf, gk, states, dof, dhtk,
@@ -362,5 +386,6 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
     call = AdditiveCall(spec=spec, scale=spec.scale_for(q.shape[-1], scale),
                         output_final_state=bool(output_final_state),
                         state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
-                        cu_seqlens_cpu=cu_seqlens_cpu)
+                        cu_seqlens_cpu=cu_seqlens_cpu,
+                        save_states=get_arch(ARCH).save_states(q.shape[-1], v.shape[-1]))
     return ChunkAdditiveFunction.apply(call, q, k, v, g, initial_state)

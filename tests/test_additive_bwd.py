@@ -216,11 +216,26 @@ def test_contract_refuses_bad_inputs(monkeypatch):
 # -- training ------------------------------------------------------------------------------
 
 def _reference_forward(call, q, k, v, g, initial_state):
-    """The forward (run_forward) on the CPU: the fp64 reference, rounded like the kernels'."""
-    o, ht = tref.chunked_forward(call.spec, q, k, v, g, options=Options(
+    """The forward (run_forward) on the CPU: the fp64 reference, rounded like the kernels',
+    with the states (K-first, per sequence: entering each chunk, then the final one) when
+    the call saves them."""
+    r = tref.chunked_forward(call.spec, q, k, v, g, options=Options(
         state_v_first=call.state_v_first), scale=call.scale, initial_state=initial_state,
-        cu_seqlens=None if call.cu is None else torch.tensor(call.cu))
-    return o.to(q.dtype), (ht.float() if call.output_final_state else None)
+        cu_seqlens=None if call.cu is None else torch.tensor(call.cu), intermediates=True)
+    o, ht = r["o"].to(q.dtype), r["final_state"].float()
+    states = None
+    if call.save_states:
+        final = ht.transpose(-1, -2) if call.state_v_first else ht
+        B, T = q.shape[:2]
+        cu = call.cu or tuple(range(0, (B + 1) * T, T))
+        rows, c0 = [], 0
+        for n, (a, b) in enumerate(zip(cu, cu[1:])):
+            nc = -(-(b - a) // C)
+            h = r["h"][0, c0:c0 + nc] if call.cu else r["h"][n, :nc]
+            rows += [*h, final[n]]
+            c0 += max(nc, 1)            # (the reference keeps a chunk for an empty sequence)
+        states = torch.stack(rows).float()
+    return o, (ht if call.output_final_state else None), states
 
 
 CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
@@ -251,12 +266,17 @@ def _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first, dtype=torch.floa
     return x, r(B, T, HV, V).to(dtype), 0.1 * r(*st)
 
 
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("name, B, T, H, HV, K, V, lens, h0, with_dht, v_first", CASES)
 def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, V, lens, h0,
-                                        with_dht, v_first):
+                                        with_dht, v_first, save):
+    """The states saved by the forward or recomputed by the backward (the arch's rule
+    forced both ways)."""
+    from linattn.codegen.arch.sm90 import backward as sm90_backward
     spec = FAMILIES.get(name) or SIX[name]
     bwd = install_fakes(monkeypatch, spec, H, HV, K, V)
     monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
     cu = None if lens is None else torch.tensor([0, *np.cumsum(lens).tolist()])
     N = B if cu is None else len(lens)
     x, do, dht = _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first)
@@ -286,6 +306,9 @@ def test_family_functions_train(monkeypatch, rng):
                          (linear_attn.chunk_linear_attn, linear_attn.SPEC, {"normalize": True})):
         install_fakes(monkeypatch, spec, H, H, K, V)
         x, do, _ = _train_inputs(spec, rng, B, T, H, H, K, V, B, True, False)
+        if kw.get("normalize"):         # a positive feature map: the normaliser q.z > 0
+            for n in "qk":
+                x[n] = (torch.nn.functional.elu(x[n].double()) + 1).to(x[n].dtype)
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         args = dict(leaves)
         if kw.get("gamma"):
@@ -293,7 +316,6 @@ def test_family_functions_train(monkeypatch, rng):
         if kw.get("normalize") is not None:
             args["normalize"] = True
         o, ht = fn(**args, scale=0.2, output_final_state=True)
-        o = o if not kw.get("normalize") else o
         (o.double() * do).sum().backward()
         ref = {n: t.detach().double().requires_grad_() for n, t in args.items()
                if isinstance(t, torch.Tensor)}

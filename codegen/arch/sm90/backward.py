@@ -66,6 +66,18 @@ def scan_tile(p: AdditiveBackwardProblem) -> tuple:
     return fits[-1]
 
 
+#: training keeps the forward's per-chunk states (f32, 4 K V / 64 bytes a token and value
+#: head) for the backward where they take no more memory than fla's chunk_gla keeps
+#: beyond its inputs (A, f32, 4 x 64 bytes a token and head): K V <= 64 x 64; else the
+#: backward recomputes them (one more prepare and state pass: GLAChunkFwd's time again)
+SAVE_STATES_MAX_KV = 64 * 64
+
+
+def save_states(K: int, V: int) -> bool:
+    """Whether a training forward keeps its states for the backward (else recomputed)."""
+    return K * V <= SAVE_STATES_MAX_KV
+
+
 #: what a probe or test may set in additive_backward_plan's config
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
                         "dqkvg_min_blocks")
