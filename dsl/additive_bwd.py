@@ -29,12 +29,11 @@ e^{G_i - G_j} = e^{G_i - G_r} e^{G_r - G_j}, both <= 1 for j < r <= i, so
     A[I, :r]   = (q e^{G - G_r})[I] (k e^{G_r - G})[:r]^T
     dq[I]     += e^{G_i - G_r} (dA[I, :r] (k e^{G_r - G})[:r])
     dk[J]     += e^{G_r - G_j} (dA[r:, J]^T (q e^{G - G_r})[r:])      (r = 16 (J + 1))
-and the 16 x 16 blocks on the diagonal are summed element by element (one exponential
-per pair and channel). The state terms share the fragments: dq's is scaled by e^{G_r}
-before the pair GEMMs and by e^{G_i - G_r} after (product e^{G_i}), dk's by e^{G_l - G_r}
-before and e^{G_r - G_j} after (block 3 takes r = the last row). A scalar gate has one
-decay per row, E_ij = e^{G_i - G_j} <= 1, applied to the C x C products directly; no
-gate, E = 1 and no dg.
+each product added to its block's rows with its scaling, and the 16 x 16 blocks on the
+diagonal are summed element by element (one exponential per pair and channel); the state
+terms are added scaled by e^G (dq) and e^{G_l - G} (dk). A scalar gate has one decay per
+row, E_ij = e^{G_i - G_j} <= 1, applied to the C x C products directly; no gate, E = 1
+and no dg.
 """
 from __future__ import annotations
 
@@ -89,22 +88,17 @@ def _key_pairs(q, k, G, dA, rnd, dq, dk):
     (unscaled by the gate) and the complete gradients on return."""
     HV, C, K = q.shape
     rows = np.arange(C)
-    r_q = rows // SUB * SUB                                   # dq's reference row
-    r_k = np.minimum(rows // SUB * SUB + SUB, C - 1)          # dk's (the last row in block 3)
-    G_l = G[:, -1:, :]
-    dq *= np.exp(G[:, r_q, :])
-    dk *= np.exp(G_l - G[:, r_k, :])
+    dq *= np.exp(G)
+    dk *= np.exp(G[:, -1:, :] - G)
     A = np.zeros((HV, C, C))
     for r in _blocks(C):
         blk = (rows >= r) & (rows < r + SUB)
+        prev = (rows >= r - SUB) & (rows < r)
         Qr = rnd(np.where((rows >= r)[None, :, None], q * np.exp(G - G[:, r:r + 1]), 0))
         Kr = rnd(np.where((rows < r)[None, :, None], k * np.exp(G[:, r:r + 1] - G), 0))
         A[:, blk] = (Qr @ np.swapaxes(Kr, 1, 2))[:, blk]
-        dq[:, blk] += (dA[:, blk] @ Kr)
-        prev = (rows >= r - SUB) & (rows < r)
-        dk[:, prev] += np.swapaxes(dA[:, :, prev], 1, 2) @ Qr
-    dq *= np.exp(G - G[:, r_q, :])
-    dk *= np.exp(G[:, r_k, :] - G)
+        dq[:, blk] += (dA @ Kr)[:, blk] * np.exp(G[:, blk] - G[:, r:r + 1])
+        dk[:, prev] += (np.swapaxes(dA, 1, 2) @ Qr)[:, prev] * np.exp(G[:, r:r + 1] - G[:, prev])
     diag = _same_block(C)
     for i in range(C):                       # element by element, exponents <= 0
         js = np.nonzero(diag[i])[0]
