@@ -13,9 +13,10 @@ train: loss.backward() of chunk_gla (ours: forward, recompute of the states, the
 Device time as bench/probe_lib.py's device_times: union of the call's kernels, L2 flushed
 before each call, median over calls.
 
-    python3 bench/gla_bwd_probe.py [--rows train-2k train-16k] [--dtypes f16 bf16]
-        [--iters 20] [--no-sweep] [--no-train] [--budget-s 150]
-    (JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
+    python3 bench/gla_bwd_probe.py [--rows train-16k train-2k] [--dtypes bf16 f16]
+        [--iters 20] [--no-sweep] [--no-train] [--budget-s 50]
+    (order: every row ours vs fla, then the variants on the first row, then the training
+    step; JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
 """
 from __future__ import annotations
 
@@ -69,11 +70,12 @@ def _precompile(calls):
 
 
 def probe_row(workload, dtype, iters, sweep):
+    """ours and fla on the row; sweep: the plan variants (SWEEP) instead of fla."""
     row = _row(workload, dtype)
     x = inputs.build_inputs(row, "cuda", 0)
     s = row.options.get("scale")
-    res = {"workload": workload, "dtype": dtype, "fla_seed_ms": row.seed.get("alternatives",
-                                                                              {}).get("fla")}
+    res = {"workload": workload + ("-sweep" if sweep else ""), "dtype": dtype,
+           "fla_seed_ms": row.seed.get("alternatives", {}).get("fla")}
     ours = _ours(x, s)
     configs = SWEEP if sweep else []
     errs = _precompile([ours] + [_ours(x, s, c) for c in configs])
@@ -91,6 +93,8 @@ def probe_row(workload, dtype, iters, sweep):
             res.setdefault("sweep", {})[key] = dict(ms=vms, kernels_ms=vper, diff=diff)
         except Exception as e:
             res.setdefault("sweep", {})[key] = f"{type(e).__name__}: {e}"[:200]
+    if sweep:
+        return res
     try:
         fla_fn, _ = impls.make("fla", row, x)
         fms, fper, _ = device_times(fla_fn, iters=iters)
@@ -157,15 +161,16 @@ def main():
     args = ap.parse_args()
     t0, results = time.time(), []
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
-    todo = [("row", w, d) for w in args.rows for d in args.dtypes]
-    todo += [] if args.no_train else [("train", 16384, None)]
-    for i, (kind, a, b) in enumerate(todo):
+    # the rows first (ours vs fla), then the plan variants on the first row, then training
+    todo = [("row", w, d, False) for w in args.rows for d in args.dtypes]
+    todo += [] if args.no_sweep else [("row", args.rows[0], args.dtypes[0], True)]
+    todo += [] if args.no_train else [("train", 16384, None, False)]
+    for kind, a, b, sweep in todo:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"{kind} {a} {b or ''}: skipped (--budget-s)", flush=True)
             continue
         try:
-            r = (probe_row(a, b, args.iters, sweep=i == 0 and not args.no_sweep)
-                 if kind == "row" else train_step(a, args.iters))
+            r = probe_row(a, b, args.iters, sweep) if kind == "row" else train_step(a, args.iters)
         except Exception as e:
             traceback.print_exc()
             r = {"workload": f"{a}", "dtype": b, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -63,11 +63,11 @@ for s in $STEPS; do
     # the additive rule's backward (GLAChunkBwd, chunk_gla / chunk_simple_gla /
     # chunk_linear_attn training): GPU tests (GLABWD_K narrows them), then the probe
     # (GLAChunkBwd train-16k / train-2k vs fla, scan variants, a training step) in the rest
-    glabwd) run_step glabwd "${GLABWD_S:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    glabwd) run_step glabwd "${GLABWD_S:-160}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_additive_bwd_gpu.py -k "${GLABWD_K:-}" \
              --junitxml="$R/glabwd.xml"
-            run_step glaprobe "${GLAPROBE_S:-70}" python3 bench/gla_bwd_probe.py ${GLAPROBE_ARGS:-} \
-             --budget-s $(( ${GLAPROBE_S:-70} - 35 )) ;;
+            run_step glaprobe "${GLAPROBE_S:-80}" python3 bench/gla_bwd_probe.py ${GLAPROBE_ARGS:-} \
+             --budget-s $(( ${GLAPROBE_S:-80} - 30 )) ;;
     # the walk's sequence split: forced segment lengths and the cost model's choice
     split) run_step split "${SPLIT_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_split_gpu.py --junitxml="$R/split.xml" ;;
