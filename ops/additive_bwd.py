@@ -140,6 +140,10 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
+    Kk = get_arch(ARCH).chunk_k(spec.rule.value, spec.gate.value, K)
+    if Kk != K:     # the state pass's K: zero channels, cut back (as ops.chunk does)
+        q, k, g, h0, _ = chunk._pad_k(spec, Kk, q, k, g, h0, None, False)
+        return recompute_states(spec, q, k, v, g, h0, cu, scale)[:, :, :K].contiguous()
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     N, NT = len(seq_chunks), sum(seq_chunks)
     f32 = dict(dtype=torch.float32, device=q.device)

@@ -39,8 +39,6 @@ _CHUNKED: dict = {}
 
 #: spec chunk sizes the chunked kernels run at (the arch's; others take the recurrent kernel)
 CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
-#: whether the chunked kernels take a (rule, gate)'s head dim K (the arch's rule)
-CHUNK_TAKES_K = get_arch("sm90").chunk_takes_k
 #: (rule, gate) -> the chunked kernels' (K max, V max) (the arch's)
 CHUNK_HEAD_LIMITS = get_arch("sm90").chunk_head_limits
 
@@ -54,12 +52,12 @@ def has_chunked_forward(spec: OpSpec) -> bool:
 
 def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims as the arch's
-    chunk_takes_k and chunk_head_limits say, the spec's chunk size; see ops/chunk.py);
-    the others take the recurrent kernel."""
-    rule, gate = spec.rule.value, spec.gate.value
-    v_max = CHUNK_HEAD_LIMITS(rule, gate)[1]
+    chunk_head_limits say, the spec's chunk size; see ops/chunk.py); the others take the
+    recurrent kernel."""
+    k_max, v_max = CHUNK_HEAD_LIMITS(spec.rule.value, spec.gate.value)
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
-            and spec.chunk_size in CHUNK_SIZES and CHUNK_TAKES_K(rule, gate, dims.K)
+            and spec.chunk_size in CHUNK_SIZES
+            and dims.K % 16 == 0 and 16 <= dims.K <= k_max
             and dims.V % 16 == 0 and 16 <= dims.V <= v_max)
 
 

@@ -228,6 +228,15 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     spec.check_options(options)
     (B, T, H, HV, K, V), N = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
                                            cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+    arch = runtime.device_arch(q.device) if q.is_cuda else DEFAULT_ARCH
+    Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
+    if Kk != K:     # the kernels' K: zero channels up to it, the states cut back
+        q, k, g, initial_state, dt_bias = _pad_k(spec, Kk, q, k, g, initial_state, dt_bias,
+                                                 options.state_v_first)
+        out = chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale), initial_state,
+                            output_final_state, options, cu_seqlens, cu_seqlens_cpu, A_log,
+                            dt_bias, return_states, config)
+        return (out[0],) + tuple(_cut_k(t, K, options.state_v_first) for t in out[1:])
     cu = _cu_tuple(B, T, cu_seqlens, cu_seqlens_cpu)
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
     C = spec.chunk_size
@@ -241,7 +250,6 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     if B * T == 0:
         return _empty_result(q, B, T, HV, V, N, state_shape, initial_state,
                              output_final_state, return_states)
-    arch = runtime.device_arch(q.device) if q.is_cuda else DEFAULT_ARCH
     plan = _plan(arch, problem, _config(config))
     x.update(_tables(cu, C, q.device, plan.segments))
     x["scale"] = float(spec.scale_for(K, scale))
@@ -262,6 +270,28 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         last = x["chunk_offsets"][1:].long() + torch.arange(N, device=q.device)
         final = states.index_select(0, last)
     return o, final, states
+
+
+def _pad_k(spec, Kk, q, k, g, initial_state, dt_bias, v_first):
+    """q, k, the per-key gate (and its dt_bias) and the initial state with zero channels
+    K .. Kk: zero query / key channels leave the output, the l2norm and the state's real
+    rows unchanged (the padded rows stay zero whatever their decay)."""
+    import torch.nn.functional as F
+    K = q.shape[-1]
+    pad = (0, Kk - K)
+    q, k = F.pad(q, pad), F.pad(k, pad)
+    if spec.gate is Gate.KEY:
+        g = F.pad(g, pad)
+        if dt_bias is not None:
+            dt_bias = F.pad(dt_bias.reshape(-1, K), pad).reshape(-1)
+    if initial_state is not None:
+        initial_state = F.pad(initial_state, pad if v_first else (0, 0) + pad)
+    return q, k, g, initial_state, dt_bias
+
+
+def _cut_k(t, K, v_first):
+    """A state result of the padded call back to K channels."""
+    return None if t is None else (t[..., :K] if v_first else t[..., :K, :]).contiguous()
 
 
 def torch_f32():

@@ -13,6 +13,7 @@ import pytest
 
 from _kernel_check import fake_compiles
 
+from linattn.codegen.arch import get_arch
 from linattn.codegen.arch.sm90 import additive as sm90_additive
 from linattn.codegen.arch.sm90 import forward as sm90_forward
 from linattn.codegen.arch.sm90 import hardware as sm90_hardware
@@ -297,18 +298,21 @@ def test_plans_are_printable_and_frozen():
 
 
 def test_state_pass_takes_k_in_64s():
-    """The state pass (per-key gate, additive rule) takes K a multiple of 64: other K are
-    refused with one line by the plan and routed to the recurrent kernel by the API; the
-    delta rule's walk takes any K a multiple of 16."""
+    """The state pass (per-key gate, additive rule) takes K a multiple of 64: the plan
+    refuses other K with one line, the arch rounds them up (the op pads; the pipeline test
+    test_chunk_fused.test_padded_k checks it) and the API keeps them chunked; the delta
+    rule's walk takes any K a multiple of 16."""
     from linattn.ops import api, validate
+    arch = get_arch("sm90")
     for name in ("kda", "gla"):
         with pytest.raises(SpecError, match="multiple of 64"):
             _plan(name, K=96)
         assert _plan(name, K=192).name in ("fused", "three-stage")
-        assert not api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
-        assert api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 192, 64), "bfloat16")
+        assert [arch.chunk_k("delta" if name == "kda" else "additive", "key", K)
+                for K in (16, 96, 128, 208)] == [64, 128, 128, 256]
+        assert api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
     assert _plan("gdn", K=96).name in ("walk", "walk-split")
-    assert api.chunk_supports(_spec("gdn"), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
+    assert arch.chunk_k("delta", "scalar", 96) == 96
 
 
 def test_key_gate_prepare_tuning():

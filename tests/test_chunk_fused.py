@@ -334,12 +334,12 @@ def make_inputs(spec, options, lens, H, HV, K, V, seed=0, dtype=torch.float16):
 
 
 def run_pipeline(monkeypatch, name, options, lens, config, H=2, HV=4, K=64, V=32,
-                 final=True):
+                 final=True, kernel_K=None):
     """chunk_forward through the fp64 fakes; (o, ht, reference (o, ht), the fakes' notes,
-    the plan)."""
+    the plan). kernel_K: the K the kernels run at (the op pads K up to it)."""
     spec = _spec(name)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
-    math = PipelineMath(spec, H, HV, K, V)
+    math = PipelineMath(spec, H, HV, kernel_K or K, V)
     fake_compiles(monkeypatch, math.body)
     plans = record_plans(monkeypatch)
     x = make_inputs(spec, options, lens, H, HV, K, V)
@@ -419,6 +419,20 @@ def test_delta_three_stage_at_narrow_heads(monkeypatch, K, V):
     K in 64s, codegen/arch/sm90/stages.py STATE_K_MULTIPLE)."""
     o, ht, (o_ref, ht_ref), _, plan = run_pipeline(monkeypatch, "gdn", Options(), LENS,
                                                    {"fused": False}, K=K, V=V)
+    assert _rel(o, o_ref) < 5e-3 and _rel(ht, ht_ref) < 5e-3
+
+
+@pytest.mark.parametrize("name,options", [
+    ("gla", Options()), ("kda", Options(l2norm_qk=True, gate_in_kernel=True)),
+    ("additive_scalar", Options(state_v_first=True))])
+def test_padded_k(monkeypatch, name, options):
+    """K = 48 (not a multiple of the state pass's 64): the op runs the kernels at K = 64
+    with zero channels (q, k, the per-key gate and dt_bias, the initial state) and cuts
+    the final state back; o and ht match the reference at K = 48."""
+    o, ht, (o_ref, ht_ref), _, plan = run_pipeline(monkeypatch, name, options, LENS, {},
+                                                   HV=2, K=48, kernel_K=64)
+    assert {la.kwargs["K"] for la in plan.launches if "K" in la.kwargs} == {64}
+    assert ht.shape == ht_ref.shape
     assert _rel(o, o_ref) < 5e-3 and _rel(ht, ht_ref) < 5e-3
 
 

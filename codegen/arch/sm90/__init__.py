@@ -15,12 +15,13 @@ from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
 from .stages import STATE_K_MULTIPLE
 
 
-def chunk_takes_k(rule: str, gate: str, K: int) -> bool:
-    """Whether the chunked forward's kernels take head dim K (a multiple of 16 up to 256):
-    the walk any, the state pass of the other rules and gates multiples of
-    STATE_K_MULTIPLE."""
+def chunk_k(rule: str, gate: str, K: int) -> int:
+    """The head dim K the chunked forward's kernels run a call of head dim K at: the walk
+    any multiple of 16, the state pass of the other rules and gates K rounded up to a
+    multiple of STATE_K_MULTIPLE (the op pads q, k, the gate and the states with zero
+    channels, which leave every output unchanged)."""
     step = 16 if walks(rule, gate) else STATE_K_MULTIPLE
-    return K % step == 0 and 16 <= K <= 256
+    return -(-K // step) * step
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -38,8 +38,8 @@ KEY_PREPARE = dict(diag=4)
 #: where 64 does not divide K and V
 WU_BLOCK_N = 64
 #: the state pass's K: a multiple of 64 (its k^T v_new GEMM has K rows, a warpgroup's
-#: wgmma takes M in 64s: K = 96 failed to compile, run s8-3); the API routes other K of the
-#: per-key gate and the additive rule to the recurrent kernel (chunk_takes_k, __init__.py)
+#: wgmma takes M in 64s: K = 96 failed to compile, run s8-3); the op pads other K of the
+#: per-key gate and the additive rule with zero channels (chunk_k, __init__.py)
 STATE_K_MULTIPLE = 64
 #: the state pass: two TMA pipeline stages (s2-5 sweep); one where two do not fit: the
 #: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
@@ -144,7 +144,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     rule also the sequence split, key and value blocks: additive.choose)."""
     if p.K % STATE_K_MULTIPLE:
         raise ValueError(f"K={p.K}: the chunked state pass takes K a multiple of "
-                         f"{STATE_K_MULTIPLE} (this rule and gate; the recurrent kernel takes it)")
+                         f"{STATE_K_MULTIPLE} (this rule and gate; ops.chunk pads other K: arch.chunk_k)")
     many = p.NT > hw.MAX_GRID_YZ
     if many and p.return_states:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
