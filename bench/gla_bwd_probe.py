@@ -7,9 +7,10 @@ ours: linattn.ops.contracts.gla_chunk_bwd on the benchmark row's inputs (cli/ben
       ops.additive_bwd.gla_chunk_bwd(config=...) (codegen/arch/sm90/backward.py keys)
 fla:  the benchmark's fla call of the row (fp32 upcasts, autograd of chunk_gla, forward
       untimed)
-train: loss.backward() of chunk_gla (ours: forward, recompute of the states, the three
-      stages; fla: chunk_gla's autograd), [2, T, 4, 64] bf16, h0 and dht, both timed as
-      forward + backward per call
+train: linattn-bench's training step (cli/bench/train.py: forward, then autograd.grad of
+      q, k, v, g, h0 under fixed do, dht) of chunk_gla, ours (forward, recompute of the
+      states, the three stages) and fla's, [2, T, 4, 64] bf16, each timed as forward +
+      backward per call, with its peak memory
 Device time as bench/probe_lib.py's device_times: union of the call's kernels, L2 flushed
 before each call, median over calls.
 
@@ -27,12 +28,10 @@ import sys
 import time
 import traceback
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_lib import device_times  # noqa: E402
 
-from linattn.cli.bench import impls, inputs, workloads  # noqa: E402
+from linattn.cli.bench import impls, inputs, run, train, workloads  # noqa: E402
 from linattn.ops import additive_bwd, runtime  # noqa: E402
 
 #: scan variants timed on the first row (the default plan's choice is the baseline)
@@ -105,29 +104,20 @@ def probe_row(workload, dtype, iters, sweep):
 
 
 def train_step(T, iters):
-    """One chunk_gla training step, ours and fla's: [2, T, 4, 64] bf16, h0, dht."""
-    import linattn
-    g = torch.Generator(device="cuda").manual_seed(1)
-    rn = lambda *sh: torch.randn(*sh, generator=g, device="cuda")  # noqa: E731
-    B, H, K = 2, 4, 64
-    q, k, v = (rn(B, T, H, K).bfloat16().requires_grad_() for _ in range(3))
-    gk = torch.nn.functional.logsigmoid(rn(B, T, H, K) + 2).requires_grad_()
-    h0 = (0.1 * rn(B, H, K, K)).requires_grad_()
-    do, dht = rn(B, T, H, K).bfloat16(), 0.1 * rn(B, H, K, K)
-    res = {"workload": f"train-step-{T // 1024}k-bf16"}
-
-    def step(fn):
-        def run():
-            o, ht = fn(q, k, v, gk, initial_state=h0, output_final_state=True)
-            torch.autograd.backward((o, ht), (do, dht))
-        return run
-    ours = step(linattn.chunk_gla)
-    for _ in range(3):          # rounds: the forward, the backward's recompute, its stages
-        _precompile([ours])
+    """One chunk_gla training step, ours and fla's: linattn-bench's step (cli/bench/train.py)
+    on a GLATrain row [2, T, 4, 64] bf16 with h0 and dht, and each one's peak memory."""
+    row = workloads.train_row("GLATrain", f"train-step-{T // 1024}k", 2, T, 4, 4, 64, 64,
+                              h0=True)
+    x = inputs.build_inputs(row, "cuda", 1)
+    res = {"workload": f"{row.workload}-bf16"}
+    run.precompile_rows([row])   # rounds: the forward, the backward's recompute and stages
+    ours, _ = train.make("linattn", row, x)
     res["ours_ms"], res["ours_kernels_ms"], _ = device_times(ours, iters=iters)
+    res["ours_peak_mib"] = train.peak_memory(ours)["peak_mib"]
     try:
-        from fla.ops.gla import chunk_gla
-        res["fla_ms"], res["fla_kernels_ms"], _ = device_times(step(chunk_gla), iters=iters)
+        fla, _ = train.make("fla", row, x)
+        res["fla_ms"], res["fla_kernels_ms"], _ = device_times(fla, iters=iters)
+        res["fla_peak_mib"] = train.peak_memory(fla)["peak_mib"]
         res["ratio"] = res["fla_ms"] / res["ours_ms"]
     except Exception as e:
         res["fla_error"] = f"{type(e).__name__}: {e}"[:300]

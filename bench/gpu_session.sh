@@ -6,7 +6,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, glabwd, warm, bench2, ncu: see
+# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, glabwd, train, warm, bench2, ncu: see
 # the case below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
@@ -104,6 +104,14 @@ for s in $STEPS; do
     # WARM_P processes first (linattn-bench --warm-only); the bench steps then find them
     warm) run_step warm "${WARM_S:-240}" python3 -m linattn.cli.bench ${WARM_ARGS:-} --warm-only \
              --warm "${WARM_P:-12}" --budget-s $(( ${WARM_S:-240} - 20 )) ;;
+    # the training rows (issue 14: GDN / KDA / GLA / DeltaNet forward + backward steps vs
+    # fla, fp64 reference gradients, peak memory): TRAIN_OPS narrows the ops, TRAIN_ARGS
+    # adds filters (e.g. "--workload '*-4k' --skip-timed bench/results/train_h200.json");
+    # results to $R/train.json (copy or merge into bench/results/train_h200.json)
+    train) run_step train "${TRAIN_S:-540}" python3 -m linattn.cli.bench \
+             --op "${TRAIN_OPS:-GDNTrain,KDATrain,GLATrain,DeltaNetTrain}" --impl linattn,fla \
+             ${TRAIN_ARGS:-} --budget-s $(( ${TRAIN_S:-540} - 40 )) --out "$R/train.json" \
+             --table-md "$R/train.md" ;;
     bench2) run_step bench2 "${BENCH2_S:-200}" python3 -m linattn.cli.bench ${BENCH2_ARGS:-} \
              --budget-s $(( ${BENCH2_S:-200} - 30 )) --out "$R/bench2.json" --table-md "$R/bench2.md" ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
@@ -137,3 +145,4 @@ for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
 [ -f "$R/bench2.log" ] && { echo "===== bench2 (tail)"; tail -n 45 "$R/bench2.log"; }
+[ -f "$R/train.log" ] && { echo "===== train (tail)"; tail -n 40 "$R/train.log"; }

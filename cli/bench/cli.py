@@ -8,12 +8,14 @@ import sys
 from . import report
 from .impls import IMPLS, applies
 from .run import run, warm_rows
-from .workloads import load_rows, select
+from .workloads import TRAIN_OPS, load_rows, select, train_rows
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="linattn-bench", description=__doc__)
-    p.add_argument("--op", help="comma-separated ops (e.g. GDNFwd,KDAFwd)")
+    p.add_argument("--op", help="comma-separated ops (e.g. GDNFwd,KDAFwd); the training rows "
+                   "(GDNTrain, KDATrain, GLATrain, DeltaNetTrain; 'train': all four) run only "
+                   "when named here")
     p.add_argument("--workload", help="glob(s) on the workload label, comma-separated")
     p.add_argument("--dtype", help="comma-separated: bf16,f16")
     p.add_argument("--limit", type=int)
@@ -59,6 +61,19 @@ def timed_rows(doc: dict, impls) -> set:
             if all(settled(r, i) for i in impls)}
 
 
+def select_rows(a) -> list:
+    """The rows the filters select: the seed table (or --workloads-json), plus the
+    training rows where --op names a training op ('train': all of them)."""
+    ops = [o.strip() for o in a.op.split(",") if o.strip()] if a.op else None
+    if ops and "train" in {o.lower() for o in ops}:
+        ops = [o for o in ops if o.lower() != "train"] + list(TRAIN_OPS)
+    table = load_rows(a.workloads_json)
+    if ops and {o.lower() for o in ops} & {o.lower() for o in TRAIN_OPS}:
+        table += train_rows()
+    return select(table, ops=ops, workload=a.workload,
+                  dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.summary:
@@ -68,8 +83,7 @@ def main(argv=None) -> int:
         if a.plot and not report.plot(rows, a.plot):
             print("no plot (matplotlib missing or no ratios)")
         return 0
-    rows = select(load_rows(a.workloads_json), ops=a.op.split(",") if a.op else None,
-                  workload=a.workload, dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
+    rows = select_rows(a)
     if a.skip_timed:
         with open(a.skip_timed) as f:
             done = timed_rows(json.load(f), [s.strip() for s in a.impl.split(",") if s.strip()])

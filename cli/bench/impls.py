@@ -8,6 +8,8 @@ its result to the reference's names and layouts (outside timing).
     torch          the eager fp32 reference of the two recurrent ops
     torch-compile  torch.compile(fullgraph=True) of it
     flashinfer     GDN prefill only, when importable (the seed's conversions, timed)
+
+Training rows (GDNTrain, ...): linattn and fla only, through train.make (train.py).
 """
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ class NotApplicable(Exception):
 
 def applies(impl: str, row) -> bool:
     """Whether the implementation covers the row's op at all (else make raises
-    NotApplicable): the torch ones the two recurrent ops, flashinfer GDNFwd."""
+    NotApplicable): the torch ones the two recurrent ops, flashinfer GDNFwd, linattn and
+    fla the training rows."""
+    if row.is_train:
+        return impl in ("linattn", "fla")
     if impl in ("torch", "torch-compile"):
         return row.op in TORCH_OPS
     if impl == "flashinfer":
@@ -49,6 +54,9 @@ def applies(impl: str, row) -> bool:
 
 
 def make(impl: str, row, x: dict):
+    if row.is_train:
+        from . import train
+        return train.make(impl, row, x)
     maker = {"linattn": _linattn, "fla": _fla, "torch": _torch, "torch-compile": _torch_compile,
              "flashinfer": _flashinfer}.get(impl)
     if maker is None:

@@ -3,7 +3,7 @@
     q, k        randn, l2-normalised for the delta-rule ops (DeltaNet*, GDN, KDA) unless
                 use_qk_l2norm_in_kernel asks the kernel to do it (then raw randn);
                 randn for GLA (its models do not normalise)
-    v, do       randn
+    v, do       randn (do: also the training rows' fixed output gradient)
     beta        sigmoid(randn) in (0, 1); raw randn with use_beta_sigmoid_in_kernel
     g, gk       logsigmoid(randn + 2): natural-log decays, mean about -0.13; raw randn
                 with use_gate_in_kernel, plus A_log = log U(1, 16) and
@@ -25,7 +25,7 @@ from ...dsl import torch_reference as tr
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
 DELTA_OPS = ("DeltaNetChunkFwd", "DeltaNetChunkBwd", "DeltaNetRecurrentFwd", "DeltaNetFwd",
-             "GDNFwd", "KDAFwd")
+             "GDNFwd", "KDAFwd", "GDNTrain", "KDATrain", "DeltaNetTrain")
 DERIVED = ("S", "Aw", "Au", "w", "u", "h")
 
 

@@ -20,8 +20,12 @@ def row_options(row) -> Options:
 
 
 def reference_outputs(row, x: dict) -> dict:
-    """name -> fp64 tensor of every output the op's contract defines."""
+    """name -> fp64 tensor of every output the op's contract defines (a training row: o,
+    final_state and the step's gradients, train.reference)."""
     op, scale = row.op, row.options.get("scale")
+    if row.is_train:
+        from .train import reference
+        return reference(row, x)
     if op == "DeltaNetChunkFwd":
         return dict(zip(("o", "S", "Aw", "Au", "w", "u"),
                         tr.deltanet_chunk_fwd(x["q"], x["k"], x["v"], x["beta"])))

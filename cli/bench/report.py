@@ -13,7 +13,7 @@ import math
 import os
 
 from . import roofline
-from .workloads import OPS
+from .workloads import ALL_OPS, TRAIN_OPS
 
 OURS = "linattn"
 
@@ -56,7 +56,7 @@ def geomean(xs):
 def geomeans(records) -> dict:
     """Per op: geomean ratio (vs alternatives timed here), vs_seed, and the row counts."""
     out = {}
-    for op in OPS:
+    for op in ALL_OPS:
         rs = [r for r in records if r["op"] == op]
         if not rs:
             continue
@@ -78,7 +78,7 @@ def fla_vs_seed(records) -> dict:
     """Per op: fla's device time here / the seed table's fla column (geomean and spread
     over the rows where fla was timed and checked correct)."""
     out = {}
-    for op in OPS:
+    for op in ALL_OPS:
         xs = []
         for r in records:
             fla = r["impls"].get("fla") or {}
@@ -109,11 +109,12 @@ def family(rec) -> str:
 
 
 def table_rows() -> dict:
-    """(op, workload, dtype) -> the packaged workload table's row (memoised)."""
+    """(op, workload, dtype) -> the packaged workload table's row, or the training table's
+    (memoised)."""
     global _ROWS
     if _ROWS is None:
-        from .workloads import load_rows
-        _ROWS = {tuple(r.key): r for r in load_rows()}
+        from .workloads import load_rows, train_rows
+        _ROWS = {tuple(r.key): r for r in load_rows() + train_rows()}
     return _ROWS
 
 
@@ -170,9 +171,12 @@ def _f(x, fmt="{:.4g}"):
 def table(records) -> str:
     """Markdown table in the seed page's form, one section per op."""
     lines = []
-    for op in OPS:
+    for op in ALL_OPS:
         rs = [r for r in records if r["op"] == op]
         if not rs:
+            continue
+        if op in TRAIN_OPS:
+            lines += train_section(op, rs)
             continue
         alt_names = sorted({n for r in rs for n in r["impls"] if n != OURS})
         lines += [f"\n### {op}\n",
@@ -199,6 +203,32 @@ def table(records) -> str:
         lines.append(f"| {op} | {v['rows']} | {v['gaps']} | {_f(v['ratio'], '{:.3f}')} | "
                      f"{_f(v['ratio_with_seed_columns'], '{:.3f}')} | {_f(v['vs_seed'], '{:.3f}')} |")
     return "\n".join(lines) + "\n"
+
+
+def train_section(op, rs) -> list[str]:
+    """Markdown lines of a training op's rows: step times, peak memory, the largest
+    relative error over the step's outputs and gradients, per implementation."""
+    names = [OURS] + sorted({n for r in rs for n in r["impls"] if n != OURS})
+    head = ["Workload", "dtype", "Ratio"] + [f"{n} ms" for n in names] + \
+        [f"{n} peak MiB" for n in names] + [f"{n} max err" for n in names]
+    lines = [f"\n### {op}\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rs:
+        imp = [r["impls"].get(n) or {} for n in names]
+        cells = [_impl_cell(i) for i in imp]
+        cells += [_f(i.get("peak_mib"), "{:.0f}") for i in imp]
+        cells += [_f(max(i["rel_err"].values()) if i.get("rel_err") else None, "{:.1e}")
+                  for i in imp]
+        lines.append(f"| {r['workload']} | {r['dtype']} | {_f(r.get('ratio'), '{:.2f}')} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def _impl_cell(i: dict) -> str:
+    if not i:
+        return "-"
+    if i.get("ok"):
+        return _f(i.get("ms"))
+    return "gap" if "not implemented" in (i.get("note") or "") else "FAIL"
 
 
 def write_json(doc: dict, path: str):
@@ -239,7 +269,7 @@ def merge_into(path: str, doc: dict) -> dict:
         if key(fresh) in table:
             summarize(fresh, table[key(fresh)])
         rows[key(fresh)] = fresh
-    order = {op: i for i, op in enumerate(OPS)}
+    order = {op: i for i, op in enumerate(ALL_OPS)}
     merged_rows = sorted(rows.values(), key=lambda r: order.get(r["op"], len(order)))
     # the header describes the merged table: the implementations of all its rows and their
     # geomeans; what one run alone measured (its budget skips, wall time, compile count)

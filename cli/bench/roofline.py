@@ -22,6 +22,14 @@ B, T, H, HV, K, V from the row's shapes; N = sequences (cu_seqlens) else B;
     GLAChunkBwd       flops 4 B T H K V
                       bytes B T H ((3K+2V) e + (3K+V) 4) + B H K V (NC+2) 4
     decode (T == 1) inference rows use the same formulas with T = 1.
+    training (GDNTrain, KDATrain, GLATrain, DeltaNetTrain: one forward + backward step)
+                      flops 3 x the family's forward count above (GDN, KDA: 7 B T HV K V;
+                      DeltaNet: B T H (6KV+2K) (+ l2norm); GLA: 2 B T H K V): the backward
+                      does about twice the forward's products
+                      bytes 3 I + 2 O + 2 N HV K V 4: each differentiable input (I: q, k,
+                      v, gate, beta, initial state, in their own dtypes) read by the forward
+                      and the backward and its gradient written; o written and do read
+                      (O = B T HV V e); the final state written and its gradient read
 
 Ceilings (the seed's effective H200 figures): HBM 4.50 TB/s; tensor core 700 TFLOP/s
 bf16, 661 f16; fp32 CUDA core 57 TFLOP/s for the recurrent ops and GLAFwd decode. SOL = max(bytes/HBM,
@@ -49,6 +57,8 @@ def counts(row) -> tuple[int, int]:
     """(flops, bytes) of one row."""
     e = ESIZE[row.dtype]
     op, o = row.op, row.options
+    if row.is_train:
+        return _train_counts(row)
     q, v = row.shape("q"), row.shape("v")
     seeded = 1 if row.shape("initial_state") else 0
     cu_bytes = 8 * (_numel(row.shape("cu_seqlens")) + _numel(row.shape("cu_seqlens_cpu")))
@@ -86,6 +96,23 @@ def counts(row) -> tuple[int, int]:
         by = B * T * H * ((3 * K + 2 * V) * e + (3 * K + V) * 4) + B * H * K * V * (NC + 2) * 4
         return 4 * B * T * H * K * V, by
     raise ValueError(f"no FLOP/byte formula for op {op!r}")
+
+
+FORWARD_OF = {"GDNTrain": "GDNFwd", "KDATrain": "KDAFwd", "GLATrain": "GLAFwd",
+              "DeltaNetTrain": "DeltaNetFwd"}
+TENSOR_ESIZE = {**ESIZE, "f32": 4, "i64": 8}
+TRAINED = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _train_counts(row) -> tuple[int, int]:
+    """(flops, bytes) of a training step (the formulas in the module docstring)."""
+    from dataclasses import replace
+    fwd_flops, _ = counts(replace(row, op=FORWARD_OF[row.op]))
+    size = lambda n: _numel(row.shape(n)) * TENSOR_ESIZE[row.tensors[n]["dtype"] or row.dtype]  # noqa: E731
+    inputs = sum(size(n) for n in TRAINED if n in row.tensors)
+    B, T, HV, V = row.shape("v")
+    N, _, K, _ = row.shape("dht")
+    return 3 * fwd_flops, 3 * inputs + 2 * B * T * HV * V * ESIZE[row.dtype] + 2 * N * HV * K * V * 4
 
 
 def compute_roof(row) -> float:

@@ -11,7 +11,7 @@ import traceback
 import zlib
 
 from . import impls as impl_mod
-from . import report
+from . import report, train
 from .inputs import build_inputs
 from .reference import check, reference_outputs
 
@@ -87,10 +87,15 @@ def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
         out = outputs(fn())
         ok, errs, msg = check(out, ref, row.dtype)
         res.update(ok=ok, rel_err=errs, note=msg)
+        del out
+        if ok and row.is_train and device.startswith("cuda"):
+            res.update(train.peak_memory(fn))
         if ok and time_it:
             t = __import__("linattn.cli.bench.timer", fromlist=["device_time"]).device_time(
                 fn, budget_ms=timer_budget_ms)
             res.update(ms=t["ms"], p10=t["p10"], p90=t["p90"], calls=t["calls"], kernels=t["kernels"])
+    except impl_mod.NotImplementedImpl as e:     # refused when called (a training row's gap)
+        res.update(ok=False, ms=None, note=f"not implemented: {e}"[:500])
     except Exception as e:
         res.update(ok=False, ms=None, note=f"{type(e).__name__}: {e}"[:500])
         if any(s in str(e) for s in FATAL):
@@ -104,12 +109,35 @@ def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
     return {name: res}
 
 
-def precompile_rows(rows, device="cuda") -> dict:
+def precompile_rows(rows, device="cuda", rounds=None) -> dict:
     """Compile the linattn kernels every row will run, in parallel processes, before the
-    rows run one by one (each row's call is recorded, not run: ops.runtime.recording)."""
-    import torch
+    rows run one by one (each row's call is recorded, not run: ops.runtime.recording).
+    A call records the kernels up to its first missing one: a training step's forward,
+    then (once those are compiled and run) its backward's recompute and stages, so rows
+    with training ops take up to 4 rounds (default), others 1; rounds stop when a round
+    records nothing new."""
     from linattn.ops import runtime
     t0 = time.monotonic()
+    rounds = rounds or (4 if any(r.is_train for r in rows) else 1)
+    n_jobs, errors, seen = 0, [], set()
+    for _ in range(rounds):
+        jobs = _recorded_jobs(rows, device)
+        key = repr(sorted(repr(j) for j in jobs))
+        if not jobs or key in seen:
+            break
+        seen.add(key)
+        n_jobs += len(jobs)
+        errors += runtime.precompile(jobs)
+    res = {"requests": n_jobs, "errors": errors[:20], "s": round(time.monotonic() - t0, 1)}
+    print(f"precompiled {n_jobs} kernel requests in {res['s']} s, {len(errors)} errors",
+          flush=True)
+    return res
+
+
+def _recorded_jobs(rows, device) -> list:
+    """The kernel requests of one linattn call per row (ops.runtime.recording)."""
+    import torch
+    from linattn.ops import runtime
     jobs = []
     for row in rows:
         try:
@@ -124,12 +152,9 @@ def precompile_rows(rows, device="cuda") -> dict:
                 pass
         jobs += req
         del x
-    torch.cuda.empty_cache()
-    errors = runtime.precompile(jobs) if jobs else []
-    res = {"requests": len(jobs), "errors": errors[:20], "s": round(time.monotonic() - t0, 1)}
-    print(f"precompiled {len(jobs)} kernel requests in {res['s']} s, {len(errors)} errors",
-          flush=True)
-    return res
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return jobs
 
 
 def warm_groups(rows) -> list[list]:
