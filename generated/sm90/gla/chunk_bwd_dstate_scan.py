@@ -76,7 +76,9 @@ def build(HV, K, V, use_dht=False, store_dh0=False, block_k=16, block_v=32, thre
             nc = chunk_offsets[n + 1] - c0
             dh = T.alloc_fragment((BK, BV), f32)
             x_s = T.alloc_shared((BK, BV), f32)
-            a_s = T.alloc_shared((BK,), f32)
+            # (at least 32 floats: each pipeline stage's copy must start 128-byte aligned,
+            # as the bulk tensor copy requires; 8 floats a stage gave a misaligned address)
+            a_s = T.alloc_shared((max(BK, 32),), f32)
             if use_dht:
                 T.copy(dht[n, hv, k0:k0 + BK, v0:v0 + BV], dh)
             else:
@@ -84,7 +86,7 @@ def build(HV, K, V, use_dht=False, store_dh0=False, block_k=16, block_v=32, thre
             for r in T.Pipelined(nc, num_stages=num_stages):
                 c = nc - 1 - r
                 T.copy(dstate[c0 + n + c, hv, k0:k0 + BK, v0:v0 + BV], x_s)
-                T.copy(decay[c0 + c, hv, k0:k0 + BK], a_s)
+                T.copy(decay[c0 + c, hv, k0:k0 + BK], a_s[0:BK])
                 # (an element loop, not T.copy: the warp-specialised pipeline would give a
                 # fragment-to-global copy to its producer warps)
                 for i, j in T.Parallel(BK, BV):
