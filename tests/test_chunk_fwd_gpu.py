@@ -97,6 +97,10 @@ CASES = [
     case("kda", 1, None, 2, 4, 128, 128, dtype="float16", opts=("l2norm_qk",),
          lens=[1, 63, 200, 1, 64, 129], gate_scale=5.0),
     case("delta_key", 1, None, 1, 4, 64, 128, opts=("gate_in_kernel",), lens=[70, 1, 20]),
+    # K not a multiple of the state pass's 64: the op pads q, k, the gate (dt_bias) and
+    # the states with zero channels (arch chunk_k)
+    case("kda", 1, 150, 2, 2, 96, 64, opts=("l2norm_qk", "gate_in_kernel")),
+    case("gla", 1, None, 2, 2, 48, 80, lens=[70, 1, 100]),
     # head dims the walk takes beyond 64 / 128
     case("gdn", 1, 300, 2, 4, 256, 128),
     case("gdn", 1, 200, 2, 2, 128, 256),
