@@ -1,6 +1,11 @@
-"""Writes bench/workloads/outside.json: model-shaped GDN / DeltaNet forward calls outside
-the seed table (issue 12: head dims 64 / 128 / 256, 4 - 64 heads, lengths not a multiple
-of 64, 1 - 64 sequences), in linattn-bench's row format (no seed figures: linattn vs fla).
+"""Writes model-shaped forward calls outside the seed table, in linattn-bench's row format
+(no seed figures: linattn vs fla):
+  bench/workloads/outside.json          GDN / DeltaNet (issue 12: head dims 64 / 128 / 256,
+                                        4 - 64 heads, lengths not a multiple of 64,
+                                        1 - 64 sequences)
+  bench/workloads/outside_keygate.json  KDA / GLA (issue 13: Kimi-Linear-like KDA, 32 heads,
+                                        K = V = 128 at 4k - 32k tokens; GLA-1.3B's 4 heads,
+                                        K = 256, V = 512; varlen packs, initial states)
 
     python3 bench/workloads/make_outside.py && linattn-bench --workloads-json \
         bench/workloads/outside.json --impl linattn,fla
@@ -30,6 +35,22 @@ SHAPES = [
     ("DeltaNetFwd", "varlen-16seq", 1, None, 12, 12, 64, 64,
      [100 * i + 3 for i in range(1, 17)], True, {}),
 ]
+L2 = {"use_qk_l2norm_in_kernel": True}
+KEY_SHAPES = [
+    ("KDAFwd", "kimi-h32-8k", 1, 8192, 32, 32, 128, 128, None, False, L2),
+    ("KDAFwd", "kimi-h32-32k", 1, 32768, 32, 32, 128, 128, None, False, L2),
+    ("KDAFwd", "kimi-h32-b2x4k+h0", 2, 4096, 32, 32, 128, 128, None, True, L2),
+    ("KDAFwd", "kimi-h32-8x2k+h0", 1, None, 32, 32, 128, 128, [2048] * 8, True, L2),
+    ("KDAFwd", "kimi-h32-16k-gik", 1, 16384, 32, 32, 128, 128, None, False,
+     dict(L2, use_gate_in_kernel=True)),
+    ("KDAFwd", "kda-h16-varlen-ragged", 1, None, 16, 16, 128, 128,
+     [3000, 17, 900, 4100, 1], False, L2),
+    ("GLAFwd", "gla1.3b-h4-4k", 2, 4096, 4, 4, 256, 512, None, False, {}),
+    ("GLAFwd", "gla1.3b-h4-16k+h0", 1, 16384, 4, 4, 256, 512, None, True, {}),
+    ("GLAFwd", "gla-h16-8k", 2, 8192, 16, 16, 128, 128, None, False, {}),
+    ("GLAFwd", "gla-h8-varlen-8seq", 1, None, 8, 8, 128, 128,
+     [513 * i + 7 for i in range(1, 9)], True, {}),
+]
 
 
 def row(op, label, B, T, H, HV, K, V, lens, h0, options):
@@ -37,9 +58,16 @@ def row(op, label, B, T, H, HV, K, V, lens, h0, options):
         B, T = 1, sum(lens)
         options = dict(options, seq_lens=lens)
     t = lambda *s, dtype=None: {"shape": list(s), "dtype": dtype}  # noqa: E731
-    tensors = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V), beta=t(B, T, HV))
+    tensors = dict(q=t(B, T, H, K), k=t(B, T, H, K), v=t(B, T, HV, V))
+    if op != "GLAFwd":
+        tensors["beta"] = t(B, T, HV)
     if op == "GDNFwd":
         tensors["g"] = t(B, T, HV)
+    if op in ("KDAFwd", "GLAFwd"):
+        tensors["g"] = t(B, T, HV, K)
+    if options.get("use_gate_in_kernel"):
+        tensors["A_log"] = t(HV, dtype="f32")
+        tensors["dt_bias"] = t(HV * K if op == "KDAFwd" else HV, dtype="f32")
     if lens:
         tensors["cu_seqlens"] = t(len(lens) + 1, dtype="i64")
         tensors["cu_seqlens_cpu"] = t(len(lens) + 1, dtype="i64")
@@ -49,7 +77,8 @@ def row(op, label, B, T, H, HV, K, V, lens, h0, options):
 
 
 if __name__ == "__main__":
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outside.json")
-    with open(out, "w") as f:
-        json.dump([row(*s) for s in SHAPES], f, indent=1)
-    print(f"{len(SHAPES)} rows -> {out}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name, shapes in (("outside.json", SHAPES), ("outside_keygate.json", KEY_SHAPES)):
+        with open(os.path.join(here, name), "w") as f:
+            json.dump([row(*s) for s in shapes], f, indent=1)
+        print(f"{len(shapes)} rows -> {os.path.join(here, name)}")
