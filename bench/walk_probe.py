@@ -48,6 +48,8 @@ CASES = {
     "kda-tp1-4x1024": ("kda", 1, None, 32, 32, 128, 128, ("l2norm_qk",), [1024] * 4, False),
     "gla-prefill-8k": ("gla", 2, 8192, 4, 4, 64, 64, (), None, False),
     "gla-varlen-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032], False),
+    "gla-short": ("gla", 1, 257, 16, 16, 128, 128, (), None, False),
+    "kda-tp8-1024-7168": ("kda", 1, None, 4, 4, 128, 128, ("l2norm_qk",), [1024, 7168], False),
 }
 
 

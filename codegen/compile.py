@@ -65,6 +65,41 @@ def barriers_in_branches(src: str) -> list:
     return found
 
 
+#: a bulk tensor copy (TMA) needs its shared-memory destination 128-byte aligned
+TMA_SMEM_ALIGN = 128
+_ELEM_BYTES = {"float": 4, "half_t": 2, "bfloat16_t": 2, "half": 2, "__nv_bfloat16": 2,
+               "int": 4, "uint": 4, "signed char": 1, "char": 1, "uchar": 1, "double": 8}
+
+
+def tma_misaligned(src: str, values=range(8)) -> list:
+    """CUDA lines where a TMA load's shared destination is not 128-byte aligned for some
+    value (0..7) of the loop variables in its offset (the s9-1 fault: pipeline stages of
+    8 floats). Reads TileLang's `buf = buf_dyn_shmem + B` bases and `tma_load(desc, bar,
+    &((T*)buf)[offset], ...)` destinations; an offset it cannot evaluate is reported."""
+    import itertools
+    bases = {m.group(1): int(m.group(2)) for m in re.finditer(
+        r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src)}
+    found = []
+    for n, line in enumerate(src.split("\n"), 1):
+        m = re.search(r"tl::tma_load\([^,]+, [^,]+, \(&\(\(\(([\w ]+)\*\)(\w+)\)\[(.*?)\]\)\)", line)
+        if not m or m.group(2) not in bases:
+            continue
+        size, base = _ELEM_BYTES.get(m.group(1).strip()), bases[m.group(2)]
+        expr = re.sub(r"\((int|int64_t|uint)\)", "", m.group(3)).replace("/", "//")
+        names = sorted(set(re.findall(r"[A-Za-z_][\w.]*", expr)))
+        expr = re.sub(r"[A-Za-z_][\w.]*", lambda v: f"_v{names.index(v.group(0))}", expr)
+        try:
+            offsets = {eval(expr, {"__builtins__": {}},  # noqa: S307 (arithmetic only)
+                            {f"_v{i}": x for i, x in enumerate(vals)})
+                       for vals in itertools.product(values, repeat=len(names))}
+        except Exception:
+            found.append(n)
+            continue
+        if size is None or any((base + o * size) % TMA_SMEM_ALIGN for o in offsets):
+            found.append(n)
+    return found
+
+
 def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v)."""
     from tilelang.contrib import nvcc as tl_nvcc
@@ -89,6 +124,7 @@ def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     usage["spill_load_bytes"] = int(m.group(2)) if m else 0
     src = kernel.get_kernel_source()
     usage["barriers_in_branches"] = barriers_in_branches(src)
+    usage["tma_misaligned"] = tma_misaligned(src)
     usage["dynamic_smem"] = "buf_dyn_shmem" in src
     usage["dynamic_smem_bytes"] = 0
     m = re.search(r"__launch_bounds__\((\d+)", src)

@@ -36,6 +36,9 @@ def _check(rec):
     assert "error" not in rec, rec["error"]
     assert "ptxas_error" not in rec, rec["ptxas_error"]
     assert rec["registers"] and rec["registers"] <= 255
+    # a TMA load into shared memory not 128-byte aligned (run s9-1: misaligned address)
+    assert not rec.get("tma_misaligned"), f"TMA shared destinations not 128-byte aligned, " \
+        f"CUDA lines {rec['tma_misaligned']}"
     # a CTA barrier inside a branch on threadIdx (some threads never reach it: a hang)
     assert not rec["barriers_in_branches"], f"__syncthreads in a thread-dependent branch, " \
         f"CUDA lines {rec['barriers_in_branches']}"
