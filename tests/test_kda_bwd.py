@@ -1,11 +1,13 @@
-"""CPU tests of KDA's chunked backward stages (the delta rule with a per-key gate;
-ops/chunk_bwd.py key_recompute / key_backward_stages): the plan lists the stages, they
-render with the arguments the host passes, they compile for sm_90a without spills, and
-the recompute and the stages on head-first inputs match dsl/delta_key_bwd.py. The kernels
-are replaced by fakes that check every launch against the traced prim_func and carry out
-the stage's math in fp64 by dsl/delta_key_bwd.py's stage functions (per chunk, with the
-kernels' rounding of GEMM operands emulated), the recompute's state pass by
-tests/test_chunk_fused.py's PipelineMath."""
+"""CPU tests of KDA's chunked backward (the delta rule with a per-key gate;
+ops/chunk_bwd.py key_recompute / key_backward_stages, ops/autograd.py key_backward): the
+plan lists the stages, they render with the arguments the host passes, they compile for
+sm_90a without spills, the recompute and the stages on head-first inputs match
+dsl/delta_key_bwd.py, and training through linattn.chunk_kda matches torch.autograd of
+the fp64 reference. The kernels are replaced by fakes that check every launch against
+the traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's
+stage functions (per chunk, with the kernels' rounding of GEMM operands emulated), the
+recompute's state pass by tests/test_chunk_fused.py's PipelineMath; the training
+forward itself is the fp64 reference rounded to the input dtype."""
 import numpy as np
 import pytest
 import torch
@@ -14,11 +16,13 @@ from _kernel_check import fake_compiles
 from test_chunk import by_name
 from test_chunk_fused import PipelineMath
 
+import linattn
 from linattn.codegen.plan import plan
-from linattn.dsl import Options
+from linattn.dsl import Options, SpecError
 from linattn.dsl import delta_key_bwd as ref
+from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import rounding
-from linattn.ops import chunk, chunk_bwd
+from linattn.ops import autograd, chunk, chunk_bwd
 from linattn.ops.kda import SPEC
 
 F64 = torch.float64
@@ -205,3 +209,114 @@ def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
         w = w if name == "dh0" else w.transpose(1, 2)
         assert x.shape == w.shape and not torch.isnan(x).any(), name
         assert _rel(x, w) < 1e-2, (name, _rel(x, w))
+
+
+def _gate(call_or_opts, g, A_log, dt_bias, lower_bound):
+    """(g as the fp64 reference takes it, its options): KDA's lower-bounded gate formed
+    here (the reference knows the softplus form only)."""
+    if lower_bound is None:
+        return g, call_or_opts
+    HV, K = g.shape[2], g.shape[3]
+    x = g + (0 if dt_bias is None else dt_bias.view(HV, K))
+    a = 1.0 if A_log is None else torch.exp(A_log.view(HV, 1))
+    return lower_bound * torch.sigmoid(a * x), None
+
+
+def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
+    cu = None if call.cu is None else torch.tensor(call.cu)
+    opts = call.options
+    if call.lower_bound is not None:
+        g, _ = _gate(None, g.double(), A_log.double(), dt_bias.double(), call.lower_bound)
+        opts, A_log, dt_bias = Options(l2norm_qk=call.l2norm_qk, beta_sigmoid=call.beta_sigmoid,
+                                       allow_neg_eigval=call.allow_neg_eigval), None, None
+    o, final = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=opts,
+                                    scale=call.scale, initial_state=initial_state,
+                                    cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
+    return o.to(q.dtype), (final.float() if call.output_final_state else None)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    names = install_key_fakes(monkeypatch)
+    monkeypatch.setattr(autograd, "run_forward", _reference_forward)
+    return names
+
+
+CASES = [   # B, T, H, HV, K, V, cu, h0, dht, l2norm, gate in kernel, lower_bound, dtype
+    pytest.param(2, 130, 2, 2, 64, 64, None, False, False, False, False, None,
+                 torch.float16, id="B2-T130-plain-f16"),
+    pytest.param(1, 100, 1, 2, 128, 64, None, True, True, True, False, None,
+                 torch.bfloat16, id="GVA2-K128-h0-dht-l2norm-bf16"),
+    pytest.param(1, 135, 2, 2, 64, 128, (0, 1, 70, 71, 135), True, True, True, False, None,
+                 torch.float16, id="varlen-1tok-h0-dht"),
+    pytest.param(2, 70, 1, 2, 64, 64, None, True, False, True, True, None, torch.float16,
+                 id="gate-in-kernel-GVA2"),
+    pytest.param(1, 80, 1, 1, 64, 64, None, False, True, False, True, -5.0, torch.float16,
+                 id="lower-bound"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,cu,h0,use_dht,l2,gik,lb,dtype", CASES)
+def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu, h0, use_dht,
+                                        l2, gik, lb, dtype):
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=r(B, T, HV, V).to(dtype),
+             beta=torch.sigmoid(r(B, T, HV)).to(dtype),
+             initial_state=r(N, HV, K, V).float() * 0.1 if h0 else None)
+    if gik:
+        x.update(g=r(B, T, HV, K).float(), A_log=torch.log(torch.rand(HV, generator=gen) * 4
+                                                             + .5),
+                 dt_bias=(r(HV * K) * 0.5).float())
+    else:
+        x["g"] = torch.nn.functional.logsigmoid(r(B, T, HV, K)).float()
+    do, dht = r(B, T, HV, V).to(dtype), r(N, HV, K, V).float()
+    leaves = {n: None if t is None else t.clone().requires_grad_() for n, t in x.items()}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    o, ht = linattn.chunk_kda(**leaves, output_final_state=use_dht, use_qk_l2norm_in_kernel=l2,
+                              use_gate_in_kernel=gik, lower_bound=lb, cu_seqlens=cu_t)
+    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
+    loss.backward()
+    assert fake_kernels == list(STAGES[:1]) + ["chunk_state"] + list(STAGES[1:])
+
+    refs = {n: None if t is None else t.detach().to(F64).requires_grad_() for n, t in x.items()}
+    g, opts = refs["g"], Options(l2norm_qk=l2, gate_in_kernel=gik)
+    A_log, dt_bias = refs.get("A_log"), refs.get("dt_bias")
+    if lb is not None:
+        g, _ = _gate(None, g, A_log, dt_bias, lb)
+        opts, A_log, dt_bias = Options(l2norm_qk=l2), None, None
+    o_r, ht_r = tref.chunked_forward(SPEC, refs["q"], refs["k"], refs["v"], g,
+                                     beta=refs["beta"], options=opts,
+                                     initial_state=refs["initial_state"],
+                                     cu_seqlens=None if cu is None else torch.tensor(cu),
+                                     A_log=A_log, dt_bias=dt_bias)
+    loss_r = (o_r * do.to(F64)).sum() + ((ht_r * dht.to(F64)).sum() if use_dht else 0)
+    loss_r.backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    for n, t in leaves.items():
+        if t is None:
+            continue
+        # (A_log's and dt_bias's are sums over tokens of cancelling terms: 5x, as the GPU
+        # tests take them)
+        lim = 5 * tol if n in ("A_log", "dt_bias") else tol
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype, n
+        assert not torch.isnan(t.grad).any(), n
+        assert _rel(t.grad, refs[n].grad) < lim, (n, _rel(t.grad, refs[n].grad))
+
+
+def test_refusals():
+    q = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 70, 2, 64,
+                                                                       dtype=torch.bfloat16)
+    beta = torch.zeros(1, 70, 2, dtype=torch.bfloat16)
+    with pytest.raises(SpecError, match="KDA backward needs g"):
+        linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2), beta)
+    with pytest.raises(SpecError, match="K, V in"):
+        y = torch.zeros(1, 70, 2, 32, dtype=torch.bfloat16)
+        linattn.chunk_kda(y.requires_grad_(), y, y, torch.zeros(1, 70, 2, 32), beta)
+    with pytest.raises(SpecError, match="state_v_first"):
+        linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2, 64), beta, state_v_first=True)
