@@ -28,6 +28,14 @@ row, so that they cancel as computed, as dsl/chunked_bwd.py derives); the host a
 chunk's e^g_last <dh, S_in> to its last row and takes the reverse cumulative sum within
 the chunk (:func:`_gate_grad`): the gradient of g.
 
+The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
+dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
+by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too)
+and state pass: dv_local = A_qk^T do; the dh pass with qg, kg and diag(e^g_last); dqkw and
+wy with the pair sums factored through 16-row blocks, the last row's state terms and the
+reverse cumulative sum in the kernels, so that chunk_bwd_wy returns the gradient of g
+itself ([B, H, L, K] f32).
+
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
 chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each

@@ -64,7 +64,8 @@ def test_recompute_params_are_the_forward_prepare():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("K,V,dtype", [(128, 128, "bfloat16"), (64, 64, "float16")])
+@pytest.mark.parametrize("K,V,dtype", [(128, 128, "bfloat16"), (64, 64, "float16"),
+                                       (128, 64, "float16"), (64, 128, "bfloat16")])
 def test_stages_compile_without_spills(K, V, dtype):
     """Every stage one call runs (B = 2, H = 4, with dht and dh0) compiles for sm_90a
     without spills and without a CTA barrier in a thread-dependent branch."""

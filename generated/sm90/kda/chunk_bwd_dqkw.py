@@ -112,7 +112,6 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=256):
             p_f = T.alloc_fragment((BT, K), f32)
             hd_f = T.alloc_fragment((K, HB), f32)
             hd_row = T.alloc_fragment((K,), f32)
-            col = T.alloc_fragment((K,), f32)
             tx = T.get_thread_binding()
 
             for i, j in T.Parallel(BT, K):
@@ -154,18 +153,27 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=256):
             T.gemm(vn_s, dh_s, dk_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
                 dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1, j] - G_s[i, j])
+            # (the column sums through shared memory, one thread a channel; dqd_s is
+            # scratch until the pair terms' diagonal blocks fill it)
+            dqd_s = T.alloc_shared((BT, K), f32)
+            dkd_s = T.alloc_shared((BT, K), f32)
+            run = T.alloc_local((1,), f32)
             for i, j in T.Parallel(BT, K):
-                p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, col, dim=0)
-            for j in T.Parallel(K):
-                dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1, j]) + col[j]
+                dqd_s[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(K, threads)):
+                idx = e * threads + tx
+                if idx < K:
+                    run[0] = T.float32(0)
+                    for r in T.serial(BT):
+                        run[0] = run[0] + dqd_s[r, idx]
+                    dgl_s[idx] = dgl_s[idx] * T.exp(G_s[BT - 1, idx]) + run[0]
+            T.sync_threads()
             # ds = tril_incl(do v_new^T), then its pair terms (dq += ds k, dk += ds^T q,
             # per key channel decayed)
             T.gemm(do_s, vn_s, ds_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 ds_s[i, j] = T.if_then_else(i >= j, T.cast(ds_f[i, j], dtype), T.cast(0, dtype))
-            dqd_s = T.alloc_shared((BT, K), f32)
-            dkd_s = T.alloc_shared((BT, K), f32)
             SUB = 16
             NB = BT // SUB
             gl = T.alloc_local((SUB,), f32)
