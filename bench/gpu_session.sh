@@ -79,7 +79,7 @@ for s in $STEPS; do
              -k "${ADDITIVE_K:-}" --junitxml="$R/additive.xml" ;;
     aprobe) run_step aprobe "${APROBE_S:-90}" python3 bench/additive_probe.py ${APROBE_ARGS:-} \
              --budget-s $(( ${APROBE_S:-90} - 15 )) --out "$R/additive_probe.json" ;;
-    # AUTOGRAD_K narrows it (e.g. "gdn")
+    # AUTOGRAD_K narrows it (e.g. "gdn", "kda": the per-key backward)
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_autograd_gpu.py -k "${AUTOGRAD_K:-}" \
              --junitxml="$R/autograd.xml" ;;

@@ -44,6 +44,7 @@ class DeltaRuleCall:
     gate_in_kernel: bool = False
     beta_sigmoid: bool = False
     allow_neg_eigval: bool = False
+    lower_bound: float | None = None        # KDA's lower-bounded gate (with gate_in_kernel)
     cu: tuple | None = None                 # host cu_seqlens (varlen) or None
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
@@ -55,7 +56,12 @@ class DeltaRuleCall:
 
     @property
     def gated(self) -> bool:
-        return chunk_bwd.is_gated(self.spec)
+        """A gate of either kind (the scalar gate's or the per-key gate's backward)."""
+        return chunk_bwd.is_gated(self.spec) or chunk_bwd.is_key(self.spec)
+
+    @property
+    def keyed(self) -> bool:
+        return chunk_bwd.is_key(self.spec)
 
 
 def needs_grad(*tensors) -> bool:
@@ -68,11 +74,13 @@ def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log
                 dt_bias=None):
     """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
     from . import api
+    extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
     return api.forward(call.spec, q, k, v, g, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,
                        options=call.options, cu_seqlens=call.cu_seqlens,
-                       cu_seqlens_cpu=call.cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
+                       cu_seqlens_cpu=call.cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
+                       **extra)
 
 
 class ChunkDeltaRuleFunction:
@@ -103,7 +111,11 @@ def _make_function():
         @staticmethod
         def backward(ctx, do, dht):
             q, k, v, beta, initial_state, g, A_log, dt_bias = ctx.saved_tensors
-            if ctx.call.gated:
+            if ctx.call.keyed:
+                grads = key_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
+                                     dt_bias, do, dht)
+                grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
+            elif ctx.call.gated:
                 grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
                                        dt_bias, do, dht)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
@@ -119,10 +131,13 @@ def _make_function():
 def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, g=None,
                     spec=None):
     """Raise SpecError for what the backward does not support (never a wrong gradient).
-    spec: a scalar-gate spec checks Gated DeltaNet's call (g [B, T, HV], GVA allowed)."""
+    spec: a scalar-gate spec checks Gated DeltaNet's call (g [B, T, HV], GVA allowed), a
+    per-key-gate spec KDA's (g [B, T, HV, K])."""
     import torch
-    gated = chunk_bwd.is_gated(spec)
-    what = "the Gated DeltaNet backward" if gated else "the DeltaNet backward"
+    keyed = chunk_bwd.is_key(spec)
+    gated = chunk_bwd.is_gated(spec) or keyed
+    what = ("the KDA backward" if keyed else "the Gated DeltaNet backward" if gated
+            else "the DeltaNet backward")
     if beta is None:
         raise SpecError(f"{what} needs beta")
     heads_ok = v.dim() == 4 and q.dim() == 4 and (
@@ -134,8 +149,9 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
     want = tuple(v.shape[:3])
     if tuple(beta.shape) != want:
         raise SpecError(f"{what} needs beta [B, T, HV] = {want}, got {tuple(beta.shape)}")
-    if gated and (g is None or tuple(g.shape) != want):
-        raise SpecError(f"{what} needs g [B, T, HV] = {want}, got "
+    gwant = want + (q.shape[-1],) if keyed else want
+    if gated and (g is None or tuple(g.shape) != gwant):
+        raise SpecError(f"{what} needs g [B, T, HV{', K' if keyed else ''}] = {gwant}, got "
                         f"{None if g is None else tuple(g.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or \
             v.dtype != q.dtype:
@@ -235,14 +251,22 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
 def _gated_inputs(call: DeltaRuleCall, q, k, g, beta, A_log, dt_bias):
     """The effective q, k, g, beta of a gated call from its raw inputs, by torch (so that
     torch.autograd differentiates the activations): l2norm, the gate's activation
-    -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla), beta's sigmoid."""
+    -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla; per key channel for
+    KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid."""
     import torch
     from ..dsl.torch_reference import softplus_fla
     q_in, k_in = (_l2norm(q), _l2norm(k)) if call.l2norm_qk else (q, k)
     g_in = g.float()
     if call.gate_in_kernel:
-        x = g_in if dt_bias is None else g_in + dt_bias.float().reshape(-1)
-        g_in = -torch.exp(A_log.float().reshape(-1)) * softplus_fla(x)
+        # per key channel: A_log [HV] -> [HV, 1], dt_bias [HV * K] -> [HV, K]
+        shape = (g.shape[2], -1) if call.keyed else (-1,)
+        x = g_in if dt_bias is None else g_in + dt_bias.float().reshape(shape)
+        a = None if A_log is None else torch.exp(A_log.float().reshape(g.shape[2], -1)
+                                                 if call.keyed else A_log.float().reshape(-1))
+        if call.lower_bound is not None:          # KDA's lower-bounded gate
+            g_in = float(call.lower_bound) * torch.sigmoid(x if a is None else a * x)
+        else:
+            g_in = -a * softplus_fla(x)
     b_in = beta.float()
     if call.beta_sigmoid:
         b_in = torch.sigmoid(b_in) * (2.0 if call.allow_neg_eigval else 1.0)
@@ -297,12 +321,64 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
             None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
 
 
+def key_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
+                 dht):
+    """Gradients of chunk_kda under sum(o * do) + sum(final_state * dht).
+
+    q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); g [B, T, HV, K],
+    beta [B, T, HV] (any float dtype); A_log (HV elements), dt_bias (HV * K elements) or
+    None (with gate_in_kernel, else None); initial_state [N, HV, K, V] or None; do like v
+    or None (0); dht [N, HV, K, V] or None (0). Returns (dq, dk, dv, dg, dbeta, dh0,
+    dA_log, ddt_bias) in the inputs' shapes and dtypes (None for an input not given).
+
+    As :func:`gated_backward`, with the per-key gate's recompute and stages
+    (chunk_bwd.key_recompute, key_backward_stages): the in-chunk cumulative gate G is a
+    torch cumsum per key channel (f32), the stages return the gradient of g itself.
+    """
+    import torch
+    dt = q.dtype
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    group = HV // H
+    raw = [None if x is None else x.detach().requires_grad_()
+           for x in (q, k, g, beta, A_log, dt_bias)]
+    with torch.enable_grad():
+        eff = _gated_inputs(call, *raw)
+    q_in, k_in, g_in, b_in = (x.detach() for x in eff)
+    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(dt)
+    lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
+    qh, kh = (lay.to_head_first(x.repeat_interleave(group, dim=2)) for x in (q_in, k_in))
+    vh, doh, bh = (lay.to_head_first(x) for x in (v.detach(), do_s, b_in.to(dt)))
+    gh = lay.to_head_first(g_in.float())
+    N, _, L, _ = gh.shape
+    C = chunk_bwd.CHUNK
+    g_cum = gh.view(N, HV, L // C, C, K).cumsum(3).view(N, HV, L, K)
+    h0 = None if initial_state is None else initial_state.detach().float()
+    dhth = None if dht is None else dht.float().contiguous()
+    rec = chunk_bwd.key_recompute(qh, kh, vh, bh, gh, h0, spec=call.spec)
+    dq, dk, dv, dbeta, dh0, dg = chunk_bwd.key_backward_stages(
+        doh, qh, kh, vh, bh, g_cum, rec, dht=dhth, want_dh0=h0 is not None, spec=call.spec)
+    dq, dk, dv, dbeta, dg = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta, dg))
+    dq, dk = (x.float().view(B, T, H, group, K).sum(3) for x in (dq, dk))
+    leaves = [x for x in raw if x is not None]
+    grads = torch.autograd.grad(
+        eff, leaves, [d.to(e.dtype) for d, e in zip((dq, dk, dg, dbeta), eff)],
+        allow_unused=True)
+    it = iter(grads)
+    out = [None if x is None else next(it) for x in raw]
+    out = [None if d is None else d.to(x.dtype) for d, x in zip(out, raw)]
+    dq, dk, dg, dbeta, dA_log, ddt_bias = out
+    return (dq, dk, dv, dg, dbeta,
+            None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
+
+
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,
-          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None):
-    """A differentiable call of a scalar-gate delta-rule spec (chunk_gated_delta_rule):
+          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None, lower_bound=None):
+    """A differentiable call of a gated delta-rule spec (chunk_gated_delta_rule: the
+    scalar gate; chunk_kda: the per-key gate, lower_bound its lower-bounded gate):
     checked, then the autograd Function. Returns (o, final_state or None)."""
     check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec)
-    if opts.gate_in_kernel and A_log is None:
+    if opts.gate_in_kernel and A_log is None and lower_bound is None:
         raise SpecError("use_gate_in_kernel=True needs A_log")
     cu = None
     if cu_seqlens is not None:
@@ -311,7 +387,9 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
     call = DeltaRuleCall(
         spec=spec, scale=spec.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
         output_final_state=bool(output_final_state), gate_in_kernel=opts.gate_in_kernel,
-        beta_sigmoid=opts.beta_sigmoid, allow_neg_eigval=opts.allow_neg_eigval, cu=cu,
+        beta_sigmoid=opts.beta_sigmoid, allow_neg_eigval=opts.allow_neg_eigval,
+        lower_bound=(None if lower_bound is None or not opts.gate_in_kernel
+                     else float(lower_bound)), cu=cu,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     return ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state, g, A_log,
                                         dt_bias)

@@ -28,8 +28,8 @@ state_v_first). ``chunk`` takes the chunked forward (one token per sequence: the
 kernel); ``fused_recurrent`` the token-by-token kernel for any T. Specs outside the
 registry are rendered on first use into ``ops.runtime.gen_dir()`` and compiled there.
 
-Gradients: a spec with DeltaNet's or Gated DeltaNet's mathematics (rule "delta", gate
-"none" or "scalar", chunk size 64) trains through ``chunk`` (the generated backward,
+Gradients: a spec with DeltaNet's, Gated DeltaNet's or KDA's mathematics (rule "delta", gate
+"none", "scalar" or "key", chunk size 64) trains through ``chunk`` (the generated backward,
 ops/autograd.py), and so does the additive rule with any gate (ops/additive_bwd.py);
 every other call whose inputs need gradients raises SpecError instead of dropping them.
 """
@@ -76,13 +76,11 @@ def build(spec: OpSpec) -> Ops:
 
 
 def has_backward(spec: OpSpec) -> bool:
-    """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet) or
-    with the scalar gate (Gated DeltaNet), and the additive rule with any gate, at
-    DeltaNet's chunk size."""
+    """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
+    the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
+    any gate, at DeltaNet's chunk size."""
     from . import deltanet
-    if spec.chunk_size != deltanet.SPEC.chunk_size:
-        return False
-    return spec.rule is Rule.ADDITIVE or spec.gate in (Gate.NONE, Gate.SCALAR)
+    return spec.chunk_size == deltanet.SPEC.chunk_size
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
@@ -154,7 +152,7 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
                                       a["cu_seqlens_cpu"], a.get("A_log"), a.get("dt_bias"))
     elif has_backward(spec):
         from . import autograd
-        if spec.gate is Gate.SCALAR and autograd.needs_grad(
+        if spec.gate in (Gate.SCALAR, Gate.KEY) and autograd.needs_grad(
                 q, k, v, g, beta, a["initial_state"], a.get("A_log"), a.get("dt_bias")):
             return autograd.train(spec, opts, q, k, v, g, beta, a["scale"],
                                   a["initial_state"], a["output_final_state"],

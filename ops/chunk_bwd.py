@@ -28,6 +28,14 @@ row, so that they cancel as computed, as dsl/chunked_bwd.py derives); the host a
 chunk's e^g_last <dh, S_in> to its last row and takes the reverse cumulative sum within
 the chunk (:func:`_gate_grad`): the gradient of g.
 
+The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
+dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
+by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too)
+and state pass: dv_local = A_qk^T do; the dh pass with qg, kg and diag(e^g_last); dqkw and
+wy with the pair sums factored through 16-row blocks, the last row's state terms and the
+reverse cumulative sum in the kernels, so that chunk_bwd_wy returns the gradient of g
+itself ([B, H, L, K] f32).
+
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
 chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each
@@ -471,3 +479,144 @@ def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
                           state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
                                        has_initial_state=has_h0, spec=spec), x)
     return A, w, u, S
+
+
+# -- the per-key gate (KDA) ------------------------------------------------------------------
+
+#: pipeline depth of the per-key dh pass (0: plain loop; the pipelined form is not yet
+#: compiled nor GPU-checked for the key gate)
+KEY_DH_NUM_STAGES = 0
+#: the per-key backward's stages after the recompute, in order
+KEY_STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+
+
+def is_key(spec) -> bool:
+    """Whether spec takes the per-key backward (the delta rule with a per-key gate: KDA)."""
+    return spec is not None and spec.rule.value == "delta" and spec.gate.value == "key"
+
+
+def key_stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
+    """stage name -> build() params of the per-key backward's four stages (the direct
+    scheme; B * H chains set the dh pass's value block as for the other gates)."""
+    from ..codegen.arch.sm90.stages import state_block_v
+    common = dict(H=H, K=K, V=V, dtype=dtype)
+    dh = dict(common, num_stages=KEY_DH_NUM_STAGES,
+              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, B * H),
+              **({"use_dht": True} if use_dht else {}),
+              **({"store_dh0": True} if store_dh0 else {}))
+    return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": common,
+            "chunk_bwd_wy": common}
+
+
+def key_recompute_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False,
+                         spec=None) -> dict:
+    """{RECOMPUTE: the forward's per-key prepare params (the arch's plan; the recompute
+    stage renders the same template with A written), "chunk_state": the state pass with
+    every chunk's state in f32 and the final one} for B * H one-head sequences of L."""
+    spec = spec or _key_spec()
+    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
+                                             has_initial_state=has_initial_state, spec=spec))
+    return {RECOMPUTE: params["chunk_prepare"], "chunk_state": params["chunk_state"]}
+
+
+def _key_spec():
+    from .registry import get_spec
+    return get_spec("kda")
+
+
+def _check_key_gate(g, B, H, L, K, name="g"):
+    import torch
+    if L % CHUNK:
+        raise SpecError(f"the per-key backward needs L a multiple of {CHUNK}, got {L}")
+    _check(name, g, (B, H, L, K), torch.float32)
+
+
+def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
+    """What the per-key backward needs from the forward, recomputed: head-first q, k
+    [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype), g [B, H, L, DK]
+    f32 (the effective per-token log gate, L a multiple of 64), initial_state
+    [B, H, DK, DV] (read as f32) or None. Runs the forward's per-key prepare (A written
+    too) and its state pass over the B * H one-head sequences. Returns dict(A, aqk
+    [B, H, L, 64], w, qg, kg [B, H, L, DK], u [B, H, L, DV] (input dtype), g_last
+    [B, H, NC, DK] f32, S [B, H, NC + 1, DK, DV] f32: the state entering each chunk, then
+    the final state)."""
+    import torch
+    B, H, L, K, V = _dims(q, k, v, beta)
+    _check_key_gate(g, B, H, L, K)
+    spec = spec or _key_spec()
+    dt, dev = q.dtype, q.device
+    NC, N, Ttot = L // CHUNK, B * H, B * H * L
+    e = lambda *s: torch.empty(*s, dtype=dt, device=dev)  # noqa: E731
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    out = dict(A=e(B, H, L, CHUNK), aqk=e(B, H, L, CHUNK), w=e(B, H, L, K), qg=e(B, H, L, K),
+               kg=e(B, H, L, K), u=e(B, H, L, V), g_last=f32(B, H, NC, K),
+               S=f32(B, H, NC + 1, K, V))
+    has_h0 = initial_state is not None
+    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else None
+    if Ttot == 0:
+        out["S"].copy_(h0.view(B, H, 1, K, V) if has_h0 else 0.0)
+        return out
+    params = key_recompute_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
+                                  L=L, has_initial_state=has_h0, spec=spec)
+    runtime.announce(spec, ARCH, params)
+    tok = lambda x: x.contiguous().view(Ttot, 1, x.shape[-1])  # noqa: E731
+    x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
+             q=tok(q), k=tok(k), v=tok(v), g=tok(g), beta=beta.contiguous().view(Ttot, 1),
+             A_log=f32(1), dt_bias=f32(K), aqk=tok(out["aqk"]), qg=tok(out["qg"]),
+             kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
+             u=tok(out["u"]), A_out=tok(out["A"]))
+    runtime.launch_kernel(spec, ARCH, RECOMPUTE, params[RECOMPUTE], x)
+    # sequence n = (b, h): its states at rows n (NC + 1) + t of S, the final one at t = NC
+    x.update(ht=out["S"].view(N * (NC + 1), 1, K, V),
+             h=e(N * NC, 1, K, V),                          # written, not needed
+             h0=h0.view(N, 1, K, V) if has_h0 else f32(1, 1, K, V),
+             v_new=e(Ttot, 1, V))                           # written, not needed
+    runtime.launch_kernel(spec, ARCH, "chunk_state", params["chunk_state"], x,
+                          lambda n: {"k": "kg", "g_cum": "g_last"}.get(n, n))
+    return out
+
+
+def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=False,
+                        spec=None):
+    """The per-key backward's four stages (the direct scheme) after :func:`key_recompute`.
+
+    Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
+    dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
+    multiple of 64), rec: key_recompute's dict; dht [B, H, DK, DV] f32 or None. Returns
+    (dq, dk, dv, dbeta (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK]
+    f32: the gradient of the per-token log gate g)."""
+    import torch
+    B, H, L, K, V = _dims(q, k, v, beta)
+    _check_key_gate(g_cum, B, H, L, K, "g_cum")
+    NC = L // CHUNK
+    dt = q.dtype
+    _check("do", do, (B, H, L, V), dt)
+    if dht is not None:
+        _check("dht", dht, (B, H, K, V), torch.float32)
+    spec = spec or _key_spec()
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbeta, dg = torch.empty_like(beta), f32(B, H, L, K)
+    dh0 = f32(B, H, K, V) if want_dh0 else None
+    if L == 0 or B * H == 0:
+        if dh0 is not None:
+            dh0.copy_(dht if dht is not None else 0.0)
+        return dq, dk, dv, dbeta, dh0, dg
+    q, k, v, beta, do, g_cum = (x.contiguous() for x in (q, k, v, beta, do, g_cum))
+    params = key_stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
+                              use_dht=dht is not None, store_dh0=want_dh0)
+    runtime.announce(spec, ARCH, params)
+    run = lambda stage, *xs: compiled_stage(stage, spec, **params[stage])(*xs)  # noqa: E731
+    dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)      # placeholder
+    dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
+    dv_local, dv2 = torch.empty_like(v), torch.empty_like(v)
+    dh = f32(B, H, NC, K, V)
+    run("chunk_bwd_dv_local", rec["aqk"], do, dv_local)
+    run("chunk_bwd_dh", rec["qg"], rec["kg"], rec["w"], do, rec["g_last"], dv_local, dh, dv2,
+        dht_in, dh0_out)
+    dk_part, dg_part, dw = f32(B, H, L, K), f32(B, H, L, K), torch.empty_like(k)
+    run("chunk_bwd_dqkw", q, k, rec["w"], rec["u"], do, g_cum, dv2, rec["S"], dh, dq,
+        dk_part, dw, dg_part)
+    run("chunk_bwd_wy", k, v, beta, g_cum, rec["A"], dw, dv2, dk_part, dg_part, dk, dv, dbeta,
+        dg)
+    return dq, dk, dv, dbeta, dh0, dg

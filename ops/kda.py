@@ -43,10 +43,20 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read as f32.
     safe_gate (fla's rules checked) and disable_recompute change nothing in a forward;
     chunk_size: 64 only. Returns (o [B, T, HV, V], final_state f32 or None).
+
+    Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
+    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V in
+    {64, 128}; float16 / bfloat16; the gate's activation, l2norm and beta's sigmoid by
+    torch; anything the backward does not support raises SpecError).
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+    from . import autograd
+    if autograd.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return autograd.train(SPEC, opts, q, k, v, g, beta, scale, initial_state,
+                              output_final_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                              lower_bound=lower_bound)
     return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -146,8 +146,8 @@ def test_unsupported_options_raise():
         linattn.chunk_delta_rule(*_grad_inputs(), transpose_state_layout=True)
 
 
-@pytest.mark.parametrize("op", ["chunk_kda",        # (chunk_gla trains: test_additive_bwd.py)
-                                "fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
+# (chunk_gla trains: test_additive_bwd.py; chunk_kda: test_kda_bwd.py)
+@pytest.mark.parametrize("op", ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
                                 "fused_recurrent_gla", "fused_recurrent_delta_rule"])
 def test_ops_without_backward_refuse_requires_grad(op):
     fn = getattr(linattn, op, None)

@@ -15,8 +15,13 @@ dg's terms, whose cancellation loosens them to 5x the limit), GVA, varlen, l2nor
 g = logsigmoid(x) / 8 (or raw x with use_gate_in_kernel). Only the selected tests'
 kernels are precompiled.
 
+KDA (the ``kda`` tests): chunk_kda the same way with the per-key gate g [B, T, HV, K]
+(logsigmoid(x) / 8 per channel, or raw x with use_gate_in_kernel: A_log [HV], dt_bias
+[HV * K]), also against dsl/delta_key_bwd.py (the kernels' algorithm) on the small cases.
+
 Run: python3 -m pytest -q -m gpu tests/test_autograd_gpu.py   (skips without a GPU)
      python3 -m pytest -q -m gpu tests/test_autograd_gpu.py -k gdn   (Gated DeltaNet only)
+     python3 -m pytest -q -m gpu tests/test_autograd_gpu.py -k kda   (KDA only)
 """
 import time
 
@@ -98,9 +103,14 @@ def _scheme(name):
     return saved
 
 
-def _selected(request, gdn):
-    """Whether this run selected any of the module's Gated DeltaNet (gdn) / other tests."""
-    return any(("gdn" in item.name) == gdn for item in request.session.items
+def _family(name):
+    return "gdn" if "gdn" in name else "kda" if "kda" in name else "deltanet"
+
+
+def _selected(request, family):
+    """Whether this run selected any of the module's tests of family ("deltanet", "gdn",
+    "kda": by the test's name)."""
+    return any(_family(item.name) == family for item in request.session.items
                if getattr(item, "module", None) is request.module)
 
 
@@ -108,9 +118,10 @@ def _selected(request, gdn):
 def precompiled(request):
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.gdn import SPEC as GDN
+    from linattn.ops.kda import SPEC as KDA
     t0 = time.time()
-    fwd, bwd, gated = [], [], []
-    if _selected(request, gdn=False):
+    fwd, bwd, gated, keyed = [], [], [], []
+    if _selected(request, "deltanet"):
         for c in CASES:
             jobs, params = _jobs(c.values[0])
             fwd += jobs
@@ -121,13 +132,18 @@ def precompiled(request):
                 bwd.append(_jobs(c.values[0])[1])
             finally:
                 _scheme(saved)
-    if _selected(request, gdn=True):
+    if _selected(request, "gdn"):
         for c in GDN_CASES:
             jobs, params = _gdn_jobs(c.values[0])
             fwd += jobs
             gated.append(params)
+    if _selected(request, "kda"):
+        for c in KDA_CASES:
+            jobs, params = _kda_jobs(c.values[0])
+            fwd += jobs
+            keyed += params
     errors = (chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
-              + chunk_bwd.precompile(gated, spec=GDN))
+              + chunk_bwd.precompile(gated, spec=GDN) + chunk_bwd.precompile(keyed, spec=KDA))
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)
@@ -291,6 +307,7 @@ def _gdn_jobs(p):
 
 
 def _gdn_inputs(p, seed):
+    """GDN's inputs; KDA's (p["family"] == "kda") with the gate per key channel."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     B, T, H, HV, K, V = (p[n] for n in ("B", "T", "H", "HV", "K", "V"))
     N, dt = _n_seqs(p), getattr(torch, p["dtype"])
@@ -300,12 +317,13 @@ def _gdn_inputs(p, seed):
         q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
     xs = dict(q=q.to(dt), k=k.to(dt), v=rnd(B, T, HV, V).to(dt),
               beta=torch.sigmoid(rnd(B, T, HV)).to(dt))
+    gk = (K,) if p["family"] == "kda" else ()
     if p["gik"]:
-        xs.update(g=rnd(B, T, HV).float(),
+        xs.update(g=rnd(B, T, HV, *gk).float(),
                   A_log=torch.log(torch.rand(HV, generator=g, device="cuda") * 4 + 0.5),
-                  dt_bias=(rnd(HV) * 0.5).float())
+                  dt_bias=(rnd(HV * (K if gk else 1)) * 0.5).float())
     else:
-        xs["g"] = (torch.nn.functional.logsigmoid(rnd(B, T, HV)) / 8).float()
+        xs["g"] = (torch.nn.functional.logsigmoid(rnd(B, T, HV, *gk)) / 8).float()
     if p["h0"]:
         xs["initial_state"] = rnd(N, HV, K, V).float()
     return xs, rnd(B, T, HV, V).to(dt), rnd(N, HV, K, V).float()
@@ -399,3 +417,105 @@ def test_gdn_gradients_vs_chunked_bwd(p, rng):
                  A_log="dA_log", dt_bias="ddt_bias")
     rgrads = {n: torch.from_numpy(ref[names[n]]).cuda() for n in xs}
     _gdn_record("gdn_vs_chunked_bwd", p, grads, rgrads, xs, seed)
+
+
+# -- KDA (the per-key gate) ------------------------------------------------------------------
+
+def kda_case(B, T, H, HV, K, V, dtype, cu=None, h0=False, dht=False, l2norm=False, gik=False,
+             name=None):
+    p = dict(family="kda", B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, cu=cu, h0=h0,
+             dht=dht, l2norm=l2norm, gik=gik)
+    flags = "".join(f"-{n}" for n in ("h0", "dht", "l2norm", "gik") if p[n])
+    return pytest.param(p, id=name or f"kda-B{B}-T{T}-H{H}-HV{HV}-K{K}-V{V}-{SHORT[dtype]}"
+                                      f"{flags}")
+
+
+KDA_CASES = [
+    kda_case(2, 2048, 4, 4, 128, 128, "bfloat16", dht=True, name="kda-train-2k-K128-bf16-dht"),
+    kda_case(2, 2048, 2, 4, 64, 64, "float16", h0=True, dht=True, l2norm=True,
+             name="kda-train-2k-GVA2-f16-h0-dht-l2norm"),
+    kda_case(1, 1000, 4, 8, 128, 128, "bfloat16", h0=True, dht=True, l2norm=True, gik=True,
+             name="kda-T1000-GVA2-K128-bf16-h0-dht-l2norm-gik"),
+    kda_case(2, 63, 4, 4, 64, 64, "bfloat16", h0=True, dht=True),
+    kda_case(2, 65, 2, 4, 64, 64, "float16", l2norm=True),
+    kda_case(1, 130, 2, 2, 64, 128, "bfloat16", h0=True, gik=True),
+    kda_case(1, 130, 1, 3, 128, 64, "float16", h0=True, dht=True, l2norm=True),
+    kda_case(1, 200, 2, 2, 128, 128, "float16", h0=True, dht=True, gik=True),
+    kda_case(2, 1, 2, 2, 64, 64, "bfloat16", h0=True, dht=True),
+    kda_case(1, 1 + 129 + 1 + 64 + 300 + 1, 2, 4, 64, 64, "bfloat16",
+             cu=(0, 1, 130, 131, 195, 495, 496), h0=True, dht=True, l2norm=True, gik=True,
+             name="kda-varlen-1tok-GVA2-bf16-h0-dht-l2norm-gik"),
+    kda_case(1, 1 + 2047 + 1 + 1000, 4, 4, 128, 128, "float16", cu=(0, 1, 2048, 2049, 3049),
+             h0=True, dht=True, name="kda-varlen-long-K128-f16-h0-dht"),
+]
+KDA_SMALL_CASES = [c for c in KDA_CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
+
+
+def _kda_jobs(p):
+    """(forward jobs, [backward param dicts]) of one KDA case: the forward's plan, the
+    backward's recompute (the per-key prepare with A, the state pass) and its stages."""
+    from linattn.dsl import Options
+    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops.kda import SPEC
+    N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    opts = Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"])
+    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+                              dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
+                              Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
+                              output_final_state=True)
+    jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
+    L = -(-max(lens) // 64) * 64
+    dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
+    return jobs, [chunk_bwd.key_recompute_params(**dims, L=L, has_initial_state=p["h0"]),
+                  chunk_bwd.key_stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"])]
+
+
+def _kda_ours(p, xs, do, dht):
+    import linattn
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], dtype=torch.int32)
+    return _gdn_run(p, xs, do, dht, linattn.chunk_kda,
+                    use_qk_l2norm_in_kernel=p["l2norm"], use_gate_in_kernel=p["gik"],
+                    cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
+
+
+def _kda_reference(p, xs, do, dht):
+    from linattn.dsl import Options
+    from linattn.dsl import torch_reference as tref
+    from linattn.ops.kda import SPEC
+    cu = None if p["cu"] is None else torch.tensor(p["cu"], device="cuda")
+    return _gdn_run(p, {n: x.to(F64) for n, x in xs.items()}, do, dht,
+                    lambda output_final_state, **a: tref.chunked_forward(SPEC, **a),
+                    options=Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"]),
+                    cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("p", KDA_CASES)
+def test_kda_gradients_vs_torch_fp64(p, rng):
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _gdn_inputs(p, seed)
+    saved = {n: x.clone() for n, x in xs.items()}
+    o, ht, grads = _kda_ours(p, xs, do, dht)
+    assert all(torch.equal(xs[n], saved[n]) for n in xs), "inputs modified"
+    ro, rht, rgrads = _kda_reference(p, xs, do, dht)
+    _gdn_record("kda_autograd", p, grads, rgrads, xs, seed,
+                dict(o=rel_err(o, ro), ht=rel_err(ht, rht)))
+
+
+@pytest.mark.parametrize("p", KDA_SMALL_CASES)
+def test_kda_gradients_vs_delta_key_bwd(p, rng):
+    """The same run against dsl/delta_key_bwd.py (the kernels' algorithm, fp64)."""
+    from linattn.dsl import Options
+    from linattn.dsl.delta_key_bwd import delta_key_backward
+    from linattn.ops.kda import SPEC
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _gdn_inputs(p, seed)
+    _, _, grads = _kda_ours(p, xs, do, dht)
+    npy = lambda x: x.detach().to(F64).cpu().numpy()  # noqa: E731
+    ref = delta_key_backward(SPEC, **{n: npy(x) for n, x in xs.items()}, do=npy(do),
+                             dht=npy(dht) if p["dht"] else None,
+                             options=Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"]),
+                             cu_seqlens=None if p["cu"] is None else list(p["cu"]))
+    names = dict(q="dq", k="dk", v="dv", g="dg", beta="dbeta", initial_state="dh0",
+                 A_log="dA_log", dt_bias="ddt_bias")
+    rgrads = {n: torch.from_numpy(ref[names[n]]).cuda() for n in xs}
+    _gdn_record("kda_vs_delta_key_bwd", p, grads, rgrads, xs, seed)

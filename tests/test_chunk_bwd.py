@@ -32,7 +32,9 @@ def test_plan_lists_backward_stages():
     for spec in all_rule_gate_specs():          # the delta rule without a gate or scalar
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "delta":          # (the additive rule's: test_additive_bwd.py)
-            assert names == {"delta_none": want, "delta_scalar": gated}.get(spec.name, [])
+            key = [chunk_bwd.RECOMPUTE, *chunk_bwd.KEY_STAGES]   # (test_kda_bwd.py)
+            assert names == {"delta_none": want, "delta_scalar": gated,
+                             "delta_key": key}[spec.name]
 
 
 GATED_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",

@@ -1,0 +1,323 @@
+"""CPU tests of KDA's chunked backward (the delta rule with a per-key gate;
+ops/chunk_bwd.py key_recompute / key_backward_stages, ops/autograd.py key_backward): the
+plan lists the stages, they render with the arguments the host passes, they compile for
+sm_90a without spills, the recompute and the stages on head-first inputs match
+dsl/delta_key_bwd.py, and training through linattn.chunk_kda matches torch.autograd of
+the fp64 reference. The kernels are replaced by fakes that check every launch against
+the traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's
+stage functions (per chunk, with the kernels' rounding of GEMM operands emulated), the
+recompute's state pass by tests/test_chunk_fused.py's PipelineMath; the training
+forward itself is the fp64 reference rounded to the input dtype."""
+import numpy as np
+import pytest
+import torch
+
+from _kernel_check import fake_compiles
+from test_chunk import by_name
+from test_chunk_fused import PipelineMath
+
+import linattn
+from linattn.codegen.plan import plan
+from linattn.dsl import Options, SpecError
+from linattn.dsl import delta_key_bwd as ref
+from linattn.dsl import torch_reference as tref
+from linattn.dsl.additive_bwd import rounding
+from linattn.ops import autograd, chunk, chunk_bwd
+from linattn.ops.kda import SPEC
+
+F64 = torch.float64
+C = chunk_bwd.CHUNK
+STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.KEY_STAGES
+
+
+def test_plan_lists_the_stages():
+    assert [s.name for s in plan(SPEC, "bwd")] == list(STAGES)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_renders(stage):
+    mod = chunk.stage_module(SPEC, stage)
+    assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == SPEC.hash
+    for ex in mod.EXAMPLES[:2]:
+        fn = mod.build(**ex)
+        if hasattr(mod, "args"):
+            assert [fn.buffer_map[p].name for p in fn.params] == mod.args(**ex)
+
+
+def test_recompute_params_are_the_forward_prepare():
+    """The recompute renders the forward's per-key prepare (A written too) at the params
+    the arch's plan gives chunk_prepare; the state pass keeps every chunk's state in f32."""
+    p = chunk_bwd.key_recompute_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128,
+                                       has_initial_state=True)
+    fwd = chunk.plan_params(chunk.forward_plan(
+        SPEC, Options(), H=1, HV=1, K=64, V=128, dtype="bfloat16", beta_dtype="bfloat16",
+        seq_chunks=(2,) * 6, Ttot=768, has_initial_state=True, output_final_state=True,
+        return_states=True, config={"fused": False}))
+    assert p[chunk_bwd.RECOMPUTE] == fwd["chunk_prepare"]
+    assert p["chunk_state"]["states_out"] and p["chunk_state"]["has_initial_state"]
+    assert not any(p[chunk_bwd.RECOMPUTE][f] for f in ("l2norm_qk", "beta_sigmoid",
+                                                       "gate_in_kernel"))
+    sp = chunk_bwd.key_stage_params(H=3, K=64, V=128, dtype="bfloat16", B=2, use_dht=True)
+    assert list(sp) == list(chunk_bwd.KEY_STAGES)
+    assert sp["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in sp["chunk_bwd_dh"]
+    assert sp["chunk_bwd_dh"]["num_stages"] == chunk_bwd.KEY_DH_NUM_STAGES
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("K,V,dtype", [(128, 128, "bfloat16"), (64, 64, "float16"),
+                                       (128, 64, "float16"), (64, 128, "bfloat16")])
+def test_stages_compile_without_spills(K, V, dtype):
+    """Every stage one call runs (B = 2, H = 4, with dht and dh0) compiles for sm_90a
+    without spills and without a CTA barrier in a thread-dependent branch."""
+    from linattn.codegen.compile import compile_stage, format_record
+    params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128,
+                                                 has_initial_state=True),
+                  **chunk_bwd.key_stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
+                                               store_dh0=True))
+    for stage, p in params.items():
+        rec = compile_stage(chunk.stage_module(SPEC, stage), p, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["registers"] and rec["registers"] <= 255, rec
+        assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
+        assert not rec["barriers_in_branches"], rec
+
+
+# -- fakes: the stages' math by dsl/delta_key_bwd.py, chunk by chunk ------------------------
+
+def _np(x):
+    return x.detach().to(F64).numpy()
+
+
+def _t(x):
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _rel(x, r):
+    return float(torch.linalg.norm(x.to(F64) - r) / max(torch.linalg.norm(r), 1e-30))
+
+
+class KeyStageMath:
+    """The per-key stages in fp64 (dsl/delta_key_bwd.py), rounding GEMM operands to the
+    kernels' input dtype; head-first tensors [B, H, L, ..], L a multiple of 64."""
+
+    def __init__(self, dtype):
+        self.rnd = rounding(dtype)
+
+    def _rows(self, c):
+        return slice(c * C, (c + 1) * C)
+
+    def recompute(self, p, q, k, v, g, beta, chunk_bos, chunk_len, aqk, qg, kg, g_last, w, u,
+                  A_out, **_):
+        assert not (p["l2norm_qk"] or p["beta_sigmoid"] or p["gate_in_kernel"]), p
+        for ci, (t0, n) in enumerate(zip(chunk_bos.tolist(), chunk_len.tolist())):
+            assert n == C
+            rows = slice(t0, t0 + n)
+            one = lambda x: _np(x[rows]).swapaxes(0, 1)  # noqa: E731  [1, C, ..]
+            r = ref.recompute(one(q), one(k), one(v), one(beta), one(g), self.rnd)
+            for name, dst in (("aqk", aqk), ("qg", qg), ("kg", kg), ("w", w), ("u", u),
+                              ("A", A_out)):
+                dst[rows] = _t(r[name].swapaxes(0, 1)).to(dst.dtype)
+            g_last[ci] = _t(r["g_last"]).to(g_last.dtype)
+
+    def dv_local(self, aqk, do, dv_local):
+        for c in range(aqk.shape[2] // C):
+            s = self._rows(c)
+            for b in range(aqk.shape[0]):
+                dv_local[b, :, s] = _t(
+                    ref.dv_local(_np(aqk[b, :, s]), _np(do[b, :, s]), self.rnd)).to(dv_local.dtype)
+
+    def dh(self, qg, kg, w, do, g_last, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
+           store_dh0=False):
+        B, H, L, K = qg.shape
+        for b in range(B):
+            dh = _np(dht[b]) if use_dht else np.zeros((H, K, do.shape[-1]))
+            for c in reversed(range(L // C)):
+                s = self._rows(c)
+                dh_out[b, :, c] = _t(dh).to(dh_out.dtype)
+                d, dh = ref.dh_step(_np(qg[b, :, s]), _np(kg[b, :, s]), _np(w[b, :, s]),
+                                    _np(do[b, :, s]), _np(g_last[b, :, c]),
+                                    _np(dv_local[b, :, s]), _np(dh_out[b, :, c]), self.rnd)
+                dv2[b, :, s] = _t(d).to(dv2.dtype)
+            if store_dh0:
+                dh0[b] = _t(dh).to(dh0.dtype)
+
+    def dqkw(self, q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
+        B, H, L, K = q.shape
+        for b in range(B):
+            for c in range(L // C):
+                s = self._rows(c)
+                x = [_np(t[b, :, s]) for t in (q, k, w, u, do, g_cum, dv2)]
+                out = ref.dqkw(*x, _np(S[b, :, c]), _np(dh[b, :, c]), self.rnd)
+                for dst, y in zip((dq, dk_part, dw, dg_part), out):
+                    dst[b, :, s] = _t(y).to(dst.dtype)
+
+    def wy(self, k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
+        B, H, L, K = k.shape
+        for b in range(B):
+            for c in range(L // C):
+                s = self._rows(c)
+                x = [_np(t[b, :, s]) for t in (k, v, beta, g_cum, A, dw, du, dk_part, dg_part)]
+                for dst, y in zip((dk, dv, dbeta, dg), ref.wy(*x, self.rnd)):
+                    dst[b, :, s] = _t(y).to(dst.dtype)
+
+
+def install_key_fakes(monkeypatch):
+    """Route every compile to fakes checked against the traced kernels: the per-key
+    stages run KeyStageMath, the recompute's state pass PipelineMath. Returns the stage
+    names compiled, in order."""
+    names = []
+
+    def body(spec, stage, params):
+        names.append(stage)
+        math = KeyStageMath(params["dtype"])
+        if stage == chunk_bwd.RECOMPUTE:
+            return by_name({stage: math.recompute})(spec, stage, params)
+        if stage in chunk_bwd.KEY_STAGES:
+            flags = {f: True for f in ("use_dht", "store_dh0") if params.get(f)}
+            fn = getattr(math, stage.replace("chunk_bwd_", ""))
+            return lambda *args: fn(*args, **flags)
+        pm = PipelineMath(spec, params["H"], params["HV"], params["K"], params.get("V"))
+        return pm.body(spec, stage, params)
+    fake_compiles(monkeypatch, body)
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    return names
+
+
+@pytest.mark.parametrize("B,H,L,K,V,dtype", [(2, 2, 128, 64, 64, torch.float16),
+                                               (1, 1, 64, 128, 64, torch.bfloat16)])
+def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
+    """key_recompute then key_backward_stages on head-first inputs (h0, dht, dh0) against
+    dsl/delta_key_backward in fp64: the launches, buffers and stage order."""
+    names = install_key_fakes(monkeypatch)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k = (torch.nn.functional.normalize(r(B, H, L, K), dim=-1).to(dtype) for _ in "qk")
+    v, do = r(B, H, L, V).to(dtype), r(B, H, L, V).to(dtype)
+    beta = torch.sigmoid(r(B, H, L)).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(B, H, L, K)).float()
+    h0, dht = (0.1 * r(B, H, K, V)).float(), r(B, H, K, V).float()
+    g_cum = g.view(B, H, L // C, C, K).cumsum(3).view(B, H, L, K)
+    rec = chunk_bwd.key_recompute(q, k, v, beta, g, h0)
+    got = chunk_bwd.key_backward_stages(do, q, k, v, beta, g_cum, rec, dht=dht, want_dh0=True)
+    assert names == list(STAGES[:1]) + ["chunk_state"] + list(STAGES[1:])
+    tok = lambda x: x.to(F64).transpose(1, 2).numpy()  # noqa: E731
+    want = ref.delta_key_backward(SPEC, tok(q), tok(k), tok(v), tok(g), tok(beta), do=tok(do),
+                                  dht=dht.double().numpy(), scale=1.0,
+                                  initial_state=h0.double().numpy())
+    for name, x in zip(("dq", "dk", "dv", "dbeta", "dh0", "dg"), got):
+        w = torch.from_numpy(want[name])
+        w = w if name == "dh0" else w.transpose(1, 2)
+        assert x.shape == w.shape and not torch.isnan(x).any(), name
+        assert _rel(x, w) < 1e-2, (name, _rel(x, w))
+
+
+def _gate(call_or_opts, g, A_log, dt_bias, lower_bound):
+    """(g as the fp64 reference takes it, its options): KDA's lower-bounded gate formed
+    here (the reference knows the softplus form only)."""
+    if lower_bound is None:
+        return g, call_or_opts
+    HV, K = g.shape[2], g.shape[3]
+    x = g + (0 if dt_bias is None else dt_bias.view(HV, K))
+    a = 1.0 if A_log is None else torch.exp(A_log.view(HV, 1))
+    return lower_bound * torch.sigmoid(a * x), None
+
+
+def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
+    cu = None if call.cu is None else torch.tensor(call.cu)
+    opts = call.options
+    if call.lower_bound is not None:
+        g, _ = _gate(None, g.double(), A_log.double(), dt_bias.double(), call.lower_bound)
+        opts, A_log, dt_bias = Options(l2norm_qk=call.l2norm_qk, beta_sigmoid=call.beta_sigmoid,
+                                       allow_neg_eigval=call.allow_neg_eigval), None, None
+    o, final = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=opts,
+                                    scale=call.scale, initial_state=initial_state,
+                                    cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
+    return o.to(q.dtype), (final.float() if call.output_final_state else None)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    names = install_key_fakes(monkeypatch)
+    monkeypatch.setattr(autograd, "run_forward", _reference_forward)
+    return names
+
+
+CASES = [   # B, T, H, HV, K, V, cu, h0, dht, l2norm, gate in kernel, lower_bound, dtype
+    pytest.param(2, 130, 2, 2, 64, 64, None, False, False, False, False, None,
+                 torch.float16, id="B2-T130-plain-f16"),
+    pytest.param(1, 100, 1, 2, 128, 64, None, True, True, True, False, None,
+                 torch.bfloat16, id="GVA2-K128-h0-dht-l2norm-bf16"),
+    pytest.param(1, 135, 2, 2, 64, 128, (0, 1, 70, 71, 135), True, True, True, False, None,
+                 torch.float16, id="varlen-1tok-h0-dht"),
+    pytest.param(2, 70, 1, 2, 64, 64, None, True, False, True, True, None, torch.float16,
+                 id="gate-in-kernel-GVA2"),
+    pytest.param(1, 80, 1, 1, 64, 64, None, False, True, False, True, -5.0, torch.float16,
+                 id="lower-bound"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,cu,h0,use_dht,l2,gik,lb,dtype", CASES)
+def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu, h0, use_dht,
+                                        l2, gik, lb, dtype):
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    x = dict(q=q.to(dtype), k=k.to(dtype), v=r(B, T, HV, V).to(dtype),
+             beta=torch.sigmoid(r(B, T, HV)).to(dtype),
+             initial_state=r(N, HV, K, V).float() * 0.1 if h0 else None)
+    if gik:
+        x.update(g=r(B, T, HV, K).float(), A_log=torch.log(torch.rand(HV, generator=gen) * 4
+                                                             + .5),
+                 dt_bias=(r(HV * K) * 0.5).float())
+    else:
+        x["g"] = torch.nn.functional.logsigmoid(r(B, T, HV, K)).float()
+    do, dht = r(B, T, HV, V).to(dtype), r(N, HV, K, V).float()
+    leaves = {n: None if t is None else t.clone().requires_grad_() for n, t in x.items()}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    o, ht = linattn.chunk_kda(**leaves, output_final_state=use_dht, use_qk_l2norm_in_kernel=l2,
+                              use_gate_in_kernel=gik, lower_bound=lb, cu_seqlens=cu_t)
+    loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
+    loss.backward()
+    assert fake_kernels == list(STAGES[:1]) + ["chunk_state"] + list(STAGES[1:])
+
+    refs = {n: None if t is None else t.detach().to(F64).requires_grad_() for n, t in x.items()}
+    g, opts = refs["g"], Options(l2norm_qk=l2, gate_in_kernel=gik)
+    A_log, dt_bias = refs.get("A_log"), refs.get("dt_bias")
+    if lb is not None:
+        g, _ = _gate(None, g, A_log, dt_bias, lb)
+        opts, A_log, dt_bias = Options(l2norm_qk=l2), None, None
+    o_r, ht_r = tref.chunked_forward(SPEC, refs["q"], refs["k"], refs["v"], g,
+                                     beta=refs["beta"], options=opts,
+                                     initial_state=refs["initial_state"],
+                                     cu_seqlens=None if cu is None else torch.tensor(cu),
+                                     A_log=A_log, dt_bias=dt_bias)
+    loss_r = (o_r * do.to(F64)).sum() + ((ht_r * dht.to(F64)).sum() if use_dht else 0)
+    loss_r.backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 5e-3
+    for n, t in leaves.items():
+        if t is None:
+            continue
+        # (A_log's and dt_bias's are sums over tokens of cancelling terms: 5x, as the GPU
+        # tests take them)
+        lim = 5 * tol if n in ("A_log", "dt_bias") else tol
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype, n
+        assert not torch.isnan(t.grad).any(), n
+        assert _rel(t.grad, refs[n].grad) < lim, (n, _rel(t.grad, refs[n].grad))
+
+
+def test_refusals():
+    q = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 70, 2, 64,
+                                                                       dtype=torch.bfloat16)
+    beta = torch.zeros(1, 70, 2, dtype=torch.bfloat16)
+    with pytest.raises(SpecError, match="KDA backward needs g"):
+        linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2), beta)
+    with pytest.raises(SpecError, match="K, V in"):
+        y = torch.zeros(1, 70, 2, 32, dtype=torch.bfloat16)
+        linattn.chunk_kda(y.requires_grad_(), y, y, torch.zeros(1, 70, 2, 32), beta)
+    with pytest.raises(SpecError, match="state_v_first"):
+        linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2, 64), beta, state_v_first=True)
