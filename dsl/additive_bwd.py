@@ -34,6 +34,10 @@ diagonal are summed element by element (one exponential per pair and channel); t
 terms are added scaled by e^G (dq) and e^{G_l - G} (dk). A scalar gate has one decay per
 row, E_ij = e^{G_i - G_j} <= 1, applied to the C x C products directly; no gate, E = 1
 and no dg.
+
+Above K = 128 the kernel forms stage 2 in key blocks (:func:`chunk_grads_key_blocks`):
+every term but dv (and a scalar gate's dg) is per key channel, and those two are sums of
+the blocks' partials.
 """
 from __future__ import annotations
 
@@ -137,6 +141,25 @@ def chunk_grads(gate: Gate, q, k, v, do, g, h_in, h_out, dh, rnd=rounding(None))
     dG = q * dq - k * dk
     dg = np.flip(np.cumsum(np.flip(dG, 1), 1), 1) + np.sum(h_out * dh, axis=-1)[:, None, :]
     return dq, dk, dv, dg
+
+
+def chunk_grads_key_blocks(gate: Gate, q, k, v, do, g, h_in, h_out, dh, block_k: int,
+                           rnd=rounding(None)):
+    """Stage 2 as chunk_bwd_dqkvg forms it in key blocks of block_k channels (K > 128):
+    :func:`chunk_grads` on each block's channels alone. dq, dk and dg are per key
+    channel, and dA reads no key channel, so they come out whole; A and (k e^{G_l - G}) dh
+    are sums over the channels, so each block's dv (A_b^T do + kd_b dh_b) is a partial,
+    as is a block's share of a scalar gate's dg (its channels' columns summed). Returns
+    (dq, dk [HV, C, K], dv [K / block_k, HV, C, V] partials, dg [HV, C, K])."""
+    K = q.shape[-1]
+    if K % block_k:
+        raise SpecError(f"block_k={block_k} must divide K={K}")
+    cut = lambda x, b: x[..., b:b + block_k]  # noqa: E731
+    outs = [chunk_grads(gate, cut(q, b), cut(k, b), v, do, cut(g, b),
+                        *(s[:, b:b + block_k] for s in (h_in, h_out, dh)), rnd)
+            for b in range(0, K, block_k)]
+    dq, dk, dg = (np.concatenate([o[i] for o in outs], axis=-1) for i in (0, 1, 3))
+    return dq, dk, np.stack([o[2] for o in outs]), dg
 
 
 def dstate_step(q, g, do, dh, rnd=rounding(None)):

@@ -8,7 +8,8 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
 
     chunk_bwd_dstate_local   X = scale (q e^G)^T do per chunk, into dstate
     chunk_bwd_dstate_scan    dh leaving each chunk = decay (.) dh leaving the next + X
-    chunk_bwd_dqkvg          dq, dk, dv, dg per chunk
+    chunk_bwd_dqkvg          dq, dk, dv, dg per chunk (and key block above K = 128: dv,
+                             a scalar gate's dg as f32 partials, summed here)
 
 over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
 offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its
@@ -27,9 +28,10 @@ Memory. Held from forward to backward: the inputs, plus the states where saved,
 fla's chunk_gla keeps there, its A: f32, 4 x 64 bytes a token and head; fla also keeps
 the gate's cumulative sum in g's place for an f32 g). During the backward: the states
 (recomputed where not saved) and their gradients, f32, (NT + N) x HV x K x V x 4 bytes
-each; the decays NT x HV x K x 4; the gradients (dg in f32); and, only while states are
-recomputed, the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w and
-h in the input dtype, g_last in f32). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
+each; the decays NT x HV x K x 4; the gradients (dg in f32; above K = 128 dv first as
+K / block_k f32 partials, 8 V bytes a token and head at K = 256); and, only while states
+are recomputed, the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w
+and h in the input dtype, g_last in f32). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
 34 MB of their gradients in the backward.
 """
 from __future__ import annotations
@@ -47,8 +49,8 @@ from . import chunk, runtime
 ARCH = "sm90"
 CHUNK = 64
 #: head dims the backward is generated and checked for (the chunked kernels' multiples
-#: of 16; K up to 128: dqkvg's shared memory at 64 x K tiles)
-K_MAX, V_MAX = 128, 256
+#: of 16, as the additive forward's; above K = 128 dqkvg runs in key blocks)
+K_MAX, V_MAX = 256, 512
 
 
 def state_rows(cu: tuple, device):
@@ -78,6 +80,13 @@ def _name(dtype) -> str:
     return runtime.dtype_name(dtype)
 
 
+def key_blocks(plan) -> int:
+    """dqkvg's CTAs a chunk and head: > 1 when it writes dv (and a scalar gate's dg) as f32
+    partials per key block, [K / block_k, ...], which the host sums."""
+    kw = next(la.kwargs for la in plan.launches if la.stage == "chunk_bwd_dqkvg")
+    return kw["K"] // kw.get("block_k", kw["K"])
+
+
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
                  want_dh0: bool, grad_dtype, config=None):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
@@ -91,14 +100,15 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     HV, V = v.shape[1:]
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
-    gated = spec.gate is not Gate.NONE
+    gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
     out_dtype = torch.float32 if group > 1 else grad_dtype     # GVA: dq, dk summed in f32
     problem = AdditiveBackwardProblem(
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0)
     plan = backward_plan(problem, config)
-    N = len(seq_chunks)
+    N, nkb = len(seq_chunks), key_blocks(plan)
+    part = (nkb,) if nkb > 1 else ()            # dv (dg of a scalar gate): partials
     f32 = dict(dtype=torch.float32, device=q.device)
     x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,
              state_row=state_rows(cu, q.device), scale=float(scale),
@@ -106,17 +116,21 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
              dh0=torch.empty(N if want_dh0 else 1, HV, K, V, **f32),
              dq=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
              dk=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
-             dv=torch.empty(Ttot, HV, V, dtype=out_dtype, device=q.device))
+             dv=torch.empty(*part, Ttot, HV, V, dtype=torch.float32 if part else out_dtype,
+                            device=q.device))
     if gated:
-        x["g"], x["dg"] = g, torch.empty(g.shape, **f32)
+        x["g"] = g
+        x["dg"] = torch.empty(*(part if scalar else ()), *g.shape, **f32)
     if Ttot:
         runtime.run_plan(spec, plan, x)
     elif want_dh0:
         x["dh0"].copy_(dht if dht is not None else 0.0)
-    dq, dk = x["dq"], x["dk"]
+    dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
+    if part:
+        dv, dg = dv.sum(0), (dg.sum(0) if scalar else dg)
     if group > 1:
         dq, dk = (t.view(Ttot, H, group, K).sum(2).to(grad_dtype) for t in (dq, dk))
-    return dq, dk, x["dv"].to(grad_dtype), x.get("dg"), x["dh0"] if want_dh0 else None
+    return dq, dk, dv.to(grad_dtype), dg, x["dh0"] if want_dh0 else None
 
 
 def check_backward(spec, q, k, v, what: str) -> None:

@@ -23,7 +23,7 @@ from linattn.codegen.plan import plan
 from linattn.codegen.pipeline import AdditiveBackwardProblem
 from linattn.dsl import Gate, Options, SpecError, all_rule_gate_specs
 from linattn.dsl import torch_reference as tref
-from linattn.dsl.additive_bwd import chunk_grads
+from linattn.dsl.additive_bwd import chunk_grads, chunk_grads_key_blocks
 from linattn.ops import additive_bwd, contracts, gla, linear_attn, simple_gla
 
 F64 = torch.float64
@@ -75,7 +75,49 @@ def test_backward_plan():
     assert (pl.launches[1].kwargs["block_k"], pl.launches[1].kwargs["block_v"]) == (16, 32)
     assert [b.name for b in pl.buffers] == ["dstate"]
     assert "g_dtype" not in pl.launches[0].kwargs
+    assert all("block_k" not in la.kwargs for la in pl.launches if la.stage != STAGES[1])
     print(pl)
+
+
+def test_backward_plan_key_blocks():
+    """Above K = 128 the per-chunk stages run in key blocks (GLA-1.3B: K = 256, V = 512:
+    two CTAs of 128 channels a chunk and head, each the K = 128 kernel's size); dqkvg's dv
+    then comes as partials."""
+    from linattn.codegen.arch.sm90.backward import key_block
+    assert [key_block(K) for K in (16, 64, 128, 144, 160, 192, 208, 224, 256)] == \
+        [16, 64, 128, 48, 80, 96, 16, 112, 128]
+    p = AdditiveBackwardProblem(gate="key", H=4, HV=4, K=256, V=512, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,) * 4)
+    pl = additive_bwd.backward_plan(p)
+    kw = {la.stage: la.kwargs for la in pl.launches}
+    assert kw["chunk_bwd_dstate_local"]["block_k"] == kw["chunk_bwd_dqkvg"]["block_k"] == 128
+    assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 32
+    assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 1 and additive_bwd.key_blocks(pl) == 2
+    assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
+                                                     "decay": (256, 4, 256)}
+    small = AdditiveBackwardProblem(gate="scalar", H=4, HV=4, K=144, V=48, dtype="float16",
+                                    g_dtype="float32", grad_dtype="float16", seq_chunks=(3,))
+    pl = additive_bwd.backward_plan(small)
+    assert additive_bwd.key_blocks(pl) == 3 and pl.launches[2].kwargs["min_blocks"] == 2
+    print(pl)
+
+
+@pytest.mark.parametrize("gate", [Gate.KEY, Gate.SCALAR, Gate.NONE])
+def test_key_blocks_sum_to_the_chunk(rng, gate):
+    """dqkvg's key blocks: dq, dk, dg per channel and dv's partials add up to the whole
+    chunk's (fp64; no rounding)."""
+    HV, K, V = 2, 48, 32
+    r = lambda *s: rng.standard_normal(s)  # noqa: E731
+    q, k, v, do = r(HV, C, K), r(HV, C, K), r(HV, C, V), r(HV, C, V)
+    g = np.log(1 / (1 + np.exp(-r(HV, C, K) - 2)))
+    if gate is not Gate.KEY:          # (one decay a row, broadcast; none: 0)
+        g = np.repeat(g[..., :1], K, axis=-1) * (gate is Gate.SCALAR)
+    st = [0.1 * r(HV, K, V) for _ in range(3)]
+    whole = chunk_grads(gate, q, k, v, do, g, *st)
+    dq, dk, dv, dg = chunk_grads_key_blocks(gate, q, k, v, do, g, *st, 16)
+    assert dv.shape == (3, HV, C, V)
+    for x, ref in zip((dq, dk, dv.sum(0), dg), whole):
+        np.testing.assert_allclose(x, ref, rtol=1e-10, atol=1e-10)
 
 
 # -- fp64 fakes of the three stages -----------------------------------------------------------
@@ -127,24 +169,33 @@ class BackwardMath:
 
     def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
               dv, scale, g=None, dg=None):
+        """With block_k (key blocks): dv, a scalar gate's dg as per-block f32 partials."""
         self.calls.append("dqkvg")
+        bk = p.get("block_k", self.K)
+        self.key_blocks = self.K // bk
         pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, C - x.shape[0])).numpy()  # noqa: E731
         for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
             sr = int(state_row[c])
             for hv in range(self.HV):
                 hk = hv // self.group
                 rows = lambda x, h: pad(x[t0:t0 + n, h].to(F64))[None]  # noqa: E731
-                out = chunk_grads(
+                out = chunk_grads_key_blocks(
                     self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(v, hv), rows(do, hv),
                     pad(self._gate(g, t0, n, hv))[None],
                     *(x.to(F64).numpy()[None] for x in (states[sr, hv], states[sr + 1, hv],
-                                                        dstate[sr + 1, hv])))
-                dqc, dkc, dvc, dgc = (torch.from_numpy(x[0, :n]) for x in out)
+                                                        dstate[sr + 1, hv])), bk)
+                dqc, dkc, dgc = (torch.from_numpy(x[0, :n]) for x in (out[0], out[1], out[3]))
+                dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
                 dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)
                 dk[t0:t0 + n, hv] = dkc.to(dk.dtype)
-                dv[t0:t0 + n, hv] = dvc.to(dv.dtype)
+                if self.key_blocks > 1:
+                    dv[:, t0:t0 + n, hv] = dvc.to(dv.dtype)
+                else:
+                    dv[t0:t0 + n, hv] = dvc[0].to(dv.dtype)
                 if self.spec.gate is Gate.KEY:
                     dg[t0:t0 + n, hv] = dgc.float()
+                elif self.spec.gate is Gate.SCALAR and self.key_blocks > 1:
+                    dg[:, t0:t0 + n, hv] = dgc.view(n, -1, bk).sum(-1).T.float()
                 elif self.spec.gate is Gate.SCALAR:
                     dg[t0:t0 + n, hv] = dgc.sum(-1).float()
 
@@ -173,7 +224,8 @@ def _rel(x, ref):
 # -- the GLAChunkBwd contract ---------------------------------------------------------------
 
 @pytest.mark.parametrize("B, T, H, K, V, h0", [(2, 130, 2, 64, 64, True), (1, 63, 3, 32, 64, False),
-                                               (2, 64, 1, 64, 32, True)])
+                                               (2, 64, 1, 64, 32, True),
+                                               (1, 70, 1, 256, 512, True)])
 def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
     bwd = install_fakes(monkeypatch, gla.SPEC, H, H, K, V)
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
@@ -187,6 +239,7 @@ def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
     out = contracts.gla_chunk_bwd(q, k, v, g, h.float(), do, dht, scale=0.125,
                                   initial_state=init.float() if h0 else None)
     assert bwd.calls == ["local", "scan", "dqkvg"]
+    assert bwd.key_blocks == (2 if K == 256 else 1)
     refs = tref.gla_chunk_bwd(q, k, v, g, h, do, dht, scale=0.125)
     assert len(out) == (5 if h0 else 4)
     for name, x, ref, like in zip(("dq", "dk", "dv", "dg", "dh0"), out, refs,
@@ -206,9 +259,9 @@ def test_contract_refuses_bad_inputs(monkeypatch):
         contracts.gla_chunk_bwd(x, x, x, x, h.double(), x, None)
     with pytest.raises(SpecError, match="float16 / bfloat16"):
         contracts.gla_chunk_bwd(x.float(), x, x, x, h, x, None)
-    with pytest.raises(SpecError, match="K a multiple of 16 up to 128"):
-        y = torch.zeros(1, 70, 2, 256, dtype=torch.bfloat16)
-        contracts.gla_chunk_bwd(y, y, x, y, torch.zeros(1, 3, 2, 256, 64), x, None)
+    with pytest.raises(SpecError, match="K a multiple of 16 up to 256"):
+        y = torch.zeros(1, 70, 2, 320, dtype=torch.bfloat16)
+        contracts.gla_chunk_bwd(y, y, x, y, torch.zeros(1, 3, 2, 320, 64), x, None)
     with pytest.raises(SpecError, match="dht must have shape"):
         contracts.gla_chunk_bwd(x, x, x, x, h, x, torch.zeros(1, 2, 64, 32))
 
@@ -251,6 +304,13 @@ CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
     pytest.param("additive_scalar", 1, 90, 2, 4, 16, 16, [30, 60], True, False, False,
                  id="scalar-GVA2-varlen"),
     pytest.param("additive_none", 2, 65, 1, 2, 16, 16, None, False, True, False, id="none-GVA2"),
+    # above K = 128: key blocks (dv, a scalar gate's dg from partials)
+    pytest.param("gla", 1, 70, 1, 1, 256, 512, None, True, True, False, id="gla-K256-V512"),
+    pytest.param("simple_gla", 1, 80, 1, 1, 256, 512, [15, 65], True, True, True,
+                 id="sgla-K256-V512-varlen-v-first"),
+    pytest.param("linear_attn", 1, 66, 1, 1, 256, 32, None, False, True, False, id="la-K256"),
+    pytest.param("additive_scalar", 1, 70, 1, 2, 144, 48, None, True, True, False,
+                 id="scalar-K144-GVA2"),
 ]
 
 
@@ -339,9 +399,12 @@ def test_no_grad_and_refusals(monkeypatch):
     g = torch.zeros(1, 70, 2, 64)
     with pytest.raises(SpecError, match="float16 / bfloat16"):
         gla.chunk_gla(x.float(), x.float(), x.float(), g)
-    y = torch.zeros(1, 70, 2, 256, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(SpecError, match="K a multiple of 16 up to 128"):
+    y = torch.zeros(1, 70, 2, 272, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(SpecError, match="K a multiple of 16 up to 256"):
         linear_attn.chunk_linear_attn(y, y, x)
+    w = torch.zeros(1, 70, 2, 528, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(SpecError, match="V a multiple of 16 up to 512"):
+        linear_attn.chunk_linear_attn(x, x, w)
     with pytest.raises(SpecError, match="needs g"):
         gla.chunk_gla(x, x, x, g[..., :32])
     with pytest.raises(SpecError, match="cu_seqlens needs B == 1"):
@@ -353,10 +416,14 @@ def test_no_grad_and_refusals(monkeypatch):
 @pytest.mark.parametrize("family, K, V, dtype", [("gla", 64, 64, "bfloat16"),
                                                  ("gla", 128, 128, "float16"),
                                                  ("simple_gla", 64, 64, "float16"),
-                                                 ("linear_attn", 128, 256, "bfloat16")])
+                                                 ("linear_attn", 128, 256, "bfloat16"),
+                                                 ("gla", 256, 512, "bfloat16"),
+                                                 ("simple_gla", 256, 512, "bfloat16"),
+                                                 ("linear_attn", 256, 512, "float16")])
 def test_stages_compile_without_spills(family, K, V, dtype):
     """The plan's three stages at a table-like call (B=2, H=4, 256 chunks each, with dht
-    and dh0) compile for sm_90a: <= 255 registers, no spills."""
+    and dh0) compile for sm_90a: <= 255 registers, no spills, TMA shared destinations
+    128-byte aligned, no CTA barrier in a thread-dependent branch (as test_compile)."""
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
@@ -369,6 +436,7 @@ def test_stages_compile_without_spills(family, K, V, dtype):
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec
         assert rec["registers"] <= 255 and rec["spill_store_bytes"] == 0, rec
+        assert not rec["tma_misaligned"] and not rec["barriers_in_branches"], rec
 
 
 @pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])

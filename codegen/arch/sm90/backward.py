@@ -20,8 +20,14 @@ from ...pipeline import AdditiveBackwardProblem, Buffer, Plan, launch
 from . import hardware as hw
 from .hardware import NAME, NUM_SMS
 
-#: per-chunk stages: value block of dstate_local's K x block_v f32 accumulator
+#: per-chunk stages: value block of dstate_local's block_k x block_v f32 accumulator
 LOCAL_BLOCK_V = 64
+#: the per-chunk stages' key block: all of K up to 128; above, K / block_k CTAs a chunk
+#: and head, block_k the largest multiple of 16 up to 128 dividing K (2 x 128 at K = 256:
+#: each CTA then is the K = 128 one). Every term of dstate_local is per key channel; in
+#: dqkvg a CTA forms dq, dk (dg) of its channels from dA (all of V, formed again by each)
+#: and writes f32 partials of dv (and of a scalar gate's dg) that the host sums
+MAX_BLOCK_K = 128
 #: dqkvg: two warpgroups (a CTA's fragments and the element passes over 64 x K split in
 #: two), the value dimension walked in blocks of 32 (the value tiles are then small enough
 #: for two CTAs an SM at K = 64: dqkvg_smem); two CTAs an SM where their shared memory
@@ -44,10 +50,15 @@ def value_block(V: int, most: int = 64) -> int:
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
 
 
+def key_block(K: int) -> int:
+    """The per-chunk stages' key channels a CTA (MAX_BLOCK_K)."""
+    return next(b for b in range(min(K, MAX_BLOCK_K), 0, -16) if K % b == 0)
+
+
 def dqkvg_smem(p: AdditiveBackwardProblem, bv: int) -> int:
     """Bytes of shared memory chunk_bwd_dqkvg holds at its peak (the pair terms or the
     state terms; buffers of disjoint lifetimes share memory), 16-bit inputs."""
-    C, K = p.chunk_size, p.K
+    C, K = p.chunk_size, key_block(p.K)
     if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
         return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv)
     held = C * K * (2 + 2 + 4 + 8) + 16 * K + 2 * C * C        # q, k, G, dq / dk diag, A
@@ -106,15 +117,17 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     bk, bv = config.get("scan_block_k", bk), config.get("scan_block_v", bv)
     scan = dict(HV=p.HV, K=p.K, V=p.V, use_dht=p.use_dht, store_dh0=p.store_dh0,
                 block_k=bk, block_v=bv, num_stages=config.get("scan_stages", SCAN_STAGES))
-    dbv = value_block(p.V, DQKVG_BLOCK_V)
-    # two CTAs: their shared memory fits, and K <= 64 (dq, dk and a product in flight are
-    # three 64 x K f32 fragments, 3 K / 4 registers a thread: over 128 at K = 128)
-    two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and p.K <= 64
+    dbv, kbk = value_block(p.V, DQKVG_BLOCK_V), key_block(p.K)
+    # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
+    # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
+    two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and kbk <= 64
+    kblocks = {"block_k": kbk} if kbk < p.K else {}
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
-                 **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}))
+                 **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
+                 **kblocks)
     launches = (
         launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
-                                             **order)),
+                                             **kblocks, **order)),
         launch("chunk_bwd_dstate_scan", scan),
         launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg, **order)),
     )

@@ -4,7 +4,8 @@
 # regenerate: linattn-gen --op gla --arch sm90
 """Chunked backward (additive rule), stage 3 of 3: dq, dk, dv, dg of every chunk, in parallel.
 
-One CTA per (chunk, value head); rows i, j < len of the chunk (rows past it read as
+One CTA per (key block, chunk, value head): block_k key channels (all of K where it
+fits: K <= 128); rows i, j < len of the chunk (rows past it read as
 zero, their gate as 0), h_in / h_out the states entering / leaving the chunk and dh the
 gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstate),
 G the in-chunk cumulative log gate per key channel, G_l its last row:
@@ -27,6 +28,11 @@ GEMM operands are in the input dtype (f32 accumulation); the states and dh are r
 f32 and rounded for the GEMMs; rowsum(h_out * dh) stays f32. V is walked in
 blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
 dq, dk are per value head (the host sums a GVA group).
+
+Key blocks (block_k < K): every term above but dv is per key channel, and dA needs
+no key channel, so a CTA forms the dq, dk, dg of its block_k channels; A and
+(k e^{G_l - G}) dh are sums over the channels, so its dv (A_b^T do + kd_b dh_b, A_b from its
+channels) are f32 partials [K / block_k, ...] that the host sums.
 """
 import tilelang
 import tilelang.language as T
@@ -54,17 +60,21 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dqkvg.
 
-    heads_fastest: grid (HV, NT) instead of (NT, HV): the value heads of a chunk together.
+    heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
+      heads of a chunk together (the key blocks of a head always adjacent).
+    block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV, K] (g_dtype),
       states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
       scale (f32)
-      -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV, K] f32
+      -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV, K] f32;
+         with key blocks dv [K / block_k, Ttot, HV, V] f32 (partials)
+
     """
     BT = CHUNK
     SUB = 16
@@ -73,9 +83,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     BV = min(block_v, V)
     assert V % BV == 0 and BV % 16 == 0, f"V={V}: block_v={block_v} must divide it"
     NVB = V // BV
+    BK = block_k or K
+    assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
+    NKB = K // BK
+    split = NKB > 1
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
+    # (key blocks: dv are per-block f32 partials)
+    dv_shape, dv_type = ((NKB, Ttot, HV, V), f32) if split else ((Ttot, HV, V), grad_dtype)
 
 
     @T.prim_func
@@ -92,65 +108,67 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         state_row: T.Tensor((NT,), "int32"),
         dq: T.Tensor((Ttot, HV, K), grad_dtype),
         dk: T.Tensor((Ttot, HV, K), grad_dtype),
-        dv: T.Tensor((Ttot, HV, V), grad_dtype),
+        dv: T.Tensor(dv_shape, dv_type),
         dg: T.Tensor((Ttot, HV, K), f32),
         scale: T.float32,
     ):
-        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+        with T.Kernel(NKB * HV if heads_fastest else NT, NT if heads_fastest else NKB * HV,
                       threads=threads) as (bx, by):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             c = by if heads_fastest else bx
-            hv = bx if heads_fastest else by
+            hv = (bx if heads_fastest else by) // NKB
+            kb = (bx if heads_fastest else by) % NKB
+            k0 = kb * BK
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             sr = state_row[c]
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            kd_s = T.alloc_shared((BT, K), dtype)
+            q_s = T.alloc_shared((BT, BK), dtype)
+            k_s = T.alloc_shared((BT, BK), dtype)
+            kd_s = T.alloc_shared((BT, BK), dtype)
             v_s = T.alloc_shared((BT, BV), dtype)
             do_s = T.alloc_shared((BT, BV), dtype)
-            h_s = T.alloc_shared((K, BV), dtype)
-            dh_s = T.alloc_shared((K, BV), dtype)
+            h_s = T.alloc_shared((BK, BV), dtype)
+            dh_s = T.alloc_shared((BK, BV), dtype)
             A_s = T.alloc_shared((BT, BT), dtype)
             dA_s = T.alloc_shared((BT, BT), dtype)
             dA_f = T.alloc_fragment((BT, BT), f32)
-            dq_f = T.alloc_fragment((BT, K), f32)
-            dk_f = T.alloc_fragment((BT, K), f32)
-            p_f = T.alloc_fragment((BT, K), f32)
+            dq_f = T.alloc_fragment((BT, BK), f32)
+            dk_f = T.alloc_fragment((BT, BK), f32)
+            p_f = T.alloc_fragment((BT, BK), f32)
             dv_f = T.alloc_fragment((BT, BV), f32)
-            hd_f = T.alloc_fragment((K, BV), f32)
-            hd_row = T.alloc_fragment((K,), f32)
-            dgl_s = T.alloc_shared((K,), f32)
+            hd_f = T.alloc_fragment((BK, BV), f32)
+            hd_row = T.alloc_fragment((BK,), f32)
+            dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
 
-            for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-            G_s = T.alloc_shared((BT, K), f32)
-            part_s = T.alloc_shared((4, K), f32)
+            for i, j in T.Parallel(BT, BK):
+                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
+            G_s = T.alloc_shared((BT, BK), f32)
+            part_s = T.alloc_shared((4, BK), f32)
             run = T.alloc_local((1,), f32)
-            for i, j in T.Parallel(BT, K):
-                G_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, j], f32), T.float32(0))
+            for i, j in T.Parallel(BT, BK):
+                G_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, k0 + j], f32), T.float32(0))
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
-                    part_s[idx // K, idx % K] = run[0]
+                        run[0] = run[0] + G_s[idx // BK * (BT // 4) + r, idx % BK]
+                    part_s[idx // BK, idx % BK] = run[0]
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for s in T.serial(4):
-                        run[0] = run[0] + T.if_then_else(s < idx // K, part_s[s, idx % K], T.float32(0))
+                        run[0] = run[0] + T.if_then_else(s < idx // BK, part_s[s, idx % BK], T.float32(0))
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
-                        G_s[idx // K * (BT // 4) + r, idx % K] = run[0]
+                        run[0] = run[0] + G_s[idx // BK * (BT // 4) + r, idx % BK]
+                        G_s[idx // BK * (BT // 4) + r, idx % BK] = run[0]
             T.sync_threads()
 
             # dA = scale tril_incl(do v^T), over the value blocks
@@ -167,8 +185,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
 
             # the diagonal 16 x 16 blocks, element by element in f32: thread (block b,
             # channel kk) sums dq[b, kk] over j <= i and dk[b, kk] over i >= j
-            dqd_s = T.alloc_shared((BT, K), f32)
-            dkd_s = T.alloc_shared((BT, K), f32)
+            dqd_s = T.alloc_shared((BT, BK), f32)
+            dkd_s = T.alloc_shared((BT, BK), f32)
             gl = T.alloc_local((SUB,), f32)
             qv = T.alloc_local((SUB,), f32)
             kv = T.alloc_local((SUB,), f32)
@@ -180,11 +198,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for i, j in T.Parallel(BT, BT):
                 A_s[i, j] = T.cast(0, dtype)
             T.sync_threads()
-            for e in T.serial(T.ceildiv(NB * K, threads)):
+            for e in T.serial(T.ceildiv(NB * BK, threads)):
                 idx = e * threads + tx
-                if idx < NB * K:
-                    r0 = idx // K * SUB
-                    kk = idx % K
+                if idx < NB * BK:
+                    r0 = idx // BK * SUB
+                    kk = idx % BK
                     for ii in T.unroll(SUB):
                         gl[ii] = G_s[r0 + ii, kk]
                         qv[ii] = T.cast(q_s[r0 + ii, kk], f32)
@@ -213,22 +231,22 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     i = idx // NP * SUB + T.if_then_else(sl <= rp, rp, SUB - 1 - rp)
                     j = idx // NP * SUB + T.if_then_else(sl <= rp, sl, sl - rp - 1)
                     acc[0] = T.float32(0)
-                    for cc in T.serial(K):
-                        ch = (cc + tx) % K
+                    for cc in T.serial(BK):
+                        ch = (cc + tx) % BK
                         acc[0] = acc[0] + T.cast(q_s[i, ch], f32) * T.cast(k_s[j, ch], f32) * \
                             T.exp(G_s[i, ch] - G_s[j, ch])
                     A_s[i, j] = T.cast(acc[0] * scale, dtype)
             T.sync_threads()
 
             # the blocks below the diagonal through the reference rows r = 16, 32, ...
-            Qr_s = T.alloc_shared((BT, K), dtype)
-            Kr_s = T.alloc_shared((BT, K), dtype)
+            Qr_s = T.alloc_shared((BT, BK), dtype)
+            Kr_s = T.alloc_shared((BT, BK), dtype)
             a_f = T.alloc_fragment((BT, BT), f32)
             T.clear(dq_f)
             T.clear(dk_f)
             for blk in T.serial(1, NB):
                 r = blk * SUB
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     Qr_s[i, j] = T.if_then_else(
                         i >= r, T.cast(T.cast(q_s[i, j], f32) * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)),
                                        dtype), T.cast(0, dtype))
@@ -240,22 +258,22 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     if (i >= r) & (i < r + SUB) & (j < r):
                         A_s[i, j] = T.cast(a_f[i, j] * scale, dtype)
                 T.gemm(dA_s, Kr_s, p_f, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dq_f[i, j] = dq_f[i, j] + T.if_then_else(
                         (i >= r) & (i < r + SUB),
                         p_f[i, j] * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)), T.float32(0))
                 T.gemm(dA_s, Qr_s, p_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dk_f[i, j] = dk_f[i, j] + T.if_then_else(
                         (i >= r - SUB) & (i < r),
                         p_f[i, j] * T.exp(T.min(G_s[r, j] - G_s[i, j], 0.0)), T.float32(0))
 
             # the state terms and dv, over the value blocks (v, do read again: their tiles
             # are not held through the pair terms); kd = k e^{G_l - G}
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1, j] - G_s[i, j]),
                                     dtype)
-            for j in T.Parallel(K):
+            for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
@@ -263,57 +281,60 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                                T.cast(0, dtype))
                     do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
                                                 T.cast(0, dtype))
-                for i, j in T.Parallel(K, BV):
-                    h_s[i, j] = T.cast(states[sr, hv, i, vb * BV + j], dtype)
-                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, i, vb * BV + j], dtype)
-                for i, j in T.Parallel(K, BV):
-                    hd_f[i, j] = states[sr + 1, hv, i, vb * BV + j] * dstate[sr + 1, hv, i, vb * BV + j]
+                for i, j in T.Parallel(BK, BV):
+                    h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                for i, j in T.Parallel(BK, BV):
+                    hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 T.reduce_sum(hd_f, hd_row, dim=1)
-                for j in T.Parallel(K):
+                for j in T.Parallel(BK):
                     dgl_s[j] = dgl_s[j] + hd_row[j]
                 T.gemm(do_s, h_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dq_f[i, j] = dq_f[i, j] + p_f[i, j] * scale * T.exp(G_s[i, j])
                 T.gemm(v_s, dh_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dk_f[i, j] = dk_f[i, j] + p_f[i, j] * T.exp(G_s[BT - 1, j] - G_s[i, j])
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                 T.gemm(kd_s, dh_s, dv_f)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
-                        dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+                        if split:
+                            dv[kb, t0 + i, hv, vb * BV + j] = dv_f[i, j]
+                        else:
+                            dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
             # totals (the diagonal blocks added), then dg = revcumsum(q dq - k dk) + <h_out, dh>
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] + dqd_s[i, j]
                 dk_f[i, j] = dk_f[i, j] + dkd_s[i, j]
             T.copy(dq_f, dqd_s)
             T.copy(dk_f, dkd_s)
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 G_s[i, j] = dqd_s[i, j] * T.cast(q_s[i, j], f32) - dkd_s[i, j] * T.cast(k_s[i, j], f32)
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + G_s[idx // K * (BT // 4) + r, idx % K]
-                    part_s[idx // K, idx % K] = run[0]
+                        run[0] = run[0] + G_s[idx // BK * (BT // 4) + r, idx % BK]
+                    part_s[idx // BK, idx % BK] = run[0]
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for s in T.serial(4):
-                        run[0] = run[0] + T.if_then_else(s > idx // K, part_s[s, idx % K], T.float32(0))
+                        run[0] = run[0] + T.if_then_else(s > idx // BK, part_s[s, idx % BK], T.float32(0))
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + G_s[idx // K * (BT // 4) + BT // 4 - 1 - r, idx % K]
-                        G_s[idx // K * (BT // 4) + BT // 4 - 1 - r, idx % K] = run[0]
+                        run[0] = run[0] + G_s[idx // BK * (BT // 4) + BT // 4 - 1 - r, idx % BK]
+                        G_s[idx // BK * (BT // 4) + BT // 4 - 1 - r, idx % BK] = run[0]
             T.sync_threads()
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 if i < rows:
-                    dq[t0 + i, hv, j] = T.cast(dqd_s[i, j], grad_dtype)
-                    dk[t0 + i, hv, j] = T.cast(dkd_s[i, j], grad_dtype)
-                    dg[t0 + i, hv, j] = G_s[i, j] + dgl_s[j]
+                    dq[t0 + i, hv, k0 + j] = T.cast(dqd_s[i, j], grad_dtype)
+                    dk[t0 + i, hv, k0 + j] = T.cast(dkd_s[i, j], grad_dtype)
+                    dg[t0 + i, hv, k0 + j] = G_s[i, j] + dgl_s[j]
 
     return chunk_bwd_dqkvg

@@ -5,7 +5,8 @@
 """Chunked backward (additive rule), stage 1 of 3: every chunk's own term of the state
 gradient, all chunks in parallel.
 
-One CTA per (value block, chunk, value head); rows i < len of the chunk (rows past it
+One CTA per (value block x key block, chunk, value head) (key blocks of block_k channels:
+the terms below are per key channel); rows i < len of the chunk (rows past it
 read as zero), G the in-chunk cumulative log gate per key channel:
 
   X = scale (q e^G)^T do          [K, BV] f32, q e^G rounded to the input dtype
@@ -43,10 +44,11 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
-          heads_fastest=False):
+          heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dstate_local.
 
-    heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV).
+    heads_fastest: grid (HV, V / block_v x K / block_k, NT) instead of (V / block_v x
+      K / block_k, NT, HV); block_k: key channels per CTA (None: K).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q [Ttot, H, K], do [Ttot, HV, V] (input dtype),
       g [Ttot, HV, K] (g_dtype, natural-log decay per key channel),
@@ -57,6 +59,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
     BT = CHUNK
     BV = min(block_v, V)
     assert V % BV == 0 and BV % 16 == 0, f"V={V}: block_v={block_v} must divide it"
+    BK = block_k or K
+    assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
+    NKB = K // BK
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
@@ -73,54 +78,56 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
         decay: T.Tensor((NT, HV, K), f32),
         scale: T.float32,
     ):
-        with T.Kernel(HV if heads_fastest else V // BV, V // BV if heads_fastest else NT,
+        with T.Kernel(HV if heads_fastest else NKB * (V // BV),
+                      NKB * (V // BV) if heads_fastest else NT,
                       NT if heads_fastest else HV, threads=threads) as (bx, by, bz):
-            iv = by if heads_fastest else bx
+            iv = (by if heads_fastest else bx) // NKB
+            k0 = (by if heads_fastest else bx) % NKB * BK
             c = bz if heads_fastest else by
             hv = bx if heads_fastest else bz
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
-            q_s = T.alloc_shared((BT, K), dtype)
+            q_s = T.alloc_shared((BT, BK), dtype)
             do_s = T.alloc_shared((BT, BV), dtype)
-            x_f = T.alloc_fragment((K, BV), f32)
-            g_s = T.alloc_shared((BT, K), f32)
-            part_s = T.alloc_shared((4, K), f32)
+            x_f = T.alloc_fragment((BK, BV), f32)
+            g_s = T.alloc_shared((BT, BK), f32)
+            part_s = T.alloc_shared((4, BK), f32)
             run = T.alloc_local((1,), f32)
             tx = T.get_thread_binding()
-            for i, j in T.Parallel(BT, K):
-                g_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, j], f32), T.float32(0))
+            for i, j in T.Parallel(BT, BK):
+                g_s[i, j] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv, k0 + j], f32), T.float32(0))
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + g_s[idx // K * (BT // 4) + r, idx % K]
-                    part_s[idx // K, idx % K] = run[0]
+                        run[0] = run[0] + g_s[idx // BK * (BT // 4) + r, idx % BK]
+                    part_s[idx // BK, idx % BK] = run[0]
             T.sync_threads()
-            for e in T.serial(T.ceildiv(4 * K, threads)):
+            for e in T.serial(T.ceildiv(4 * BK, threads)):
                 idx = e * threads + tx
-                if idx < 4 * K:
+                if idx < 4 * BK:
                     run[0] = T.float32(0)
                     for s in T.serial(4):
-                        run[0] = run[0] + T.if_then_else(s < idx // K, part_s[s, idx % K], T.float32(0))
+                        run[0] = run[0] + T.if_then_else(s < idx // BK, part_s[s, idx % BK], T.float32(0))
                     for r in T.serial(BT // 4):
-                        run[0] = run[0] + g_s[idx // K * (BT // 4) + r, idx % K]
-                        g_s[idx // K * (BT // 4) + r, idx % K] = run[0]
+                        run[0] = run[0] + g_s[idx // BK * (BT // 4) + r, idx % BK]
+                        g_s[idx // BK * (BT // 4) + r, idx % BK] = run[0]
             T.sync_threads()
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 q_s[i, j] = T.if_then_else(
-                    i < rows, T.cast(T.cast(q[t0 + i, hk, j], f32) * T.exp(g_s[i, j]), dtype),
+                    i < rows, T.cast(T.cast(q[t0 + i, hk, k0 + j], f32) * T.exp(g_s[i, j]), dtype),
                     T.cast(0, dtype))
             for i, j in T.Parallel(BT, BV):
                 do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, iv * BV + j],
                                             T.cast(0, dtype))
             T.gemm(q_s, do_s, x_f, transpose_A=True, clear_accum=True)
-            for i, j in T.Parallel(K, BV):
-                dstate[state_row[c], hv, i, iv * BV + j] = x_f[i, j] * scale
+            for i, j in T.Parallel(BK, BV):
+                dstate[state_row[c], hv, k0 + i, iv * BV + j] = x_f[i, j] * scale
             if iv == 0:         # rows past len added 0: row BT - 1 holds G_last
-                for j in T.Parallel(K):
-                    decay[c, hv, j] = T.exp(g_s[BT - 1, j])
+                for j in T.Parallel(BK):
+                    decay[c, hv, k0 + j] = T.exp(g_s[BT - 1, j])
 
     return chunk_bwd_dstate_local

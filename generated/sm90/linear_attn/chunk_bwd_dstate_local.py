@@ -5,7 +5,8 @@
 """Chunked backward (additive rule), stage 1 of 3: every chunk's own term of the state
 gradient, all chunks in parallel.
 
-One CTA per (value block, chunk, value head); rows i < len of the chunk (rows past it
+One CTA per (value block x key block, chunk, value head) (key blocks of block_k channels:
+the terms below are per key channel); rows i < len of the chunk (rows past it
 read as zero), G the in-chunk cumulative log gate:
 
   X = scale q^T do                [K, BV] f32
@@ -42,10 +43,11 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
-          heads_fastest=False):
+          heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dstate_local.
 
-    heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV).
+    heads_fastest: grid (HV, V / block_v x K / block_k, NT) instead of (V / block_v x
+      K / block_k, NT, HV); block_k: key channels per CTA (None: K).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q [Ttot, H, K], do [Ttot, HV, V] (input dtype),
       chunk_bos, chunk_len, state_row [NT] int32, scale (f32)
@@ -54,6 +56,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
     BT = CHUNK
     BV = min(block_v, V)
     assert V % BV == 0 and BV % 16 == 0, f"V={V}: block_v={block_v} must divide it"
+    BK = block_k or K
+    assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
+    NKB = K // BK
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
@@ -68,24 +73,26 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
         dstate: T.Tensor((NS, HV, K, V), f32),
         scale: T.float32,
     ):
-        with T.Kernel(HV if heads_fastest else V // BV, V // BV if heads_fastest else NT,
+        with T.Kernel(HV if heads_fastest else NKB * (V // BV),
+                      NKB * (V // BV) if heads_fastest else NT,
                       NT if heads_fastest else HV, threads=threads) as (bx, by, bz):
-            iv = by if heads_fastest else bx
+            iv = (by if heads_fastest else bx) // NKB
+            k0 = (by if heads_fastest else bx) % NKB * BK
             c = bz if heads_fastest else by
             hv = bx if heads_fastest else bz
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
-            q_s = T.alloc_shared((BT, K), dtype)
+            q_s = T.alloc_shared((BT, BK), dtype)
             do_s = T.alloc_shared((BT, BV), dtype)
-            x_f = T.alloc_fragment((K, BV), f32)
-            for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
+            x_f = T.alloc_fragment((BK, BV), f32)
+            for i, j in T.Parallel(BT, BK):
+                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, BV):
                 do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, iv * BV + j],
                                             T.cast(0, dtype))
             T.gemm(q_s, do_s, x_f, transpose_A=True, clear_accum=True)
-            for i, j in T.Parallel(K, BV):
-                dstate[state_row[c], hv, i, iv * BV + j] = x_f[i, j] * scale
+            for i, j in T.Parallel(BK, BV):
+                dstate[state_row[c], hv, k0 + i, iv * BV + j] = x_f[i, j] * scale
 
     return chunk_bwd_dstate_local

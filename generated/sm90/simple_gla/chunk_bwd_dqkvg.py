@@ -4,7 +4,8 @@
 # regenerate: linattn-gen --op simple_gla --arch sm90
 """Chunked backward (additive rule), stage 3 of 3: dq, dk, dv, dg of every chunk, in parallel.
 
-One CTA per (chunk, value head); rows i, j < len of the chunk (rows past it read as
+One CTA per (key block, chunk, value head): block_k key channels (all of K where it
+fits: K <= 128); rows i, j < len of the chunk (rows past it read as
 zero, their gate as 0), h_in / h_out the states entering / leaving the chunk and dh the
 gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstate),
 G the in-chunk cumulative log gate, G_l its last row, E_ij = e^{G_i - G_j} (i >= j):
@@ -19,6 +20,11 @@ GEMM operands are in the input dtype (f32 accumulation); the states and dh are r
 f32 and rounded for the GEMMs; rowsum(h_out * dh) stays f32. V is walked in
 blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
 dq, dk are per value head (the host sums a GVA group).
+
+Key blocks (block_k < K): every term above but dv and dg is per key channel, and dA needs
+no key channel, so a CTA forms the dq, dk of its block_k channels; A and
+(k e^{G_l - G}) dh are sums over the channels, so its dv (A_b^T do + kd_b dh_b, A_b from its
+channels) and dg (its channels' part of both sums) are f32 partials [K / block_k, ...] that the host sums.
 """
 import tilelang
 import tilelang.language as T
@@ -46,17 +52,21 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dqkvg.
 
-    heads_fastest: grid (HV, NT) instead of (NT, HV): the value heads of a chunk together.
+    heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
+      heads of a chunk together (the key blocks of a head always adjacent).
+    block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV] (g_dtype),
       states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
       scale (f32)
-      -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV] f32
+      -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV] f32;
+         with key blocks dv [K / block_k, Ttot, HV, V] f32, dg [K / block_k, Ttot, HV] f32 (partials)
+
     """
     BT = CHUNK
     SUB = 16
@@ -65,9 +75,16 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     BV = min(block_v, V)
     assert V % BV == 0 and BV % 16 == 0, f"V={V}: block_v={block_v} must divide it"
     NVB = V // BV
+    BK = block_k or K
+    assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
+    NKB = K // BK
+    split = NKB > 1
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
+    # (key blocks: dv, dg are per-block f32 partials)
+    dv_shape, dv_type = ((NKB, Ttot, HV, V), f32) if split else ((Ttot, HV, V), grad_dtype)
+    dg_shape = (NKB, Ttot, HV) if split else (Ttot, HV)
 
 
     @T.prim_func
@@ -84,42 +101,44 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         state_row: T.Tensor((NT,), "int32"),
         dq: T.Tensor((Ttot, HV, K), grad_dtype),
         dk: T.Tensor((Ttot, HV, K), grad_dtype),
-        dv: T.Tensor((Ttot, HV, V), grad_dtype),
-        dg: T.Tensor((Ttot, HV), f32),
+        dv: T.Tensor(dv_shape, dv_type),
+        dg: T.Tensor(dg_shape, f32),
         scale: T.float32,
     ):
-        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+        with T.Kernel(NKB * HV if heads_fastest else NT, NT if heads_fastest else NKB * HV,
                       threads=threads) as (bx, by):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             c = by if heads_fastest else bx
-            hv = bx if heads_fastest else by
+            hv = (bx if heads_fastest else by) // NKB
+            kb = (bx if heads_fastest else by) % NKB
+            k0 = kb * BK
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             sr = state_row[c]
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
-            kd_s = T.alloc_shared((BT, K), dtype)
+            q_s = T.alloc_shared((BT, BK), dtype)
+            k_s = T.alloc_shared((BT, BK), dtype)
+            kd_s = T.alloc_shared((BT, BK), dtype)
             v_s = T.alloc_shared((BT, BV), dtype)
             do_s = T.alloc_shared((BT, BV), dtype)
-            h_s = T.alloc_shared((K, BV), dtype)
-            dh_s = T.alloc_shared((K, BV), dtype)
+            h_s = T.alloc_shared((BK, BV), dtype)
+            dh_s = T.alloc_shared((BK, BV), dtype)
             A_s = T.alloc_shared((BT, BT), dtype)
             dA_s = T.alloc_shared((BT, BT), dtype)
             dA_f = T.alloc_fragment((BT, BT), f32)
-            dq_f = T.alloc_fragment((BT, K), f32)
-            dk_f = T.alloc_fragment((BT, K), f32)
-            p_f = T.alloc_fragment((BT, K), f32)
+            dq_f = T.alloc_fragment((BT, BK), f32)
+            dk_f = T.alloc_fragment((BT, BK), f32)
+            p_f = T.alloc_fragment((BT, BK), f32)
             dv_f = T.alloc_fragment((BT, BV), f32)
-            hd_f = T.alloc_fragment((K, BV), f32)
-            hd_row = T.alloc_fragment((K,), f32)
-            dgl_s = T.alloc_shared((K,), f32)
+            hd_f = T.alloc_fragment((BK, BV), f32)
+            hd_row = T.alloc_fragment((BK,), f32)
+            dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
 
-            for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
+            for i, j in T.Parallel(BT, BK):
+                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
             G_s = T.alloc_shared((BT,), f32)
             for i in T.Parallel(BT):
                 G_s[i] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv], f32), T.float32(0))
@@ -150,9 +169,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
 
             # the state terms and dv, over the value blocks (v, do read again: their tiles
             # are not held through the pair terms); kd = k e^{G_l - G}
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
-            for j in T.Parallel(K):
+            for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
@@ -160,44 +179,50 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                                T.cast(0, dtype))
                     do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
                                                 T.cast(0, dtype))
-                for i, j in T.Parallel(K, BV):
-                    h_s[i, j] = T.cast(states[sr, hv, i, vb * BV + j], dtype)
-                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, i, vb * BV + j], dtype)
-                for i, j in T.Parallel(K, BV):
-                    hd_f[i, j] = states[sr + 1, hv, i, vb * BV + j] * dstate[sr + 1, hv, i, vb * BV + j]
+                for i, j in T.Parallel(BK, BV):
+                    h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                for i, j in T.Parallel(BK, BV):
+                    hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 T.reduce_sum(hd_f, hd_row, dim=1)
-                for j in T.Parallel(K):
+                for j in T.Parallel(BK):
                     dgl_s[j] = dgl_s[j] + hd_row[j]
                 T.gemm(do_s, h_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dq_f[i, j] = dq_f[i, j] + p_f[i, j] * scale * T.exp(G_s[i])
                 T.gemm(v_s, dh_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, K):
+                for i, j in T.Parallel(BT, BK):
                     dk_f[i, j] = dk_f[i, j] + p_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                 T.gemm(kd_s, dh_s, dv_f)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
-                        dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+                        if split:
+                            dv[kb, t0 + i, hv, vb * BV + j] = dv_f[i, j]
+                        else:
+                            dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 if i < rows:
-                    dq[t0 + i, hv, j] = T.cast(dq_f[i, j], grad_dtype)
-                    dk[t0 + i, hv, j] = T.cast(dk_f[i, j], grad_dtype)
+                    dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
+                    dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
             # dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)
             dgr = T.alloc_fragment((BT,), f32)
             dgc_s = T.alloc_shared((BT,), f32)
             tot = T.alloc_local((1,), f32)
-            for i, j in T.Parallel(BT, K):
+            for i, j in T.Parallel(BT, BK):
                 p_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], f32) - dk_f[i, j] * T.cast(k_s[i, j], f32)
             T.reduce_sum(p_f, dgr, dim=1)
             T.copy(dgr, dgc_s)
             T.cumsum(dgc_s, dim=0, reverse=True)
             tot[0] = T.float32(0)
-            for j in T.serial(K):
+            for j in T.serial(BK):
                 tot[0] = tot[0] + dgl_s[j]
             for i in T.Parallel(BT):
                 if i < rows:
-                    dg[t0 + i, hv] = dgc_s[i] + tot[0]
+                    if split:
+                        dg[kb, t0 + i, hv] = dgc_s[i] + tot[0]
+                    else:
+                        dg[t0 + i, hv] = dgc_s[i] + tot[0]
 
     return chunk_bwd_dqkvg
