@@ -9,13 +9,14 @@ fla:  the benchmark's fla call of the row (fp32 upcasts, autograd of chunk_gla, 
       untimed)
 train: linattn-bench's training step (cli/bench/train.py: forward, then autograd.grad of
       q, k, v, g, h0 under fixed do, dht) of chunk_gla, ours (forward, recompute of the
-      states, the three stages) and fla's, [2, T, 4, 64] bf16, each timed as forward +
+      states, the three stages) and fla's, [2, T, 4, K] bf16 (K = V = 64, or --train-kv:
+      e.g. 256 512, GLA-1.3B's heads, the backward in key blocks), each timed as forward +
       backward per call, with its peak memory
 Device time as bench/probe_lib.py's device_times: union of the call's kernels, L2 flushed
 before each call, median over calls.
 
     python3 bench/gla_bwd_probe.py [--rows train-16k train-2k] [--dtypes bf16 f16]
-        [--iters 20] [--no-sweep] [--no-train] [--budget-s 50]
+        [--iters 20] [--no-sweep] [--no-train] [--train-kv K V] [--train-t T] [--budget-s 50]
     (order: every row ours vs fla, then the variants on the first row, then the training
     step; JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
 """
@@ -103,11 +104,11 @@ def probe_row(workload, dtype, iters, sweep):
     return res
 
 
-def train_step(T, iters):
+def train_step(T, iters, K=64, V=64):
     """One chunk_gla training step, ours and fla's: linattn-bench's step (cli/bench/train.py)
-    on a GLATrain row [2, T, 4, 64] bf16 with h0 and dht, and each one's peak memory."""
-    row = workloads.train_row("GLATrain", f"train-step-{T // 1024}k", 2, T, 4, 4, 64, 64,
-                              h0=True)
+    on a GLATrain row [2, T, 4, K] bf16 with h0 and dht, and each one's peak memory."""
+    name = f"train-step-{T // 1024}k" + (f"-K{K}-V{V}" if (K, V) != (64, 64) else "")
+    row = workloads.train_row("GLATrain", name, 2, T, 4, 4, K, V, h0=True)
     x = inputs.build_inputs(row, "cuda", 1)
     res = {"workload": f"{row.workload}-bf16"}
     run.precompile_rows([row])   # rounds: the forward, the backward's recompute and stages
@@ -146,6 +147,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--train-kv", nargs=2, type=int, default=[64, 64], metavar=("K", "V"))
+    ap.add_argument("--train-t", type=int, default=16384)
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new measurement after this many seconds (0: no limit)")
     args = ap.parse_args()
@@ -154,13 +157,14 @@ def main():
     # the rows first (ours vs fla), then the plan variants on the first row, then training
     todo = [("row", w, d, False) for w in args.rows for d in args.dtypes]
     todo += [] if args.no_sweep else [("row", args.rows[0], args.dtypes[0], True)]
-    todo += [] if args.no_train else [("train", 16384, None, False)]
+    todo += [] if args.no_train else [("train", args.train_t, None, False)]
     for kind, a, b, sweep in todo:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"{kind} {a} {b or ''}: skipped (--budget-s)", flush=True)
             continue
         try:
-            r = probe_row(a, b, args.iters, sweep) if kind == "row" else train_step(a, args.iters)
+            r = (probe_row(a, b, args.iters, sweep) if kind == "row"
+                 else train_step(a, args.iters, *args.train_kv))
         except Exception as e:
             traceback.print_exc()
             r = {"workload": f"{a}", "dtype": b, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -61,8 +61,9 @@ for s in $STEPS; do
     kkt) run_step kkt "${KKT_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 -s tests/test_chunk_kkt_gpu.py --junitxml="$R/kkt.xml" ;;
     # the additive rule's backward (GLAChunkBwd, chunk_gla / chunk_simple_gla /
-    # chunk_linear_attn training): GPU tests (GLABWD_K narrows them), then the probe
-    # (GLAChunkBwd train-16k / train-2k vs fla, scan variants, a training step) in the rest
+    # chunk_linear_attn training): GPU tests (GLABWD_K narrows them; "K256 or K192 or K144":
+    # the key-block cases above K = 128), then the probe (GLAChunkBwd train-16k / train-2k vs
+    # fla, scan variants, a training step; GLAPROBE_ARGS="--train-kv 256 512": GLA-1.3B's)
     glabwd) run_step glabwd "${GLABWD_S:-160}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_additive_bwd_gpu.py -k "${GLABWD_K:-}" \
              --junitxml="$R/glabwd.xml"

@@ -311,6 +311,7 @@ CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
     pytest.param("linear_attn", 1, 66, 1, 1, 256, 32, None, False, True, False, id="la-K256"),
     pytest.param("additive_scalar", 1, 70, 1, 2, 144, 48, None, True, True, False,
                  id="scalar-K144-GVA2"),
+    pytest.param("gla", 1, 70, 1, 1, 144, 80, None, True, True, False, id="gla-K144-V80"),
 ]
 
 

@@ -4,11 +4,12 @@ the fp64 torch reference (dsl.torch_reference, autograd, on the GPU).
   test_contract   GLAChunkBwd (contracts.gla_chunk_bwd) on the 8 rows of the benchmark
                   table ([2, T, 4, 64], T = 2k .. 16k, f16 / bf16, scale 1/8, h from the
                   fp64 forward from h0 = 0.1 N(0, 1), dht) and awkward shapes (odd T,
-                  K = V = 128, K != V, dh0, no dht): dq, dk, dv, dg (and dh0), f32
+                  K = V = 128, K != V, dh0, no dht; K = 256 / V = 512 (GLA-1.3B's heads)
+                  and K = 192: key blocks): dq, dk, dv, dg (and dh0), f32
   test_training   loss.backward() through chunk_gla / chunk_simple_gla (g, g_gamma) /
                   chunk_linear_attn (normalize on and off): varlen with empty and
-                  one-token sequences, h0, dht, state_v_first, K = V = 128, f16 / bf16;
-                  every input's gradient
+                  one-token sequences, h0, dht, state_v_first, K = V = 128, K = 256 /
+                  V = 512 and K = 144 (key blocks), f16 / bf16; every input's gradient
 
 Inputs as the benchmark's: q, k, v, do ~ N(0, 1) (q, k through elu + 1 with normalize, so
 the normaliser q.z stays away from 0), g = logsigmoid(N(2, 1)) (per key channel or per
@@ -19,7 +20,8 @@ first kernel not yet compiled: forward, then the backward's recompute, then its 
 JSON summary to $OUT_DIR (else $OUT)/additive_bwd_gpu.json.
 
 Run: python3 -m pytest -q -m gpu tests/test_additive_bwd_gpu.py   (about 150 s with
-compiles on a 16-core host; -k contract: the GLAChunkBwd cases only)
+compiles on a 16-core host; -k contract: the GLAChunkBwd cases only; -k "K256 or K192
+or K144": the key-block cases)
 """
 import time
 
@@ -48,6 +50,10 @@ CONTRACT += [
     ccase(2, 130, 4, 64, 64, "bfloat16", h0=True),
     ccase(3, 1000, 2, 128, 128, "float16", h0=True),
     ccase(1, 200, 2, 64, 128, "bfloat16"),
+    # above K = 128 (key blocks): GLA-1.3B's heads (4 x K = 256, V = 512), K = 192 (2 x 96)
+    ccase(2, 2048, 4, 256, 512, "bfloat16", name="gla13b-K256-V512-2k-bf16"),
+    ccase(1, 1000, 4, 256, 512, "float16", h0=True, name="K256-V512-T1000-f16-h0"),
+    ccase(1, 300, 2, 192, 320, "bfloat16", h0=True, dht=False, name="K192-V320-bf16-h0"),
 ]
 
 
@@ -69,6 +75,15 @@ TRAINING = [
     tcase("linear_attn", 2, 200, 4, 64, 64, "bfloat16", normalize=False, name="la-bf16"),
     tcase("linear_attn", 1, 129, 4, 64, 64, "float16", normalize=True, h0=False, dht=False,
           name="la-normalize-f16"),
+    # above K = 128 (key blocks; the states recomputed): GLA-1.3B's heads, K = 144 (3 x 48)
+    tcase("gla", 2, 1024, 4, 256, 512, "bfloat16", name="gla13b-K256-V512-1k-bf16"),
+    tcase("gla", 1, 700, 4, 256, 512, "float16", lens=[1, 300, 0, 399], v_first=True,
+          name="gla-K256-V512-varlen-v-first-f16"),
+    tcase("simple_gla", 2, 300, 4, 256, 512, "bfloat16", gamma=True,
+          name="sgla-K256-V512-gamma-bf16"),
+    tcase("linear_attn", 1, 200, 4, 256, 512, "bfloat16", normalize=False,
+          name="la-K256-V512-bf16"),
+    tcase("gla", 1, 300, 2, 144, 80, "bfloat16", name="gla-K144-V80-bf16"),
 ]
 
 
