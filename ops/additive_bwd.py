@@ -98,6 +98,9 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
+    if get_arch(ARCH).backward_k(K) != K:
+        return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
+                                want_dh0=want_dh0, grad_dtype=grad_dtype, config=config)
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
@@ -131,6 +134,22 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     if group > 1:
         dq, dk = (t.view(Ttot, H, group, K).sum(2).to(grad_dtype) for t in (dq, dk))
     return dq, dk, dv.to(grad_dtype), dg, x["dh0"] if want_dh0 else None
+
+
+def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
+    """run_backward at the kernels' head dim (the arch's backward_k, above K = 128 a
+    multiple of 64): zero channels in q, k, the per-key gate, the states and dht (exact:
+    they add nothing to A, dA, the states' real rows or dv), the gradients cut back to K."""
+    import torch.nn.functional as F
+    K = q.shape[-1]
+    Kb = get_arch(ARCH).backward_k(K)
+    q, k, g, _, _ = chunk._pad_k(spec, Kb, q, k, g, None, None, False)
+    rows = (0, 0, 0, Kb - K)                    # [.., K, V]: zero rows
+    states, dht = F.pad(states, rows), None if dht is None else F.pad(dht, rows)
+    dq, dk, dv, dg, dh0 = run_backward(spec, q, k, v, g, states, do, dht, **kw)
+    cut = lambda x: x[..., :K].contiguous()  # noqa: E731
+    dg = cut(dg) if spec.gate is Gate.KEY else dg
+    return cut(dq), cut(dk), dv, dg, None if dh0 is None else dh0[..., :K, :].contiguous()
 
 
 def check_backward(spec, q, k, v, what: str) -> None:

@@ -20,7 +20,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
 
     Differentiable (ops/additive_bwd.py) when any of q, k, v, g, initial_state requires
     grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V multiples
-    of 16, K <= 128, V <= 256; anything else raises SpecError).
+    of 16, K <= 256, V <= 512; anything else raises SpecError).
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
     from . import additive_bwd

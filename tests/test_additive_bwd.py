@@ -11,6 +11,8 @@ fp64 fakes of the kernels, every launch checked against the traced prim_func:
 so the GLAChunkBwd contract and training through chunk_gla / chunk_simple_gla /
 chunk_linear_attn (varlen without padding, h0 / dht, state_v_first, GVA, g_gamma,
 normalize) are checked against torch.autograd of the fp64 recurrence without a GPU."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -83,9 +85,10 @@ def test_backward_plan_key_blocks():
     """Above K = 128 the per-chunk stages run in key blocks (GLA-1.3B: K = 256, V = 512:
     two CTAs of 128 channels a chunk and head, each the K = 128 kernel's size); dqkvg's dv
     then comes as partials."""
-    from linattn.codegen.arch.sm90.backward import key_block
-    assert [key_block(K) for K in (16, 64, 128, 144, 160, 192, 208, 224, 256)] == \
-        [16, 64, 128, 48, 80, 96, 16, 112, 128]
+    from linattn.codegen.arch.sm90.backward import backward_k, key_block
+    assert [backward_k(K) for K in (16, 48, 128, 144, 192, 208, 256)] == \
+        [16, 48, 128, 192, 192, 256, 256]     # (above 128 the op pads K with zero channels)
+    assert [key_block(K) for K in (16, 48, 128, 192, 256)] == [16, 48, 128, 64, 128]
     p = AdditiveBackwardProblem(gate="key", H=4, HV=4, K=256, V=512, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,) * 4)
     pl = additive_bwd.backward_plan(p)
@@ -95,11 +98,13 @@ def test_backward_plan_key_blocks():
     assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 1 and additive_bwd.key_blocks(pl) == 2
     assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
                                                      "decay": (256, 4, 256)}
-    small = AdditiveBackwardProblem(gate="scalar", H=4, HV=4, K=144, V=48, dtype="float16",
+    small = AdditiveBackwardProblem(gate="scalar", H=4, HV=4, K=192, V=48, dtype="float16",
                                     g_dtype="float32", grad_dtype="float16", seq_chunks=(3,))
     pl = additive_bwd.backward_plan(small)
     assert additive_bwd.key_blocks(pl) == 3 and pl.launches[2].kwargs["min_blocks"] == 2
     print(pl)
+    with pytest.raises(SpecError, match="multiples of 64"):
+        additive_bwd.backward_plan(dataclasses.replace(small, K=144))
 
 
 @pytest.mark.parametrize("gate", [Gate.KEY, Gate.SCALAR, Gate.NONE])
@@ -144,6 +149,7 @@ class BackwardMath:
     def local(self, p, q, do, chunk_bos, chunk_len, state_row, dstate, scale, g=None,
               decay=None):
         self.calls.append("local")
+        self.K = p["K"]          # (the kernels' K: above 128 padded)
         for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
             for hv in range(self.HV):
                 G = self._gate(g, t0, n, hv).cumsum(0)
@@ -154,6 +160,7 @@ class BackwardMath:
 
     def scan(self, p, chunk_offsets, dht, dstate, dh0, decay=None):
         self.calls.append("scan")
+        self.K = p["K"]
         offs = chunk_offsets.tolist()
         for n in range(len(offs) - 1):
             c0, nc = offs[n], offs[n + 1] - offs[n]
@@ -171,6 +178,7 @@ class BackwardMath:
               dv, scale, g=None, dg=None):
         """With block_k (key blocks): dv, a scalar gate's dg as per-block f32 partials."""
         self.calls.append("dqkvg")
+        self.K = p["K"]
         bk = p.get("block_k", self.K)
         self.key_blocks = self.K // bk
         pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, C - x.shape[0])).numpy()  # noqa: E731
@@ -225,7 +233,8 @@ def _rel(x, ref):
 
 @pytest.mark.parametrize("B, T, H, K, V, h0", [(2, 130, 2, 64, 64, True), (1, 63, 3, 32, 64, False),
                                                (2, 64, 1, 64, 32, True),
-                                               (1, 70, 1, 256, 512, True)])
+                                               (1, 70, 1, 256, 512, True),
+                                               (1, 70, 2, 144, 48, False)])
 def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
     bwd = install_fakes(monkeypatch, gla.SPEC, H, H, K, V)
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
@@ -239,7 +248,7 @@ def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
     out = contracts.gla_chunk_bwd(q, k, v, g, h.float(), do, dht, scale=0.125,
                                   initial_state=init.float() if h0 else None)
     assert bwd.calls == ["local", "scan", "dqkvg"]
-    assert bwd.key_blocks == (2 if K == 256 else 1)
+    assert bwd.key_blocks == {256: 2, 144: 3}.get(K, 1)      # (144: padded to 3 x 64)
     refs = tref.gla_chunk_bwd(q, k, v, g, h, do, dht, scale=0.125)
     assert len(out) == (5 if h0 else 4)
     for name, x, ref, like in zip(("dq", "dk", "dv", "dg", "dh0"), out, refs,
@@ -304,7 +313,8 @@ CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
     pytest.param("additive_scalar", 1, 90, 2, 4, 16, 16, [30, 60], True, False, False,
                  id="scalar-GVA2-varlen"),
     pytest.param("additive_none", 2, 65, 1, 2, 16, 16, None, False, True, False, id="none-GVA2"),
-    # above K = 128: key blocks (dv, a scalar gate's dg from partials)
+    # above K = 128: key blocks (dv, a scalar gate's dg from partials); K = 144: padded
+    # to 192, 3 blocks of 64
     pytest.param("gla", 1, 70, 1, 1, 256, 512, None, True, True, False, id="gla-K256-V512"),
     pytest.param("simple_gla", 1, 80, 1, 1, 256, 512, [15, 65], True, True, True,
                  id="sgla-K256-V512-varlen-v-first"),

@@ -50,7 +50,7 @@ CONTRACT += [
     ccase(2, 130, 4, 64, 64, "bfloat16", h0=True),
     ccase(3, 1000, 2, 128, 128, "float16", h0=True),
     ccase(1, 200, 2, 64, 128, "bfloat16"),
-    # above K = 128 (key blocks): GLA-1.3B's heads (4 x K = 256, V = 512), K = 192 (2 x 96)
+    # above K = 128 (key blocks): GLA-1.3B's heads (4 x K = 256, V = 512), K = 192 (3 x 64)
     ccase(2, 2048, 4, 256, 512, "bfloat16", name="gla13b-K256-V512-2k-bf16"),
     ccase(1, 1000, 4, 256, 512, "float16", h0=True, name="K256-V512-T1000-f16-h0"),
     ccase(1, 300, 2, 192, 320, "bfloat16", h0=True, dht=False, name="K192-V320-bf16-h0"),
@@ -75,7 +75,8 @@ TRAINING = [
     tcase("linear_attn", 2, 200, 4, 64, 64, "bfloat16", normalize=False, name="la-bf16"),
     tcase("linear_attn", 1, 129, 4, 64, 64, "float16", normalize=True, h0=False, dht=False,
           name="la-normalize-f16"),
-    # above K = 128 (key blocks; the states recomputed): GLA-1.3B's heads, K = 144 (3 x 48)
+    # above K = 128 (key blocks; the states recomputed): GLA-1.3B's heads, K = 144 (padded
+    # to 192: 3 x 64)
     tcase("gla", 2, 1024, 4, 256, 512, "bfloat16", name="gla13b-K256-V512-1k-bf16"),
     tcase("gla", 1, 700, 4, 256, 512, "float16", lens=[1, 300, 0, 399], v_first=True,
           name="gla-K256-V512-varlen-v-first-f16"),

@@ -23,11 +23,14 @@ from .hardware import NAME, NUM_SMS
 #: per-chunk stages: value block of dstate_local's block_k x block_v f32 accumulator
 LOCAL_BLOCK_V = 64
 #: the per-chunk stages' key block: all of K up to 128; above, K / block_k CTAs a chunk
-#: and head, block_k the largest multiple of 16 up to 128 dividing K (2 x 128 at K = 256:
-#: each CTA then is the K = 128 one). Every term of dstate_local is per key channel; in
-#: dqkvg a CTA forms dq, dk (dg) of its channels from dA (all of V, formed again by each)
-#: and writes f32 partials of dv (and of a scalar gate's dg) that the host sums
+#: and head of 128 channels (K = 256: each CTA then is the K = 128 one), else 64 (K = 192:
+#: the K = 64 one), K padded to a multiple of 64 (backward_k: dstate_local's warpgroup
+#: GEMM has M = block_k, a multiple of 64; 48 or 96 do not lower). Every term of
+#: dstate_local is per key channel; in dqkvg a CTA forms dq, dk (dg) of its channels from
+#: dA (all of V, formed again by each) and writes f32 partials of dv (and of a scalar
+#: gate's dg) that the host sums
 MAX_BLOCK_K = 128
+BLOCK_K_MULTIPLE = 64
 #: dqkvg: two warpgroups (a CTA's fragments and the element passes over 64 x K split in
 #: two), the value dimension walked in blocks of 32 (the value tiles are then small enough
 #: for two CTAs an SM at K = 64: dqkvg_smem); two CTAs an SM where their shared memory
@@ -50,9 +53,21 @@ def value_block(V: int, most: int = 64) -> int:
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
 
 
+def backward_k(K: int) -> int:
+    """The head dim the backward's kernels run a call of head dim K at: K up to 128, above
+    it K rounded up to a multiple of 64 (the op pads q, k, the gate, the states and dht
+    with zero channels: every real gradient unchanged, the padded ones dropped)."""
+    return K if K <= MAX_BLOCK_K else -(-K // BLOCK_K_MULTIPLE) * BLOCK_K_MULTIPLE
+
+
 def key_block(K: int) -> int:
-    """The per-chunk stages' key channels a CTA (MAX_BLOCK_K)."""
-    return next(b for b in range(min(K, MAX_BLOCK_K), 0, -16) if K % b == 0)
+    """The per-chunk stages' key channels a CTA at kernel head dim K (MAX_BLOCK_K)."""
+    if K <= MAX_BLOCK_K:
+        return K
+    if K % BLOCK_K_MULTIPLE:
+        raise ValueError(f"K={K}: the backward's kernels run K > {MAX_BLOCK_K} at multiples "
+                         f"of {BLOCK_K_MULTIPLE} (backward_k)")
+    return MAX_BLOCK_K if K % MAX_BLOCK_K == 0 else BLOCK_K_MULTIPLE
 
 
 def dqkvg_smem(p: AdditiveBackwardProblem, bv: int) -> int:
