@@ -84,7 +84,7 @@ TRAINING = [
           name="sgla-K256-V512-gamma-bf16"),
     tcase("linear_attn", 1, 200, 4, 256, 512, "bfloat16", normalize=False,
           name="la-K256-V512-bf16"),
-    tcase("gla", 1, 300, 2, 144, 80, "bfloat16", name="gla-K144-V80-bf16"),
+    tcase("gla", 1, 300, 2, 144, 96, "bfloat16", name="gla-K144-V96-bf16"),
 ]
 
 
