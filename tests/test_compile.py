@@ -115,7 +115,8 @@ def test_plan_launches_compile(name, sizes, config):
                            Ttot=64 * sum(sizes["seq_chunks"]), output_final_state=True,
                            config=config, **sizes)
     print(p)
-    assert p.name in ("walk", "walk-split", "fused", "three-stage")
+    assert p.name in ("walk", "walk-split", "fused", "three-stage", "fused-split",
+                      "three-stage-split")
     for la in p.launches:
         rec = compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH)
         _check(rec)
