@@ -15,8 +15,8 @@ recomputes what it needs, as fla does:
 The scale is folded into do: o = scale * f(q, ...) and the final state does not depend on
 it, so every gradient is that of f under do * scale.
 
-Gated DeltaNet (the scalar gate, :func:`gated_backward`) on the same path: the gate's
-activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias)) and beta's
+Gated DeltaNet and KDA (the scalar and the per-key gate, :func:`gated_backward`) on the
+same path: the gate's activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias)) and beta's
 sigmoid are differentiated by torch like the l2norm; the key heads are expanded to the
 value heads (GVA) and dq, dk summed back over each group; the head-first length is padded
 to a multiple of 64 (zero rows with g = 0 leave every gradient unchanged); the in-chunk
@@ -111,11 +111,7 @@ def _make_function():
         @staticmethod
         def backward(ctx, do, dht):
             q, k, v, beta, initial_state, g, A_log, dt_bias = ctx.saved_tensors
-            if ctx.call.keyed:
-                grads = key_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
-                                     dt_bias, do, dht)
-                grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
-            elif ctx.call.gated:
+            if ctx.call.gated or ctx.call.keyed:
                 grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
                                        dt_bias, do, dht)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
@@ -275,101 +271,64 @@ def _gated_inputs(call: DeltaRuleCall, q, k, g, beta, A_log, dt_bias):
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
                    dht):
-    """Gradients of chunk_gated_delta_rule under sum(o * do) + sum(final_state * dht).
+    """Gradients of chunk_gated_delta_rule (scalar gate g [B, T, HV]; A_log, dt_bias [HV])
+    or chunk_kda (per-key gate g [B, T, HV, K]; dt_bias HV * K elements) under
+    sum(o * do) + sum(final_state * dht).
 
-    q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); g, beta
-    [B, T, HV] (any float dtype); A_log (HV elements), dt_bias [HV] or None (with
-    gate_in_kernel, else None); initial_state [N, HV, K, V] or None; do like v or None
-    (0); dht [N, HV, K, V] or None (0). Returns (dq, dk, dv, dg, dbeta, dh0, dA_log,
-    ddt_bias) in the inputs' shapes and dtypes (None for an input not given).
+    q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); beta [B, T, HV]
+    (any float dtype); A_log, dt_bias with gate_in_kernel, else None; initial_state
+    [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0). Returns
+    (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
+    for an input not given). The activations (gate, beta, l2norm) are differentiated by
+    torch around the head-first stages (_gated_stages); dq, dk summed over each GVA group.
     """
     import torch
-    dt = q.dtype
     B, T, H, K = q.shape
-    HV = v.shape[2]
-    group = HV // H
+    group = v.shape[2] // H
     raw = [None if x is None else x.detach().requires_grad_()
            for x in (q, k, g, beta, A_log, dt_bias)]
     with torch.enable_grad():
         eff = _gated_inputs(call, *raw)
-    q_in, k_in, g_in, b_in = (x.detach() for x in eff)
-    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(dt)
+    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(q.dtype)
     lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
-    qh, kh = (lay.to_head_first(x.repeat_interleave(group, dim=2)) for x in (q_in, k_in))
-    vh, doh, bh = (lay.to_head_first(x) for x in (v.detach(), do_s, b_in.to(dt)))
-    gh = lay.to_head_first(g_in.float())
-    N, _, L = gh.shape
-    g_cum = gh.view(N, HV, L // chunk_bwd.CHUNK, chunk_bwd.CHUNK).cumsum(-1).view(N, HV, L)
     h0 = None if initial_state is None else initial_state.detach().float()
-    dhth = None if dht is None else dht.float().contiguous()
-    A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0, g_cum=g_cum, spec=call.spec)
-    dq, dk, dv, dbeta, dh0, dg = chunk_bwd.backward_stages(
-        doh, qh, kh, vh, bh, S, A, w, u, dht=dhth, want_dh0=h0 is not None, g_cum=g_cum,
-        spec=call.spec)
+    dq, dk, dv, dbeta, dh0, dg = _gated_stages(call, lay, [x.detach() for x in eff],
+                                               v.detach(), do_s, h0, dht, group)
     dq, dk, dv, dbeta, dg = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta, dg))
     dq, dk = (x.float().view(B, T, H, group, K).sum(3) for x in (dq, dk))
-    # back through the activations (torch): the raw inputs' gradients
     leaves = [x for x in raw if x is not None]
     grads = torch.autograd.grad(
         eff, leaves, [d.to(e.dtype) for d, e in zip((dq, dk, dg, dbeta), eff)],
         allow_unused=True)
     it = iter(grads)
     out = [None if x is None else next(it) for x in raw]
-    out = [None if d is None else d.to(x.dtype) for d, x in zip(out, raw)]
-    dq, dk, dg, dbeta, dA_log, ddt_bias = out
+    dq, dk, dg, dbeta, dA_log, ddt_bias = [None if d is None else d.to(x.dtype)
+                                           for d, x in zip(out, raw)]
     return (dq, dk, dv, dg, dbeta,
             None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
 
 
-def key_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
-                 dht):
-    """Gradients of chunk_kda under sum(o * do) + sum(final_state * dht).
-
-    q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); g [B, T, HV, K],
-    beta [B, T, HV] (any float dtype); A_log (HV elements), dt_bias (HV * K elements) or
-    None (with gate_in_kernel, else None); initial_state [N, HV, K, V] or None; do like v
-    or None (0); dht [N, HV, K, V] or None (0). Returns (dq, dk, dv, dg, dbeta, dh0,
-    dA_log, ddt_bias) in the inputs' shapes and dtypes (None for an input not given).
-
-    As :func:`gated_backward`, with the per-key gate's recompute and stages
-    (chunk_bwd.key_recompute, key_backward_stages): the in-chunk cumulative gate G is a
-    torch cumsum per key channel (f32), the stages return the gradient of g itself.
-    """
-    import torch
-    dt = q.dtype
-    B, T, H, K = q.shape
-    HV = v.shape[2]
-    group = HV // H
-    raw = [None if x is None else x.detach().requires_grad_()
-           for x in (q, k, g, beta, A_log, dt_bias)]
-    with torch.enable_grad():
-        eff = _gated_inputs(call, *raw)
-    q_in, k_in, g_in, b_in = (x.detach() for x in eff)
-    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(dt)
-    lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
+def _gated_stages(call, lay, eff, v, do_s, h0, dht, group):
+    """The head-first recompute and backward stages of a gated delta rule on the activated
+    inputs eff = (q, k, g, beta): the scalar gate's (chunk_bwd.recompute_for_backward,
+    backward_stages) or the per-key gate's (key_recompute, key_backward_stages); the
+    in-chunk cumulative gate is a torch cumsum (f32, per key channel for the key gate).
+    Returns head-first (dq, dk, dv, dbeta, dh0, dg)."""
+    q_in, k_in, g_in, b_in = eff
     qh, kh = (lay.to_head_first(x.repeat_interleave(group, dim=2)) for x in (q_in, k_in))
-    vh, doh, bh = (lay.to_head_first(x) for x in (v.detach(), do_s, b_in.to(dt)))
+    vh, doh, bh = (lay.to_head_first(x) for x in (v, do_s, b_in.to(q_in.dtype)))
     gh = lay.to_head_first(g_in.float())
-    N, _, L, _ = gh.shape
+    N, HV, L = gh.shape[:3]
     C = chunk_bwd.CHUNK
-    g_cum = gh.view(N, HV, L // C, C, K).cumsum(3).view(N, HV, L, K)
-    h0 = None if initial_state is None else initial_state.detach().float()
+    g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)
     dhth = None if dht is None else dht.float().contiguous()
-    rec = chunk_bwd.key_recompute(qh, kh, vh, bh, gh, h0, spec=call.spec)
-    dq, dk, dv, dbeta, dh0, dg = chunk_bwd.key_backward_stages(
-        doh, qh, kh, vh, bh, g_cum, rec, dht=dhth, want_dh0=h0 is not None, spec=call.spec)
-    dq, dk, dv, dbeta, dg = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta, dg))
-    dq, dk = (x.float().view(B, T, H, group, K).sum(3) for x in (dq, dk))
-    leaves = [x for x in raw if x is not None]
-    grads = torch.autograd.grad(
-        eff, leaves, [d.to(e.dtype) for d, e in zip((dq, dk, dg, dbeta), eff)],
-        allow_unused=True)
-    it = iter(grads)
-    out = [None if x is None else next(it) for x in raw]
-    out = [None if d is None else d.to(x.dtype) for d, x in zip(out, raw)]
-    dq, dk, dg, dbeta, dA_log, ddt_bias = out
-    return (dq, dk, dv, dg, dbeta,
-            None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
+    if call.keyed:
+        rec = chunk_bwd.key_recompute(qh, kh, vh, bh, gh, h0, spec=call.spec)
+        return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dhth,
+                                             want_dh0=h0 is not None, spec=call.spec)
+    A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0, g_cum=g_cum, spec=call.spec)
+    return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dhth,
+                                     want_dh0=h0 is not None, g_cum=g_cum, spec=call.spec)
 
 
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,
