@@ -98,7 +98,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
-    if get_arch(ARCH).backward_k(K) != K:
+    if get_arch(ARCH).backward_dims(K, V) != (K, V):
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
                                 want_dh0=want_dh0, grad_dtype=grad_dtype, config=config)
     group = HV // H
@@ -137,19 +137,21 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
 
 
 def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
-    """run_backward at the kernels' head dim (the arch's backward_k, above K = 128 a
-    multiple of 64): zero channels in q, k, the per-key gate, the states and dht (exact:
-    they add nothing to A, dA, the states' real rows or dv), the gradients cut back to K."""
+    """run_backward at the kernels' head dims (the arch's backward_dims): zero channels in
+    q, k, the per-key gate, v, do, the states and dht (exact: they add nothing to A, dA,
+    the states' real rows or the real gradients), the gradients cut back to K, V."""
     import torch.nn.functional as F
-    K = q.shape[-1]
-    Kb = get_arch(ARCH).backward_k(K)
+    K, V = q.shape[-1], v.shape[-1]
+    Kb, Vb = get_arch(ARCH).backward_dims(K, V)
     q, k, g, _, _ = chunk._pad_k(spec, Kb, q, k, g, None, None, False)
-    rows = (0, 0, 0, Kb - K)                    # [.., K, V]: zero rows
-    states, dht = F.pad(states, rows), None if dht is None else F.pad(dht, rows)
+    v, do = F.pad(v, (0, Vb - V)), F.pad(do, (0, Vb - V))
+    grow = (0, Vb - V, 0, Kb - K)               # [.., K, V]: zero rows and columns
+    states, dht = F.pad(states, grow), None if dht is None else F.pad(dht, grow)
     dq, dk, dv, dg, dh0 = run_backward(spec, q, k, v, g, states, do, dht, **kw)
     cut = lambda x: x[..., :K].contiguous()  # noqa: E731
     dg = cut(dg) if spec.gate is Gate.KEY else dg
-    return cut(dq), cut(dk), dv, dg, None if dh0 is None else dh0[..., :K, :].contiguous()
+    return (cut(dq), cut(dk), dv[..., :V].contiguous(), dg,
+            None if dh0 is None else dh0[..., :K, :V].contiguous())
 
 
 def check_backward(spec, q, k, v, what: str) -> None:

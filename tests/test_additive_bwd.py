@@ -85,9 +85,10 @@ def test_backward_plan_key_blocks():
     """Above K = 128 the per-chunk stages run in key blocks (GLA-1.3B: K = 256, V = 512:
     two CTAs of 128 channels a chunk and head, each the K = 128 kernel's size); dqkvg's dv
     then comes as partials."""
-    from linattn.codegen.arch.sm90.backward import backward_k, key_block
-    assert [backward_k(K) for K in (16, 48, 128, 144, 192, 208, 256)] == \
-        [16, 48, 128, 192, 192, 256, 256]     # (above 128 the op pads K with zero channels)
+    from linattn.codegen.arch.sm90.backward import backward_dims, key_block
+    assert [backward_dims(K, 64)[0] for K in (16, 48, 128, 144, 192, 208, 256)] == \
+        [64, 64, 128, 192, 192, 256, 256]     # (the op pads K with zero channels)
+    assert [backward_dims(64, V)[1] for V in (16, 48, 64, 80, 512)] == [32, 64, 64, 96, 512]
     assert [key_block(K) for K in (16, 48, 128, 192, 256)] == [16, 48, 128, 64, 128]
     p = AdditiveBackwardProblem(gate="key", H=4, HV=4, K=256, V=512, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,) * 4)
@@ -149,7 +150,7 @@ class BackwardMath:
     def local(self, p, q, do, chunk_bos, chunk_len, state_row, dstate, scale, g=None,
               decay=None):
         self.calls.append("local")
-        self.K = p["K"]          # (the kernels' K: above 128 padded)
+        self.K, self.V = p["K"], p["V"]      # (the kernels' K, V: padded by backward_dims)
         for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
             for hv in range(self.HV):
                 G = self._gate(g, t0, n, hv).cumsum(0)
@@ -160,7 +161,7 @@ class BackwardMath:
 
     def scan(self, p, chunk_offsets, dht, dstate, dh0, decay=None):
         self.calls.append("scan")
-        self.K = p["K"]
+        self.K, self.V = p["K"], p["V"]      # (the kernels' K, V: padded by backward_dims)
         offs = chunk_offsets.tolist()
         for n in range(len(offs) - 1):
             c0, nc = offs[n], offs[n + 1] - offs[n]

@@ -24,7 +24,7 @@ from .hardware import NAME, NUM_SMS
 LOCAL_BLOCK_V = 64
 #: the per-chunk stages' key block: all of K up to 128; above, K / block_k CTAs a chunk
 #: and head of 128 channels (K = 256: each CTA then is the K = 128 one), else 64 (K = 192:
-#: the K = 64 one), K padded to a multiple of 64 (backward_k: dstate_local's warpgroup
+#: the K = 64 one), K padded to a multiple of 64 (backward_dims: dstate_local's warpgroup
 #: GEMM has M = block_k, a multiple of 64; 48 or 96 do not lower). Every term of
 #: dstate_local is per key channel; in dqkvg a CTA forms dq, dk (dg) of its channels from
 #: dA (all of V, formed again by each) and writes f32 partials of dv (and of a scalar
@@ -53,11 +53,14 @@ def value_block(V: int, most: int = 64) -> int:
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
 
 
-def backward_k(K: int) -> int:
-    """The head dim the backward's kernels run a call of head dim K at: K up to 128, above
-    it K rounded up to a multiple of 64 (the op pads q, k, the gate, the states and dht
-    with zero channels: every real gradient unchanged, the padded ones dropped)."""
-    return K if K <= MAX_BLOCK_K else -(-K // BLOCK_K_MULTIPLE) * BLOCK_K_MULTIPLE
+def backward_dims(K: int, V: int) -> tuple:
+    """(K, V) the backward's kernels run a call of head dims K, V at: K rounded up to a
+    multiple of 64 (dstate_local's warpgroup GEMM: M = block_k), V to a multiple of
+    DQKVG_BLOCK_V (dqkvg's value tiles; V = 48 did not compile). The op pads q, k, the
+    gate, v, do, the states and dht with zeros: every real gradient unchanged, the padded
+    ones dropped."""
+    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    return up(K, BLOCK_K_MULTIPLE), up(V, DQKVG_BLOCK_V)
 
 
 def key_block(K: int) -> int:
@@ -66,7 +69,7 @@ def key_block(K: int) -> int:
         return K
     if K % BLOCK_K_MULTIPLE:
         raise ValueError(f"K={K}: the backward's kernels run K > {MAX_BLOCK_K} at multiples "
-                         f"of {BLOCK_K_MULTIPLE} (backward_k)")
+                         f"of {BLOCK_K_MULTIPLE} (backward_dims)")
     return MAX_BLOCK_K if K % MAX_BLOCK_K == 0 else BLOCK_K_MULTIPLE
 
 
