@@ -230,13 +230,14 @@ def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None, c
     then dh0 [B, H, K, V] f32 when initial_state (the forward's, h[:, 0]) is given.
     Inputs are never modified. config: the backward plan's (probes)."""
     import torch
-    from .gla import SPEC
+    from .registry import get_spec
+    spec = get_spec("gla")        # (by name: the engine imports no family module)
     if q.dim() != 4:
         raise SpecError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     V = v.shape[-1]
     NC = -(-T // CHUNK)
-    check_backward(SPEC, q, k, v, "GLAChunkBwd")
+    check_backward(spec, q, k, v, "GLAChunkBwd")
     for name, x, shape in (("k", k, q.shape), ("g", g, q.shape), ("v", v, (B, T, H, V)),
                            ("do", do, (B, T, H, V))):
         _check(name, x, shape)
@@ -251,9 +252,9 @@ def gla_chunk_bwd(q, k, v, g, h, do, dht=None, scale=None, initial_state=None, c
     flat = lambda x: x.reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
     cu = tuple(range(0, (B + 1) * T, T)) if T else (0,) * (B + 1)
     dq, dk, dv, dg, dh0 = run_backward(
-        SPEC, flat(q), flat(k), flat(v), flat(g), h.contiguous().view(B * (NC + 1), H, K, V),
+        spec, flat(q), flat(k), flat(v), flat(g), h.contiguous().view(B * (NC + 1), H, K, V),
         flat(do), None if dht is None else dht.contiguous(),
-        scale=SPEC.scale_for(K, scale), cu=cu, want_dh0=initial_state is not None,
+        scale=spec.scale_for(K, scale), cu=cu, want_dh0=initial_state is not None,
         grad_dtype=torch.float32, config=config)
     out = tuple(x.view(B, T, *x.shape[1:]) for x in (dq, dk, dv, dg))
     return out + ((dh0,) if initial_state is not None else ())
