@@ -104,12 +104,9 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=F
         raise SpecError(f"SCHEME must be one of {sorted(SCHEMES)}, got {SCHEME!r}")
     if gated and SCHEME != "direct":
         raise SpecError(f"the gated backward runs the 'direct' scheme, not {SCHEME!r}")
-    from ..codegen.arch.sm90.stages import state_block_v
     common = dict(H=H, K=K, V=V, dtype=dtype)
-    dh = dict(common, num_stages=GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES,
-              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, B * H),
-              **({"use_dht": True} if use_dht else {}),
-              **({"store_dh0": True} if store_dh0 else {}))
+    dh = _dh_params(common, GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES, B * H,
+                    use_dht, store_dh0)
     params = {RECOMPUTE: dict(common, inverse=RECOMPUTE_INVERSE),
               "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
                                                 else {})),
@@ -119,6 +116,17 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=F
     else:
         params.update(chunk_bwd_dv_local=common, chunk_bwd_dh=dh)
     return params
+
+
+def _dh_params(common: dict, num_stages: int, chains: int, use_dht: bool,
+               store_dh0: bool) -> dict:
+    """build() params of the dh pass (every gate's): its pipeline stages, the value block
+    for this many chains (DH_BLOCK_V_OVERRIDE else the state pass's rule), the flags."""
+    from ..codegen.arch.sm90.stages import state_block_v
+    return dict(common, num_stages=num_stages,
+                block_v=DH_BLOCK_V_OVERRIDE or state_block_v(common["V"], chains),
+                **({"use_dht": True} if use_dht else {}),
+                **({"store_dh0": True} if store_dh0 else {}))
 
 
 def precompile(param_sets, workers=None, spec=None) -> list:
@@ -498,12 +506,8 @@ def is_key(spec) -> bool:
 def key_stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
     """stage name -> build() params of the per-key backward's four stages (the direct
     scheme; B * H chains set the dh pass's value block as for the other gates)."""
-    from ..codegen.arch.sm90.stages import state_block_v
     common = dict(H=H, K=K, V=V, dtype=dtype)
-    dh = dict(common, num_stages=KEY_DH_NUM_STAGES,
-              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, B * H),
-              **({"use_dht": True} if use_dht else {}),
-              **({"store_dh0": True} if store_dh0 else {}))
+    dh = _dh_params(common, KEY_DH_NUM_STAGES, B * H, use_dht, store_dh0)
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": common,
             "chunk_bwd_wy": common}
 
