@@ -4,23 +4,25 @@ forward (ops/chunk.py) and backward (ops/chunk_bwd.py) stages.
 The forward runs the ordinary chunked forward and saves only its inputs. The backward
 recomputes what it needs, as fla does:
 
-    l2norm (torch, fp32)   q, k -> q / |q|, k / |k|    (use_qk_l2norm_in_kernel; its
-                                                        backward by torch.autograd)
-    layout                 [B, T, H, D] -> head-first [N, H, L, D]; varlen sequences are
-                           zero-padded to the longest (zero rows leave the state and
-                           every real row's gradient unchanged)
+    chunk_bwd_gather       token-first q, k, v, do -> head-first [N, HV, L, D] in one pass:
+                           key heads expanded to the value heads (GVA), q, k l2-normalised
+                           (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
+                           varlen sequences zero-padded to the longest (zero rows leave the
+                           state and every real row's gradient unchanged)
     chunk_bwd_wy_recompute A, w, u;  chunk_state (from h0): S entering each chunk
     chunk_bwd_* stages     dq, dk, dv, dbeta, dh0 from do * scale and dht
+    chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
+                           value heads, through the l2norm's backward
 
 The scale is folded into do: o = scale * f(q, ...) and the final state does not depend on
 it, so every gradient is that of f under do * scale.
 
 Gated DeltaNet and KDA (the scalar and the per-key gate, :func:`gated_backward`) on the
 same path: the gate's activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias)) and beta's
-sigmoid are differentiated by torch like the l2norm; the key heads are expanded to the
-value heads (GVA) and dq, dk summed back over each group; the head-first length is padded
-to a multiple of 64 (zero rows with g = 0 leave every gradient unchanged); the in-chunk
-cumulative gate g_cum is a torch cumsum (f32); then the gated recompute and stages.
+sigmoid are differentiated by torch (per-token tensors, small beside q, k, v); the
+head-first length is padded to a multiple of 64 (zero rows with g = 0 leave every gradient
+unchanged); the in-chunk cumulative gate g_cum is a torch cumsum (f32); then the gated
+recompute and stages.
 """
 from __future__ import annotations
 
@@ -170,20 +172,30 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
 class _Layout:
     """[B, T, H, (D)] <-> head-first [N, H, L, (D)]: a transpose for fixed length; for
     varlen (B == 1, host cu) each sequence is a row of N, zero-padded to the longest;
-    multiple: the head-first length is zero-padded to a multiple of it."""
+    multiple: the head-first length is zero-padded to a multiple of it. The large tensors
+    (q, k, v, do and their gradients) move by chunk_bwd's gather / scatter kernels through
+    row_map; the per-token ones (beta, g and theirs) by torch here."""
 
     def __init__(self, B, T, cu, device, multiple=1):
         import torch
         self.cu, self.T = cu, T
         self.pad = -T % multiple
         if cu is None:
+            self.N, self.L, self.covered = B, T + self.pad, True
+            pos = torch.arange(self.L, device=device, dtype=torch.int32)
+            base = torch.arange(B, device=device, dtype=torch.int32)[:, None] * T
+            self.row_map = torch.where(pos < T, base + pos, -1)
             return
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         self.N, self.L = len(lens), max(lens, default=0)
         self.L += -self.L % multiple
+        self.covered = cu[0] == 0 and cu[-1] == B * T
         seq = torch.repeat_interleave(torch.arange(self.N), torch.tensor(lens, dtype=torch.long))
         pos = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.long)[seq]
         self.seq, self.pos = seq.to(device), pos.to(device)
+        col = torch.arange(self.L, dtype=torch.int32)
+        start, n = (torch.tensor(x, dtype=torch.int32)[:, None] for x in (cu[:-1], lens))
+        self.row_map = torch.where(col < n, start + col, -1).to(device)
 
     def to_head_first(self, x):
         if self.cu is None:
@@ -206,11 +218,6 @@ def torch_pad_time(x, n):
     return torch.cat([x, x.new_zeros(x.shape[0], n, *x.shape[2:])], 1)
 
 
-def _l2norm(x):
-    from ..dsl.torch_reference import l2norm
-    return l2norm(x.float()).to(x.dtype)
-
-
 def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht):
     """Gradients of chunk_delta_rule under sum(o * do) + sum(final_state * dht).
 
@@ -219,39 +226,31 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
     (0). Returns (dq, dk, dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None
     without an initial state).
     """
-    import torch
-    dt = q.dtype
     B, T, H, K = q.shape
-    if call.l2norm_qk:
-        with torch.enable_grad():
-            q_raw, k_raw = q.detach().requires_grad_(), k.detach().requires_grad_()
-            q_in, k_in = _l2norm(q_raw), _l2norm(k_raw)
-    else:
-        q_in, k_in = q, k
-    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(dt)
     lay = _Layout(B, T, call.cu, q.device)
-    qh, kh, vh, doh, bh = (lay.to_head_first(x.detach()) for x in
-                           (q_in, k_in, v, do_s, beta.to(dt)))
+    qh, kh, vh, doh = chunk_bwd.gather_inputs(q.detach(), k.detach(), v.detach(), do,
+                                              lay.row_map, call.scale, call.l2norm_qk,
+                                              spec=call.spec)
+    bh = lay.to_head_first(beta.to(q.dtype))
     h0 = None if initial_state is None else initial_state.detach().float()
     dhth = None if dht is None else dht.float().contiguous()
     A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0)
     dq, dk, dv, dbeta, dh0 = chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u,
                                                        dht=dhth, want_dh0=h0 is not None)
-    dq, dk, dv, dbeta = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta))
-    if call.l2norm_qk:
-        dq, dk = torch.autograd.grad((q_in, k_in), (q_raw, k_raw), (dq, dk))
-    return (dq, dk, dv, dbeta.to(beta.dtype),
+    dq, dk, dv = chunk_bwd.scatter_grads(dq, dk, dv, q.detach(), k.detach(), lay.row_map,
+                                         call.l2norm_qk, lay.covered, spec=call.spec)
+    return (dq, dk, dv, lay.from_head_first(dbeta).to(beta.dtype),
             None if dh0 is None else dh0.to(initial_state.dtype))
 
 
-def _gated_inputs(call: DeltaRuleCall, q, k, g, beta, A_log, dt_bias):
-    """The effective q, k, g, beta of a gated call from its raw inputs, by torch (so that
-    torch.autograd differentiates the activations): l2norm, the gate's activation
+def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
+    """The effective g, beta of a gated call from its raw inputs, by torch (so that
+    torch.autograd differentiates the activations): the gate's activation
     -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla; per key channel for
-    KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid."""
+    KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid. (q, k's
+    l2norm is the gather / scatter kernels'.)"""
     import torch
     from ..dsl.torch_reference import softplus_fla
-    q_in, k_in = (_l2norm(q), _l2norm(k)) if call.l2norm_qk else (q, k)
     g_in = g.float()
     if call.gate_in_kernel:
         # per key channel: A_log [HV] -> [HV, 1], dt_bias [HV * K] -> [HV, K]
@@ -266,7 +265,7 @@ def _gated_inputs(call: DeltaRuleCall, q, k, g, beta, A_log, dt_bias):
     b_in = beta.float()
     if call.beta_sigmoid:
         b_in = torch.sigmoid(b_in) * (2.0 if call.allow_neg_eigval else 1.0)
-    return q_in, k_in, g_in, b_in
+    return g_in, b_in
 
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
@@ -279,45 +278,47 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     (any float dtype); A_log, dt_bias with gate_in_kernel, else None; initial_state
     [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
-    for an input not given). The activations (gate, beta, l2norm) are differentiated by
-    torch around the head-first stages (_gated_stages); dq, dk summed over each GVA group.
+    for an input not given). q, k, v, do move by the gather / scatter kernels (GVA, l2norm,
+    scale); the gate's and beta's activations are differentiated by torch around the
+    head-first stages (_gated_stages).
     """
     import torch
     B, T, H, K = q.shape
-    group = v.shape[2] // H
     raw = [None if x is None else x.detach().requires_grad_()
-           for x in (q, k, g, beta, A_log, dt_bias)]
+           for x in (g, beta, A_log, dt_bias)]
     with torch.enable_grad():
-        eff = _gated_inputs(call, *raw)
-    do_s = torch.zeros_like(v) if do is None else (do.float() * call.scale).to(q.dtype)
+        g_in, b_in = _gated_inputs(call, *raw)
     lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
+    heads = chunk_bwd.gather_inputs(q.detach(), k.detach(), v.detach(), do, lay.row_map,
+                                    call.scale, call.l2norm_qk, spec=call.spec)
     h0 = None if initial_state is None else initial_state.detach().float()
-    dq, dk, dv, dbeta, dh0, dg = _gated_stages(call, lay, [x.detach() for x in eff],
-                                               v.detach(), do_s, h0, dht, group)
-    dq, dk, dv, dbeta, dg = (lay.from_head_first(x) for x in (dq, dk, dv, dbeta, dg))
-    dq, dk = (x.float().view(B, T, H, group, K).sum(3) for x in (dq, dk))
+    dqh, dkh, dvh, dbeta, dh0, dg = _gated_stages(call, lay, heads, g_in.detach(),
+                                                  b_in.detach().to(q.dtype), h0, dht)
+    dq, dk, dv = chunk_bwd.scatter_grads(dqh, dkh, dvh, q.detach(), k.detach(), lay.row_map,
+                                         call.l2norm_qk, lay.covered, spec=call.spec)
+    dg, dbeta = lay.from_head_first(dg), lay.from_head_first(dbeta)
     leaves = [x for x in raw if x is not None]
-    grads = torch.autograd.grad(
-        eff, leaves, [d.to(e.dtype) for d, e in zip((dq, dk, dg, dbeta), eff)],
-        allow_unused=True)
-    it = iter(grads)
-    out = [None if x is None else next(it) for x in raw]
-    dq, dk, dg, dbeta, dA_log, ddt_bias = [None if d is None else d.to(x.dtype)
-                                           for d, x in zip(out, raw)]
+    grads = iter(torch.autograd.grad((g_in, b_in), leaves,
+                                     (dg.to(g_in.dtype), dbeta.to(b_in.dtype)),
+                                     allow_unused=True))
+    dg, dbeta, dA_log, ddt_bias = [None if x is None else _cast(next(grads), x) for x in raw]
     return (dq, dk, dv, dg, dbeta,
             None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
 
 
-def _gated_stages(call, lay, eff, v, do_s, h0, dht, group):
-    """The head-first recompute and backward stages of a gated delta rule on the activated
-    inputs eff = (q, k, g, beta): the scalar gate's (chunk_bwd.recompute_for_backward,
-    backward_stages) or the per-key gate's (key_recompute, key_backward_stages); the
-    in-chunk cumulative gate is a torch cumsum (f32, per key channel for the key gate).
-    Returns head-first (dq, dk, dv, dbeta, dh0, dg)."""
-    q_in, k_in, g_in, b_in = eff
-    qh, kh = (lay.to_head_first(x.repeat_interleave(group, dim=2)) for x in (q_in, k_in))
-    vh, doh, bh = (lay.to_head_first(x) for x in (v, do_s, b_in.to(q_in.dtype)))
-    gh = lay.to_head_first(g_in.float())
+def _cast(d, x):
+    return None if d is None else d.to(x.dtype)
+
+
+def _gated_stages(call, lay, heads, g_in, b_in, h0, dht):
+    """The head-first recompute and backward stages of a gated delta rule on the gathered
+    heads (qh, kh, vh, doh) and the activated g, beta: the scalar gate's
+    (chunk_bwd.recompute_for_backward, backward_stages) or the per-key gate's
+    (key_recompute, key_backward_stages); the in-chunk cumulative gate is a torch cumsum
+    (f32, per key channel for the key gate). Returns head-first (dq, dk, dv, dbeta, dh0,
+    dg)."""
+    qh, kh, vh, doh = heads
+    bh, gh = lay.to_head_first(b_in), lay.to_head_first(g_in.float())
     N, HV, L = gh.shape[:3]
     C = chunk_bwd.CHUNK
     g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)

@@ -55,8 +55,9 @@ SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "c
 #: the scheme run (tests and probes may set "scan")
 SCHEME = "direct"
 #: every stage of this module, in the plan's order
-ALL_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",
-              "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw", "chunk_bwd_wy")
+ALL_STAGES = ("chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_bwd_dv_local",
+              "chunk_bwd_dh", "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
+              "chunk_bwd_wy", "chunk_bwd_scatter")
 #: A, w, u from k, v, beta (the contract's forward takes them from here; a backward that
 #: saved only the inputs would run it first)
 RECOMPUTE = "chunk_bwd_wy_recompute"
@@ -296,6 +297,50 @@ def _gated_spec():
     """The gated stages' default spec: Gated DeltaNet, by name (no family import)."""
     from .registry import get_spec
     return get_spec("gdn")
+
+
+# -- the training layout: token-first call tensors <-> the stages' head-first ones ---------
+
+def layout_params(q, HV: int, V: int, l2norm: bool) -> dict:
+    """build() params of chunk_bwd_gather / chunk_bwd_scatter for token-first q [B, T, H, K]
+    and HV value heads of V channels."""
+    return dict(H=q.shape[2], HV=HV, K=q.shape[3], V=V,
+                dtype=str(q.dtype).replace("torch.", ""), l2norm=bool(l2norm))
+
+
+def gather_inputs(q, k, v, do, row_map, scale, l2norm=False, spec=None):
+    """Head-first qh, kh [N, HV, L, K], vh, doh [N, HV, L, V] (chunk_bwd_gather) from
+    token-first q, k [B, T, H, K], v, do [B, T, HV, V] (one dtype; do None: zeros) and
+    row_map [N, L] int32 (each head-first row's token of the packed B * T, -1: zero row):
+    key heads expanded to the value heads, q, k l2-normalised with l2norm, do * scale."""
+    import torch
+    N, L = row_map.shape
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    do = torch.zeros_like(v) if do is None else do
+    flat = [x.reshape(1, B * T, *x.shape[2:]).contiguous() for x in (q, k, v, do)]
+    out = [q.new_empty(N, HV, L, D) for D in (K, K, V, V)]
+    params = layout_params(q, HV, V, l2norm)
+    compiled_stage("chunk_bwd_gather", spec, **params)(*flat, row_map, float(scale), *out)
+    return tuple(out)
+
+
+def scatter_grads(dqh, dkh, dvh, q, k, row_map, l2norm=False, covered=True, spec=None):
+    """Token-first dq, dk [B, T, H, K], dv [B, T, HV, V] (chunk_bwd_scatter) from the
+    stages' head-first gradients [N, HV, L, D] of the gathered inputs: summed over each
+    key head's value heads, through the l2norm (q, k: the call's raw inputs) with l2norm.
+    covered: every token has a row (else the tokens without one get 0)."""
+    import torch
+    B, T, H, K = q.shape
+    HV, V = dvh.shape[1], dvh.shape[3]
+    new = torch.empty if covered else torch.zeros
+    dq, dk = (new(1, B * T, H, K, dtype=q.dtype, device=q.device) for _ in range(2))
+    dv = new(1, B * T, HV, V, dtype=q.dtype, device=q.device)
+    flat = [x.reshape(1, B * T, H, K).contiguous() for x in (q, k)]
+    params = layout_params(q, HV, V, l2norm)
+    compiled_stage("chunk_bwd_scatter", spec, **params)(
+        dqh.contiguous(), dkh.contiguous(), dvh.contiguous(), *flat, row_map, dq, dk, dv)
+    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V)
 
 
 # -- the contract's forward over the chunked forward's stages ------------------------------

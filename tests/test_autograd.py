@@ -82,9 +82,10 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
                                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    # the recompute (the plan's prepare, the state pass from h0), then the scheme's stages
-    assert fake_kernels == ["chunk_kkt_inverse", "chunk_wu", "chunk_state",
-                            *chunk_bwd.SCHEMES[scheme]]
+    # the layout in, the recompute (the plan's prepare, the state pass from h0), the
+    # scheme's stages, the layout out
+    assert fake_kernels == ["chunk_bwd_gather", "chunk_kkt_inverse", "chunk_wu",
+                            "chunk_state", *chunk_bwd.SCHEMES[scheme], "chunk_bwd_scatter"]
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)
@@ -226,8 +227,9 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
                                            use_gate_in_kernel=gik, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == ["chunk_bwd_wy_recompute", "chunk_state", "chunk_bwd_dv_local",
-                            "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"]
+    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_state",
+                            "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
+                            "chunk_bwd_wy", "chunk_bwd_scatter"]
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=None if cu is None else
                                      torch.tensor(cu),
@@ -273,8 +275,9 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
         x["dt_bias"], do, dht)))
-    assert fake_kernels == ["chunk_bwd_wy_recompute", "chunk_state", "chunk_bwd_dv_local",
-                            "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"]
+    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_state",
+                            "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
+                            "chunk_bwd_wy", "chunk_bwd_scatter"]
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=torch.tensor(cu),
                                      options=Options(l2norm_qk=True, gate_in_kernel=True))

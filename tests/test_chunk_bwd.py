@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import _layout_fakes as layout_fakes
 from _kernel_check import fake_compiles
 from test_chunk_fused import PipelineMath
 
@@ -32,25 +33,26 @@ def test_plan_lists_backward_stages():
     for spec in all_rule_gate_specs():          # the delta rule without a gate or scalar
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "delta":          # (the additive rule's: test_additive_bwd.py)
-            key = [chunk_bwd.RECOMPUTE, *chunk_bwd.KEY_STAGES]   # (test_kda_bwd.py)
+            key = ["chunk_bwd_gather", chunk_bwd.RECOMPUTE, *chunk_bwd.KEY_STAGES,
+                   "chunk_bwd_scatter"]                             # (test_kda_bwd.py)
             assert names == {"delta_none": want, "delta_scalar": gated,
                              "delta_key": key}[spec.name]
 
 
-GATED_STAGES = ("chunk_bwd_wy_recompute", "chunk_bwd_dv_local", "chunk_bwd_dh",
-                 "chunk_bwd_dqkw", "chunk_bwd_wy")
+GATED_STAGES = ("chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_bwd_dv_local",
+                 "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy", "chunk_bwd_scatter")
 
 
 @pytest.mark.parametrize("family,stage", [("deltanet", s) for s in chunk_bwd.ALL_STAGES]
                          + [("gdn", s) for s in GATED_STAGES])
 def test_stage_renders(family, stage):
-    from linattn.ops.runtime import stage_module
+    from linattn.ops.runtime import arg_names, stage_module
     spec = get_spec(family)
     mod = stage_module(spec, stage, "sm90")
     assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
     ex = mod.EXAMPLES[0]
     fn = mod.build(**ex)
-    assert [fn.buffer_map[p].name for p in fn.params] == mod.args(**ex)
+    assert list(arg_names(fn)) == mod.args(**ex)
 
 
 @pytest.mark.compile
@@ -311,6 +313,8 @@ def install_fakes(monkeypatch):
 
     def body(spec, stage, params):
         names.append(stage)
+        if stage in layout_fakes.STAGES:
+            return layout_fakes.body(stage, params)
         table = EMULATE_GATED if chunk_bwd.is_gated(spec) else EMULATE
         if stage in table:
             flags = _bwd_flags(params)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import _layout_fakes as layout_fakes
 from _kernel_check import fake_compiles
 from test_chunk import by_name
 from test_chunk_fused import PipelineMath
@@ -28,10 +29,11 @@ from linattn.ops.kda import SPEC
 F64 = torch.float64
 C = chunk_bwd.CHUNK
 STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.KEY_STAGES
+LAYOUT = ("chunk_bwd_gather", "chunk_bwd_scatter")
 
 
 def test_plan_lists_the_stages():
-    assert [s.name for s in plan(SPEC, "bwd")] == list(STAGES)
+    assert [s.name for s in plan(SPEC, "bwd")] == [LAYOUT[0], *STAGES, LAYOUT[1]]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -170,6 +172,8 @@ def install_key_fakes(monkeypatch):
 
     def body(spec, stage, params):
         names.append(stage)
+        if stage in layout_fakes.STAGES:
+            return layout_fakes.body(stage, params)
         math = KeyStageMath(params["dtype"])
         if stage == chunk_bwd.RECOMPUTE:
             return by_name({stage: math.recompute})(spec, stage, params)
@@ -282,7 +286,7 @@ def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu
                               use_gate_in_kernel=gik, lower_bound=lb, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == list(STAGES[:1]) + ["chunk_state"] + list(STAGES[1:])
+    assert fake_kernels == [LAYOUT[0], STAGES[0], "chunk_state", *STAGES[1:], LAYOUT[1]]
 
     refs = {n: None if t is None else t.detach().to(F64).requires_grad_() for n, t in x.items()}
     g, opts = refs["g"], Options(l2norm_qk=l2, gate_in_kernel=gik)
