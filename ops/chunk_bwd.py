@@ -24,9 +24,9 @@ The scalar gate (Gated DeltaNet; ``g_cum`` given: the in-chunk cumulative log ga
 [B, H, L] f32, L a multiple of 64) runs the same four stages of the direct scheme in their
 gated form (each template's has_gate), which add the gradient of g_cum per token
 (chunk_bwd_dqkw also adds its rows' state terms sum_i <k_i, dk_i> to the chunk's last
-row, so that they cancel as computed, as dsl/chunked_bwd.py derives); the host adds each
-chunk's e^g_last <dh, S_in> to its last row and takes the reverse cumulative sum within
-the chunk (:func:`_gate_grad`): the gradient of g.
+row, so that they cancel as computed, as dsl/chunked_bwd.py derives, and e^g_last
+<dh, S_in>: g_last also scales the state the chunk enters with); the host takes the reverse
+cumulative sum within the chunk: the gradient of g.
 
 The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
 dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
@@ -264,26 +264,9 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, dh, dq, dk_part, dw, *dg_part)
     run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
         *((dg,) if gated else ()))
-    if gated:
-        dg.copy_(_gate_grad(dg, dh, S[:, :, :NC], g_cum))
+    if gated:       # the reverse cumulative sum within each chunk (g_cum = cumsum(g))
+        dg.copy_(dg.view(B, H, NC, CHUNK).flip(-1).cumsum(-1).flip(-1).view(B, H, L))
     return out
-
-
-def _gate_grad(dg_cum, dh, S_in, g_cum):
-    """The gradient of g [B, H, L] from the stages' gradient of g_cum (dg_cum [B, H, L]
-    f32, L = NC * 64; chunk_bwd_dqkw has added to each chunk's last row the state terms
-    sum_i <k_i, dk_i> of its rows, so that they cancel there exactly as computed): each
-    chunk's g_last also scales the state it enters with (S_leaving = e^g_last S_in +
-    k_dec^T v_new), adding e^g_last <dh, S_in> to its last row (dh, S_in [B, H, NC, K, V]
-    f32: a sum of K V terms of both signs, so neither is rounded to the input dtype); then
-    g_cum = cumsum(g) within the chunk gives the reverse cumulative sum."""
-    import torch
-    B, H, L = dg_cum.shape
-    NC = L // CHUNK
-    x = dg_cum.view(B, H, NC, CHUNK).clone()
-    g_last = g_cum.view(B, H, NC, CHUNK)[..., -1]
-    x[..., -1] += torch.exp(g_last) * torch.einsum("bhckv,bhckv->bhc", dh, S_in)
-    return x.flip(-1).cumsum(-1).flip(-1).reshape(B, H, L)
 
 
 def _check_gate(g_cum, B, H, L):

@@ -260,6 +260,9 @@ def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
     _store(dw, -dvc @ St.transpose(-1, -2), L)
     dg = (qc * dqc).sum(-1, keepdim=True) - (kc * dkc).sum(-1, keepdim=True)
     dg[..., -1, :] += (kc * dk_state).sum((-1, -2)).unsqueeze(-1)
+    # g_last also scales the state the chunk enters with: e^g_last <S, dh> (f32 from global)
+    sdh = (S[:, :, :NC].to(F64) * dh.to(F64)).sum((-1, -2))
+    dg[..., -1, :] += (torch.exp(gl[..., 0, 0]) * sdh).unsqueeze(-1)
     _store(dg_part, dg, L)
 
 

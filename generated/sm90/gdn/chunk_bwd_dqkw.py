@@ -16,9 +16,10 @@ dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as
   dw    = -dv2 S[t]^T
   dg    = rowsum(q dq) - rowsum(k dk)         (f32, the gradient of g_cum from the output
                                                and state terms; stage 4 adds the WY part,
-                                               the host e^g_last <dh[t], S[t]> and the
-                                               reverse cumulative sum)
-  dg[last row] += sum_i <k_i, dk_state_i>     (dk_state = (v_new dh[t]^T) exp(g_last -
+                                               the host the reverse cumulative sum)
+  dg[last row] += e^g_last <dh[t], S[t]>      (g_last also scales the state entering:
+                                               f32 from global, a sum of K V terms)
+                 + sum_i <k_i, dk_state_i>    (dk_state = (v_new dh[t]^T) exp(g_last -
                                                g_cum): g_last's share of the state
                                                leaving the chunk; the same f32 values its
                                                rows subtract, so the two cancel as computed
@@ -73,6 +74,8 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
     BT = CHUNK
     f32 = "float32"
     B, L, NC, NC1 = T.dynamic("B, L, NC, NC1")
+    HB = 32                         # the column blocks of rowsum(S * dh)
+    assert V % HB == 0, f"V={V} must be a multiple of {HB}"
     assert not dv2_from_dh, "the gated backward runs the direct scheme"
 
     @T.prim_func
@@ -120,6 +123,19 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
                 S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
             for i, j in T.Parallel(K, V):
                 dh_s[i, j] = T.cast(dh[b, h, c, i, j], dtype)
+            # rowsum(S * dh) per key row, f32 from global, in column blocks of HB (g_last
+            # also scales the state the chunk enters with: e^g_last <S, dh> joins its dg)
+            hd_f = T.alloc_fragment((K, HB), f32)
+            hd_row = T.alloc_fragment((K,), f32)
+            sd_s = T.alloc_shared((K,), f32)
+            for j in T.Parallel(K):
+                sd_s[j] = T.float32(0)
+            for hb in T.serial(V // HB):
+                for i, j in T.Parallel(K, HB):
+                    hd_f[i, j] = S[b, h, c, i, hb * HB + j] * dh[b, h, c, i, hb * HB + j]
+                T.reduce_sum(hd_f, hd_row, dim=1)
+                for j in T.Parallel(K):
+                    sd_s[j] = sd_s[j] + hd_row[j]
             if dv2_from_dh:
                 # dv2 = dv_local + k dh  (k rows past L are 0)
                 dv2_f = T.alloc_fragment((BT, V), f32)
@@ -172,6 +188,10 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
             T.reduce_sum(prod, row, dim=1)
             for i in T.Parallel(BT):
                 sk_s[i] = row[i]
+            for r in T.serial(T.ceildiv(K, BT)):        # + e^g_last <S, dh>
+                for i in T.Parallel(BT):
+                    if r * BT + i < K:
+                        sk_s[i] = sk_s[i] + T.exp(g_s[BT - 1]) * sd_s[r * BT + i]
             for r in T.unroll(BT.bit_length() - 1):
                 T.sync_threads()
                 if tx < (BT >> (r + 1)):
