@@ -157,3 +157,45 @@ def test_no_initial_state_and_intermediates(rng):
     close(r["final_state"].numpy(), ht, "final_state")
     assert r["g_cum"].shape == (1, 40, 2, 8) and r["h"].shape == (1, 3, 2, 8, 8)
     close(r["h"][:, 0].numpy(), np.zeros((1, 2, 8, 8)), "h[0]")
+
+
+# -- the sympy reference (tiny sizes: the formulas written again, gradients by sympy) ------
+
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("cu", [None, [0, 1, 1, 4]], ids=["batch", "varlen-1-0-3"])
+def test_symbolic_matches_numpy(opts, cu, rng):
+    from linattn.dsl.symbolic import symbolic_reference
+    B = 2 if cu is None else 1
+    x = inputs(opts, B, 4, 1, 2, 2, 3, cu, rng, 0.5)
+    sym = symbolic_reference(SPEC, options=opts, **x)
+    o, ht = recurrent_forward(SPEC, options=opts, **x)
+    out = chunked_forward(SPEC, options=opts, chunk_size=2, **x)
+    for what, got in (("recurrent o", o), ("chunked o", out["o"])):
+        close(got, sym["o"], what)
+    for what, got in (("recurrent ht", ht), ("chunked ht", out["final_state"])):
+        close(got, sym["final_state"], what)
+
+
+def test_symbolic_gradients_match_finite_differences(rng):
+    """sympy's gradients for the value gate (a backward reference to come) against central
+    differences of the NumPy forward, for every raw input."""
+    from linattn.dsl.symbolic import symbolic_reference
+    opts = Options(gate_in_kernel=True)
+    x = inputs(opts, 1, 3, 1, 2, 2, 3, None, rng)
+    do = rng.standard_normal((1, 3, 2, 3))
+    dht = rng.standard_normal((1, 2, 2, 3))
+    sym = symbolic_reference(SPEC, options=opts, do=do, dht=dht, **x)
+
+    def loss(y):
+        o, ht = recurrent_forward(SPEC, options=opts, **y)
+        return float(np.sum(o * do) + np.sum(ht * dht))
+    for name, grad in (("q", "dq"), ("k", "dk"), ("v", "dv"), ("g", "dg"),
+                       ("initial_state", "dh0"), ("A_log", "dA_log"), ("dt_bias", "ddt_bias")):
+        fd = np.zeros_like(x[name])
+        for idx in np.ndindex(*x[name].shape):
+            plus, minus = dict(x), dict(x)
+            plus[name], minus[name] = x[name].copy(), x[name].copy()
+            plus[name][idx] += 1e-6
+            minus[name][idx] -= 1e-6
+            fd[idx] = (loss(plus) - loss(minus)) / 2e-6
+        close(sym[grad], fd, grad, tol=1e-6)
