@@ -1,7 +1,8 @@
 """The value gate (fla's gv) past the references, on CPU: what the generator plans and
 renders for it, and the public path (fused_recurrent_gla(..., gv=...)) up to the kernel.
 The kernel itself compiles in tests/test_compile.py (-k "additive_value or value_gate")
-and runs on a GPU in tests/test_decode_gpu.py (-k additive_value)."""
+and runs on a GPU in tests/test_decode_gpu.py (-k additive_value) and, through
+fused_recurrent_gla, in test_fused_recurrent_gla_gv_gpu below."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,3 +115,17 @@ def test_build_value_gate_spec_has_no_backward_and_runs_recurrent(gv_cpu):
     want_o, want_ht = tr.chunked_forward(SPEC, q, k, v, gv, initial_state=h0)
     assert torch.allclose(o.double(), want_o.to(q.dtype).double())
     assert torch.allclose(ht.double(), want_ht, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, v_first", [(1, False), (37, True)], ids=["decode", "T37-v_first"])
+def test_fused_recurrent_gla_gv_gpu(T, v_first):
+    """The kernel behind fused_recurrent_gla(gv=...) against the fp64 torch reference."""
+    q, k, v, gv, h0 = (x.cuda() for x in _gla_inputs(B=3, T=T, H=4, K=128, V=64))
+    h0 = h0.transpose(-1, -2).contiguous() if v_first else h0
+    o, ht = linattn.fused_recurrent_gla(q, k, v, gv=gv, initial_state=h0,
+                                        output_final_state=True, state_v_first=v_first)
+    want_o, want_ht = tr.recurrent_forward(gla.SPEC_GV, q, k, v, gv, initial_state=h0,
+                                           options=Options(state_v_first=v_first))
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    assert rel(o, want_o) < 1e-2 and rel(ht, want_ht) < 1e-4
