@@ -52,7 +52,7 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     (the additive rule without a gate). gk and gv together and ``reverse`` are not
     supported; the state pool arguments as fused_recurrent_gated_delta_rule's."""
     from . import linear_attn
-    api.reject({k_: v_ for k_, v_ in (("reverse", reverse),)})
+    api.reject({"reverse": reverse})
     if gk is not None and gv is not None:
         raise validate.error("fused_recurrent_gla takes gk or gv, not both: both at once "
                              "is not supported yet")
