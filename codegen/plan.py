@@ -16,6 +16,9 @@ from ..dsl import Gate, OpSpec, Rule, SpecError
 VARIANTS = ("fwd", "bwd", "decode")
 ALL_RULES = frozenset(r.value for r in Rule)
 ALL_GATES = frozenset(g.value for g in Gate)
+#: a stage's gates by default: the value gate (per value channel) has only the decode
+#: stage so far, which names it
+DEFAULT_GATES = frozenset({"none", "scalar", "key"})
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class Stage:
     template: template file in codegen/templates ("recurrent.py.jinja")
     variant:  "fwd" | "bwd" | "decode"
     doc:      one line on what the stage computes
-    rules, gates: the rule / gate values the template implements (others are skipped)
+    rules, gates: the rule / gate values the template implements (others are skipped;
+              gates default to none / scalar / key)
     skip:     "rule/gate" pairs inside rules x gates that no pipeline runs it for
     """
     name: str
@@ -34,7 +38,7 @@ class Stage:
     variant: str
     doc: str = ""
     rules: frozenset = ALL_RULES
-    gates: frozenset = ALL_GATES
+    gates: frozenset = DEFAULT_GATES
     skip: frozenset = frozenset()
 
     def applies_to(self, spec: OpSpec) -> bool:
@@ -124,7 +128,8 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
     ),
     "decode": (
         Stage("recurrent", "recurrent.py.jinja", "decode",
-              doc="token-by-token recurrence, state on chip (decode, small T, varlen)"),
+              doc="token-by-token recurrence, state on chip (decode, small T, varlen)",
+              gates=ALL_GATES),
     ),
 }
 

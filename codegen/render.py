@@ -78,6 +78,7 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "has_gate": spec.gate.value != "none",
         "gate_scalar": spec.gate.value == "scalar",
         "gate_key": spec.gate.value == "key",
+        "gate_value": spec.gate.per_value,
         "gva": spec.gva,
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,

@@ -14,8 +14,15 @@ and value head, with S the state entering the chunk ([K, V], K-first), rows i, j
                         S <- exp(g_last) S + (k * exp(g_last - g_cum))^T v_new
   4. output             o = (q * exp(g_cum)) S + tril_incl(sum_k q_i k_j E_ij) v_new
 
-Only exponentials of g_cum (<= 0) and of differences g_i - g_j with i >= j are taken, so
-long decays never overflow. The stage functions below act on one chunk for all value
+With the value gate (additive rule only) the decay runs along the value channels
+instead: gv_cum_i the in-chunk cumsum of gv [V], and the state's columns decay,
+
+  3. (value gate)       S <- S diag(exp(gv_last)) + k^T (v_new * exp(gv_last - gv_cum))
+  4. (value gate)       o_i = exp(gv_cum_i) * (q_i S)
+                              + sum_{j <= i} (q_i . k_j) v_new_j * exp(gv_cum_i - gv_cum_j)
+
+(the key-channel factors above stay, g being zero). Only exponentials of g_cum (<= 0)
+and of differences g_i - g_j with i >= j are taken, so long decays never overflow. The stage functions below act on one chunk for all value
 heads at once ([HV, L, ..] arrays); :mod:`~linattn.dsl.chunked_bwd` reuses them.
 """
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 
 from .preprocess import check_call, prepare, state_from_k_first
 from .recurrent import _initial_states
-from .spec import Gate, OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, Rule, SpecError
 
 
 class Chunk(NamedTuple):
@@ -58,6 +65,13 @@ def chunk_inputs(eff, c: Chunk):
     take = lambda x: np.ascontiguousarray(np.swapaxes(x[c.b, c.start:c.end], 0, 1))  # noqa: E731
     beta = None if eff.beta is None else take(eff.beta)
     return take(eff.q), take(eff.k), take(eff.v), take(eff.g), beta
+
+
+def chunk_value_gate(eff, c: Chunk):
+    """The chunk's per-value-channel log gate, head-major [HV, L, V]; None without one."""
+    if eff.gv is None:
+        return None
+    return np.ascontiguousarray(np.swapaxes(eff.gv[c.b, c.start:c.end], 0, 1))
 
 
 def scatter_rows(dst, c: Chunk, x):
@@ -114,17 +128,27 @@ def new_values(rule, v, w, u, S):
     return u - w @ S if rule is Rule.DELTA else v
 
 
-def advance_state(k, g_cum, S, v_new):
-    """Stage 3b: the state leaving the chunk, [HV, K, V]."""
+def advance_state(k, g_cum, S, v_new, gv_cum=None):
+    """Stage 3b: the state leaving the chunk, [HV, K, V] (gv_cum [HV, L, V]: the value
+    gate's in-chunk cumsum, or None)."""
     g_last = g_cum[:, -1, :]
     k_decayed = k * np.exp(g_last[:, None, :] - g_cum)
-    return np.exp(g_last)[:, :, None] * S + np.swapaxes(k_decayed, 1, 2) @ v_new
+    S = np.exp(g_last)[:, :, None] * S
+    if gv_cum is not None:
+        gv_last = gv_cum[:, -1:, :]
+        S = S * np.exp(gv_last)
+        v_new = v_new * np.exp(gv_last - gv_cum)
+    return S + np.swapaxes(k_decayed, 1, 2) @ v_new
 
 
-def chunk_output(q, k, g_cum, E, S, v_new):
-    """Stage 4: o [HV, L, V] (q already carries the scale)."""
+def chunk_output(q, k, g_cum, E, S, v_new, gv_cum=None):
+    """Stage 4: o [HV, L, V] (q already carries the scale; gv_cum as advance_state)."""
     qk = decayed_dot(q, k, E)
-    return (q * np.exp(g_cum)) @ S + qk @ v_new
+    inter = (q * np.exp(g_cum)) @ S
+    if gv_cum is None:
+        return inter + qk @ v_new
+    Ev = pair_decays(gv_cum)                                   # [HV, L, L, V]
+    return inter * np.exp(gv_cum) + np.einsum("hij,hjv,hijv->hiv", qk, v_new, Ev)
 
 
 # -- the whole forward -----------------------------------------------------------------------
@@ -138,8 +162,8 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     (default spec.chunk_size). Returns a dict:
       o           [B, T, HV, V]
       final_state [N, HV, K, V] ([N, HV, V, K] with state_v_first)
-      g_cum       within-chunk cumsum of the effective log gate, g's shape ([B, T, HV] or
-                  [B, T, HV, K]); None without a gate
+      g_cum       within-chunk cumsum of the effective log gate, g's shape ([B, T, HV],
+                  [B, T, HV, K] or, value gate, [B, T, HV, V]); None without a gate
       A           [B, T, HV, C]: row t holds row (t - chunk start) of its chunk's inverse,
                   columns past the chunk's length are 0 (delta rule; None for additive)
       w [B, T, HV, K], u [B, T, HV, V]   (delta rule; None for additive)
@@ -156,7 +180,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     chunks, NC = chunk_table(dims, C)
     delta = spec.rule is Rule.DELTA
     o = np.zeros((B, T, HV, V))
-    g_cum_all = np.zeros((B, T, HV, K))
+    g_cum_all = np.zeros((B, T, HV, V if spec.gate.per_value else K))
     A_all = np.zeros((B, T, HV, C)) if delta else None
     w_all = np.zeros((B, T, HV, K)) if delta else None
     u_all = np.zeros((B, T, HV, V)) if delta else None
@@ -167,6 +191,8 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
         S = final[c.n].copy()                                    # state entering the chunk
         qc, kc, vc, gc, bc = chunk_inputs(eff, c)
         g_cum = gate_cumsum(gc)
+        gvc = chunk_value_gate(eff, c)
+        gv_cum = None if gvc is None else gate_cumsum(gvc)
         E = pair_decays(g_cum)
         w = u = None
         if delta:
@@ -176,11 +202,12 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
             scatter_rows(u_all, c, u)
         h[c.b, c.slot] = S
         v_new = new_values(spec.rule, vc, w, u, S)
-        scatter_rows(o, c, chunk_output(qc, kc, g_cum, E, S, v_new))
-        scatter_rows(g_cum_all, c, g_cum)
+        scatter_rows(o, c, chunk_output(qc, kc, g_cum, E, S, v_new, gv_cum))
+        scatter_rows(g_cum_all, c, g_cum if gv_cum is None else gv_cum)
         scatter_rows(v_new_all, c, v_new)
-        final[c.n] = advance_state(kc, g_cum, S, v_new)
-    g_cum_out = {Gate.NONE: None, Gate.SCALAR: g_cum_all[..., 0], Gate.KEY: g_cum_all}[spec.gate]
+        final[c.n] = advance_state(kc, g_cum, S, v_new, gv_cum)
+    g_cum_out = (None if not spec.has_gate else g_cum_all if spec.gate.channels
+                 else g_cum_all[..., 0])
     return dict(o=o, final_state=state_from_k_first(options, final), g_cum=g_cum_out,
                 A=A_all, w=w_all, u=u_all, v_new=v_new_all,
                 h=state_from_k_first(options, h), prepared=eff)

@@ -194,7 +194,7 @@ def delta_key_backward(spec: OpSpec, q, k, v, g, beta, *, do, dht=None,
     h0 = _initial_states(dims, options, initial_state)
     dS = (np.zeros_like(h0) if dht is None
           else np.array(state_to_k_first(options, dht), dtype=np.float64))
-    grads = Prepared(*(np.zeros_like(x) for x in eff))
+    grads = Prepared(*(np.zeros_like(x) for x in eff[:5]))
 
     def padded(c):
         qc, kc, vc, gc, bc = chunk_inputs(eff, c)

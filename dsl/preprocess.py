@@ -9,10 +9,13 @@ Effective inputs (:class:`Prepared`, NumPy fp64, GVA already expanded to the val
     k    [B, T, HV, K]   l2norm?(k[.., key_head(hv), :])
     v    [B, T, HV, V]   v
     g    [B, T, HV, K]   per-key-channel natural-log decay: the key gate as given, the
-                         scalar gate broadcast over K, zeros for no gate; with
-                         gate_in_kernel  g <- -exp(A_log[hv]) * softplus(g + dt_bias)
+                         scalar gate broadcast over K, zeros for no gate or a value gate;
+                         with gate_in_kernel  g <- -exp(A_log[hv]) * softplus(g + dt_bias)
     beta [B, T, HV]      delta rule: sigmoid?(beta) (* 2 with allow_neg_eigval);
                          None for the additive rule
+    gv   [B, T, HV, V]   per-value-channel natural-log decay (the value gate, activated
+                         as g is); None for every other gate. The step's decay is
+                         S <- diag(exp(g)) S diag(exp(gv)).
 
 ``prepare_vjp`` maps gradients of these back to the raw inputs (folding the GVA groups,
 the l2norm, the sigmoid, the gate activation and the gate broadcast).
@@ -39,6 +42,7 @@ class Prepared(NamedTuple):
     v: np.ndarray
     g: np.ndarray
     beta: Optional[np.ndarray]
+    gv: Optional[np.ndarray] = None
 
 
 class Segment(NamedTuple):
@@ -75,7 +79,8 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g spec.gate_shape; beta [B, T, HV] (delta only);
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first); cu_seqlens [N+1];
-    A_log [HV], dt_bias [HV] (scalar gate) or [HV*K] (key gate) with gate_in_kernel.
+    A_log [HV], dt_bias [HV] (scalar gate), [HV*K] (key gate) or [HV*V] (value gate)
+    with gate_in_kernel.
     """
     spec.check_options(options)
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
@@ -90,7 +95,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
     if spec.has_gate:
         if g is None:
             raise SpecError(f"{spec.name} has a {spec.gate.value} gate: g is required")
-        _shape(g, "g", spec.gate_shape(B, T, HV, K))
+        _shape(g, "g", spec.gate_shape(B, T, HV, K, V))
     elif g is not None:
         raise SpecError(f"{spec.name} has no gate: g must be None")
     if spec.has_beta:
@@ -104,10 +109,10 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
             raise SpecError("gate_in_kernel needs A_log [HV]")
         _shape(A_log, "A_log", (HV,))
         if dt_bias is not None:
-            n_bias = HV * K if spec.gate is Gate.KEY else HV
+            n_bias = HV * spec.gate.n_channels(K, V)
             if np.asarray(dt_bias).size != n_bias:
-                raise SpecError(f"dt_bias must have {n_bias} elements "
-                                f"({'HV*K' if spec.gate is Gate.KEY else 'HV'}), "
+                what = f"HV*{spec.gate.channels}" if spec.gate.channels else "HV"
+                raise SpecError(f"dt_bias must have {n_bias} elements ({what}), "
                                 f"got shape {np.shape(dt_bias)}")
     if cu_seqlens is None:
         segments = tuple(Segment(b, b, 0, T) for b in range(B))
@@ -168,9 +173,10 @@ def l2norm_vjp(x, dy):
     return r * dy - x * r ** 3 * np.sum(x * dy, axis=-1, keepdims=True)
 
 
-def _dt_bias_table(spec, HV, K, dt_bias):
-    """dt_bias as an array broadcastable against g ([HV] or [HV, K]); zeros when absent."""
-    shape = (HV, K) if spec.gate is Gate.KEY else (HV,)
+def _dt_bias_table(spec, HV, K, dt_bias, V=None):
+    """dt_bias as an array broadcastable against g ([HV], [HV, K] or [HV, V]); zeros
+    when absent."""
+    shape = (HV, spec.gate.n_channels(K, V)) if spec.gate.channels else (HV,)
     if dt_bias is None:
         return np.zeros(shape)
     return np.asarray(dt_bias, dtype=np.float64).reshape(shape)
@@ -191,30 +197,34 @@ def fold_heads(dx, H):
 
 def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=None,
             A_log=None, dt_bias=None) -> Prepared:
-    """Raw inputs -> :class:`Prepared` (fp64; q carries the scale; g always [B,T,HV,K])."""
+    """Raw inputs -> :class:`Prepared` (fp64; q carries the scale; g always [B,T,HV,K];
+    gv [B,T,HV,V] with a value gate, else None)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, T, H, K = q.shape
-    HV = v.shape[2]
+    HV, V = v.shape[2:]
     s = spec.scale_for(K, scale)
     if options.l2norm_qk:
         q, k = l2norm(q), l2norm(k)
     q_eff = s * expand_heads(q, HV)
     k_eff = expand_heads(k, HV)
-    g_eff = np.zeros((B, T, HV, K))
+    g_eff, gv_eff = np.zeros((B, T, HV, K)), None
     if spec.has_gate:
         g_act = np.asarray(g, dtype=np.float64)
         if options.gate_in_kernel:
-            x = g_act + _dt_bias_table(spec, HV, K, dt_bias)
+            x = g_act + _dt_bias_table(spec, HV, K, dt_bias, V)
             a = np.exp(np.asarray(A_log, dtype=np.float64))
-            a = a[:, None] if spec.gate is Gate.KEY else a
+            a = a[:, None] if spec.gate.channels else a
             g_act = -a * softplus(x)
-        g_eff += g_act[..., None] if spec.gate is Gate.SCALAR else g_act
+        if spec.gate.per_value:
+            gv_eff = g_act
+        else:
+            g_eff += g_act[..., None] if spec.gate is Gate.SCALAR else g_act
     beta_eff = None
     if spec.rule is Rule.DELTA:
         beta_eff = np.asarray(beta, dtype=np.float64)
         if options.beta_sigmoid:
             beta_eff = sigmoid(beta_eff) * (2.0 if options.allow_neg_eigval else 1.0)
-    return Prepared(q_eff, k_eff, v, g_eff, beta_eff)
+    return Prepared(q_eff, k_eff, v, g_eff, beta_eff, gv_eff)
 
 
 def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, dt_bias,
@@ -224,6 +234,9 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
     Returns dict(dq [B,T,H,K], dk [B,T,H,K], dv [B,T,HV,V], dg (g's shape or None),
     dbeta ([B,T,HV] or None), dA_log ([HV] or None), ddt_bias (dt_bias's shape or None)).
     """
+    if spec.gate.per_value:
+        raise SpecError(f"{spec.name}: the backward references do not take gate 'value' "
+                        "yet (gates 'none', 'scalar', 'key')")
     q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
     H, K = q.shape[2], q.shape[3]
     HV = np.shape(v)[2]

@@ -3,9 +3,10 @@
 Derived from an :class:`~linattn.dsl.spec.OpSpec` (rule, gate) and an
 :class:`~linattn.dsl.spec.Options` value; the options are applied by
 :mod:`~linattn.dsl.preprocess`, so this file only runs the recurrence on the effective
-inputs. Per token t and value head (state S [K, V], K-first, g per key channel):
+inputs. Per token t and value head (state S [K, V], K-first, g per key channel,
+gv per value channel with the value gate):
 
-    S_a = diag(exp(g_t)) S                      decay first
+    S_a = diag(exp(g_t)) S diag(exp(gv_t))      decay first
     delta:    S = S_a + k_t (beta_t (v_t - S_a^T k_t))^T
     additive: S = S_a + k_t v_t^T
     o_t = S^T q_t                               (q_t carries the scale)
@@ -18,7 +19,7 @@ import numpy as np
 
 from .preprocess import (check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first, Prepared)
-from .spec import Gate, OpSpec, Options, Rule
+from .spec import OpSpec, Options, Rule
 
 
 def _initial_states(dims, options, initial_state):
@@ -41,6 +42,8 @@ def _run_tokens(spec, eff, dims, h0, keep_states=False):
                 before[seg.b, t] = S
             q, k, v, g = (x[seg.b, t] for x in (eff.q, eff.k, eff.v, eff.g))
             S = np.exp(g)[:, :, None] * S
+            if eff.gv is not None:
+                S = S * np.exp(eff.gv[seg.b, t])[:, None, :]
             if spec.rule is Rule.DELTA:
                 v = eff.beta[seg.b, t][:, None] * (v - np.einsum("hkv,hk->hv", S, k))
             S = S + k[:, :, None] * v[:, None, :]
@@ -54,7 +57,8 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
                       dt_bias=None):
     """Token-by-token forward in fp64.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] / [B, T, HV, K] / None; beta [B, T, HV]
+    q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] / [B, T, HV, K] / [B, T, HV, V]
+    (spec.gate_shape) / None; beta [B, T, HV]
     (delta) or None; initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None;
     cu_seqlens [N+1] (then B == 1). Returns (o [B, T, HV, V], final_state in the
     initial state's layout, [N, HV, K, V] or [N, HV, V, K]).
@@ -134,7 +138,7 @@ def random_inputs(spec: OpSpec, options: Options, B, T, H, HV, K, V, rng, cu_seq
 
     q, k ~ N(0, 1), l2-normalised unless options.l2norm_qk (then the kernel does it);
     v ~ N(0, 1); beta in (0, 1) (raw logits with beta_sigmoid); g = logsigmoid(N(2, 1))
-    style decays per value head or key channel (raw pre-activations with gate_in_kernel,
+    style decays per value head, key channel or value channel (raw pre-activations with gate_in_kernel,
     plus A_log = log U(1, 16) and dt_bias = inverse softplus of dt in [1e-3, 0.1]);
     initial_state 0.1 N(0, 1) in the options' layout. cu_seqlens, when given, is copied
     through (and B must be 1). Keys: q, k, v, g, beta, A_log, dt_bias, initial_state,
@@ -153,11 +157,11 @@ def random_inputs(spec: OpSpec, options: Options, B, T, H, HV, K, V, rng, cu_seq
         logits = rng.standard_normal((B, T, HV))
         out["beta"] = logits if options.beta_sigmoid else 1.0 / (1.0 + np.exp(-logits))
     if spec.has_gate:
-        shape = spec.gate_shape(B, T, HV, K)
+        shape = spec.gate_shape(B, T, HV, K, V)
         if options.gate_in_kernel:
             out["g"] = rng.standard_normal(shape)
             out["A_log"] = np.log(rng.uniform(1.0, 16.0, HV))
-            n_bias = HV * K if spec.gate is Gate.KEY else HV
+            n_bias = HV * spec.gate.n_channels(K, V)
             dt = np.exp(rng.uniform(np.log(1e-3), np.log(0.1), n_bias))
             out["dt_bias"] = dt + np.log(-np.expm1(-dt))
         else:

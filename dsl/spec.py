@@ -10,6 +10,7 @@ Recurrence denoted by a spec, per token t and value head h (S in R^{K x V}, K-fi
     gate   none:   S <- S
            scalar: S <- exp(g[t, h]) * S                 (g: [.., HV], natural log)
            key:    S <- diag(exp(g[t, h, :])) @ S          (g: [.., HV, K])
+           value:  S <- S @ diag(exp(g[t, h, :]))          (g: [.., HV, V]; fla's gv)
     rule   additive: S <- S + k v^T
            delta:    S <- S + k (beta (v - S^T k))^T
     output o = S^T (scale * q)
@@ -35,9 +36,31 @@ class Rule(str, enum.Enum):
 
 
 class Gate(str, enum.Enum):
+    """A gate is declared by what it decays: the state axis its log decay runs along
+    (:attr:`channels`): none (scalar gate, the whole state alike), "K" (rows: one decay
+    per key channel) or "V" (columns: one per value channel). The per-step decay is
+    exp(g) broadcast over the axes g does not index."""
     NONE = "none"       # no decay
     SCALAR = "scalar"   # one log decay per value head and token: g [.., HV]
     KEY = "key"         # one log decay per key channel: g [.., HV, K]
+    VALUE = "value"     # one log decay per value channel: g [.., HV, V] (fla's gv)
+
+    @property
+    def channels(self) -> str:
+        """The state axis g runs along: "" (one decay per head, or no gate), "K" or "V"."""
+        return {"key": "K", "value": "V"}.get(self.value, "")
+
+    @property
+    def per_key(self) -> bool:
+        return self.channels == "K"
+
+    @property
+    def per_value(self) -> bool:
+        return self.channels == "V"
+
+    def n_channels(self, K: int, V: int) -> int:
+        """Decays per value head and token (1 for the scalar gate)."""
+        return {"K": K, "V": V}.get(self.channels, 1)
 
 
 class StateLayout(str, enum.Enum):
@@ -139,6 +162,9 @@ class OpSpec:
             raise SpecError(f"chunk_size must be 16, 32 or 64, got {self.chunk_size}")
         if self.gate is Gate.NONE and "gate_in_kernel" in self.supports:
             raise SpecError(f"{self.name}: gate_in_kernel needs a gate (gate is 'none')")
+        if self.rule is Rule.DELTA and self.gate.per_value:
+            raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
+                            "rule supports gate 'none', 'scalar' or 'key'")
         if self.rule is Rule.ADDITIVE and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
             raise SpecError(f"{self.name}: beta options need the delta rule (rule is 'additive')")
         if "allow_neg_eigval" in self.supports and "beta_sigmoid" not in self.supports:
@@ -180,9 +206,14 @@ class OpSpec:
             raise SpecError(f"{self.name} has no GVA: value heads ({HV}) must equal heads ({H})")
         return hm
 
-    def gate_shape(self, B: int, T: int, HV: int, K: int) -> tuple:
-        """Shape of g for this spec ((), for no gate)."""
-        return {Gate.NONE: (), Gate.SCALAR: (B, T, HV), Gate.KEY: (B, T, HV, K)}[self.gate]
+    def gate_shape(self, B: int, T: int, HV: int, K: int, V: int = None) -> tuple:
+        """Shape of g for this spec ((), for no gate): [B, T, HV] plus the gate's channel
+        axis (K for the key gate, V for the value gate; V is then required)."""
+        if not self.has_gate:
+            return ()
+        if self.gate.per_value and V is None:
+            raise SpecError(f"{self.name}: a value gate's shape needs V")
+        return (B, T, HV) + {"K": (K,), "V": (V,)}.get(self.gate.channels, ())
 
     # -- identity ------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -218,14 +249,17 @@ def _coerce(enum_cls, value, what):
 
 
 def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
-    """The six rule x gate combinations, each with every option its maths allows.
+    """The six rule x gate combinations of the none / scalar / key gates, each with every
+    option its maths allows.
 
     Used by tests and by the generator's coverage check: every combination must flow
-    through the references and the generator, not just the four named families.
+    through the references and the generator, not just the four named families. The
+    value gate (additive only; references and the recurrent kernel so far) is
+    :func:`value_gate_spec`.
     """
     out = []
     for rule in Rule:
-        for gate in Gate:
+        for gate in (Gate.NONE, Gate.SCALAR, Gate.KEY):
             sup = {"l2norm_qk", "state_v_first"}
             if rule is Rule.DELTA:
                 sup |= {"beta_sigmoid", "allow_neg_eigval"}
@@ -234,3 +268,11 @@ def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
             out.append(OpSpec(name=f"{rule.value}_{gate.value}", rule=rule, gate=gate,
                               chunk_size=chunk_size, supports=frozenset(sup)))
     return out
+
+
+def value_gate_spec(chunk_size: int = 64) -> OpSpec:
+    """The additive rule with the per-value-channel gate (fla's GLA with ``gv``), with
+    every option its maths allows; the tests' counterpart of all_rule_gate_specs."""
+    return OpSpec(name="additive_value", rule=Rule.ADDITIVE, gate=Gate.VALUE,
+                  chunk_size=chunk_size,
+                  supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))

@@ -48,18 +48,19 @@ def _input_symbols(spec, H, HV, K, V, prefix=""):
     tok = dict(q=_sym_array(prefix + "q", (H, K)), k=_sym_array(prefix + "k", (H, K)),
                v=_sym_array(prefix + "v", (HV, V)))
     if spec.gate is not Gate.NONE:
-        tok["g"] = _sym_array(prefix + "g", (HV,) if spec.gate is Gate.SCALAR else (HV, K))
+        tok["g"] = _sym_array(prefix + "g", (HV, spec.gate.n_channels(K, V))
+                              if spec.gate.channels else (HV,))
     if spec.rule is Rule.DELTA:
         tok["beta"] = _sym_array(prefix + "b", (HV,))
     return tok
 
 
-def _shared_symbols(spec, options, HV, K, has_dt_bias):
+def _shared_symbols(spec, options, HV, K, V, has_dt_bias):
     shared = {}
     if spec.gate is not Gate.NONE and options.gate_in_kernel:
         shared["A_log"] = _sym_array("A", (HV,))
         if has_dt_bias:
-            shared["dt_bias"] = _sym_array("dt", (HV * K,) if spec.gate is Gate.KEY else (HV,))
+            shared["dt_bias"] = _sym_array("dt", (HV * spec.gate.n_channels(K, V),))
     return shared
 
 
@@ -76,7 +77,7 @@ def _softplus(x):
 
 def _token_update(spec, options, scale, S, tok, shared):
     """One token for every value head: S list of [K, V] Matrices -> (new S list, o list)."""
-    HV, H, K = len(S), tok["q"].shape[0], tok["q"].shape[1]
+    HV, H, K, V = len(S), tok["q"].shape[0], tok["q"].shape[1], tok["v"].shape[1]
     new_S, outs = [], []
     for hv in range(HV):
         h = hv // (HV // H)
@@ -86,16 +87,18 @@ def _token_update(spec, options, scale, S, tok, shared):
         q = sp.Matrix([scale * e for e in q])
         k = sp.Matrix(k)
         v = sp.Matrix(list(tok["v"][hv]))
-        if spec.gate is not Gate.NONE:
-            raw = [tok["g"][hv]] * K if spec.gate is Gate.SCALAR else list(tok["g"][hv])
+        if spec.gate is not Gate.NONE:             # decays rows (K) or columns (V)
+            n = V if spec.gate.per_value else K
+            raw = list(tok["g"][hv]) if spec.gate.channels else [tok["g"][hv]] * n
             if options.gate_in_kernel:
-                bias = [0] * K
+                bias = [0] * n
                 if "dt_bias" in shared:
-                    bias = [shared["dt_bias"][hv * K + c if spec.gate is Gate.KEY else hv]
-                            for c in range(K)]
+                    bias = [shared["dt_bias"][hv * n + c if spec.gate.channels else hv]
+                            for c in range(n)]
                 raw = [-sp.exp(shared["A_log"][hv]) * _softplus(raw[c] + bias[c])
-                       for c in range(K)]
-            S_hv = sp.diag(*[sp.exp(x) for x in raw]) * S[hv]
+                       for c in range(n)]
+            D = sp.diag(*[sp.exp(x) for x in raw])
+            S_hv = S[hv] * D if spec.gate.per_value else D * S[hv]
         else:
             S_hv = S[hv]
         if spec.rule is Rule.DELTA:
@@ -123,7 +126,7 @@ def _flat(arrays):
 @functools.lru_cache(maxsize=None)
 def _compiled_step(spec, options, H, HV, K, V, scale, has_dt_bias):
     tok = _input_symbols(spec, H, HV, K, V)
-    shared = _shared_symbols(spec, options, HV, K, has_dt_bias)
+    shared = _shared_symbols(spec, options, HV, K, V, has_dt_bias)
     S_sym, S = _state_symbols(HV, K, V)
     new_S, outs = _token_update(spec, options, scale, S, tok, shared)
     xs = _flat([S_sym] + list(tok.values()) + list(shared.values()))
@@ -186,7 +189,7 @@ def _sequence_steps(spec, options, scale, vals, h0, do, dht):
 @functools.lru_cache(maxsize=None)
 def _compiled_full(spec, options, L, H, HV, K, V, scale, has_dt_bias):
     toks = [_input_symbols(spec, H, HV, K, V, prefix=f"t{t}") for t in range(L)]
-    shared = _shared_symbols(spec, options, HV, K, has_dt_bias)
+    shared = _shared_symbols(spec, options, HV, K, V, has_dt_bias)
     S_sym, S = _state_symbols(HV, K, V)
     do, dht = _sym_array("do", (L, HV, V)), _sym_array("dht", (HV, K, V))
     outs = []

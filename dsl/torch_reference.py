@@ -1,8 +1,8 @@
 """Torch references in fp64, usable on the GPU for full benchmark shapes (and on CPU in tests).
 
 Derived from an :class:`OpSpec` (rule x gate) and :class:`Options`, in fla's layout:
-q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV]; g [B, T, HV] (scalar gate) or
-[B, T, HV, K] (key gate), natural-log decays; states [N, HV, K, V] (or [N, HV, V, K] with
+q, k [B, T, H, K]; v [B, T, HV, V]; beta [B, T, HV]; g [B, T, HV] (scalar gate),
+[B, T, HV, K] (key gate) or [B, T, HV, V] (value gate, additive rule), natural-log decays; states [N, HV, K, V] (or [N, HV, V, K] with
 state_v_first); cu_seqlens [N+1] with B == 1. Conventions as /work/briefs/A_references.md.
 
 Chunked forward, per chunk of C tokens (C = 64), per (sequence, value head):
@@ -13,6 +13,10 @@ Chunked forward, per chunk of C tokens (C = 64), per (sequence, value head):
     inter-chunk      h_t = state entering chunk t;  v_new = u - w h_t    (additive: v)
                      h_{t+1} = e^{gc_last} h_t + (k e^{gc_last - gc})^T v_new
     output           o = (scale q e^{gc}) h_t + tril(scale q.k e^{gc_i - gc_j}) v_new
+
+Value gate (decay per value channel, gc [.., V]): the state's columns decay instead,
+    h_{t+1} = h_t e^{gc_last} + k^T (v e^{gc_last - gc}),
+    o = (scale q h_t) e^{gc} + e^{gc} (tril(scale q.k) (v e^{-gc})).
 
 Pairwise decays e^{gc_i - gc_j} are factored around the chunk's middle row, so fp64 only
 overflows when one chunk decays by more than ~e^{-1400} (never with realistic gates).
@@ -52,7 +56,8 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
     """Raw call inputs -> what the recurrence consumes, in fp64, key heads expanded to HV.
 
     Returns (q_eff [B,T,HV,K] already times scale, k_eff [B,T,HV,K], v [B,T,HV,V],
-    g_log [B,T,HV,1 or K] or None, beta_eff [B,T,HV] or None).
+    g_log [B,T,HV,1 or K] ([B,T,HV,V] for the value gate: spec.gate.per_value) or None,
+    beta_eff [B,T,HV] or None).
     """
     spec.check_options(options)
     q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
@@ -69,11 +74,11 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
         if options.gate_in_kernel:
             a = torch.exp(_f64(A_log)).view(HV, 1)
             bias = _f64(dt_bias).view(HV, -1)
-            x = (g if spec.gate is Gate.KEY else g.unsqueeze(-1)) + bias
+            x = (g if spec.gate.channels else g.unsqueeze(-1)) + bias
             g = -a * softplus_fla(x)
             g_log = g
         else:
-            g_log = g if spec.gate is Gate.KEY else g.unsqueeze(-1)
+            g_log = g if spec.gate.channels else g.unsqueeze(-1)
     if spec.rule is Rule.DELTA:
         if options.beta_sigmoid:
             beta = torch.sigmoid(beta) * (2.0 if options.allow_neg_eigval else 1.0)
@@ -99,8 +104,9 @@ def _state_in(initial_state, n0, n1, b, HV, K, V, v_first, device):
     return s.transpose(-1, -2) if v_first else s
 
 
-def _chunk_segment(q, k, v, g, beta, S, C):
-    """One run of tokens, all fp64, [b, L, HV, D] (g [b, L, HV, 1 or K], beta [b, L, HV]).
+def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
+    """One run of tokens, all fp64, [b, L, HV, D] (g [b, L, HV, 1 or K], or [b, L, HV, V]
+    with value_gate (additive rule only); beta [b, L, HV]).
 
     Returns o [b,L,HV,V], final S [b,HV,K,V] and the intermediates (head-major chunks).
     """
@@ -113,6 +119,8 @@ def _chunk_segment(q, k, v, g, beta, S, C):
         return x.reshape(b, NC, C, HV, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    gvc = chunks(g).cumsum(-2) if value_gate else None             # [b,HV,NC,C,V]
+    g = None if value_gate else g
     gc = torch.zeros_like(kc[..., :1]) if g is None else chunks(g).cumsum(-2)
     ref = gc[..., C // 2:C // 2 + 1, :]
     k_inv = kc * torch.exp(ref - gc)                               # k_j e^{r - gc_j}
@@ -138,10 +146,20 @@ def _chunk_segment(q, k, v, g, beta, S, C):
         hs.append(S)
         vn = u[:, :, t] if w is None else u[:, :, t] - w[:, :, t] @ S
         vnews.append(vn)
-        S = torch.exp(gl[:, :, t]).transpose(-1, -2) * S + k_last[:, :, t].transpose(-1, -2) @ vn
+        vd = vn
+        if gvc is not None:                                        # the columns decay
+            gvl = gvc[:, :, t, -1:, :]                             # [b,HV,1,V]
+            S, vd = S * torch.exp(gvl), vn * torch.exp(gvl - gvc[:, :, t])
+        S = torch.exp(gl[:, :, t]).transpose(-1, -2) * S + k_last[:, :, t].transpose(-1, -2) @ vd
     h = torch.stack(hs, 2)                                         # [b,HV,NC,K,V]
     vnew = torch.stack(vnews, 2)
-    o = q_dec @ h + Aqk @ vnew
+    if gvc is None:
+        o = q_dec @ h + Aqk @ vnew
+    else:
+        ref_v = gvc[..., C // 2:C // 2 + 1, :]
+        o = ((q_dec @ h) * torch.exp(gvc)
+             + torch.exp(gvc - ref_v) * (Aqk @ (vnew * torch.exp(ref_v - gvc))))
+        gc = gvc                                                   # reported as g_cum
 
     def tokens(x):  # [b, HV, NC, C, D] -> [b, L, HV, D]
         return x.permute(0, 2, 3, 1, 4).reshape(b, NC * C, HV, x.shape[-1])[:, :L]
@@ -187,7 +205,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
             sl = lambda x: None if x is None else x[bs, p0:p1]  # noqa: E731
             qe, ke, ve, ge, be = prepare(spec, options, sl(q), sl(k), sl(v), sl(g), sl(beta),
                                          scale, A_log, dt_bias)
-            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C)
+            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C, spec.gate.per_value)
             outs.append(o)
             inters.append(inter)
         finals.append(S)
@@ -220,8 +238,8 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
         S = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
                       options.state_v_first, ke.device)
         for t in range(t0, t1):
-            if ge is not None:
-                S = torch.exp(ge[bs, t]).unsqueeze(-1) * S
+            if ge is not None:                 # decay rows (key / scalar) or columns
+                S = torch.exp(ge[bs, t]).unsqueeze(-2 if spec.gate.per_value else -1) * S
             kt, vt = ke[bs, t], ve[bs, t]
             if be is not None:
                 vt = be[bs, t].unsqueeze(-1) * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))

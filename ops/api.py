@@ -30,7 +30,7 @@ import dataclasses
 
 from ..codegen.arch import get_arch
 from ..codegen.plan import plan
-from ..dsl import Gate, OpSpec, Options
+from ..dsl import OpSpec, Options
 from . import validate
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
@@ -140,7 +140,8 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
     (after check_call): contiguous (an in-place state is already), gates and beta in f32
     or q's dtype (ones for a missing beta), simple
-    GLA's g_gamma added to g, A_log / dt_bias f32 [HV] / [HV * K] (zeros for no dt_bias).
+    GLA's g_gamma added to g, A_log / dt_bias f32 [HV] / [HV * K] / [HV * V] (zeros for no
+    dt_bias).
     KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
     exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
     the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
@@ -156,7 +157,7 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
     if spec.has_beta and beta is None:
         beta = torch.ones(dims.B, dims.T, dims.HV, dtype=q.dtype, device=q.device)
     gate_params = options.gate_in_kernel and spec.has_gate
-    HV, n = dims.HV, dims.HV * (dims.K if spec.gate is Gate.KEY else 1)
+    HV, n = dims.HV, dims.HV * spec.gate.n_channels(dims.K, dims.V)
     a = A_log.reshape(HV).float() if gate_params and A_log is not None else None
     b = dt_bias.reshape(n).float() if gate_params and dt_bias is not None else None
     if gate_params and lower_bound is not None:

@@ -78,9 +78,9 @@ def build(spec: OpSpec) -> Ops:
 def has_backward(spec: OpSpec) -> bool:
     """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
     the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
-    any gate, at DeltaNet's chunk size."""
+    the none / scalar / key gates, at DeltaNet's chunk size (the value gate: forward only)."""
     from . import deltanet
-    return spec.chunk_size == deltanet.SPEC.chunk_size
+    return spec.chunk_size == deltanet.SPEC.chunk_size and not spec.gate.per_value
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
@@ -124,7 +124,8 @@ def _function(spec: OpSpec, recurrent: bool) -> Callable:
 
 
 def _shape(spec: OpSpec) -> str:
-    return {Gate.NONE: "none", Gate.SCALAR: "[B, T, HV]", Gate.KEY: "[B, T, HV, K]"}[spec.gate]
+    return {Gate.NONE: "none", Gate.SCALAR: "[B, T, HV]", Gate.KEY: "[B, T, HV, K]",
+            Gate.VALUE: "[B, T, HV, V]"}[spec.gate]
 
 
 def _call(spec: OpSpec, recurrent: bool, a: dict):

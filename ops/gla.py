@@ -1,11 +1,19 @@
 """Gated Linear Attention: the additive rule with a log decay per key channel."""
 from ..dsl import OpSpec
-from . import api
+from . import api, validate
 
 SPEC = OpSpec(
     name="gla", rule="additive", gate="key", chunk_size=64,
     supports=frozenset({"state_v_first"}), gva=False,
     doc="GLA: S <- diag(exp(g)) S + k v^T; o = S^T (scale q).",
+)
+#: GLA with fla's ``gv`` instead of ``gk`` (a log decay per value channel), for
+#: fused_recurrent_gla(gv=...); not a registered family: its one kernel (the recurrent
+#: stage) is rendered on first use into ops.runtime.gen_dir()
+SPEC_GV = OpSpec(
+    name="gla_gv", rule="additive", gate="value", chunk_size=64,
+    supports=frozenset({"state_v_first"}), gva=False,
+    doc="GLA with a value gate: S <- S diag(exp(gv)) + k v^T; o = S^T (scale q).",
 )
 
 
@@ -36,14 +44,22 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
                         output_final_state=False, reverse=False, state_v_first=False,
                         cu_seqlens=None, cu_seqlens_cpu=None, ssm_state_indices=None,
                         num_accepted_tokens=None, inplace_final_state=False, **kwargs):
-    """fla's fused_recurrent_gla: the token-by-token kernel for any T. Without ``gk`` it is
-    plain linear attention (the additive rule without a gate). ``gv`` and ``reverse``
-    are not supported; the state pool arguments as fused_recurrent_gated_delta_rule's."""
+    """fla's fused_recurrent_gla: the token-by-token kernel for any T.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; gk [B, T, H, K] (a natural-log decay per key
+    channel: S <- diag(exp(gk)) S) or gv [B, T, H, V] (per value channel:
+    S <- S diag(exp(gv)); fla's name), f32 or q's dtype; neither: plain linear attention
+    (the additive rule without a gate). gk and gv together and ``reverse`` are not
+    supported; the state pool arguments as fused_recurrent_gated_delta_rule's."""
     from . import linear_attn
-    api.reject({k_: v_ for k_, v_ in (("gv", gv), ("reverse", reverse))})
+    api.reject({"reverse": reverse})
+    if gk is not None and gv is not None:
+        raise validate.error("fused_recurrent_gla takes gk or gv, not both: both at once "
+                             "is not supported yet")
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
-    spec = SPEC if gk is not None else linear_attn.SPEC
-    return api.recurrent(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
+    spec, g = ((SPEC, gk) if gk is not None else (SPEC_GV, gv) if gv is not None
+               else (linear_attn.SPEC, None))
+    return api.recurrent(spec, q, k, v, g, None, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                          ssm_state_indices=ssm_state_indices,

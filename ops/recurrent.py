@@ -40,7 +40,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
 
     q, k:    [B, T, H, K]  f16 / bf16 / f32
     v:       [B, T, HV, V] same dtype; HV % H == 0 (value head hv reads key head hv // (HV/H))
-    g:       [B, T, HV] (scalar gate) or [B, T, HV, K] (key gate), natural-log decay
+    g:       [B, T, HV] (scalar gate), [B, T, HV, K] (key gate) or [B, T, HV, V] (value
+             gate), natural-log decay
              (raw, before the activation, with options.gate_in_kernel); f32 or q's dtype
     beta:    [B, T, HV] (delta rule); f32 or q's dtype
     scale:   multiplies q (default spec.default_scale, K ** -0.5)
@@ -49,7 +50,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              ssm_state_indices a pool [P, HV, K, V] (any P)
     cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (then B == 1);
              cu_seqlens_cpu: its CPU copy (checks without a device sync)
-    A_log:   [HV] f32, dt_bias: [HV] (scalar gate) or [HV * K] (key gate) f32, with
+    A_log:   [HV] f32, dt_bias: [HV] (scalar gate), [HV * K] (key gate) or [HV * V]
+             (value gate) f32, with
              options.gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias)
     state_dtype: dtype of the final state (default torch.float32; the
              DeltaNetRecurrentFwd / GLARecurrentFwd contracts keep it in q's dtype; with

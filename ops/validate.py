@@ -149,13 +149,13 @@ def check_qkv(spec: OpSpec, q, k, v, *, dtypes=INPUT_DTYPES, like=True,
 
 
 def check_gate(spec: OpSpec, g, dims: Dims, q=None, dtypes=None, contiguous=True):
-    """g: None for gate none; [B, T, HV] (scalar) or [B, T, HV, K] (key); dtypes default
-    f32 or q's dtype (the kernels')."""
+    """g: None for gate none; [B, T, HV] (scalar), [B, T, HV, K] (key) or [B, T, HV, V]
+    (value); dtypes default f32 or q's dtype (the kernels')."""
     if spec.gate is Gate.NONE:
         if g is not None:
             raise error(f"{spec.name} has no gate; g must be None, got {describe(g)}")
         return None
-    want = spec.gate_shape(dims.B, dims.T, dims.HV, dims.K)
+    want = spec.gate_shape(dims.B, dims.T, dims.HV, dims.K, dims.V)
     if g is None:
         raise error(f"{spec.name} needs g of shape {list(want)}")
     if dtypes is None:
@@ -181,7 +181,7 @@ def check_beta(spec: OpSpec, beta, dims: Dims, q=None, dtypes=None, contiguous=T
 
 def check_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: Dims, q=None):
     """The kernels' A_log [HV] and dt_bias ([HV] scalar gate, [HV * K] or [HV, K] key
-    gate), f32, both given with gate_in_kernel. Returns dt_bias flattened (a view) or None.
+    gate, [HV * V] or [HV, V] value gate), f32, both given with gate_in_kernel. Returns dt_bias flattened (a view) or None.
     """
     if not options.gate_in_kernel:
         if A_log is not None or dt_bias is not None:
@@ -190,12 +190,13 @@ def check_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: Dims
     if A_log is None:
         raise error(f"use_gate_in_kernel=True needs A_log of shape [{dims.HV}]")
     check_tensor("A_log", A_log, like=q, dtypes=["float32"], shape=(dims.HV,))
-    n = dims.HV * (dims.K if spec.gate is Gate.KEY else 1)
+    C = spec.gate.n_channels(dims.K, dims.V)
+    n = dims.HV * C
     if dt_bias is None:
         raise error(f"use_gate_in_kernel=True needs dt_bias of shape [{n}] here "
                     "(the public functions pass zeros for none)")
-    if spec.gate is Gate.KEY and dt_bias.dim() == 2:
-        check_tensor("dt_bias", dt_bias, like=q, dtypes=["float32"], shape=(dims.HV, dims.K))
+    if spec.gate.channels and dt_bias.dim() == 2:
+        check_tensor("dt_bias", dt_bias, like=q, dtypes=["float32"], shape=(dims.HV, C))
         return dt_bias.reshape(n)
     check_tensor("dt_bias", dt_bias, like=q, dtypes=["float32"], shape=(n,))
     return dt_bias
@@ -211,11 +212,12 @@ def check_fla_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: 
                           lower_bound=None) -> None:
     """fla's A_log / dt_bias: used only with use_gate_in_kernel (ignored otherwise, as in
     fla); A_log with HV elements ([HV], [1, 1, HV, 1], ...; optional with KDA's
-    lower_bound), dt_bias optional ([HV], or [HV * K] / [HV, K] with the per-key gate);
+    lower_bound), dt_bias optional ([HV], or [HV * K] / [HV, K] with the per-key gate,
+    [HV * V] / [HV, V] with the per-value gate);
     any float dtype (read as f32)."""
     if not options.gate_in_kernel:
         return
-    K = dims.K if spec.gate is Gate.KEY else 1
+    K = spec.gate.n_channels(dims.K, dims.V)
     if A_log is None and lower_bound is None:
         raise error(f"use_gate_in_kernel=True needs A_log of shape [{dims.HV}]")
     for name, x, shapes in (("A_log", A_log, [(dims.HV,)]),

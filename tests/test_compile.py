@@ -1,7 +1,8 @@
 """Every generated stage lowers and compiles for sm_90a (nvcc, no GPU needed).
 
 For each checked-in module: each of its EXAMPLES configurations. For the six rule x gate
-specs (rendered into a temp dir): all options off at K = V = 128, all on at K = V = 64.
+specs and the value gate (rendered into a temp dir): all options off at K = V = 128, all
+on at K = V = 64.
 Registers, shared memory and spills (ptxas -v) are printed (run with -s to see them);
 ``linattn-gen --compile --report FILE`` writes the same records as JSON.
 """
@@ -12,7 +13,7 @@ import pytest
 from linattn.codegen import plan, render_stage
 from linattn.codegen.compile import compile_stage, format_record, load_module
 from linattn.codegen.render import DEFAULT_OUT
-from linattn.dsl import all_rule_gate_specs
+from linattn.dsl import all_rule_gate_specs, value_gate_spec
 from linattn.ops.registry import specs
 
 pytestmark = [pytest.mark.compile,
@@ -53,9 +54,10 @@ def test_generated_stage_compiles(path, index):
 
 
 SIX = all_rule_gate_specs()
+RECURRENT_SPECS = SIX + [value_gate_spec()]
 
 
-@pytest.mark.parametrize("spec", SIX, ids=[s.name for s in SIX])
+@pytest.mark.parametrize("spec", RECURRENT_SPECS, ids=[s.name for s in RECURRENT_SPECS])
 @pytest.mark.parametrize("all_on", [False, True], ids=["flags_off", "flags_on"])
 def test_rule_gate_recurrent_compiles(tmp_path, spec, all_on):
     (stage,) = plan(spec, "decode", ARCH)
@@ -69,6 +71,22 @@ def test_rule_gate_recurrent_compiles(tmp_path, spec, all_on):
     if all_on:
         problem.update({n: True for n in spec.supports}, has_initial_state=True,
                        output_final_state=True, varlen=True)
+    _check(compile_stage(module, problem, ARCH))
+
+
+@pytest.mark.parametrize("v_first", [False, True], ids=["k_first", "v_first"])
+def test_value_gate_recurrent_compiles_k_ne_v(tmp_path, v_first):
+    """The value gate indexes g and dt_bias by value channel: K != V, several value blocks,
+    gate_in_kernel, a per-token state pool written in place."""
+    spec = value_gate_spec()
+    (stage,) = plan(spec, "decode", ARCH)
+    path = tmp_path / f"{spec.name}_{stage.name}.py"
+    path.write_text(render_stage(spec, stage, ARCH))
+    module = load_module(path, f"value_gate_{int(v_first)}")
+    problem = dict(H=2, HV=4, K=128, V=96, dtype="bfloat16", state_dtype="float32",
+                   gate_in_kernel=True, state_v_first=v_first, has_initial_state=True,
+                   output_final_state=True, varlen=True, state_pool=True,
+                   slots_per_token=True, accepted_tokens=True, inplace=True)
     _check(compile_stage(module, problem, ARCH))
 
 

@@ -1,7 +1,8 @@
 """GPU correctness of the fused recurrent / decode kernel (ops.recurrent.fused_recurrent)
 against the fp64 NumPy reference dsl.recurrent.recurrent_forward.
 
-Covers the six rule x gate specs (rendered on the fly) and the four registered families
+Covers the six rule x gate specs and the value gate (rendered on the fly; cases
+``-k additive_value``) and the four registered families
 (the checked-in generated modules): decode (T = 1) and short sequences, varlen with
 one-token and empty sequences, every option, both state layouts, GVA, f16 / bf16 inputs,
 f32 / input-dtype states, K != V, K up to 256. Inputs are rounded to the kernel dtypes
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 from conftest import write_summary
 
-from linattn.dsl import Options, all_rule_gate_specs
+from linattn.dsl import Options, all_rule_gate_specs, value_gate_spec
 from linattn.dsl.recurrent import random_inputs, recurrent_forward
 from linattn.ops.registry import get_spec
 
@@ -37,10 +38,13 @@ TOL = {"bfloat16": 1e-2, "float16": 5e-3}
 DEVICE = "cuda"
 SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 SIX = {s.name: s for s in all_rule_gate_specs()}
+VALUE_GATE = value_gate_spec()
 RESULTS = []
 
 
 def _spec(name):
+    if name == VALUE_GATE.name:
+        return VALUE_GATE
     return SIX[name] if name in SIX else get_spec(name)
 
 
@@ -67,6 +71,13 @@ for _name in SIX:  # every rule x gate: decode, all options + varlen, layout/GVA
         case(_name, B=3, T=1, H=4, HV=4, K=64, V=64, dtype="float16", state="float16",
              f32_gb=False, scale=1.0),
     ]
+CASES += [  # the value gate (g [B, T, HV, V]): K != V, value blocks, every option, varlen
+    case(VALUE_GATE.name, B=5, T=1),
+    case(VALUE_GATE.name, B=2, T=33, H=2, HV=4, K=128, V=64),
+    case(VALUE_GATE.name, B=3, T=5, H=2, HV=2, K=64, V=256, opts=("state_v_first",)),
+    case(VALUE_GATE.name, H=1, HV=2, K=64, V=96, dtype="float16", opts="all",
+         lens=[3, 0, 1, 12], index="int64"),
+]
 CASES += [  # the registered families through the checked-in generated modules
     case("gdn", B=32, T=1, H=16, HV=32, opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel")),
     case("gdn", B=2, T=63, H=2, HV=4, opts=("l2norm_qk",)),

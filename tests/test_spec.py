@@ -2,7 +2,7 @@
 import pytest
 
 from linattn.dsl import (Gate, HeadMap, OpSpec, Options, Rule, SpecError,
-                         all_rule_gate_specs)
+                         all_rule_gate_specs, value_gate_spec)
 from linattn.ops import get_spec, specs
 
 
@@ -19,8 +19,9 @@ def test_families_are_registered_with_their_maths():
 
 def test_six_rule_gate_combinations_are_expressible():
     combos = {(s.rule, s.gate) for s in all_rule_gate_specs()}
-    assert combos == {(r, g) for r in Rule for g in Gate}
+    assert combos == {(r, g) for r in Rule for g in Gate if g is not Gate.VALUE}
     assert len({s.hash for s in all_rule_gate_specs()}) == 6
+    assert (value_gate_spec().rule, value_gate_spec().gate) == (Rule.ADDITIVE, Gate.VALUE)
 
 
 def test_unknown_op_lists_valid_ones():
@@ -30,7 +31,8 @@ def test_unknown_op_lists_valid_ones():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(rule="hebbian"), "unknown rule 'hebbian'; valid: 'additive', 'delta'"),
-    (dict(gate="value"), "unknown gate 'value'"),
+    (dict(gate="values"), "unknown gate 'values'"),
+    (dict(gate="value"), "gate 'value' needs the additive rule; the delta rule supports"),
     (dict(chunk_size=48), "chunk_size must be 16, 32 or 64"),
     (dict(supports={"l2norm"}), "unknown options"),
     (dict(gate="none", supports={"gate_in_kernel"}), "gate_in_kernel needs a gate"),
