@@ -139,6 +139,10 @@ class OpSpec:
     supports:    which :class:`Options` switches a call may turn on
     gva:         whether HV may exceed H
     default_scale: "rsqrt_k" (K ** -0.5, fla's default) or a number
+    decay:       a log decay per value head fixed by the spec (gate "scalar" only): an
+                 expression in h (the value head, 0-based) and H (the value heads), e.g.
+                 RetNet's "log(1 - 2**(-5 - h))"; g is then not a call input, every token
+                 of head h decays by exp(decay(h, H)) (:meth:`head_decay`)
     """
     name: str
     rule: Rule
@@ -148,6 +152,7 @@ class OpSpec:
     gva: bool = True
     default_scale: object = "rsqrt_k"
     doc: str = ""
+    decay: str = ""
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -173,6 +178,8 @@ class OpSpec:
                 (isinstance(self.default_scale, (int, float)) and self.default_scale > 0)):
             raise SpecError(f"default_scale must be 'rsqrt_k' or a positive number, "
                             f"got {self.default_scale!r}")
+        if self.decay:
+            _decay_expr(self)
         object.__setattr__(self, "_content_hash", self._compute_hash())
 
     # -- derived facts -------------------------------------------------------------------
@@ -206,6 +213,23 @@ class OpSpec:
             raise SpecError(f"{self.name} has no GVA: value heads ({HV}) must equal heads ({H})")
         return hm
 
+    @property
+    def gate_is_input(self) -> bool:
+        """Whether a call passes g (a gate, and not one the spec fixes by ``decay``)."""
+        return self.has_gate and not self.decay
+
+    def head_decay(self, HV: int) -> list:
+        """The fixed per-step log decay of each of HV value heads (spec ``decay``)."""
+        if not self.decay:
+            raise SpecError(f"{self.name} fixes no decay (its gate is a call input)")
+        f = _decay_expr(self)
+        out = [float(f(h, HV)) for h in range(HV)]
+        bad = [(h, x) for h, x in enumerate(out) if not (x <= 0.0 and x > float("-inf"))]
+        if bad:
+            raise SpecError(f"{self.name}: decay {self.decay!r} must be a finite log decay "
+                            f"<= 0 at every head, got {bad[0][1]} at h={bad[0][0]}, H={HV}")
+        return out
+
     def gate_shape(self, B: int, T: int, HV: int, K: int, V: int = None) -> tuple:
         """Shape of g for this spec ((), for no gate): [B, T, HV] plus the gate's channel
         axis (K for the key gate, V for the value gate; V is then required)."""
@@ -217,9 +241,10 @@ class OpSpec:
 
     # -- identity ------------------------------------------------------------------------
     def as_dict(self) -> dict:
-        return {"name": self.name, "rule": self.rule.value, "gate": self.gate.value,
-                "chunk_size": self.chunk_size, "supports": sorted(self.supports),
-                "gva": self.gva, "default_scale": self.default_scale}
+        out = {"name": self.name, "rule": self.rule.value, "gate": self.gate.value,
+               "chunk_size": self.chunk_size, "supports": sorted(self.supports),
+               "gva": self.gva, "default_scale": self.default_scale}
+        return dict(out, decay=self.decay) if self.decay else out
 
     @property
     def key(self) -> str:
@@ -238,6 +263,28 @@ class OpSpec:
 
     def replace(self, **kw) -> "OpSpec":
         return dataclasses.replace(self, **kw)
+
+
+def _decay_expr(spec: "OpSpec"):
+    """The spec's decay as a function f(h, H) (sympy-parsed; SpecError for a malformed
+    expression, other symbols than h and H, or a gate other than "scalar")."""
+    if not isinstance(spec.decay, str):
+        raise SpecError(f"{spec.name}: decay must be an expression string in h and H, got "
+                        f"{type(spec.decay).__name__}")
+    if spec.gate is not Gate.SCALAR or "gate_in_kernel" in spec.supports:
+        raise SpecError(f"{spec.name}: decay fixes a scalar gate: it needs gate 'scalar' "
+                        f"without gate_in_kernel, got gate {spec.gate.value!r}")
+    import sympy
+    h, H = sympy.symbols("h H")
+    try:
+        expr = sympy.sympify(spec.decay, locals={"h": h, "H": H})
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise SpecError(f"{spec.name}: decay {spec.decay!r} is not an expression: "
+                        f"{type(e).__name__}") from None
+    extra = sorted(str(x) for x in getattr(expr, "free_symbols", ()) if x not in (h, H))
+    if extra:
+        raise SpecError(f"{spec.name}: decay may use h and H only, got {extra}")
+    return sympy.lambdify((h, H), expr, "math")
 
 
 def _coerce(enum_cls, value, what):

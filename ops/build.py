@@ -13,6 +13,7 @@ Shapes (fla's layout; HV % H == 0, HV == H unless the spec has ``gva``):
     q, k           [B, T, H, K]     float16 / bfloat16
     v              [B, T, HV, V]    q's dtype
     g              [B, T, HV]       gate "scalar": natural-log decay per value head
+                                    (not an argument when the spec fixes ``decay``)
                    [B, T, HV, K]    gate "key": natural-log decay per key channel
                                     (no g for gate "none"; raw, with A_log [HV] and
                                     dt_bias [HV] / [HV * K], under use_gate_in_kernel)
@@ -86,7 +87,7 @@ def has_backward(spec: OpSpec) -> bool:
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
     """The parameters of ``spec``'s functions: only what the spec has."""
     P = inspect.Parameter
-    pos = ["q", "k", "v"] + ["g"] * spec.has_gate
+    pos = ["q", "k", "v"] + ["g"] * spec.gate_is_input
     params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in pos]
     if spec.has_beta:
         params.append(P("beta", P.POSITIONAL_OR_KEYWORD,
@@ -124,6 +125,8 @@ def _function(spec: OpSpec, recurrent: bool) -> Callable:
 
 
 def _shape(spec: OpSpec) -> str:
+    if spec.decay:
+        return f"fixed by the spec (log decay {spec.decay} per head)"
     return {Gate.NONE: "none", Gate.SCALAR: "[B, T, HV]", Gate.KEY: "[B, T, HV, K]",
             Gate.VALUE: "[B, T, HV, V]"}[spec.gate]
 
@@ -131,7 +134,7 @@ def _shape(spec: OpSpec) -> str:
 def _call(spec: OpSpec, recurrent: bool, a: dict):
     """One call: keywords -> Options, then the dispatch of ops/api.py (or autograd)."""
     extra = a.pop("kwargs")
-    for name in ("g", "gk", "gv", "beta", "A_log", "dt_bias", *FLA_OPTION.values()):
+    for name in ("g", "gk", "gv", "g_gamma", "beta", "A_log", "dt_bias", *FLA_OPTION.values()):
         if name in extra:
             raise SpecError(f"{spec.name} ({spec.key}, supports "
                             f"{sorted(spec.supports) or 'no options'}) takes no {name}")
@@ -142,6 +145,8 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
         flags["l2norm_qk"], flags["beta_sigmoid"], flags["allow_neg_eigval"],
         flags["gate_in_kernel"], flags["state_v_first"], extra, chunked=not recurrent))
     q, k, v, g, beta = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g", None), a.pop("beta", None)
+    if spec.decay:
+        g = fixed_gate(spec, q, v)
     if recurrent:           # (a missing beta means ones, as in fla)
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
     if has_backward(spec) and spec.rule is Rule.ADDITIVE:
@@ -162,6 +167,18 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
         if autograd.needs_grad(q, k, v, beta, a["initial_state"]):
             return _train(spec, opts, q, k, v, beta, a)
     return api.forward(spec, q, k, v, g, beta, options=opts, **a)
+
+
+def fixed_gate(spec: OpSpec, q, v):
+    """g [B, T, HV] f32 of a spec whose ``decay`` fixes it (every token of value head h:
+    spec.head_decay(HV)[h]), on q's device; None for inputs the validator will refuse."""
+    import torch
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == 4
+            and v.dim() == 4):
+        return None
+    B, T, HV = v.shape[:3]
+    gamma = torch.tensor(spec.head_decay(HV), dtype=torch.float32)
+    return gamma.to(q.device).view(1, 1, HV).expand(B, T, HV).contiguous()
 
 
 def _train(spec: OpSpec, opts, q, k, v, beta, a: dict):

@@ -26,7 +26,7 @@ from linattn.codegen.pipeline import AdditiveBackwardProblem
 from linattn.dsl import Gate, Options, SpecError, all_rule_gate_specs
 from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import chunk_grads, chunk_grads_key_blocks
-from linattn.ops import additive_bwd, contracts, gla, linear_attn, simple_gla
+from linattn.ops import additive_bwd, contracts, gla, linear_attn, retention, simple_gla
 
 F64 = torch.float64
 C = 64
@@ -375,12 +375,15 @@ def test_family_functions_train(monkeypatch, rng):
     B, T, H, K, V = 1, 80, 2, 32, 32
     for fn, spec, kw in ((gla.chunk_gla, gla.SPEC, {}),
                          (simple_gla.chunk_simple_gla, simple_gla.SPEC, {"gamma": True}),
+                         (retention.chunk_retention, retention.SPEC, {"fixed": True}),
                          (linear_attn.chunk_linear_attn, linear_attn.SPEC, {"normalize": True})):
         install_fakes(monkeypatch, spec, H, H, K, V)
         x, do, _ = _train_inputs(spec, rng, B, T, H, H, K, V, B, True, False)
         if kw.get("normalize"):         # a positive feature map: the normaliser q.z > 0
             for n in "qk":
                 x[n] = (torch.nn.functional.elu(x[n].double()) + 1).to(x[n].dtype)
+        if kw.get("fixed"):             # the spec's decay: no g argument
+            x.pop("g")
         leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
         args = dict(leaves)
         if kw.get("gamma"):
@@ -394,6 +397,9 @@ def test_family_functions_train(monkeypatch, rng):
         g_ref = ref.get("g")
         if kw.get("gamma"):
             g_ref = ref["g"] + ref["g_gamma"].view(1, 1, H)
+        if kw.get("fixed"):
+            g_ref = torch.tensor(spec.head_decay(H), dtype=torch.float64).view(1, 1, H)
+            g_ref = g_ref.expand(B, T, H)
         ro, _ = tref.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], g_ref, scale=0.2,
                                        initial_state=ref["initial_state"])
         if kw.get("normalize"):

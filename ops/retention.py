@@ -1,0 +1,38 @@
+"""Retention (RetNet): the additive rule with a decay per head fixed by the spec, fla's
+chunk_retention / fused_recurrent_retention. The spec declares the decay (``decay``: the
+log of 1 - 2^(-5 - h) for value head h), so a call passes no gate; the functions are those
+of ``linattn.build(SPEC)`` (forward, decode, and training through the additive backward)."""
+from ..dsl import OpSpec
+from .build import build
+
+SPEC = OpSpec(
+    name="retention", rule="additive", gate="scalar", chunk_size=64,
+    supports=frozenset({"state_v_first"}), gva=False, decay="log(1 - 2**(-5 - h))",
+    doc="Retention: S <- gamma_h S + k v^T, gamma_h = 1 - 2^(-5 - h); o = S^T (scale q).",
+)
+_OPS = []
+
+
+def _ops():
+    if not _OPS:
+        _OPS.append(build(SPEC))
+    return _OPS[0]
+
+
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """fla's chunk_retention: q, k [B, T, H, K], v [B, T, H, V] (f16 / bf16), head h
+    decaying by 1 - 2^(-5 - h) per token; initial_state [N, H, K, V] (any float dtype,
+    read as f32). Returns (o [B, T, H, V], final_state f32 or None). Differentiable."""
+    return _ops().chunk(q, k, v, scale, initial_state, output_final_state,
+                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
+
+
+def fused_recurrent_retention(q, k, v, scale=None, initial_state=None,
+                              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                              **kwargs):
+    """fla's fused_recurrent_retention: the token-by-token kernel for any T; arguments as
+    chunk_retention's."""
+    return _ops().fused_recurrent(q, k, v, scale, initial_state, output_final_state,
+                                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                  **kwargs)

@@ -1,0 +1,96 @@
+"""A decay fixed by the spec (OpSpec.decay): RetNet's retention as fla's chunk_retention /
+fused_recurrent_retention, on CPU with the kernel replaced by the fp64 reference
+(tests/_cpu_ops.py; retention is not a registered op, so library._impl is swapped as in
+tests/test_value_gate.py). The kernels are simple GLA's scalar-gate kernels (g formed from
+the spec), GPU-checked there."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import _cpu_ops
+import linattn
+from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+from linattn.dsl import OpSpec, SpecError
+from linattn.dsl import torch_reference as tr
+from linattn.ops import build as build_mod
+from linattn.ops import retention
+
+
+@pytest.fixture
+def ref_kernels(cpu_ops, monkeypatch):
+    from linattn.ops import library
+
+    def impl(spec, path):
+        def kernel(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale, final, opts,
+                   *pool):
+            return _cpu_ops._reference(spec, path, q, k, v, g, beta, A_log, dt_bias, h0,
+                                       cu, scale, final, opts, *pool)
+        return kernel
+    monkeypatch.setattr(library, "_impl", impl)
+    return cpu_ops
+
+
+def _inputs(B=2, T=37, H=3, K=32, V=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = r(B, T, H, K).bfloat16(), F.normalize(r(B, T, H, K), dim=-1).bfloat16()
+    return q, k, r(B, T, H, V).bfloat16(), 0.1 * r(B, H, K, V)
+
+
+def _retnet_g(B, T, H):
+    gamma = torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)])
+    return gamma.view(1, 1, H).expand(B, T, H).contiguous()
+
+
+def test_spec_decay_values_and_hash():
+    assert retention.SPEC.head_decay(3) == pytest.approx(
+        [math.log(1 - 2.0 ** (-5 - h)) for h in range(3)])
+    plain = OpSpec(name="retention", rule="additive", gate="scalar",
+                   supports={"state_v_first"}, gva=False)
+    assert plain.hash != retention.SPEC.hash and "decay" not in plain.as_dict()
+    assert "g" not in build_mod.signature(retention.SPEC, False).parameters
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(gate="none", decay="-1"), "needs gate 'scalar'"),
+    (dict(gate="scalar", decay="log(1 - x)"), "h and H only"),
+    (dict(gate="scalar", decay="1 +"), "not an expression"),
+    (dict(gate="scalar", decay=3), "expression string"),
+])
+def test_bad_decay_is_one_line_spec_error(kw, msg):
+    with pytest.raises(SpecError, match=msg) as e:
+        OpSpec(name="bad", rule="additive", **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_positive_decay_refused_at_the_call():
+    spec = OpSpec(name="grow", rule="additive", gate="scalar", decay="0.1 * h")
+    with pytest.raises(SpecError, match="<= 0 at every head"):
+        spec.head_decay(2)
+
+
+@pytest.mark.parametrize("fn", ["chunk_retention", "fused_recurrent_retention"])
+def test_retention_matches_reference(ref_kernels, fn):
+    q, k, v, h0 = _inputs()
+    o, ht = getattr(linattn, fn)(q, k, v, initial_state=h0, output_final_state=True)
+    path = ref_kernels[-1]
+    assert path[0] == "retention"
+    want_o, want_ht = tr.recurrent_forward(retention.SPEC, q, k, v, _retnet_g(2, 37, 3),
+                                           initial_state=h0)
+    assert o.shape == v.shape and o.dtype == q.dtype and ht.dtype == torch.float32
+    assert torch.allclose(o.double(), want_o.to(q.dtype).double())
+    assert torch.allclose(ht.double(), want_ht, atol=1e-6)
+
+
+def test_retention_varlen_and_gate_refused(ref_kernels):
+    q, k, v, _ = _inputs(B=1, T=9)
+    cu = torch.tensor([0, 4, 9])
+    o, ht = linattn.chunk_retention(q, k, v, output_final_state=True, cu_seqlens=cu)
+    want_o, want_ht = tr.recurrent_forward(retention.SPEC, q, k, v, _retnet_g(1, 9, 3),
+                                           cu_seqlens=cu)
+    assert torch.allclose(o.double(), want_o.to(q.dtype).double())
+    assert torch.allclose(ht.double(), want_ht, atol=1e-6)
+    with pytest.raises(SpecError, match="takes no g"):
+        linattn.chunk_retention(q, k, v, g=torch.zeros(1, 9, 3))
