@@ -74,15 +74,6 @@ def _head_dims(dims) -> None:
                              "chunked ones: K, V multiples of 16 up to 256)")
 
 
-def host_checks() -> bool:
-    """Whether value checks that read device memory may run (not while torch.compile
-    traces, nor while a CUDA graph is captured; the kernel entry points check then)."""
-    import torch
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             output_final_state=False, options: Options = Options(), cu_seqlens=None,
             cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None, g_gamma=None):
@@ -94,7 +85,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
-                              values=host_checks(), sizes=_head_dims, **extra)
+                              values=validate.host_checks(), sizes=_head_dims, **extra)
     path = choose_path(spec, chk.dims, q.dtype, cu_seqlens is not None)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     from . import library
@@ -121,7 +112,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
-                              values=host_checks(), sizes=_head_dims, **extra, **pool)
+                              values=validate.host_checks(), sizes=_head_dims, **extra, **pool)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
     from . import library

@@ -129,7 +129,6 @@ def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
            num_accepted_tokens=None, inplace=False):
     """The kernel's checks (device last): (dims, N, state_dtype, scale)."""
     import torch
-    from .api import host_checks
     validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
     spec.check_options(options)
     dims = validate.check_qkv(spec, q, k, v)
@@ -137,7 +136,7 @@ def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
     validate.check_beta(spec, beta, dims, q)
     validate.check_gate_params(spec, options, A_log, dt_bias, dims, q)
     N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q,
-                                  values=host_checks())
+                                  values=validate.host_checks())
     states = (torch.float32, torch.float16, torch.bfloat16)
     if inplace and initial_state is not None:
         state_dtype = initial_state.dtype

@@ -35,12 +35,18 @@ class StaleGeneratedError(RuntimeError):
     """generated/ does not match the spec: regenerate with linattn-gen."""
 
 
+def device_error(name: str, device, q_device=None) -> SpecError:
+    """The one wording of the device error (ops/validate.py raises it too)."""
+    where = f" (q is on {q_device})" if q_device is not None else ""
+    return SpecError(f"{name} is on {device}{where}; linattn runs on one CUDA device "
+                     "(Hopper, sm90): put every input on it")
+
+
 def device_arch(device) -> str:
     """Arch name for a CUDA device ("sm90" for capability 9.x); clear error otherwise."""
     import torch
     device = torch.device(device)
     if device.type != "cuda":
-        from .validate import device_error
         raise device_error("q", device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _ARCH_BY_DEVICE:

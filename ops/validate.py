@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..dsl import Gate, OpSpec, Options, SpecError
+from . import runtime
+from .runtime import device_error  # noqa: F401 (re-exported: the one wording)
 
 #: q / k / v dtypes the public functions accept (float32 runs the recurrent kernel)
 INPUT_DTYPES = ("float16", "bfloat16", "float32")
@@ -81,14 +83,17 @@ def shape_error(name: str, shape, want: str) -> SpecError:
     return error(f"{name} has shape {list(shape)}; expected {want}")
 
 
-def device_error(name: str, device, q_device=None) -> SpecError:
-    where = f" (q is on {q_device})" if q_device is not None else ""
-    return error(f"{name} is on {device}{where}; linattn runs on one CUDA device "
-                 "(Hopper, sm90): put every input on it")
-
-
 def _want(shape) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def host_checks() -> bool:
+    """Whether value checks that read device memory may run (not while torch.compile
+    traces, nor while a CUDA graph is captured; the kernel entry points check then)."""
+    import torch
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def check_tensor(name: str, x, *, like=None, dtypes=None, shape=None, contiguous=True):
@@ -127,8 +132,7 @@ def check_devices(q, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != q.device:
             raise device_error(name, t.device, q.device)
-    from .runtime import device_arch
-    device_arch(q.device)        # a clear error on a GPU without linattn kernels
+    runtime.device_arch(q.device)    # a clear error on a GPU without linattn kernels
 
 
 def check_qkv(spec: OpSpec, q, k, v, *, dtypes=INPUT_DTYPES, like=True,

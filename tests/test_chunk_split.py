@@ -146,8 +146,8 @@ def test_cost_model_basics():
     assert hw.makespan((1.0,) * hw.NUM_SMS) == 1.0
     assert hw.makespan((1.0,) * (hw.NUM_SMS + 1)) == 2.0
     assert hw.makespan((3.0, 1.0, 1.0), sms=2) == 3.0
-    assert fw._segments((5, 0, 2), 2) == [[2, 2, 1], [0], [2]]
-    assert fw._segments((5, 0), 0) == [[5], [0]]
+    assert fw.segment_chunks((5, 0, 2), 2) == [[2, 2, 1], [0], [2]]
+    assert fw.segment_chunks((5, 0), 0) == [[5], [0]]
     p = _problem([64], 1, 1)
     # more value heads or chunks, no faster; segments as long as the sequence: no split
     assert fw.walk_time_us(_problem([64], 1, 2), 128, 0) >= fw.walk_time_us(p, 128, 0)

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from ...dsl import torch_reference as tr
+from .gaps import NotApplicable, NotImplementedImpl  # noqa: F401 (impls.<gap> for run.py)
 
 IMPLS = ("linattn", "fla", "torch", "torch-compile", "flashinfer")
 CONTRACT_FN = {"DeltaNetChunkFwd": "deltanet_chunk_fwd", "DeltaNetChunkBwd": "deltanet_chunk_bwd",
@@ -30,14 +31,6 @@ INFER_FN = {"DeltaNetFwd": ("chunk_delta_rule", "fused_recurrent_delta_rule", "d
 TORCH_OPS = ("DeltaNetRecurrentFwd", "GLARecurrentFwd")   # the torch / torch-compile columns
 FLAGS = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
          "use_gate_in_kernel", "state_v_first")
-
-
-class NotImplementedImpl(Exception):
-    """The implementation has no function for this op (a gap, reported as such)."""
-
-
-class NotApplicable(Exception):
-    """The implementation does not cover this op at all (left out of the row)."""
 
 
 def applies(impl: str, row) -> bool:

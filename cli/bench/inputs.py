@@ -21,7 +21,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ...dsl import Options
 from ...dsl import torch_reference as tr
+
+#: a row's fla option keyword -> the Options field
+OPTION_FLAGS = {"use_qk_l2norm_in_kernel": "l2norm_qk", "use_beta_sigmoid_in_kernel": "beta_sigmoid",
+                "allow_neg_eigval": "allow_neg_eigval", "use_gate_in_kernel": "gate_in_kernel",
+                "state_v_first": "state_v_first"}
+
+
+def row_options(row) -> Options:
+    """The row's kernel options (its fla flags as an Options)."""
+    return Options(**{OPTION_FLAGS[k]: bool(v) for k, v in row.options.items() if k in OPTION_FLAGS})
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i64": torch.int64}
 DELTA_OPS = ("DeltaNetChunkFwd", "DeltaNetChunkBwd", "DeltaNetRecurrentFwd", "DeltaNetFwd",

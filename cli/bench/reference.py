@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ...dsl import Options
 from ...dsl import torch_reference as tr
+from .inputs import row_options  # noqa: F401 (reference.row_options for the tests)
 
 F64 = torch.float64
 FAMILY = {"DeltaNetFwd": "deltanet", "GDNFwd": "gdn", "KDAFwd": "kda", "GLAFwd": "gla"}
 TOLERANCE = {"bf16": 1e-2, "f16": 5e-3, "f32": 1e-4}
-OPTION_FLAGS = {"use_qk_l2norm_in_kernel": "l2norm_qk", "use_beta_sigmoid_in_kernel": "beta_sigmoid",
-                "allow_neg_eigval": "allow_neg_eigval", "use_gate_in_kernel": "gate_in_kernel",
-                "state_v_first": "state_v_first"}
-
-
-def row_options(row) -> Options:
-    return Options(**{OPTION_FLAGS[k]: bool(v) for k, v in row.options.items() if k in OPTION_FLAGS})
-
-
 def reference_outputs(row, x: dict) -> dict:
     """name -> fp64 tensor of every output the op's contract defines (a training row: o,
     final_state and the step's gradients, train.reference)."""

@@ -29,7 +29,10 @@ import importlib
 import torch
 
 from ...dsl import torch_reference as tr
-from .reference import F64, row_options
+from .gaps import NotApplicable, NotImplementedImpl
+from .inputs import row_options
+
+F64 = torch.float64
 
 FAMILY = {"GDNTrain": "gdn", "KDATrain": "kda", "GLATrain": "gla", "DeltaNetTrain": "deltanet"}
 #: op -> (function name in linattn and in fla.ops.<module>, that module)
@@ -70,19 +73,17 @@ def reference(row, x: dict) -> dict:
 
 def function(impl: str, op: str):
     """The chunk function an implementation trains through (tests replace it)."""
-    from . import impls
     name, module = CALLS[op]
     if impl == "linattn":
         import linattn
         return getattr(linattn, name)
     if impl == "fla":
         return getattr(importlib.import_module(f"fla.ops.{module}"), name)
-    raise impls.NotApplicable(f"{impl} has no training step")
+    raise NotApplicable(f"{impl} has no training step")
 
 
 def make(impl: str, row, x: dict):
     """(fn, outputs) of an implementation's training step (impls.make's contract)."""
-    from . import impls
     f = function(impl, row.op)
     kw = {"scale": row.options.get("scale"), "output_final_state": True}
     kw.update({n: True for n in FLAGS if row.options.get(n)})
@@ -92,7 +93,7 @@ def make(impl: str, row, x: dict):
             kw["cu_seqlens_cpu"] = x["cu_seqlens_cpu"]
     fn = step(f, row, x, kw)
     if impl == "linattn":
-        fn = _refusal_as_gap(fn, impls.NotImplementedImpl)
+        fn = _refusal_as_gap(fn, NotImplementedImpl)
     return fn, lambda res: dict(zip(output_names(row), res))
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import hardware as hw
 from .hardware import NAME, SMEM_BYTES, makespan
+from .stages import kkt_launch, n_segments, prepare_buffers, segment_chunks, stage_plan
 
 #: the walk's time per chunk step of one CTA (us) by value block at K = 128, bf16 (session
 #: 6, runs s6-3 / s6-4: prefill-4k 64 CTAs at block 32: 1.67 us a step, 64 CTAs at block
@@ -82,22 +83,10 @@ def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
 
-def _segments(seq_chunks: tuple, L: int) -> list:
-    """Chunk counts of the segments of each sequence (L = 0: the sequences themselves)."""
-    if not L:
-        return [[n] for n in seq_chunks]
-    return [[min(L, n - s) for s in range(0, n, L)] or [0] for n in seq_chunks]
-
-
-def n_segments(seq_chunks: tuple, L: int) -> int:
-    """Segments of the split at length L (every sequence, an empty one too, owns one)."""
-    return sum(len(seq) for seq in _segments(seq_chunks, L))
-
-
 def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
     """Modelled time of the walk (and the split's map + combine when L) at value block bv."""
     step = _step_us(p, bv)
-    segs = _segments(p.seq_chunks, L)
+    segs = segment_chunks(p.seq_chunks, L)
     heads = p.HV * (p.V // bv)
     walk = makespan(tuple(c * step for seq in segs for c in seq for _ in range(heads)))
     bytes_ = p.Ttot * (2 * p.H * p.K + p.HV * (2 * p.V + p.chunk_size)) * 2
@@ -175,34 +164,7 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
                          f"at most {hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
     if walk_applies(p) and "fused" not in config:
         return _walk_plan(p, config)
-    from .stages import stage_plan
     return stage_plan(p, config)
-
-
-def _kkt(p: ForwardProblem, heads_fastest: bool) -> dict:
-    return dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
-                g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
-                beta_dtype=p.beta_dtype, l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
-                allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
-                heads_fastest=heads_fastest)
-
-
-def prepare_buffers(p: ForwardProblem) -> list:
-    """chunk_kkt_inverse's outputs."""
-    C, gated = p.chunk_size, p.gate == "scalar"
-    out = [Buffer("A", (p.Ttot, p.HV, C), "input"),
-           Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
-           Buffer("chunk_norm", (p.HV, p.NT))]
-    if p.l2norm_qk:
-        out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
-    return out
-
-
-def kkt_launch(p: ForwardProblem):
-    """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk)."""
-    heads_fastest = p.NT <= hw.MAX_GRID_YZ
-    binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
-    return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
 
 
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:

@@ -6,7 +6,6 @@ writes h per chunk, chunk_output reads it). The rules and their measurements fol
 from __future__ import annotations
 
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
-from .forward import kkt_launch, prepare_buffers
 from . import additive
 from . import hardware as hw
 from .hardware import NAME, NUM_SMS, makespan
@@ -51,6 +50,46 @@ STATE_STAGES = 2
 MAX_K = 256
 MAX_V = 256
 ADDITIVE_MAX_V = 512
+
+
+# -- shared with the walk's plan (forward.py) --------------------------------------
+
+def segment_chunks(seq_chunks: tuple, L: int) -> list:
+    """Chunk counts of the segments of each sequence (L = 0: the sequences themselves)."""
+    if not L:
+        return [[n] for n in seq_chunks]
+    return [[min(L, n - s) for s in range(0, n, L)] or [0] for n in seq_chunks]
+
+
+def n_segments(seq_chunks: tuple, L: int) -> int:
+    """Segments of the split at length L (every sequence, an empty one too, owns one)."""
+    return sum(len(seq) for seq in segment_chunks(seq_chunks, L))
+
+
+def _kkt(p: ForwardProblem, heads_fastest: bool) -> dict:
+    return dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
+                g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
+                beta_dtype=p.beta_dtype, l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
+                allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
+                heads_fastest=heads_fastest)
+
+
+def prepare_buffers(p: ForwardProblem) -> list:
+    """chunk_kkt_inverse's outputs."""
+    C, gated = p.chunk_size, p.gate == "scalar"
+    out = [Buffer("A", (p.Ttot, p.HV, C), "input"),
+           Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
+           Buffer("chunk_norm", (p.HV, p.NT))]
+    if p.l2norm_qk:
+        out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    return out
+
+
+def kkt_launch(p: ForwardProblem):
+    """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk)."""
+    heads_fastest = p.NT <= hw.MAX_GRID_YZ
+    binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
+    return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
 
 
 def chunk_head_limits(rule: str, gate: str) -> tuple:
@@ -213,7 +252,6 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
         return [], [Buffer("seg_none", state), Buffer("decay_none", state[:3])], dict(
             seg_seq="final_row", seg_first="final_row", seg_state="seg_none",
             seg_decay="decay_none")
-    from .forward import n_segments
     ns = n_segments(p.seq_chunks, choice.segments)
     tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
     summary = launch("chunk_state_summary", dict(
