@@ -171,31 +171,35 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
 
 class _Layout:
     """[B, T, H, (D)] <-> head-first [N, H, L, (D)]: a transpose for fixed length; for
-    varlen (B == 1, host cu) each sequence is a row of N, zero-padded to the longest;
-    multiple: the head-first length is zero-padded to a multiple of it. The large tensors
-    (q, k, v, do and their gradients) move by chunk_bwd's gather / scatter kernels through
-    row_map; the per-token ones (beta, g and theirs) by torch here."""
+    varlen (B == 1, host cu) the sequences ``seqs`` (one length group, :func:`_layouts`)
+    are the rows of N, zero-padded to the group's longest; multiple: the head-first length
+    is zero-padded to a multiple of it. The large tensors (q, k, v, do and their gradients)
+    move by chunk_bwd's gather / scatter kernels through row_map; the per-token ones (beta,
+    g and theirs) and the per-sequence states by torch here."""
 
-    def __init__(self, B, T, cu, device, multiple=1):
+    def __init__(self, B, T, cu, device, multiple=1, seqs=None):
         import torch
         self.cu, self.T = cu, T
         self.pad = -T % multiple
+        self.covered = cu is None or (cu[0] == 0 and cu[-1] == B * T)   # every token a row
         if cu is None:
-            self.N, self.L, self.covered = B, T + self.pad, True
+            self.N, self.L, self.seqs = B, T + self.pad, None
             pos = torch.arange(self.L, device=device, dtype=torch.int32)
             base = torch.arange(B, device=device, dtype=torch.int32)[:, None] * T
             self.row_map = torch.where(pos < T, base + pos, -1)
             return
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        self.N, self.L = len(lens), max(lens, default=0)
+        seqs = list(range(len(cu) - 1)) if seqs is None else list(seqs)
+        lens = torch.tensor([cu[i + 1] - cu[i] for i in seqs], dtype=torch.long)
+        starts = torch.tensor([cu[i] for i in seqs], dtype=torch.long)
+        self.N, self.L = len(seqs), int(lens.max()) if seqs else 0
         self.L += -self.L % multiple
-        self.covered = cu[0] == 0 and cu[-1] == B * T
-        seq = torch.repeat_interleave(torch.arange(self.N), torch.tensor(lens, dtype=torch.long))
-        pos = torch.arange(cu[-1]) - torch.tensor(cu[:-1], dtype=torch.long)[seq]
-        self.seq, self.pos = seq.to(device), pos.to(device)
-        col = torch.arange(self.L, dtype=torch.int32)
-        start, n = (torch.tensor(x, dtype=torch.int32)[:, None] for x in (cu[:-1], lens))
-        self.row_map = torch.where(col < n, start + col, -1).to(device)
+        seq = torch.repeat_interleave(torch.arange(self.N), lens)
+        pos = torch.arange(len(seq)) - (torch.cumsum(lens, 0) - lens)[seq]
+        self.seqs = torch.tensor(seqs, dtype=torch.long, device=device)
+        self.seq, self.pos, self.tok = (x.to(device) for x in (seq, pos, starts[seq] + pos))
+        col = torch.arange(self.L, dtype=torch.long)
+        rows = torch.where(col < lens[:, None], starts[:, None] + col, -1)
+        self.row_map = rows.to(torch.int32).to(device)
 
     def to_head_first(self, x):
         if self.cu is None:
@@ -203,13 +207,63 @@ class _Layout:
                 x = torch_pad_time(x, self.pad)
             return x.transpose(1, 2).contiguous()
         out = x.new_zeros(self.N, self.L, *x.shape[2:])
-        out[self.seq, self.pos] = x[0]
+        out[self.seq, self.pos] = x[0, self.tok]
         return out.transpose(1, 2).contiguous()
 
-    def from_head_first(self, y):
+    def put(self, full, y):
+        """The head-first y of this layout's rows into its tokens of the token-first full."""
         if self.cu is None:
-            return y.transpose(1, 2)[:, :self.T].contiguous()
-        return y.transpose(1, 2)[self.seq, self.pos].unsqueeze(0)
+            full.copy_(y.transpose(1, 2)[:, :self.T])
+        else:
+            full[0, self.tok] = y.transpose(1, 2)[self.seq, self.pos].to(full.dtype)
+
+    def rows(self, x):
+        """This layout's rows of a per-sequence tensor [N_all, ...] (None stays None)."""
+        return x if x is None or self.seqs is None else x[self.seqs]
+
+    def put_rows(self, full, x):
+        if self.seqs is None:
+            full.copy_(x)
+        else:
+            full[self.seqs] = x.to(full.dtype)
+
+
+def _layouts(B, T, cu, device, multiple) -> list:
+    """The layouts a backward runs: one for fixed length; for varlen one per length group
+    of the arch (varlen_groups: each group padded to its own longest sequence)."""
+    if cu is None:
+        return [_Layout(B, T, cu, device, multiple)]
+    from ..codegen.arch import get_arch
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    groups = get_arch(chunk_bwd.ARCH).varlen_groups(lens, chunk_bwd.CHUNK) or [[]]
+    return [_Layout(B, T, cu, device, multiple, seqs) for seqs in groups]
+
+
+def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages, per_token):
+    """The layout loop of both backwards: per layout (_layouts) gather q, k, v, do, run
+    ``stages(lay, heads, h0, dht)`` -> (dqh, dkh, dvh, dh0 or None, [head-first gradients
+    of the per_token tensors]), scatter dq, dk, dv and put the rest into f32 zeros shaped
+    like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token gradients])."""
+    import torch
+    B, T = q.shape[:2]
+    lays = _layouts(B, T, call.cu, q.device, multiple)
+    out = chunk_bwd.grad_buffers(q, v, lays[0].covered)
+    full = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in per_token]
+    h0 = None if initial_state is None else initial_state.detach().float()
+    dh0 = None if h0 is None else torch.empty_like(h0)
+    dht = None if dht is None else dht.float().contiguous()
+    qd, kd = q.detach(), k.detach()
+    for lay in lays:
+        heads = chunk_bwd.gather_inputs(qd, kd, v.detach(), do, lay.row_map, call.scale,
+                                        call.l2norm_qk, spec=call.spec)
+        dqh, dkh, dvh, dh0_rows, grads = stages(lay, heads, lay.rows(h0), lay.rows(dht))
+        chunk_bwd.scatter_grads(dqh, dkh, dvh, qd, kd, lay.row_map, out, call.l2norm_qk,
+                                spec=call.spec)
+        for dst, y in zip(full, grads):
+            lay.put(dst, y)
+        if dh0 is not None:
+            lay.put_rows(dh0, dh0_rows)
+    return (*out, dh0, full)
 
 
 def torch_pad_time(x, n):
@@ -226,20 +280,17 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
     (0). Returns (dq, dk, dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None
     without an initial state).
     """
-    B, T, H, K = q.shape
-    lay = _Layout(B, T, call.cu, q.device)
-    qh, kh, vh, doh = chunk_bwd.gather_inputs(q.detach(), k.detach(), v.detach(), do,
-                                              lay.row_map, call.scale, call.l2norm_qk,
-                                              spec=call.spec)
-    bh = lay.to_head_first(beta.to(q.dtype))
-    h0 = None if initial_state is None else initial_state.detach().float()
-    dhth = None if dht is None else dht.float().contiguous()
-    A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0)
-    dq, dk, dv, dbeta, dh0 = chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u,
-                                                       dht=dhth, want_dh0=h0 is not None)
-    dq, dk, dv = chunk_bwd.scatter_grads(dq, dk, dv, q.detach(), k.detach(), lay.row_map,
-                                         call.l2norm_qk, lay.covered, spec=call.spec)
-    return (dq, dk, dv, lay.from_head_first(dbeta).to(beta.dtype),
+    def stages(lay, heads, h0, dht_rows):
+        qh, kh, vh, doh = heads
+        bh = lay.to_head_first(beta.to(q.dtype))
+        A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0)
+        dq, dk, dv, dbeta, dh0 = chunk_bwd.backward_stages(
+            doh, qh, kh, vh, bh, S, A, w, u, dht=dht_rows, want_dh0=h0 is not None)
+        return dq, dk, dv, dh0, [dbeta]
+
+    dq, dk, dv, dh0, (dbeta,) = _backward_by_layout(call, q, k, v, do, initial_state, dht,
+                                                    1, stages, [beta])
+    return (dq, dk, dv, dbeta.to(beta.dtype),
             None if dh0 is None else dh0.to(initial_state.dtype))
 
 
@@ -283,24 +334,20 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     head-first stages (_gated_stages).
     """
     import torch
-    B, T, H, K = q.shape
     raw = [None if x is None else x.detach().requires_grad_()
            for x in (g, beta, A_log, dt_bias)]
     with torch.enable_grad():
         g_in, b_in = _gated_inputs(call, *raw)
-    lay = _Layout(B, T, call.cu, q.device, multiple=chunk_bwd.CHUNK)
-    heads = chunk_bwd.gather_inputs(q.detach(), k.detach(), v.detach(), do, lay.row_map,
-                                    call.scale, call.l2norm_qk, spec=call.spec)
-    h0 = None if initial_state is None else initial_state.detach().float()
-    dqh, dkh, dvh, dbeta, dh0, dg = _gated_stages(call, lay, heads, g_in.detach(),
-                                                  b_in.detach().to(q.dtype), h0, dht)
-    dq, dk, dv = chunk_bwd.scatter_grads(dqh, dkh, dvh, q.detach(), k.detach(), lay.row_map,
-                                         call.l2norm_qk, lay.covered, spec=call.spec)
-    dg, dbeta = lay.from_head_first(dg), lay.from_head_first(dbeta)
+    g_d, b_d = g_in.detach(), b_in.detach().to(q.dtype)
+
+    def stages(lay, heads, h0, dht_rows):
+        dqh, dkh, dvh, dbh, dh0, dgh = _gated_stages(call, lay, heads, g_d, b_d, h0, dht_rows)
+        return dqh, dkh, dvh, dh0, [dgh, dbh]
+
+    dq, dk, dv, dh0, (dg, dbeta) = _backward_by_layout(
+        call, q, k, v, do, initial_state, dht, chunk_bwd.CHUNK, stages, [g_in, b_in])
     leaves = [x for x in raw if x is not None]
-    grads = iter(torch.autograd.grad((g_in, b_in), leaves,
-                                     (dg.to(g_in.dtype), dbeta.to(b_in.dtype)),
-                                     allow_unused=True))
+    grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta), allow_unused=True))
     dg, dbeta, dA_log, ddt_bias = [None if x is None else _cast(next(grads), x) for x in raw]
     return (dq, dk, dv, dg, dbeta,
             None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
@@ -322,13 +369,12 @@ def _gated_stages(call, lay, heads, g_in, b_in, h0, dht):
     N, HV, L = gh.shape[:3]
     C = chunk_bwd.CHUNK
     g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)
-    dhth = None if dht is None else dht.float().contiguous()
     if call.keyed:
         rec = chunk_bwd.key_recompute(qh, kh, vh, bh, gh, h0, spec=call.spec)
-        return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dhth,
+        return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
                                              want_dh0=h0 is not None, spec=call.spec)
     A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0, g_cum=g_cum, spec=call.spec)
-    return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dhth,
+    return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dht,
                                      want_dh0=h0 is not None, g_cum=g_cum, spec=call.spec)
 
 

@@ -301,29 +301,39 @@ def gather_inputs(q, k, v, do, row_map, scale, l2norm=False, spec=None):
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     do = torch.zeros_like(v) if do is None else do
-    flat = [x.reshape(1, B * T, *x.shape[2:]).contiguous() for x in (q, k, v, do)]
     out = [q.new_empty(N, HV, L, D) for D in (K, K, V, V)]
+    if row_map.numel() == 0:
+        return tuple(out)
+    flat = [x.reshape(1, B * T, *x.shape[2:]).contiguous() for x in (q, k, v, do)]
     params = layout_params(q, HV, V, l2norm)
     compiled_stage("chunk_bwd_gather", spec, **params)(*flat, row_map, float(scale), *out)
     return tuple(out)
 
 
-def scatter_grads(dqh, dkh, dvh, q, k, row_map, l2norm=False, covered=True, spec=None):
-    """Token-first dq, dk [B, T, H, K], dv [B, T, HV, V] (chunk_bwd_scatter) from the
-    stages' head-first gradients [N, HV, L, D] of the gathered inputs: summed over each
-    key head's value heads, through the l2norm (q, k: the call's raw inputs) with l2norm.
-    covered: every token has a row (else the tokens without one get 0)."""
+def grad_buffers(q, v, covered=True) -> tuple:
+    """dq, dk [B, T, H, K], dv [B, T, HV, V] in q's dtype for scatter_grads to fill (zeros
+    unless every token has a head-first row: covered)."""
     import torch
+    new = torch.empty if covered else torch.zeros
+    kw = dict(dtype=q.dtype, device=q.device)
+    return new(q.shape, **kw), new(q.shape, **kw), new(*v.shape[:3], v.shape[3], **kw)
+
+
+def scatter_grads(dqh, dkh, dvh, q, k, row_map, out, l2norm=False, spec=None):
+    """chunk_bwd_scatter: the stages' head-first gradients [N, HV, L, D] of the gathered
+    rows into their tokens of out = (dq, dk [B, T, H, K], dv [B, T, HV, V], contiguous:
+    grad_buffers), summed over each key head's value heads, through the l2norm (q, k: the
+    call's raw inputs) with l2norm."""
+    if row_map.numel() == 0:
+        return out
     B, T, H, K = q.shape
     HV, V = dvh.shape[1], dvh.shape[3]
-    new = torch.empty if covered else torch.zeros
-    dq, dk = (new(1, B * T, H, K, dtype=q.dtype, device=q.device) for _ in range(2))
-    dv = new(1, B * T, HV, V, dtype=q.dtype, device=q.device)
     flat = [x.reshape(1, B * T, H, K).contiguous() for x in (q, k)]
+    dst = [x.view(1, B * T, *x.shape[2:]) for x in out]
     params = layout_params(q, HV, V, l2norm)
     compiled_stage("chunk_bwd_scatter", spec, **params)(
-        dqh.contiguous(), dkh.contiguous(), dvh.contiguous(), *flat, row_map, dq, dk, dv)
-    return dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, HV, V)
+        dqh.contiguous(), dkh.contiguous(), dvh.contiguous(), *flat, row_map, *dst)
+    return out
 
 
 # -- the contract's forward over the chunked forward's stages ------------------------------

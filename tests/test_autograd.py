@@ -286,3 +286,23 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
         assert grads[n].shape == x[n].shape and grads[n].dtype == x[n].dtype, n
         tol = 2e-2 if n in ("A_log", "dt_bias") else 1e-2
         assert _rel(grads[n], refs[n].grad) < tol, (n, _rel(grads[n], refs[n].grad))
+
+
+def test_varlen_groups_bound_the_padding():
+    """The arch's length groups of a varlen backward: every sequence once, longest first,
+    each group's padded chunks within VARLEN_GROUP_WASTE of its own (a lone sequence
+    excepted), empty sequences in the last group."""
+    from linattn.codegen.arch import get_arch
+    from linattn.codegen.arch.sm90 import backward as bw
+    arch = get_arch("sm90")
+    for lens in [(4096, 1024, 3000, 517, 2048, 5699), (1, 69, 1, 64), (5, 0, 70), (0, 0),
+                 tuple(range(0, 2000, 37))]:
+        groups = arch.varlen_groups(lens, 64)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+        pad = [-(-n // 64) * 64 for n in lens]
+        for g in groups:
+            top = max(pad[i] for i in g)
+            if len([i for i in g if pad[i]]) > 1:
+                assert top * len(g) <= (1 + bw.VARLEN_GROUP_WASTE) * sum(pad[i] for i in g)
+    assert arch.varlen_groups((4096, 1024, 3000, 517, 2048, 5699), 64) == \
+        [[5, 0], [2, 4], [1], [3]]          # 19136 padded tokens for 16384 (one group: 34560)
