@@ -37,8 +37,12 @@ all_reduce of the final states (output_final_state). ``group``: a ProcessGroup, 
 and ``all_reduce_sum(t) -> tensor`` (tests/test_distributed.py simulates ranks with
 threads so). With gloo the carries travel through the CPU. ``fn`` is any function with
 the fla chunk signature (the injectable local pass: the tests give the fp64 reference).
-Forward only: inputs that require grad (with grad mode on) are refused; the backward
-(the adjoint scan of the carries in reverse rank order) is not implemented.
+Differentiable when ``fn`` is (the families' chunk functions train): the local passes
+are ordinary autograd graphs, and the two exchanges are autograd Functions whose backward
+is the adjoint exchange (the carries' gradients summed over the ranks and handed back to
+the rank each came from; the final states' gradients summed over the ranks). Those
+backwards are collectives: every rank backpropagates from its outputs o, and from the
+final state if any rank does.
 """
 from __future__ import annotations
 
@@ -130,11 +134,6 @@ def check_args(fn, q, k, v, gate_args, cu_seqlens, initial_state, kw) -> list | 
         if x is not None and (not isinstance(x, torch.Tensor) or x.shape[:2] != q.shape[:2]):
             raise validate.error(f"gate_args[{i}] must be None or a per-token tensor "
                                  f"[{q.shape[0]}, {q.shape[1]}, ...], got {validate.describe(x)}")
-    tensors = [x for x in (q, k, v, *gate_args, initial_state, *kw.values())
-               if isinstance(x, torch.Tensor)]
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        raise validate.error("cp_forward is forward only (no gradient crosses the ranks): "
-                             "call it under torch.no_grad() or on tensors without grad")
     bad = sorted(set(kw) & {"cu_seqlens", "initial_state", "output_final_state"})
     if bad:
         raise validate.error(f"{bad[0]} given twice")
@@ -179,12 +178,58 @@ def cp_forward(fn, q, k, v, *gate_args, group=None, cu_seqlens=None, initial_sta
     o, ht, carry = local.first_pass()
     # every rank knows every shard: skip the gather when no piece continues across ranks
     if any(shard_of(lengths, r, cu).continues for r in range(comm.size)):
-        carries = comm.all_gather(carry)
-    if shard.continues:
-        o, ht = local.rerun_first(o, ht, local.entering(carries, comm.rank))
+        carries, o = _exchange().Gather.apply(comm, carry, o)
+        if shard.continues:
+            o, ht = local.rerun_first(o, ht, local.entering(carries, comm.rank))
     if not output_final_state:
         return o, None
-    return o, comm.all_reduce_sum(local.final_rows(ht, len(cu) - 1 if cu else q.shape[0]))
+    rows = local.final_rows(ht, len(cu) - 1 if cu else q.shape[0])
+    ht, o = _exchange().AllReduce.apply(comm, rows, o)
+    return o, ht
+
+
+_EXCHANGE = []
+
+
+def _exchange():
+    """The autograd Functions of the two exchanges (built on first use: torch imported
+    lazily). Gather: (comm, carry, o) -> (every rank's carry stacked [size, n], o); its
+    backward sums the stacked gradient over the ranks and returns this rank's row, o's
+    gradient unchanged (o routes every rank's backward through it). AllReduce: (comm, x,
+    o) -> (the sum of x over the ranks, o), its backward the sum of the gradients. Routing
+    o through both orders the two backward collectives alike on every rank: AllReduce's
+    (o's gradient passes it first), then Gather's."""
+    if _EXCHANGE:
+        return _EXCHANGE[0]
+    import types
+
+    import torch
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, comm, carry, o):
+            ctx.comm, ctx.shape = comm, (comm.size, *carry.shape)
+            ctx.like = dict(dtype=carry.dtype, device=carry.device)
+            return torch.stack(comm.all_gather(carry.detach())), o.view_as(o)
+
+        @staticmethod
+        def backward(ctx, d_all, d_o):
+            d_all = d_all if d_all is not None else torch.zeros(ctx.shape, **ctx.like)
+            return None, ctx.comm.all_reduce_sum(d_all.contiguous())[ctx.comm.rank], d_o
+
+    class AllReduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, comm, x, o):
+            ctx.comm, ctx.like = comm, dict(size=x.shape, dtype=x.dtype, device=x.device)
+            return comm.all_reduce_sum(x.detach()), o.view_as(o)
+
+        @staticmethod
+        def backward(ctx, d, d_o):
+            d = d if d is not None else torch.zeros(**ctx.like)
+            return None, ctx.comm.all_reduce_sum(d.contiguous()), d_o
+
+    _EXCHANGE.append(types.SimpleNamespace(Gather=Gather, AllReduce=AllReduce))
+    return _EXCHANGE[0]
 
 
 class Local:

@@ -120,11 +120,28 @@ def worker(rank, world, port, case, out_dir):
     try:
         lengths = case["lengths"]
         q, k, v, gates, h0, cu, fn = case_inputs(case, rank)
-        o, ht = cp_forward(fn, *(shard(x, lengths, rank) for x in (q, k, v, *gates)),
-                           cu_seqlens=cu, initial_state=h0, output_final_state=True)
-        torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{rank}.pt")
+        mine = [shard(x, lengths, rank) for x in (q, k, v, *gates)]
+        if case.get("grad"):            # the gradients of sum(o * do) + [rank 0] sum(ht * dht)
+            mine = [x.clone().requires_grad_() for x in mine]
+            h0 = h0.clone().requires_grad_()
+        o, ht = cp_forward(fn, *mine, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+        if case.get("grad"):
+            do, dht = grad_seeds(case, o.shape[0], sum(lengths), ht)
+            loss = (o * shard(do, lengths, rank)).sum() + (ht * dht).sum() * (rank == 0)
+            grads = torch.autograd.grad(loss, mine + [h0])
+            torch.save([x.detach().cpu() for x in grads], f"{out_dir}/{rank}.pt")
+        else:
+            torch.save((o.cpu(), ht.cpu()), f"{out_dir}/{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def grad_seeds(case, B, T, ht):
+    """The fixed output gradients of a case: do [B, T, HV, V], dht like ht (fp64)."""
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    HV, V = ht.shape[1], ht.shape[-1]
+    do = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    return do.to(ht.device), torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.device)
 
 
 def case_inputs(case, rank=0):
