@@ -117,6 +117,12 @@ for s in $STEPS; do
     # TRAINPROBE_ARGS e.g. "--ops GDNTrain --workload '*-16k'")
     trainprobe) run_step trainprobe "${TRAINPROBE_S:-240}" python3 bench/train_probe.py \
              ${TRAINPROBE_ARGS:-} --budget-s $(( ${TRAINPROBE_S:-240} - 60 )) ;;
+    # context parallelism on a multi-GPU kind (issue 17): 1 vs 2 ranks, GDN and KDA at
+    # 128k / 512k / 1M tokens (bench/cp_bench.py; CP_ARGS), JSON to $R/cp.json (commit as
+    # bench/results/cp_h200x2.json); then the CP GPU tests (forward and gradients)
+    cp) run_step cp "${CP_S:-300}" python3 bench/cp_bench.py ${CP_ARGS:-} --out "$R/cp.json"
+        run_step cptest "${CPTEST_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+             -rfE --tb=short tests/test_distributed.py --junitxml="$R/cptest.xml" ;;
     bench2) run_step bench2 "${BENCH2_S:-200}" python3 -m linattn.cli.bench ${BENCH2_ARGS:-} \
              --budget-s $(( ${BENCH2_S:-200} - 30 )) --out "$R/bench2.json" --table-md "$R/bench2.md" ;;
     bench) run_step bench "${BENCH_S:-200}" python3 -m linattn.cli.bench ${BENCH_ARGS:-} \
@@ -145,7 +151,7 @@ echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
 [ -f "$R/gdnbwd.log" ] && { echo "===== gdnbwd (tail)"; tail -n 45 "$R/gdnbwd.log"; }
-for s in kkt dropin pool split autograd ncu additive aprobe glabwd glaprobe trainprobe; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
+for s in kkt dropin pool split autograd ncu additive aprobe glabwd glaprobe trainprobe cp cptest; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }
 echo "===== bench (tail)"; tail -n 45 "$R/bench.log" 2>/dev/null
