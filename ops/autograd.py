@@ -246,6 +246,7 @@ def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages,
     like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token gradients])."""
     import torch
     B, T = q.shape[:2]
+    chunk_bwd.announce_layout(q, v, call.l2norm_qk, spec=call.spec)
     lays = _layouts(B, T, call.cu, q.device, multiple)
     out = chunk_bwd.grad_buffers(q, v, lays[0].covered)
     full = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in per_token]

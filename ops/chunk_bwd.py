@@ -291,6 +291,13 @@ def layout_params(q, HV: int, V: int, l2norm: bool) -> dict:
                 dtype=str(q.dtype).replace("torch.", ""), l2norm=bool(l2norm))
 
 
+def announce_layout(q, v, l2norm=False, spec=None) -> None:
+    """Both layout kernels named at once (runtime.recording: one round for the pair)."""
+    params = layout_params(q, v.shape[2], v.shape[3], l2norm)
+    runtime.announce(spec or default_spec(), ARCH,
+                     {"chunk_bwd_gather": params, "chunk_bwd_scatter": params})
+
+
 def gather_inputs(q, k, v, do, row_map, scale, l2norm=False, spec=None):
     """Head-first qh, kh [N, HV, L, K], vh, doh [N, HV, L, V] (chunk_bwd_gather) from
     token-first q, k [B, T, H, K], v, do [B, T, HV, V] (one dtype; do None: zeros) and

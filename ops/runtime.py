@@ -239,11 +239,13 @@ def _compile_job(job):
         return f"{spec.name}/{stage} {params}: {type(e).__name__}: {e}"[:500], time.time() - t0
 
 
-def precompile(jobs, workers: int | None = None) -> list:
+def precompile(jobs, workers: int | None = None, load: bool = False) -> list:
     """Compile (spec, stage, arch, params) jobs (recording()'s) in parallel processes so
     TileLang's disk cache holds them; later compiles of the same params in this process
-    are cache hits. Duplicates are compiled once. Returns the error strings (empty when
-    every job compiled). The one parallel compile of linattn: every precompile uses it."""
+    are cache hits. Duplicates are compiled once. load: also load each compiled one into
+    this process (disk cache hits), so a later recording() runs past them (a training
+    step's forward, then its backward). Returns the error strings (empty when every job
+    compiled). The one parallel compile of linattn: every precompile uses it."""
     import concurrent.futures as cf
     import multiprocessing as mp
     todo = list({_key(*j[:3], j[3]): j for j in jobs}.values())
@@ -251,7 +253,10 @@ def precompile(jobs, workers: int | None = None) -> list:
         return []
     workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        return [err for err, _ in pool.map(_compile_job, todo) if err]
+        errors = [err for err, _ in pool.map(_compile_job, todo) if err]
+    if load:
+        errors += [err for err in (_compile_job(j)[0] for j in todo) if err]
+    return errors
 
 
 def placeholder(device, dtype):

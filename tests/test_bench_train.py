@@ -231,7 +231,8 @@ def test_precompile_rounds_until_nothing_new(monkeypatch):
     rounds = iter([["fwd"], ["fwd", "bwd"], ["fwd", "bwd"], ["never"]])
     compiled = []
     monkeypatch.setattr(run_mod, "_recorded_jobs", lambda rows, device: next(rounds))
-    monkeypatch.setattr(runtime, "precompile", lambda jobs: compiled.append(list(jobs)) or [])
+    monkeypatch.setattr(runtime, "precompile",
+                        lambda jobs, load=False: compiled.append(list(jobs)) or [])
     res = run_mod.precompile_rows(tiny_train_rows()[:1], device="cpu")
     assert compiled == [["fwd"], ["fwd", "bwd"]] and res["requests"] == 3
     rounds = iter([["a"], ["b"]])

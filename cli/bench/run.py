@@ -113,12 +113,12 @@ def precompile_rows(rows, device="cuda", rounds=None) -> dict:
     """Compile the linattn kernels every row will run, in parallel processes, before the
     rows run one by one (each row's call is recorded, not run: ops.runtime.recording).
     A call records the kernels up to its first missing one: a training step's forward,
-    then (once those are compiled and run) its backward's recompute and stages, so rows
-    with training ops take up to 4 rounds (default), others 1; rounds stop when a round
-    records nothing new."""
+    then (once those are compiled, loaded here and run) its backward's layout kernels,
+    recompute and stages, so rows with training ops take up to 5 rounds (default), others
+    1; rounds stop when a round records nothing new."""
     from linattn.ops import runtime
     t0 = time.monotonic()
-    rounds = rounds or (4 if any(r.is_train for r in rows) else 1)
+    rounds = rounds or (5 if any(r.is_train for r in rows) else 1)
     n_jobs, errors, seen = 0, [], set()
     for _ in range(rounds):
         jobs = _recorded_jobs(rows, device)
@@ -127,7 +127,7 @@ def precompile_rows(rows, device="cuda", rounds=None) -> dict:
             break
         seen.add(key)
         n_jobs += len(jobs)
-        errors += runtime.precompile(jobs)
+        errors += runtime.precompile(jobs, load=rounds > 1)    # (the next round runs past them)
     res = {"requests": n_jobs, "errors": errors[:20], "s": round(time.monotonic() - t0, 1)}
     print(f"precompiled {n_jobs} kernel requests in {res['s']} s, {len(errors)} errors",
           flush=True)
