@@ -3,8 +3,9 @@ positional in the kernels' argument order, writing their outputs in place, each 
 rounded to the output's dtype once as the kernels do."""
 import torch
 
+from linattn.dsl import torch_reference as tr
+
 F64 = torch.float64
-EPS = 1e-6
 STAGES = ("chunk_bwd_gather", "chunk_bwd_scatter")
 
 
@@ -19,14 +20,10 @@ def _take(x, row_map):
     return (x[0][idx].to(F64) * valid[..., None, None]).transpose(1, 2)
 
 
-def _nrm(x):
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + EPS)
-
-
 def gather(q, k, v, do, row_map, scale, qh, kh, vh, doh, *, l2norm, G):
     for x, dst in ((q, qh), (k, kh)):
         y = _take(x, row_map)
-        dst.copy_((_nrm(y) if l2norm else y).repeat_interleave(G, 1))
+        dst.copy_((tr.l2norm(y) if l2norm else y).repeat_interleave(G, 1))
     vh.copy_(_take(v, row_map))
     doh.copy_(_take(do, row_map) * scale)
 
@@ -39,7 +36,7 @@ def scatter(dqh, dkh, dvh, q, k, row_map, dq, dk, dv, *, l2norm, G):
         dy = dxh.to(F64).view(N, HV // G, G, L, K).sum(2)
         if l2norm:
             xf = _take(x, row_map)
-            r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + EPS)
+            r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + tr.L2NORM_EPS)
             dy = r * dy - xf * r ** 3 * (xf * dy).sum(-1, keepdim=True)
         dst[0][tok] = dy.transpose(1, 2)[valid].to(dst.dtype)
     dv[0][tok] = dvh.transpose(1, 2)[valid].to(dv.dtype)

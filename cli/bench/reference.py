@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...dsl import torch_reference as tr
-from .inputs import row_options  # noqa: F401 (reference.row_options for the tests)
+from .inputs import row_options
 
 F64 = torch.float64
 FAMILY = {"DeltaNetFwd": "deltanet", "GDNFwd": "gdn", "KDAFwd": "kda", "GLAFwd": "gla"}
