@@ -53,11 +53,12 @@ for s in $STEPS; do
     # fla's drop-in arguments, torch.compile, CUDA graphs, pool decode, user specs, the fixed
     # decay (retention) and the value gate (issue 15/16)
     dropin) run_step dropin "${DROPIN_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -k "${DROPIN_K:-}" --tb=short \
+             ${DROPIN_N:+-n $DROPIN_N} \
              -rfE --durations=8 tests/test_dropin_gpu.py tests/test_pool_gpu.py \
              tests/test_user_spec.py tests/test_retention.py tests/test_value_gate.py \
              --junitxml="$R/dropin.xml" ;;
     # decode on a state pool against fla's (bench/pool_probe.py)
-    pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py --out "$R/pool_probe.json" ;;
+    pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py ${POOL_ARGS:-} --out "$R/pool_probe.json" ;;
     cbprobe) run_step cbprobe "${CBPROBE_S:-150}" python3 bench/chunk_bwd_probe.py ${CBPROBE_ARGS:-} ;;
     # chunk_kkt_inverse alone against fp64 (A_b, g_cum, chunk_norm, qn / kn; awkward cases)
     kkt) run_step kkt "${KKT_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider \
