@@ -110,7 +110,12 @@ def test_retention_gpu(fn, T):
     o, ht = getattr(linattn, fn)(q, k, v, initial_state=h0, output_final_state=True)
     want_o, want_ht = tr.recurrent_forward(retention.SPEC, q, k, v,
                                            _retnet_g(2, T, 4).cuda(), initial_state=h0)
-    assert _rel(o, want_o) < 1e-2 and _rel(ht, want_ht) < 1e-3
+    # the chunked kernel forms the state from 16-bit operands of its GEMMs (k scaled by the
+    # decay, rounded to bf16): ~2e-3 of it at T = 1000 on the H200 (run s11-2), as the
+    # other families' chunked states
+    err_o, err_ht = _rel(o, want_o), _rel(ht, want_ht)
+    assert err_o < 1e-2, f"o: relative error {err_o:.2e}"
+    assert err_ht < 5e-3, f"ht: relative error {err_ht:.2e}"
 
 
 @pytest.mark.gpu
