@@ -162,8 +162,8 @@ def emulate(stage, params, args, exact):
 
 
 def state_errors(rec, dtype):
-    """The recompute's states S (f32, entering each chunk) vs the fp64 recurrence on the
-    GPU's own k, w, u, g_cum (exact, and with chunk_state's roundings of S and v_new)."""
+    """The recompute's states S (input dtype, entering each chunk) vs the fp64 recurrence
+    on the GPU's own k, w, u, g_cum (exact, and with chunk_state's roundings of S and v_new)."""
     k, w, u, g, S = (rec[n].to(F64) for n in ("k", "w", "u", "g_cum", "S"))
     B, H, L, K = k.shape
     NC = L // C
@@ -181,7 +181,6 @@ def state_errors(rec, dtype):
             gl = gc[:, :, -1:]
             vn = u[:, :, sl] - w[:, :, sl] @ lp(st)
             st = torch.exp(gl) * st + k[:, :, sl].transpose(-1, -2) @ lp(vn * torch.exp(gl - gc))
-        ref.append(st)
         errs[mode] = rel(S, torch.stack(ref, 2))
     return errs
 

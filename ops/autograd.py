@@ -9,7 +9,8 @@ recomputes what it needs, as fla does:
                            (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
                            varlen sequences zero-padded to the longest (zero rows leave the
                            state and every real row's gradient unchanged)
-    chunk_bwd_wy_recompute A, w, u;  chunk_state (from h0): S entering each chunk
+    chunk_bwd_wy_recompute A, w, u;  chunk_state (from h0): S entering each chunk, in
+                           the input dtype (the stages read S and dh as 16-bit tiles)
     chunk_bwd_* stages     dq, dk, dv, dbeta, dh0 from do * scale and dht
     chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
                            value heads, through the l2norm's backward

@@ -94,12 +94,14 @@ def compiled_stage(stage: str, spec=None, **params):
     return runtime.compile_stage(spec or default_spec(), stage, ARCH, params)
 
 
-def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=False) -> dict:
+def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=False,
+                 state_dtype=None) -> dict:
     """stage name -> build() params of the stages one call runs: the WY recompute (the
     contract's forward) and the scheme's four backward stages. B sets the dh pass's value
     block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
     dh pass starts from the final state's gradient / writes the initial state's; gated:
-    the scalar gate's stages (the direct scheme). Reads SCHEME, DH_NUM_STAGES (or
+    the scalar gate's stages (the direct scheme); state_dtype: the states' dtype where it
+    is not the input dtype (the contract's f32 S). Reads SCHEME, DH_NUM_STAGES (or
     GATED_DH_NUM_STAGES) and DH_BLOCK_V_OVERRIDE."""
     if SCHEME not in SCHEMES:
         raise SpecError(f"SCHEME must be one of {sorted(SCHEMES)}, got {SCHEME!r}")
@@ -110,7 +112,8 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=F
                     use_dht, store_dh0)
     params = {RECOMPUTE: dict(common, inverse=RECOMPUTE_INVERSE),
               "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
-                                                else {})),
+                                                else {}),
+                                     **({"state_dtype": state_dtype} if state_dtype else {})),
               "chunk_bwd_wy": common}
     if SCHEME == "scan":
         params.update(chunk_bwd_transition=common, chunk_bwd_dh_scan=dh)
@@ -201,8 +204,9 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
                     spec=None):
     """The scheme's four backward stages, with the state gradients.
 
-    Shapes as :func:`chunk_backward`, but S [B, H, NS, DK, DV] f32 with NS >= NC (only
-    S[:, :, :NC] is read: the states entering the chunks); dht [B, H, DK, DV] f32 or None
+    Shapes as :func:`chunk_backward`, but S [B, H, NS, DK, DV] in the input dtype (the
+    recompute's) or f32 (the contract's) with NS >= NC (only S[:, :, :NC] is read: the
+    states entering the chunks); dht [B, H, DK, DV] f32 or None
     (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
     [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
     With g_cum [B, H, L] f32 (the scalar gate's in-chunk cumulative log gate, L a multiple
@@ -221,7 +225,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     gated = g_cum is not None
     if S.dim() != 5 or S.shape[2] < NC:
         raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
-    _check("S", S, (B, H, S.shape[2], K, V), torch.float32)
+    _check("S", S, (B, H, S.shape[2], K, V), torch.float32 if S.dtype == torch.float32 else dt)
     if dht is not None:
         _check("dht", dht, (B, H, K, V), torch.float32)
     if gated:
@@ -240,14 +244,15 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
         return out
     q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                          use_dht=dht is not None, store_dh0=want_dh0, gated=gated)
+                          use_dht=dht is not None, store_dh0=want_dh0, gated=gated,
+                          state_dtype="float32" if S.dtype != dt else None)
     runtime.announce(spec, ARCH, params)     # recording(): every stage at once
     run = lambda stage, *xs: compiled_stage(stage, spec, **params[stage])(*xs)  # noqa: E731
     dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
     gx = (g_cum.contiguous(),) if gated else ()     # the gated stages' extra input
     dv_local = torch.empty_like(v)
-    dh = torch.empty(B, H, NC, K, V, dtype=torch.float32 if gated else dt, device=q.device)
+    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
     if "chunk_bwd_dh_scan" in params:
         nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
         X = f32(B, H, NC, K, V)
@@ -350,8 +355,8 @@ def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, state
     """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
     [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
     DeltaNetChunkFwd contract (states: every chunk's state in f32 and the final one) and
-    the backward's recompute (the per-chunk states h, no final state; the gated
-    recompute's spec: with states)."""
+    the backward's recomputes (states=False: the per-chunk states h in the input dtype,
+    no final state)."""
     NC = -(-L // CHUNK)
     return chunk.forward_plan(spec or default_spec(), Options(), H=1, HV=1, K=K, V=V,
                               dtype=dtype, beta_dtype=dtype, seq_chunks=(NC,) * (B * H),
@@ -451,9 +456,9 @@ def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None
 
     Head-first k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype),
     initial_state [B, H, DK, DV] (any float dtype, read as f32) or None (zero). Returns
-    (A [B, H, L, 64], w [B, H, L, DK], u [B, H, L, DV]) in the input dtype and S
-    [B, H, NC, DK, DV] f32, the state entering each chunk (S[:, :, 0] = initial_state);
-    the chunked forward keeps these states in the input dtype, so S carries that rounding.
+    (A [B, H, L, 64], w [B, H, L, DK], u [B, H, L, DV]) and S [B, H, NC, DK, DV], the
+    state entering each chunk (S[:, :, 0] = initial_state), all in the input dtype (as
+    the chunked forward keeps its states: the stages take S as a 16-bit GEMM operand).
     With g_cum [B, H, L] f32 (the scalar gate, L a multiple of 64; spec the gated spec):
     :func:`gated_recompute`.
     """
@@ -467,7 +472,7 @@ def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
     if B * H * L == 0:
-        return A, w, u, torch.zeros(B, H, NC, K, V, dtype=torch.float32, device=dev)
+        return A, w, u, torch.zeros(B, H, NC, K, V, dtype=dt, device=dev)
     N, Ttot = B * H, B * H * L
     dtype = str(dt).replace("torch.", "")
     tables = chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0)
@@ -483,15 +488,15 @@ def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None
     runtime.launch_kernel(default_spec(), ARCH, "chunk_state",
                           state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
                                        has_initial_state=has_h0), x)
-    return A, w, u, h.view(B, H, NC, K, V).float()
+    return A, w, u, h.view(B, H, NC, K, V)
 
 
 def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False, spec=None) -> dict:
-    """The plan's chunk_state params for :func:`recompute_for_backward` (B * H one-head
-    sequences, no final state) or, with the gated spec, :func:`gated_recompute` (every
-    chunk's state in f32 and the final one, as the contract's forward)."""
+    """The plan's chunk_state params for :func:`recompute_for_backward` or, with the
+    gated spec, :func:`gated_recompute`: B * H one-head sequences, every chunk's entering
+    state in the input dtype (h), no final state."""
     plan = contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                         has_initial_state=has_initial_state, states=is_gated(spec), spec=spec)
+                         has_initial_state=has_initial_state, states=False, spec=spec)
     return chunk.plan_params(plan)["chunk_state"]
 
 
@@ -499,9 +504,9 @@ def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
     """recompute_for_backward for the scalar gate: head-first k, v, beta as there, g_cum
     [B, H, L] f32 (in-chunk cumulative log gate, L a multiple of 64). The gated
     chunk_bwd_wy_recompute gives A = (I + strict_tril(beta_i k_i.k_j e^(g_i - g_j)))^-1,
-    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states, in
-    f32 from its registers. Returns (A, w, u, S [B, H, NC + 1, DK, DV] f32: the state
-    entering each chunk, then the final state)."""
+    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states.
+    Returns (A, w, u, S [B, H, NC, DK, DV]: the state entering each chunk), all in the
+    input dtype."""
     import torch
     B, H, L, K, V = _dims(k, k, v, beta)
     _check_gate(g_cum, B, H, L)
@@ -511,22 +516,21 @@ def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    S = torch.empty(B, H, NC + 1, K, V, dtype=torch.float32, device=dev)
+    S = torch.empty(B, H, NC, K, V, dtype=dt, device=dev)
     has_h0 = initial_state is not None
-    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else None
     if Ttot == 0:
-        S.copy_(h0.view(B, H, 1, K, V) if has_h0 else 0.0)
         return A, w, u, S
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     k, v, beta, g_cum = (x.contiguous() for x in (k, v, beta, g_cum))
     dtype = str(dt).replace("torch.", "")
     params = stage_params(H=H, K=K, V=V, dtype=dtype, B=B, gated=True)[RECOMPUTE]
     compiled_stage(RECOMPUTE, spec, **params)(k, v, beta, g_cum, A, w, u)
-    # sequence n = (b, h): its states at rows n (NC + 1) + t of S, the final one at t = NC
+    # sequence n = (b, h): its states at rows n NC + t of h = S
     x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
              k=k.view(Ttot, 1, K), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V),
-             g_cum=g_cum.view(1, Ttot), ht=S.view(N * (NC + 1), 1, K, V),
-             h=torch.empty(N * NC, 1, K, V, dtype=dt, device=dev),   # written, not needed
-             h0=h0.view(N, 1, K, V) if has_h0 else S.new_empty(1, 1, K, V),
+             g_cum=g_cum.view(1, Ttot), ht=f32(1, 1, K, V), h=S.view(N * NC, 1, K, V),
+             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
+                 else f32(1, 1, K, V)),
              v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
     runtime.launch_kernel(spec, ARCH, "chunk_state",
                           state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
@@ -561,10 +565,12 @@ def key_recompute_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False,
                          spec=None) -> dict:
     """{RECOMPUTE: the forward's per-key prepare params (the arch's plan; the recompute
     stage renders the same template with A written), "chunk_state": the state pass with
-    every chunk's state in f32 and the final one} for B * H one-head sequences of L."""
+    every chunk's entering state in the input dtype, no final state} for B * H one-head
+    sequences of L."""
     spec = spec or _key_spec()
     params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                                             has_initial_state=has_initial_state, spec=spec))
+                                             has_initial_state=has_initial_state,
+                                             states=False, spec=spec))
     return {RECOMPUTE: params["chunk_prepare"], "chunk_state": params["chunk_state"]}
 
 
@@ -587,8 +593,8 @@ def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
     [B, H, DK, DV] (read as f32) or None. Runs the forward's per-key prepare (A written
     too) and its state pass over the B * H one-head sequences. Returns dict(A, aqk
     [B, H, L, 64], w, qg, kg [B, H, L, DK], u [B, H, L, DV] (input dtype), g_last
-    [B, H, NC, DK] f32, S [B, H, NC + 1, DK, DV] f32: the state entering each chunk, then
-    the final state)."""
+    [B, H, NC, DK] f32, S [B, H, NC, DK, DV] (input dtype): the state entering each
+    chunk)."""
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
     _check_key_gate(g, B, H, L, K)
@@ -599,11 +605,9 @@ def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     out = dict(A=e(B, H, L, CHUNK), aqk=e(B, H, L, CHUNK), w=e(B, H, L, K), qg=e(B, H, L, K),
                kg=e(B, H, L, K), u=e(B, H, L, V), g_last=f32(B, H, NC, K),
-               S=f32(B, H, NC + 1, K, V))
+               S=e(B, H, NC, K, V))
     has_h0 = initial_state is not None
-    h0 = initial_state.to(torch.float32).contiguous() if has_h0 else None
     if Ttot == 0:
-        out["S"].copy_(h0.view(B, H, 1, K, V) if has_h0 else 0.0)
         return out
     params = key_recompute_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                                   L=L, has_initial_state=has_h0, spec=spec)
@@ -615,10 +619,10 @@ def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
              kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
              u=tok(out["u"]), A_out=tok(out["A"]))
     runtime.launch_kernel(spec, ARCH, RECOMPUTE, params[RECOMPUTE], x)
-    # sequence n = (b, h): its states at rows n (NC + 1) + t of S, the final one at t = NC
-    x.update(ht=out["S"].view(N * (NC + 1), 1, K, V),
-             h=e(N * NC, 1, K, V),                          # written, not needed
-             h0=h0.view(N, 1, K, V) if has_h0 else f32(1, 1, K, V),
+    # sequence n = (b, h): its states at rows n NC + t of h = S
+    x.update(ht=f32(1, 1, K, V), h=out["S"].view(N * NC, 1, K, V),
+             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
+                 else f32(1, 1, K, V)),
              v_new=e(Ttot, 1, V))                           # written, not needed
     runtime.launch_kernel(spec, ARCH, "chunk_state", params["chunk_state"], x,
                           lambda n: {"k": "kg", "g_cum": "g_last"}.get(n, n))
@@ -659,7 +663,7 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)      # placeholder
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
     dv_local, dv2 = torch.empty_like(v), torch.empty_like(v)
-    dh = f32(B, H, NC, K, V)
+    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
     run("chunk_bwd_dv_local", rec["aqk"], do, dv_local)
     run("chunk_bwd_dh", rec["qg"], rec["kg"], rec["w"], do, rec["g_last"], dv_local, dh, dv2,
         dht_in, dh0_out)

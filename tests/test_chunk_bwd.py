@@ -464,7 +464,7 @@ def test_recompute_for_backward(fake_backward, rng):
     # S[t] = the state entering chunk t from h0: S[0] = h0, S[1] = h0 + k^T (u - w h0)
     kc, wc, uc = (x[:, :, :C].to(F64) for x in (k, w, u))
     S1 = h0 + kc.transpose(-1, -2) @ (uc - wc @ h0)
-    assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float32
+    assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float16
     assert _rel(S[:, :, 0], h0) < 1e-3 and _rel(S[:, :, 1], S1) < 1e-2
 
 

@@ -48,7 +48,8 @@ def test_stage_renders(stage):
 
 def test_recompute_params_are_the_forward_prepare():
     """The recompute renders the forward's per-key prepare (A written too) at the params
-    the arch's plan gives chunk_prepare; the state pass keeps every chunk's state in f32."""
+    the arch's plan gives chunk_prepare; the state pass writes every chunk's entering state
+    in the input dtype (h) and no final state."""
     p = chunk_bwd.key_recompute_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128,
                                        has_initial_state=True)
     fwd = chunk.plan_params(chunk.forward_plan(
@@ -56,7 +57,8 @@ def test_recompute_params_are_the_forward_prepare():
         seq_chunks=(2,) * 6, Ttot=768, has_initial_state=True, output_final_state=True,
         return_states=True, config={"fused": False}))
     assert p[chunk_bwd.RECOMPUTE] == fwd["chunk_prepare"]
-    assert p["chunk_state"]["states_out"] and p["chunk_state"]["has_initial_state"]
+    assert p["chunk_state"]["has_initial_state"] and not p["chunk_state"]["output_final_state"]
+    assert not p["chunk_state"].get("states_out")
     assert not any(p[chunk_bwd.RECOMPUTE][f] for f in ("l2norm_qk", "beta_sigmoid",
                                                        "gate_in_kernel"))
     sp = chunk_bwd.key_stage_params(H=3, K=64, V=128, dtype="bfloat16", B=2, use_dht=True)

@@ -10,7 +10,7 @@ flows into the final state) or, with use_dht, at dht (the gradient of the final 
 f32). Per chunk t (rows past L read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
-                                               input dtype)
+                                               input dtype, as chunk_bwd_dqkw reads it)
   dv2 = dv_local + k dh                       (the full gradient of v_new = u - w S[t])
   dh  = dh + q^T do - w^T dv2                 (gradient of the state ENTERING chunk t)
 

@@ -10,7 +10,7 @@ flows into the final state) or, with use_dht, at dht (the gradient of the final 
 f32). Per chunk t (rows past L read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
-                                               f32)
+                                               input dtype, as chunk_bwd_dqkw reads it)
   dv2 = dv_local + (k dh) exp(g_last - g_cum_i)   (g_cum [B, H, L] f32: the in-chunk
                                                   cumulative log gate, g_last its last
                                                   row's; rows past L take that value)
@@ -55,7 +55,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
 
     Tensors (B, L, NC = ceil(L / 64) dynamic):
       q, k, w [B, H, L, K], do, dv_local [B, H, L, V], g_cum [B, H, L] f32
-      -> dh_out [B, H, NC, K, V] (f32), dv2 [B, H, L, V] (input dtype)
+      -> dh_out [B, H, NC, K, V] (input dtype), dv2 [B, H, L, V] (input dtype)
       dht [N0, H, K, V] f32 (read with use_dht; N0 = B, or 1 as a placeholder),
       dh0 [N1, H, K, V] f32 (written with store_dh0; N1 = B, or 1)
     Tuning: block_v (value block: V / block_v CTAs per head), num_stages (0: masked
@@ -76,7 +76,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
         do: T.Tensor((B, H, L, V), dtype),
         g_cum: T.Tensor((B, H, L), f32),
         dv_local: T.Tensor((B, H, L, V), dtype),
-        dh_out: T.Tensor((B, H, NC, K, V), f32),
+        dh_out: T.Tensor((B, H, NC, K, V), dtype),
         dv2: T.Tensor((B, H, L, V), dtype),
         dht: T.Tensor((N0, H, K, V), f32),
         dh0: T.Tensor((N1, H, K, V), f32),
@@ -120,7 +120,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                                                     T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh, dh_out[b, h, c, 0:K, v0:v0 + BV])   # f32: the gate's <dh, S> term
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
                     # dv2 = dv_local + (k dh) exp(g_last - g_cum)  (rows past L: set to 0)
                     T.gemm(k_s, dh_s, kd_f, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):
@@ -160,7 +160,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                         dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh, dh_out[b, h, c, 0:K, v0:v0 + BV])   # f32: the gate's <dh, S> term
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
                     # dv2 = dv_local + (k dh) exp(g_last - g_cum)  (rows past L: set to 0)
                     T.gemm(k_s, dh_s, kd_f, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):

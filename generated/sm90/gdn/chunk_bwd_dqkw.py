@@ -6,8 +6,11 @@
 state update, and the gradient of w.
 
 One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t
-(f32, as the forward returned it), dh[t] the gradient of the state leaving it (stage 2),
-dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as 0:
+(state_dtype: the input dtype in training, where the recompute writes the states as the
+chunked forward keeps them; f32 in the DeltaNetChunkBwd contract, whose forward returns
+them so), dh[t] the gradient of the state leaving it (stage 2, input dtype), dv2 the
+gradient of v_new (stage 2); S and dh enter the GEMMs in the input dtype. Rows i, j of
+the chunk, rows past L read as 0:
 
   v_new = u - w S[t]                          (recomputed; not an input of the contract)
   ds    = tril_incl(do v_new^T) * exp(g_cum_i - g_cum_j)
@@ -18,7 +21,8 @@ dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as
                                                and state terms; stage 4 adds the WY part,
                                                the host the reverse cumulative sum)
   dg[last row] += e^g_last <dh[t], S[t]>      (g_last also scales the state entering:
-                                               f32 from global, a sum of K V terms)
+                                               an f32 sum of the K V products of the
+                                               16-bit tiles)
                  + sum_i <k_i, dk_state_i>    (dk_state = (v_new dh[t]^T) exp(g_last -
                                                g_cum): g_last's share of the state
                                                leaving the chunk; the same f32 values its
@@ -61,19 +65,20 @@ def args(**params):
     return ["q", "k", "w", "u", "do", "g_cum", "dv2", "S", "dh", "dq", "dk_part", "dw", "dg_part"]
 
 
-def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
+def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=128):
     """prim_func for chunk_bwd_dqkw.
 
     Tensors (B, L, NC = ceil(L / 64) dynamic; NC1 = NC + 1):
       q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
-      dv2_from_dh), S [B, H, NC1, K, V] f32,
-      dh [B, H, NC, K, V] (f32)
+      dv2_from_dh), S [B, H, NC1, K, V] state_dtype (None: the input dtype),
+      dh [B, H, NC, K, V] (input dtype)
       -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
       g_cum [B, H, L] f32 -> dg_part [B, H, L] f32 (the scan scheme's dv2_from_dh: no gate)
     """
     BT = CHUNK
     f32 = "float32"
     B, L, NC, NC1 = T.dynamic("B, L, NC, NC1")
+    state_dtype = state_dtype or dtype
     HB = 32                         # the column blocks of rowsum(S * dh)
     assert V % HB == 0, f"V={V} must be a multiple of {HB}"
     assert not dv2_from_dh, "the gated backward runs the direct scheme"
@@ -87,8 +92,8 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
         do: T.Tensor((B, H, L, V), dtype),
         g_cum: T.Tensor((B, H, L), f32),
         dv2: T.Tensor((B, H, L, V), dtype),
-        S: T.Tensor((B, H, NC1, K, V), f32),
-        dh: T.Tensor((B, H, NC, K, V), f32),
+        S: T.Tensor((B, H, NC1, K, V), state_dtype),
+        dh: T.Tensor((B, H, NC, K, V), dtype),
         dq: T.Tensor((B, H, L, K), dtype),
         dk_part: T.Tensor((B, H, L, K), f32),
         dw: T.Tensor((B, H, L, K), dtype),
@@ -119,12 +124,16 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
                 w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
-            for i, j in T.Parallel(K, V):
-                S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
-            for i, j in T.Parallel(K, V):
-                dh_s[i, j] = T.cast(dh[b, h, c, i, j], dtype)
-            # rowsum(S * dh) per key row, f32 from global, in column blocks of HB (g_last
-            # also scales the state the chunk enters with: e^g_last <S, dh> joins its dg)
+            # the 16-bit GEMM tiles of S[t] (cast from f32 in the contract) and dh[t]
+            if state_dtype == dtype:
+                T.copy(S[b, h, c, 0:K, 0:V], S_s)
+            else:
+                for i, j in T.Parallel(K, V):
+                    S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
+            T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
+            # rowsum(S * dh) per key row, f32 sums of the tiles, in column blocks of HB
+            # (g_last also scales the state the chunk enters with: e^g_last <S, dh> joins
+            # its dg)
             hd_f = T.alloc_fragment((K, HB), f32)
             hd_row = T.alloc_fragment((K,), f32)
             sd_s = T.alloc_shared((K,), f32)
@@ -132,7 +141,7 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=128):
                 sd_s[j] = T.float32(0)
             for hb in T.serial(V // HB):
                 for i, j in T.Parallel(K, HB):
-                    hd_f[i, j] = S[b, h, c, i, hb * HB + j] * dh[b, h, c, i, hb * HB + j]
+                    hd_f[i, j] = T.cast(S_s[i, hb * HB + j], f32) * T.cast(dh_s[i, hb * HB + j], f32)
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(K):
                     sd_s[j] = sd_s[j] + hd_row[j]

@@ -10,7 +10,7 @@ flows into the final state) or, with use_dht, at dht (the gradient of the final 
 f32). Per chunk t (rows past L read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
-                                               f32)
+                                               input dtype, as chunk_bwd_dqkw reads it)
   dv2 = dv_local + kg dh                      (kg = k e^{G_l - G}, qg = q e^G: the
                                                recompute's, G the in-chunk cumulative
                                                log gate per key channel)
@@ -55,7 +55,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
 
     Tensors (B, L, NC = ceil(L / 64) dynamic):
       qg, kg, w [B, H, L, K], do, dv_local [B, H, L, V], g_last [B, H, NC, K] f32
-      -> dh_out [B, H, NC, K, V] (f32), dv2 [B, H, L, V] (input dtype)
+      -> dh_out [B, H, NC, K, V] (input dtype), dv2 [B, H, L, V] (input dtype)
       dht [N0, H, K, V] f32 (read with use_dht; N0 = B, or 1 as a placeholder),
       dh0 [N1, H, K, V] f32 (written with store_dh0; N1 = B, or 1)
     Tuning: block_v (value block: V / block_v CTAs per head), num_stages (0: masked
@@ -76,7 +76,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
         do: T.Tensor((B, H, L, V), dtype),
         g_last: T.Tensor((B, H, NC, K), f32),
         dv_local: T.Tensor((B, H, L, V), dtype),
-        dh_out: T.Tensor((B, H, NC, K, V), f32),
+        dh_out: T.Tensor((B, H, NC, K, V), dtype),
         dv2: T.Tensor((B, H, L, V), dtype),
         dht: T.Tensor((N0, H, K, V), f32),
         dh0: T.Tensor((N1, H, K, V), f32),
@@ -117,7 +117,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                                                     T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh, dh_out[b, h, c, 0:K, v0:v0 + BV])   # f32: the gate's <dh, S> term
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
                     # dv2 = dv_local + kg dh  (rows past L: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):
@@ -152,7 +152,7 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                         dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh, dh_out[b, h, c, 0:K, v0:v0 + BV])   # f32: the gate's <dh, S> term
+                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
                     # dv2 = dv_local + kg dh  (rows past L: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):

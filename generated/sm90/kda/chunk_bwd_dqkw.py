@@ -6,8 +6,11 @@
 state update, and the gradient of w.
 
 One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t
-(f32, as the forward returned it), dh[t] the gradient of the state leaving it (stage 2),
-dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as 0:
+(state_dtype: the input dtype in training, where the recompute writes the states as the
+chunked forward keeps them; f32 in the DeltaNetChunkBwd contract, whose forward returns
+them so), dh[t] the gradient of the state leaving it (stage 2, input dtype), dv2 the
+gradient of v_new (stage 2); S and dh enter the GEMMs in the input dtype. Rows i, j of
+the chunk, rows past L read as 0:
 
   v_new = u - w S[t]                          (recomputed; not an input of the contract)
   ds    = tril_incl(do v_new^T)
@@ -15,9 +18,10 @@ dv2 the gradient of v_new (stage 2). Rows i, j of the chunk, rows past L read as
   dk    = (v_new dh[t]^T) e^{G_l - G} + sum_i ds_ij q_i e^{G_i - G_j}  the WY part: stage 4)
   dw    = -dv2 S[t]^T
   dG    = q dq - k dk,  dG[last row] += e^{G_l} rowsum(S[t] * dh[t]) + sum_i k_i dk_state_i
-                                              (f32, the gradient of G from the output and
-                                               state terms; stage 4 adds the WY part and
-                                               takes the reverse cumulative sum)
+                                              (f32 sums of the 16-bit tiles: the gradient
+                                               of G from the output and state terms;
+                                               stage 4 adds the WY part and takes the
+                                               reverse cumulative sum)
 
 g_cum [B, H, L, K] f32: G, the in-chunk cumulative log gate per key channel (rows past
 L take the last row's). The pair sums factor through the first row of each 16-row block
@@ -57,19 +61,20 @@ def args(**params):
     return ["q", "k", "w", "u", "do", "g_cum", "dv2", "S", "dh", "dq", "dk_part", "dw", "dg_part"]
 
 
-def build(H, K, V, dtype, dv2_from_dh=False, threads=256):
+def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=256):
     """prim_func for chunk_bwd_dqkw.
 
     Tensors (B, L, NC = ceil(L / 64) dynamic; NC1 = NC + 1):
       q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
-      dv2_from_dh), S [B, H, NC1, K, V] f32,
-      dh [B, H, NC, K, V] (f32)
+      dv2_from_dh), S [B, H, NC1, K, V] state_dtype (None: the input dtype),
+      dh [B, H, NC, K, V] (input dtype)
       -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
       g_cum [B, H, L, K] f32 -> dg_part [B, H, L, K] f32 (the direct scheme only)
     """
     BT = CHUNK
     f32 = "float32"
     B, L, NC, NC1 = T.dynamic("B, L, NC, NC1")
+    state_dtype = state_dtype or dtype
     HB = 32                         # the column blocks of rowsum(S * dh)
     assert V % HB == 0, f"V={V} must be a multiple of {HB}"
     assert not dv2_from_dh, "the gated backward runs the direct scheme"
@@ -83,8 +88,8 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=256):
         do: T.Tensor((B, H, L, V), dtype),
         g_cum: T.Tensor((B, H, L, K), f32),
         dv2: T.Tensor((B, H, L, V), dtype),
-        S: T.Tensor((B, H, NC1, K, V), f32),
-        dh: T.Tensor((B, H, NC, K, V), f32),
+        S: T.Tensor((B, H, NC1, K, V), state_dtype),
+        dh: T.Tensor((B, H, NC, K, V), dtype),
         dq: T.Tensor((B, H, L, K), dtype),
         dk_part: T.Tensor((B, H, L, K), f32),
         dw: T.Tensor((B, H, L, K), dtype),
@@ -122,15 +127,19 @@ def build(H, K, V, dtype, dv2_from_dh=False, threads=256):
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
                 dv_s[i, j] = T.if_then_else(t0 + i < L, dv2[b, h, t0 + i, j], T.cast(0, dtype))
-            for i, j in T.Parallel(K, V):
-                S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
-                dh_s[i, j] = T.cast(dh[b, h, c, i, j], dtype)
-            # rowsum(S * dh) per key channel, f32 from global, in column blocks of HB
+            # the 16-bit GEMM tiles of S[t] (cast from f32 in the contract) and dh[t]
+            if state_dtype == dtype:
+                T.copy(S[b, h, c, 0:K, 0:V], S_s)
+            else:
+                for i, j in T.Parallel(K, V):
+                    S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
+            T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
+            # rowsum(S * dh) per key channel, f32 sums of the tiles, in column blocks of HB
             for j in T.Parallel(K):
                 dgl_s[j] = T.float32(0)
             for hb in T.serial(V // HB):
                 for i, j in T.Parallel(K, HB):
-                    hd_f[i, j] = S[b, h, c, i, hb * HB + j] * dh[b, h, c, i, hb * HB + j]
+                    hd_f[i, j] = T.cast(S_s[i, hb * HB + j], f32) * T.cast(dh_s[i, hb * HB + j], f32)
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(K):
                     dgl_s[j] = dgl_s[j] + hd_row[j]
