@@ -16,9 +16,10 @@ from ..dsl import Gate, OpSpec, Rule, SpecError
 VARIANTS = ("fwd", "bwd", "decode")
 ALL_RULES = frozenset(r.value for r in Rule)
 ALL_GATES = frozenset(g.value for g in Gate)
-#: a stage's gates by default: the value gate (per value channel) has only the decode
-#: stage so far, which names it
+#: a stage's gates by default: the value gate (per value channel) has the decode stage
+#: and the additive rule's three-stage chunked forward, which name it
 DEFAULT_GATES = frozenset({"none", "scalar", "key"})
+WITH_VALUE = DEFAULT_GATES | {"value"}
 
 
 @dataclass(frozen=True)
@@ -64,19 +65,22 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="per chunk: w = A_b e^g k, u = A_b v (the per-chunk-state pipeline, the contracts)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_prepare", "chunk_prepare.py.jinja", "fwd",
-              doc="per chunk, additive rule: gate cumsum, l2norm k",
-              rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),
+              doc="per chunk, additive rule: gate cumsum, l2norm k (value gate: its "
+                  "decay and gated values)",
+              rules=frozenset({"additive"}), gates=frozenset({"none", "scalar", "value"})),
         Stage("chunk_prepare", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate: cumsum, A_qk, WY inverse A, w, u, qg, kg",
               gates=frozenset({"key"})),
         Stage("chunk_state_summary", "chunk_state.py.jinja", "fwd",
               doc="sequence split, additive rule: each segment's end state from zero and "
                   "its summed log decay (S_end = diag(e^G) S_start + B)",
-              rules=frozenset({"additive"})),
+              rules=frozenset({"additive"}), gates=WITH_VALUE),
         Stage("chunk_state", "chunk_state.py.jinja", "fwd",
-              doc="sequential inter-chunk state pass: h per chunk, v_new, final state"),
+              doc="sequential inter-chunk state pass: h per chunk, v_new, final state",
+              gates=WITH_VALUE),
         Stage("chunk_output", "chunk_output.py.jinja", "fwd",
-              doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated"),
+              doc="per chunk: o = scale (q h + causal(q k^T) v_new), gated",
+              gates=WITH_VALUE),
         Stage("chunk_qk", "chunk_qk.py.jinja", "fwd",
               doc="fused path, per chunk: the causal gated A_qk (and the l2-normalised q)",
               rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),

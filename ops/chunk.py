@@ -31,7 +31,7 @@ from . import runtime
 from .chunk_split import build_segment_tables
 
 DEFAULT_ARCH = "sm90"
-SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY)
+SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY, Gate.VALUE)
 
 
 # -- host-side chunk tables ---------------------------------------------------------------
@@ -213,10 +213,12 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     """Chunked forward of ``spec`` (fla's chunk_gated_delta_rule semantics).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (scalar gate, natural log; raw when
-    options.gate_in_kernel) or [B, T, HV, K] (per-key gate); beta [B, T, HV] (delta rule);
+    options.gate_in_kernel), [B, T, HV, K] (per-key gate) or [B, T, HV, V] (per-value
+    gate, additive rule); beta [B, T, HV] (delta rule);
     scale (default K^-0.5); initial_state [N, HV, K, V] ([N, HV, V, K] with
     state_v_first), any float dtype, read as f32; cu_seqlens [N+1] (B == 1) and
-    cu_seqlens_cpu its CPU copy; A_log [HV], dt_bias [HV] ([HV * K] per-key gate).
+    cu_seqlens_cpu its CPU copy; A_log [HV], dt_bias [HV] ([HV * K] per-key gate,
+    [HV * V] per-value gate).
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 in the state layout or None).
     return_states=True (the GLAChunkFwd contract): a third result, states f32 [NT + N, HV,
     K, V] (or [..., V, K] with state_v_first): per sequence, the state entering each of its
@@ -312,12 +314,12 @@ def _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, Ttot, HV, K) -
     import torch
     f32 = dict(dtype=torch.float32, device=q.device)
     flat = lambda t, *tail: t.reshape(Ttot, *tail).contiguous()  # noqa: E731
-    key = spec.gate is Gate.KEY
+    channels = spec.gate.n_channels(K, v.shape[3])      # g's last axis: 1, K or V
     x = dict(q=flat(q, q.shape[2], K), k=flat(k, k.shape[2], K), v=flat(v, HV, v.shape[3]))
-    x["g"] = ((flat(g, HV, K) if key else flat(g, HV)) if spec.has_gate
+    x["g"] = ((flat(g, HV, channels) if spec.gate.channels else flat(g, HV)) if spec.has_gate
               else torch.empty(Ttot, HV, **f32))
     x["beta"] = flat(beta, HV) if spec.has_beta else torch.empty(Ttot, HV, **f32)
-    dt_len = HV * K if key else HV
+    dt_len = HV * channels
     if options.gate_in_kernel:
         x["A_log"], x["dt_bias"] = A_log, dt_bias.reshape(dt_len)
     else:

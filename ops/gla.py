@@ -8,8 +8,9 @@ SPEC = OpSpec(
     doc="GLA: S <- diag(exp(g)) S + k v^T; o = S^T (scale q).",
 )
 #: GLA with fla's ``gv`` instead of ``gk`` (a log decay per value channel), for
-#: fused_recurrent_gla(gv=...); not a registered family: its one kernel (the recurrent
-#: stage) is rendered on first use into ops.runtime.gen_dir()
+#: chunk_gla(gv=...) and fused_recurrent_gla(gv=...); not a registered family: its kernels
+#: (the recurrent stage, the three-stage chunked forward) are rendered on first use into
+#: ops.runtime.gen_dir()
 SPEC_GV = OpSpec(
     name="gla_gv", rule="additive", gate="value", chunk_size=64,
     supports=frozenset({"state_v_first"}), gva=False,
@@ -17,14 +18,17 @@ SPEC_GV = OpSpec(
 )
 
 
-def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, gv=None, **kwargs):
     """fla's chunk_gla (forward). T == 1 takes the decode kernel.
 
     q, k, g [B, T, H, K] (g: natural-log decay per key channel, any float dtype);
     v [B, T, H, V]; f16 / bf16 / f32 (f32, K not a multiple of 64: the recurrent kernel);
     initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any float dtype, read
     as f32. Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
+    gv [B, T, H, V] instead of g (fla's name in fused_recurrent_gla): a natural-log decay
+    per value channel, S <- S diag(exp(gv)) + k v^T (forward only; g and gv together are
+    not supported).
 
     Differentiable (ops/additive_bwd.py) when any of q, k, v, g, initial_state requires
     grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V multiples
@@ -32,10 +36,20 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
     from . import additive_bwd
-    if additive_bwd.needs_grad(q, k, v, g, initial_state):
+    if (g is None) == (gv is None):
+        raise validate.error("chunk_gla takes g (per key channel) or gv (per value channel): "
+                             f"got {'neither' if g is None else 'both'}")
+    if gv is not None:
+        if additive_bwd.needs_grad(q, k, v, gv, initial_state):
+            raise validate.error("chunk_gla(gv=...) has no backward yet (the value gate is "
+                                 "forward only): run it under torch.no_grad() or detach its inputs")
+        spec, g = SPEC_GV, gv
+    elif additive_bwd.needs_grad(q, k, v, g, initial_state):
         return additive_bwd.train(SPEC, opts, q, k, v, g, scale, initial_state,
                                   output_final_state, cu_seqlens, cu_seqlens_cpu)
-    return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
+    else:
+        spec = SPEC
+    return api.forward(spec, q, k, v, g, None, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 

@@ -15,7 +15,7 @@ import torch
 from _kernel_check import fake_compiles
 from test_chunk import by_name, record_plans
 
-from linattn.dsl import Gate, Options, all_rule_gate_specs
+from linattn.dsl import Gate, Options, all_rule_gate_specs, value_gate_spec
 from linattn.dsl import torch_reference as tr
 from linattn.ops import chunk
 from linattn.ops.registry import get_spec
@@ -23,9 +23,12 @@ from linattn.ops.registry import get_spec
 F64 = torch.float64
 C = 64
 SIX = {s.name: s for s in all_rule_gate_specs()}
+VALUE_GATE = value_gate_spec()
 
 
 def _spec(name):
+    if name == VALUE_GATE.name:
+        return VALUE_GATE
     return SIX[name] if name in SIX else get_spec(name)
 
 
@@ -45,6 +48,7 @@ class PipelineMath:
         self.spec, self.H, self.HV, self.K, self.V = spec, H, HV, K, V
         self.group = HV // H
         self.key = spec.gate is Gate.KEY
+        self.value = spec.gate.per_value        # (the columns of S decay)
         self.seen = {}
 
     # -- helpers ------------------------------------------------------------------------
@@ -75,7 +79,21 @@ class PipelineMath:
 
     # -- prepare stages ------------------------------------------------------------------
     def prepare(self, p, **a):
+        if self.value:
+            return self.prepare_value(p, **a)
         return self.prepare_key(p, **a) if self.key else self.prepare_additive(p, **a)
+
+    def prepare_value(self, p, k, v, g, A_log, dt_bias, chunk_bos, chunk_len, g_cum, kn, u,
+                      g_last, **_):
+        """The value gate's prepare: g_cum [Ttot, HV, V], g_last [NT, HV, V], u = v e^(g_last
+        - g_cum), kn."""
+        for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
+            _, ke, G, _ = self.effective(p, t0, n, k=k, g=g, A_log=A_log, dt_bias=dt_bias)
+            if p["l2norm_qk"]:
+                kn[t0:t0 + n] = ke[:, ::self.group].to(kn.dtype)
+            g_cum[t0:t0 + n] = G.to(g_cum.dtype)
+            g_last[ci] = G[-1].to(g_last.dtype)
+            u[t0:t0 + n] = (v[t0:t0 + n].to(F64) * (G[-1] - G).exp()).to(u.dtype)
 
     def prepare_additive(self, p, k, g, beta, A_log, dt_bias, chunk_bos, chunk_len, g_cum,
                          kn, **_):
@@ -170,12 +188,14 @@ class PipelineMath:
         vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
         if self.key:
             return vn, g_cum[ci, hv, kb].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
+        if self.value:          # (u: v gated by chunk_prepare, g_cum: g_last [NT, HV, V])
+            return vn, S * g_cum[ci, hv].to(F64).exp()[None, :] + kk.T @ lp(vn)
         gc = self.scalar_gate(g_cum, hv, ci, n)
         return vn, gc[-1].exp() * S + kk.T @ lp((gc[-1] - gc).exp()[:, None] * vn)
 
     def _chunk_decay(self, g_cum, ci, n, hv):
         """The log decay of chunk ci over all K (additive summaries' G)."""
-        if self.key:
+        if self.key or self.value:
             return g_cum[ci, hv].to(F64)
         return self.scalar_gate(g_cum, hv, ci, n)[-1].expand(self.K)
 
@@ -190,7 +210,8 @@ class PipelineMath:
         if p.get("segment_starts"):
             for s in range(int(extra["seg_first"][a]), a):
                 if self.spec.has_gate:
-                    S = extra["seg_decay"][s, hv].to(F64).exp()[:, None] * S
+                    d = extra["seg_decay"][s, hv].to(F64).exp()
+                    S = S * d[None, :] if self.value else d[:, None] * S
                 S = S + extra["seg_state"][s, hv].to(F64)
         return S, m
 
@@ -243,7 +264,7 @@ class PipelineMath:
             if self.spec.has_gate:
                 G = sum((self._chunk_decay(g_cum, c0s[a] + j, min(C, cu[a + 1] - cu[a] - j * C),
                                            hv) for j in range(walked)),
-                        torch.zeros(self.K, dtype=F64))
+                        torch.zeros(self.V if self.value else self.K, dtype=F64))
                 seg_decay[a, hv] = G.to(seg_decay.dtype)
 
     def state(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, h, v_new, ht, **extra):
@@ -289,6 +310,14 @@ class PipelineMath:
                 vn = v_new[t0:t0 + n, hv].to(F64)
                 if self.key:            # q <- qg, k <- A_qk (chunk_prepare's), g_cum unused
                     oo = q[t0:t0 + n, hv].to(F64) @ hh + k[t0:t0 + n, hv, :n].to(F64) @ vn
+                elif self.value:        # g_cum [Ttot, HV, V]: per row and value channel
+                    hk = hv // self.group
+                    qq = q[t0:t0 + n, hk].to(F64)
+                    qq = tr.l2norm(qq) if p["l2norm_qk"] else qq
+                    G = g_cum[t0:t0 + n, hv].to(F64)
+                    P = qq @ k[t0:t0 + n, hk].to(F64).T
+                    oo = G.exp() * (qq @ hh) + torch.einsum("ij,jc,ijc->ic", P, vn,
+                                                            _tril_decay(G))
                 else:
                     hk = hv // self.group
                     qq = q[t0:t0 + n, hk].to(F64)
@@ -323,11 +352,11 @@ def make_inputs(spec, options, lens, H, HV, K, V, seed=0, dtype=torch.float16):
         b = rnd(1, T, HV)
         x["beta"] = (b if options.beta_sigmoid else torch.sigmoid(b)).to(dtype)
     if spec.has_gate:
-        shape = spec.gate_shape(1, T, HV, K)
+        shape = spec.gate_shape(1, T, HV, K, V)
         if options.gate_in_kernel:
             x["g"] = rnd(*shape)
             x["A_log"] = torch.rand(HV, generator=gen) - 2
-            x["dt_bias"] = torch.rand(HV * (K if spec.gate is Gate.KEY else 1), generator=gen)
+            x["dt_bias"] = torch.rand(HV * spec.gate.n_channels(K, V), generator=gen)
         else:
             x["g"] = torch.nn.functional.logsigmoid(rnd(*shape) + 3)
     return x

@@ -159,8 +159,8 @@ def precompiled(request):
 
 
 def _spec(op):
-    from linattn.dsl import all_rule_gate_specs
-    six = {s.name: s for s in all_rule_gate_specs()}
+    from linattn.dsl import all_rule_gate_specs, value_gate_spec
+    six = {s.name: s for s in all_rule_gate_specs() + [value_gate_spec()]}
     return six[op] if op in six else get_spec(op)
 
 

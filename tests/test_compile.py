@@ -138,3 +138,33 @@ def test_plan_launches_compile(name, sizes, config):
     for la in p.launches:
         rec = compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH)
         _check(rec)
+
+
+VALUE_FWD = [s.name for s in plan(value_gate_spec(), "fwd", ARCH)]
+
+
+@pytest.mark.parametrize("stage_name", VALUE_FWD)
+def test_value_gate_chunked_stages_compile(tmp_path, stage_name):
+    """The value gate's chunked forward stages (rendered into a temp dir: no registered
+    family has the gate): every EXAMPLES configuration."""
+    spec = value_gate_spec()
+    (stage,) = [s for s in plan(spec, "fwd", ARCH) if s.name == stage_name]
+    path = tmp_path / f"{spec.name}_{stage.name}.py"
+    path.write_text(render_stage(spec, stage, ARCH))
+    module = load_module(path, f"value_gate_{stage.name}")
+    for example in module.EXAMPLES:
+        _check(compile_stage(module, example, ARCH))
+
+
+def test_value_gate_plan_launches_compile():
+    """A value-gate call's plan (split, GVA, l2norm) asks for params the templates compile."""
+    from linattn.dsl import Options
+    from linattn.ops import chunk
+    spec = value_gate_spec()
+    p = chunk.forward_plan(spec, Options(l2norm_qk=True), H=2, HV=4, K=128, V=128,
+                           dtype="bfloat16", seq_chunks=(64,), Ttot=64 * 64,
+                           output_final_state=True, config={"segments": 16})
+    print(p)
+    assert p.name == "three-stage-split"
+    for la in p.launches:
+        _check(compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH))

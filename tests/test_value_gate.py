@@ -18,10 +18,12 @@ from linattn.ops import gla
 SPEC = value_gate_spec()
 
 
-def test_plan_has_only_the_recurrent_stage():
-    """No chunked stage implements the value gate yet: none may be planned for it."""
-    assert [s.name for s in plan(SPEC, None, "sm90")] == ["recurrent"]
-    assert plan(SPEC, "fwd", "sm90") == [] and plan(SPEC, "bwd", "sm90") == []
+def test_plan_has_the_three_stage_forward_and_decode():
+    """The value gate's stages: the additive rule's three-stage chunked forward (and the
+    split's summary) and the recurrent kernel; no fused pass, no backward yet."""
+    assert [s.name for s in plan(SPEC, None, "sm90")] == [
+        "chunk_prepare", "chunk_state_summary", "chunk_state", "chunk_output", "recurrent"]
+    assert plan(SPEC, "bwd", "sm90") == []
 
 
 def test_recurrent_renders_the_column_decay():
@@ -104,17 +106,29 @@ def test_fused_recurrent_gla_gv_refusals():
         linattn.fused_recurrent_gla(q, k, v, gv=gv, reverse=True)
 
 
-def test_build_value_gate_spec_has_no_backward_and_runs_recurrent(gv_cpu):
-    """linattn.build of a value-gate spec: forward only; ops.chunk has no chunked kernels
-    to take, so it runs the recurrent kernel."""
+def test_build_value_gate_spec_has_no_backward_and_runs_chunked(gv_cpu):
+    """linattn.build of a value-gate spec: forward only; ops.chunk takes the chunked
+    kernels (T > 1; K, V multiples of 16)."""
     ops = linattn.build(SPEC)
     assert not ops.has_backward and "[B, T, HV, V]" in ops.chunk.__doc__
     q, k, v, gv, h0 = _gla_inputs(T=70)
     o, ht = ops.chunk(q, k, v, gv, initial_state=h0, output_final_state=True)
-    assert gv_cpu == [("additive_value", "recurrent")]
+    assert gv_cpu == [("additive_value", "chunk")]
     want_o, want_ht = tr.chunked_forward(SPEC, q, k, v, gv, initial_state=h0)
     assert torch.allclose(o.double(), want_o.to(q.dtype).double())
     assert torch.allclose(ht.double(), want_ht, atol=1e-6)
+
+
+def test_chunk_gla_gv_takes_the_chunked_path(gv_cpu):
+    """chunk_gla(q, k, v, gv=...) runs gla_gv's chunked forward (T > 1), T == 1 the
+    decode kernel, against the fp64 reference."""
+    q, k, v, gv, h0 = _gla_inputs(T=70)
+    o, ht = linattn.chunk_gla(q, k, v, gv=gv, initial_state=h0, output_final_state=True)
+    want_o, want_ht = tr.chunked_forward(gla.SPEC_GV, q, k, v, gv, initial_state=h0)
+    assert torch.allclose(o.double(), want_o.to(q.dtype).double())
+    assert torch.allclose(ht.double(), want_ht, atol=1e-6)
+    linattn.chunk_gla(*(x[:, :1] for x in (q, k, v)), gv=gv[:, :1])
+    assert gv_cpu == [("gla_gv", "chunk"), ("gla_gv", "recurrent")]
 
 
 @pytest.mark.gpu

@@ -126,9 +126,11 @@ def state_block_v(V: int, n_chains: int, seq_chunks: tuple | None = None) -> int
     return min(reversed(divisors), key=lambda bv: _state_makespan(bv, V, heads, tuple(seq_chunks)))
 
 
-def output_block_v(V: int) -> int:
-    """chunk_output's value block: all of V up to 128, so q k^T is formed once per chunk."""
-    for bv in (128, 64, 32, 16):
+def output_block_v(V: int, gate: str = "") -> int:
+    """chunk_output's value block: all of V up to 128, so q k^T is formed once per chunk
+    (up to 64 with the value gate: its f32 gate tile and level operands take the shared
+    memory, 168 KB at K = 256, block 64)."""
+    for bv in (128, 64, 32, 16) if gate != "value" else (64, 32, 16):
         if V % bv == 0:
             return bv
     raise ValueError(f"V={V} must be a multiple of 16")
@@ -155,6 +157,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
                  allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel)
     delta = p.rule == "delta"
     bufs = [Buffer("w", (p.Ttot, p.HV, p.K), "input")]
+    if p.gate == "value":
+        return _value_prepare(p, bufs, dict(common, **flags, **order))
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input")] if delta else []
     if key:
         bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
@@ -178,6 +182,18 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     return [prep], bufs, bind
 
 
+def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
+    """The value gate's prepare: g_cum (the cumsum per value channel, read by the output),
+    g_last and vg = v e^(g_last - g_cum) (read by the state pass), kn with l2norm_qk."""
+    k = "kn" if p.l2norm_qk else "k"
+    bufs = bufs + [Buffer("g_cum", (p.Ttot, p.HV, p.V)), Buffer("g_last", (p.NT, p.HV, p.V)),
+                   Buffer("vg", (p.Ttot, p.HV, p.V), "input")]
+    if p.l2norm_qk:
+        bufs.append(Buffer("kn", (p.Ttot, p.H, p.K), "input"))
+    prep = launch("chunk_prepare", params, u="vg", kn=k)
+    return [prep], bufs, dict(u="vg", k=k, g_cum="g_last")
+
+
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused"; for the additive
     rule also the sequence split, key and value blocks: additive.choose)."""
@@ -192,13 +208,18 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     if p.rule == "delta" and (p.return_states or p.gate != "key"):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
                                 # pass writes no per-chunk states; the additive rule's does)
+    if p.gate == "value":       # (its output is chunk_output's)
+        if config.get("fused"):
+            raise ValueError("plan config fused=True: the value gate has no fused state + "
+                             "output pass (yet)")
+        forms = [False]
     if many:                    # (chunk_output's grid has the chunks on gridDim.y)
         forms = [f for f in forms if f]
     if not forms:
         raise ValueError(f"{p.NT} chunks: the three-stage pipeline takes at most "
                          f"{hw.MAX_GRID_YZ} chunks in one call")
     if p.rule == "additive":
-        choice = additive.choose(p, config, output_block_v(p.V), forms)
+        choice = additive.choose(p, config, output_block_v(p.V, p.gate), forms)
     else:
         fused = (fuse_output(p.N * p.HV, p.dtype, p.K) or many) if len(forms) > 1 else forms[0]
         choice = additive.StateChoice(0, p.K, state_block_v(p.V, p.N * p.HV, p.seq_chunks),
@@ -235,9 +256,10 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
-        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V), **order)
+        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order)
+        g_out = "g_cum" if p.gate == "value" else bind.get("g_cum", "g_cum")
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
-                               k=bind.get("aqk", bind["k"]), g_cum=bind.get("g_cum", "g_cum"),
+                               k=bind.get("aqk", bind["k"]), g_cum=g_out,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
@@ -248,8 +270,9 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     """(launches, buffers, state-pass bindings) of the pieces the additive rule's state
     pass walks: whole sequences, or segments after chunk_state_summary."""
     state = (1, p.HV, p.K, p.V)
+    decay = (p.HV, p.V if p.gate == "value" else p.K)     # (per value / key channel)
     if not choice.segments:
-        return [], [Buffer("seg_none", state), Buffer("decay_none", state[:3])], dict(
+        return [], [Buffer("seg_none", state), Buffer("decay_none", (1,) + decay)], dict(
             seg_seq="final_row", seg_first="final_row", seg_state="seg_none",
             seg_decay="decay_none")
     ns = n_segments(p.seq_chunks, choice.segments)
@@ -258,7 +281,7 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
         block_v=choice.summary_block_v, num_stages=STATE_STAGES), **sbind, **tables)
     # (it summarises map_seg's segments: all but each sequence's last)
-    bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns, p.HV, p.K))]
+    bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns,) + decay)]
     return [summary], bufs, dict(tables, final_row="seg_final_row")
 
 
