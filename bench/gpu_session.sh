@@ -55,7 +55,7 @@ for s in $STEPS; do
     dropin) run_step dropin "${DROPIN_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -k "${DROPIN_K:-}" --tb=short \
              ${DROPIN_N:+-n $DROPIN_N} \
              -rfE --durations=8 tests/test_dropin_gpu.py tests/test_pool_gpu.py \
-             tests/test_user_spec.py tests/test_retention.py tests/test_value_gate.py \
+             tests/test_user_spec.py tests/test_retention.py tests/test_value_gate.py tests/test_value_gate_gpu.py \
              --junitxml="$R/dropin.xml" ;;
     # decode on a state pool against fla's (bench/pool_probe.py)
     pool) run_step pool "${POOL_S:-120}" python3 bench/pool_probe.py ${POOL_ARGS:-} --out "$R/pool_probe.json" ;;
