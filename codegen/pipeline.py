@@ -40,6 +40,9 @@ class ForwardProblem:
     """One chunked-forward call, as the arch rules see it (sizes, dtypes, flags; no data).
 
     seq_chunks: each sequence's chunk count (the split and the value block depend on it).
+    return_states: every chunk's state in f32 and the final one (the chunk contracts);
+    save_states: the delta rule's per-chunk states h [NT, HV, K, V] in the input dtype,
+    kept for the training backward (which then runs no state pass of its own).
     """
     rule: str                     # "delta" | "additive"
     gate: str                     # "none" | "scalar" | "key"
@@ -60,6 +63,7 @@ class ForwardProblem:
     has_initial_state: bool = False
     output_final_state: bool = False
     return_states: bool = False
+    save_states: bool = False
     chunk_size: int = 64
 
     @property

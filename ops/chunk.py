@@ -142,7 +142,8 @@ def _plan(arch: str, problem: ForwardProblem, config: tuple = ()):
 
 def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_chunks,
                     Ttot, g_dtype="float32", beta_dtype="float32", has_initial_state=False,
-                    output_final_state=False, return_states=False) -> ForwardProblem:
+                    output_final_state=False, return_states=False,
+                    save_states=False) -> ForwardProblem:
     """The problem the arch plans for (sizes, dtypes and flags of one call)."""
     return ForwardProblem(
         rule=spec.rule.value, gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=dtype,
@@ -151,7 +152,7 @@ def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_c
         allow_neg_eigval=options.allow_neg_eigval, gate_in_kernel=options.gate_in_kernel,
         state_v_first=options.state_v_first, has_initial_state=bool(has_initial_state),
         output_final_state=bool(output_final_state), return_states=bool(return_states),
-        chunk_size=spec.chunk_size)
+        save_states=bool(save_states), chunk_size=spec.chunk_size)
 
 
 def forward_plan(spec: OpSpec, options: Options, arch: str = DEFAULT_ARCH, config=None,
@@ -209,7 +210,7 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
 def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                   output_final_state=False, options: Options = Options(), cu_seqlens=None,
                   cu_seqlens_cpu=None, A_log=None, dt_bias=None, return_states=False,
-                  config=None):
+                  config=None, save_states=False):
     """Chunked forward of ``spec`` (fla's chunk_gated_delta_rule semantics).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] (scalar gate, natural log; raw when
@@ -223,7 +224,10 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     return_states=True (the GLAChunkFwd contract): a third result, states f32 [NT + N, HV,
     K, V] (or [..., V, K] with state_v_first): per sequence, the state entering each of its
     chunks, in order, then its final state (sequence n's rows start at chunk_offsets[n] +
-    n); the final state returned is taken from those rows. Inputs are never modified.
+    n); the final state returned is taken from those rows. save_states=True (training):
+    a third result, h [NT, HV, K, V] in q's dtype, K-first in either state layout: the
+    state entering each chunk, sequence n's at rows chunk_offsets[n] .. (its chunks in
+    order), as the kernels read it. Inputs are never modified.
     config: forces plan choices (probes and tests; see codegen.arch.<arch> CONFIG_KEYS).
     """
     check_supported(spec)
@@ -237,8 +241,9 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                                                  options.state_v_first)
         out = chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale), initial_state,
                             output_final_state, options, cu_seqlens, cu_seqlens_cpu, A_log,
-                            dt_bias, return_states, config)
-        return (out[0],) + tuple(_cut_k(t, K, options.state_v_first) for t in out[1:])
+                            dt_bias, return_states, config, save_states)
+        v_first = [options.state_v_first] * (1 + return_states) + [False] * save_states
+        return (out[0],) + tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
     cu = _cu_tuple(B, T, cu_seqlens, cu_seqlens_cpu)
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
     C = spec.chunk_size
@@ -247,11 +252,13 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         seq_chunks=tuple(-(-(e - b) // C) for b, e in zip(cu, cu[1:])),
         g_dtype=_dtype_name(x["g"]), beta_dtype=_dtype_name(x["beta"]),
         has_initial_state=initial_state is not None,
-        output_final_state=output_final_state, return_states=return_states)
+        output_final_state=output_final_state, return_states=return_states,
+        save_states=save_states)
     state_shape = (HV, V, K) if options.state_v_first else (HV, K, V)
     if B * T == 0:
         return _empty_result(q, B, T, HV, V, N, state_shape, initial_state,
-                             output_final_state, return_states)
+                             output_final_state, return_states) + (
+            (q.new_empty(0, HV, K, V),) if save_states else ())
     plan = _plan(arch, problem, _config(config))
     x.update(_tables(cu, C, q.device, plan.segments))
     x["scale"] = float(spec.scale_for(K, scale))
@@ -263,15 +270,16 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     x["o"] = q.new_empty(B * T, HV, V)
     runtime.run_plan(spec, plan, x)
     o = x["o"].reshape(B, T, HV, V)
+    saved = (x["h"],) if save_states else ()
     if not return_states:
-        return o, (x["ht"] if output_final_state else None)
+        return (o, x["ht"] if output_final_state else None) + saved
     states = x["ht"]
     final = None
     if output_final_state:      # sequence n's last row: chunk_offsets[n + 1] + n (device side)
         import torch
         last = x["chunk_offsets"][1:].long() + torch.arange(N, device=q.device)
         final = states.index_select(0, last)
-    return o, final, states
+    return (o, final, states) + saved
 
 
 def _pad_k(spec, Kk, q, k, g, initial_state, dt_bias, v_first):

@@ -284,6 +284,26 @@ def test_pipeline_rules():
         _plan("gdn", config={"FUSE": 1})
 
 
+def test_save_states_plans():
+    """save_states (training): the walk stores every chunk's state into h [NT, HV, K, V]
+    (input dtype), the split walk too; the other delta plans take the three-stage form,
+    whose chunk_state writes that h (KDA's fused pass writes no states)."""
+    from linattn.codegen.pipeline import Buffer
+    for name, config in (("gdn", {}), ("gdn", {"segments": 2}), ("deltanet", {})):
+        plan = _plan(name, config=config, seq_chunks=(4, 3), Ttot=7 * 64, save_states=True)
+        walk = plan.launches[-1]
+        assert plan.name.startswith("walk") and walk.stage == "chunk_walk"
+        assert walk.kwargs["states_out"] and walk.tensor("h") == "h"
+        assert Buffer("h", (7, 2, 64, 64), "input") in plan.buffers
+        plain = _plan(name, config=config, seq_chunks=(4, 3), Ttot=7 * 64)
+        assert "states_out" not in plain.launches[-1].kwargs
+        assert plain.launches[-1].tensor("h") == "h_none"
+    for name in ("kda", "delta_key"):
+        plan = _plan(name, HV=32, H=32, save_states=True)
+        assert plan.name == "three-stage" and "chunk_state" in plan.stages()
+        assert Buffer("h", (4, 32, 64, 64), "input") in plan.buffers
+
+
 def test_plans_are_printable_and_frozen():
     import dataclasses
     for name in ("gdn", "kda", "additive_scalar"):

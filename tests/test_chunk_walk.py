@@ -90,7 +90,7 @@ class Walk:
     def walk(self, p):
         v_first = p["state_v_first"]
 
-        def run(q, k, v, a, g_cum, cu, c0s, h0, final_row, ht, o, scale):
+        def run(q, k, v, a, g_cum, cu, c0s, h0, final_row, ht, h, o, scale):
             cu, c0s = cu.tolist(), c0s.tolist()
             for n in range(len(cu) - 1):
                 for hv in range(self.HV):
@@ -103,6 +103,8 @@ class Walk:
                         rows = min(C, cu[n + 1] - t0)
                         gc = self.gate(g_cum, hv, c0s[n] + ci, rows)
                         rs = slice(t0, t0 + rows)
+                        if p.get("states_out"):     # the state entering the chunk, K-first
+                            h[c0s[n] + ci, hv] = S.to(h.dtype)
                         qq, kk = self.exact("q", q, rs, hk), self.exact("k", k, rs, hk)
                         Ab = self.exact("a", a, rs, hv)[:, :rows]
                         Vd, S_next = _step(kk, v[t0:t0 + rows, hv].to(F64), Ab, gc, S)
@@ -192,7 +194,8 @@ def _inputs(spec, options, lens, H, HV, K, V, gate_scale=1.0, key_scale=None, se
     return x, cu
 
 
-def _run(monkeypatch, name, options, lens, config, H=2, HV=4, K=32, V=32, **kw):
+def _run(monkeypatch, name, options, lens, config, H=2, HV=4, K=32, V=32, save_states=False,
+         **kw):
     spec = get_spec(name)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     walk = Walk(spec, H, HV, K, V)
@@ -200,14 +203,14 @@ def _run(monkeypatch, name, options, lens, config, H=2, HV=4, K=32, V=32, **kw):
     fake_compiles(monkeypatch, walk.body, calls)
     x, cu = _inputs(spec, options, lens, H, HV, K, V, **kw)
     h0 = x["h0"].transpose(-1, -2).contiguous() if options.state_v_first else x["h0"]
-    o, ht = chunk.chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+    o, ht, *out = chunk.chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
                                 initial_state=h0, output_final_state=True, options=options,
                                 cu_seqlens=cu, cu_seqlens_cpu=cu, A_log=x["A_log"],
-                                dt_bias=x["dt_bias"], config=config)
+                                dt_bias=x["dt_bias"], config=config, save_states=save_states)
     ref = tr.chunked_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"], options=options,
                              initial_state=h0, cu_seqlens=cu, A_log=x["A_log"],
                              dt_bias=x["dt_bias"], intermediates=True)
-    return o, ht, ref, walk.seen, [s for s, _ in calls]
+    return o, ht, ref, walk.seen, [s for s, _ in calls], out
 
 
 def _rel(a, b):
@@ -230,7 +233,7 @@ LENS = [1, 70, 0, 5, 400]           # an empty and a one-token sequence among th
                          ids=["model", "L2", "L1"])
 def test_walk_pipeline_matches_reference(monkeypatch, name, options, kw, exact, config):
     key_scale = kw.get("key_scale")
-    o, ht, ref, seen, stages = _run(monkeypatch, name, options, LENS, config, **kw)
+    o, ht, ref, seen, stages, _ = _run(monkeypatch, name, options, LENS, config, **kw)
     split = "segments" in config
     assert stages[:1] == ["chunk_kkt_inverse"] and stages[-1] == "chunk_walk"
     assert ("chunk_walk_map" in stages) == split
@@ -259,6 +262,28 @@ def test_walk_pipeline_matches_reference(monkeypatch, name, options, kw, exact, 
         assert mapped.all()
     elif exact == "some" and L >= 2:     # (GDN's gates: ~ -8 a chunk, 2 chunks reach e^-16)
         assert not mapped.all()
+
+
+@pytest.mark.parametrize("name,options", [
+    ("gdn", Options()), ("deltanet", Options(l2norm_qk=True, state_v_first=True))],
+    ids=["gdn", "deltanet-options"])
+@pytest.mark.parametrize("config", [{}, {"segments": 2}], ids=["model", "L2"])
+def test_walk_saves_every_chunks_state(monkeypatch, name, options, config):
+    """save_states (training): h [NT, HV, K, V] in q's dtype, K-first in either state
+    layout, sequence n's chunk c at row chunk_offsets[n] + c: the reference's state
+    entering that chunk (rounded once to f16; the split's segments from their combined
+    starts, each chunk stored once)."""
+    o, ht, ref, seen, stages, (h,) = _run(monkeypatch, name, options, LENS, config,
+                                          save_states=True)
+    assert stages[-1] == "chunk_walk" and ("chunk_walk_map" in stages) == bool(config)
+    assert h.dtype == torch.float16 and h.shape == (sum(-(-n // C) for n in LENS), 4, 32, 32)
+    want, row, c = ref["h"][0], 0, 0        # (K-first, as h)
+    for n in LENS:
+        for j in range(-(-n // C)):
+            err = ((h[row + j].to(F64) - want[c + j]).abs().max()
+                   / want[c + j].abs().max().clamp_min(1e-30)).item()
+            assert err < 2e-3, (row + j, err)       # (f16 storage)
+        row, c = row + -(-n // C), c + max(-(-n // C), 1)   # (an empty sequence: a ref row)
 
 
 def test_split_tables_give_every_sequence_a_segment():

@@ -4,7 +4,8 @@ Pipelines (codegen/pipeline.py has the Plan structure):
 
   walk        the delta rule with no / a scalar gate: chunk_kkt_inverse (A_b, g_cum, the
               l2-normalised q, k), then chunk_walk (state, WY step and output per chunk in
-              one kernel of four warpgroups)
+              one kernel of four warpgroups; with save_states it also stores each chunk's
+              16-bit state into h)
   walk-split  the same when (sequences x value heads x value blocks) leave SMs idle: each
               sequence cut into segments of L chunks; chunk_walk_map forms each segment's
               affine map (only what its start still reaches, see that template), then
@@ -14,7 +15,8 @@ Pipelines (codegen/pipeline.py has the Plan structure):
               per-key gate, kkt + chunk_wu for the delta rule where the walk does not fit),
               chunk_qk (no / scalar gate), chunk_state_output
   three-stage the prepare, chunk_state (h per chunk), chunk_output: with few chains, and
-              for the per-chunk states (return_states)
+              for the per-chunk states (return_states; save_states outside the walk's
+              family: chunk_state writes h)
   fused-split, three-stage-split
               the additive rule with few chains: chunk_state_summary (each segment's
               exact summary) before the state pass, which walks the segments from their
@@ -180,8 +182,13 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     gate = {} if p.gate == "scalar" else dict(g_cum="gate_none")
     walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, state_v_first=p.state_v_first,
                 has_initial_state=p.has_initial_state or split,
-                output_final_state=p.output_final_state, block_v=bv, regs=WALK_REGS)
+                output_final_state=p.output_final_state, block_v=bv, regs=WALK_REGS,
+                **({"states_out": True} if p.save_states else {}))
     buffers = prepare_buffers(p) + ([] if p.gate == "scalar" else [Buffer("gate_none", (1,))])
+    # h: every chunk's entering state (each segment's CTA walks its own chunks: each once)
+    buffers.append(Buffer("h", (p.NT, p.HV, p.K, p.V), "input") if p.save_states
+                   else Buffer("h_none", (1, p.HV, p.K, p.V), "input"))
+    hbind = {} if p.save_states else {"h": "h_none"}
     reasons = [f"the delta rule's walk fits at value blocks {walk_blocks(p)}; block {bv}"
                f"{f' with segments of {L} chunks' if split else ', one CTA per sequence'}"
                + (f" (config {config})" if config else f" models fastest ({t:.0f} us)")]
@@ -203,10 +210,10 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
             HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
             has_initial_state=p.has_initial_state, output_final_state=False,
             block_v=COMBINE_BLOCK_V), ht="ht_none"))
-        walk_bind = dict(qk, **gate, cu_seqlens="seg_cu", chunk_offsets="seg_c0", h0="starts",
-                         final_row="seg_final_row")
+        walk_bind = dict(qk, **gate, **hbind, cu_seqlens="seg_cu", chunk_offsets="seg_c0",
+                         h0="starts", final_row="seg_final_row")
     else:
-        walk_bind = dict(qk, **gate)
+        walk_bind = dict(qk, **gate, **hbind)
     launches.append(launch("chunk_walk", walk, **walk_bind))
     return Plan("walk-split" if split else "walk", NAME, tuple(launches), tuple(buffers),
                 L if split else 0, tuple(reasons))

@@ -205,9 +205,10 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
     forms = [config["fused"]] if "fused" in config else [True, False]
-    if p.rule == "delta" and (p.return_states or p.gate != "key"):
+    if p.save_states or (p.rule == "delta" and (p.return_states or p.gate != "key")):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
-                                # pass writes no per-chunk states; the additive rule's does)
+                                # pass writes no per-chunk states, the additive rule's only
+                                # in f32; save_states' h is chunk_state's buffer)
     if p.gate == "value":       # (its output is chunk_output's)
         if config.get("fused"):
             raise ValueError("plan config fused=True: the value gate has no fused state + "

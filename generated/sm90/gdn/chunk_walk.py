@@ -24,7 +24,9 @@ Warpgroups (512 threads, register budgets per warpgroup via setmaxnreg):
             whole chunks)
   3 loads:  one warp issues the TMA loads of q, k, v, A_b, g into two stages
 Only the state <-> WY exchange is sequential; the output group trails it within the
-step. Rows past a sequence's end hold the next tokens (zeros past Ttot): their Kr rows
+step. With states_out the state group also stores S_s (the state entering each chunk, in
+the input dtype, as the WY and output groups read it) to h for the training backward, one
+TMA store a step after S_s is released to its readers. Rows past a sequence's end hold the next tokens (zeros past Ttot): their Kr rows
 are zero, A_b's columns past len are zero, and their o rows are never stored.
 Exponentials are fast-math exp (every exponent is <= 0).
 """
@@ -38,7 +40,7 @@ VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_v_first", "has_initial_state",
-                "output_final_state")
+                "output_final_state", "states_out")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", state_v_first=False,
          has_initial_state=False, output_final_state=True, block_v=128),
@@ -46,6 +48,8 @@ EXAMPLES = [
          has_initial_state=True, output_final_state=True, block_v=64),
     dict(H=2, HV=8, K=64, V=64, dtype="bfloat16", state_v_first=False,
          has_initial_state=True, output_final_state=False, block_v=32),
+    dict(H=16, HV=32, K=128, V=128, dtype="bfloat16", state_v_first=False,
+         has_initial_state=False, output_final_state=True, states_out=True, block_v=128),
 ]
 CHUNK = 64
 #: threads per warpgroup; the CTA is four of them (state, WY, output, loads)
@@ -61,7 +65,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=128, regs=(168, 160, 160, 24)):
+          output_final_state=False, states_out=False, block_v=128,
+          regs=(168, 160, 160, 24)):
     """prim_func for chunk_walk.
 
     Tensors (Ttot tokens, NT chunks, N sequences; dynamic):
@@ -73,7 +78,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       sequence n's final state goes to, -1 for none: segments of a split sequence but its
       last), scale f32
       -> o [Ttot, HV, V] (input dtype), ht f32 [N1, HV, K, V] when output_final_state
-      (states [.., V, K] with state_v_first; unused ones may be [1, ...])
+      (states [.., V, K] with state_v_first; unused ones may be [1, ...]),
+      h [NH, HV, K, V] (input dtype, K-first in either state layout) when states_out: row
+      chunk_offsets[n] + c the state entering chunk c of sequence n (NH = NT; else [1, ...])
     Tuning: block_v (BV, the value columns of a CTA's state), regs (register budgets of
     the state, WY, output and load warpgroups; their sum x 128 must fit the SM's 64 K).
     """
@@ -85,7 +92,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")
+    Ttot, NT, N, N0, N1, NH = T.dynamic("Ttot, NT, N, N0, N1, NH")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
     readers = 2                                     # ... and the output group
@@ -102,6 +109,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         final_row: T.Tensor((N,), "int32"),
         ht: T.Tensor(ht_shape, f32),
+        h: T.Tensor((NH, HV, K, V), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
     ):
@@ -160,6 +168,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     T.copy(S, S_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
+                    if states_out:      # the state entering chunk c, for the backward
+                        T.copy(S_s, h[c0 + c, hv, 0:K, v0:v0 + BV])
                     T.barrier_wait(full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     decay = T.alloc_var(f32)
