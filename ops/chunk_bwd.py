@@ -201,12 +201,14 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
 
 
 def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_cum=None,
-                    spec=None):
+                    spec=None, srow=None):
     """The scheme's four backward stages, with the state gradients.
 
-    Shapes as :func:`chunk_backward`, but S [B, H, NS, DK, DV] in the input dtype (the
-    recompute's) or f32 (the contract's) with NS >= NC (only S[:, :, :NC] is read: the
-    states entering the chunks); dht [B, H, DK, DV] f32 or None
+    Shapes as :func:`chunk_backward`, but S the states entering the chunks, in the input
+    dtype (the forward's or the recompute's) or f32 (the contract's): head-first
+    [B, H, NS, DK, DV] with NS >= NC (only S[:, :, :NC] is read), or with srow [B, H, NC]
+    int32 state rows [R, DK, DV] (chunk t of (b, h) enters with S[srow[b, h, t]]: the
+    forward's own layout); dht [B, H, DK, DV] f32 or None
     (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
     [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
     With g_cum [B, H, L] f32 (the scalar gate's in-chunk cumulative log gate, L a multiple
@@ -223,9 +225,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     _check("u", u, (B, H, L, V), dt)
     _check("A", A, (B, H, L, CHUNK), dt)
     gated = g_cum is not None
-    if S.dim() != 5 or S.shape[2] < NC:
-        raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
-    _check("S", S, (B, H, S.shape[2], K, V), torch.float32 if S.dtype == torch.float32 else dt)
+    S, srow = _state_rows(S, srow, B, H, NC, K, V, dt)
     if dht is not None:
         _check("dht", dht, (B, H, K, V), torch.float32)
     if gated:
@@ -242,7 +242,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else 0.0)
         return out
-    q, k, v, beta, do, w, u, A, S = (x.contiguous() for x in (q, k, v, beta, do, w, u, A, S))
+    q, k, v, beta, do, w, u, A = (x.contiguous() for x in (q, k, v, beta, do, w, u, A))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                           use_dht=dht is not None, store_dh0=want_dh0, gated=gated,
                           state_dtype="float32" if S.dtype != dt else None)
@@ -266,12 +266,39 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     dk_part = f32(B, H, L, K)
     dw = torch.empty_like(k)
     dg_part = (f32(B, H, L),) if gated else ()
-    run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, dh, dq, dk_part, dw, *dg_part)
+    run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, srow, dh, dq, dk_part, dw, *dg_part)
     run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
         *((dg,) if gated else ()))
     if gated:       # the reverse cumulative sum within each chunk (g_cum = cumsum(g))
         dg.copy_(dg.view(B, H, NC, CHUNK).flip(-1).cumsum(-1).flip(-1).view(B, H, L))
     return out
+
+
+def state_rows(S, NC: int):
+    """Head-first S [B, H, NS, K, V] (NS >= NC) as chunk_bwd_dqkw reads states: (rows
+    [B H NS, K, V], srow [B, H, NC] int32, chunk t of (b, h) at row (b H + h) NS + t)."""
+    import torch
+    B, H, NS = S.shape[:3]
+    first = torch.arange(B * H, dtype=torch.int32, device=S.device).view(B, H, 1) * NS
+    srow = first + torch.arange(NC, dtype=torch.int32, device=S.device)
+    return S.contiguous().view(B * H * NS, *S.shape[3:]), srow
+
+
+def _state_rows(S, srow, B, H, NC, K, V, dt) -> tuple:
+    """(state rows, srow) of backward_stages' S (head-first, or rows with srow), checked
+    (the input dtype or f32)."""
+    import torch
+    sdt = torch.float32 if S.dtype == torch.float32 else dt
+    if srow is None:
+        if S.dim() != 5 or S.shape[2] < NC:
+            raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
+        _check("S", S, (B, H, S.shape[2], K, V), sdt)
+        return state_rows(S, NC)
+    if S.dim() != 3:
+        raise SpecError(f"S with srow must be state rows [R, K, V], got {tuple(S.shape)}")
+    _check("S", S, (S.shape[0], K, V), sdt)
+    _check("srow", srow, (B, H, NC), torch.int32)
+    return S.contiguous(), srow.contiguous()
 
 
 def _check_gate(g_cum, B, H, L):
@@ -635,7 +662,8 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
 
     Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
     dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
-    multiple of 64), rec: key_recompute's dict; dht [B, H, DK, DV] f32 or None. Returns
+    multiple of 64), rec: key_recompute's dict (its S head-first, or state rows with
+    rec["srow"], as backward_stages' S); dht [B, H, DK, DV] f32 or None. Returns
     (dq, dk, dv, dbeta (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK]
     f32: the gradient of the per-token log gate g)."""
     import torch
@@ -668,7 +696,8 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     run("chunk_bwd_dh", rec["qg"], rec["kg"], rec["w"], do, rec["g_last"], dv_local, dh, dv2,
         dht_in, dh0_out)
     dk_part, dg_part, dw = f32(B, H, L, K), f32(B, H, L, K), torch.empty_like(k)
-    run("chunk_bwd_dqkw", q, k, rec["w"], rec["u"], do, g_cum, dv2, rec["S"], dh, dq,
+    S, srow = _state_rows(rec["S"], rec.get("srow"), B, H, NC, K, V, dt)
+    run("chunk_bwd_dqkw", q, k, rec["w"], rec["u"], do, g_cum, dv2, S, srow, dh, dq,
         dk_part, dw, dg_part)
     run("chunk_bwd_wy", k, v, beta, g_cum, rec["A"], dw, dv2, dk_part, dg_part, dk, dv, dbeta,
         dg)

@@ -151,11 +151,10 @@ def _dh_scan(nP, X, dh_out, dht, dh0, use_dht=False, store_dh0=False):
         dh0.copy_(dh)
 
 
-def _dqkw(q, k, w, u, do, dv2, S, dh, dq, dk_part, dw, dv2_from_dh=False):
+def _dqkw(q, k, w, u, do, dv2, S, srow, dh, dq, dk_part, dw, dv2_from_dh=False):
     L = q.shape[2]
     qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
-    NC = qc.shape[2]
-    St = S[:, :, :NC].to(F64)
+    St = S[srow.long()].to(F64)                     # [B, H, NC, K, V]: each chunk's row
     dhc = dh.to(F64)
     if dv2_from_dh:
         _store(dv2, dvc + kc @ dhc, L)
@@ -244,12 +243,12 @@ def _dh_g(q, k, w, do, g_cum, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
         dh0.copy_(dh)
 
 
-def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
+def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, srow, dh, dq, dk_part, dw, dg_part):
     L, dt = q.shape[2], q.dtype
     qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
     gc, gl, E = _decays(g_cum, L)
-    NC = qc.shape[2]
-    St, dhs = _lp(S[:, :, :NC].to(F64), dt), _lp(dh.to(F64), dt)   # S_s, dh_s
+    S = S[srow.long()]                              # [B, H, NC, K, V]: each chunk's row
+    St, dhs = _lp(S.to(F64), dt), _lp(dh.to(F64), dt)   # S_s, dh_s
     vn = _lp(uc - wc @ St, dt)
     ds = _lp(torch.tril(doc @ vn.transpose(-1, -2)) * E, dt)
     dk_state = (vn @ dhs.transpose(-1, -2)) * torch.exp(gl - gc)
@@ -261,7 +260,7 @@ def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
     dg = (qc * dqc).sum(-1, keepdim=True) - (kc * dkc).sum(-1, keepdim=True)
     dg[..., -1, :] += (kc * dk_state).sum((-1, -2)).unsqueeze(-1)
     # g_last also scales the state the chunk enters with: e^g_last <S, dh> (f32 from global)
-    sdh = (S[:, :, :NC].to(F64) * dh.to(F64)).sum((-1, -2))
+    sdh = (S.to(F64) * dh.to(F64)).sum((-1, -2))
     dg[..., -1, :] += (torch.exp(gl[..., 0, 0]) * sdh).unsqueeze(-1)
     _store(dg_part, dg, L)
 

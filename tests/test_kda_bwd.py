@@ -146,8 +146,9 @@ class KeyStageMath:
             if store_dh0:
                 dh0[b] = _t(dh).to(dh0.dtype)
 
-    def dqkw(self, q, k, w, u, do, g_cum, dv2, S, dh, dq, dk_part, dw, dg_part):
+    def dqkw(self, q, k, w, u, do, g_cum, dv2, S, srow, dh, dq, dk_part, dw, dg_part):
         B, H, L, K = q.shape
+        S = S[srow.long()]                          # [B, H, NC, K, V]: each chunk's row
         for b in range(B):
             for c in range(L // C):
                 s = self._rows(c)

@@ -5,12 +5,12 @@
 """Chunked backward, stage 3 of 4: per chunk, the gradients through the output and the
 state update, and the gradient of w.
 
-One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t
-(state_dtype: the input dtype in training, where the recompute writes the states as the
-chunked forward keeps them; f32 in the DeltaNetChunkBwd contract, whose forward returns
-them so), dh[t] the gradient of the state leaving it (stage 2, input dtype), dv2 the
-gradient of v_new (stage 2); S and dh enter the GEMMs in the input dtype. Rows i, j of
-the chunk, rows past L read as 0:
+One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t,
+read at row srow[b, h, t] of the state rows S (state_dtype: the input dtype in training,
+where the forward's walk or the recompute keeps the states so, in its own layout; f32
+in the DeltaNetChunkBwd contract, whose forward returns them so), dh[t] the gradient of
+the state leaving it (stage 2, input dtype), dv2 the gradient of v_new (stage 2); S and
+dh enter the GEMMs in the input dtype. Rows i, j of the chunk, rows past L read as 0:
 
   v_new = u - w S[t]                          (recomputed; not an input of the contract)
   ds    = tril_incl(do v_new^T)
@@ -48,21 +48,22 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["q", "k", "w", "u", "do", "dv2", "S", "dh", "dq", "dk_part", "dw"]
+    return ["q", "k", "w", "u", "do", "dv2", "S", "srow", "dh", "dq", "dk_part", "dw"]
 
 
 def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=128):
     """prim_func for chunk_bwd_dqkw.
 
-    Tensors (B, L, NC = ceil(L / 64) dynamic; NC1 = NC + 1):
+    Tensors (B, L, NC = ceil(L / 64), R dynamic):
       q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
-      dv2_from_dh), S [B, H, NC1, K, V] state_dtype (None: the input dtype),
-      dh [B, H, NC, K, V] (input dtype)
+      dv2_from_dh), S [R, K, V] state_dtype (None: the input dtype; the state rows),
+      srow [B, H, NC] int32 (the row of S entering each chunk), dh [B, H, NC, K, V]
+      (input dtype)
       -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L, NC, NC1 = T.dynamic("B, L, NC, NC1")
+    B, L, NC, R = T.dynamic("B, L, NC, R")
     state_dtype = state_dtype or dtype
 
     @T.prim_func
@@ -73,7 +74,8 @@ def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=128):
         u: T.Tensor((B, H, L, V), dtype),
         do: T.Tensor((B, H, L, V), dtype),
         dv2: T.Tensor((B, H, L, V), dtype),
-        S: T.Tensor((B, H, NC1, K, V), state_dtype),
+        S: T.Tensor((R, K, V), state_dtype),
+        srow: T.Tensor((B, H, NC), "int32"),
         dh: T.Tensor((B, H, NC, K, V), dtype),
         dq: T.Tensor((B, H, L, K), dtype),
         dk_part: T.Tensor((B, H, L, K), f32),
@@ -104,12 +106,13 @@ def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=128):
                 w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
-            # the 16-bit GEMM tiles of S[t] (cast from f32 in the contract) and dh[t]
+            # the 16-bit GEMM tiles of S[t] (its row of S; cast from f32 in the contract) and dh[t]
+            row = srow[b, h, c]
             if state_dtype == dtype:
-                T.copy(S[b, h, c, 0:K, 0:V], S_s)
+                T.copy(S[row, 0:K, 0:V], S_s)
             else:
                 for i, j in T.Parallel(K, V):
-                    S_s[i, j] = T.cast(S[b, h, c, i, j], dtype)
+                    S_s[i, j] = T.cast(S[row, i, j], dtype)
             T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
             if dv2_from_dh:
                 # dv2 = dv_local + k dh  (k rows past L are 0)
