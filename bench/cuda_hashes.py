@@ -47,8 +47,6 @@ def configs():
             for st, pr in chunk_bwd.forward_params(H=4, K=K, V=V, dtype=dt, B=2, L=300).items():
                 if st in WALK: continue
                 out[("deltanet", st, tuple(sorted(pr.items())))] = get_spec("deltanet")
-            pr = chunk_bwd.state_params(H=4, K=K, V=V, dtype=dt, B=2, L=300, has_initial_state=True)
-            out[("deltanet", "chunk_state", tuple(sorted(pr.items())))] = get_spec("deltanet")
     return out
 def one(item):
     (name, stage, params), spec, drop = item

@@ -4,8 +4,9 @@ For each case (the GPU test's shapes: >= 496 tokens, GVA, varlen, l2norm, h0 / d
 gate in the kernel) and each dtype, on the same fp64 random inputs:
 
 1. end to end: ops.autograd.gated_backward (what chunk_gated_delta_rule's autograd node
-   runs: the layout kernels, the recompute, the five generated stages, the host's reverse
-   cumulative sum of dg) against torch
+   runs: the layout kernels, the recompute of A, w, u, the five generated stages, the
+   host's reverse cumulative sum of dg; the states from the training forward,
+   autograd.run_forward) against torch
    autograd of the fp64 chunked reference (dsl.torch_reference, on the GPU): ||x - ref|| /
    ||ref|| of dq, dk, dv, dg, dbeta, dh0 (and dA_log, ddt_bias with the gate in the
    kernel). The GPU tests' limits: 1e-2 bf16, 5e-3 f16 (5x for dA_log, ddt_bias).
@@ -15,9 +16,9 @@ gate in the kernel) and each dtype, on the same fp64 random inputs:
    stage: the stage's own error) and "emul" (rounded to the input dtype where the template
    casts: what the kernel should produce bit for bit but for accumulation order). A stage
    whose "emul" error is not far below its "exact" error computes something else than its
-   template says (a kernel bug); the state pass (chunk_state, the recompute's states S)
-   against the fp64 recurrence on its own k, w, u, g_cum. (The layout kernels, chunk_bwd_gather
-   / chunk_bwd_scatter, are checked end to end only.)
+   template says (a kernel bug); the forward's states h (the walk's, 16-bit) against the
+   fp64 reference's. (The layout kernels, chunk_bwd_gather / chunk_bwd_scatter, are
+   checked end to end only.)
 
     python3 bench/gdn_bwd_probe.py [--cases NAME ...] [--dtypes bfloat16 float16]
         [--seed N] [--out FILE]
@@ -37,6 +38,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))   # the stage emulators
 import test_chunk_bwd as emu  # noqa: E402
+from _layout_fakes import forward_states  # noqa: E402
 
 from linattn.dsl import Options  # noqa: E402
 from linattn.dsl import torch_reference as tref  # noqa: E402
@@ -99,26 +101,23 @@ def call_of(case):
 
 
 def param_set(case, dtype):
-    """The stages one case runs (the recompute's chunk_state included), for precompiling."""
+    """The backward stages one case runs, for precompiling (the forward's compile on its
+    first call)."""
     B, T, H, HV, K, V, cu, h0, dht, l2norm, gik = case
     lens = [T] * B if cu is None else [b - a for a, b in zip(cu, cu[1:])]
-    N, L = len(lens), -(-max(lens) // C) * C
-    dims = dict(H=HV, K=K, V=V, dtype=dtype, B=N)
-    ps = chunk_bwd.stage_params(**dims, use_dht=dht, store_dh0=h0, gated=True)
-    ps["chunk_state"] = chunk_bwd.state_params(**dims, L=L, has_initial_state=h0, spec=SPEC)
-    return ps
+    dims = dict(H=HV, K=K, V=V, dtype=dtype, B=len(lens))
+    return chunk_bwd.stage_params(**dims, use_dht=dht, store_dh0=h0, gated=True)
 
 
 class Capture:
-    """Wraps chunk_bwd.compiled_stage / recompute_for_backward: each stage's arguments
-    (after the launch; no gated stage writes an input) and the recompute's states."""
+    """Wraps chunk_bwd.compiled_stage: each stage's arguments (after the launch; no gated
+    stage writes an input)."""
 
     def __init__(self):
-        self.stages, self.recompute = [], None
+        self.stages = []
 
     def __enter__(self):
-        self.saved = chunk_bwd.compiled_stage, chunk_bwd.recompute_for_backward
-        real_stage, real_rec = self.saved
+        self.saved = real_stage = chunk_bwd.compiled_stage
 
         def compiled_stage(stage, spec=None, **params):
             kernel = real_stage(stage, spec, **params)
@@ -131,17 +130,11 @@ class Capture:
                     self.stages.append((stage, params, {n: a.detach().clone()
                                                         for n, a in zip(names, args)}))
             return run
-
-        def recompute(k, v, beta, initial_state=None, g_cum=None, spec=None):
-            out = real_rec(k, v, beta, initial_state, g_cum, spec)
-            self.recompute = dict(k=k.clone(), g_cum=g_cum.clone(), h0=initial_state,
-                                  w=out[1].clone(), u=out[2].clone(), S=out[3].clone())
-            return out
-        chunk_bwd.compiled_stage, chunk_bwd.recompute_for_backward = compiled_stage, recompute
+        chunk_bwd.compiled_stage = compiled_stage
         return self
 
     def __exit__(self, *exc):
-        chunk_bwd.compiled_stage, chunk_bwd.recompute_for_backward = self.saved
+        chunk_bwd.compiled_stage = self.saved
 
 
 def emulate(stage, params, args, exact):
@@ -161,37 +154,17 @@ def emulate(stage, params, args, exact):
     return outs
 
 
-def state_errors(rec, dtype):
-    """The recompute's states S (input dtype, entering each chunk) vs the fp64 recurrence
-    on the GPU's own k, w, u, g_cum (exact, and with chunk_state's roundings of S and v_new)."""
-    k, w, u, g, S = (rec[n].to(F64) for n in ("k", "w", "u", "g_cum", "S"))
-    B, H, L, K = k.shape
-    NC = L // C
-    dt = getattr(torch, dtype)
-    errs = {}
-    for mode in ("exact", "emul"):
-        lp = (lambda x: x) if mode == "exact" else (lambda x: x.to(dt).to(F64))  # noqa: E731
-        st = (torch.zeros(B, H, K, u.shape[-1], dtype=F64, device=k.device)
-              if rec["h0"] is None else rec["h0"].to(F64).clone())
-        ref = []
-        for c in range(NC):
-            ref.append(st)
-            sl = slice(c * C, (c + 1) * C)
-            gc = g[:, :, sl, None]
-            gl = gc[:, :, -1:]
-            vn = u[:, :, sl] - w[:, :, sl] @ lp(st)
-            st = torch.exp(gl) * st + k[:, :, sl].transpose(-1, -2) @ lp(vn * torch.exp(gl - gc))
-        errs[mode] = rel(S, torch.stack(ref, 2))
-    return errs
-
-
 def run_case(name, case, dtype, seed):
     xs, do, dht = inputs(case, dtype, seed)
     gik = case[-1]
+    call = call_of(case)
+    _, _, h = autograd.run_forward(call, xs["q"], xs["k"], xs["v"], xs["beta"],
+                                   xs.get("initial_state"), xs["g"], xs.get("A_log"),
+                                   xs.get("dt_bias"))
     with Capture() as cap:
-        grads = autograd.gated_backward(call_of(case), xs["q"], xs["k"], xs["v"], xs["g"],
+        grads = autograd.gated_backward(call, xs["q"], xs["k"], xs["v"], xs["g"],
                                         xs["beta"], xs.get("initial_state"), xs.get("A_log"),
-                                        xs.get("dt_bias"), do, dht)
+                                        xs.get("dt_bias"), do, dht, h)
         torch.cuda.synchronize()
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
     ours = dict(zip(names, grads))
@@ -212,8 +185,14 @@ def run_case(name, case, dtype, seed):
                 continue
             stages.append(dict(stage=stage, output=out, exact=rel(args[out], ex[out]),
                                emul=rel(args[out], em[out])))
-    st = state_errors(cap.recompute, dtype)
-    stages.insert(3, dict(stage="chunk_state", output="S", **st))
+    with torch.no_grad():       # the forward's states vs the fp64 reference's
+        ref_h = tref.chunked_forward(
+            SPEC, **{n: x.detach() for n, x in refs.items()}, intermediates=True,
+            options=Options(l2norm_qk=case[9], gate_in_kernel=gik),
+            cu_seqlens=None if cu is None else torch.tensor(cu, device=DEV))["h"]
+    want = forward_states(ref_h, cu, case[1], F64)
+    stages.insert(0, dict(stage="chunk_walk (forward)", output="h", exact=rel(h, want),
+                          emul=None))
     return dict(case=name, dtype=dtype, seed=seed, e2e=e2e, stages=stages)
 
 

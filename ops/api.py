@@ -95,6 +95,31 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     return o, (ht if output_final_state else None)
 
 
+def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
+                  initial_state=None, output_final_state=False, options: Options = Options(),
+                  cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None,
+                  lower_bound=None):
+    """(o, final_state or None, h) of a training forward (ops/autograd.py's Function):
+    the chunked forward for every T (its backward reads the states), keeping h
+    [NT, HV, K, V] in q's dtype, the state entering each chunk (ops/chunk.py
+    chunk_forward's save_states). Checks and kernel inputs as :func:`forward`; called
+    inside the autograd Function, not through a torch.library op (as the additive rule's
+    training forward)."""
+    from .chunk import chunk_forward
+    extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                 initial_state=initial_state)
+    chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
+                              values=validate.host_checks(), sizes=_head_dims, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    return chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                         scale=spec.scale_for(chk.dims.K, scale),
+                         initial_state=x["initial_state"],
+                         output_final_state=bool(output_final_state), options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True)
+
+
 def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
               output_final_state=False, options: Options = Options(), cu_seqlens=None,
               cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None,

@@ -1,16 +1,17 @@
 """Training through the chunked delta rule: a torch.autograd.Function over the generated
 forward (ops/chunk.py) and backward (ops/chunk_bwd.py) stages.
 
-The forward runs the ordinary chunked forward and saves only its inputs. The backward
-recomputes what it needs, as fla does:
+The forward runs the chunked forward keeping its per-chunk states h [NT, HV, K, V] (the
+16-bit states its kernels already form: the walk's, or chunk_state's) and saves them with
+its inputs. The backward recomputes the rest of what it needs, as fla does:
 
     chunk_bwd_gather       token-first q, k, v, do -> head-first [N, HV, L, D] in one pass:
                            key heads expanded to the value heads (GVA), q, k l2-normalised
                            (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
                            varlen sequences zero-padded to the longest (zero rows leave the
                            state and every real row's gradient unchanged)
-    chunk_bwd_wy_recompute A, w, u;  chunk_state (from h0): S entering each chunk, in
-                           the input dtype (the stages read S and dh as 16-bit tiles)
+    chunk_bwd_wy_recompute A, w, u (S: the forward's h, read by chunk_bwd_dqkw through
+                           a row table per layout, _Layout.state_rows)
     chunk_bwd_* stages     dq, dk, dv, dbeta, dh0 from do * scale and dht
     chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
                            value heads, through the l2norm's backward
@@ -75,10 +76,11 @@ def needs_grad(*tensors) -> bool:
 
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,
                 dt_bias=None):
-    """(o, final_state or None) from the chunked forward (tests replace this on the CPU)."""
+    """(o, final_state or None, h [NT, HV, K, V] in q's dtype: the state entering each
+    chunk) from the chunked forward (tests replace this on the CPU)."""
     from . import api
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
-    return api.forward(call.spec, q, k, v, g, beta, scale=call.scale,
+    return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,
                        options=call.options, cu_seqlens=call.cu_seqlens,
@@ -105,21 +107,21 @@ def _make_function():
         @staticmethod
         def forward(ctx, call, q, k, v, beta, initial_state, g, A_log, dt_bias):
             gate = (g, A_log, dt_bias) if call.gated else ()
-            o, final = run_forward(call, q, k, v, beta, initial_state, *gate)
+            o, final, h = run_forward(call, q, k, v, beta, initial_state, *gate)
             ctx.call = call
-            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias)
+            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias, h)
             ctx.set_materialize_grads(False)
             return o, final
 
         @staticmethod
         def backward(ctx, do, dht):
-            q, k, v, beta, initial_state, g, A_log, dt_bias = ctx.saved_tensors
+            q, k, v, beta, initial_state, g, A_log, dt_bias, h = ctx.saved_tensors
             if ctx.call.gated or ctx.call.keyed:
                 grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
-                                       dt_bias, do, dht)
+                                       dt_bias, do, dht, h)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
             else:
-                grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht)
+                grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht, h)
                 grads = grads + (None, None, None)
             return (None, *(x if need else None
                             for x, need in zip(grads, ctx.needs_input_grad[1:])))
@@ -176,20 +178,28 @@ class _Layout:
     are the rows of N, zero-padded to the group's longest; multiple: the head-first length
     is zero-padded to a multiple of it. The large tensors (q, k, v, do and their gradients)
     move by chunk_bwd's gather / scatter kernels through row_map; the per-token ones (beta,
-    g and theirs) and the per-sequence states by torch here."""
+    g and theirs) and the per-sequence states by torch here; the forward's per-chunk states
+    stay where they are, read through state_rows' table."""
 
     def __init__(self, B, T, cu, device, multiple=1, seqs=None):
         import torch
         self.cu, self.T = cu, T
         self.pad = -T % multiple
         self.covered = cu is None or (cu[0] == 0 and cu[-1] == B * T)   # every token a row
-        if cu is None:
+        C = chunk_bwd.CHUNK
+        if cu is None:          # (each sequence's chunks in the forward's h: first, count)
+            self.nc = torch.full((B,), -(-T // C), dtype=torch.long)
+            self.c0 = torch.arange(B, dtype=torch.long) * -(-T // C)
             self.N, self.L, self.seqs = B, T + self.pad, None
             pos = torch.arange(self.L, device=device, dtype=torch.int32)
             base = torch.arange(B, device=device, dtype=torch.int32)[:, None] * T
             self.row_map = torch.where(pos < T, base + pos, -1)
             return
         seqs = list(range(len(cu) - 1)) if seqs is None else list(seqs)
+        nc_all = torch.tensor([-(-(b - a) // C) for a, b in zip(cu[:-1], cu[1:])],
+                              dtype=torch.long)
+        self.nc = nc_all[seqs]
+        self.c0 = (torch.cumsum(nc_all, 0) - nc_all)[seqs]
         lens = torch.tensor([cu[i + 1] - cu[i] for i in seqs], dtype=torch.long)
         starts = torch.tensor([cu[i] for i in seqs], dtype=torch.long)
         self.N, self.L = len(seqs), int(lens.max()) if seqs else 0
@@ -218,6 +228,19 @@ class _Layout:
         else:
             full[0, self.tok] = y.transpose(1, 2)[self.seq, self.pos].to(full.dtype)
 
+    def state_rows(self, h):
+        """The forward's states h [NT, HV, K, V] as the backward stages read them: (rows
+        [NT HV, K, V], srow [N, HV, ceil(L / 64)] int32): chunk c of this layout's
+        sequence i enters with row (c0 + c) HV + hv, c0 its first chunk in h; chunks past
+        its end (zero padding: their rows and gradients are dropped) read its last one."""
+        import torch
+        NT, HV = h.shape[:2]
+        c = torch.arange(-(-self.L // chunk_bwd.CHUNK), dtype=torch.long)
+        last = (self.nc - 1).clamp_min(0)[:, None]
+        chunk = (self.c0[:, None] + torch.minimum(c[None, :], last)).clamp(0, max(NT - 1, 0))
+        srow = chunk[:, None, :] * HV + torch.arange(HV, dtype=torch.long)[None, :, None]
+        return h.reshape(NT * HV, *h.shape[2:]), srow.to(torch.int32).to(h.device)
+
     def rows(self, x):
         """This layout's rows of a per-sequence tensor [N_all, ...] (None stays None)."""
         return x if x is None or self.seqs is None else x[self.seqs]
@@ -242,23 +265,24 @@ def _layouts(B, T, cu, device, multiple) -> list:
 
 def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages, per_token):
     """The layout loop of both backwards: per layout (_layouts) gather q, k, v, do, run
-    ``stages(lay, heads, h0, dht)`` -> (dqh, dkh, dvh, dh0 or None, [head-first gradients
-    of the per_token tensors]), scatter dq, dk, dv and put the rest into f32 zeros shaped
-    like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token gradients])."""
+    ``stages(lay, heads, want_dh0, dht)`` -> (dqh, dkh, dvh, dh0 or None, [head-first
+    gradients of the per_token tensors]), scatter dq, dk, dv and put the rest into f32
+    zeros shaped like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token gradients])."""
     import torch
     B, T = q.shape[:2]
     chunk_bwd.announce_layout(q, v, call.l2norm_qk, spec=call.spec)
     lays = _layouts(B, T, call.cu, q.device, multiple)
     out = chunk_bwd.grad_buffers(q, v, lays[0].covered)
     full = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in per_token]
-    h0 = None if initial_state is None else initial_state.detach().float()
-    dh0 = None if h0 is None else torch.empty_like(h0)
+    want_dh0 = initial_state is not None
+    dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
+           if want_dh0 else None)
     dht = None if dht is None else dht.float().contiguous()
     qd, kd = q.detach(), k.detach()
     for lay in lays:
         heads = chunk_bwd.gather_inputs(qd, kd, v.detach(), do, lay.row_map, call.scale,
                                         call.l2norm_qk, spec=call.spec)
-        dqh, dkh, dvh, dh0_rows, grads = stages(lay, heads, lay.rows(h0), lay.rows(dht))
+        dqh, dkh, dvh, dh0_rows, grads = stages(lay, heads, want_dh0, lay.rows(dht))
         chunk_bwd.scatter_grads(dqh, dkh, dvh, qd, kd, lay.row_map, out, call.l2norm_qk,
                                 spec=call.spec)
         for dst, y in zip(full, grads):
@@ -274,20 +298,21 @@ def torch_pad_time(x, n):
     return torch.cat([x, x.new_zeros(x.shape[0], n, *x.shape[2:])], 1)
 
 
-def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht):
+def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h):
     """Gradients of chunk_delta_rule under sum(o * do) + sum(final_state * dht).
 
     q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H] (f16 / bf16; beta any float dtype);
     initial_state [N, H, K, V] or None; do like v or None (0); dht [N, H, K, V] or None
-    (0). Returns (dq, dk, dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None
-    without an initial state).
+    (0); h [NT, H, K, V]: the forward's per-chunk states (run_forward). Returns (dq, dk,
+    dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None without an initial state).
     """
-    def stages(lay, heads, h0, dht_rows):
+    def stages(lay, heads, want_dh0, dht_rows):
         qh, kh, vh, doh = heads
         bh = lay.to_head_first(beta.to(q.dtype))
-        A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0)
+        A, w, u = chunk_bwd.recompute_wy(kh, vh, bh)
+        S, srow = lay.state_rows(h)
         dq, dk, dv, dbeta, dh0 = chunk_bwd.backward_stages(
-            doh, qh, kh, vh, bh, S, A, w, u, dht=dht_rows, want_dh0=h0 is not None)
+            doh, qh, kh, vh, bh, S, A, w, u, dht=dht_rows, want_dh0=want_dh0, srow=srow)
         return dq, dk, dv, dh0, [dbeta]
 
     dq, dk, dv, dh0, (dbeta,) = _backward_by_layout(call, q, k, v, do, initial_state, dht,
@@ -322,14 +347,15 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
 
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
-                   dht):
+                   dht, h):
     """Gradients of chunk_gated_delta_rule (scalar gate g [B, T, HV]; A_log, dt_bias [HV])
     or chunk_kda (per-key gate g [B, T, HV, K]; dt_bias HV * K elements) under
     sum(o * do) + sum(final_state * dht).
 
     q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); beta [B, T, HV]
     (any float dtype); A_log, dt_bias with gate_in_kernel, else None; initial_state
-    [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0). Returns
+    [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0); h
+    [NT, HV, K, V]: the forward's per-chunk states (run_forward). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
     for an input not given). q, k, v, do move by the gather / scatter kernels (GVA, l2norm,
     scale); the gate's and beta's activations are differentiated by torch around the
@@ -342,8 +368,9 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
         g_in, b_in = _gated_inputs(call, *raw)
     g_d, b_d = g_in.detach(), b_in.detach().to(q.dtype)
 
-    def stages(lay, heads, h0, dht_rows):
-        dqh, dkh, dvh, dbh, dh0, dgh = _gated_stages(call, lay, heads, g_d, b_d, h0, dht_rows)
+    def stages(lay, heads, want_dh0, dht_rows):
+        dqh, dkh, dvh, dbh, dh0, dgh = _gated_stages(call, lay, heads, g_d, b_d, want_dh0,
+                                                     dht_rows, lay.state_rows(h))
         return dqh, dkh, dvh, dh0, [dgh, dbh]
 
     dq, dk, dv, dh0, (dg, dbeta) = _backward_by_layout(
@@ -359,25 +386,27 @@ def _cast(d, x):
     return None if d is None else d.to(x.dtype)
 
 
-def _gated_stages(call, lay, heads, g_in, b_in, h0, dht):
+def _gated_stages(call, lay, heads, g_in, b_in, want_dh0, dht, states):
     """The head-first recompute and backward stages of a gated delta rule on the gathered
-    heads (qh, kh, vh, doh) and the activated g, beta: the scalar gate's
-    (chunk_bwd.recompute_for_backward, backward_stages) or the per-key gate's
-    (key_recompute, key_backward_stages); the in-chunk cumulative gate is a torch cumsum
-    (f32, per key channel for the key gate). Returns head-first (dq, dk, dv, dbeta, dh0,
-    dg)."""
+    heads (qh, kh, vh, doh), the activated g, beta and the forward's states (rows, srow:
+    _Layout.state_rows): the scalar gate's (chunk_bwd.recompute_wy, backward_stages) or
+    the per-key gate's (key_recompute, key_backward_stages); the in-chunk cumulative gate
+    is a torch cumsum (f32, per key channel for the key gate). Returns head-first (dq, dk,
+    dv, dbeta, dh0, dg)."""
     qh, kh, vh, doh = heads
     bh, gh = lay.to_head_first(b_in), lay.to_head_first(g_in.float())
     N, HV, L = gh.shape[:3]
     C = chunk_bwd.CHUNK
     g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)
+    S, srow = states
     if call.keyed:
-        rec = chunk_bwd.key_recompute(qh, kh, vh, bh, gh, h0, spec=call.spec)
+        rec = dict(chunk_bwd.key_recompute(qh, kh, vh, bh, gh, spec=call.spec), S=S, srow=srow)
         return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
-                                             want_dh0=h0 is not None, spec=call.spec)
-    A, w, u, S = chunk_bwd.recompute_for_backward(kh, vh, bh, h0, g_cum=g_cum, spec=call.spec)
+                                             want_dh0=want_dh0, spec=call.spec)
+    A, w, u = chunk_bwd.recompute_wy(kh, vh, bh, g_cum=g_cum, spec=call.spec)
     return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dht,
-                                     want_dh0=h0 is not None, g_cum=g_cum, spec=call.spec)
+                                     want_dh0=want_dh0, g_cum=g_cum, spec=call.spec,
+                                     srow=srow)
 
 
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,

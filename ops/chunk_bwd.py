@@ -30,8 +30,8 @@ cumulative sum within the chunk: the gradient of g.
 
 The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
 dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
-by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too)
-and state pass: dv_local = A_qk^T do; the dh pass with qg, kg and diag(e^g_last); dqkw and
+by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too;
+the states are the forward's): dv_local = A_qk^T do; the dh pass with qg, kg and diag(e^g_last); dqkw and
 wy with the pair sums factored through 16-row blocks, the last row's state terms and the
 reverse cumulative sum in the kernels, so that chunk_bwd_wy returns the gradient of g
 itself ([B, H, L, K] f32).
@@ -39,8 +39,8 @@ itself ([B, H, L, K] f32).
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
 chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each
-(b, h) as one sequence; :func:`recompute_for_backward` (autograd) takes A, w, u the same
-way.
+(b, h) as one sequence; :func:`recompute_wy` (autograd) takes A, w, u the same way (the
+states come from the training forward: ops/autograd.py).
 """
 from __future__ import annotations
 
@@ -377,19 +377,18 @@ def scatter_grads(dqh, dkh, dvh, q, k, row_map, out, l2norm=False, spec=None):
 
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
-def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, states=True,
-                  spec=None):
+def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, spec=None):
     """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
     [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
-    DeltaNetChunkFwd contract (states: every chunk's state in f32 and the final one) and
-    the backward's recomputes (states=False: the per-chunk states h in the input dtype,
-    no final state)."""
+    DeltaNetChunkFwd contract (every chunk's state in f32 and the final one); its prepare
+    is also the backward's recompute of A, w, u (and, for the per-key gate, the rest of
+    what the prepare writes)."""
     NC = -(-L // CHUNK)
     return chunk.forward_plan(spec or default_spec(), Options(), H=1, HV=1, K=K, V=V,
                               dtype=dtype, beta_dtype=dtype, seq_chunks=(NC,) * (B * H),
                               Ttot=B * H * L, has_initial_state=has_initial_state,
-                              output_final_state=states,
-                              return_states=states, config={"fused": False})
+                              output_final_state=True, return_states=True,
+                              config={"fused": False})
 
 
 def wy_params(*, H, K, V, dtype, B=1, L=64) -> dict:
@@ -478,91 +477,33 @@ def chunk_forward_intermediates(q, k, v, beta):
     return o, S, A, A, w, u
 
 
-def recompute_for_backward(k, v, beta, initial_state=None, g_cum=None, spec=None):
-    """What the backward needs from the forward, recomputed from its inputs.
-
-    Head-first k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype),
-    initial_state [B, H, DK, DV] (any float dtype, read as f32) or None (zero). Returns
-    (A [B, H, L, 64], w [B, H, L, DK], u [B, H, L, DV]) and S [B, H, NC, DK, DV], the
-    state entering each chunk (S[:, :, 0] = initial_state), all in the input dtype (as
-    the chunked forward keeps its states: the stages take S as a 16-bit GEMM operand).
-    With g_cum [B, H, L] f32 (the scalar gate, L a multiple of 64; spec the gated spec):
-    :func:`gated_recompute`.
-    """
+def recompute_wy(k, v, beta, g_cum=None, spec=None):
+    """What the backward needs from the forward besides its states (the training forward
+    keeps those: ops/autograd.py), recomputed from its inputs: head-first k [B, H, L, DK],
+    v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype) -> (A [B, H, L, 64], w
+    [B, H, L, DK], u [B, H, L, DV]) in the input dtype, by the forward plan's prepare
+    (:func:`compute_wy`). With g_cum [B, H, L] f32 (the scalar gate, L a multiple of 64;
+    spec the gated spec) the gated chunk_bwd_wy_recompute: A = (I + strict_tril(beta_i
+    k_i.k_j e^(g_i - g_j)))^-1, w = A (beta k e^g_cum), u = A (beta v)."""
     import torch
+    B, H, L, K, V = _dims(k, k, v, beta)
+    dt, dev = k.dtype, k.device
+    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
+    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
+    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
     if g_cum is not None:
-        return gated_recompute(k, v, beta, g_cum, initial_state, spec)
-    B, H, L, K, V = _dims(k, k, v, beta)
-    dt, dev = k.dtype, k.device
-    NC = -(-L // CHUNK)
-    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
-    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
-    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
+        _check_gate(g_cum, B, H, L)
     if B * H * L == 0:
-        return A, w, u, torch.zeros(B, H, NC, K, V, dtype=dt, device=dev)
-    N, Ttot = B * H, B * H * L
-    dtype = str(dt).replace("torch.", "")
-    tables = chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0)
-    compute_wy(k, v, beta, A, w, u, tables)
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    has_h0 = initial_state is not None
-    h = torch.empty(N * NC, 1, K, V, dtype=dt, device=dev)
-    x = dict(tables, k=k.contiguous().view(Ttot, 1, K), w=w.view(Ttot, 1, K),
-             u=u.view(Ttot, 1, V), g_cum=f32(Ttot, 1), h=h, ht=f32(1, 1, K, V),
-             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
-                 else f32(1, 1, K, V)),
-             v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
-    runtime.launch_kernel(default_spec(), ARCH, "chunk_state",
-                          state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
-                                       has_initial_state=has_h0), x)
-    return A, w, u, h.view(B, H, NC, K, V)
-
-
-def state_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False, spec=None) -> dict:
-    """The plan's chunk_state params for :func:`recompute_for_backward` or, with the
-    gated spec, :func:`gated_recompute`: B * H one-head sequences, every chunk's entering
-    state in the input dtype (h), no final state."""
-    plan = contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                         has_initial_state=has_initial_state, states=False, spec=spec)
-    return chunk.plan_params(plan)["chunk_state"]
-
-
-def gated_recompute(k, v, beta, g_cum, initial_state=None, spec=None):
-    """recompute_for_backward for the scalar gate: head-first k, v, beta as there, g_cum
-    [B, H, L] f32 (in-chunk cumulative log gate, L a multiple of 64). The gated
-    chunk_bwd_wy_recompute gives A = (I + strict_tril(beta_i k_i.k_j e^(g_i - g_j)))^-1,
-    w = A (beta k e^g_cum), u = A (beta v); the gated spec's chunk_state the states.
-    Returns (A, w, u, S [B, H, NC, DK, DV]: the state entering each chunk), all in the
-    input dtype."""
-    import torch
-    B, H, L, K, V = _dims(k, k, v, beta)
-    _check_gate(g_cum, B, H, L)
-    spec = spec or _gated_spec()
-    dt, dev = k.dtype, k.device
-    NC, N, Ttot = L // CHUNK, B * H, B * H * L
-    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
-    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
-    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    S = torch.empty(B, H, NC, K, V, dtype=dt, device=dev)
-    has_h0 = initial_state is not None
-    if Ttot == 0:
-        return A, w, u, S
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+        return A, w, u
+    if g_cum is None:
+        compute_wy(k, v, beta, A, w, u, chunk._tables(tuple(range(0, B * H * L + 1, L)),
+                                                      CHUNK, dev, 0))
+        return A, w, u
     k, v, beta, g_cum = (x.contiguous() for x in (k, v, beta, g_cum))
-    dtype = str(dt).replace("torch.", "")
-    params = stage_params(H=H, K=K, V=V, dtype=dtype, B=B, gated=True)[RECOMPUTE]
-    compiled_stage(RECOMPUTE, spec, **params)(k, v, beta, g_cum, A, w, u)
-    # sequence n = (b, h): its states at rows n NC + t of h = S
-    x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
-             k=k.view(Ttot, 1, K), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V),
-             g_cum=g_cum.view(1, Ttot), ht=f32(1, 1, K, V), h=S.view(N * NC, 1, K, V),
-             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
-                 else f32(1, 1, K, V)),
-             v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev))   # written, not needed
-    runtime.launch_kernel(spec, ARCH, "chunk_state",
-                          state_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L,
-                                       has_initial_state=has_h0, spec=spec), x)
-    return A, w, u, S
+    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
+                          gated=True)[RECOMPUTE]
+    compiled_stage(RECOMPUTE, spec or _gated_spec(), **params)(k, v, beta, g_cum, A, w, u)
+    return A, w, u
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
@@ -588,17 +529,13 @@ def key_stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> 
             "chunk_bwd_wy": common}
 
 
-def key_recompute_params(*, H, K, V, dtype, B=1, L=64, has_initial_state=False,
-                         spec=None) -> dict:
+def key_recompute_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
     """{RECOMPUTE: the forward's per-key prepare params (the arch's plan; the recompute
-    stage renders the same template with A written), "chunk_state": the state pass with
-    every chunk's entering state in the input dtype, no final state} for B * H one-head
-    sequences of L."""
+    stage renders the same template with A written)} for B * H one-head sequences of L."""
     spec = spec or _key_spec()
     params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                                             has_initial_state=has_initial_state,
-                                             states=False, spec=spec))
-    return {RECOMPUTE: params["chunk_prepare"], "chunk_state": params["chunk_state"]}
+                                             spec=spec))
+    return {RECOMPUTE: params["chunk_prepare"]}
 
 
 def _key_spec():
@@ -613,15 +550,13 @@ def _check_key_gate(g, B, H, L, K, name="g"):
     _check(name, g, (B, H, L, K), torch.float32)
 
 
-def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
-    """What the per-key backward needs from the forward, recomputed: head-first q, k
-    [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype), g [B, H, L, DK]
-    f32 (the effective per-token log gate, L a multiple of 64), initial_state
-    [B, H, DK, DV] (read as f32) or None. Runs the forward's per-key prepare (A written
-    too) and its state pass over the B * H one-head sequences. Returns dict(A, aqk
-    [B, H, L, 64], w, qg, kg [B, H, L, DK], u [B, H, L, DV] (input dtype), g_last
-    [B, H, NC, DK] f32, S [B, H, NC, DK, DV] (input dtype): the state entering each
-    chunk)."""
+def key_recompute(q, k, v, beta, g, spec=None) -> dict:
+    """What the per-key backward needs from the forward besides its states, recomputed:
+    head-first q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one
+    dtype), g [B, H, L, DK] f32 (the effective per-token log gate, L a multiple of 64).
+    Runs the forward's per-key prepare (A written too) over the B * H one-head sequences.
+    Returns dict(A, aqk [B, H, L, 64], w, qg, kg [B, H, L, DK], u [B, H, L, DV] (input
+    dtype), g_last [B, H, NC, DK] f32); key_backward_stages takes it with the states."""
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
     _check_key_gate(g, B, H, L, K)
@@ -631,13 +566,11 @@ def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
     e = lambda *s: torch.empty(*s, dtype=dt, device=dev)  # noqa: E731
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     out = dict(A=e(B, H, L, CHUNK), aqk=e(B, H, L, CHUNK), w=e(B, H, L, K), qg=e(B, H, L, K),
-               kg=e(B, H, L, K), u=e(B, H, L, V), g_last=f32(B, H, NC, K),
-               S=e(B, H, NC, K, V))
-    has_h0 = initial_state is not None
+               kg=e(B, H, L, K), u=e(B, H, L, V), g_last=f32(B, H, NC, K))
     if Ttot == 0:
         return out
     params = key_recompute_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                                  L=L, has_initial_state=has_h0, spec=spec)
+                                  L=L, spec=spec)
     runtime.announce(spec, ARCH, params)
     tok = lambda x: x.contiguous().view(Ttot, 1, x.shape[-1])  # noqa: E731
     x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
@@ -646,13 +579,6 @@ def key_recompute(q, k, v, beta, g, initial_state=None, spec=None) -> dict:
              kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
              u=tok(out["u"]), A_out=tok(out["A"]))
     runtime.launch_kernel(spec, ARCH, RECOMPUTE, params[RECOMPUTE], x)
-    # sequence n = (b, h): its states at rows n NC + t of h = S
-    x.update(ht=f32(1, 1, K, V), h=out["S"].view(N * NC, 1, K, V),
-             h0=(initial_state.to(torch.float32).contiguous().view(N, 1, K, V) if has_h0
-                 else f32(1, 1, K, V)),
-             v_new=e(Ttot, 1, V))                           # written, not needed
-    runtime.launch_kernel(spec, ARCH, "chunk_state", params["chunk_state"], x,
-                          lambda n: {"k": "kg", "g_cum": "g_last"}.get(n, n))
     return out
 
 
@@ -662,8 +588,8 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
 
     Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
     dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
-    multiple of 64), rec: key_recompute's dict (its S head-first, or state rows with
-    rec["srow"], as backward_stages' S); dht [B, H, DK, DV] f32 or None. Returns
+    multiple of 64), rec: key_recompute's dict with the states entering the chunks,
+    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]); dht [B, H, DK, DV] f32 or None. Returns
     (dq, dk, dv, dbeta (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK]
     f32: the gradient of the per-token log gate g)."""
     import torch

@@ -2,8 +2,9 @@
 
 The kernels are replaced by fakes that check each launch against the traced prim_func and
 carry out the stage's math in fp64 (tests/test_chunk_bwd.py's install_fakes: the
-backward's emulators and the forward stages of the recompute); the forward itself is the fp64 reference rounded to the input
-dtype. Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
+backward's emulators and the forward stages of the recompute); the forward itself is the
+fp64 reference rounded to the input dtype, its per-chunk states too (the h the backward
+reads through its row tables, tests/_layout_fakes.py forward_states). Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
 fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
 the l2norm backward, the state-gradient flags and the stage decomposition together.
 """
@@ -12,6 +13,7 @@ import math
 import pytest
 import torch
 
+from _layout_fakes import forward_states
 from test_chunk_bwd import install_fakes
 
 import linattn
@@ -24,10 +26,12 @@ F64 = torch.float64
 
 def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
     cu = None if call.cu is None else torch.tensor(call.cu)
-    o, final = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=call.options,
-                                    scale=call.scale, initial_state=initial_state,
-                                    cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
-    return o.to(q.dtype), (final.float() if call.output_final_state else None)
+    ref = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=call.options,
+                               scale=call.scale, initial_state=initial_state,
+                               cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, intermediates=True)
+    return (ref["o"].to(q.dtype),
+            ref["final_state"].float() if call.output_final_state else None,
+            forward_states(ref["h"], call.cu, q.shape[1], q.dtype))
 
 
 @pytest.fixture
@@ -82,10 +86,10 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
                                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    # the layout in, the recompute (the plan's prepare, the state pass from h0), the
-    # scheme's stages, the layout out
+    # the layout in, the recompute of A, w, u (the plan's prepare; the states are the
+    # forward's), the scheme's stages, the layout out
     assert fake_kernels == ["chunk_bwd_gather", "chunk_kkt_inverse", "chunk_wu",
-                            "chunk_state", *chunk_bwd.SCHEMES[scheme], "chunk_bwd_scatter"]
+                            *chunk_bwd.SCHEMES[scheme], "chunk_bwd_scatter"]
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)
@@ -227,7 +231,7 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
                                            use_gate_in_kernel=gik, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_state",
+    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute",
                             "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
                             "chunk_bwd_wy", "chunk_bwd_scatter"]
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
@@ -261,7 +265,7 @@ def test_gdn_unsupported_raise():
 
 def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
     """bfloat16 through the stages' emulators, which round where the templates do (the
-    recompute's states, dh and v_new in the input dtype): run s7-4's varlen case. The gate's
+    forward's states, dh and v_new in the input dtype): run s7-4's varlen case. The gate's
     chunk-boundary term once came from <dh, S_leaving> in f32 while the rows subtracted
     their part of it from dh and v_new rounded to bf16; that did not cancel (dA_log 8.6e-2,
     dg 4e-3 here; 0.35 and 7e-2 at T = 1000, K = 128). Now dqkw adds the rows' own sum."""
@@ -272,10 +276,12 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
                                   l2norm_qk=True, output_final_state=True,
                                   gate_in_kernel=True, cu=cu)
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
+    h = _reference_forward(call, x["q"], x["k"], x["v"], x["beta"], x["initial_state"], x["g"],
+                           x["A_log"], x["dt_bias"])[2]
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
-        x["dt_bias"], do, dht)))
-    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_state",
+        x["dt_bias"], do, dht, h)))
+    assert fake_kernels == ["chunk_bwd_gather", "chunk_bwd_wy_recompute",
                             "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
                             "chunk_bwd_wy", "chunk_bwd_scatter"]
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
@@ -306,3 +312,29 @@ def test_varlen_groups_bound_the_padding():
                 assert top * len(g) <= (1 + bw.VARLEN_GROUP_WASTE) * sum(pad[i] for i in g)
     assert arch.varlen_groups((4096, 1024, 3000, 517, 2048, 5699), 64) == \
         [[5, 0], [2, 4], [1], [3]]          # 19136 padded tokens for 16384 (one group: 34560)
+
+
+@pytest.mark.parametrize("cu,T", [(None, 130), ((0, 1, 130, 130, 200, 600), 600)],
+                         ids=["fixed", "varlen-groups-empty"])
+def test_state_rows_point_at_the_forward_states(cu, T):
+    """Each layout's row table: chunk c of its sequence s (head hv) reads the forward's
+    h[chunk_offsets[s] + c, hv]; chunks past the sequence's end (its zero padding) read
+    its last chunk, an empty sequence's a valid row."""
+    B = 2 if cu is None else 1
+    lens = [T] * B if cu is None else [b - a for a, b in zip(cu[:-1], cu[1:])]
+    nc = [-(-n // 64) for n in lens]
+    c0 = [sum(nc[:i]) for i in range(len(nc))]
+    HV = 3
+    h = torch.arange(sum(nc) * HV, dtype=torch.float32).view(sum(nc), HV, 1, 1)
+    seen = set()
+    for lay in autograd._layouts(B, T, cu, "cpu", 64):
+        rows, srow = lay.state_rows(h)
+        assert srow.dtype == torch.int32 and srow.shape == (lay.N, HV, lay.L // 64)
+        seqs = range(B) if lay.seqs is None else lay.seqs.tolist()
+        for i, s in enumerate(seqs):
+            seen.add(s)
+            for c in range(lay.L // 64):
+                want = min(c0[s] + min(c, max(nc[s] - 1, 0)), sum(nc) - 1)
+                for hv in range(HV):
+                    assert rows[srow[i, hv, c]].item() == h[want, hv].item(), (s, c, hv)
+    assert seen == set(range(len(lens)))

@@ -75,9 +75,10 @@ def _lens(p):
 
 
 def _jobs(p):
-    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs: the forward's plan,
-    the backward's recompute (chunk_bwd.wy_params, state_params over the N padded
-    head-first sequences of the longest length L) and the backward's stages."""
+    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs: the training
+    forward's plan (save_states: its per-chunk states for the backward), the backward's
+    recompute (chunk_bwd.wy_params over the N padded head-first sequences of the longest
+    length L) and the backward's stages."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
@@ -86,11 +87,9 @@ def _jobs(p):
                               K=p["K"], V=p["V"], dtype=dt, beta_dtype=dt,
                               seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
-                              output_final_state=True)
+                              output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
     dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N, L=max(lens))
-    jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(**dims,
-                                                             has_initial_state=p["h0"])))
     jobs += [(SPEC, s, pr) for s, pr in chunk_bwd.wy_params(**dims).items()]
     del dims["L"]
     bwd = chunk_bwd.stage_params(**dims, use_dht=True, store_dh0=p["h0"])
@@ -296,12 +295,9 @@ def _gdn_jobs(p):
     plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
                               dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
-                              output_final_state=True)
+                              output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    L = -(-max(lens) // 64) * 64
     dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
-    jobs.append((SPEC, "chunk_state", chunk_bwd.state_params(
-        **dims, L=L, has_initial_state=p["h0"], spec=SPEC)))
     return jobs, chunk_bwd.stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"],
                                         gated=True)
 
@@ -452,8 +448,9 @@ KDA_SMALL_CASES = [c for c in KDA_CASES if c.values[0]["B"] * c.values[0]["T"] <
 
 
 def _kda_jobs(p):
-    """(forward jobs, [backward param dicts]) of one KDA case: the forward's plan, the
-    backward's recompute (the per-key prepare with A, the state pass) and its stages."""
+    """(forward jobs, [backward param dicts]) of one KDA case: the training forward's
+    plan (save_states), the backward's recompute (the per-key prepare with A) and its
+    stages."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.kda import SPEC
@@ -462,11 +459,11 @@ def _kda_jobs(p):
     plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
                               dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
-                              output_final_state=True)
+                              output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
     L = -(-max(lens) // 64) * 64
     dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
-    return jobs, [chunk_bwd.key_recompute_params(**dims, L=L, has_initial_state=p["h0"]),
+    return jobs, [chunk_bwd.key_recompute_params(**dims, L=L),
                   chunk_bwd.key_stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"])]
 
 

@@ -1,6 +1,6 @@
 """CPU tests of DeltaNet's chunked backward (ops/chunk_bwd.py): the plan lists the four
 stages, they render and compile for sm_90a, the contract's forward takes its stages from
-the arch's three-stage plan (contract_plan, wy_params, forward_params, state_params), and
+the arch's three-stage plan (contract_plan, wy_params, forward_params), and
 the launch arguments match the traced kernel signatures. The fake kernels also carry out
 each stage's math in fp64 (the algorithm the template implements, stage by stage, through
 the same buffers; the forward's stages by tests/test_chunk_fused.py's PipelineMath), so
@@ -388,8 +388,8 @@ def test_backward_refuses_bad_inputs(fake_backward):
 def test_contract_plan_and_params():
     """The contract's forward is the arch's three-stage plan over B * H one-head sequences
     of L tokens: kkt (A itself, a_beta=False) and chunk_wu (applying beta), chunk_state
-    with every chunk's state in f32 (states_out) and the final one, chunk_output; the
-    backward's recompute takes the same chunk_state without states and final state."""
+    with every chunk's state in f32 (states_out) and the final one, chunk_output (the
+    backward's recompute takes its prepare; its states are the training forward's)."""
     plan = chunk_bwd.contract_plan(K=64, V=128, dtype="float16", B=2, H=3, L=130)
     assert plan.name == "three-stage"
     assert plan.stages() == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
@@ -403,12 +403,9 @@ def test_contract_plan_and_params():
     assert list(fwd) == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
     assert fwd["chunk_state"]["states_out"] and fwd["chunk_state"]["output_final_state"]
     assert not fwd["chunk_state"]["has_initial_state"]
-    st = chunk_bwd.state_params(**dims, has_initial_state=True)
-    assert st["has_initial_state"] and not st.get("states_out") and not st["output_final_state"]
-    assert st["block_v"] == fwd["chunk_state"]["block_v"]
     spec = chunk_bwd.default_spec()
     assert spec.name == "deltanet"
-    for stage, params in list(fwd.items()) + [("chunk_state", st)]:
+    for stage, params in fwd.items():
         chunk.stage_module(spec, stage).build(**params)        # the templates take them
     # the backward's stages at the same sizes
     params = chunk_bwd.stage_params(H=3, K=64, V=128, dtype="float16", B=2, use_dht=True)
@@ -450,21 +447,15 @@ def test_forward_plumbing(fake_backward, rng):
     assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
 
 
-def test_recompute_for_backward(fake_backward, rng):
-    """A, w, u and the states entering each chunk (from h0), as the autograd backward
-    takes them."""
+def test_recompute_wy(fake_backward, rng):
+    """A, w, u as the autograd backward takes them (the plan's prepare; the states are
+    the training forward's)."""
     B, H, L, K, V = 1, 2, 70, 64, 64
     q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.float16)
-    h0 = torch.randn(B, H, K, V, dtype=F64)
-    A, w, u, S = chunk_bwd.recompute_for_backward(k, v, beta, h0.float())
-    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu", "chunk_state"]
+    A, w, u = chunk_bwd.recompute_wy(k, v, beta)
+    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
     ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     assert _rel(A, ref[2]) < 2e-3 and _rel(w, ref[4]) < 2e-3 and _rel(u, ref[5]) < 2e-3
-    # S[t] = the state entering chunk t from h0: S[0] = h0, S[1] = h0 + k^T (u - w h0)
-    kc, wc, uc = (x[:, :, :C].to(F64) for x in (k, w, u))
-    S1 = h0 + kc.transpose(-1, -2) @ (uc - wc @ h0)
-    assert S.shape == (B, H, 2, K, V) and S.dtype == torch.float16
-    assert _rel(S[:, :, 0], h0) < 1e-3 and _rel(S[:, :, 1], S1) < 1e-2
 
 
 @pytest.mark.compile

@@ -5,17 +5,17 @@ sm_90a without spills, the recompute and the stages on head-first inputs match
 dsl/delta_key_bwd.py, and training through linattn.chunk_kda matches torch.autograd of
 the fp64 reference. The kernels are replaced by fakes that check every launch against
 the traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's
-stage functions (per chunk, with the kernels' rounding of GEMM operands emulated), the
-recompute's state pass by tests/test_chunk_fused.py's PipelineMath; the training
-forward itself is the fp64 reference rounded to the input dtype."""
+stage functions (per chunk, with the kernels' rounding of GEMM operands emulated); the
+training forward itself is the fp64 reference rounded to the input dtype, its per-chunk
+states too (the backward reads them, tests/_layout_fakes.py forward_states)."""
 import numpy as np
 import pytest
 import torch
 
 import _layout_fakes as layout_fakes
+from _layout_fakes import forward_states
 from _kernel_check import fake_compiles
 from test_chunk import by_name
-from test_chunk_fused import PipelineMath
 
 import linattn
 from linattn.codegen.plan import plan
@@ -48,17 +48,13 @@ def test_stage_renders(stage):
 
 def test_recompute_params_are_the_forward_prepare():
     """The recompute renders the forward's per-key prepare (A written too) at the params
-    the arch's plan gives chunk_prepare; the state pass writes every chunk's entering state
-    in the input dtype (h) and no final state."""
-    p = chunk_bwd.key_recompute_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128,
-                                       has_initial_state=True)
+    the arch's plan gives chunk_prepare, and nothing else (the states are the forward's)."""
+    p = chunk_bwd.key_recompute_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128)
     fwd = chunk.plan_params(chunk.forward_plan(
         SPEC, Options(), H=1, HV=1, K=64, V=128, dtype="bfloat16", beta_dtype="bfloat16",
         seq_chunks=(2,) * 6, Ttot=768, has_initial_state=True, output_final_state=True,
         return_states=True, config={"fused": False}))
-    assert p[chunk_bwd.RECOMPUTE] == fwd["chunk_prepare"]
-    assert p["chunk_state"]["has_initial_state"] and not p["chunk_state"]["output_final_state"]
-    assert not p["chunk_state"].get("states_out")
+    assert p == {chunk_bwd.RECOMPUTE: fwd["chunk_prepare"]}   # (the states: the forward's)
     assert not any(p[chunk_bwd.RECOMPUTE][f] for f in ("l2norm_qk", "beta_sigmoid",
                                                        "gate_in_kernel"))
     sp = chunk_bwd.key_stage_params(H=3, K=64, V=128, dtype="bfloat16", B=2, use_dht=True)
@@ -74,8 +70,7 @@ def test_stages_compile_without_spills(K, V, dtype):
     """Every stage one call runs (B = 2, H = 4, with dht and dh0) compiles for sm_90a
     without spills and without a CTA barrier in a thread-dependent branch."""
     from linattn.codegen.compile import compile_stage, format_record
-    params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128,
-                                                 has_initial_state=True),
+    params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
                   **chunk_bwd.key_stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
                                                store_dh0=True))
     for stage, p in params.items():
@@ -169,8 +164,7 @@ class KeyStageMath:
 
 def install_key_fakes(monkeypatch):
     """Route every compile to fakes checked against the traced kernels: the per-key
-    stages run KeyStageMath, the recompute's state pass PipelineMath. Returns the stage
-    names compiled, in order."""
+    stages run KeyStageMath. Returns the stage names compiled, in order."""
     names = []
 
     def body(spec, stage, params):
@@ -184,8 +178,7 @@ def install_key_fakes(monkeypatch):
             flags = {f: True for f in ("use_dht", "store_dh0") if params.get(f)}
             fn = getattr(math, stage.replace("chunk_bwd_", ""))
             return lambda *args: fn(*args, **flags)
-        pm = PipelineMath(spec, params["H"], params["HV"], params["K"], params.get("V"))
-        return pm.body(spec, stage, params)
+        raise AssertionError(f"the per-key backward launched {stage}")
     fake_compiles(monkeypatch, body)
     monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
     return names
@@ -194,8 +187,9 @@ def install_key_fakes(monkeypatch):
 @pytest.mark.parametrize("B,H,L,K,V,dtype", [(2, 2, 128, 64, 64, torch.float16),
                                                (1, 1, 64, 128, 64, torch.bfloat16)])
 def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
-    """key_recompute then key_backward_stages on head-first inputs (h0, dht, dh0) against
-    dsl/delta_key_backward in fp64: the launches, buffers and stage order."""
+    """key_recompute then key_backward_stages on head-first inputs (h0, dht, dh0; the
+    states entering the chunks from the fp64 forward, rounded to the dtype, head-first)
+    against dsl/delta_key_backward in fp64: the launches, buffers and stage order."""
     names = install_key_fakes(monkeypatch)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
@@ -205,9 +199,13 @@ def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
     g = torch.nn.functional.logsigmoid(r(B, H, L, K)).float()
     h0, dht = (0.1 * r(B, H, K, V)).float(), r(B, H, K, V).float()
     g_cum = g.view(B, H, L // C, C, K).cumsum(3).view(B, H, L, K)
-    rec = chunk_bwd.key_recompute(q, k, v, beta, g, h0)
+    rec = chunk_bwd.key_recompute(q, k, v, beta, g)
+    tf = lambda x: x.to(F64).transpose(1, 2)  # noqa: E731
+    h = tref.chunked_forward(SPEC, tf(q), tf(k), tf(v), tf(g), beta=tf(beta), scale=1.0,
+                             initial_state=h0.double(), intermediates=True)["h"]
+    rec["S"] = h.transpose(1, 2).to(dtype)        # head-first [B, H, NC, K, V]
     got = chunk_bwd.key_backward_stages(do, q, k, v, beta, g_cum, rec, dht=dht, want_dh0=True)
-    assert names == list(STAGES[:1]) + ["chunk_state"] + list(STAGES[1:])
+    assert names == list(STAGES)
     tok = lambda x: x.to(F64).transpose(1, 2).numpy()  # noqa: E731
     want = ref.delta_key_backward(SPEC, tok(q), tok(k), tok(v), tok(g), tok(beta), do=tok(do),
                                   dht=dht.double().numpy(), scale=1.0,
@@ -237,10 +235,12 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
         g, _ = _gate(None, g.double(), A_log.double(), dt_bias.double(), call.lower_bound)
         opts, A_log, dt_bias = Options(l2norm_qk=call.l2norm_qk, beta_sigmoid=call.beta_sigmoid,
                                        allow_neg_eigval=call.allow_neg_eigval), None, None
-    o, final = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=opts,
-                                    scale=call.scale, initial_state=initial_state,
-                                    cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias)
-    return o.to(q.dtype), (final.float() if call.output_final_state else None)
+    ref = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=opts,
+                               scale=call.scale, initial_state=initial_state,
+                               cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, intermediates=True)
+    return (ref["o"].to(q.dtype),
+            ref["final_state"].float() if call.output_final_state else None,
+            forward_states(ref["h"], call.cu, q.shape[1], q.dtype))
 
 
 @pytest.fixture
@@ -289,7 +289,7 @@ def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu
                               use_gate_in_kernel=gik, lower_bound=lb, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == [LAYOUT[0], STAGES[0], "chunk_state", *STAGES[1:], LAYOUT[1]]
+    assert fake_kernels == [LAYOUT[0], *STAGES, LAYOUT[1]]
 
     refs = {n: None if t is None else t.detach().to(F64).requires_grad_() for n, t in x.items()}
     g, opts = refs["g"], Options(l2norm_qk=l2, gate_in_kernel=gik)
