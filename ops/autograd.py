@@ -267,7 +267,8 @@ def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages,
     """The layout loop of both backwards: per layout (_layouts) gather q, k, v, do, run
     ``stages(lay, heads, want_dh0, dht)`` -> (dqh, dkh, dvh, dh0 or None, [head-first
     gradients of the per_token tensors]), scatter dq, dk, dv and put the rest into f32
-    zeros shaped like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token gradients])."""
+    zeros shaped like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token
+    gradients])."""
     import torch
     B, T = q.shape[:2]
     chunk_bwd.announce_layout(q, v, call.l2norm_qk, spec=call.spec)

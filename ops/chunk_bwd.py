@@ -31,10 +31,10 @@ cumulative sum within the chunk: the gradient of g.
 The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
 dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
 by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too;
-the states are the forward's): dv_local = A_qk^T do; the dh pass with qg, kg and diag(e^g_last); dqkw and
-wy with the pair sums factored through 16-row blocks, the last row's state terms and the
-reverse cumulative sum in the kernels, so that chunk_bwd_wy returns the gradient of g
-itself ([B, H, L, K] f32).
+the states are the forward's): dv_local = A_qk^T do; the dh pass with qg, kg and
+diag(e^g_last); dqkw and wy with the pair sums factored through 16-row blocks, the last
+row's state terms and the reverse cumulative sum in the kernels, so that chunk_bwd_wy
+returns the gradient of g itself ([B, H, L, K] f32).
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
@@ -589,9 +589,10 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
     dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
     multiple of 64), rec: key_recompute's dict with the states entering the chunks,
-    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]); dht [B, H, DK, DV] f32 or None. Returns
-    (dq, dk, dv, dbeta (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK]
-    f32: the gradient of the per-token log gate g)."""
+    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]); dht
+    [B, H, DK, DV] f32 or None. Returns (dq, dk, dv, dbeta (input dtype), dh0
+    [B, H, DK, DV] f32 or None, dg [B, H, L, DK] f32: the gradient of the per-token log
+    gate g)."""
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
     _check_key_gate(g_cum, B, H, L, K, "g_cum")

@@ -111,7 +111,9 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                                                     T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dh_out from the registers (a TMA store of dh_s would wait each step)
+                    for i, j in T.Parallel(K, BV):
+                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
                     # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):
@@ -143,7 +145,9 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                         dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dh_out from the registers (a TMA store of dh_s would wait each step)
+                    for i, j in T.Parallel(K, BV):
+                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
                     # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):

@@ -120,7 +120,9 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                                                     T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dh_out from the registers (a TMA store of dh_s would wait each step)
+                    for i, j in T.Parallel(K, BV):
+                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
                     # dv2 = dv_local + (k dh) exp(g_last - g_cum)  (rows past L: set to 0)
                     T.gemm(k_s, dh_s, kd_f, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):
@@ -160,7 +162,9 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
                         dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
-                    T.copy(dh_s, dh_out[b, h, c, 0:K, v0:v0 + BV])
+                    # dh_out from the registers (a TMA store of dh_s would wait each step)
+                    for i, j in T.Parallel(K, BV):
+                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
                     # dv2 = dv_local + (k dh) exp(g_last - g_cum)  (rows past L: set to 0)
                     T.gemm(k_s, dh_s, kd_f, clear_accum=True)
                     for i, j in T.Parallel(BT, BV):
