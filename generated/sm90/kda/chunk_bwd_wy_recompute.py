@@ -40,6 +40,7 @@ STAGE = "chunk_bwd_wy_recompute"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "beta_dtype", "l2norm_qk",
                 "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel")
 EXAMPLES = [
@@ -53,7 +54,6 @@ EXAMPLES = [
          allow_neg_eigval=False, gate_in_kernel=False, heads_fastest=True),
 ]
 CHUNK = 64
-NORM_EPS = 1e-6
 
 
 def out_idx(**params):
@@ -245,8 +245,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             st_s = T.alloc_shared((BT, HALF), f32)
             if l2norm_qk:
                 for i in T.Parallel(BT):
-                    nq_s[i] = T.rsqrt(ssq[i] + NORM_EPS)
-                    nk_s[i] = T.rsqrt(ssk[i] + NORM_EPS)
+                    nq_s[i] = T.rsqrt(ssq[i] + L2NORM_EPS)
+                    nk_s[i] = T.rsqrt(ssk[i] + L2NORM_EPS)
             else:
                 for i in T.Parallel(BT):
                     nq_s[i] = T.float32(1)
