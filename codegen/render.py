@@ -13,6 +13,7 @@ from pathlib import Path
 import jinja2
 
 from ..dsl import OpSpec
+from ..dsl.preprocess import L2NORM_EPS
 from .arch import get_arch
 from .plan import Stage, plan
 
@@ -83,6 +84,7 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,
         "generator_version": GENERATOR_VERSION,
+        "l2norm_eps": repr(L2NORM_EPS),
     }
 
 

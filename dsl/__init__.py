@@ -1,6 +1,6 @@
 """The spec DSL and the references derived from it."""
 from .spec import (Gate, HeadMap, OpSpec, Options, Rule, SpecError, StateLayout,
-                   all_rule_gate_specs, value_gate_spec, OPTION_NAMES)
+                   all_rule_gate_specs, key_twin, value_gate_spec, OPTION_NAMES)
 from .preprocess import Prepared, prepare, prepare_vjp
 from .recurrent import random_inputs, recurrent_backward, recurrent_forward
 from .chunked import chunked_forward
@@ -16,7 +16,7 @@ def __getattr__(name):
 
 
 __all__ = ["Gate", "HeadMap", "OpSpec", "Options", "Rule", "SpecError", "StateLayout",
-           "all_rule_gate_specs", "value_gate_spec", "OPTION_NAMES",
+           "all_rule_gate_specs", "key_twin", "value_gate_spec", "OPTION_NAMES",
            "Prepared", "prepare", "prepare_vjp",
            "random_inputs", "recurrent_forward", "recurrent_backward", "chunked_forward",
            "chunked_backward", "symbolic_reference"]

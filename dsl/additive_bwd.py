@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .chunked import check_chunk_size, chunk_table, chunk_inputs, scatter_rows
+from .chunked import (check_chunk_size, chunk_table, chunk_inputs, chunked_forward,
+                      scatter_rows)
 from .preprocess import (Prepared, check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first)
 from .recurrent import _initial_states
-from .spec import Gate, OpSpec, Options, Rule, SpecError
+from .spec import Gate, OpSpec, Options, Rule, SpecError, key_twin
 
 SUB = 16
 
@@ -185,6 +186,11 @@ def additive_backward(spec: OpSpec, q, k, v, g=None, *, do, dht=None,
     """
     if spec.rule is not Rule.ADDITIVE:
         raise SpecError(f"{spec.name}: additive_backward is the additive rule's backward")
+    if spec.gate.per_value:
+        return value_gate_backward(spec, q, k, v, g, do=do, dht=dht, options=options,
+                                   scale=scale, initial_state=initial_state,
+                                   cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                                   round_to=round_to)
     C = check_chunk_size(spec, chunk_size)
     if C % SUB:
         raise SpecError(f"the additive backward's chunks are multiples of {SUB}, got {C}")
@@ -231,4 +237,28 @@ def additive_backward(spec: OpSpec, q, k, v, g=None, *, do, dht=None,
     res = prepare_vjp(spec, options, q, k, v, g, None, scale, None, None, grads)
     res["dh0"] = None if initial_state is None else state_from_k_first(options, dS)
     res.update(states=states, dstates=dstates)
+    return res
+
+
+def value_gate_backward(spec: OpSpec, q, k, v, g, *, do, dht=None,
+                        options: Options = Options(), scale=None, initial_state=None,
+                        cu_seqlens=None, chunk_size=None, round_to=None) -> dict:
+    """:func:`additive_backward` of a value-gated spec, by its key-gated twin
+    (dsl.spec.key_twin) on the effective inputs: the twin's backward of (q', k', v', do')
+    = (do, v, k, q) (q carrying the scale, k at HV heads) over the transposed states gives
+    dv, dk, dg and dh0, and the twin's forward output of (do, v, k) from h0 is dq. The
+    twin's K-first state is the value gate's V-first one, so states, dht and dh0 keep
+    their arrays with the state layout flipped. Returns as additive_backward, states and
+    dstates the twin's (K-first: [NS, HV, V, K])."""
+    check_call(spec, options, q, k, v, g, None, initial_state, cu_seqlens)
+    eff = prepare(spec, options, q, k, v, g, None, scale)
+    twin, do = key_twin(spec), np.asarray(do, dtype=np.float64)
+    call = dict(options=Options(state_v_first=not options.state_v_first), scale=1.0,
+                initial_state=initial_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    dq = chunked_forward(twin, do, eff.v, eff.k, eff.gv, **call)["o"]
+    tw = additive_backward(twin, do, eff.v, eff.k, eff.gv, do=eff.q, dht=dht,
+                           round_to=round_to, **call)
+    res = prepare_vjp(spec, options, q, k, v, g, None, scale, None, None,
+                      Prepared(dq, tw["dv"], tw["dk"], None, None, tw["dg"]))
+    res.update(dh0=tw["dh0"], states=tw["states"], dstates=tw["dstates"])
     return res

@@ -29,7 +29,7 @@ from .chunked import (advance_state, check_chunk_size, chunk_inputs, chunk_table
 from .preprocess import (Prepared, check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first)
 from .recurrent import _initial_states
-from .spec import OpSpec, Options, Rule
+from .spec import OpSpec, Options, Rule, SpecError
 
 
 def _pair_grads(dM, a, b, E):
@@ -119,6 +119,9 @@ def chunked_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
     ([B, NC, HV, K, V], [.., V, K] with state_v_first; [1, NC_total, ..] for varlen).
     """
     C = check_chunk_size(spec, chunk_size)
+    if spec.gate.per_value:
+        raise SpecError(f"{spec.name}: chunked_backward takes gates 'none', 'scalar' and "
+                        "'key'; gate 'value''s is dsl.additive_bwd.additive_backward")
     dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     h0 = _initial_states(dims, options, initial_state)

@@ -234,12 +234,9 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
     Returns dict(dq [B,T,H,K], dk [B,T,H,K], dv [B,T,HV,V], dg (g's shape or None),
     dbeta ([B,T,HV] or None), dA_log ([HV] or None), ddt_bias (dt_bias's shape or None)).
     """
-    if spec.gate.per_value:
-        raise SpecError(f"{spec.name}: the backward references do not take gate 'value' "
-                        "yet (gates 'none', 'scalar', 'key')")
     q, k = np.asarray(q, dtype=np.float64), np.asarray(k, dtype=np.float64)
     H, K = q.shape[2], q.shape[3]
-    HV = np.shape(v)[2]
+    HV, V = np.shape(v)[2:]
     s = spec.scale_for(K, scale)
     dq = fold_heads(s * grads.q, H)
     dk = fold_heads(grads.k, H)
@@ -248,14 +245,15 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
     out = dict(dq=dq, dk=dk, dv=np.array(grads.v, dtype=np.float64), dg=None, dbeta=None,
                dA_log=None, ddt_bias=None)
     if spec.has_gate:
-        dg = grads.g.sum(axis=-1) if spec.gate is Gate.SCALAR else np.array(grads.g)
+        dg = (grads.g.sum(axis=-1) if spec.gate is Gate.SCALAR else
+              np.array(grads.gv if spec.gate.per_value else grads.g))
         if options.gate_in_kernel:
-            x = np.asarray(g, dtype=np.float64) + _dt_bias_table(spec, HV, K, dt_bias)
+            x = np.asarray(g, dtype=np.float64) + _dt_bias_table(spec, HV, K, dt_bias, V)
             a = np.exp(np.asarray(A_log, dtype=np.float64))
-            a = a[:, None] if spec.gate is Gate.KEY else a
+            a = a[:, None] if spec.gate.channels else a
             g_act = -a * softplus(x)
             dA = (dg * g_act).sum(axis=(0, 1))
-            out["dA_log"] = dA.sum(axis=-1) if spec.gate is Gate.KEY else dA
+            out["dA_log"] = dA.sum(axis=-1) if spec.gate.channels else dA
             dg = -a * softplus_grad(x) * dg
             if dt_bias is not None:
                 out["ddt_bias"] = dg.sum(axis=(0, 1)).reshape(np.shape(dt_bias))

@@ -19,7 +19,7 @@ import numpy as np
 
 from .preprocess import (check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first, Prepared)
-from .spec import OpSpec, Options, Rule
+from .spec import OpSpec, Options, Rule, SpecError
 
 
 def _initial_states(dims, options, initial_state):
@@ -79,6 +79,9 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
     dg without a gate, dbeta for the additive rule, dh0 without an initial state,
     dA_log / ddt_bias without gate_in_kernel / dt_bias).
     """
+    if spec.gate.per_value:
+        raise SpecError(f"{spec.name}: recurrent_backward takes gates 'none', 'scalar' and "
+                        "'key'; gate 'value''s is dsl.additive_bwd.additive_backward")
     dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     h0 = _initial_states(dims, options, initial_state)

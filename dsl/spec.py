@@ -323,3 +323,22 @@ def value_gate_spec(chunk_size: int = 64) -> OpSpec:
     return OpSpec(name="additive_value", rule=Rule.ADDITIVE, gate=Gate.VALUE,
                   chunk_size=chunk_size,
                   supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))
+
+
+def key_twin(spec: OpSpec) -> OpSpec:
+    """The key-gated spec whose state is a value-gated spec's transposed, T = S^T [V, K]:
+    T <- diag(exp(g)) T + v k^T, keys v and values k. Every term of
+    L = sum(o * do) + <S_T, dS_T> (o = S^T (scale q)) is sum_{j <= i} (q_i . k_j)
+    (do_i . v_j e^{G_i - G_j}) and its state forms, multilinear in (q, k, v, do); swapping
+    (q, k, v, do) -> (do, v, k, q) and the state axes turns the value gate's into the key
+    gate's. So a value-gated call's backward is the twin's (q', k', v', do') =
+    (do, v, k, q) with the states transposed: the twin's dk', dv', dg, dh0' are dv, dk, dg,
+    dh0^T, and dq = dL/d(do') is the twin's forward output o' (dsl/additive_bwd.py
+    value_gate_backward; ops/additive_bwd.py). q' = do has HV heads: the twin has no GVA
+    (k, q are taken at HV heads)."""
+    if not spec.gate.per_value:
+        raise SpecError(f"{spec.name}: key_twin is the value gate's (gate is {spec.gate.value!r})")
+    return OpSpec(name=f"{spec.name}_twin", rule=Rule.ADDITIVE, gate=Gate.KEY,
+                  chunk_size=spec.chunk_size, supports=frozenset({"state_v_first"}),
+                  gva=False, doc=f"{spec.name}'s transposed state, for its backward "
+                  "(dsl.spec.key_twin).")

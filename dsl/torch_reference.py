@@ -31,10 +31,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .preprocess import L2NORM_EPS
 from .spec import Gate, OpSpec, Options, Rule
 
 F64 = torch.float64
-L2NORM_EPS = 1e-6
 
 
 def _f64(x):

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..codegen.arch import get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
-from ..dsl import Gate, Options, SpecError
+from ..dsl import Gate, Options, SpecError, key_twin
 from . import chunk, runtime
 
 ARCH = "sm90"
@@ -349,6 +349,8 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
     inputs' shapes and dtypes (None for an input not given)."""
     import torch
+    if call.spec.gate.per_value:
+        return value_gate_backward(call, q, k, v, g, initial_state, do, dht)
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     cu = call.cu or (tuple(range(0, (B + 1) * T, T)) if T else (0,) * (B + 1))
@@ -373,6 +375,41 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     return shaped(dq, q), shaped(dk, k), shaped(dv, v), dg, dh0
 
 
+def value_gate_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
+    """additive_backward of a value-gated spec through its key-gated twin
+    (dsl.spec.key_twin; dsl/additive_bwd.py value_gate_backward): the twin's chunked
+    forward of (q', k', v') = (do, v, k) from h0 is dq and writes the states (the value
+    gate's, transposed: the twin's K-first state is the value gate's V-first one), then
+    the twin's backward of do' = q over them gives dv, dk, dg, dh0 as its dk', dv', dg,
+    dh0'. q, k are taken at HV heads (the twin has no GVA) and their gradients summed
+    over each group. Arguments and result as additive_backward."""
+    import torch
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    group, twin = HV // H, key_twin(call.spec)
+    cu = call.cu or (tuple(range(0, (B + 1) * T, T)) if T else (0,) * (B + 1))
+    wide = lambda x: x.detach().repeat_interleave(group, dim=2)  # noqa: E731
+    flat = lambda x: x.reshape(B * T, *x.shape[2:]).contiguous()  # noqa: E731
+    twin_first = lambda s: s if call.state_v_first else s.transpose(-1, -2)  # noqa: E731
+    gv = g.detach() if g.dtype in (torch.float32, q.dtype) else g.detach().float()
+    h0 = (None if initial_state is None
+          else twin_first(initial_state.detach()).float().contiguous())
+    dof = torch.zeros_like(v) if do is None else do.detach().to(q.dtype)
+    qw, kw = wide(q), wide(k)
+    dq, _, states = chunk.chunk_forward(
+        twin, dof, v.detach(), kw, gv, None, scale=call.scale, initial_state=h0,
+        cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu, return_states=True)
+    dht_t = None if dht is None else twin_first(dht.detach()).float().contiguous()
+    _, dv, dk, dg, dh0 = run_backward(twin, flat(dof), flat(v.detach()), flat(kw), flat(gv),
+                                      states, flat(qw), dht_t, scale=call.scale, cu=cu,
+                                      want_dh0=h0 is not None, grad_dtype=q.dtype)
+    fold = lambda x: x.float().view(B, T, H, group, K).sum(3).to(q.dtype)  # noqa: E731
+    if dh0 is not None:
+        dh0 = twin_first(dh0).to(initial_state.dtype)
+    return (fold(dq), fold(dk.view(B, T, HV, K)), dv.view(v.shape).to(v.dtype),
+            dg.view(g.shape).to(g.dtype), dh0)
+
+
 def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlens,
                     A_log=None) -> None:
     """Raise SpecError for what the backward does not support (never a wrong gradient)."""
@@ -386,7 +423,10 @@ def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlen
     B, T, H, K = q.shape
     spec.check_heads(H, v.shape[2])
     check_backward(spec, q, k, v, what)
-    want = spec.gate_shape(B, T, v.shape[2], K)
+    if spec.gate.per_value and v.shape[-1] > K_MAX:
+        raise SpecError(f"{what} (its key-gated twin's K is V) is generated for V up to "
+                        f"{K_MAX}, got V={v.shape[-1]}")
+    want = spec.gate_shape(B, T, v.shape[2], K, v.shape[-1])
     if (g is None) != (not want) or (g is not None and tuple(g.shape) != want):
         raise SpecError(f"{what} needs g {list(want) or 'None'}, got "
                         f"{None if g is None else tuple(g.shape)}")
@@ -403,11 +443,11 @@ def _effective(spec, options: Options, q, k, g, A_log, dt_bias):
     if options.l2norm_qk:
         q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
     if options.gate_in_kernel:
-        HV, key = g.shape[2], spec.gate is Gate.KEY
+        HV, per_channel = g.shape[2], bool(spec.gate.channels)
         x = g.float() if dt_bias is None else \
-            g.float() + dt_bias.float().reshape((HV, -1) if key else (HV,))
+            g.float() + dt_bias.float().reshape((HV, -1) if per_channel else (HV,))
         a = torch.exp(A_log.float().reshape(HV))
-        g = -(a.view(HV, 1) if key else a) * softplus_fla(x)
+        g = -(a.view(HV, 1) if per_channel else a) * softplus_fla(x)
     return q, k, g
 
 
@@ -427,5 +467,6 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
                         output_final_state=bool(output_final_state),
                         state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu,
-                        save_states=get_arch(ARCH).save_states(q.shape[-1], v.shape[-1]))
+                        save_states=get_arch(ARCH).save_states(q.shape[-1], v.shape[-1])
+                        and not spec.gate.per_value)    # (its twin's forward writes them)
     return ChunkAdditiveFunction.apply(call, q, k, v, g, initial_state)

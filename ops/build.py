@@ -79,9 +79,9 @@ def build(spec: OpSpec) -> Ops:
 def has_backward(spec: OpSpec) -> bool:
     """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
     the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
-    the none / scalar / key gates, at DeltaNet's chunk size (the value gate: forward only)."""
+    any gate (the value gate through its key-gated twin), at DeltaNet's chunk size."""
     from . import deltanet
-    return spec.chunk_size == deltanet.SPEC.chunk_size and not spec.gate.per_value
+    return spec.chunk_size == deltanet.SPEC.chunk_size
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:

@@ -27,28 +27,22 @@ def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_stat
     initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any float dtype, read
     as f32. Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
     gv [B, T, H, V] instead of g (fla's name in fused_recurrent_gla): a natural-log decay
-    per value channel, S <- S diag(exp(gv)) + k v^T (forward only; g and gv together are
-    not supported).
+    per value channel, S <- S diag(exp(gv)) + k v^T (g and gv together are not supported).
 
-    Differentiable (ops/additive_bwd.py) when any of q, k, v, g, initial_state requires
-    grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V multiples
-    of 16, K <= 256, V <= 512; anything else raises SpecError).
+    Differentiable (ops/additive_bwd.py) when any of q, k, v, g (gv), initial_state
+    requires grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V
+    multiples of 16, K <= 256, V <= 512, with gv V <= 256: its backward is the key gate's
+    on the transposed state; anything else raises SpecError).
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
     from . import additive_bwd
     if (g is None) == (gv is None):
         raise validate.error("chunk_gla takes g (per key channel) or gv (per value channel): "
                              f"got {'neither' if g is None else 'both'}")
-    if gv is not None:
-        if additive_bwd.needs_grad(q, k, v, gv, initial_state):
-            raise validate.error("chunk_gla(gv=...) has no backward yet (the value gate is "
-                                 "forward only): run it under torch.no_grad() or detach its inputs")
-        spec, g = SPEC_GV, gv
-    elif additive_bwd.needs_grad(q, k, v, g, initial_state):
-        return additive_bwd.train(SPEC, opts, q, k, v, g, scale, initial_state,
+    spec, g = (SPEC, g) if gv is None else (SPEC_GV, gv)
+    if additive_bwd.needs_grad(q, k, v, g, initial_state):
+        return additive_bwd.train(spec, opts, q, k, v, g, scale, initial_state,
                                   output_final_state, cu_seqlens, cu_seqlens_cpu)
-    else:
-        spec = SPEC
     return api.forward(spec, q, k, v, g, None, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)

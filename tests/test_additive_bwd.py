@@ -19,20 +19,24 @@ import torch
 
 from _kernel_check import fake_compiles
 from test_chunk import by_name
+from test_chunk_additive import poisoned  # noqa: F401
 from test_chunk_fused import PipelineMath
 
 from linattn.codegen.plan import plan
 from linattn.codegen.pipeline import AdditiveBackwardProblem
-from linattn.dsl import Gate, Options, SpecError, all_rule_gate_specs
+from linattn.dsl import (Gate, Options, SpecError, all_rule_gate_specs, key_twin,
+                         value_gate_spec)
 from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import chunk_grads, chunk_grads_key_blocks
-from linattn.ops import additive_bwd, contracts, gla, linear_attn, retention, simple_gla
+from linattn.ops import (additive_bwd, chunk, contracts, gla, linear_attn, retention,
+                         simple_gla)
 
 F64 = torch.float64
 C = 64
 STAGES = ["chunk_bwd_dstate_local", "chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"]
 SIX = {s.name: s for s in all_rule_gate_specs()}
-FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC}
+FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC,
+            "gla_gv_twin": key_twin(gla.SPEC_GV)}     # (the value gate's backward)
 
 
 def test_plan_lists_the_stages():
@@ -331,7 +335,7 @@ def _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first, dtype=torch.floa
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     x = dict(q=r(B, T, H, K).to(dtype), k=r(B, T, H, K).to(dtype), v=r(B, T, HV, V).to(dtype))
     if spec.has_gate:
-        x["g"] = torch.nn.functional.logsigmoid(r(*spec.gate_shape(B, T, HV, K)) + 2).float()
+        x["g"] = torch.nn.functional.logsigmoid(r(*spec.gate_shape(B, T, HV, K, V)) + 2).float()
     if h0:
         x["initial_state"] = 0.1 * (r(N, HV, V, K) if v_first else r(N, HV, K, V))
     st = (N, HV, V, K) if v_first else (N, HV, K, V)
@@ -349,6 +353,13 @@ def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, 
     bwd = install_fakes(monkeypatch, spec, H, HV, K, V)
     monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
     monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
+    _train_and_compare(spec, rng, B, T, H, HV, K, V, lens, h0, with_dht, v_first)
+    assert bwd.calls == ["local", "scan", "dqkvg"]
+
+
+def _train_and_compare(spec, rng, B, T, H, HV, K, V, lens, h0, with_dht, v_first):
+    """additive_bwd.train's gradients of every input against torch.autograd of the fp64
+    recurrence (5e-3)."""
     cu = None if lens is None else torch.tensor([0, *np.cumsum(lens).tolist()])
     N = B if cu is None else len(lens)
     x, do, dht = _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first)
@@ -358,7 +369,6 @@ def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, 
                                True, cu, cu)
     loss = (o.double() * do).sum() + ((ht.double() * dht).sum() if with_dht else 0)
     loss.backward()
-    assert bwd.calls == ["local", "scan", "dqkvg"]
     ref_leaves = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, rht = tref.recurrent_forward(spec, **ref_leaves, options=Options(state_v_first=v_first),
                                      scale=0.3, cu_seqlens=cu)
@@ -366,6 +376,50 @@ def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, 
     for n, t in leaves.items():
         assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.shape == t.shape, n
         assert _rel(t.grad, ref_leaves[n].grad) < 5e-3, (n, _rel(t.grad, ref_leaves[n].grad))
+
+
+VALUE_CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
+    pytest.param("gla_gv", 2, 130, 2, 2, 32, 16, None, True, True, False, id="gv-B2-T130"),
+    pytest.param("gla_gv", 1, 200, 2, 2, 16, 32, [1, 70, 0, 129], True, True, False,
+                 id="gv-varlen"),
+    pytest.param("gla_gv", 1, 63, 1, 1, 32, 32, None, True, False, True, id="gv-T63-v-first"),
+    pytest.param("additive_value", 1, 90, 1, 2, 32, 16, [40, 50], False, True, False,
+                 id="value-GVA2-varlen"),
+    pytest.param("gla_gv", 1, 70, 1, 1, 64, 144, None, True, True, False, id="gv-K64-V144"),
+]
+
+
+@pytest.mark.parametrize("name, B, T, H, HV, K, V, lens, h0, with_dht, v_first", VALUE_CASES)
+def test_value_gate_trains_through_its_twin(monkeypatch, rng, poisoned, name, B, T, H,  # noqa: F811
+                                            HV, K, V, lens, h0, with_dht, v_first):
+    """The value gate's backward: the key-gated twin's forward (dq and the transposed
+    states) and its three backward stages at K' = V, V' = K (q, k widened to HV heads),
+    NaN-poisoned allocations."""
+    spec = gla.SPEC_GV if name == "gla_gv" else value_gate_spec()
+    bwd = install_fakes(monkeypatch, key_twin(spec), HV, HV, V, K)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    _train_and_compare(spec, rng, B, T, H, HV, K, V, lens, h0, with_dht, v_first)
+    assert bwd.calls == ["local", "scan", "dqkvg"]
+
+
+def test_chunk_gla_gv_trains(monkeypatch, rng):
+    """chunk_gla(gv=...) with inputs that need gradients takes the value gate's backward."""
+    B, T, H, K, V = 1, 80, 2, 32, 16
+    bwd = install_fakes(monkeypatch, key_twin(gla.SPEC_GV), H, H, V, K)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
+    x, do, _ = _train_inputs(gla.SPEC_GV, rng, B, T, H, H, K, V, B, True, False)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, _ = gla.chunk_gla(leaves["q"], leaves["k"], leaves["v"], gv=leaves["g"], scale=0.2,
+                         initial_state=leaves["initial_state"])
+    (o.double() * do).sum().backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, _ = tref.recurrent_forward(gla.SPEC_GV, **ref, scale=0.2)
+    (ro * do).sum().backward()
+    assert bwd.calls == ["local", "scan", "dqkvg"]
+    for n, t in leaves.items():
+        assert _rel(t.grad, ref[n].grad) < 5e-3, n
 
 
 def test_family_functions_train(monkeypatch, rng):
@@ -437,7 +491,9 @@ def test_no_grad_and_refusals(monkeypatch):
                                                  ("linear_attn", 128, 256, "bfloat16"),
                                                  ("gla", 256, 512, "bfloat16"),
                                                  ("simple_gla", 256, 512, "bfloat16"),
-                                                 ("linear_attn", 256, 512, "float16")])
+                                                 ("linear_attn", 256, 512, "float16"),
+                                                 ("gla_gv_twin", 128, 128, "bfloat16"),
+                                                 ("gla_gv_twin", 64, 256, "float16")])
 def test_stages_compile_without_spills(family, K, V, dtype):
     """The plan's three stages at a table-like call (B=2, H=4, 256 chunks each, with dht
     and dh0) compile for sm_90a: <= 255 registers, no spills, TMA shared destinations

@@ -9,7 +9,9 @@ the fp64 torch reference (dsl.torch_reference, autograd, on the GPU).
   test_training   loss.backward() through chunk_gla / chunk_simple_gla (g, g_gamma) /
                   chunk_linear_attn (normalize on and off): varlen with empty and
                   one-token sequences, h0, dht, state_v_first, K = V = 128, K = 256 /
-                  V = 512 and K = 144 (key blocks), f16 / bf16; every input's gradient
+                  V = 512 and K = 144 (key blocks), f16 / bf16; every input's gradient;
+                  the value gate (chunk_gla(gv=...), linattn.build(value_gate_spec())
+                  with GVA) through its key-gated twin (dsl.spec.key_twin)
 
 Inputs as the benchmark's: q, k, v, do ~ N(0, 1) (q, k through elu + 1 with normalize, so
 the normaliser q.z stays away from 0), g = logsigmoid(N(2, 1)) (per key channel or per
@@ -58,9 +60,9 @@ CONTRACT += [
 
 
 def tcase(fn, B, T, H, K, V, dtype, lens=None, h0=True, dht=True, v_first=False,
-          normalize=None, gamma=False, name=None):
+          normalize=None, gamma=False, name=None, HV=None):
     p = dict(fn=fn, B=B, T=T, H=H, K=K, V=V, dtype=dtype, lens=lens, h0=h0, dht=dht,
-             v_first=v_first, normalize=normalize, gamma=gamma)
+             v_first=v_first, normalize=normalize, gamma=gamma, HV=HV or H)
     return pytest.param(p, id=name)
 
 
@@ -85,6 +87,14 @@ TRAINING = [
     tcase("linear_attn", 1, 200, 4, 256, 512, "bfloat16", normalize=False,
           name="la-K256-V512-bf16"),
     tcase("gla", 1, 300, 2, 144, 96, "bfloat16", name="gla-K144-V96-bf16"),
+    # the value gate: its twin runs at K' = V, V' = K
+    tcase("gla_gv", 2, 63, 4, 64, 64, "bfloat16", name="gv-T63-bf16"),
+    tcase("gla_gv", 2, 1000, 4, 128, 128, "bfloat16", name="gv-T1000-K128-bf16"),
+    tcase("gla_gv", 1, 958, 4, 64, 128, "float16", lens=[1, 63, 64, 700, 0, 130],
+          v_first=True, name="gv-varlen-v-first-f16"),
+    tcase("gla_gv", 1, 1000, 2, 256, 96, "bfloat16", h0=False, name="gv-K256-V96-bf16"),
+    tcase("additive_value", 1, 500, 2, 128, 64, "bfloat16", lens=[200, 1, 299],
+          name="value-GVA2-varlen-bf16", HV=4),
 ]
 
 
@@ -109,33 +119,38 @@ def _contract_inputs(p, seed):
 
 
 def _fn(p):
+    import linattn
+    from linattn.dsl import value_gate_spec
     from linattn.ops import gla, linear_attn, simple_gla
+    if p["fn"] == "additive_value":
+        return linattn.build(value_gate_spec()).chunk, value_gate_spec()
     return {"gla": (gla.chunk_gla, gla.SPEC), "simple_gla": (simple_gla.chunk_simple_gla,
                                                              simple_gla.SPEC),
+            "gla_gv": (gla.chunk_gla, gla.SPEC_GV),
             "linear_attn": (linear_attn.chunk_linear_attn, linear_attn.SPEC)}[p["fn"]]
 
 
 def _training_inputs(p, seed):
     """(keyword arguments of the call (leaves), do, dht or None)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    B, T, H, K, V = (p[n] for n in "BTHKV")
+    B, T, H, HV, K, V = (p[n] for n in ("B", "T", "H", "HV", "K", "V"))
     dt = getattr(torch, p["dtype"])
     N = B if p["lens"] is None else len(p["lens"])
     q, k = _randn(gen, B, T, H, K), _randn(gen, B, T, H, K)
     if p["normalize"]:      # a positive feature map (elu + 1, as fla's models): q.z > 0
         q, k = (torch.nn.functional.elu(x) + 1 for x in (q, k))
-    x = dict(q=q.to(dt), k=k.to(dt), v=_randn(gen, B, T, H, V).to(dt))
+    x = dict(q=q.to(dt), k=k.to(dt), v=_randn(gen, B, T, HV, V).to(dt))
     spec = _fn(p)[1]
     if spec.has_gate:
-        x["g"] = torch.nn.functional.logsigmoid(_randn(gen, *spec.gate_shape(B, T, H, K)) + 2
-                                                ).float()
+        x["g"] = torch.nn.functional.logsigmoid(
+            _randn(gen, *spec.gate_shape(B, T, HV, K, V)) + 2).float()
     if p["gamma"]:
         x["g_gamma"] = -torch.rand(H, generator=gen, device="cuda", dtype=F64).float() * 0.1
-    st = (N, H, V, K) if p["v_first"] else (N, H, K, V)
+    st = (N, HV, V, K) if p["v_first"] else (N, HV, K, V)
     if p["h0"]:
         x["initial_state"] = (0.1 * _randn(gen, *st)).float()
     dht = (0.1 * _randn(gen, *st)).float() if p["dht"] else None
-    return x, _randn(gen, B, T, H, V).to(dt), dht
+    return x, _randn(gen, B, T, HV, V).to(dt), dht
 
 
 def _call(p, x):
@@ -149,6 +164,8 @@ def _call(p, x):
         kw["state_v_first"] = True
     if p["normalize"] is not None:
         kw["normalize"] = p["normalize"]
+    if p["fn"] == "gla_gv":
+        kw["gv"] = kw.pop("g")
     o, ht = fn(**kw)
     if isinstance(ht, tuple):           # linear attention with normalize: (kv, z)
         ht = ht[0]

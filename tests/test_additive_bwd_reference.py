@@ -5,20 +5,23 @@ token-by-token recurrence (dsl/torch_reference.py), for the per-key gate (GLA), 
 scalar gate (simple GLA), no gate (linear attention) and every additive spec of
 all_rule_gate_specs (GVA): odd lengths, varlen with empty and one-token sequences, h0
 and dht, both state layouts, fast decays (e^-1000 over a chunk: no exponential of a
-positive number may be taken). Then the kernels' rounding of GEMM operands to bf16 / f16
+positive number may be taken); the value gate (fla's gv) through its key-gated twin
+(dsl.spec.key_twin: the transposed call) the same way. Then the kernels' rounding of GEMM operands to bf16 / f16
 (emulated) on benchmark-like inputs stays well inside the GPU tolerances."""
 import numpy as np
 import pytest
 import torch
 
-from linattn.dsl import Options, all_rule_gate_specs
+from linattn.dsl import Options, all_rule_gate_specs, value_gate_spec
 from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import additive_backward, rounding
 from linattn.ops import gla, linear_attn, simple_gla
 
 F64 = torch.float64
 ADDITIVE = {s.name: s for s in all_rule_gate_specs() if s.rule.value == "additive"}
-FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC}
+ADDITIVE["additive_value"] = value_gate_spec()
+FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC,
+            "gla_gv": gla.SPEC_GV}
 NAMES = dict(q="dq", k="dk", v="dv", g="dg", initial_state="dh0")
 
 
@@ -27,7 +30,7 @@ def _inputs(spec, rng, B, T, H, HV, K, V, N, decay, v_first):
     x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V),
              initial_state=0.1 * (r(N, HV, V, K) if v_first else r(N, HV, K, V)))
     if spec.has_gate:
-        shape = spec.gate_shape(B, T, HV, K)
+        shape = spec.gate_shape(B, T, HV, K, V)
         x["g"] = torch.nn.functional.logsigmoid(r(*shape) + 2) * decay
     st = (N, HV, V, K) if v_first else (N, HV, K, V)
     return x, r(B, T, HV, V), 0.1 * r(*st)
@@ -57,6 +60,14 @@ CASES = [   # spec, B, T, H, HV, K, V, cu, decay, state_v_first
     pytest.param("additive_scalar", 1, 100, 2, 4, 8, 8, None, 1, False, id="scalar-GVA2"),
     pytest.param("additive_none", 1, 100, 1, 2, 8, 8, [0, 30, 100], 1, False,
                  id="none-GVA2-varlen"),
+    pytest.param("gla_gv", 1, 63, 1, 1, 16, 8, None, 1, False, id="gv-T63"),
+    pytest.param("gla_gv", 2, 130, 2, 2, 8, 16, None, 1, False, id="gv-B2-T130"),
+    pytest.param("gla_gv", 1, 200, 1, 1, 16, 16, [0, 1, 1, 70, 200], 1, False,
+                 id="gv-varlen-1-0-69-130"),
+    pytest.param("gla_gv", 1, 130, 1, 1, 16, 8, None, 16, False, id="gv-fast-decay"),
+    pytest.param("gla_gv", 1, 70, 1, 1, 8, 16, None, 1, True, id="gv-v-first"),
+    pytest.param("additive_value", 1, 100, 1, 2, 16, 8, [0, 37, 100], 1, False,
+                 id="value-GVA2-varlen"),
 ]
 
 
@@ -109,7 +120,7 @@ def test_states_layout(rng):
 
 
 @pytest.mark.parametrize("dtype, tol", [("bfloat16", 1e-2), ("float16", 5e-3)])
-@pytest.mark.parametrize("name", ["gla", "simple_gla", "linear_attn"])
+@pytest.mark.parametrize("name", ["gla", "simple_gla", "linear_attn", "gla_gv"])
 def test_rounding_stays_inside_gpu_tolerance(name, dtype, tol, rng):
     """Benchmark-like inputs (GLAChunkBwd's: q, k, v, do ~ N(0, 1), g = logsigmoid(N(2, 1)),
     scale 1/8, h0 and dht 0.1 N(0, 1)) rounded to the dtype, then every GEMM operand the

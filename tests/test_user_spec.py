@@ -21,7 +21,7 @@ import linattn
 from linattn.cli.gen import cli
 from linattn.codegen import plan, render_stage
 from linattn.codegen.render import DEFAULT_OUT
-from linattn.dsl import OpSpec, Options, SpecError
+from linattn.dsl import OpSpec, Options, SpecError, value_gate_spec
 from linattn.ops import api, registry
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -179,6 +179,7 @@ def test_build_signatures_hold_only_what_the_spec_has():
     assert "[B, T, HV]" in ops.chunk.__doc__ and SIMPLE.name in ops.chunk.__name__
     assert ops.spec is SIMPLE and ops.has_backward          # (the additive rule trains)
     assert not linattn.build(DELTA_KEY).has_backward
+    assert linattn.build(value_gate_spec()).has_backward     # (through its key-gated twin)
     assert linattn.build(MY_DELTANET).has_backward
     assert not linattn.build(MY_DELTANET.replace(chunk_size=32)).has_backward
     with pytest.raises(SpecError, match="build\\(\\) takes an OpSpec"):

@@ -87,6 +87,7 @@ def test_chunk_gla_gv_refusals():
         with pytest.raises(SpecError, match=match) as e:
             linattn.chunk_gla(*args, **kw)
         assert "\n" not in str(e.value)
-    with pytest.raises(SpecError, match="no backward yet") as e:
+    q, k, v, gv = _gla(T=5, K=32, V=272)        # the backward's twin has K' = V <= 256
+    with pytest.raises(SpecError, match="V up to 256, got V=272") as e:
         linattn.chunk_gla(q, k, v, gv=gv.requires_grad_())
     assert "\n" not in str(e.value)

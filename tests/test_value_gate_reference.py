@@ -14,6 +14,7 @@ import torch
 from linattn.dsl import OpSpec, Options, SpecError, value_gate_spec
 from linattn.dsl import torch_reference as tr
 from linattn.dsl.chunked import chunked_forward
+from linattn.dsl.chunked_bwd import chunked_backward
 from linattn.dsl.recurrent import random_inputs, recurrent_backward, recurrent_forward
 
 SPEC = value_gate_spec()
@@ -95,10 +96,13 @@ def test_check_call_wants_gv_per_value_channel(rng):
         recurrent_forward(SPEC, **x)
 
 
-def test_backward_references_refuse_the_value_gate(rng):
+def test_token_and_chunked_backward_refuse_the_value_gate(rng):
+    """Its backward is dsl.additive_bwd's (tests/test_additive_bwd_reference.py); the
+    references written for the other gates say so rather than ignore gv."""
     x = random_inputs(SPEC, Options(), 1, 4, 1, 1, 8, 8, rng)
-    with pytest.raises(SpecError, match="gate 'value'"):
-        recurrent_backward(SPEC, **x, do=np.ones((1, 4, 1, 8)))
+    for backward in (recurrent_backward, chunked_backward):
+        with pytest.raises(SpecError, match="gate 'value''s is dsl.additive_bwd"):
+            backward(SPEC, **x, do=np.ones((1, 4, 1, 8)))
 
 
 # -- the references ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ STAGE = "chunk_bwd_dh_scan"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "K", "V", "dtype", "use_dht", "store_dh0")
 EXAMPLES = [
     dict(H=4, K=64, V=64, dtype="bfloat16"),

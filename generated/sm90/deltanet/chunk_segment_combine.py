@@ -29,6 +29,7 @@ STAGE = "chunk_segment_combine"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("HV", "K", "V", "state_v_first", "has_initial_state", "output_final_state")
 EXAMPLES = [
     dict(HV=8, K=128, V=128, state_v_first=False, has_initial_state=False,

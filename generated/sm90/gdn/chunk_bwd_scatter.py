@@ -24,13 +24,13 @@ STAGE = "chunk_bwd_scatter"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "l2norm")
 EXAMPLES = [
     dict(H=2, HV=4, K=128, V=128, dtype="bfloat16", l2norm=True),
     dict(H=4, HV=4, K=64, V=64, dtype="float16", l2norm=False),
 ]
 CHUNK = 64
-L2NORM_EPS = 1e-6
 
 
 def out_idx(**params):

@@ -45,6 +45,7 @@ STAGE = "chunk_kkt_inverse"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "dtype", "g_dtype", "beta_dtype", "l2norm_qk",
                 "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel")
 EXAMPLES = [
@@ -58,7 +59,6 @@ EXAMPLES = [
          heads_fastest=True),
 ]
 CHUNK = 64
-LOG_EPS = 1e-6
 SUB = 16                        # diagonal block of the inverse (a warp per block row)
 MIN_CTAS_PER_SM = 5             # 128 threads: <= 102 registers
 
@@ -130,7 +130,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                 ss = ss + T.cast(xv[v], f32) * T.cast(xv[v], f32)
             for s in XOR:
                 ss = ss + T.shfl_xor(ss, s)
-            r = T.rsqrt(ss + LOG_EPS) if l2norm_qk else T.float32(1)
+            r = T.rsqrt(ss + L2NORM_EPS) if l2norm_qk else T.float32(1)
             if l2norm_qk:
                 for v in T.unroll(NV * VEC):
                     xv[v] = T.cast(T.cast(xv[v], f32) * r, dtype)

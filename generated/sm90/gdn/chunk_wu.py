@@ -24,6 +24,7 @@ STAGE = "chunk_wu"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16"),

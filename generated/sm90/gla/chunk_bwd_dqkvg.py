@@ -43,6 +43,7 @@ STAGE = "chunk_bwd_dqkvg"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "grad_dtype")
 EXAMPLES = [
     dict(H=4, HV=4, K=64, V=64, dtype="bfloat16", g_dtype="bfloat16", grad_dtype="float32"),

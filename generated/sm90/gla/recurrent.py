@@ -38,6 +38,7 @@ STAGE = "recurrent"
 VARIANT = "decode"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype",
                 "l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "state_v_first", "has_initial_state", "output_final_state", "varlen",
@@ -57,7 +58,6 @@ EXAMPLES = [
          h0_dtype="bfloat16", has_initial_state=True, output_final_state=True,
          state_pool=True),
 ]
-EPS_L2 = 1e-6    # l2norm: x * rsqrt(sum x^2 + EPS_L2)
 
 
 def args(**params):
@@ -286,8 +286,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                         sq[i] = kf[i] * kf[i]
                     T.reduce_sum(sq, k_ss, dim=0)
                     for i in T.Parallel(K):
-                        qf[i] = qf[i] * T.rsqrt(q_ss[0] + EPS_L2) * scale
-                        kf[i] = kf[i] * T.rsqrt(k_ss[0] + EPS_L2)
+                        qf[i] = qf[i] * T.rsqrt(q_ss[0] + L2NORM_EPS) * scale
+                        kf[i] = kf[i] * T.rsqrt(k_ss[0] + L2NORM_EPS)
                 else:
                     for i in T.Parallel(K):
                         qf[i] = qf[i] * scale

@@ -21,6 +21,7 @@ STAGE = "chunk_output"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "l2norm_qk")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=False),
@@ -28,7 +29,6 @@ EXAMPLES = [
     dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=True, block_v=128),
 ]
 CHUNK = 64
-NORM_EPS = 1e-6
 
 
 def out_idx(**params):

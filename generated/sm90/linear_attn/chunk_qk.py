@@ -25,6 +25,7 @@ STAGE = "chunk_qk"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "dtype", "l2norm_qk")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, dtype="bfloat16", l2norm_qk=False),
@@ -35,7 +36,6 @@ EXAMPLES = [
          heads_fastest=True),
 ]
 CHUNK = 64
-NORM_EPS = 1e-6
 
 
 def out_idx(**params):
@@ -100,7 +100,7 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="none", threads=128, heads_fas
                     q_sq[i, j] = q_f[i, j] * q_f[i, j]
                 T.reduce_sum(q_sq, q_ss, dim=1)
                 for i, j in T.Parallel(BT, K):
-                    q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + NORM_EPS), dtype)
+                    q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + L2NORM_EPS), dtype)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype), T.cast(0, dtype))

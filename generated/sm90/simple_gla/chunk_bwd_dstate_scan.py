@@ -28,6 +28,7 @@ STAGE = "chunk_bwd_dstate_scan"
 VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("HV", "K", "V", "use_dht", "store_dh0")
 EXAMPLES = [
     dict(HV=4, K=64, V=64, use_dht=True, store_dh0=True),

@@ -20,6 +20,7 @@ STAGE = "chunk_output"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "l2norm_qk")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=False),
@@ -27,7 +28,6 @@ EXAMPLES = [
     dict(H=4, HV=16, K=128, V=128, dtype="bfloat16", l2norm_qk=True, block_v=128),
 ]
 CHUNK = 64
-NORM_EPS = 1e-6
 
 
 def out_idx(**params):
@@ -104,7 +104,7 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
                     q_sq[i, j] = q_f[i, j] * q_f[i, j]
                 T.reduce_sum(q_sq, q_ss, dim=1)
                 for i, j in T.Parallel(BT, K):
-                    q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + NORM_EPS), dtype)
+                    q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + L2NORM_EPS), dtype)
 
             T.gemm(q_s, h_s, o_f, clear_accum=True)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)

@@ -24,6 +24,7 @@ STAGE = "chunk_prepare"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "beta_dtype", "l2norm_qk",
                 "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel")
 EXAMPLES = [
@@ -34,7 +35,6 @@ EXAMPLES = [
          gate_in_kernel=True),
 ]
 CHUNK = 64
-LOG_EPS = 1e-6
 
 
 def out_idx(**params):
@@ -103,7 +103,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                     k_sq[i, j] = k_f[i, j] * k_f[i, j]
                 T.reduce_sum(k_sq, k_ss, dim=1)
                 for i, j in T.Parallel(BT, K):
-                    k_s[i, j] = T.cast(k_f[i, j] * T.rsqrt(k_ss[i] + LOG_EPS), dtype)
+                    k_s[i, j] = T.cast(k_f[i, j] * T.rsqrt(k_ss[i] + L2NORM_EPS), dtype)
                 if hv % group == 0:
                     for i, j in T.Parallel(BT, K):
                         if i < rows:

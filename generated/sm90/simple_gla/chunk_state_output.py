@@ -36,6 +36,7 @@ STAGE = "chunk_state_output"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_v_first", "has_initial_state",
                 "output_final_state")
 EXAMPLES = [

@@ -28,6 +28,7 @@ STAGE = "chunk_state_summary"
 VARIANT = "fwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['state_v_first'])
+L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
     dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
