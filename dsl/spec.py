@@ -301,8 +301,7 @@ def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
 
     Used by tests and by the generator's coverage check: every combination must flow
     through the references and the generator, not just the four named families. The
-    value gate (additive only; references and the recurrent kernel so far) is
-    :func:`value_gate_spec`.
+    value gate (additive only) is :func:`value_gate_spec`.
     """
     out = []
     for rule in Rule:

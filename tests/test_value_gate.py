@@ -20,7 +20,8 @@ SPEC = value_gate_spec()
 
 def test_plan_has_the_three_stage_forward_and_decode():
     """The value gate's stages: the additive rule's three-stage chunked forward (and the
-    split's summary) and the recurrent kernel; no fused pass, no backward yet."""
+    split's summary) and the recurrent kernel; no fused pass (training: the key-gated
+    twin's backward stages, test_additive_bwd)."""
     assert [s.name for s in plan(SPEC, None, "sm90")] == [
         "chunk_prepare", "chunk_state_summary", "chunk_state", "chunk_output", "recurrent"]
     assert plan(SPEC, "bwd", "sm90") == []
@@ -106,11 +107,12 @@ def test_fused_recurrent_gla_gv_refusals():
         linattn.fused_recurrent_gla(q, k, v, gv=gv, reverse=True)
 
 
-def test_build_value_gate_spec_has_no_backward_and_runs_chunked(gv_cpu):
-    """linattn.build of a value-gate spec: forward only; ops.chunk takes the chunked
-    kernels (T > 1; K, V multiples of 16)."""
+def test_build_value_gate_spec_trains_and_runs_chunked(gv_cpu):
+    """linattn.build of a value-gate spec: differentiable (the key-gated twin's backward,
+    ops.additive_bwd.value_gate_backward); ops.chunk takes the chunked kernels (T > 1;
+    K, V multiples of 16)."""
     ops = linattn.build(SPEC)
-    assert not ops.has_backward and "[B, T, HV, V]" in ops.chunk.__doc__
+    assert ops.has_backward and "[B, T, HV, V]" in ops.chunk.__doc__
     q, k, v, gv, h0 = _gla_inputs(T=70)
     o, ht = ops.chunk(q, k, v, gv, initial_state=h0, output_final_state=True)
     assert gv_cpu == [("additive_value", "chunk")]
