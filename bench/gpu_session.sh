@@ -139,10 +139,12 @@ tar -czf "$OUT/${TAG:-results}.tar.gz" -C /tmp results
 # Triton's cubin + JSON (autotuning picks included); TileLang's nvcc cubin cache and
 # Triton's intermediate IR are only read when compiling again
 rm -rf /tmp/gpu-cache/tilelang/*/cuda-binaries
-# TRIM_TRITON=1 (the session's last run): Triton's compiled configs are dropped, its
-# autotuning picks (*.autotune.json) and launchers kept; a later machine compiles the
-# picked config only. Leave it unset while the next run follows on the same warm machine.
-if [ "${TRIM_TRITON:-0}" = 1 ]; then
+# Triton's compiled configs are dropped by default, its autotuning picks (*.autotune.json)
+# and launchers kept: a later machine compiles the picked config only, and the carried cache
+# stays one ~15 MB part beside the 35 MB site archive (the device tool carries 64 MiB in
+# all; session 12's untrimmed cache, 27 MB, was refused). TRIM_TRITON=0 keeps them, for a
+# run that another follows on the same warm machine (idle release is ~30 s).
+if [ "${TRIM_TRITON:-1}" = 1 ]; then
   for d in /tmp/gpu-cache/triton/*/; do ls "$d"*.cubin >/dev/null 2>&1 && rm -rf "$d"; done
 fi
 find /tmp/gpu-cache/triton -type f \( -name '*.llir' -o -name '*.ttir' -o -name '*.ttgir' \
