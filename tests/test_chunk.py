@@ -54,7 +54,7 @@ def test_stage_renders(name, stage):
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
     first = stage in ("chunk_prepare", "chunk_kkt_inverse")
-    cumsum = "T.cumsum" in text or "run = run + " in text     # (the per-key / value scans)
+    cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
     assert cumsum == (first and spec.has_gate)
     if not spec.has_gate and stage != "chunk_kkt_inverse":
         assert "T.exp" not in text and "exp2" not in text

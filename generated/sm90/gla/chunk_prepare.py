@@ -111,16 +111,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         return T.if_then_else(r < rows, x, T.float32(0))
 
     @T.macro
-    def load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, gl, t0, rows, hk, hv, c0, tx):
+    def load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, c0, tx):
         """q, k and the gate cumsum G of channels c0 .. c0 + BK (rows past len: 0). The
         cumsum: thread tx takes channel tx % BK and the rows of part tx // BK (a warp's
-        lanes: consecutive channels of one row). The gate is read once, its RP loads
-        issued together into registers gl (unrolled, apart from the activation, whose
-        branch would otherwise serialise them: one load latency a row, kimi-h32-16k-gik
-        3.23 ms against ~2.0 without gate_in_kernel, run s11-2); activated and summed
-        there; after the parts' totals, the scan writes G_s once (the kernel is bound by
-        the shared-memory pipe: staging g in G_s cost the rows without the option 1-4 %,
-        run s12-3)."""
+        lanes: consecutive channels of one row, so its shared-memory accesses are
+        conflict-free). The gate is read once: its RP loads first, into G_s, unrolled and
+        apart from the activation (whose branch would otherwise serialise them, one load
+        latency a row: kimi-h32-16k-gik, 3.23 ms against ~2.0 without gate_in_kernel, run
+        s11-2); then the activation in place while the part is summed; after the parts'
+        totals, the scan in place."""
         for i, j in T.Parallel(BT, BK):
             q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, c0 + j], T.cast(0, dtype))
         for i, j in T.Parallel(BT, BK):
@@ -130,11 +129,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         run = T.alloc_var(f32)
         run = T.float32(0)
         for ii in T.unroll(RP):
-            gl[ii] = T.if_then_else(r0 + ii < rows, T.cast(g[t0 + r0 + ii, hv, c0 + ch], f32),
-                                    T.float32(0))
+            G_s[r0 + ii, ch] = T.cast(g[t0 + r0 + ii, hv, c0 + ch], f32)
         for ii in T.unroll(RP):
-            gl[ii] = gate(gl[ii], A_log, dt_bias, rows, hv, c0 + ch, r0 + ii)
-            run = run + gl[ii]
+            G_s[r0 + ii, ch] = gate(G_s[r0 + ii, ch], A_log, dt_bias, rows, hv, c0 + ch, r0 + ii)
+            run = run + G_s[r0 + ii, ch]
         tot_s[tx // BK, ch] = run
         T.sync_threads()
         run = T.float32(0)
@@ -142,7 +140,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             if pp < tx // BK:
                 run = run + tot_s[pp, ch]
         for ii in T.unroll(RP):
-            run = run + gl[ii]
+            run = run + G_s[r0 + ii, ch]
             G_s[r0 + ii, ch] = run
         T.sync_threads()
 
@@ -187,7 +185,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             l_s = T.alloc_shared((BT, BK), dtype)          # a level's [k rows i | q rows i]
             r_s = T.alloc_shared((HALF, BK), dtype)        # a level's k rows j
             tot_s = T.alloc_shared((PARTS, BK), f32)       # the cumsum's part totals
-            gl = T.alloc_local((RP,), f32)                 # a thread's gate rows
             nq_s = T.alloc_shared((BT,), f32)              # l2norm's 1 / |x_i| (or 1)
             nk_s = T.alloc_shared((BT,), f32)
             if l2norm_qk:
@@ -208,7 +205,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
 
             # pass 1: the pair sums over the channel panels
             for p in T.serial(n_panels):
-                load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, gl, t0, rows, hk, hv, p * BK, tx)
+                load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, p * BK, tx)
                 if l2norm_qk:
                     add_row_sums(q_s, sq, ssq)
                     add_row_sums(k_s, sq, ssk)
@@ -282,7 +279,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 c0 = p * BK
                 if reload:
                     T.sync_threads()
-                    load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, gl, t0, rows, hk, hv, c0, tx)
+                    load_panel(q, k, g, A_log, dt_bias, q_s, k_s, G_s, tot_s, t0, rows, hk, hv, c0, tx)
                 for j in T.Parallel(BK):
                     g_last[c, hv, c0 + j] = G_s[rows - 1, j]
                 for i, j in T.Parallel(BT, BK):
