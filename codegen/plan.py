@@ -92,9 +92,6 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_gather", "chunk_bwd_gather.py.jinja", "bwd",
               doc="layout in: token-first q, k, v, do to head-first (GVA expanded, l2norm, scale)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
-        Stage("chunk_bwd_wy_recompute", "chunk_bwd_wy_recompute.py.jinja", "bwd",
-              doc="per chunk: A = (I + strict_tril(beta K K^T E))^-1, w, u (head-first)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_bwd_wy_recompute", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: the forward's prepare (A_qk, A, w, u, qg, kg, "
                   "g_last), A written too (token-first)",

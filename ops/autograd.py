@@ -10,8 +10,9 @@ its inputs. The backward recomputes the rest of what it needs, as fla does:
                            (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
                            varlen sequences zero-padded to the longest (zero rows leave the
                            state and every real row's gradient unchanged)
-    chunk_bwd_wy_recompute A, w, u (S: the forward's h, read by chunk_bwd_dqkw through
-                           a row table per layout, _Layout.state_rows)
+    chunk_kkt_inverse,     A, w, u by the forward's prepare kernels over the head-first
+    chunk_wu               rows (S: the forward's h, read by chunk_bwd_dqkw through a row
+                           table per layout, _Layout.state_rows)
     chunk_bwd_* stages     dq, dk, dv, dbeta, dh0 from do * scale and dht
     chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
                            value heads, through the l2norm's backward
@@ -273,7 +274,7 @@ def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages,
     B, T = q.shape[:2]
     chunk_bwd.announce_layout(q, v, call.l2norm_qk, spec=call.spec)
     lays = _layouts(B, T, call.cu, q.device, multiple)
-    out = chunk_bwd.grad_buffers(q, v, lays[0].covered)
+    out = None          # the token-first gradients, allocated after the first stages
     full = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in per_token]
     want_dh0 = initial_state is not None
     dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
@@ -284,6 +285,8 @@ def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages,
         heads = chunk_bwd.gather_inputs(qd, kd, v.detach(), do, lay.row_map, call.scale,
                                         call.l2norm_qk, spec=call.spec)
         dqh, dkh, dvh, dh0_rows, grads = stages(lay, heads, want_dh0, lay.rows(dht))
+        del heads
+        out = out or chunk_bwd.grad_buffers(q, v, lays[0].covered)
         chunk_bwd.scatter_grads(dqh, dkh, dvh, qd, kd, lay.row_map, out, call.l2norm_qk,
                                 spec=call.spec)
         for dst, y in zip(full, grads):
@@ -404,7 +407,7 @@ def _gated_stages(call, lay, heads, g_in, b_in, want_dh0, dht, states):
         rec = dict(chunk_bwd.key_recompute(qh, kh, vh, bh, gh, spec=call.spec), S=S, srow=srow)
         return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
                                              want_dh0=want_dh0, spec=call.spec)
-    A, w, u = chunk_bwd.recompute_wy(kh, vh, bh, g_cum=g_cum, spec=call.spec)
+    A, w, u = chunk_bwd.recompute_wy(kh, vh, bh, g=gh, spec=call.spec)
     return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dht,
                                      want_dh0=want_dh0, g_cum=g_cum, spec=call.spec,
                                      srow=srow)

@@ -55,11 +55,11 @@ SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "c
 #: the scheme run (tests and probes may set "scan")
 SCHEME = "direct"
 #: every stage of this module, in the plan's order
-ALL_STAGES = ("chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_bwd_dv_local",
+ALL_STAGES = ("chunk_bwd_gather", "chunk_bwd_dv_local",
               "chunk_bwd_dh", "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
               "chunk_bwd_wy", "chunk_bwd_scatter")
-#: A, w, u from k, v, beta (the contract's forward takes them from here; a backward that
-#: saved only the inputs would run it first)
+#: the per-key gate's recompute of the forward's prepare (A written too); the other gates
+#: recompute A, w, u by the forward's own chunk_kkt_inverse and chunk_wu (compute_wy)
 RECOMPUTE = "chunk_bwd_wy_recompute"
 ARCH = "sm90"
 CHUNK = 64
@@ -68,8 +68,6 @@ CHUNK = 64
 #: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
 #: (run 2, direct scheme); 2, like the forward's state pass
 DH_NUM_STAGES = 2
-#: the WY recompute's inverse (_chunk_inverse.py.jinja's tensor-core merge)
-RECOMPUTE_INVERSE = "tc"
 #: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
 DH_BLOCK_V_OVERRIDE = None
 #: pipeline depth of the gated dh pass (0: plain loop; the pipelined form compiles for
@@ -96,8 +94,8 @@ def compiled_stage(stage: str, spec=None, **params):
 
 def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=False,
                  state_dtype=None) -> dict:
-    """stage name -> build() params of the stages one call runs: the WY recompute (the
-    contract's forward) and the scheme's four backward stages. B sets the dh pass's value
+    """stage name -> build() params of the scheme's four backward stages (the recompute
+    of A, w, u before them: wy_params). B sets the dh pass's value
     block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
     dh pass starts from the final state's gradient / writes the initial state's; gated:
     the scalar gate's stages (the direct scheme); state_dtype: the states' dtype where it
@@ -110,8 +108,7 @@ def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=F
     common = dict(H=H, K=K, V=V, dtype=dtype)
     dh = _dh_params(common, GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES, B * H,
                     use_dht, store_dh0)
-    params = {RECOMPUTE: dict(common, inverse=RECOMPUTE_INVERSE),
-              "chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
+    params = {"chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
                                                 else {}),
                                      **({"state_dtype": state_dtype} if state_dtype else {})),
               "chunk_bwd_wy": common}
@@ -263,6 +260,7 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
         run("chunk_bwd_dv_local", q, k, do, *gx, dv_local)
         dv2 = torch.empty_like(v)
         run("chunk_bwd_dh", q, k, w, do, *gx, dv_local, dh, dv2, dht_in, dh0_out)
+        del dv_local                        # (its memory serves the next stages)
     dk_part = f32(B, H, L, K)
     dw = torch.empty_like(k)
     dg_part = (f32(B, H, L),) if gated else ()
@@ -391,12 +389,15 @@ def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, spec=
                               config={"fused": False})
 
 
-def wy_params(*, H, K, V, dtype, B=1, L=64) -> dict:
-    """The plan's prepare stages for head-first A, w, u: chunk_kkt_inverse writing A
-    itself, chunk_wu applying beta (a_beta=False)."""
-    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L))
-    return {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], a_beta=False),
-            "chunk_wu": dict(params["chunk_wu"], a_beta=False, beta_dtype=dtype)}
+def wy_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
+    """The plan's prepare stages for head-first A, w, u (spec's, default DeltaNet's; the
+    scalar gate's take g): chunk_kkt_inverse writing A itself, chunk_wu applying beta
+    (a_beta=False); the chunks on the grid's first index (one head: heads_fastest off)."""
+    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
+                                             spec=spec))
+    one = dict(heads_fastest=False, a_beta=False)
+    return {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], **one),
+            "chunk_wu": dict(params["chunk_wu"], **one, beta_dtype=dtype)}
 
 
 def forward_params(*, H, K, V, dtype, B=1, L=64) -> dict:
@@ -407,30 +408,33 @@ def forward_params(*, H, K, V, dtype, B=1, L=64) -> dict:
             **{s: params[s] for s in ("chunk_state", "chunk_output")}}
 
 
-def compute_wy(k, v, beta, A, w, u, tables, wy=None):
+def compute_wy(k, v, beta, A, w, u, tables, wy=None, g=None, spec=None):
     """A, w, u of head-first k, v [B, H, L, D], beta [B, H, L] into A [B, H, L, 64], w, u
     (contiguous, the input dtype): the plan's two prepare kernels over the B * H one-head
-    sequences (tables: their chunk tables, ops.chunk._tables; wy: their wy_params)."""
+    sequences (tables: their chunk tables, ops.chunk._tables; wy: their wy_params). g
+    [B, H, L] f32 (spec a scalar gate's, L a multiple of 64): the per-token log gate, whose
+    in-chunk cumulative sum the first kernel takes: A = (I + strict_tril(beta_i k_i.k_j
+    e^(g_cum_i - g_cum_j)))^-1, w = A (beta e^g_cum k), u = A (beta v)."""
     import torch
     B, H, L, K = k.shape
     V = v.shape[-1]
     Ttot = B * H * L
     dtype = str(k.dtype).replace("torch.", "")
+    spec = spec or default_spec()
     if wy is None:
-        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L)
-    spec = default_spec()
+        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L, spec=spec)
     runtime.announce(spec, ARCH, wy)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
+    NT = tables["chunk_bos"].numel()
     kf = k.contiguous().view(Ttot, 1, K)
     x = dict(tables, q=kf, k=kf, qn=kf, kn=kf, v=v.contiguous().view(Ttot, 1, V),
-             beta=beta.contiguous().view(Ttot, 1), g=f32(Ttot, 1), g_cum=f32(Ttot, 1),
+             beta=beta.contiguous().view(Ttot, 1),
+             g=f32(Ttot, 1) if g is None else g.contiguous().view(Ttot, 1),
+             g_cum=f32(Ttot, 1) if g is None else f32(1, NT * CHUNK),
              A_log=f32(1), dt_bias=f32(1), A=A.view(Ttot, 1, CHUNK),
-             chunk_norm=f32(1, tables["chunk_bos"].numel()), w=w.view(Ttot, 1, K),
-             u=u.view(Ttot, 1, V))
-    runtime.launch_kernel(spec, ARCH, "chunk_kkt_inverse", wy["chunk_kkt_inverse"], x)
-    # chunk_wu with a_beta=False reads beta in its (unused without a gate) g_cum slot
-    runtime.launch_kernel(spec, ARCH, "chunk_wu", wy["chunk_wu"], x,
-                          lambda n: "beta" if n == "g_cum" else n)
+             chunk_norm=f32(1, NT), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V))
+    for stage in ("chunk_kkt_inverse", "chunk_wu"):
+        runtime.launch_kernel(spec, ARCH, stage, wy[stage], x)
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -477,32 +481,25 @@ def chunk_forward_intermediates(q, k, v, beta):
     return o, S, A, A, w, u
 
 
-def recompute_wy(k, v, beta, g_cum=None, spec=None):
+def recompute_wy(k, v, beta, g=None, spec=None):
     """What the backward needs from the forward besides its states (the training forward
     keeps those: ops/autograd.py), recomputed from its inputs: head-first k [B, H, L, DK],
     v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype) -> (A [B, H, L, 64], w
     [B, H, L, DK], u [B, H, L, DV]) in the input dtype, by the forward plan's prepare
-    (:func:`compute_wy`). With g_cum [B, H, L] f32 (the scalar gate, L a multiple of 64;
-    spec the gated spec) the gated chunk_bwd_wy_recompute: A = (I + strict_tril(beta_i
-    k_i.k_j e^(g_i - g_j)))^-1, w = A (beta k e^g_cum), u = A (beta v)."""
+    (:func:`compute_wy`); g [B, H, L] f32: the scalar gate's per-token log gate (L a
+    multiple of 64; spec the gated spec, default the registry's "gdn")."""
     import torch
     B, H, L, K, V = _dims(k, k, v, beta)
     dt, dev = k.dtype, k.device
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
-    if g_cum is not None:
-        _check_gate(g_cum, B, H, L)
-    if B * H * L == 0:
-        return A, w, u
-    if g_cum is None:
+    if g is not None:
+        _check_gate(g, B, H, L)
+        spec = spec or _gated_spec()
+    if B * H * L:
         compute_wy(k, v, beta, A, w, u, chunk._tables(tuple(range(0, B * H * L + 1, L)),
-                                                      CHUNK, dev, 0))
-        return A, w, u
-    k, v, beta, g_cum = (x.contiguous() for x in (k, v, beta, g_cum))
-    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                          gated=True)[RECOMPUTE]
-    compiled_stage(RECOMPUTE, spec or _gated_spec(), **params)(k, v, beta, g_cum, A, w, u)
+                                                      CHUNK, dev, 0), g=g, spec=spec)
     return A, w, u
 
 
@@ -622,6 +619,7 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     run("chunk_bwd_dv_local", rec["aqk"], do, dv_local)
     run("chunk_bwd_dh", rec["qg"], rec["kg"], rec["w"], do, rec["g_last"], dv_local, dh, dv2,
         dht_in, dh0_out)
+    del dv_local
     dk_part, dg_part, dw = f32(B, H, L, K), f32(B, H, L, K), torch.empty_like(k)
     S, srow = _state_rows(rec["S"], rec.get("srow"), B, H, NC, K, V, dt)
     run("chunk_bwd_dqkw", q, k, rec["w"], rec["u"], do, g_cum, dv2, S, srow, dh, dq,

@@ -285,8 +285,8 @@ GDN_PIPELINED_CASES = [GDN_CASES[1], GDN_CASES[3], GDN_CASES[8]]
 
 
 def _gdn_jobs(p):
-    """(forward jobs, backward stage_params) of one GDN case, as _jobs (best effort: a
-    kernel missed here compiles on its first call)."""
+    """(forward and recompute jobs, backward stage_params) of one GDN case, as _jobs (best
+    effort: a kernel missed here compiles on its first call)."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.gdn import SPEC
@@ -298,6 +298,8 @@ def _gdn_jobs(p):
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
     dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
+    jobs += [(SPEC, s, pr) for s, pr in
+             chunk_bwd.wy_params(**dims, L=-(-max(lens) // 64) * 64, spec=SPEC).items()]
     return jobs, chunk_bwd.stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"],
                                         gated=True)
 

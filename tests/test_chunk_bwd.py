@@ -39,7 +39,7 @@ def test_plan_lists_backward_stages():
                              "delta_key": key}[spec.name]
 
 
-GATED_STAGES = ("chunk_bwd_gather", "chunk_bwd_wy_recompute", "chunk_bwd_dv_local",
+GATED_STAGES = ("chunk_bwd_gather", "chunk_bwd_dv_local",
                  "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy", "chunk_bwd_scatter")
 
 
@@ -180,19 +180,7 @@ def _wy(k, v, beta, A, dw, du, dk_part, dk, dv, dbeta):
     _store(dbeta, db.unsqueeze(-1), L)
 
 
-def _wy_recompute(k, v, beta, A_out, w, u):
-    L = k.shape[2]
-    kc, vc, bc = (_chunks(x, L) for x in (k, v, beta))
-    M = torch.tril(bc * kc @ kc.transpose(-1, -2), -1)
-    eye = torch.eye(C, dtype=F64)
-    A = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False)
-    A_lp = A.to(A_out.dtype).to(F64)                # the kernel multiplies the stored A
-    _store(A_out, A, L)
-    _store(w, A_lp @ (bc * kc), L)
-    _store(u, A_lp @ (bc * vc), L)
-
-
-EMULATE = {"chunk_bwd_wy_recompute": _wy_recompute, "chunk_bwd_dv_local": _dv_local,
+EMULATE = {"chunk_bwd_dv_local": _dv_local,
            "chunk_bwd_transition": _transition, "chunk_bwd_dh_scan": _dh_scan, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
            "chunk_bwd_wy": _wy}
 
@@ -286,19 +274,7 @@ def _wy_g(k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
     _store(dg, dgc, L)
 
 
-def _wy_recompute_g(k, v, beta, g_cum, A_out, w, u):
-    L, dt = k.shape[2], k.dtype
-    kc, vc, bc = (_chunks(x, L) for x in (k, v, beta))
-    gc, _, E = _decays(g_cum, L)
-    M = torch.tril(bc * (kc @ kc.transpose(-1, -2)) * E, -1)
-    eye = torch.eye(C, dtype=F64)
-    A = _lp(torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False), dt)
-    _store(A_out, A, L)
-    _store(w, A @ _lp(bc * kc * torch.exp(gc), dt), L)
-    _store(u, A @ _lp(bc * vc, dt), L)
-
-
-EMULATE_GATED = {"chunk_bwd_wy_recompute": _wy_recompute_g, "chunk_bwd_dv_local": _dv_local_g,
+EMULATE_GATED = {"chunk_bwd_dv_local": _dv_local_g,
                  "chunk_bwd_dh": _dh_g, "chunk_bwd_dqkw": _dqkw_g, "chunk_bwd_wy": _wy_g}
 
 
@@ -399,6 +375,8 @@ def test_contract_plan_and_params():
     assert wy["chunk_kkt_inverse"]["a_beta"] is False and wy["chunk_wu"]["a_beta"] is False
     assert wy["chunk_wu"]["beta_dtype"] == "float16"
     assert wy["chunk_kkt_inverse"]["H"] == wy["chunk_kkt_inverse"]["HV"] == 1
+    # one head: the chunks on the grid's first index (no 65535 limit of gridDim.y)
+    assert not wy["chunk_kkt_inverse"]["heads_fastest"] and not wy["chunk_wu"]["heads_fastest"]
     fwd = chunk_bwd.forward_params(**dims)
     assert list(fwd) == ["chunk_kkt_inverse", "chunk_wu", "chunk_state", "chunk_output"]
     assert fwd["chunk_state"]["states_out"] and fwd["chunk_state"]["output_final_state"]
@@ -409,7 +387,7 @@ def test_contract_plan_and_params():
         chunk.stage_module(spec, stage).build(**params)        # the templates take them
     # the backward's stages at the same sizes
     params = chunk_bwd.stage_params(H=3, K=64, V=128, dtype="float16", B=2, use_dht=True)
-    assert set(chunk_bwd.SCHEMES[chunk_bwd.SCHEME]) | {chunk_bwd.RECOMPUTE} == set(params)
+    assert set(chunk_bwd.SCHEMES[chunk_bwd.SCHEME]) == set(params)
     assert params["chunk_bwd_dh"]["num_stages"] == chunk_bwd.DH_NUM_STAGES
     assert params["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in params["chunk_bwd_dh"]
 
@@ -456,6 +434,26 @@ def test_recompute_wy(fake_backward, rng):
     assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
     ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     assert _rel(A, ref[2]) < 2e-3 and _rel(w, ref[4]) < 2e-3 and _rel(u, ref[5]) < 2e-3
+
+
+def test_recompute_wy_gated(fake_backward, rng):
+    """The scalar gate's A, w, u by the same two kernels (gdn's): chunk_kkt_inverse takes
+    the per-token g's in-chunk cumulative sum, chunk_wu w = A diag(beta e^g_cum) k, u =
+    A diag(beta) v; checked against the fp64 formulas chunk by chunk."""
+    B, H, L, K, V = 2, 2, 128, 64, 64
+    _, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.bfloat16)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    g = -torch.rand(B, H, L, generator=gen, dtype=torch.float32) * 0.2
+    A, w, u = chunk_bwd.recompute_wy(k, v, beta, g=g, spec=get_spec("gdn"))
+    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
+    kc, vc, bc = (x.to(F64).view(B, H, L // C, C, -1) for x in (k, v, beta.unsqueeze(-1)))
+    gc = g.to(F64).view(B, H, L // C, C, 1).cumsum(3)
+    M = torch.tril(bc * (kc @ kc.transpose(-1, -2)) * (gc - gc.transpose(-1, -2)).exp(), -1)
+    eye = torch.eye(C, dtype=F64)
+    Ar = torch.linalg.inv(eye + M)
+    wr, ur = Ar @ (bc * gc.exp() * kc), Ar @ (bc * vc)
+    for x, r in ((A, Ar), (w, wr), (u, ur)):
+        assert _rel(x.view(r.shape), r) < 1e-2, _rel(x.view(r.shape), r)
 
 
 @pytest.mark.compile

@@ -146,16 +146,14 @@ class PipelineMath:
                 d = b * kk.pow(2).sum(-1)
                 chunk_norm[hv, ci] = gh[-1] + (d - 1).clamp_min(1).log().sum()
 
-    def wu(self, p, k, v, A, g_cum, chunk_bos, chunk_len, w, u):
-        """w = A_b e^g k, u = A_b v (a_beta=False: g_cum holds beta, A_b = A diag(beta))."""
+    def wu(self, p, k, v, A, beta, chunk_bos, chunk_len, w, u, g_cum=None):
+        """w = A_b e^g k, u = A_b v (a_beta=False: A_b = A diag(beta))."""
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
             for hv in range(self.HV):
                 Ab = A[t0:t0 + n, hv, :n].to(F64)
                 if not p.get("a_beta", True):
-                    Ab = Ab * g_cum[t0:t0 + n, hv].to(F64)[None, :]
-                    gh = torch.zeros(n, dtype=F64)
-                else:
-                    gh = self.scalar_gate(g_cum, hv, ci, n)
+                    Ab = Ab * beta[t0:t0 + n, hv].to(F64)[None, :]
+                gh = self.scalar_gate(g_cum, hv, ci, n)
                 kk = k[t0:t0 + n, hv // self.group].to(F64)
                 w[t0:t0 + n, hv] = ((Ab * gh.exp()[None, :]) @ kk).to(w.dtype)
                 u[t0:t0 + n, hv] = (Ab @ v[t0:t0 + n, hv].to(F64)).to(u.dtype)

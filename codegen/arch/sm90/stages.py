@@ -170,8 +170,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     bind = dict(u="u" if delta else "v", k="kn" if p.l2norm_qk else "k")
     if delta:
         bufs += prepare_buffers(p)
-        return [kkt_launch(p), launch("chunk_wu", dict(common, block_n=wu_block_n(p.K, p.V), **order),
-                                      k=bind["k"])], bufs, bind
+        wu = dict(common, block_n=wu_block_n(p.K, p.V), beta_dtype=p.beta_dtype, **order)
+        return [kkt_launch(p), launch("chunk_wu", wu, k=bind["k"])], bufs, bind
     gated = p.gate == "scalar"
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
     if p.l2norm_qk:

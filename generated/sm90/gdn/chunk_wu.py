@@ -29,6 +29,7 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16"),
     dict(H=2, HV=8, K=64, V=128, dtype="float16", a_dtype="float32"),
+    dict(H=1, HV=1, K=128, V=128, dtype="bfloat16", a_beta=False, beta_dtype="bfloat16"),
 ]
 CHUNK = 64
 
@@ -51,13 +52,13 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, heads_faste
 
     Tensors (Ttot tokens, NT chunks, dynamic):
       k [Ttot, H, K] (kn when l2norm_qk), v [Ttot, HV, V], A [Ttot, HV, 64] (a_dtype),
-      g_cum [HV, NT * 64] f32 (scalar gate; [Ttot, HV] and unused without a gate),
+      g_cum [HV, NT * 64] f32 (scalar gate), beta [Ttot, HV],
       chunk_bos [NT], chunk_len [NT] (int32)
       -> w [Ttot, HV, K], u [Ttot, HV, V]
     block_n: the columns of one GEMM (divides K and V); grid (NT, HV).
-    a_beta=False (no gate): A arrives without beta (chunk_kkt_inverse's a_beta=False) and
-    the g_cum tensor is beta [Ttot, HV] (beta_dtype): w = A diag(beta) k, u = A diag(beta)
-    v (the DeltaNetChunkFwd contract).
+    beta [Ttot, HV] (beta_dtype) is read only with a_beta=False: A arrives without beta
+    (chunk_kkt_inverse's a_beta=False; the DeltaNetChunkFwd contract and the backward's
+    recompute) and w = A diag(beta e^g_cum) k, u = A diag(beta) v (A in the input dtype).
     """
     BT = CHUNK
     BN = block_n
@@ -65,6 +66,7 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, heads_faste
     NK = K // BN
     NV = V // BN
     a_dtype = a_dtype or dtype
+    assert a_beta or a_dtype == dtype, "a_beta=False takes A in the input dtype"
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -75,6 +77,7 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, heads_faste
         v: T.Tensor((Ttot, HV, V), dtype),
         A: T.Tensor((Ttot, HV, BT), a_dtype),
         g_cum: T.Tensor((HV, NT * BT), f32),
+        beta: T.Tensor((Ttot, HV), beta_dtype),         # read with a_beta=False only
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         w: T.Tensor((Ttot, HV, K), dtype),
@@ -106,9 +109,18 @@ def build(H, HV, K, V, dtype, a_dtype=None, block_n=64, threads=128, heads_faste
                     aw_s[i, j] = T.cast(a_f[i, j] * T.exp(g_s[j]), dtype)
             else:
                 T.copy(A[t0:t0 + BT, hv, 0:BT], a_s)
+                if not a_beta:          # A diag(beta): beta_j of the chunk's rows, 0 past them
+                    b_s = T.alloc_shared((BT,), f32)
+                    for j in T.Parallel(BT):
+                        b_s[j] = T.if_then_else(j < rows, T.cast(beta[t0 + j, hv], f32),
+                                                T.float32(0))
                 T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
-                for i, j in T.Parallel(BT, BT):
-                    aw_s[i, j] = T.cast(T.cast(a_s[i, j], f32) * T.exp(g_s[j]), dtype)
+                for i, j in T.Parallel(BT, BT):     # one rounding of A beta_j e^g_j
+                    aw_s[i, j] = T.cast(T.cast(a_s[i, j], f32) * T.exp(g_s[j])
+                                        * (T.float32(1) if a_beta else b_s[j]), dtype)
+                if not a_beta:
+                    for i, j in T.Parallel(BT, BT):
+                        a_s[i, j] = T.cast(T.cast(a_s[i, j], f32) * b_s[j], dtype)
             T.ptx_wait_group(1)         # k's group
             T.sync_threads()
             for nb in T.unroll(NK):
