@@ -5,7 +5,9 @@
 """Chunked backward, stage 3 of 4: per chunk, the gradients through the output and the
 state update, and the gradient of w.
 
-One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t,
+One CTA of two warpgroups per (chunk, sequence x head), whole K and V (one CTA a SM at
+K = V = 128: 153 KB of shared memory; the second warpgroup halves each GEMM's and each
+element-wise phase's work, run s14-3); S[t] is the state entering chunk t,
 read at row srow[b, h, t] of the state rows S (state_dtype: the input dtype in training,
 where the forward's walk or the recompute keeps the states so, in its own layout; f32
 in the DeltaNetChunkBwd contract, whose forward returns them so), dh[t] the gradient of
@@ -52,7 +54,7 @@ def args(**params):
     return ["q", "k", "w", "u", "do", "dv2", "S", "srow", "dh", "dq", "dk_part", "dw"]
 
 
-def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=128):
+def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=256):
     """prim_func for chunk_bwd_dqkw.
 
     Tensors (B, L, NC = ceil(L / 64), R dynamic):

@@ -5,7 +5,9 @@
 """Chunked backward, stage 3 of 4: per chunk, the gradients through the output and the
 state update, and the gradient of w.
 
-One CTA per (chunk, sequence x head), whole K and V; S[t] is the state entering chunk t,
+One CTA of two warpgroups per (chunk, sequence x head), whole K and V (one CTA a SM at
+K = V = 128: 153 KB of shared memory; the second warpgroup halves each GEMM's and each
+element-wise phase's work, run s14-3); S[t] is the state entering chunk t,
 read at row srow[b, h, t] of the state rows S (state_dtype: the input dtype in training,
 where the forward's walk or the recompute keeps the states so, in its own layout; f32
 in the DeltaNetChunkBwd contract, whose forward returns them so), dh[t] the gradient of
@@ -26,7 +28,7 @@ dh enter the GEMMs in the input dtype. Rows i, j of the chunk, rows past L read 
 g_cum [B, H, L, K] f32: G, the in-chunk cumulative log gate per key channel (rows past
 L take the last row's). The pair sums factor through the first row of each 16-row block
 (_key_pair_grads.py.jinja): tensor-core GEMMs below the diagonal, the diagonal 16 x 16
-blocks element by element, no exponential of a positive number. Two warpgroups.
+blocks element by element, no exponential of a positive number.
 
 With dv2_from_dh (the scan scheme, whose sequential stage keeps no dv2), the dv2 buffer
 holds dv_local on entry and the kernel first forms dv2 = dv_local + k dh[t], writing it
