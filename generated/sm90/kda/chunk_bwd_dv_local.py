@@ -4,8 +4,8 @@
 # regenerate: linattn-gen --op kda --arch sm90
 """Chunked backward, stage 1 of 4: the intra-chunk part of the value gradient.
 
-One CTA per (chunk, sequence x head); head-first tensors [B, H, L, D], rows i, j of the
-chunk (rows past L read as 0, never written):
+One CTA of two warpgroups per (chunk, sequence x head); head-first tensors [B, H, L, D],
+rows i, j of the chunk (rows past L read as 0, never written):
 
   dv_local = A_qk^T do                         (A_qk [B, H, L, 64]: the recompute's
                                                per-key decayed tril_incl(q k^T))
@@ -42,7 +42,7 @@ def args(**params):
     return ["aqk", "do", "dv_local"]
 
 
-def build(H, K, V, dtype, threads=128):
+def build(H, K, V, dtype, threads=256):
     """prim_func for chunk_bwd_dv_local.
 
     Tensors (B, L dynamic): aqk [B, H, L, 64], do [B, H, L, V]
