@@ -62,14 +62,27 @@ def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0,
         rec["traceback"] = traceback.format_exc(limit=4)
         return rec
     rec["reference_s"] = time.monotonic() - t0
+    _slow_phase(row, "inputs and reference", rec["reference_s"])
     for name in impl_names:
+        t1 = time.monotonic()
         rec["impls"].update(_run_impl(name, row, x, ref, device, time_it, timer_budget_ms))
+        _slow_phase(row, f"{name} (first call, check, timing)", time.monotonic() - t1)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     del x, ref
     gc.collect()
     rec["row_s"] = time.monotonic() - t0
     return rec
+
+
+#: a row's phase that takes longer (s) is named in the log as it ends (where a run cut by
+#: its time limit spent it: fla's first autotuning, the fp64 reference)
+SLOW_PHASE_S = 10.0
+
+
+def _slow_phase(row, what: str, seconds: float) -> None:
+    if seconds > SLOW_PHASE_S:
+        print(f"{row.op} {row.workload} {row.dtype}: {what} took {seconds:.0f} s", flush=True)
 
 
 def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
