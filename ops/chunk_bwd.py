@@ -229,16 +229,15 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
         _check_gate(g_cum, B, H, L)
         spec = spec or _gated_spec()
     spec = spec or default_spec()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbeta = torch.empty_like(beta)
+    dq, dbeta = torch.empty_like(q), torch.empty_like(beta)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
     dh0 = f32(B, H, K, V) if want_dh0 else None
     dg = f32(B, H, L) if gated else None
-    out = (dq, dk, dv, dbeta, dh0) + ((dg,) if gated else ())
     if L == 0 or B == 0:
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else 0.0)
-        return out
+        return (dq, torch.empty_like(k), torch.empty_like(v), dbeta, dh0) + (
+            (dg,) if gated else ())
     q, k, v, beta, do, w, u, A = (x.contiguous() for x in (q, k, v, beta, do, w, u, A))
     params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                           use_dht=dht is not None, store_dh0=want_dh0, gated=gated,
@@ -265,11 +264,13 @@ def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_c
     dw = torch.empty_like(k)
     dg_part = (f32(B, H, L),) if gated else ()
     run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, srow, dh, dq, dk_part, dw, *dg_part)
+    del dh          # dk, dv (written by the last stage only) take its memory, not the peak's
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
         *((dg,) if gated else ()))
     if gated:       # the reverse cumulative sum within each chunk (g_cum = cumsum(g))
         dg.copy_(dg.view(B, H, NC, CHUNK).flip(-1).cumsum(-1).flip(-1).view(B, H, L))
-    return out
+    return (dq, dk, dv, dbeta, dh0) + ((dg,) if gated else ())
 
 
 def state_rows(S, NC: int):
@@ -586,7 +587,9 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
     dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
     multiple of 64), rec: key_recompute's dict with the states entering the chunks,
-    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]); dht
+    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]), consumed:
+    each recomputed tensor leaves it once its last stage is launched (its memory then
+    serves the later stages'); dht
     [B, H, DK, DV] f32 or None. Returns (dq, dk, dv, dbeta (input dtype), dh0
     [B, H, DK, DV] f32 or None, dg [B, H, L, DK] f32: the gradient of the per-token log
     gate g)."""
@@ -600,13 +603,12 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
         _check("dht", dht, (B, H, K, V), torch.float32)
     spec = spec or _key_spec()
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dbeta, dg = torch.empty_like(beta), f32(B, H, L, K)
+    dq, dbeta, dg = torch.empty_like(q), torch.empty_like(beta), f32(B, H, L, K)
     dh0 = f32(B, H, K, V) if want_dh0 else None
     if L == 0 or B * H == 0:
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else 0.0)
-        return dq, dk, dv, dbeta, dh0, dg
+        return dq, torch.empty_like(k), torch.empty_like(v), dbeta, dh0, dg
     q, k, v, beta, do, g_cum = (x.contiguous() for x in (q, k, v, beta, do, g_cum))
     params = key_stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
                               use_dht=dht is not None, store_dh0=want_dh0)
@@ -616,14 +618,16 @@ def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=
     dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
     dv_local, dv2 = torch.empty_like(v), torch.empty_like(v)
     dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
-    run("chunk_bwd_dv_local", rec["aqk"], do, dv_local)
-    run("chunk_bwd_dh", rec["qg"], rec["kg"], rec["w"], do, rec["g_last"], dv_local, dh, dv2,
-        dht_in, dh0_out)
+    run("chunk_bwd_dv_local", rec.pop("aqk"), do, dv_local)
+    run("chunk_bwd_dh", rec.pop("qg"), rec.pop("kg"), rec["w"], do, rec.pop("g_last"),
+        dv_local, dh, dv2, dht_in, dh0_out)
     del dv_local
     dk_part, dg_part, dw = f32(B, H, L, K), f32(B, H, L, K), torch.empty_like(k)
     S, srow = _state_rows(rec["S"], rec.get("srow"), B, H, NC, K, V, dt)
-    run("chunk_bwd_dqkw", q, k, rec["w"], rec["u"], do, g_cum, dv2, S, srow, dh, dq,
+    run("chunk_bwd_dqkw", q, k, rec.pop("w"), rec.pop("u"), do, g_cum, dv2, S, srow, dh, dq,
         dk_part, dw, dg_part)
-    run("chunk_bwd_wy", k, v, beta, g_cum, rec["A"], dw, dv2, dk_part, dg_part, dk, dv, dbeta,
-        dg)
+    del dh          # dk, dv (written by the last stage only) take its memory
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    run("chunk_bwd_wy", k, v, beta, g_cum, rec.pop("A"), dw, dv2, dk_part, dg_part, dk, dv,
+        dbeta, dg)
     return dq, dk, dv, dbeta, dh0, dg
