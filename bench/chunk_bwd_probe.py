@@ -103,26 +103,11 @@ def line(r):
     for op in ("fwd", "bwd"):
         if f"fla_{op}_kernels_ms" in r:
             text += f"\n   fla {op}: {_short(r[f'fla_{op}_kernels_ms'])}"
-    for sch in ("scan", "direct"):
-        x = r.get(f"ours_bwd_{sch}")
-        if x is not None:
-            text += f"\n   bwd {sch}: " + (x if isinstance(x, str) else
-                                           f"{x['ms']:.4f} ms (diff {x['diff']:.1e}): "
-                                           f"{_short(x['kernels_ms'])}")
     for var, x in r.get("dh_sweep", {}).items():
         text += f"\n   dh {var:12s} " + (x if isinstance(x, str) else
                                           f"bwd {x['ms']:.4f} ms, dh {x['dh_ms']:.4f} ms, "
                                           f"diff {x['diff']:.1e}")
     return text
-
-
-def _with_scheme(name, fn):
-    saved = chunk_bwd.SCHEME
-    chunk_bwd.SCHEME = name
-    try:
-        return fn()
-    finally:
-        chunk_bwd.SCHEME = saved
 
 
 def probe(name, iters, sweep=False):
@@ -139,14 +124,6 @@ def probe(name, iters, sweep=False):
         ms, per, n = device_times(fn, iters=iters)
         res[f"ours_{op}_ms"], res[f"ours_{op}_kernels_ms"], res[f"ours_{op}_n_kernels"] = ms, per, n
         res[f"ours_{op}_tflops"] = flops / ms * 1e-9
-    try:    # the other scheme of the state-gradient pass (scan: one GEMM per chunk)
-        other = "scan" if chunk_bwd.SCHEME != "scan" else "direct"
-        ref, got = ours_bwd(), _with_scheme(other, ours_bwd)
-        ms, per, _ = _with_scheme(other, lambda: device_times(ours_bwd, iters=iters))
-        res[f"ours_bwd_{other}"] = dict(ms=ms, kernels_ms=per, diff=max(
-            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, ref)))
-    except Exception as e:
-        res[f"ours_bwd_{other}"] = f"{type(e).__name__}: {e}"[:200]
     if sweep:
         ref = ours_bwd()
         res["dh_sweep"] = {}
@@ -189,10 +166,9 @@ def main():
             B, H, L, D, dtn = WORKLOADS[n]
             dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
             fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims, L=L).items()]
-            bwd.append(chunk_bwd.stage_params(**dims))
-            bwd.append(_with_scheme("scan", lambda: chunk_bwd.stage_params(**dims)))
+            bwd.append(chunk_bwd.backward_params(**dims))
             if n == args.sweep_on:
-                bwd += [_with_dh(ns, bv, lambda: chunk_bwd.stage_params(**dims))
+                bwd += [_with_dh(ns, bv, lambda: chunk_bwd.backward_params(**dims))
                         for ns, bv in SWEEP]
         errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
         print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)

@@ -6,7 +6,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_session.sh ; source .gpu/savecache.sh
 #
 # Steps are chosen with STEPS (default "decode chunk probe bench"; also dprobe, cbwd,
-# cbprobe, kkt, split, autograd, gdnbwd, additive, aprobe, glabwd, train, warm, bench2, ncu: see
+# cbprobe, kkt, split, autograd, additive, aprobe, glabwd, train, warm, bench2, ncu: see
 # the case below), each with a limit
 # <STEP>_S in seconds; probe (bench/walk_probe.py: the chunked forward's plans), decode
 # probe and bench arguments with PROBE_ARGS (PROBE2_ARGS), DPROBE_ARGS and BENCH_ARGS
@@ -87,10 +87,6 @@ for s in $STEPS; do
     autograd) run_step autograd "${AUTOGRAD_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --tb=short --durations=8 tests/test_autograd_gpu.py -k "${AUTOGRAD_K:-}" \
              --junitxml="$R/autograd.xml" ;;
-    # the Gated DeltaNet backward bf16 vs f16, end to end and stage by stage against the
-    # fp64 of each stage on the GPU's own inputs (bench/gdn_bwd_probe.py; GDNBWD_ARGS)
-    gdnbwd) run_step gdnbwd "${GDNBWD_S:-200}" python3 bench/gdn_bwd_probe.py ${GDNBWD_ARGS:-} \
-             --out "$R/gdn_bwd_probe.json" ;;
     # Nsight Compute on one call of ours and fla's per workload (bench/ncu_probe.py)
     ncu) run_step ncu "${NCU_S:-200}" bash -c 'N=$(command -v ncu || ls /usr/local/cuda*/bin/ncu \
              /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$N" ] || { echo "no ncu"; exit 3; }
@@ -155,7 +151,6 @@ echo "===== chunk (tail)"; tail -n 40 "$R/chunk.log" 2>/dev/null
 echo "===== decode probe (tail)"; tail -n 70 "$R/dprobe.log" 2>/dev/null
 echo "===== chunk bwd (tail)"; tail -n 30 "$R/cbwd.log" 2>/dev/null
 echo "===== chunk bwd probe (tail)"; tail -n 50 "$R/cbprobe.log" 2>/dev/null
-[ -f "$R/gdnbwd.log" ] && { echo "===== gdnbwd (tail)"; tail -n 45 "$R/gdnbwd.log"; }
 for s in kkt dropin pool split autograd ncu additive aprobe glabwd glaprobe trainprobe cp cptest; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 for s in probe probe2; do [ -f "$R/$s.log" ] && { echo "===== $s (tail)"; tail -n 25 "$R/$s.log"; }; done
 [ -f "$R/warm.log" ] && { echo "===== warm (tail)"; tail -n 30 "$R/warm.log"; }

@@ -3,29 +3,34 @@ forward (ops/chunk.py) and backward (ops/chunk_bwd.py) stages.
 
 The forward runs the chunked forward keeping its per-chunk states h [NT, HV, K, V] (the
 16-bit states its kernels already form: the walk's, or chunk_state's) and saves them with
-its inputs. The backward recomputes the rest of what it needs, as fla does:
+its inputs. The backward recomputes the rest of what it needs, as fla does.
+
+DeltaNet and Gated DeltaNet (:func:`packed_backward`) run on the call's own token-first
+tensors [B T, H, D] and packed varlen, cut into chunks by the forward's tables:
+
+    chunk_kkt_inverse,     A, w, u (and q, k l2-normalised, the scalar gate's in-chunk
+    chunk_wu               cumulative log gate g_cum) by the forward's own prepare
+    chunk_bwd_* stages     dq, dk (per value head), dv, dbeta, dg, dh0 from do and dht,
+                           with q scaled (o = f(scale q): dq = scale * the gradient of f)
+    chunk_bwd_key_grads    dq, dk summed over each key head's value heads (GVA), dq times
+                           the scale, through the l2norm's backward
+
+KDA (the per-key gate, :func:`_key_stages`) runs on head-first copies, each sequence
+padded to a multiple of 64 (zero rows with g = 0 leave every gradient unchanged):
 
     chunk_bwd_gather       token-first q, k, v, do -> head-first [N, HV, L, D] in one pass:
                            key heads expanded to the value heads (GVA), q, k l2-normalised
                            (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
-                           varlen sequences zero-padded to the longest (zero rows leave the
-                           state and every real row's gradient unchanged)
-    chunk_kkt_inverse,     A, w, u by the forward's prepare kernels over the head-first
-    chunk_wu               rows (S: the forward's h, read by chunk_bwd_dqkw through a row
-                           table per layout, _Layout.state_rows)
-    chunk_bwd_* stages     dq, dk, dv, dbeta, dh0 from do * scale and dht
+                           varlen sequences zero-padded to the longest of their length group
+    chunk_bwd_wy_recompute the forward's per-key prepare (A written too)
+    chunk_bwd_* stages     on the head-first rows as one-head sequences (S: the forward's h,
+                           read through a row table per layout, _Layout.state_rows)
     chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
                            value heads, through the l2norm's backward
 
-The scale is folded into do: o = scale * f(q, ...) and the final state does not depend on
-it, so every gradient is that of f under do * scale.
-
-Gated DeltaNet and KDA (the scalar and the per-key gate, :func:`gated_backward`) on the
-same path: the gate's activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias)) and beta's
-sigmoid are differentiated by torch (per-token tensors, small beside q, k, v); the
-head-first length is padded to a multiple of 64 (zero rows with g = 0 leave every gradient
-unchanged); the in-chunk cumulative gate g_cum is a torch cumsum (f32); then the gated
-recompute and stages.
+The gate's activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias), or
+KDA's lower-bounded form) and beta's sigmoid are differentiated by torch (per-token
+tensors, small beside q, k, v).
 """
 from __future__ import annotations
 
@@ -310,19 +315,59 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
     (0); h [NT, H, K, V]: the forward's per-chunk states (run_forward). Returns (dq, dk,
     dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None without an initial state).
     """
-    def stages(lay, heads, want_dh0, dht_rows):
-        qh, kh, vh, doh = heads
-        bh = lay.to_head_first(beta.to(q.dtype))
-        A, w, u = chunk_bwd.recompute_wy(kh, vh, bh)
-        S, srow = lay.state_rows(h)
-        dq, dk, dv, dbeta, dh0 = chunk_bwd.backward_stages(
-            doh, qh, kh, vh, bh, S, A, w, u, dht=dht_rows, want_dh0=want_dh0, srow=srow)
-        return dq, dk, dv, dh0, [dbeta]
-
-    dq, dk, dv, dh0, (dbeta,) = _backward_by_layout(call, q, k, v, do, initial_state, dht,
-                                                    1, stages, [beta])
+    dq, dk, dv, dbeta, _, dh0 = packed_backward(call, q, k, v, beta.float(), None,
+                                                initial_state, do, dht, h)
     return (dq, dk, dv, dbeta.to(beta.dtype),
             None if dh0 is None else dh0.to(initial_state.dtype))
+
+
+def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h):
+    """The none / scalar gate's backward on the call's own token-first tensors (packed
+    varlen as it comes, no padding): the recompute of A, w, u by the forward's prepare
+    (with q, k's l2norm), the four stages (q scaled: o = f(scale q)), then dq, dk summed
+    over each key head's value heads through the l2norm's backward. b_in, g_in: the
+    effective beta, log gate (f32, g_in None: no gate). Returns (dq, dk, dv (input
+    dtype), dbeta, dg [B, T, HV] (or None), dh0 [N, HV, K, V] f32 (or None))."""
+    import torch
+    from . import chunk, runtime
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    Ttot, dt, dev = B * T, q.dtype, q.device
+    cu = call.cu if call.cu is not None else tuple(range(0, Ttot + 1, T))
+    N, gated, n = len(cu) - 1, g_in is not None, cu[-1]   # tokens past cu[-1]: in no sequence
+    flat = lambda x: x.reshape(Ttot, *x.shape[2:])[:n].contiguous()  # noqa: E731
+    f32 = lambda *s: torch.zeros(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    params = chunk_bwd.train_params(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""),
+                                    chains=N * HV, l2norm=call.l2norm_qk,
+                                    use_dht=dht is not None,
+                                    store_dh0=initial_state is not None, gated=gated,
+                                    spec=call.spec)
+    runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
+    tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
+    qf, kf = flat(q.detach()), flat(k.detach())
+    x = chunk_bwd.recompute(qf, kf, flat(v.detach()), flat(b_in.to(dt)),
+                            flat(g_in) if gated else None, tables, params, call.spec)
+    x.update(tables, q=(x["q"] * call.scale).to(dt), v=flat(v.detach()),
+             beta=flat(b_in.to(dt)), do=flat(torch.zeros_like(v) if do is None else do),
+             S=h, state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
+                                         device=dev),
+             dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),
+             dh0=f32(N, HV, K, V) if initial_state is not None else f32(1, HV, K, V))
+    chunk_bwd.run_stages(call.spec, params, x)
+    dq, dk = chunk_bwd.key_grads(x, qf, kf, call.scale, params, call.spec)
+    shape = lambda y: _tokens(y, B, T)  # noqa: E731
+    return (shape(dq), shape(dk), shape(x["dv"]), shape(x["dbeta"]),
+            shape(x["dg"]) if gated else None,
+            x["dh0"] if initial_state is not None else None)
+
+
+def _tokens(y, B, T):
+    """y [n, ...] over the first n tokens as [B, T, ...] (the tokens past n, in no
+    sequence, get zero gradients)."""
+    import torch
+    if y.shape[0] < B * T:
+        y = torch.cat([y, y.new_zeros(B * T - y.shape[0], *y.shape[1:])])
+    return y.view(B, T, *y.shape[1:])
 
 
 def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
@@ -361,9 +406,10 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0); h
     [NT, HV, K, V]: the forward's per-chunk states (run_forward). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
-    for an input not given). q, k, v, do move by the gather / scatter kernels (GVA, l2norm,
-    scale); the gate's and beta's activations are differentiated by torch around the
-    head-first stages (_gated_stages).
+    for an input not given). The scalar gate runs :func:`packed_backward` on the call's
+    tensors; the per-key gate the head-first path (_backward_by_layout, _key_stages: q, k,
+    v, do moved by the gather / scatter kernels). The gate's and beta's activations are
+    differentiated by torch around the stages.
     """
     import torch
     raw = [None if x is None else x.detach().requires_grad_()
@@ -372,15 +418,20 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
         g_in, b_in = _gated_inputs(call, *raw)
     g_d, b_d = g_in.detach(), b_in.detach().to(q.dtype)
 
-    def stages(lay, heads, want_dh0, dht_rows):
-        dqh, dkh, dvh, dbh, dh0, dgh = _gated_stages(call, lay, heads, g_d, b_d, want_dh0,
-                                                     dht_rows, lay.state_rows(h))
-        return dqh, dkh, dvh, dh0, [dgh, dbh]
+    if call.keyed:
+        def stages(lay, heads, want_dh0, dht_rows):
+            dqh, dkh, dvh, dbh, dh0, dgh = _key_stages(call, lay, heads, g_d, b_d, want_dh0,
+                                                       dht_rows, lay.state_rows(h))
+            return dqh, dkh, dvh, dh0, [dgh, dbh]
 
-    dq, dk, dv, dh0, (dg, dbeta) = _backward_by_layout(
-        call, q, k, v, do, initial_state, dht, chunk_bwd.CHUNK, stages, [g_in, b_in])
+        dq, dk, dv, dh0, (dg, dbeta) = _backward_by_layout(
+            call, q, k, v, do, initial_state, dht, chunk_bwd.CHUNK, stages, [g_in, b_in])
+    else:
+        dq, dk, dv, dbeta, dg, dh0 = packed_backward(call, q, k, v, b_in.detach(), g_d,
+                                                     initial_state, do, dht, h)
     leaves = [x for x in raw if x is not None]
-    grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta), allow_unused=True))
+    grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta.float()),
+                                     allow_unused=True))
     dg, dbeta, dA_log, ddt_bias = [None if x is None else _cast(next(grads), x) for x in raw]
     return (dq, dk, dv, dg, dbeta,
             None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
@@ -390,27 +441,20 @@ def _cast(d, x):
     return None if d is None else d.to(x.dtype)
 
 
-def _gated_stages(call, lay, heads, g_in, b_in, want_dh0, dht, states):
-    """The head-first recompute and backward stages of a gated delta rule on the gathered
-    heads (qh, kh, vh, doh), the activated g, beta and the forward's states (rows, srow:
-    _Layout.state_rows): the scalar gate's (chunk_bwd.recompute_wy, backward_stages) or
-    the per-key gate's (key_recompute, key_backward_stages); the in-chunk cumulative gate
-    is a torch cumsum (f32, per key channel for the key gate). Returns head-first (dq, dk,
-    dv, dbeta, dh0, dg)."""
+def _key_stages(call, lay, heads, g_in, b_in, want_dh0, dht, states):
+    """The per-key gate's recompute and backward stages on the gathered head-first heads
+    (qh, kh, vh, doh), the activated g, beta and the forward's states (rows, srow:
+    _Layout.state_rows); the in-chunk cumulative gate per key channel is a torch cumsum
+    (f32). Returns head-first (dq, dk, dv, dbeta, dh0, dg)."""
     qh, kh, vh, doh = heads
     bh, gh = lay.to_head_first(b_in), lay.to_head_first(g_in.float())
     N, HV, L = gh.shape[:3]
     C = chunk_bwd.CHUNK
     g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)
     S, srow = states
-    if call.keyed:
-        rec = dict(chunk_bwd.key_recompute(qh, kh, vh, bh, gh, spec=call.spec), S=S, srow=srow)
-        return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
-                                             want_dh0=want_dh0, spec=call.spec)
-    A, w, u = chunk_bwd.recompute_wy(kh, vh, bh, g=gh, spec=call.spec)
-    return chunk_bwd.backward_stages(doh, qh, kh, vh, bh, S, A, w, u, dht=dht,
-                                     want_dh0=want_dh0, g_cum=g_cum, spec=call.spec,
-                                     srow=srow)
+    rec = dict(chunk_bwd.key_recompute(qh, kh, vh, bh, gh, spec=call.spec), S=S, srow=srow)
+    return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
+                                         want_dh0=want_dh0, spec=call.spec)
 
 
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,

@@ -1,46 +1,36 @@
-"""DeltaNet's chunked backward (the DeltaNetChunkBwd contract): four generated stages.
+"""The chunked delta-rule backward: four generated stages over token-first packed tensors.
 
-Two schemes for the reverse state-gradient recurrence (``SCHEME``), both exact:
+Every tensor the stages read or write is token-first and packed, [Ttot, heads, D], cut
+into chunks by the forward's tables (ops.chunk._tables: chunk_bos / chunk_len per chunk,
+cu_seqlens / chunk_offsets per sequence), so one set of kernels serves
 
-"direct" (default, mirrors dsl/chunked_bwd.py):
-    chunk_bwd_dv_local  grid (NC, B*H):       dv_local = tril_incl(q k^T)^T do
-    chunk_bwd_dh        grid (V/BV, B*H):     reverse sequential pass: dh per chunk,
-                                              dv2 = dv_local + k dh (gradient of v_new);
-                                              three dependent GEMMs per chunk
-"scan":
-    chunk_bwd_transition grid (NC, B*H):      dv_local, nP = -w^T k, X = q^T do - w^T dv_local
-    chunk_bwd_dh_scan   grid (V/BV, B*H):     dh <- dh + nP dh + X: one GEMM per chunk
-                                              (dv2 = dv_local + k dh is formed in stage 3)
-then, both:
-    chunk_bwd_dqkw      grid (NC, B*H):       v_new = u - w S, dq, dk (output and state
-                                              terms), dw = -dv2 S^T
-    chunk_bwd_wy        grid (NC, B*H):       back through A, w = A beta k, u = A beta v:
-                                              dk (complete), dv, dbeta
+  - training (ops/autograd.py): the call's own [B, T, H, D] tensors and packed varlen,
+    no relayout and no padding; q, k read at key head h // (HV / H) (GVA); the per-value-
+    head dq, dk are summed over a key head's value heads after the stages;
+  - the DeltaNetChunkBwd contract and the per-key gate's head-first path: head-first
+    [B, H, L, D] is token-first [B H L, 1, D] with one one-head sequence per (b, h)
+    (:func:`one_head`).
 
-The kernels read the contract's head-first tensors [B, H, L, D] directly (no layout
-conversion); L is dynamic and need not be a multiple of 64 (rows past L read as 0).
+The stages (grid):
+    chunk_bwd_dv_local  (NT, HV)        dv_local = tril_incl(q k^T)^T do (gated forms: the
+                                        decays; per-key: the recompute's A_qk^T do)
+    chunk_bwd_dh        (V/BV, N HV)    the reverse sequential pass per sequence: dh per
+                                        chunk, dv2 = dv_local + k dh (the gradient of v_new)
+    chunk_bwd_dqkw      (NT, HV)        v_new = u - w S, dq, dk (output and state terms),
+                                        dw = -dv2 S^T (S: the forward's states, chunk t's
+                                        at S[state_row[t]])
+    chunk_bwd_wy        (NT, HV)        back through A, w, u: dk (complete), dv, dbeta and,
+                                        gated, dg (the reverse cumulative sum in the kernel)
 
-The scalar gate (Gated DeltaNet; ``g_cum`` given: the in-chunk cumulative log gate
-[B, H, L] f32, L a multiple of 64) runs the same four stages of the direct scheme in their
-gated form (each template's has_gate), which add the gradient of g_cum per token
-(chunk_bwd_dqkw also adds its rows' state terms sum_i <k_i, dk_i> to the chunk's last
-row, so that they cancel as computed, as dsl/chunked_bwd.py derives, and e^g_last
-<dh, S_in>: g_last also scales the state the chunk enters with); the host takes the reverse
-cumulative sum within the chunk: the gradient of g.
-
-The per-key gate (KDA; :func:`key_recompute`, :func:`key_backward_stages`, the algorithm of
-dsl/delta_key_bwd.py) runs the same four stages in their per-key form after a recompute
-by the forward's own per-key prepare (rendered as chunk_bwd_wy_recompute, writing A too;
-the states are the forward's): dv_local = A_qk^T do; the dh pass with qg, kg and
-diag(e^g_last); dqkw and wy with the pair sums factored through 16-row blocks, the last
-row's state terms and the reverse cumulative sum in the kernels, so that chunk_bwd_wy
-returns the gradient of g itself ([B, H, L, K] f32).
+The scalar gate (Gated DeltaNet) reads g_cum [HV, NT * 64] f32: the in-chunk cumulative
+log gate as chunk_kkt_inverse writes it when the backward recomputes A, w, u
+(:func:`recompute`, the forward's own prepare). The per-key gate (KDA;
+:func:`key_recompute`, :func:`key_backward_stages`, dsl/delta_key_bwd.py) runs the same
+four stages in their per-key form after a recompute by the forward's per-key prepare
+(rendered as chunk_bwd_wy_recompute, writing A too), on head-first one-head sequences.
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
-u): A, w, u (:func:`compute_wy`: chunk_kkt_inverse and chunk_wu), then chunk_state and
-chunk_output, as the arch's three-stage plan has them (:func:`contract_plan`), with each
-(b, h) as one sequence; :func:`recompute_wy` (autograd) takes A, w, u the same way (the
-states come from the training forward: ops/autograd.py).
+u) over the chunked forward's stages (:func:`contract_plan`).
 """
 from __future__ import annotations
 
@@ -48,36 +38,35 @@ from ..codegen.arch import get_arch
 from ..dsl import Options, SpecError
 from . import chunk, runtime
 
-#: the stages each scheme runs, in order
-SCHEMES = {"direct": ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy"),
-           "scan": ("chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
-                    "chunk_bwd_wy")}
-#: the scheme run (tests and probes may set "scan")
-SCHEME = "direct"
+#: the backward's stages, in order
+STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
 #: every stage of this module, in the plan's order
-ALL_STAGES = ("chunk_bwd_gather", "chunk_bwd_dv_local",
-              "chunk_bwd_dh", "chunk_bwd_transition", "chunk_bwd_dh_scan", "chunk_bwd_dqkw",
-              "chunk_bwd_wy", "chunk_bwd_scatter")
+ALL_STAGES = ("chunk_bwd_gather",) + STAGES + ("chunk_bwd_scatter",)
 #: the per-key gate's recompute of the forward's prepare (A written too); the other gates
-#: recompute A, w, u by the forward's own chunk_kkt_inverse and chunk_wu (compute_wy)
+#: recompute A, w, u by the forward's own chunk_kkt_inverse and chunk_wu
 RECOMPUTE = "chunk_bwd_wy_recompute"
 ARCH = "sm90"
 CHUNK = 64
 
-#: pipeline depth of the reverse dh pass, either scheme (0: plain loop; >= 1: TMA producer
-#: warps prefetch the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks
-#: (run 2, direct scheme); 2, like the forward's state pass
+#: pipeline depth of the reverse dh pass (0: plain loop; >= 1: TMA producer warps prefetch
+#: the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks (session 5, run 2);
+#: 2, like the forward's state pass
 DH_NUM_STAGES = 2
 #: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
 DH_BLOCK_V_OVERRIDE = None
-#: pipeline depth of the gated dh pass (0: plain loop; the pipelined form compiles for
-#: sm_90a but is not yet GPU-checked)
+#: pipeline depth of the gated dh passes (scalar and per-key gate: the pipelined form is
+#: not yet GPU-checked for them)
 GATED_DH_NUM_STAGES = 0
 
 
 def is_gated(spec) -> bool:
     """Whether spec takes the gated backward (the delta rule with a scalar gate)."""
     return spec is not None and spec.gate.value == "scalar"
+
+
+def is_key(spec) -> bool:
+    """Whether spec takes the per-key backward (the delta rule with a per-key gate)."""
+    return spec is not None and spec.gate.value == "key"
 
 
 def default_spec():
@@ -92,42 +81,24 @@ def compiled_stage(stage: str, spec=None, **params):
     return runtime.compile_stage(spec or default_spec(), stage, ARCH, params)
 
 
-def stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False, gated=False,
-                 state_dtype=None) -> dict:
-    """stage name -> build() params of the scheme's four backward stages (the recompute
-    of A, w, u before them: wy_params). B sets the dh pass's value
-    block (more value blocks, more CTAs for the sequential pass); use_dht / store_dh0: the
-    dh pass starts from the final state's gradient / writes the initial state's; gated:
-    the scalar gate's stages (the direct scheme); state_dtype: the states' dtype where it
-    is not the input dtype (the contract's f32 S). Reads SCHEME, DH_NUM_STAGES (or
-    GATED_DH_NUM_STAGES) and DH_BLOCK_V_OVERRIDE."""
-    if SCHEME not in SCHEMES:
-        raise SpecError(f"SCHEME must be one of {sorted(SCHEMES)}, got {SCHEME!r}")
-    if gated and SCHEME != "direct":
-        raise SpecError(f"the gated backward runs the 'direct' scheme, not {SCHEME!r}")
-    common = dict(H=H, K=K, V=V, dtype=dtype)
-    dh = _dh_params(common, GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES, B * H,
-                    use_dht, store_dh0)
-    params = {"chunk_bwd_dqkw": dict(common, **({"dv2_from_dh": True} if SCHEME == "scan"
-                                                else {}),
-                                     **({"state_dtype": state_dtype} if state_dtype else {})),
-              "chunk_bwd_wy": common}
-    if SCHEME == "scan":
-        params.update(chunk_bwd_transition=common, chunk_bwd_dh_scan=dh)
-    else:
-        params.update(chunk_bwd_dv_local=common, chunk_bwd_dh=dh)
-    return params
-
-
-def _dh_params(common: dict, num_stages: int, chains: int, use_dht: bool,
-               store_dh0: bool) -> dict:
-    """build() params of the dh pass (every gate's): its pipeline stages, the value block
-    for this many chains (DH_BLOCK_V_OVERRIDE else the state pass's rule), the flags."""
+def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
+                 gated=False, state_dtype=None) -> dict:
+    """stage name -> build() params of the four backward stages (the recompute of A, w, u
+    before them: :func:`recompute_params`): H key heads, HV value heads (default H);
+    chains: the dh pass's sequences x value heads (more value blocks for few chains);
+    use_dht / store_dh0: the dh pass starts from the final state's gradient / writes the
+    initial state's; gated: a gated spec's (scalar or per-key gate: GATED_DH_NUM_STAGES);
+    state_dtype: the states' dtype where it is not the input dtype (the contract's f32)."""
+    common = dict(H=H, HV=HV or H, K=K, V=V, dtype=dtype)
     from ..codegen.arch.sm90.stages import state_block_v
-    return dict(common, num_stages=num_stages,
-                block_v=DH_BLOCK_V_OVERRIDE or state_block_v(common["V"], chains),
-                **({"use_dht": True} if use_dht else {}),
-                **({"store_dh0": True} if store_dh0 else {}))
+    dh = dict(common, num_stages=GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES,
+              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, chains),
+              **({"use_dht": True} if use_dht else {}),
+              **({"store_dh0": True} if store_dh0 else {}))
+    return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh,
+            "chunk_bwd_dqkw": dict(common, **({"state_dtype": state_dtype}
+                                              if state_dtype else {})),
+            "chunk_bwd_wy": common}
 
 
 def precompile(param_sets, workers=None, spec=None) -> list:
@@ -136,6 +107,64 @@ def precompile(param_sets, workers=None, spec=None) -> list:
     (empty when all compiled)."""
     return runtime.precompile([(spec or default_spec(), stage, ARCH, params)
                                for ps in param_sets for stage, params in ps.items()], workers)
+
+
+#: kernel argument -> the tensor of run_stages' dict it reads
+_BIND = {"du": "dv2", "dh_out": "dh"}
+
+
+def run_stages(spec, params: dict, x: dict, key: bool = False) -> dict:
+    """Launch the four stages on the token-first packed tensors of x (by the kernels'
+    argument names: q, k [Ttot, H, K]; v, do [Ttot, HV, V]; beta [Ttot, HV]; w, u, A (or
+    the per-key recompute's aqk, qg, kg, g_last, w, u, A); g_cum (gated); S, state_row;
+    the chunk tables; dht, dh0 [N or 1, HV, K, V] f32). Allocates each intermediate when
+    its stage needs it and drops it (and the recomputed tensors) after its last reader,
+    so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per value head),
+    dv, dbeta and, gated, dg to x (where x holds no such output already: then the stages
+    write into it); returns x."""
+    import torch
+    launch = lambda st: runtime.launch_kernel(spec, ARCH, st, params[st], x,  # noqa: E731
+                                              lambda n: _BIND.get(n, n))
+    v, gated = x["v"], "g_cum" in x
+    NT, HV = x["chunk_bos"].numel(), v.shape[1]
+    K = x["k"].shape[-1]
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=v.device)  # noqa: E731
+    x["dv_local"] = torch.empty_like(v)
+    launch("chunk_bwd_dv_local")
+    x.pop("aqk", None)
+    x["dv2"] = torch.empty_like(v)
+    x["dh"] = torch.empty(NT, HV, K, v.shape[2], dtype=v.dtype, device=v.device)
+    launch("chunk_bwd_dh")
+    for name in ("dv_local", "qg", "kg", "g_last"):
+        x.pop(name, None)
+    Ttot, gshape = v.shape[0], ((v.shape[0], HV, K) if key else (v.shape[0], HV))
+    x.setdefault("dq", v.new_empty(Ttot, HV, K))
+    x.update(dk_part=f32(Ttot, HV, K), dw=v.new_empty(Ttot, HV, K))
+    if gated or key:
+        x["dg_part"] = f32(*gshape)
+    launch("chunk_bwd_dqkw")
+    for name in ("dh", "w", "u"):       # dk, dv (the last stage's) take their memory
+        x.pop(name)
+    x.setdefault("dk", v.new_empty(Ttot, HV, K))
+    x.setdefault("dv", torch.empty_like(v))
+    x.setdefault("dbeta", x["beta"].new_empty(Ttot, HV))
+    if gated or key:
+        x.setdefault("dg", f32(*gshape))
+    launch("chunk_bwd_wy")
+    for name in ("A", "dw", "dv2", "dk_part", "dg_part"):
+        x.pop(name, None)
+    return x
+
+
+def one_head(*xs):
+    """Head-first [B, H, L, ...] tensors as token-first one-head ones [B H L, 1, ...]
+    (contiguous views)."""
+    return [x.contiguous().view(-1, 1, *x.shape[3:]) for x in xs]
+
+
+def one_head_tables(B, H, L, device) -> dict:
+    """The chunk tables of B * H one-head sequences of L tokens (head-first [B, H, L])."""
+    return chunk._tables(tuple(range(0, B * H * L + 1, L)), CHUNK, device, 0)
 
 
 def _check(name, x, shape, dtype=None):
@@ -166,14 +195,20 @@ def _dims(q, k, v, beta, forward=False):
     if K not in (64, 128) or V not in (64, 128):
         raise SpecError(f"the chunked DeltaNet contract supports DK, DV in (64, 128), "
                         f"got DK={K}, DV={V}")
-    # the grids put B * H (backward) and the B * H * NC chunks (forward's output stage) on
-    # gridDim.y, which CUDA limits
+    # the dh pass puts the B * H sequences (and the forward's output stage the B * H * NC
+    # chunks) on gridDim.y, which CUDA limits
     limit = get_arch(ARCH).hardware.MAX_GRID_YZ
     if B * H > limit or (forward and B * H * -(-L // CHUNK) > limit):
         raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
                         f"DeltaNet contract supports up to {limit} (batch, head) pairs and "
                         f"{limit} chunks in all per call")
     return B, H, L, K, V
+
+
+def backward_params(*, H, K, V, dtype, B=1) -> dict:
+    """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
+    sequences, the forward's f32 states."""
+    return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32")
 
 
 def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
@@ -184,127 +219,36 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
     Aw = Au [B, H, L, 64] (Au is accepted for the signature; Aw == Au by definition and
     the kernels read Aw). One dtype (f16 or bf16) for all but S; no scale, no initial
     state (the contract's forward). Returns (dq, dk, dv, dbeta) shaped like q, k, v,
-    beta in the input dtype (fp32 accumulation inside). Inputs are never modified.
+    beta in the input dtype (fp32 accumulation inside). Inputs are never modified. The
+    stages run on the (b, h) one-head sequences (:func:`one_head`): chunk t of sequence
+    n reads S's row n (NC + 1) + t.
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
     NC = -(-L // CHUNK)
     dt = q.dtype
-    _check("Au", Au, (B, H, L, CHUNK), dt)
+    for name, x, D in (("do", do, V), ("w", w, K), ("u", u, V), ("Aw", Aw, CHUNK),
+                       ("Au", Au, CHUNK)):
+        _check(name, x, (B, H, L, D), dt)
     if S.shape[2] != NC + 1:
         raise SpecError(f"S must have NC+1 = {NC + 1} states, got shape {tuple(S.shape)}")
     _check("S", S, (B, H, NC + 1, K, V), torch.float32)
-    return backward_stages(do, q, k, v, beta, S, Aw, w, u)[:4]
-
-
-def backward_stages(do, q, k, v, beta, S, A, w, u, dht=None, want_dh0=False, g_cum=None,
-                    spec=None, srow=None):
-    """The scheme's four backward stages, with the state gradients.
-
-    Shapes as :func:`chunk_backward`, but S the states entering the chunks, in the input
-    dtype (the forward's or the recompute's) or f32 (the contract's): head-first
-    [B, H, NS, DK, DV] with NS >= NC (only S[:, :, :NC] is read), or with srow [B, H, NC]
-    int32 state rows [R, DK, DV] (chunk t of (b, h) enters with S[srow[b, h, t]]: the
-    forward's own layout); dht [B, H, DK, DV] f32 or None
-    (the gradient of the final state; None = 0). Returns (dq, dk, dv, dbeta, dh0): dh0
-    [B, H, DK, DV] f32, the gradient of the initial state S[0], when want_dh0, else None.
-    With g_cum [B, H, L] f32 (the scalar gate's in-chunk cumulative log gate, L a multiple
-    of 64; spec: the gated spec, default the registry's "gdn") the result is
-    (dq, dk, dv, dbeta, dh0, dg), dg [B, H, L] f32 the gradient of the per-token log
-    gate g.
-    """
-    import torch
-    B, H, L, K, V = _dims(q, k, v, beta)
-    NC = -(-L // CHUNK)
-    dt = q.dtype
-    _check("do", do, (B, H, L, V), dt)
-    _check("w", w, (B, H, L, K), dt)
-    _check("u", u, (B, H, L, V), dt)
-    _check("A", A, (B, H, L, CHUNK), dt)
-    gated = g_cum is not None
-    S, srow = _state_rows(S, srow, B, H, NC, K, V, dt)
-    if dht is not None:
-        _check("dht", dht, (B, H, K, V), torch.float32)
-    if gated:
-        _check_gate(g_cum, B, H, L)
-        spec = spec or _gated_spec()
-    spec = spec or default_spec()
-    dq, dbeta = torch.empty_like(q), torch.empty_like(beta)
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
-    dh0 = f32(B, H, K, V) if want_dh0 else None
-    dg = f32(B, H, L) if gated else None
-    if L == 0 or B == 0:
-        if dh0 is not None:
-            dh0.copy_(dht if dht is not None else 0.0)
-        return (dq, torch.empty_like(k), torch.empty_like(v), dbeta, dh0) + (
-            (dg,) if gated else ())
-    q, k, v, beta, do, w, u, A = (x.contiguous() for x in (q, k, v, beta, do, w, u, A))
-    params = stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                          use_dht=dht is not None, store_dh0=want_dh0, gated=gated,
-                          state_dtype="float32" if S.dtype != dt else None)
+    outs = [torch.empty_like(x) for x in (q, k, v, beta)]
+    if B * H * L == 0:
+        return tuple(outs)
+    spec, dev = default_spec(), q.device
+    params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
     runtime.announce(spec, ARCH, params)     # recording(): every stage at once
-    run = lambda stage, *xs: compiled_stage(stage, spec, **params[stage])(*xs)  # noqa: E731
-    dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)   # placeholder
-    dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
-    gx = (g_cum.contiguous(),) if gated else ()     # the gated stages' extra input
-    dv_local = torch.empty_like(v)
-    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
-    if "chunk_bwd_dh_scan" in params:
-        nP = torch.empty(B, H, NC, K, K, dtype=dt, device=q.device)
-        X = f32(B, H, NC, K, V)
-        run("chunk_bwd_transition", q, k, w, do, dv_local, nP, X)
-        run("chunk_bwd_dh_scan", nP, X, dh, dht_in, dh0_out)
-        dv2 = dv_local                      # stage 3 turns it into dv2 in place
-    else:
-        run("chunk_bwd_dv_local", q, k, do, *gx, dv_local)
-        dv2 = torch.empty_like(v)
-        run("chunk_bwd_dh", q, k, w, do, *gx, dv_local, dh, dv2, dht_in, dh0_out)
-        del dv_local                        # (its memory serves the next stages)
-    dk_part = f32(B, H, L, K)
-    dw = torch.empty_like(k)
-    dg_part = (f32(B, H, L),) if gated else ()
-    run("chunk_bwd_dqkw", q, k, w, u, do, *gx, dv2, S, srow, dh, dq, dk_part, dw, *dg_part)
-    del dh          # dk, dv (written by the last stage only) take its memory, not the peak's
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    run("chunk_bwd_wy", k, v, beta, *gx, A, dw, dv2, dk_part, *dg_part, dk, dv, dbeta,
-        *((dg,) if gated else ()))
-    if gated:       # the reverse cumulative sum within each chunk (g_cum = cumsum(g))
-        dg.copy_(dg.view(B, H, NC, CHUNK).flip(-1).cumsum(-1).flip(-1).view(B, H, L))
-    return (dq, dk, dv, dbeta, dh0) + ((dg,) if gated else ())
-
-
-def state_rows(S, NC: int):
-    """Head-first S [B, H, NS, K, V] (NS >= NC) as chunk_bwd_dqkw reads states: (rows
-    [B H NS, K, V], srow [B, H, NC] int32, chunk t of (b, h) at row (b H + h) NS + t)."""
-    import torch
-    B, H, NS = S.shape[:3]
-    first = torch.arange(B * H, dtype=torch.int32, device=S.device).view(B, H, 1) * NS
-    srow = first + torch.arange(NC, dtype=torch.int32, device=S.device)
-    return S.contiguous().view(B * H * NS, *S.shape[3:]), srow
-
-
-def _state_rows(S, srow, B, H, NC, K, V, dt) -> tuple:
-    """(state rows, srow) of backward_stages' S (head-first, or rows with srow), checked
-    (the input dtype or f32)."""
-    import torch
-    sdt = torch.float32 if S.dtype == torch.float32 else dt
-    if srow is None:
-        if S.dim() != 5 or S.shape[2] < NC:
-            raise SpecError(f"S must be [B, H, NS >= {NC}, K, V], got shape {tuple(S.shape)}")
-        _check("S", S, (B, H, S.shape[2], K, V), sdt)
-        return state_rows(S, NC)
-    if S.dim() != 3:
-        raise SpecError(f"S with srow must be state rows [R, K, V], got {tuple(S.shape)}")
-    _check("S", S, (S.shape[0], K, V), sdt)
-    _check("srow", srow, (B, H, NC), torch.int32)
-    return S.contiguous(), srow.contiguous()
-
-
-def _check_gate(g_cum, B, H, L):
-    import torch
-    if L % CHUNK:
-        raise SpecError(f"the gated backward needs L a multiple of {CHUNK}, got {L}")
-    _check("g_cum", g_cum, (B, H, L), torch.float32)
+    n = torch.arange(B * H * NC, dtype=torch.int32, device=dev)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    qf, kf, vf, dof, wf, uf, Af = one_head(q, k, v, do, w, u, Aw)
+    x = dict(one_head_tables(B, H, L, dev), q=qf, k=kf, v=vf, do=dof, w=wf, u=uf, A=Af,
+             beta=beta.contiguous().view(-1, 1), S=S.contiguous().view(-1, 1, K, V),
+             state_row=n + n // NC, dht=f32(1, 1, K, V), dh0=f32(1, 1, K, V),
+             **{name: out.view(-1, 1, *out.shape[3:])
+                for name, out in zip(("dq", "dk", "dv", "dbeta"), outs)})
+    run_stages(spec, params, x)
+    return tuple(outs)
 
 
 def _gated_spec():
@@ -482,50 +426,71 @@ def chunk_forward_intermediates(q, k, v, beta):
     return o, S, A, A, w, u
 
 
-def recompute_wy(k, v, beta, g=None, spec=None):
-    """What the backward needs from the forward besides its states (the training forward
-    keeps those: ops/autograd.py), recomputed from its inputs: head-first k [B, H, L, DK],
-    v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one dtype) -> (A [B, H, L, 64], w
-    [B, H, L, DK], u [B, H, L, DV]) in the input dtype, by the forward plan's prepare
-    (:func:`compute_wy`); g [B, H, L] f32: the scalar gate's per-token log gate (L a
-    multiple of 64; spec the gated spec, default the registry's "gdn")."""
+def recompute_params(*, H, HV, K, V, dtype, l2norm=False, spec=None) -> dict:
+    """The forward's prepare as the backward recomputes A, w, u from token-first packed
+    inputs (H key heads, HV value heads): chunk_kkt_inverse writing A without beta (and
+    qn, kn with l2norm; the scalar gate's g_cum), chunk_wu applying beta (a_beta=False)."""
+    base = wy_params(H=1, K=K, V=V, dtype=dtype, spec=spec)
+    return {"chunk_kkt_inverse": dict(base["chunk_kkt_inverse"], H=H, HV=HV,
+                                      l2norm_qk=bool(l2norm)),
+            "chunk_wu": dict(base["chunk_wu"], H=H, HV=HV)}
+
+
+def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
+                 store_dh0=False, gated=False, spec=None) -> dict:
+    """Every kernel the none / scalar gate's training backward runs (ops/autograd.py
+    packed_backward), stage name -> build() params: the recompute (:func:`recompute_params`),
+    the four stages (:func:`stage_params`; chains: sequences x value heads) and
+    chunk_bwd_key_grads."""
+    sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
+    return dict(recompute_params(**sizes, l2norm=l2norm, spec=spec),
+                **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
+                               gated=gated),
+                chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
+
+
+def recompute(q, k, v, beta, g, tables: dict, params: dict, spec=None) -> dict:
+    """What the none / scalar gate's stages need from the forward besides its states,
+    recomputed by the forward's prepare (params: :func:`recompute_params`) on token-first
+    packed q, k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV] (input dtype; the effective
+    beta), g [Ttot, HV] f32 (the effective log gate) or None, the chunk tables. Returns
+    dict(q, k: q, k l2-normalised with the params' l2norm_qk (else the inputs), A
+    [Ttot, HV, 64], w [Ttot, HV, K], u [Ttot, HV, V] (input dtype) and, with g, g_cum
+    [HV, NT * 64] f32: the in-chunk cumulative log gate the stages read)."""
     import torch
-    B, H, L, K, V = _dims(k, k, v, beta)
-    dt, dev = k.dtype, k.device
-    A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
-    w = torch.empty(B, H, L, K, dtype=dt, device=dev)
-    u = torch.empty(B, H, L, V, dtype=dt, device=dev)
+    Ttot, H, K = k.shape
+    HV, V = v.shape[1:]
+    NT = tables["chunk_bos"].numel()
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
+    l2norm = params["chunk_kkt_inverse"]["l2norm_qk"]
+    x = dict(tables, q=q, k=k, v=v, beta=beta, A_log=f32(HV), dt_bias=f32(HV),
+             qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k,
+             g=f32(Ttot, HV) if g is None else g,
+             g_cum=f32(Ttot, HV) if g is None else f32(HV, NT * CHUNK),
+             A=v.new_empty(Ttot, HV, CHUNK), chunk_norm=f32(HV, NT),
+             w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
+    runtime.launch_kernel(spec, ARCH, "chunk_kkt_inverse", params["chunk_kkt_inverse"], x)
+    runtime.launch_kernel(spec, ARCH, "chunk_wu", params["chunk_wu"], x,
+                          lambda n: "kn" if n == "k" else n)
+    out = dict(q=x["qn"], k=x["kn"], A=x["A"], w=x["w"], u=x["u"])
     if g is not None:
-        _check_gate(g, B, H, L)
-        spec = spec or _gated_spec()
-    if B * H * L:
-        compute_wy(k, v, beta, A, w, u, chunk._tables(tuple(range(0, B * H * L + 1, L)),
-                                                      CHUNK, dev, 0), g=g, spec=spec)
-    return A, w, u
+        out["g_cum"] = x["g_cum"]
+    return out
+
+
+def key_grads(x: dict, q, k, scale, params: dict, spec=None):
+    """chunk_bwd_key_grads: the call's dq, dk [Ttot, H, K] (q's dtype) from the stages'
+    per-value-head x["dq"], x["dk"] [Ttot, HV, K] (run_stages): summed over each key
+    head's value heads, dq times scale, through the l2norm's backward of the raw q, k
+    with the params' l2norm."""
+    import torch
+    y = dict(x, q=q, k=k, scale=float(scale), dq_out=torch.empty_like(q),
+             dk_out=torch.empty_like(k))
+    runtime.launch_kernel(spec, ARCH, "chunk_bwd_key_grads", params["chunk_bwd_key_grads"], y)
+    return y["dq_out"], y["dk_out"]
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
-
-#: pipeline depth of the per-key dh pass (0: plain loop; the pipelined form is not yet
-#: compiled nor GPU-checked for the key gate)
-KEY_DH_NUM_STAGES = 0
-#: the per-key backward's stages after the recompute, in order
-KEY_STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
-
-
-def is_key(spec) -> bool:
-    """Whether spec takes the per-key backward (the delta rule with a per-key gate: KDA)."""
-    return spec is not None and spec.rule.value == "delta" and spec.gate.value == "key"
-
-
-def key_stage_params(*, H, K, V, dtype, B=1, use_dht=False, store_dh0=False) -> dict:
-    """stage name -> build() params of the per-key backward's four stages (the direct
-    scheme; B * H chains set the dh pass's value block as for the other gates)."""
-    common = dict(H=H, K=K, V=V, dtype=dtype)
-    dh = _dh_params(common, KEY_DH_NUM_STAGES, B * H, use_dht, store_dh0)
-    return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": common,
-            "chunk_bwd_wy": common}
-
 
 def key_recompute_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
     """{RECOMPUTE: the forward's per-key prepare params (the arch's plan; the recompute
@@ -571,7 +536,7 @@ def key_recompute(q, k, v, beta, g, spec=None) -> dict:
                                   L=L, spec=spec)
     runtime.announce(spec, ARCH, params)
     tok = lambda x: x.contiguous().view(Ttot, 1, x.shape[-1])  # noqa: E731
-    x = dict(chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0),
+    x = dict(one_head_tables(B, H, L, dev),
              q=tok(q), k=tok(k), v=tok(v), g=tok(g), beta=beta.contiguous().view(Ttot, 1),
              A_log=f32(1), dt_bias=f32(K), aqk=tok(out["aqk"]), qg=tok(out["qg"]),
              kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
@@ -582,52 +547,46 @@ def key_recompute(q, k, v, beta, g, spec=None) -> dict:
 
 def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=False,
                         spec=None):
-    """The per-key backward's four stages (the direct scheme) after :func:`key_recompute`.
+    """The per-key backward's four stages after :func:`key_recompute`, on the (b, h)
+    one-head sequences (:func:`one_head`).
 
     Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
     dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
     multiple of 64), rec: key_recompute's dict with the states entering the chunks,
-    rec["S"] (as backward_stages' S: head-first, or state rows with rec["srow"]), consumed:
-    each recomputed tensor leaves it once its last stage is launched (its memory then
-    serves the later stages'); dht
-    [B, H, DK, DV] f32 or None. Returns (dq, dk, dv, dbeta (input dtype), dh0
-    [B, H, DK, DV] f32 or None, dg [B, H, L, DK] f32: the gradient of the per-token log
-    gate g)."""
+    rec["S"] [R, DK, DV] (the input dtype) and rec["srow"] [B, H, NC] int32 (chunk t of
+    (b, h) enters with S[srow[b, h, t]]), consumed: each recomputed tensor leaves it once
+    its last stage is launched; dht [B, H, DK, DV] f32 or None. Returns (dq, dk, dv, dbeta
+    (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK] f32: the gradient of
+    the per-token log gate g)."""
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
     _check_key_gate(g_cum, B, H, L, K, "g_cum")
-    NC = L // CHUNK
-    dt = q.dtype
+    NC, dt = L // CHUNK, q.dtype
     _check("do", do, (B, H, L, V), dt)
     if dht is not None:
         _check("dht", dht, (B, H, K, V), torch.float32)
+    S, srow = rec.pop("S"), rec.pop("srow")
+    _check("S", S, (S.shape[0], K, V), dt)
+    _check("srow", srow, (B, H, NC), torch.int32)
     spec = spec or _key_spec()
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
-    dq, dbeta, dg = torch.empty_like(q), torch.empty_like(beta), f32(B, H, L, K)
+    outs = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
+                dbeta=torch.empty_like(beta), dg=f32(B, H, L, K))
     dh0 = f32(B, H, K, V) if want_dh0 else None
     if L == 0 or B * H == 0:
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else 0.0)
-        return dq, torch.empty_like(k), torch.empty_like(v), dbeta, dh0, dg
-    q, k, v, beta, do, g_cum = (x.contiguous() for x in (q, k, v, beta, do, g_cum))
-    params = key_stage_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                              use_dht=dht is not None, store_dh0=want_dh0)
+        return (*list(outs.values())[:4], dh0, outs["dg"])
+    params = stage_params(H=1, K=K, V=V, dtype=str(dt).replace("torch.", ""), chains=B * H,
+                          use_dht=dht is not None, store_dh0=want_dh0, gated=True)
     runtime.announce(spec, ARCH, params)
-    run = lambda stage, *xs: compiled_stage(stage, spec, **params[stage])(*xs)  # noqa: E731
-    dht_in = dht.contiguous() if dht is not None else f32(1, H, K, V)      # placeholder
-    dh0_out = dh0 if dh0 is not None else f32(1, H, K, V)
-    dv_local, dv2 = torch.empty_like(v), torch.empty_like(v)
-    dh = torch.empty(B, H, NC, K, V, dtype=dt, device=q.device)
-    run("chunk_bwd_dv_local", rec.pop("aqk"), do, dv_local)
-    run("chunk_bwd_dh", rec.pop("qg"), rec.pop("kg"), rec["w"], do, rec.pop("g_last"),
-        dv_local, dh, dv2, dht_in, dh0_out)
-    del dv_local
-    dk_part, dg_part, dw = f32(B, H, L, K), f32(B, H, L, K), torch.empty_like(k)
-    S, srow = _state_rows(rec["S"], rec.get("srow"), B, H, NC, K, V, dt)
-    run("chunk_bwd_dqkw", q, k, rec.pop("w"), rec.pop("u"), do, g_cum, dv2, S, srow, dh, dq,
-        dk_part, dw, dg_part)
-    del dh          # dk, dv (written by the last stage only) take its memory
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    run("chunk_bwd_wy", k, v, beta, g_cum, rec.pop("A"), dw, dv2, dk_part, dg_part, dk, dv,
-        dbeta, dg)
-    return dq, dk, dv, dbeta, dh0, dg
+    names = ("q", "k", "v", "do", "g_cum")
+    x = dict(zip(names, one_head(q, k, v, do, g_cum)), **one_head_tables(B, H, L, q.device))
+    x.update({n: one_head(rec.pop(n))[0] for n in ("A", "aqk", "w", "qg", "kg", "u")},
+             g_last=rec.pop("g_last").view(-1, 1, K), beta=beta.contiguous().view(-1, 1),
+             S=S.contiguous().view(-1, 1, K, V), state_row=srow.contiguous().view(-1),
+             dht=f32(1, 1, K, V) if dht is None else dht.contiguous().view(-1, 1, K, V),
+             dh0=f32(1, 1, K, V) if dh0 is None else dh0.view(-1, 1, K, V),
+             **{n: o.view(-1, 1, *o.shape[3:]) for n, o in outs.items()})
+    run_stages(spec, params, x, key=True)
+    return (*list(outs.values())[:4], dh0, outs["dg"])

@@ -3,10 +3,12 @@
 The kernels are replaced by fakes that check each launch against the traced prim_func and
 carry out the stage's math in fp64 (tests/test_chunk_bwd.py's install_fakes: the
 backward's emulators and the forward stages of the recompute); the forward itself is the
-fp64 reference rounded to the input dtype, its per-chunk states too (the h the backward
-reads through its row tables, tests/_layout_fakes.py forward_states). Gradients (dq, dk, dv, dbeta, dh0, with dht) are compared with torch autograd of the
-fp64 chunked reference: this checks the layouts, the varlen padding, the scale folding,
-the l2norm backward, the state-gradient flags and the stage decomposition together.
+fp64 reference rounded to the input dtype, its per-chunk states too (the h [NT, HV, K, V]
+the backward reads chunk by chunk, tests/_layout_fakes.py forward_states). Gradients (dq,
+dk, dv, dbeta, dh0, with dht; the gate's) are compared with torch autograd of the fp64
+chunked reference: this checks packed_backward on the call's own token-first tensors
+(varlen as it comes, GVA), the scale, the l2norm backward, the state-gradient flags and
+the stage decomposition together.
 """
 import math
 
@@ -68,14 +70,20 @@ CASES = [   # B, T, H, K, V, cu_seqlens, initial state, dht, l2norm, scale
     pytest.param(2, 1, 2, 64, 64, None, False, True, False, None, id="B2-T1-dht"),
     pytest.param(1, 135, 2, 64, 64, (0, 1, 70, 71, 135), True, True, True, None,
                  id="varlen-1tok-h0-dht-l2norm"),
+    pytest.param(1, 200, 2, 64, 64, (0, 128, 128, 200), True, True, False, 0.5,
+                 id="varlen-empty-h0-dht"),
 ]
 
 
-@pytest.mark.parametrize("scheme", sorted(chunk_bwd.SCHEMES))
+#: what a DeltaNet / Gated DeltaNet backward launches: the recompute of A, w, u (the
+#: forward's prepare; the states are the forward's), the four stages, the key heads' dq,
+#: dk (chunk_bwd_key_grads)
+PACKED_STAGES = ["chunk_kkt_inverse", "chunk_wu", *chunk_bwd.STAGES, "chunk_bwd_key_grads"]
+
+
 @pytest.mark.parametrize("B,T,H,K,V,cu,h0,use_dht,l2norm,scale", CASES)
-def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B, T, H, K, V,
-                                       cu, h0, use_dht, l2norm, scale):
-    monkeypatch.setattr(chunk_bwd, "SCHEME", scheme)
+def test_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, K, V, cu, h0, use_dht,
+                                       l2norm, scale):
     dtype = torch.float16
     N = B if cu is None else len(cu) - 1
     xs, do, dht = _inputs(rng, B, T, H, K, V, dtype, N, h0)
@@ -86,10 +94,7 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
                                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    # the layout in, the recompute of A, w, u (the plan's prepare; the states are the
-    # forward's), the scheme's stages, the layout out
-    assert fake_kernels == ["chunk_bwd_gather", "chunk_kkt_inverse", "chunk_wu",
-                            *chunk_bwd.SCHEMES[scheme], "chunk_bwd_scatter"]
+    assert fake_kernels == PACKED_STAGES
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)
@@ -104,6 +109,31 @@ def test_gradients_match_fp64_autograd(fake_kernels, monkeypatch, rng, scheme, B
         assert x.grad is not None and x.grad.shape == x.shape and x.grad.dtype == x.dtype, name
         assert not torch.isnan(x.grad).any(), name
         assert _rel(x.grad, r.grad) < 5e-3, (name, _rel(x.grad, r.grad))
+
+
+def test_tokens_past_the_last_sequence(fake_kernels, rng):
+    """packed_backward with cu_seqlens ending before the packed tokens: those tokens are
+    in no sequence (not read; zero gradients), the sequences' gradients match the fp64
+    reference on their own tokens."""
+    cu, T, n, H, K, V = (0, 70, 100), 130, 100, 2, 64, 64
+    xs, do, dht = _inputs(rng, 1, T, H, K, V, torch.float16, 2, True)
+    q, k, v, beta, h0 = xs
+    call = autograd.DeltaRuleCall(spec=deltanet.SPEC, scale=deltanet.SPEC.scale_for(K, None),
+                                  output_final_state=True, cu=cu)
+    head = [x[:, :n] for x in (q, k, v, beta)]
+    h = _reference_forward(call, *head, h0)[2]
+    grads = autograd.deltanet_backward(call, q, k, v, beta, h0, do, dht, h)
+    assert fake_kernels == PACKED_STAGES
+    refs = [x.to(F64).requires_grad_() for x in head + [h0]]
+    o_r, ht_r = tref.chunked_forward(deltanet.SPEC, *refs[:3], beta=refs[3],
+                                     initial_state=refs[4], cu_seqlens=torch.tensor(cu))
+    ((o_r * do[:, :n].to(F64)).sum() + (ht_r * dht.to(F64)).sum()).backward()
+    for name, g, x, r in zip(("dq", "dk", "dv", "dbeta", "dh0"), grads, xs, refs):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        if name != "dh0":
+            assert (g[:, n:] == 0).all(), name
+            g = g[:, :n]
+        assert _rel(g, r.grad) < 5e-3, (name, _rel(g, r.grad))
 
 
 def test_only_o_used_and_inputs_without_grad(fake_kernels, rng):
@@ -213,6 +243,8 @@ GDN_CASES = [   # B, T, H, HV, K, V, cu_seqlens, initial state, dht, l2norm, gat
                  id="varlen-h0-dht-l2norm-gik"),
     pytest.param(1, 200, 2, 4, 64, 64, None, True, True, True, True, BF16,
                  id="T200-GVA2-h0-dht-l2norm-gik-bf16"),
+    pytest.param(1, 150, 1, 2, 64, 64, (0, 64, 64, 150), True, True, False, False, F16,
+                 id="varlen-empty-GVA2-h0-dht"),
 ]
 
 
@@ -231,9 +263,7 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
                                            use_gate_in_kernel=gik, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == ["chunk_bwd_gather", "chunk_kkt_inverse", "chunk_wu",
-                            "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
-                            "chunk_bwd_wy", "chunk_bwd_scatter"]
+    assert fake_kernels == PACKED_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=None if cu is None else
                                      torch.tensor(cu),
@@ -268,7 +298,10 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
     forward's states, dh and v_new in the input dtype): run s7-4's varlen case. The gate's
     chunk-boundary term once came from <dh, S_leaving> in f32 while the rows subtracted
     their part of it from dh and v_new rounded to bf16; that did not cancel (dA_log 8.6e-2,
-    dg 4e-3 here; 0.35 and 7e-2 at T = 1000, K = 128). Now dqkw adds the rows' own sum."""
+    dg 4e-3 here; 0.35 and 7e-2 at T = 1000, K = 128). Now dqkw adds the rows' own sum.
+    Its sequences (1, 129, 1, 64, 300, 1 tokens) mostly end in a partial chunk, whose g_last
+    terms dqkw must put on the chunk's last row (n - 1, not 63: the packed layout has no
+    padding rows to carry them)."""
     cu = (0, 1, 130, 131, 195, 495, 496)
     B, T, H, HV, K, V = 1, 496, 2, 4, 64, 64
     x, do, dht = _gdn_inputs(rng, B, T, H, HV, K, V, torch.bfloat16, len(cu) - 1, True, True)
@@ -281,9 +314,7 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
         x["dt_bias"], do, dht, h)))
-    assert fake_kernels == ["chunk_bwd_gather", "chunk_kkt_inverse", "chunk_wu",
-                            "chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw",
-                            "chunk_bwd_wy", "chunk_bwd_scatter"]
+    assert fake_kernels == PACKED_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=torch.tensor(cu),
                                      options=Options(l2norm_qk=True, gate_in_kernel=True))

@@ -61,8 +61,6 @@ CASES = [
     case(1, 1 + 2047 + 1 + 1000, 4, 64, 64, "float16", cu=(0, 1, 2048, 2049, 3049),
          h0=True, dht=True, l2norm=True, name="varlen-1tok-long-f16-l2norm"),
 ]
-#: cases also checked with the scan scheme and against dsl.chunked_bwd (small)
-SCAN_CASES = [CASES[1], CASES[4], CASES[9]]
 SMALL_CASES = [c for c in CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
 
 
@@ -75,10 +73,9 @@ def _lens(p):
 
 
 def _jobs(p):
-    """(ops.chunk jobs, chunk_bwd stage_params dicts) one case runs: the training
-    forward's plan (save_states: its per-chunk states for the backward), the backward's
-    recompute (chunk_bwd.wy_params over the N padded head-first sequences of the longest
-    length L) and the backward's stages."""
+    """(ops.chunk jobs, chunk_bwd train_params) one case runs: the training forward's plan
+    (save_states: its per-chunk states for the backward), the backward's recompute and
+    stages on the call's token-first tensors."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
@@ -89,17 +86,9 @@ def _jobs(p):
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=dt, B=N, L=max(lens))
-    jobs += [(SPEC, s, pr) for s, pr in chunk_bwd.wy_params(**dims).items()]
-    del dims["L"]
-    bwd = chunk_bwd.stage_params(**dims, use_dht=True, store_dh0=p["h0"])
-    return jobs, bwd
-
-
-def _scheme(name):
-    from linattn.ops import chunk_bwd
-    saved, chunk_bwd.SCHEME = chunk_bwd.SCHEME, name
-    return saved
+    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["H"], K=p["K"], V=p["V"], dtype=dt,
+                                        chains=N * p["H"], l2norm=p["l2norm"], use_dht=True,
+                                        store_dh0=p["h0"])
 
 
 def _family(name):
@@ -125,12 +114,6 @@ def precompiled(request):
             jobs, params = _jobs(c.values[0])
             fwd += jobs
             bwd.append(params)
-        for c in SCAN_CASES:
-            saved = _scheme("scan")
-            try:
-                bwd.append(_jobs(c.values[0])[1])
-            finally:
-                _scheme(saved)
     if _selected(request, "gdn"):
         for c in GDN_CASES:
             jobs, params = _gdn_jobs(c.values[0])
@@ -223,15 +206,6 @@ def test_gradients_vs_torch_fp64(p, rng):
     _check(p, rng)
 
 
-@pytest.mark.parametrize("p", SCAN_CASES)
-def test_gradients_scan_scheme(p, rng):
-    saved = _scheme("scan")
-    try:
-        _check(p, rng, scheme="scan")
-    finally:
-        _scheme(saved)
-
-
 @pytest.mark.parametrize("p", SMALL_CASES)
 def test_gradients_vs_chunked_bwd(p, rng):
     """The same run against the NumPy fp64 chunked backward (the kernels' algorithm)."""
@@ -297,11 +271,10 @@ def _gdn_jobs(p):
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
-    jobs += [(SPEC, s, pr) for s, pr in
-             chunk_bwd.wy_params(**dims, L=-(-max(lens) // 64) * 64, spec=SPEC).items()]
-    return jobs, chunk_bwd.stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"],
-                                        gated=True)
+    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=dt,
+                                        chains=N * p["HV"], l2norm=p["l2norm"],
+                                        use_dht=p["dht"], store_dh0=p["h0"], gated=True,
+                                        spec=SPEC)
 
 
 def _gdn_inputs(p, seed):
@@ -466,7 +439,8 @@ def _kda_jobs(p):
     L = -(-max(lens) // 64) * 64
     dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
     return jobs, [chunk_bwd.key_recompute_params(**dims, L=L),
-                  chunk_bwd.key_stage_params(**dims, use_dht=p["dht"], store_dh0=p["h0"])]
+                  chunk_bwd.stage_params(H=1, K=p["K"], V=p["V"], dtype=dt, chains=N * p["HV"],
+                                         use_dht=p["dht"], store_dh0=p["h0"], gated=True)]
 
 
 def _kda_ours(p, xs, do, dht):

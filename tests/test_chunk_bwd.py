@@ -1,302 +1,307 @@
-"""CPU tests of DeltaNet's chunked backward (ops/chunk_bwd.py): the plan lists the four
-stages, they render and compile for sm_90a, the contract's forward takes its stages from
-the arch's three-stage plan (contract_plan, wy_params, forward_params), and
-the launch arguments match the traced kernel signatures. The fake kernels also carry out
-each stage's math in fp64 (the algorithm the template implements, stage by stage, through
-the same buffers; the forward's stages by tests/test_chunk_fused.py's PipelineMath), so
-the host code's plumbing and the stage decomposition are checked against autograd of the
-fp64 reference without a GPU."""
+"""CPU tests of the delta rule's chunked backward (ops/chunk_bwd.py): the plan lists the
+backward's stages, they render and compile for sm_90a, the contract's forward takes its stages
+from the arch's three-stage plan (contract_plan, wy_params, forward_params), the
+backward's recompute of A, w, u (recompute) is the forward's prepare on token-first
+packed tensors, and the launch arguments match the traced kernel signatures. The fake
+kernels also carry out each stage's math in fp64 (the algorithm the template implements,
+stage by stage, through the same token-first packed buffers and chunk tables; the
+forward's stages by tests/test_chunk_fused.py's PipelineMath), so the host code's
+plumbing and the stage decomposition are checked against autograd of the fp64 reference
+without a GPU."""
 import math
 
 import pytest
 import torch
 
-import _layout_fakes as layout_fakes
 from _kernel_check import fake_compiles
+from test_chunk import by_name
 from test_chunk_fused import PipelineMath
 
 from linattn.codegen.plan import plan
-from linattn.dsl import SpecError, all_rule_gate_specs
+from linattn.dsl import Options, SpecError, all_rule_gate_specs
 from linattn.dsl import torch_reference as tref
-from linattn.ops import chunk, chunk_bwd, contracts
+from linattn.ops import chunk, chunk_bwd, contracts, runtime
 from linattn.ops.registry import get_spec
 
 F64 = torch.float64
 C = chunk_bwd.CHUNK
 
 
+#: the none and the scalar gate's backward stages (after the recompute by the forward's
+#: chunk_kkt_inverse and chunk_wu): the four stages, then the key heads' dq, dk
+PACKED_STAGES = (*chunk_bwd.STAGES, "chunk_bwd_key_grads")
+
+
 def test_plan_lists_backward_stages():
-    want = list(chunk_bwd.ALL_STAGES)
+    """The none and the scalar gate run the four stages on the call's token-first tensors,
+    then chunk_bwd_key_grads; only the per-key gate's plan moves them head-first (gather /
+    scatter) and recomputes by its own prepare."""
+    want = list(PACKED_STAGES)
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
-    gated = [s for s in want if s not in chunk_bwd.SCHEMES["scan"][:2]]   # direct scheme
-    assert [s.name for s in plan(get_spec("gdn"), "bwd")] == gated
-    for spec in all_rule_gate_specs():          # the delta rule without a gate or scalar
+    assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
+    key = ["chunk_bwd_gather", chunk_bwd.RECOMPUTE, *chunk_bwd.STAGES, "chunk_bwd_scatter"]
+    for spec in all_rule_gate_specs():
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "delta":          # (the additive rule's: test_additive_bwd.py)
-            key = ["chunk_bwd_gather", chunk_bwd.RECOMPUTE, *chunk_bwd.KEY_STAGES,
-                   "chunk_bwd_scatter"]                             # (test_kda_bwd.py)
-            assert names == {"delta_none": want, "delta_scalar": gated,
-                             "delta_key": key}[spec.name]
+            assert names == {"delta_none": want, "delta_scalar": want,
+                             "delta_key": key}[spec.name]      # (key: test_kda_bwd.py)
 
 
-GATED_STAGES = ("chunk_bwd_gather", "chunk_bwd_dv_local",
-                 "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy", "chunk_bwd_scatter")
-
-
-@pytest.mark.parametrize("family,stage", [("deltanet", s) for s in chunk_bwd.ALL_STAGES]
-                         + [("gdn", s) for s in GATED_STAGES])
+@pytest.mark.parametrize("family,stage", [(f, s) for f in ("deltanet", "gdn")
+                                          for s in PACKED_STAGES])
 def test_stage_renders(family, stage):
     from linattn.ops.runtime import arg_names, stage_module
     spec = get_spec(family)
     mod = stage_module(spec, stage, "sm90")
     assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
-    ex = mod.EXAMPLES[0]
-    fn = mod.build(**ex)
-    assert list(arg_names(fn)) == mod.args(**ex)
+    for ex in mod.EXAMPLES:                     # (one of them GVA: H=2, HV=4)
+        fn = mod.build(**ex)
+        assert list(arg_names(fn)) == mod.args(**ex)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("block_v,num_stages", [(16, 0), (32, 0), (16, 1), (32, 2)])
 def test_dh_pass_compiles_value_blocks_and_pipelines(block_v, num_stages):
-    src = chunk_bwd.compiled_stage("chunk_bwd_dh", H=4, K=64, V=64, dtype="bfloat16",
+    src = chunk_bwd.compiled_stage("chunk_bwd_dh", H=2, HV=4, K=64, V=64, dtype="bfloat16",
                                    block_v=block_v, num_stages=num_stages).get_kernel_source()
     assert "wgmma" in src or "mma" in src
     assert ("mbarrier" in src) == (num_stages > 0)   # > 0: warp-specialised TMA pipeline
 
 
 @pytest.mark.compile
-def test_dqkw_compiles_with_dv2_from_dh():
-    src = chunk_bwd.compiled_stage("chunk_bwd_dqkw", H=4, K=64, V=64, dtype="float16",
-                                   dv2_from_dh=True).get_kernel_source()
-    assert "wgmma" in src
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_key_grads_compiles(l2norm):
+    src = chunk_bwd.compiled_stage("chunk_bwd_key_grads", H=2, HV=4, K=128, dtype="bfloat16",
+                                   l2norm=l2norm).get_kernel_source()
+    assert ("rsqrt" in src) == l2norm
 
 
-def test_unknown_scheme_is_refused(monkeypatch):
-    monkeypatch.setattr(chunk_bwd, "SCHEME", "fast")
-    with pytest.raises(SpecError, match="SCHEME must be one of"):
-        chunk_bwd.stage_params(H=4, K=64, V=64, dtype="float16")
+def test_stage_params():
+    """stage_params: every stage at H key heads and HV value heads (default H); the dh
+    pass's flags and pipeline depth (the gated one's own), the contract's f32 states."""
+    p = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="float16", chains=8,
+                               use_dht=True)
+    assert list(p) == list(chunk_bwd.STAGES)
+    for stage, params in p.items():
+        assert {k: params[k] for k in ("H", "HV", "K", "V", "dtype")} == dict(
+            H=2, HV=4, K=64, V=128, dtype="float16"), stage
+    dh = p["chunk_bwd_dh"]
+    assert dh["use_dht"] and "store_dh0" not in dh
+    assert dh["num_stages"] == chunk_bwd.DH_NUM_STAGES
+    assert "state_dtype" not in p["chunk_bwd_dqkw"]
+    g = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", store_dh0=True, gated=True,
+                               state_dtype="float32")
+    assert all(params["HV"] == 3 for params in g.values())
+    assert g["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in g["chunk_bwd_dh"]
+    assert g["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
+    assert g["chunk_bwd_dqkw"]["state_dtype"] == "float32"
+
+
+def test_train_params():
+    """train_params: what packed_backward runs, the recompute (the forward's kkt writing
+    A without beta, l2-normalising q, k with l2norm; chunk_wu applying beta) at the call's
+    key and value heads, the four stages, then chunk_bwd_key_grads (the l2norm's
+    backward with l2norm)."""
+    p = chunk_bwd.train_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=8,
+                               l2norm=True, use_dht=True, gated=True, spec=get_spec("gdn"))
+    assert list(p) == ["chunk_kkt_inverse", "chunk_wu", *PACKED_STAGES]
+    kkt, wu = p["chunk_kkt_inverse"], p["chunk_wu"]
+    assert kkt["l2norm_qk"] and not kkt["a_beta"] and not wu["a_beta"]
+    assert p["chunk_bwd_key_grads"]["l2norm"]
+    assert all((x["H"], x["HV"]) == (2, 4) for x in p.values())
+    assert p["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in p["chunk_bwd_dh"]
+    assert p["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
 
 
 def test_dh_value_block_fills_gpu():
-    assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", B=2)[
+    assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", chains=8)[
         "chunk_bwd_dh"]["block_v"] == 16
-    assert chunk_bwd.stage_params(H=32, K=128, V=128, dtype="bfloat16", B=8)[
+    assert chunk_bwd.stage_params(H=32, K=128, V=128, dtype="bfloat16", chains=256)[
         "chunk_bwd_dh"]["block_v"] == 64
 
 
 # -- fake kernels: signature checks + the stage math in fp64 ------------------------------
-
-def _chunks(x, L):
-    """[B, H, L, D] (or [B, H, L]) -> fp64 [B, H, NC, C, D], zero rows past L."""
-    x = x.to(F64)
-    if x.dim() == 3:
-        x = x.unsqueeze(-1)
-    NC = math.ceil(L / C)
-    x = torch.nn.functional.pad(x, (0, 0, 0, NC * C - L))
-    return x.view(*x.shape[:2], NC, C, x.shape[-1])
-
-
-def _store(out, x, L):
-    """Write fp64 chunks [B, H, NC, C, D] back into out [B, H, L(, D)]."""
-    B, H = out.shape[:2]
-    y = x.reshape(B, H, -1, x.shape[-1])[:, :, :L]
-    out.copy_(y.reshape(out.shape).to(out.dtype))
-
-
-def _dv_local(q, k, do, dv_local):
-    L = q.shape[2]
-    qc, kc, doc = (_chunks(x, L) for x in (q, k, do))
-    P = torch.tril(qc @ kc.transpose(-1, -2))
-    _store(dv_local, P.transpose(-1, -2) @ doc, L)
-
-
-def _dh_start(dht, shape, use_dht):
-    return dht.to(F64).clone() if use_dht else torch.zeros(shape, dtype=F64)
-
-
-def _dh(q, k, w, do, dv_local, dh_out, dv2, dht, dh0, use_dht=False, store_dh0=False):
-    L = q.shape[2]
-    qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
-    B, H, NC = qc.shape[:3]
-    dh = _dh_start(dht, (B, H, k.shape[-1], do.shape[-1]), use_dht)
-    out = torch.zeros_like(dvc)
-    for c in reversed(range(NC)):
-        dh_out[:, :, c] = dh.to(dh_out.dtype)
-        dh_lp = dh.to(dh_out.dtype).to(F64)         # the kernel multiplies the stored dh
-        out[:, :, c] = dvc[:, :, c] + kc[:, :, c] @ dh_lp
-        d = out[:, :, c].to(dv2.dtype).to(F64)
-        dh = dh + qc[:, :, c].transpose(-1, -2) @ doc[:, :, c] - wc[:, :, c].transpose(-1, -2) @ d
-    _store(dv2, out, L)
-    if store_dh0:
-        dh0.copy_(dh)
-
-
-def _transition(q, k, w, do, dv_local, nP, X):
-    L = q.shape[2]
-    qc, kc, wc, doc = (_chunks(x, L) for x in (q, k, w, do))
-    dvl = torch.tril(qc @ kc.transpose(-1, -2)).transpose(-1, -2) @ doc
-    _store(dv_local, dvl, L)
-    dvl = _chunks(dv_local, L)                      # the kernel uses the stored dv_local
-    nP.copy_(-(wc.transpose(-1, -2) @ kc))
-    X.copy_(qc.transpose(-1, -2) @ doc - wc.transpose(-1, -2) @ dvl)
-
-
-def _dh_scan(nP, X, dh_out, dht, dh0, use_dht=False, store_dh0=False):
-    P, Xs = nP.to(F64), X.to(F64)
-    dh = _dh_start(dht, Xs[:, :, 0].shape, use_dht)
-    for c in reversed(range(P.shape[2])):
-        dh_out[:, :, c] = dh.to(dh_out.dtype)
-        dh = dh + P[:, :, c] @ dh.to(dh_out.dtype).to(F64) + Xs[:, :, c]
-    if store_dh0:
-        dh0.copy_(dh)
-
-
-def _dqkw(q, k, w, u, do, dv2, S, srow, dh, dq, dk_part, dw, dv2_from_dh=False):
-    L = q.shape[2]
-    qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
-    St = S[srow.long()].to(F64)                     # [B, H, NC, K, V]: each chunk's row
-    dhc = dh.to(F64)
-    if dv2_from_dh:
-        _store(dv2, dvc + kc @ dhc, L)
-        dvc = _chunks(dv2, L)
-    vn = uc - wc @ St
-    ds = torch.tril(doc @ vn.transpose(-1, -2))
-    _store(dq, doc @ St.transpose(-1, -2) + ds @ kc, L)
-    _store(dk_part, ds.transpose(-1, -2) @ qc + vn @ dhc.transpose(-1, -2), L)
-    _store(dw, -dvc @ St.transpose(-1, -2), L)
-
-
-def _wy(k, v, beta, A, dw, du, dk_part, dk, dv, dbeta):
-    L = k.shape[2]
-    kc, vc, bc, Ac, dwc, duc, dkp = (_chunks(x, L) for x in (k, v, beta, A, dw, du, dk_part))
-    At = Ac.transpose(-1, -2)
-    dbk, dbv = At @ dwc, At @ duc
-    dA = duc @ (bc * vc).transpose(-1, -2) + dwc @ (bc * kc).transpose(-1, -2)
-    dM = torch.tril(-At @ dA @ At, -1)
-    G = bc * dM
-    _store(dv, bc * dbv, L)
-    _store(dk, dkp + bc * dbk + G @ kc + G.transpose(-1, -2) @ kc, L)
-    db = ((dbv * vc).sum(-1) + (dbk * kc).sum(-1) + (dM * (kc @ kc.transpose(-1, -2))).sum(-1))
-    _store(dbeta, db.unsqueeze(-1), L)
-
-
-EMULATE = {"chunk_bwd_dv_local": _dv_local,
-           "chunk_bwd_transition": _transition, "chunk_bwd_dh_scan": _dh_scan, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
-           "chunk_bwd_wy": _wy}
-
-
-# the scalar gate's stages (g_cum [B, H, L] f32, L a multiple of 64): the same math with
-# E_ij = exp(g_cum_i - g_cum_j) on the pairs and the e^g scalings of the templates, each
-# value rounded to the input dtype (_lp) exactly where the template casts it or keeps it
-# in a 16-bit shared buffer (a GEMM operand), so that the emulated errors are the kernels'
-# (bf16 keeps 8 bits of mantissa: a cancellation that f16 hides shows there)
+#
+# Token-first packed tensors [Ttot, heads, D] ([Ttot, heads] for beta, dbeta and the
+# scalar gate's per-token ones), cut into chunks by the forward's tables: the per-chunk
+# stages walk chunk_bos / chunk_len, the dh pass each sequence's chunks chunk_offsets[n] ..
+# chunk_offsets[n+1] (tokens cu_seqlens[n] ..), last first. A chunk is an fp64 tile
+# [HV, 64, D] with zero rows past its length (as the kernels load it); q, k [Ttot, H, K]
+# are read at key head h // (HV / H). Each value is rounded to the input dtype (_lp)
+# exactly where the template casts it or keeps it in a 16-bit shared buffer (a GEMM
+# operand), so that the emulated errors are the kernels' (bf16 keeps 8 bits of mantissa:
+# a cancellation that f16 hides shows there). The scalar gate (g_cum [HV, NT * 64] f32,
+# chunk_kkt_inverse's layout: chunk c's rows at c * 64, rows past its length holding its
+# last row's value) adds E_ij = exp(g_cum_i - g_cum_j) on the pairs and the templates'
+# e^g scalings; without it (g_cum None) they are 1. The fakes take the kernels' arguments
+# by name (test_chunk.by_name), after the traced signature's check.
 
 def _lp(x, dt):
     """x rounded to the kernel's input dtype dt, back in fp64."""
     return x.to(dt).to(F64)
 
 
-def _decays(g_cum, L):
-    gc = _chunks(g_cum, L)                          # [B, H, NC, C, 1]
-    E = torch.tril(torch.exp(gc - gc.transpose(-1, -2)))
-    return gc, gc[..., -1:, :], E                   # g_cum, g_last [.., 1, 1], E
+def _chunk_rows(chunk_bos, chunk_len):
+    """(chunk, first token, length) of every chunk of the tables."""
+    return zip(range(chunk_bos.numel()), chunk_bos.tolist(), chunk_len.tolist())
 
 
-def _dv_local_g(q, k, do, g_cum, dv_local):
-    L, dt = q.shape[2], q.dtype
-    qc, kc, doc = (_chunks(x, L) for x in (q, k, do))
-    _, _, E = _decays(g_cum, L)
-    P = _lp((qc @ kc.transpose(-1, -2)) * E, dt)   # p_s
-    _store(dv_local, P.transpose(-1, -2) @ doc, L)
+def _seq_chunks(cu_seqlens, chunk_offsets, n):
+    """(chunk, first token, length) of sequence n's chunks, last first (the dh pass's
+    walk: from the sequence's bounds, as the kernel finds them)."""
+    bos, eos = cu_seqlens[n].item(), cu_seqlens[n + 1].item()
+    c0, c1 = chunk_offsets[n].item(), chunk_offsets[n + 1].item()
+    for c in reversed(range(c0, c1)):
+        t0 = bos + (c - c0) * C
+        yield c, t0, min(C, eos - t0)
 
 
-def _dh_g(q, k, w, do, g_cum, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
-          store_dh0=False):
-    L, dt = q.shape[2], q.dtype
-    qc, kc, wc, doc, dvc = (_chunks(x, L) for x in (q, k, w, do, dv_local))
-    gc, gl, _ = _decays(g_cum, L)
-    B, H, NC = qc.shape[:3]
-    dh = _dh_start(dht, (B, H, k.shape[-1], do.shape[-1]), use_dht)
-    out = torch.zeros_like(dvc)
-    for c in reversed(range(NC)):
-        dh_out[:, :, c] = dh.to(dh_out.dtype)       # f32
-        dh_s = _lp(dh, dt)                          # the k dh operand
-        d = _lp(dvc[:, :, c] + (kc[:, :, c] @ dh_s) * torch.exp(gl[:, :, c] - gc[:, :, c]), dt)
-        out[:, :, c] = d
-        do_s = _lp(doc[:, :, c] * torch.exp(gc[:, :, c]), dt)
-        dh = (torch.exp(gl[:, :, c]) * dh + qc[:, :, c].transpose(-1, -2) @ do_s
-              - wc[:, :, c].transpose(-1, -2) @ d)
-    _store(dv2, out, L)
-    if store_dh0:
-        dh0.copy_(dh)
+def _tile(x, t0, n, HV):
+    """Tokens t0 .. t0 + n of x [Ttot, heads, D] (or [Ttot, heads]: D = 1) as an fp64 tile
+    [HV, 64, D], zero rows past n; key heads (heads < HV) repeated to the value heads."""
+    y = x[t0:t0 + n].to(F64)
+    y = y.unsqueeze(-1) if y.dim() == 2 else y
+    y = torch.cat([y, y.new_zeros(C - n, *y.shape[1:])])
+    return y.repeat_interleave(HV // y.shape[1], 1).transpose(0, 1)
 
 
-def _dqkw_g(q, k, w, u, do, g_cum, dv2, S, srow, dh, dq, dk_part, dw, dg_part):
-    L, dt = q.shape[2], q.dtype
-    qc, kc, wc, uc, doc, dvc = (_chunks(x, L) for x in (q, k, w, u, do, dv2))
-    gc, gl, E = _decays(g_cum, L)
-    S = S[srow.long()]                              # [B, H, NC, K, V]: each chunk's row
-    St, dhs = _lp(S.to(F64), dt), _lp(dh.to(F64), dt)   # S_s, dh_s
-    vn = _lp(uc - wc @ St, dt)
-    ds = _lp(torch.tril(doc @ vn.transpose(-1, -2)) * E, dt)
-    dk_state = (vn @ dhs.transpose(-1, -2)) * torch.exp(gl - gc)
-    dqc = (doc @ St.transpose(-1, -2)) * torch.exp(gc) + ds @ kc
-    dkc = dk_state + ds.transpose(-1, -2) @ qc
-    _store(dq, dqc, L)
-    _store(dk_part, dkc, L)
-    _store(dw, -dvc @ St.transpose(-1, -2), L)
-    dg = (qc * dqc).sum(-1, keepdim=True) - (kc * dkc).sum(-1, keepdim=True)
-    dg[..., -1, :] += (kc * dk_state).sum((-1, -2)).unsqueeze(-1)
-    # g_last also scales the state the chunk enters with: e^g_last <S, dh> (f32 from global)
-    sdh = (S.to(F64) * dh.to(F64)).sum((-1, -2))
-    dg[..., -1, :] += (torch.exp(gl[..., 0, 0]) * sdh).unsqueeze(-1)
-    _store(dg_part, dg, L)
+def _untile(out, t0, n, y):
+    """The tile y [HV, 64, D]'s first n rows into out's tokens t0 .. t0 + n (out's
+    dtype): the kernels store only the chunk's rows."""
+    rows = out[t0:t0 + n]
+    rows.copy_(y[:, :n].transpose(0, 1).reshape(rows.shape).to(out.dtype))
 
 
-def _wy_g(k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
-    L, dt = k.shape[2], k.dtype
-    kc, vc, bc, Ac, dwc, duc, dkp, dgp = (_chunks(x, L) for x in
-                                          (k, v, beta, A, dw, du, dk_part, dg_part))
-    gc, _, E = _decays(g_cum, L)
-    At = Ac.transpose(-1, -2)
-    bk, bv = _lp(bc * kc * torch.exp(gc), dt), _lp(bc * vc, dt)
-    dbk, dbv = At @ dwc, At @ duc
-    dA = _lp(duc @ bv.transpose(-1, -2) + dwc @ bk.transpose(-1, -2), dt)
-    dM = torch.tril(-_lp(At @ dA, dt) @ At, -1)
-    Q = dM * (kc @ kc.transpose(-1, -2)) * E
-    P = bc * Q
-    G = _lp(bc * dM * E, dt)
-    rk = (dbk * kc).sum(-1, keepdim=True) * torch.exp(gc)
-    _store(dv, bc * dbv, L)
-    _store(dk, dkp + bc * torch.exp(gc) * dbk + G @ kc + G.transpose(-1, -2) @ kc, L)
-    _store(dbeta, (dbv * vc).sum(-1, keepdim=True) + rk + Q.sum(-1, keepdim=True), L)
-    dgc = dgp + bc * rk + P.sum(-1, keepdim=True) - P.sum(-2).unsqueeze(-1)
-    _store(dg, dgc, L)
+def _gate(g_cum, c, HV):
+    """Chunk c's gate tiles: (g_cum [HV, 64, 1], g_last [HV, 1, 1]: its row 63 as the
+    kernels read it, E [HV, 64, 64] = tril_incl(exp(g_cum_i - g_cum_j))); 0, 0, tril(1)
+    without a gate."""
+    gc = torch.zeros(HV, C, 1, dtype=F64) if g_cum is None else \
+        g_cum[:, c * C:(c + 1) * C].to(F64).unsqueeze(-1)
+    return gc, gc[:, -1:], torch.tril(torch.exp(gc - gc.transpose(-1, -2)))
 
 
-EMULATE_GATED = {"chunk_bwd_dv_local": _dv_local_g,
-                 "chunk_bwd_dh": _dh_g, "chunk_bwd_dqkw": _dqkw_g, "chunk_bwd_wy": _wy_g}
+def _dv_local(p, q, k, do, dv_local, chunk_bos, chunk_len, g_cum=None):
+    """dv_local = (tril_incl(q k^T) E)^T do."""
+    dt, HV = q.dtype, do.shape[1]
+    for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
+        qc, kc, doc = (_tile(x, t0, n, HV) for x in (q, k, do))
+        P = _lp((qc @ kc.transpose(-1, -2)) * _gate(g_cum, c, HV)[2], dt)     # p_s
+        _untile(dv_local, t0, n, P.transpose(-1, -2) @ doc)
 
 
-def _bwd_flags(params):
-    return {f: True for f in ("dv2_from_dh", "use_dht", "store_dh0") if params.get(f)}
+def _dh(p, q, k, w, do, dv_local, dh_out, dv2, dht, dh0, cu_seqlens, chunk_offsets,
+        g_cum=None):
+    """Per sequence, its chunks last first, dh from dht[n] (use_dht) or 0:
+    dh_out[c] = dh; dv2 = dv_local + (k dh) e^(g_last - g_cum);
+    dh = e^g_last dh + q^T (do e^g_cum) - w^T dv2; dh0[n] = dh (store_dh0)."""
+    dt, HV = q.dtype, do.shape[1]
+    for s in range(cu_seqlens.numel() - 1):
+        dh = dht[s].to(F64) if p.get("use_dht") else torch.zeros(dh_out.shape[1:], dtype=F64)
+        for c, t0, n in _seq_chunks(cu_seqlens, chunk_offsets, s):
+            qc, kc, wc, doc, dvc = (_tile(x, t0, n, HV) for x in (q, k, w, do, dv_local))
+            gc, gl, _ = _gate(g_cum, c, HV)
+            dh_out[c] = dh.to(dh_out.dtype)
+            dh_s = _lp(dh, dt)                          # the k dh operand
+            d = _lp(dvc + (kc @ dh_s) * torch.exp(gl - gc), dt)         # dv_s
+            _untile(dv2, t0, n, d)
+            do_s = _lp(doc * torch.exp(gc), dt)
+            dh = torch.exp(gl) * dh + qc.transpose(-1, -2) @ do_s - wc.transpose(-1, -2) @ d
+        if p.get("store_dh0"):
+            dh0[s] = dh.to(dh0.dtype)
+
+
+def _dqkw(p, q, k, w, u, do, dv2, S, state_row, dh, dq, dk_part, dw, chunk_bos, chunk_len,
+          g_cum=None, dg_part=None):
+    """Per chunk, S = S[state_row[c]] (rounded to the input dtype: S_s), dh[c]:
+    v_new = u - w S; ds = tril_incl(do v_new^T) E; dq = (do S^T) e^g_cum + ds k;
+    dk_part = ds^T q + (v_new dh^T) e^(g_last - g_cum); dw = -dv2 S^T; gated, dg_part =
+    rowsum(q dq) - rowsum(k dk_part), the chunk's last row (n - 1, a partial chunk's too:
+    g_last is its g_cum) + the state terms of g_last."""
+    dt, HV = q.dtype, do.shape[1]
+    rows = state_row.tolist()
+    for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
+        qc, kc, wc, uc, doc, dvc = (_tile(x, t0, n, HV) for x in (q, k, w, u, do, dv2))
+        gc, gl, E = _gate(g_cum, c, HV)
+        St, dhs = _lp(S[rows[c]].to(F64), dt), _lp(dh[c].to(F64), dt)   # S_s, dh_s
+        vn = _lp(uc - wc @ St, dt)
+        ds = _lp(torch.tril(doc @ vn.transpose(-1, -2)) * E, dt)
+        dk_state = (vn @ dhs.transpose(-1, -2)) * torch.exp(gl - gc)
+        dqc = (doc @ St.transpose(-1, -2)) * torch.exp(gc) + ds @ kc
+        dkc = dk_state + ds.transpose(-1, -2) @ qc
+        _untile(dq, t0, n, dqc)
+        _untile(dk_part, t0, n, dkc)
+        _untile(dw, t0, n, -dvc @ St.transpose(-1, -2))
+        if dg_part is not None:
+            dg = (qc * dqc).sum(-1, keepdim=True) - (kc * dkc).sum(-1, keepdim=True)
+            # g_last scales the state leaving the chunk (the state terms of dk: the f32
+            # values its rows subtract) and the state it enters with: e^g_last <S, dh> (an
+            # f32 sum of the 16-bit tiles)
+            dg[:, n - 1] += ((kc * dk_state).sum((-1, -2))
+                             + torch.exp(gl[:, 0, 0]) * (St * dhs).sum((-1, -2))).unsqueeze(-1)
+            _untile(dg_part, t0, n, dg)
+
+
+def _wy(p, k, v, beta, A, dw, du, dk_part, dk, dv, dbeta, chunk_bos, chunk_len, g_cum=None,
+        dg_part=None, dg=None):
+    """Per chunk, back through A = (I + M)^-1, M = strict_tril(beta_i k_i.k_j E_ij),
+    w = A (beta e^g_cum k), u = A (beta v): dv, dk (complete), dbeta and, gated, dg: the
+    reverse cumulative sum within the chunk of dG, the gradient of g_cum."""
+    dt, HV = k.dtype, v.shape[1]
+    for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
+        kc, vc, bc, Ac, dwc, duc, dkp = (_tile(x, t0, n, HV) for x in
+                                         (k, v, beta, A, dw, du, dk_part))
+        gc, _, E = _gate(g_cum, c, HV)
+        At = Ac.transpose(-1, -2)
+        bk, bv = _lp(bc * kc * torch.exp(gc), dt), _lp(bc * vc, dt)
+        dbk, dbv = At @ dwc, At @ duc
+        dA = _lp(duc @ bv.transpose(-1, -2) + dwc @ bk.transpose(-1, -2), dt)
+        dM = torch.tril(-_lp(At @ dA, dt) @ At, -1)
+        Q = dM * (kc @ kc.transpose(-1, -2)) * E
+        G = _lp(bc * dM * E, dt)
+        rk = (dbk * kc).sum(-1, keepdim=True) * torch.exp(gc)
+        _untile(dv, t0, n, bc * dbv)
+        _untile(dk, t0, n, dkp + bc * torch.exp(gc) * dbk + G @ kc + G.transpose(-1, -2) @ kc)
+        _untile(dbeta, t0, n, (dbv * vc).sum(-1, keepdim=True) + rk + Q.sum(-1, keepdim=True))
+        if dg is not None:
+            P = bc * Q
+            dG = _tile(dg_part, t0, n, HV) + bc * rk + P.sum(-1, keepdim=True) \
+                - P.sum(-2).unsqueeze(-1)
+            dG[:, n:] = 0                                # rows past the chunk
+            _untile(dg, t0, n, dG.flip(1).cumsum(1).flip(1))
+
+
+def _key_grads(p, dq, dk, q, k, scale, dq_out, dk_out):
+    """The call's dq, dk [Ttot, H, K] from the stages' per-value-head ones [Ttot, HV, K]:
+    dy = factor * the sum over key head h's value heads h G .. h G + G - 1 (factor: scale
+    for dq, 1 for dk), through the l2norm's backward of the raw q, k with l2norm
+    (dx = r dy - x r^3 (x . dy), r = rsqrt(x . x + eps)); rounded once."""
+    Ttot, H, K = q.shape
+    for dxv, x, out, factor in ((dq, q, dq_out, scale), (dk, k, dk_out, 1.0)):
+        dy = dxv.to(F64).view(Ttot, H, -1, K).sum(2) * factor
+        if p.get("l2norm"):
+            xf = x.to(F64)
+            r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + tref.L2NORM_EPS)
+            dy = r * dy - xf * r ** 3 * (xf * dy).sum(-1, keepdim=True)
+        out.copy_(dy.to(out.dtype))
+
+
+EMULATE = {"chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
+           "chunk_bwd_wy": _wy, "chunk_bwd_key_grads": _key_grads}
 
 
 def install_fakes(monkeypatch):
     """Route every compile (ops.runtime) to fakes checked against the traced kernels: the
-    backward's stages run EMULATE (positional, the kernels' argument order), the forward's
-    (chunk_kkt_inverse, chunk_wu, chunk_state, chunk_output) PipelineMath's formulas by
-    argument name. Returns the list of stage names compiled, in order."""
+    backward's stages run EMULATE, the forward's (chunk_kkt_inverse, chunk_wu,
+    chunk_state, chunk_output) PipelineMath's formulas, both by argument name. Returns the
+    list of stage names compiled, in order."""
     names = []
+    emulate = by_name(EMULATE)
 
     def body(spec, stage, params):
         names.append(stage)
-        if stage in layout_fakes.STAGES:
-            return layout_fakes.body(stage, params)
-        table = EMULATE_GATED if chunk_bwd.is_gated(spec) else EMULATE
-        if stage in table:
-            flags = _bwd_flags(params)
-            return lambda *args: table[stage](*args, **flags)
+        if stage in EMULATE:
+            return emulate(spec, stage, params)
         math = PipelineMath(spec, params["H"], params["HV"], params["K"], params.get("V"))
         return math.body(spec, stage, params)
     fake_compiles(monkeypatch, body)
@@ -324,19 +329,18 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("scheme", sorted(chunk_bwd.SCHEMES))
 @pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
                                        (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
-def test_backward_plumbing_and_stage_math(fake_backward, monkeypatch, rng, scheme, B, H, L, K,
-                                          V):
-    monkeypatch.setattr(chunk_bwd, "SCHEME", scheme)
+def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V):
+    """DeltaNetChunkBwd: the four stages on the (b, h) one-head sequences (the contract's
+    f32 S read through state_row) against autograd of the fp64 reference."""
     dtype = torch.float16
     q, k, v, beta, do = _contract_inputs(rng, B, H, L, K, V, dtype)
     o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     S = S.float()
     Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
     grads = contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
-    assert fake_backward == list(chunk_bwd.SCHEMES[scheme])
+    assert fake_backward == list(chunk_bwd.STAGES)
     refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
     for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
         assert g.shape == like.shape and g.dtype == dtype, name
@@ -385,11 +389,14 @@ def test_contract_plan_and_params():
     assert spec.name == "deltanet"
     for stage, params in fwd.items():
         chunk.stage_module(spec, stage).build(**params)        # the templates take them
-    # the backward's stages at the same sizes
-    params = chunk_bwd.stage_params(H=3, K=64, V=128, dtype="float16", B=2, use_dht=True)
-    assert set(chunk_bwd.SCHEMES[chunk_bwd.SCHEME]) == set(params)
-    assert params["chunk_bwd_dh"]["num_stages"] == chunk_bwd.DH_NUM_STAGES
-    assert params["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in params["chunk_bwd_dh"]
+    # the backward's stages at the same sizes (as chunk_backward runs them: one head per
+    # sequence, the contract's f32 states)
+    params = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="float16", chains=6,
+                                    state_dtype="float32")
+    assert list(params) == list(chunk_bwd.STAGES)
+    assert params["chunk_bwd_dqkw"]["state_dtype"] == "float32"
+    for stage, p in params.items():
+        runtime.stage_module(spec, stage, chunk_bwd.ARCH).build(**p)
 
 
 def test_compute_wy_matches_reference(fake_backward, rng):
@@ -425,46 +432,83 @@ def test_forward_plumbing(fake_backward, rng):
     assert S.shape == (B, H, NC + 1, K, V) and S.dtype == torch.float32
 
 
-def test_recompute_wy(fake_backward, rng):
-    """A, w, u as the autograd backward takes them (the plan's prepare; the states are
-    the training forward's)."""
-    B, H, L, K, V = 1, 2, 70, 64, 64
-    q, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.float16)
-    A, w, u = chunk_bwd.recompute_wy(k, v, beta)
-    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
-    ref = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
-    assert _rel(A, ref[2]) < 2e-3 and _rel(w, ref[4]) < 2e-3 and _rel(u, ref[5]) < 2e-3
+F16, BF16 = torch.float16, torch.bfloat16
+RECOMPUTE_CASES = [     # family, B, T, H, HV, K, V, cu_seqlens, l2norm, dtype
+    pytest.param("deltanet", 2, 70, 2, 2, 64, 64, None, False, F16, id="deltanet-B2-T70"),
+    pytest.param("deltanet", 1, 135, 1, 1, 128, 64, (0, 1, 70, 71, 135), True, F16,
+                 id="deltanet-varlen-l2norm"),
+    pytest.param("gdn", 2, 128, 2, 2, 64, 64, None, False, BF16, id="gdn-B2-T128"),
+    pytest.param("gdn", 1, 200, 1, 2, 64, 128, (0, 1, 130, 200), True, BF16,
+                 id="gdn-varlen-GVA2-l2norm"),
+    pytest.param("gdn", 2, 65, 2, 4, 128, 64, None, False, F16, id="gdn-B2-T65-GVA2"),
+]
 
 
-def test_recompute_wy_gated(fake_backward, rng):
-    """The scalar gate's A, w, u by the same two kernels (gdn's): chunk_kkt_inverse takes
-    the per-token g's in-chunk cumulative sum, chunk_wu w = A diag(beta e^g_cum) k, u =
-    A diag(beta) v; checked against the fp64 formulas chunk by chunk."""
-    B, H, L, K, V = 2, 2, 128, 64, 64
-    _, k, v, beta, _ = _contract_inputs(rng, B, H, L, K, V, torch.bfloat16)
+@pytest.mark.parametrize("family,B,T,H,HV,K,V,cu,l2norm,dtype", RECOMPUTE_CASES)
+def test_recompute(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dtype):
+    """recompute: the forward's prepare (chunk_kkt_inverse writing A without beta, then
+    chunk_wu) on the call's token-first packed tensors, varlen as it comes, q, k at their
+    key heads (GVA): q, k l2-normalised with l2norm (else the inputs themselves), per value
+    head A, w = A diag(beta e^g_cum) k, u = A diag(beta) v and, with the scalar gate, g_cum
+    in chunk_kkt_inverse's layout [HV, NT * 64] (rows past a chunk's length holding its
+    last row's value), against the fp64 reference's intermediates."""
+    spec = get_spec(family)
+    gated = chunk_bwd.is_gated(spec)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    g = -torch.rand(B, H, L, generator=gen, dtype=torch.float32) * 0.2
-    A, w, u = chunk_bwd.recompute_wy(k, v, beta, g=g, spec=get_spec("gdn"))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k = r(B, T, H, K), r(B, T, H, K)
+    if not l2norm:
+        q, k = tref.l2norm(q), tref.l2norm(k)
+    q, k, v = q.to(dtype), k.to(dtype), r(B, T, HV, V).to(dtype)
+    beta = torch.sigmoid(r(B, T, HV)).to(dtype)
+    g = (torch.nn.functional.logsigmoid(r(B, T, HV)) / 8).float() if gated else None
+    Ttot = B * T
+    tables = chunk._tables(cu or tuple(range(0, Ttot + 1, T)), C, "cpu", 0)
+    params = chunk_bwd.recompute_params(H=H, HV=HV, K=K, V=V, l2norm=l2norm, spec=spec,
+                                        dtype=str(dtype).replace("torch.", ""))
+    flat = lambda x: x.reshape(Ttot, *x.shape[2:]).contiguous()  # noqa: E731
+    qf, kf = flat(q), flat(k)
+    out = chunk_bwd.recompute(qf, kf, flat(v), flat(beta), None if g is None else flat(g),
+                              tables, params, spec)
     assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
-    kc, vc, bc = (x.to(F64).view(B, H, L // C, C, -1) for x in (k, v, beta.unsqueeze(-1)))
-    gc = g.to(F64).view(B, H, L // C, C, 1).cumsum(3)
-    M = torch.tril(bc * (kc @ kc.transpose(-1, -2)) * (gc - gc.transpose(-1, -2)).exp(), -1)
-    eye = torch.eye(C, dtype=F64)
-    Ar = torch.linalg.inv(eye + M)
-    wr, ur = Ar @ (bc * gc.exp() * kc), Ar @ (bc * vc)
-    for x, r in ((A, Ar), (w, wr), (u, ur)):
-        assert _rel(x.view(r.shape), r) < 1e-2, _rel(x.view(r.shape), r)
+
+    ref = tref.chunked_forward(spec, q.to(F64), k.to(F64), v.to(F64),
+                               None if g is None else g.to(F64), beta=beta.to(F64),
+                               options=Options(l2norm_qk=l2norm), scale=1.0,
+                               cu_seqlens=None if cu is None else torch.tensor(cu),
+                               intermediates=True)
+    tol = 2e-3 if dtype == F16 else 1e-2
+    for name, x, raw in (("q", out["q"], qf), ("k", out["k"], kf)):
+        if l2norm:
+            assert x.shape == raw.shape and x.dtype == dtype, name
+            want = tref.l2norm(raw.to(F64))
+            assert _rel(x, want) < tol, (name, _rel(x, want))
+        else:
+            assert x is raw, name
+    for name, D in (("A", C), ("w", K), ("u", V)):
+        x, want = out[name], flat(ref[name])
+        assert x.shape == (Ttot, HV, D) and x.dtype == dtype, name
+        assert _rel(x, want) < tol, (name, _rel(x, want))
+    assert ("g_cum" in out) == gated
+    if gated:
+        gc, want = out["g_cum"], flat(ref["g_cum"])[..., 0]        # [Ttot, HV]
+        assert gc.shape == (HV, tables["chunk_bos"].numel() * C) and gc.dtype == torch.float32
+        for c, t0, n in _chunk_rows(tables["chunk_bos"], tables["chunk_len"]):
+            rows = gc[:, c * C:(c + 1) * C].to(F64)
+            torch.testing.assert_close(rows[:, :n], want[t0:t0 + n].T, rtol=1e-5, atol=1e-5)
+            assert (rows[:, n:] == rows[:, n - 1:n]).all(), c
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("K,V,dtype,dh_stages", [(128, 128, "bfloat16", None),
                                                  (64, 64, "float16", 2)])
 def test_gated_stages_compile(K, V, dtype, dh_stages):
-    """Gated DeltaNet's backward stages at the params one call runs (B=2, H=4, with dht
-    and dh0) compile for sm_90a; dh_stages: the dh pass's pipelined form as well."""
+    """Gated DeltaNet's backward stages at the params one call runs (2 sequences, H=2
+    key heads, HV=4 value heads, with dht and dh0) compile for sm_90a; dh_stages: the dh
+    pass's pipelined form as well."""
     from linattn.codegen.compile import compile_stage, format_record
     spec = get_spec("gdn")
-    params = chunk_bwd.stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
+    params = chunk_bwd.stage_params(H=2, HV=4, K=K, V=V, dtype=dtype, chains=8, use_dht=True,
                                     store_dh0=True, gated=True)
     if dh_stages is not None:
         params = {"chunk_bwd_dh": dict(params["chunk_bwd_dh"], num_stages=dh_stages)}

@@ -5,7 +5,7 @@ deltanet_chunk_bwd, the kernels of ops/chunk_bwd.py) against the fp64 torch refe
 Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do normal):
   test_backward   the backward on the reference forward's outputs (rounded to the
                   input dtype, S f32) vs the fp64 gradients: the backward's own error
-                  (also with the scan scheme and the dh pass's tuning variants)
+                  (also with the dh pass's tuning variants)
   test_forward    our forward's (o, S, Aw, w, u) vs the fp64 forward
   test_fwd_bwd    our forward then our backward vs the fp64 gradients
 ||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
@@ -52,13 +52,6 @@ DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16)
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
 
 
-def _scheme(name):
-    from linattn.ops import chunk_bwd
-    saved = chunk_bwd.SCHEME
-    chunk_bwd.SCHEME = name
-    return saved
-
-
 def _dh_knobs(num_stages, block_v):
     from linattn.ops import chunk_bwd
     saved = (chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE)
@@ -78,19 +71,14 @@ def precompiled():
         p = c.values[0]
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
         fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims, L=p["L"]).items()]
-        bwd.append(chunk_bwd.stage_params(**dims))
-        saved = _scheme("scan")
-        try:
-            bwd.append(chunk_bwd.stage_params(**dims))
-        finally:
-            _scheme(saved)
+        bwd.append(chunk_bwd.backward_params(**dims))
     for c in DH_VARIANT_CASES:
         p = c.values[0]
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
         for ns, bv in DH_VARIANTS:
             saved = _dh_knobs(ns, bv)
             try:
-                bwd.append(chunk_bwd.stage_params(**dims))
+                bwd.append(chunk_bwd.backward_params(**dims))
             finally:
                 _dh_knobs(*saved)
     # LINATTN_TEST_PRECOMPILE=forward: only the contract forward's kernels (`-k test_forward`)
@@ -144,15 +132,6 @@ def test_backward_dh_variants(p, num_stages, block_v, rng):
         _check_backward(p, rng, dh_num_stages=num_stages, dh_block_v=block_v)
     finally:
         _dh_knobs(*saved)
-
-
-@pytest.mark.parametrize("p", CASES)
-def test_backward_scan_scheme(p, rng):
-    saved = _scheme("scan")
-    try:
-        _check_backward(p, rng, scheme="scan")
-    finally:
-        _scheme(saved)
 
 
 def _check_backward(p, rng, **extra):

@@ -7,7 +7,10 @@ the fp64 reference. The kernels are replaced by fakes that check every launch ag
 the traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's
 stage functions (per chunk, with the kernels' rounding of GEMM operands emulated); the
 training forward itself is the fp64 reference rounded to the input dtype, its per-chunk
-states too (the backward reads them, tests/_layout_fakes.py forward_states)."""
+states too (the backward reads them, tests/_layout_fakes.py forward_states). The four
+stages read token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables
+(key_backward_stages runs them on the (b, h) one-head sequences); the fakes walk those
+tables as the kernels do."""
 import numpy as np
 import pytest
 import torch
@@ -23,12 +26,12 @@ from linattn.dsl import Options, SpecError
 from linattn.dsl import delta_key_bwd as ref
 from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import rounding
-from linattn.ops import autograd, chunk, chunk_bwd
+from linattn.ops import autograd, chunk, chunk_bwd, runtime
 from linattn.ops.kda import SPEC
 
 F64 = torch.float64
 C = chunk_bwd.CHUNK
-STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.KEY_STAGES
+STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.STAGES
 LAYOUT = ("chunk_bwd_gather", "chunk_bwd_scatter")
 
 
@@ -57,22 +60,37 @@ def test_recompute_params_are_the_forward_prepare():
     assert p == {chunk_bwd.RECOMPUTE: fwd["chunk_prepare"]}   # (the states: the forward's)
     assert not any(p[chunk_bwd.RECOMPUTE][f] for f in ("l2norm_qk", "beta_sigmoid",
                                                        "gate_in_kernel"))
-    sp = chunk_bwd.key_stage_params(H=3, K=64, V=128, dtype="bfloat16", B=2, use_dht=True)
-    assert list(sp) == list(chunk_bwd.KEY_STAGES)
+
+
+def test_stage_params_are_the_one_head_gated_ones():
+    """The four stages at the params key_backward_stages gives them: one key and one value
+    head (the (b, h) one-head sequences), the gated dh pass's pipeline depth, dht / dh0
+    only where asked, the states in the input dtype (no state_dtype)."""
+    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, use_dht=True,
+                                gated=True)
+    assert list(sp) == list(chunk_bwd.STAGES)
+    for stage, p in sp.items():
+        assert (p["H"], p["HV"], p["K"], p["V"], p["dtype"]) == (1, 1, 64, 128, "bfloat16"), \
+            stage
     assert sp["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in sp["chunk_bwd_dh"]
-    assert sp["chunk_bwd_dh"]["num_stages"] == chunk_bwd.KEY_DH_NUM_STAGES
+    assert sp["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
+    assert "state_dtype" not in sp["chunk_bwd_dqkw"]
+    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, store_dh0=True,
+                                gated=True)
+    assert sp["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in sp["chunk_bwd_dh"]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("K,V,dtype", [(128, 128, "bfloat16"), (64, 64, "float16"),
                                        (128, 64, "float16"), (64, 128, "bfloat16")])
 def test_stages_compile_without_spills(K, V, dtype):
-    """Every stage one call runs (B = 2, H = 4, with dht and dh0) compiles for sm_90a
-    without spills and without a CTA barrier in a thread-dependent branch."""
+    """Every stage one call runs (B = 2, H = 4, with dht and dh0: the B H one-head
+    sequences) compiles for sm_90a without spills and without a CTA barrier in a
+    thread-dependent branch."""
     from linattn.codegen.compile import compile_stage, format_record
     params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
-                  **chunk_bwd.key_stage_params(H=4, K=K, V=V, dtype=dtype, B=2, use_dht=True,
-                                               store_dh0=True))
+                  **chunk_bwd.stage_params(H=1, K=K, V=V, dtype=dtype, chains=2 * 4,
+                                           use_dht=True, store_dh0=True, gated=True))
     for stage, p in params.items():
         rec = compile_stage(chunk.stage_module(SPEC, stage), p, "sm90")
         print(format_record(rec))
@@ -96,88 +114,118 @@ def _rel(x, r):
     return float(torch.linalg.norm(x.to(F64) - r) / max(torch.linalg.norm(r), 1e-30))
 
 
+def _take(x, t0, n, heads=None, edge=False):
+    """Rows t0 .. t0 + n of token-first x [Ttot, Hx, ..] as fp64 [heads, 64, ..] (heads:
+    the index of the head each value head reads; None: all of x's), padded to the whole
+    chunk as the kernels pad it: zeros, or the last row repeated (edge: the cumulative gate,
+    which stays at G_l past the chunk)."""
+    y = _np(x[t0:t0 + n])
+    y = np.swapaxes(y if heads is None else y[:, heads], 0, 1)
+    return np.pad(y, [(0, 0), (0, C - n)] + [(0, 0)] * (y.ndim - 2),
+                  mode="edge" if edge else "constant")
+
+
+def _put(dst, t0, n, y):
+    """dst[t0 : t0 + n] = y [heads, 64, ..]'s first n rows (rounded once to dst's dtype)."""
+    dst[t0:t0 + n] = _t(np.swapaxes(y[:, :n], 0, 1)).to(dst.dtype)
+
+
+def _chunks(chunk_bos, chunk_len):
+    return enumerate(zip(chunk_bos.tolist(), chunk_len.tolist()))
+
+
 class KeyStageMath:
     """The per-key stages in fp64 (dsl/delta_key_bwd.py), rounding GEMM operands to the
-    kernels' input dtype; head-first tensors [B, H, L, ..], L a multiple of 64."""
+    kernels' input dtype, on token-first packed tensors [Ttot, heads, D] as the kernels
+    take them (by argument name, with the build() params p): the per-chunk stages walk
+    chunk_bos / chunk_len (rows past a short chunk zero, the cumulative gate held at its
+    last row, only the chunk's rows written), the dh pass each sequence's chunks
+    chunk_offsets[n] .. chunk_offsets[n+1] - 1 (tokens from cu_seqlens[n]) last first;
+    value head h reads q, k at key head h // (HV / H) and chunk t the state S[state_row[t]]."""
 
-    def __init__(self, dtype):
-        self.rnd = rounding(dtype)
-
-    def _rows(self, c):
-        return slice(c * C, (c + 1) * C)
+    def __init__(self, params):
+        self.p = params
+        self.rnd = rounding(params["dtype"])
+        H, HV = params["H"], params["HV"]
+        assert HV % H == 0, params
+        self.kh = np.arange(HV) // (HV // H)      # each value head's key head
 
     def recompute(self, p, q, k, v, g, beta, chunk_bos, chunk_len, aqk, qg, kg, g_last, w, u,
                   A_out, **_):
         assert not (p["l2norm_qk"] or p["beta_sigmoid"] or p["gate_in_kernel"]), p
-        for ci, (t0, n) in enumerate(zip(chunk_bos.tolist(), chunk_len.tolist())):
-            assert n == C
-            rows = slice(t0, t0 + n)
-            one = lambda x: _np(x[rows]).swapaxes(0, 1)  # noqa: E731  [1, C, ..]
-            r = ref.recompute(one(q), one(k), one(v), one(beta), one(g), self.rnd)
+        for ci, (t0, n) in _chunks(chunk_bos, chunk_len):
+            assert n == C                          # (the per-key path pads to whole chunks)
+            r = ref.recompute(_take(q, t0, n, self.kh), _take(k, t0, n, self.kh),
+                              _take(v, t0, n), _take(beta, t0, n), _take(g, t0, n), self.rnd)
             for name, dst in (("aqk", aqk), ("qg", qg), ("kg", kg), ("w", w), ("u", u),
                               ("A", A_out)):
-                dst[rows] = _t(r[name].swapaxes(0, 1)).to(dst.dtype)
+                _put(dst, t0, n, r[name])
             g_last[ci] = _t(r["g_last"]).to(g_last.dtype)
 
-    def dv_local(self, aqk, do, dv_local):
-        for c in range(aqk.shape[2] // C):
-            s = self._rows(c)
-            for b in range(aqk.shape[0]):
-                dv_local[b, :, s] = _t(
-                    ref.dv_local(_np(aqk[b, :, s]), _np(do[b, :, s]), self.rnd)).to(dv_local.dtype)
+    def dv_local(self, p, aqk, do, dv_local, chunk_bos, chunk_len):
+        for _, (t0, n) in _chunks(chunk_bos, chunk_len):
+            _put(dv_local, t0, n, ref.dv_local(_take(aqk, t0, n), _take(do, t0, n), self.rnd))
 
-    def dh(self, qg, kg, w, do, g_last, dv_local, dh_out, dv2, dht, dh0, use_dht=False,
-           store_dh0=False):
-        B, H, L, K = qg.shape
-        for b in range(B):
-            dh = _np(dht[b]) if use_dht else np.zeros((H, K, do.shape[-1]))
-            for c in reversed(range(L // C)):
-                s = self._rows(c)
-                dh_out[b, :, c] = _t(dh).to(dh_out.dtype)
-                d, dh = ref.dh_step(_np(qg[b, :, s]), _np(kg[b, :, s]), _np(w[b, :, s]),
-                                    _np(do[b, :, s]), _np(g_last[b, :, c]),
-                                    _np(dv_local[b, :, s]), _np(dh_out[b, :, c]), self.rnd)
-                dv2[b, :, s] = _t(d).to(dv2.dtype)
-            if store_dh0:
-                dh0[b] = _t(dh).to(dh0.dtype)
+    def dh(self, p, qg, kg, w, do, g_last, dv_local, dh_out, dv2, dht, dh0, cu_seqlens,
+           chunk_offsets):
+        cu, offs = cu_seqlens.tolist(), chunk_offsets.tolist()
+        HV, K, V = dh_out.shape[1:]
+        for n in range(len(cu) - 1):
+            bos, eos = cu[n], cu[n + 1]
+            c0, nc = offs[n], offs[n + 1] - offs[n]
+            assert nc == -(-(eos - bos) // C), (n, cu, offs)
+            dh = _np(dht[n]) if p.get("use_dht") else np.zeros((HV, K, V))   # f32 registers
+            for r in reversed(range(nc)):
+                c, t0 = c0 + r, bos + r * C
+                rows = min(C, eos - t0)
+                dh_out[c] = _t(dh).to(dh_out.dtype)
+                x = [_take(t, t0, rows) for t in (qg, kg, w, do)]
+                d, dh = ref.dh_step(*x, _np(g_last[c]), _take(dv_local, t0, rows), dh,
+                                    self.rnd)
+                _put(dv2, t0, rows, d)
+            if p.get("store_dh0"):
+                dh0[n] = _t(dh).to(dh0.dtype)
 
-    def dqkw(self, q, k, w, u, do, g_cum, dv2, S, srow, dh, dq, dk_part, dw, dg_part):
-        B, H, L, K = q.shape
-        S = S[srow.long()]                          # [B, H, NC, K, V]: each chunk's row
-        for b in range(B):
-            for c in range(L // C):
-                s = self._rows(c)
-                x = [_np(t[b, :, s]) for t in (q, k, w, u, do, g_cum, dv2)]
-                out = ref.dqkw(*x, _np(S[b, :, c]), _np(dh[b, :, c]), self.rnd)
-                for dst, y in zip((dq, dk_part, dw, dg_part), out):
-                    dst[b, :, s] = _t(y).to(dst.dtype)
+    def dqkw(self, p, q, k, w, u, do, g_cum, dv2, S, state_row, dh, dq, dk_part, dw, dg_part,
+             chunk_bos, chunk_len):
+        assert p.get("state_dtype") in (None, p["dtype"]), p
+        rows = state_row.tolist()
+        for c, (t0, n) in _chunks(chunk_bos, chunk_len):
+            x = [_take(q, t0, n, self.kh), _take(k, t0, n, self.kh)]
+            x += [_take(t, t0, n) for t in (w, u, do)]
+            x += [_take(g_cum, t0, n, edge=True), _take(dv2, t0, n)]
+            out = list(ref.dqkw(*x, _np(S[rows[c]]), _np(dh[c]), self.rnd))
+            if n < out[3].shape[1]:     # the kernel adds the last row's terms at row n - 1
+                out[3] = out[3].copy()      # (row 63 of a short chunk: q, k rows 0)
+                out[3][:, n - 1] += out[3][:, -1]
+            for dst, y in zip((dq, dk_part, dw, dg_part), out):
+                _put(dst, t0, n, y)
 
-    def wy(self, k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg):
-        B, H, L, K = k.shape
-        for b in range(B):
-            for c in range(L // C):
-                s = self._rows(c)
-                x = [_np(t[b, :, s]) for t in (k, v, beta, g_cum, A, dw, du, dk_part, dg_part)]
-                for dst, y in zip((dk, dv, dbeta, dg), ref.wy(*x, self.rnd)):
-                    dst[b, :, s] = _t(y).to(dst.dtype)
+    def wy(self, p, k, v, beta, g_cum, A, dw, du, dk_part, dg_part, dk, dv, dbeta, dg,
+           chunk_bos, chunk_len):
+        for _, (t0, n) in _chunks(chunk_bos, chunk_len):
+            x = [_take(k, t0, n, self.kh), _take(v, t0, n), _take(beta, t0, n),
+                 _take(g_cum, t0, n, edge=True)]
+            x += [_take(t, t0, n) for t in (A, dw, du, dk_part, dg_part)]
+            for dst, y in zip((dk, dv, dbeta, dg), ref.wy(*x, self.rnd)):
+                _put(dst, t0, n, y)
 
 
 def install_key_fakes(monkeypatch):
     """Route every compile to fakes checked against the traced kernels: the per-key
-    stages run KeyStageMath. Returns the stage names compiled, in order."""
+    stages (the per-key spec's kernels) run KeyStageMath. Returns the stage names
+    compiled, in order."""
     names = []
 
     def body(spec, stage, params):
         names.append(stage)
         if stage in layout_fakes.STAGES:
             return layout_fakes.body(stage, params)
-        math = KeyStageMath(params["dtype"])
-        if stage == chunk_bwd.RECOMPUTE:
-            return by_name({stage: math.recompute})(spec, stage, params)
-        if stage in chunk_bwd.KEY_STAGES:
-            flags = {f: True for f in ("use_dht", "store_dh0") if params.get(f)}
-            fn = getattr(math, stage.replace("chunk_bwd_", ""))
-            return lambda *args: fn(*args, **flags)
+        assert chunk_bwd.is_key(spec), (spec.name, stage)
+        if stage == chunk_bwd.RECOMPUTE or stage in chunk_bwd.STAGES:
+            fn = getattr(KeyStageMath(params), stage.replace("chunk_bwd_", "").replace(
+                "wy_recompute", "recompute"))
+            return by_name({stage: fn})(spec, stage, params)
         raise AssertionError(f"the per-key backward launched {stage}")
     fake_compiles(monkeypatch, body)
     monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
@@ -188,7 +236,8 @@ def install_key_fakes(monkeypatch):
                                                (1, 1, 64, 128, 64, torch.bfloat16)])
 def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
     """key_recompute then key_backward_stages on head-first inputs (h0, dht, dh0; the
-    states entering the chunks from the fp64 forward, rounded to the dtype, head-first)
+    states entering the chunks from the fp64 forward, rounded to the dtype, as rows of S
+    in the training forward's order, token-first (b, chunk, h), read through srow)
     against dsl/delta_key_backward in fp64: the launches, buffers and stage order."""
     names = install_key_fakes(monkeypatch)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
@@ -203,7 +252,12 @@ def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
     tf = lambda x: x.to(F64).transpose(1, 2)  # noqa: E731
     h = tref.chunked_forward(SPEC, tf(q), tf(k), tf(v), tf(g), beta=tf(beta), scale=1.0,
                              initial_state=h0.double(), intermediates=True)["h"]
-    rec["S"] = h.transpose(1, 2).to(dtype)        # head-first [B, H, NC, K, V]
+    NC = L // C
+    assert h.shape == (B, NC, H, K, V), h.shape
+    rec["S"] = h.reshape(B * NC * H, K, V).to(dtype)       # row (b NC + t) H + h
+    b_, h_, t_ = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(NC),
+                                indexing="ij")
+    rec["srow"] = ((b_ * NC + t_) * H + h_).to(torch.int32)   # [B, H, NC]
     got = chunk_bwd.key_backward_stages(do, q, k, v, beta, g_cum, rec, dht=dht, want_dh0=True)
     assert names == list(STAGES)
     tok = lambda x: x.to(F64).transpose(1, 2).numpy()  # noqa: E731
@@ -215,6 +269,65 @@ def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
         w = w if name == "dh0" else w.transpose(1, 2)
         assert x.shape == w.shape and not torch.isnan(x).any(), name
         assert _rel(x, w) < 1e-2, (name, _rel(x, w))
+
+
+@pytest.mark.parametrize("cu,H,HV,K,V,dtype", [
+    ((0, 128, 192, 320), 1, 2, 64, 64, torch.float16),
+    ((0, 64, 256), 2, 4, 128, 64, torch.bfloat16)])
+def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, dtype):
+    """The four stages on token-first packed varlen inputs with GVA (run_stages, key=True:
+    q, k [Ttot, H, K] read at key head h // (HV / H); each sequence's dh pass by
+    cu_seqlens / chunk_offsets; chunk t's state S[state_row[t]], the rows shuffled) after
+    the recompute at the same heads, against dsl/delta_key_backward in fp64 (dq, dk summed
+    over each key head's value heads). Sequences of whole chunks, as the per-key path
+    gives the stages."""
+    names = install_key_fakes(monkeypatch)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    Tt, N, G = cu[-1], len(cu) - 1, HV // H
+    q, k = (torch.nn.functional.normalize(r(Tt, H, K), dim=-1).to(dtype) for _ in "qk")
+    v, do = r(Tt, HV, V).to(dtype), r(Tt, HV, V).to(dtype)
+    beta = torch.sigmoid(r(Tt, HV)).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(Tt, HV, K)).float()
+    h0, dht = (0.1 * r(N, HV, K, V)).float(), r(N, HV, K, V).float()
+    tables = chunk._tables(cu, C, "cpu", 0)
+    NT, dt = tables["chunk_bos"].numel(), str(dtype).replace("torch.", "")
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32)  # noqa: E731
+    rp = dict(chunk_bwd.key_recompute_params(H=1, K=K, V=V, dtype=dt)[chunk_bwd.RECOMPUTE],
+              H=H, HV=HV)
+    x = dict(tables, q=q, k=k, v=v, g=g, beta=beta, A_log=f32(HV), dt_bias=f32(HV * K),
+             aqk=v.new_empty(Tt, HV, C), qg=v.new_empty(Tt, HV, K), kg=v.new_empty(Tt, HV, K),
+             g_last=f32(NT, HV, K), w=v.new_empty(Tt, HV, K), u=v.new_empty(Tt, HV, V),
+             A=v.new_empty(Tt, HV, C))
+    runtime.launch_kernel(SPEC, chunk_bwd.ARCH, chunk_bwd.RECOMPUTE, rp, x,
+                          lambda n: "A" if n == "A_out" else n)
+    del x["g"]
+    x["g_cum"] = g.view(NT, C, HV, K).cumsum(1).view(Tt, HV, K)
+    h = tref.chunked_forward(SPEC, *(t.to(F64)[None] for t in (q, k, v, g)),
+                             beta=beta.to(F64)[None], scale=1.0, initial_state=h0.double(),
+                             cu_seqlens=torch.tensor(cu), intermediates=True)["h"]
+    S = forward_states(h, list(cu), Tt, dtype)               # [NT, HV, K, V]
+    assert S.shape == (NT, HV, K, V), S.shape
+    perm = torch.randperm(NT, generator=gen)
+    x["S"] = torch.empty_like(S)
+    x["S"][perm] = S
+    x.update(do=do, state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
+    params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
+                                    use_dht=True, store_dh0=True, gated=True)
+    chunk_bwd.run_stages(SPEC, params, x, key=True)
+    assert names == list(STAGES)
+    want = ref.delta_key_backward(SPEC, *(t.to(F64)[None].numpy() for t in (q, k, v, g, beta)),
+                                  do=do.to(F64)[None].numpy(), dht=dht.double().numpy(),
+                                  scale=1.0, initial_state=h0.double().numpy(),
+                                  cu_seqlens=np.array(cu))
+    got = dict(dq=x["dq"].to(F64).view(Tt, H, G, K).sum(2),
+               dk=x["dk"].to(F64).view(Tt, H, G, K).sum(2),
+               dv=x["dv"], dbeta=x["dbeta"], dg=x["dg"], dh0=x["dh0"])
+    for name, t in got.items():
+        w = torch.from_numpy(want[name])
+        w = w if name == "dh0" else w[0]
+        assert t.shape == w.shape and not torch.isnan(t).any(), name
+        assert _rel(t, w) < 1e-2, (name, _rel(t, w))
 
 
 def _gate(call_or_opts, g, A_log, dt_bias, lower_bound):

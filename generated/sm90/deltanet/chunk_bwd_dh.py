@@ -4,10 +4,12 @@
 # regenerate: linattn-gen --op deltanet --arch sm90
 """Chunked backward, stage 2 of 4: the reverse sequential pass for the state gradient.
 
-One CTA per (value block, sequence x head); the state gradient dh (K x BV, f32) stays in
-registers while the CTA walks the chunks last to first. dh starts at 0 (no gradient
+One CTA per (value block, sequence x value head); the state gradient dh (K x BV, f32)
+stays in registers while the CTA walks the sequence's chunks last to first. Token-first
+packed tensors [Ttot, heads, D]: sequence n is the tokens cu_seqlens[n] .. cu_seqlens[n+1]
+and owns the chunks chunk_offsets[n] .. chunk_offsets[n+1] (ops.chunk._tables). dh starts at 0 (no gradient
 flows into the final state) or, with use_dht, at dht (the gradient of the final state,
-f32). Per chunk t (rows past L read as 0):
+f32). Per chunk t (rows past its end read as 0):
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
                                                input dtype, as chunk_bwd_dqkw reads it)
@@ -28,10 +30,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype", "use_dht", "store_dh0")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "use_dht", "store_dh0")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16", use_dht=True, store_dh0=True),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16", use_dht=True, store_dh0=True),
 ]
 CHUNK = 64
 
@@ -45,44 +47,54 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["q", "k", "w", "do", "dv_local", "dh_out", "dv2", "dht", "dh0"]
+    return ["q", "k", "w", "do", "dv_local", "dh_out", "dv2", "dht", "dh0", "cu_seqlens", "chunk_offsets"]
 
 
-def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages=0,
+def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages=0,
           threads=128):
     """prim_func for chunk_bwd_dh.
 
-    Tensors (B, L, NC = ceil(L / 64) dynamic):
-      q, k, w [B, H, L, K], do, dv_local [B, H, L, V]
-      -> dh_out [B, H, NC, K, V] (input dtype), dv2 [B, H, L, V] (input dtype)
-      dht [N0, H, K, V] f32 (read with use_dht; N0 = B, or 1 as a placeholder),
-      dh0 [N1, H, K, V] f32 (written with store_dh0; N1 = B, or 1)
+    Tensors (Ttot tokens, NT chunks, N sequences dynamic):
+      q, k [Ttot, H, K] (value head h reads key head h // (HV / H)), w [Ttot, HV, K],
+      do, dv_local [Ttot, HV, V],
+      cu_seqlens, chunk_offsets [N + 1] int32
+      -> dh_out [NT, HV, K, V] (input dtype), dv2 [Ttot, HV, V] (input dtype)
+      dht [N0, HV, K, V] f32 (read with use_dht; N0 = N, or 1 as a placeholder),
+      dh0 [N1, HV, K, V] f32 (written with store_dh0; N1 = N, or 1)
     Tuning: block_v (value block: V / block_v CTAs per head), num_stages (0: masked
     element-wise loads in a plain loop; >= 1: whole-tile copies in a T.Pipelined loop,
-    TMA producer warps prefetching the next chunks; rows past L are masked after the load).
+    TMA producer warps prefetching the next chunks; rows past the chunk are masked after the load).
     """
     BT = CHUNK
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
     f32 = "float32"
-    B, L, NC, N0, N1 = T.dynamic("B, L, NC, N0, N1")
+    G = HV // H
+    Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")
 
     @T.prim_func
     def chunk_bwd_dh(
-        q: T.Tensor((B, H, L, K), dtype),
-        k: T.Tensor((B, H, L, K), dtype),
-        w: T.Tensor((B, H, L, K), dtype),
-        do: T.Tensor((B, H, L, V), dtype),
-        dv_local: T.Tensor((B, H, L, V), dtype),
-        dh_out: T.Tensor((B, H, NC, K, V), dtype),
-        dv2: T.Tensor((B, H, L, V), dtype),
-        dht: T.Tensor((N0, H, K, V), f32),
-        dh0: T.Tensor((N1, H, K, V), f32),
+        q: T.Tensor((Ttot, H, K), dtype),
+        k: T.Tensor((Ttot, H, K), dtype),
+        w: T.Tensor((Ttot, HV, K), dtype),
+        do: T.Tensor((Ttot, HV, V), dtype),
+        dv_local: T.Tensor((Ttot, HV, V), dtype),
+        dh_out: T.Tensor((NT, HV, K, V), dtype),
+        dv2: T.Tensor((Ttot, HV, V), dtype),
+        dht: T.Tensor((N0, HV, K, V), f32),
+        dh0: T.Tensor((N1, HV, K, V), f32),
+        cu_seqlens: T.Tensor((N + 1,), "int32"),
+        chunk_offsets: T.Tensor((N + 1,), "int32"),
     ):
-        with T.Kernel(V // BV, B * H, threads=threads) as (iv, bh):
-            b = bh // H
-            h = bh % H
+        with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
+            b = nh // HV
+            h = nh % HV
+            hk = h // G
             v0 = iv * BV
+            bos = cu_seqlens[b]
+            eos = cu_seqlens[b + 1]
+            c_first = chunk_offsets[b]
+            nc = chunk_offsets[b + 1] - c_first
             dh = T.alloc_fragment((K, BV), f32)
             dh_s = T.alloc_shared((K, BV), dtype)
             q_s = T.alloc_shared((BT, K), dtype)
@@ -98,68 +110,70 @@ def build(H, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_stages
             else:
                 T.clear(dh)
             if num_stages == 0:
-                for r in T.serial(T.ceildiv(L, BT)):
-                    c = T.ceildiv(L, BT) - 1 - r
-                    t0 = c * BT
+                for r in T.serial(nc):
+                    c = c_first + nc - 1 - r
+                    t0 = bos + (nc - 1 - r) * BT
+                    nrow = T.min(BT, eos - t0)
                     for i, j in T.Parallel(BT, K):
-                        q_s[i, j] = T.if_then_else(t0 + i < L, q[b, h, t0 + i, j], T.cast(0, dtype))
-                        k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                        w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
+                        q_s[i, j] = T.if_then_else(i < nrow, q[t0 + i, hk, j], T.cast(0, dtype))
+                        k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+                        w_s[i, j] = T.if_then_else(i < nrow, w[t0 + i, h, j], T.cast(0, dtype))
                     for i, j in T.Parallel(BT, BV):
-                        do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, v0 + j],
+                        do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, v0 + j],
                                                     T.cast(0, dtype))
-                        dv_f[i, j] = T.if_then_else(t0 + i < L,
-                                                    T.cast(dv_local[b, h, t0 + i, v0 + j], f32),
+                        dv_f[i, j] = T.if_then_else(i < nrow,
+                                                    T.cast(dv_local[t0 + i, h, v0 + j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
                     # dh_out from the registers (a TMA store of dh_s would wait each step)
                     for i, j in T.Parallel(K, BV):
-                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
-                    # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
+                        dh_out[c, h, i, v0 + j] = T.cast(dh[i, j], dtype)
+                    # dv2 = dv_local + k dh  (rows past the chunk: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):
-                        dv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(dv_f[i, j], dtype),
+                        dv_s[i, j] = T.if_then_else(i < nrow, T.cast(dv_f[i, j], dtype),
                                                     T.cast(0, dtype))
-                        ndv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(-dv_f[i, j], dtype),
+                        ndv_s[i, j] = T.if_then_else(i < nrow, T.cast(-dv_f[i, j], dtype),
                                                      T.cast(0, dtype))
                     for i, j in T.Parallel(BT, BV):
-                        if t0 + i < L:
-                            dv2[b, h, t0 + i, v0 + j] = dv_s[i, j]
-                    # dh <- dh + q^T do - w^T dv2  (do rows past L are 0)
+                        if i < nrow:
+                            dv2[t0 + i, h, v0 + j] = dv_s[i, j]
+                    # dh <- dh + q^T do - w^T dv2  (do rows past the chunk are 0)
                     T.gemm(q_s, do_s, dh, transpose_A=True)
                     T.gemm(w_s, ndv_s, dh, transpose_A=True)
             else:
                 do_t = T.alloc_shared((BT, BV), dtype)
                 dvl_t = T.alloc_shared((BT, BV), dtype)
-                for r in T.Pipelined(T.ceildiv(L, BT), num_stages=num_stages):
-                    c = T.ceildiv(L, BT) - 1 - r
-                    t0 = c * BT
-                    # whole tiles (rows past L: zeros or the next head's rows; masked below
-                    # where they could reach a result)
-                    T.copy(q[b, h, t0:t0 + BT, 0:K], q_s)
-                    T.copy(k[b, h, t0:t0 + BT, 0:K], k_s)
-                    T.copy(w[b, h, t0:t0 + BT, 0:K], w_s)
-                    T.copy(do[b, h, t0:t0 + BT, v0:v0 + BV], do_t)
-                    T.copy(dv_local[b, h, t0:t0 + BT, v0:v0 + BV], dvl_t)
+                for r in T.Pipelined(nc, num_stages=num_stages):
+                    c = c_first + nc - 1 - r
+                    t0 = bos + (nc - 1 - r) * BT
+                    nrow = T.min(BT, eos - t0)
+                    # whole tiles (rows past the chunk: the next sequence's rows or zeros
+                    # past Ttot; masked below where they could reach a result)
+                    T.copy(q[t0:t0 + BT, hk, 0:K], q_s)
+                    T.copy(k[t0:t0 + BT, hk, 0:K], k_s)
+                    T.copy(w[t0:t0 + BT, h, 0:K], w_s)
+                    T.copy(do[t0:t0 + BT, h, v0:v0 + BV], do_t)
+                    T.copy(dv_local[t0:t0 + BT, h, v0:v0 + BV], dvl_t)
                     for i, j in T.Parallel(BT, BV):
-                        do_s[i, j] = T.if_then_else(t0 + i < L, do_t[i, j], T.cast(0, dtype))
-                        dv_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dvl_t[i, j], f32),
+                        do_s[i, j] = T.if_then_else(i < nrow, do_t[i, j], T.cast(0, dtype))
+                        dv_f[i, j] = T.if_then_else(i < nrow, T.cast(dvl_t[i, j], f32),
                                                     T.float32(0))
                     T.copy(dh, dh_s)
                     # dh_out from the registers (a TMA store of dh_s would wait each step)
                     for i, j in T.Parallel(K, BV):
-                        dh_out[b, h, c, i, v0 + j] = T.cast(dh[i, j], dtype)
-                    # dv2 = dv_local + k dh  (rows past L: set to 0, they must not reach dh)
+                        dh_out[c, h, i, v0 + j] = T.cast(dh[i, j], dtype)
+                    # dv2 = dv_local + k dh  (rows past the chunk: set to 0, they must not reach dh)
                     T.gemm(k_s, dh_s, dv_f)
                     for i, j in T.Parallel(BT, BV):
-                        dv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(dv_f[i, j], dtype),
+                        dv_s[i, j] = T.if_then_else(i < nrow, T.cast(dv_f[i, j], dtype),
                                                     T.cast(0, dtype))
-                        ndv_s[i, j] = T.if_then_else(t0 + i < L, T.cast(-dv_f[i, j], dtype),
+                        ndv_s[i, j] = T.if_then_else(i < nrow, T.cast(-dv_f[i, j], dtype),
                                                      T.cast(0, dtype))
                     for i, j in T.Parallel(BT, BV):
-                        if t0 + i < L:
-                            dv2[b, h, t0 + i, v0 + j] = dv_s[i, j]
-                    # dh <- dh + q^T do - w^T dv2  (do rows past L are 0)
+                        if i < nrow:
+                            dv2[t0 + i, h, v0 + j] = dv_s[i, j]
+                    # dh <- dh + q^T do - w^T dv2  (do rows past the chunk are 0)
                     T.gemm(q_s, do_s, dh, transpose_A=True)
                     T.gemm(w_s, ndv_s, dh, transpose_A=True)
 

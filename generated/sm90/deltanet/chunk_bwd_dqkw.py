@@ -5,14 +5,16 @@
 """Chunked backward, stage 3 of 4: per chunk, the gradients through the output and the
 state update, and the gradient of w.
 
-One CTA of two warpgroups per (chunk, sequence x head), whole K and V (one CTA a SM at
+One CTA of two warpgroups per (chunk, value head), whole K and V (one CTA a SM at
 K = V = 128: 153 KB of shared memory; the second warpgroup halves each GEMM's and each
 element-wise phase's work, run s14-3); S[t] is the state entering chunk t,
-read at row srow[b, h, t] of the state rows S (state_dtype: the input dtype in training,
+read at S[state_row[t], h] (state_dtype: the input dtype in training,
 where the forward's walk or the recompute keeps the states so, in its own layout; f32
 in the DeltaNetChunkBwd contract, whose forward returns them so), dh[t] the gradient of
 the state leaving it (stage 2, input dtype), dv2 the gradient of v_new (stage 2); S and
-dh enter the GEMMs in the input dtype. Rows i, j of the chunk, rows past L read as 0:
+dh enter the GEMMs in the input dtype. Token-first packed tensors [Ttot, heads, D] cut
+into chunks by chunk_bos / chunk_len (ops.chunk._tables); rows i, j of the chunk, rows
+past its length read as 0:
 
   v_new = u - w S[t]                          (recomputed; not an input of the contract)
   ds    = tril_incl(do v_new^T)
@@ -20,9 +22,6 @@ dh enter the GEMMs in the input dtype. Rows i, j of the chunk, rows past L read 
   dk    = ds^T q + v_new dh[t]^T              (the WY part is added by stage 4)
   dw    = -dv2 S[t]^T
 
-With dv2_from_dh (the scan scheme, whose sequential stage keeps no dv2), the dv2 buffer
-holds dv_local on entry and the kernel first forms dv2 = dv_local + k dh[t], writing it
-back in place (each CTA reads its rows before it writes them).
 """
 import tilelang
 import tilelang.language as T
@@ -34,10 +33,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -51,43 +50,47 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["q", "k", "w", "u", "do", "dv2", "S", "srow", "dh", "dq", "dk_part", "dw"]
+    return ["q", "k", "w", "u", "do", "dv2", "S", "state_row", "dh", "dq", "dk_part", "dw", "chunk_bos", "chunk_len"]
 
 
-def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=256):
+def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
     """prim_func for chunk_bwd_dqkw.
 
-    Tensors (B, L, NC = ceil(L / 64), R dynamic):
-      q, k, w [B, H, L, K], u, do, dv2 [B, H, L, V] (dv_local in, dv2 out with
-      dv2_from_dh), S [R, K, V] state_dtype (None: the input dtype; the state rows),
-      srow [B, H, NC] int32 (the row of S entering each chunk), dh [B, H, NC, K, V]
-      (input dtype)
-      -> dq [B, H, L, K] (input dtype), dk_part [B, H, L, K] f32, dw [B, H, L, K] (input dtype)
+    Tensors (Ttot tokens, NT chunks, R state rows dynamic):
+      q, k [Ttot, H, K] (value head h reads key head h // (HV / H)), w [Ttot, HV, K], u,
+      do, dv2 [Ttot, HV, V], S [R, HV, K, V] state_dtype (None: the input dtype), state_row
+      [NT] int32 (chunk t enters with S[state_row[t]]), dh [NT, HV, K, V] (input dtype),
+      chunk_bos, chunk_len [NT] int32
+      -> dq [Ttot, HV, K] (input dtype), dk_part [Ttot, HV, K] f32, dw [Ttot, HV, K]
+      (input dtype): per value head (the caller sums a key head's)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L, NC, R = T.dynamic("B, L, NC, R")
+    G = HV // H
+    Ttot, NT, R = T.dynamic("Ttot, NT, R")
     state_dtype = state_dtype or dtype
 
     @T.prim_func
     def chunk_bwd_dqkw(
-        q: T.Tensor((B, H, L, K), dtype),
-        k: T.Tensor((B, H, L, K), dtype),
-        w: T.Tensor((B, H, L, K), dtype),
-        u: T.Tensor((B, H, L, V), dtype),
-        do: T.Tensor((B, H, L, V), dtype),
-        dv2: T.Tensor((B, H, L, V), dtype),
-        S: T.Tensor((R, K, V), state_dtype),
-        srow: T.Tensor((B, H, NC), "int32"),
-        dh: T.Tensor((B, H, NC, K, V), dtype),
-        dq: T.Tensor((B, H, L, K), dtype),
-        dk_part: T.Tensor((B, H, L, K), f32),
-        dw: T.Tensor((B, H, L, K), dtype),
+        q: T.Tensor((Ttot, H, K), dtype),
+        k: T.Tensor((Ttot, H, K), dtype),
+        w: T.Tensor((Ttot, HV, K), dtype),
+        u: T.Tensor((Ttot, HV, V), dtype),
+        do: T.Tensor((Ttot, HV, V), dtype),
+        dv2: T.Tensor((Ttot, HV, V), dtype),
+        S: T.Tensor((R, HV, K, V), state_dtype),
+        state_row: T.Tensor((NT,), "int32"),
+        dh: T.Tensor((NT, HV, K, V), dtype),
+        dq: T.Tensor((Ttot, HV, K), dtype),
+        dk_part: T.Tensor((Ttot, HV, K), f32),
+        dw: T.Tensor((Ttot, HV, K), dtype),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             w_s = T.alloc_shared((BT, K), dtype)
@@ -104,40 +107,27 @@ def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=256):
             dw_f = T.alloc_fragment((BT, K), f32)
 
             for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(t0 + i < L, q[b, h, t0 + i, j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                w_s[i, j] = T.if_then_else(t0 + i < L, w[b, h, t0 + i, j], T.cast(0, dtype))
+                q_s[i, j] = T.if_then_else(i < nrow, q[t0 + i, hk, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+                w_s[i, j] = T.if_then_else(i < nrow, w[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
-                do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
+                do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, j], T.cast(0, dtype))
             # the 16-bit GEMM tiles of S[t] (its row of S; cast from f32 in the contract) and dh[t]
-            row = srow[b, h, c]
+            row = state_row[c]
             if state_dtype == dtype:
-                T.copy(S[row, 0:K, 0:V], S_s)
+                T.copy(S[row, h, 0:K, 0:V], S_s)
             else:
                 for i, j in T.Parallel(K, V):
-                    S_s[i, j] = T.cast(S[row, i, j], dtype)
-            T.copy(dh[b, h, c, 0:K, 0:V], dh_s)
-            if dv2_from_dh:
-                # dv2 = dv_local + k dh  (k rows past L are 0)
-                dv2_f = T.alloc_fragment((BT, V), f32)
-                for i, j in T.Parallel(BT, V):
-                    dv2_f[i, j] = T.if_then_else(t0 + i < L, T.cast(dv2[b, h, t0 + i, j], f32),
-                                                 T.float32(0))
-                T.gemm(k_s, dh_s, dv2_f)
-                T.copy(dv2_f, dv_s)
-                for i, j in T.Parallel(BT, V):
-                    if t0 + i < L:
-                        dv2[b, h, t0 + i, j] = dv_s[i, j]
-            else:
-                for i, j in T.Parallel(BT, V):
-                    dv_s[i, j] = T.if_then_else(t0 + i < L, dv2[b, h, t0 + i, j],
-                                                T.cast(0, dtype))
+                    S_s[i, j] = T.cast(S[row, h, i, j], dtype)
+            T.copy(dh[c, h, 0:K, 0:V], dh_s)
+            for i, j in T.Parallel(BT, V):
+                dv_s[i, j] = T.if_then_else(i < nrow, dv2[t0 + i, h, j], T.cast(0, dtype))
 
             # v_new = u - w S
             T.gemm(w_s, S_s, vn_f, clear_accum=True)
             for i, j in T.Parallel(BT, V):
                 vn_s[i, j] = T.if_then_else(
-                    t0 + i < L, T.cast(T.cast(u[b, h, t0 + i, j], f32) - vn_f[i, j], dtype),
+                    i < nrow, T.cast(T.cast(u[t0 + i, h, j], f32) - vn_f[i, j], dtype),
                     T.cast(0, dtype))
             # ds = tril_incl(do v_new^T)
             T.gemm(do_s, vn_s, ds_f, transpose_B=True, clear_accum=True)
@@ -147,18 +137,18 @@ def build(H, K, V, dtype, state_dtype=None, dv2_from_dh=False, threads=256):
             T.gemm(do_s, S_s, dq_f, transpose_B=True, clear_accum=True)
             T.gemm(ds_s, k_s, dq_f)
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dq[b, h, t0 + i, j] = T.cast(dq_f[i, j], dtype)
+                if i < nrow:
+                    dq[t0 + i, h, j] = T.cast(dq_f[i, j], dtype)
             # dk = ds^T q + v_new dh^T
             T.gemm(ds_s, q_s, dk_f, transpose_A=True, clear_accum=True)
             T.gemm(vn_s, dh_s, dk_f, transpose_B=True)
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dk_part[b, h, t0 + i, j] = dk_f[i, j]
+                if i < nrow:
+                    dk_part[t0 + i, h, j] = dk_f[i, j]
             # dw = -dv2 S^T
             T.gemm(dv_s, S_s, dw_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dw[b, h, t0 + i, j] = T.cast(-dw_f[i, j], dtype)
+                if i < nrow:
+                    dw[t0 + i, h, j] = T.cast(-dw_f[i, j], dtype)
 
     return chunk_bwd_dqkw

@@ -4,8 +4,10 @@
 # regenerate: linattn-gen --op deltanet --arch sm90
 """Chunked backward, stage 1 of 4: the intra-chunk part of the value gradient.
 
-One CTA of two warpgroups per (chunk, sequence x head); head-first tensors [B, H, L, D],
-rows i, j of the chunk (rows past L read as 0, never written):
+One CTA of two warpgroups per (chunk, value head); token-first packed tensors [Ttot, heads,
+D] cut into chunks by the tables chunk_bos / chunk_len (ops.chunk._tables: varlen packs,
+or each (sequence, head) of a head-first tensor as a one-head sequence), rows i, j of
+the chunk (rows past its length read as 0, never written):
 
   dv_local = tril_incl(q k^T)^T do            (= triu_incl(k q^T) do)
 
@@ -21,10 +23,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -38,30 +40,34 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["q", "k", "do", "dv_local"]
+    return ["q", "k", "do", "dv_local", "chunk_bos", "chunk_len"]
 
 
-def build(H, K, V, dtype, threads=256):
+def build(H, HV, K, V, dtype, threads=256):
     """prim_func for chunk_bwd_dv_local.
 
-    Tensors (B, L dynamic): q, k [B, H, L, K], do [B, H, L, V]
-      -> dv_local [B, H, L, V] (input dtype)
+    Tensors (Ttot tokens, NT chunks dynamic): q, k [Ttot, H, K] (value head h reads key
+      head h // (HV / H)), do [Ttot, HV, V]
+      chunk_bos, chunk_len [NT] int32 -> dv_local [Ttot, HV, V] (input dtype)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L = T.dynamic("B, L")
+    G = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
     def chunk_bwd_dv_local(
-        q: T.Tensor((B, H, L, K), dtype),
-        k: T.Tensor((B, H, L, K), dtype),
-        do: T.Tensor((B, H, L, V), dtype),
-        dv_local: T.Tensor((B, H, L, V), dtype),
+        q: T.Tensor((Ttot, H, K), dtype),
+        k: T.Tensor((Ttot, H, K), dtype),
+        do: T.Tensor((Ttot, HV, V), dtype),
+        dv_local: T.Tensor((Ttot, HV, V), dtype),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
             do_s = T.alloc_shared((BT, V), dtype)
@@ -70,17 +76,17 @@ def build(H, K, V, dtype, threads=256):
             dv_f = T.alloc_fragment((BT, V), f32)
 
             for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(t0 + i < L, q[b, h, t0 + i, j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
+                q_s[i, j] = T.if_then_else(i < nrow, q[t0 + i, hk, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
-                do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
+                do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, j], T.cast(0, dtype))
             # p[j, i] = k_j . q_i, kept for i >= j (the transpose of the causal q k^T)
             T.gemm(k_s, q_s, p_f, transpose_B=True, clear_accum=True)
             for j, i in T.Parallel(BT, BT):
                 p_s[j, i] = T.if_then_else(i >= j, T.cast(p_f[j, i], dtype), T.cast(0, dtype))
             T.gemm(p_s, do_s, dv_f, clear_accum=True)
             for i, j in T.Parallel(BT, V):
-                if t0 + i < L:
-                    dv_local[b, h, t0 + i, j] = T.cast(dv_f[i, j], dtype)
+                if i < nrow:
+                    dv_local[t0 + i, h, j] = T.cast(dv_f[i, j], dtype)
 
     return chunk_bwd_dv_local

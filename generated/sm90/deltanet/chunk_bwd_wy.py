@@ -4,9 +4,11 @@
 # regenerate: linattn-gen --op deltanet --arch sm90
 """Chunked backward, stage 4 of 4: back through the WY representation.
 
-One CTA per (chunk, sequence x head), whole K and V. The forward built, per chunk,
+One CTA per (chunk, value head), whole K and V; token-first packed tensors [Ttot, heads,
+D] cut into chunks by chunk_bos / chunk_len (ops.chunk._tables), k [Ttot, H, K] read at
+key head h // (HV / H). The forward built, per chunk,
 A = (I + strict_tril(beta_i k_i . k_j))^-1, w = A (beta k), u = A (beta v). Given
-dw (stage 3) and du = dv2 (stage 2), rows past L read as 0:
+dw (stage 3) and du = dv2 (stage 2), rows past the chunk read as 0:
 
   dbk = A^T dw,  dbv = A^T du                 (gradients of beta k and beta v)
   dA  = du (beta v)^T + dw (beta k)^T
@@ -27,10 +29,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -44,38 +46,43 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["k", "v", "beta", "A", "dw", "du", "dk_part", "dk", "dv", "dbeta"]
+    return ["k", "v", "beta", "A", "dw", "du", "dk_part", "dk", "dv", "dbeta", "chunk_bos",
+            "chunk_len"]
 
 
-def build(H, K, V, dtype, threads=128):
+def build(H, HV, K, V, dtype, threads=128):
     """prim_func for chunk_bwd_wy.
 
-    Tensors (B, L dynamic):
-      k [B, H, L, K], v [B, H, L, V], beta [B, H, L], A [B, H, L, 64] (the forward's Aw),
-      dw [B, H, L, K], du [B, H, L, V] (input dtype), dk_part [B, H, L, K] f32
-      -> dk [B, H, L, K], dv [B, H, L, V], dbeta [B, H, L] (input dtype)
+    Tensors (Ttot tokens, NT chunks dynamic):
+      k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV], A [Ttot, HV, 64] (the forward's
+      Aw), dw [Ttot, HV, K], du [Ttot, HV, V] (input dtype), dk_part [Ttot, HV, K] f32,
+      chunk_bos, chunk_len [NT] int32
+      -> dk [Ttot, HV, K] (per value head), dv [Ttot, HV, V], dbeta [Ttot, HV] (input dtype)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L = T.dynamic("B, L")
+    G = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
     def chunk_bwd_wy(
-        k: T.Tensor((B, H, L, K), dtype),
-        v: T.Tensor((B, H, L, V), dtype),
-        beta: T.Tensor((B, H, L), dtype),
-        A: T.Tensor((B, H, L, BT), dtype),
-        dw: T.Tensor((B, H, L, K), dtype),
-        du: T.Tensor((B, H, L, V), dtype),
-        dk_part: T.Tensor((B, H, L, K), f32),
-        dk: T.Tensor((B, H, L, K), dtype),
-        dv: T.Tensor((B, H, L, V), dtype),
-        dbeta: T.Tensor((B, H, L), dtype),
+        k: T.Tensor((Ttot, H, K), dtype),
+        v: T.Tensor((Ttot, HV, V), dtype),
+        beta: T.Tensor((Ttot, HV), dtype),
+        A: T.Tensor((Ttot, HV, BT), dtype),
+        dw: T.Tensor((Ttot, HV, K), dtype),
+        du: T.Tensor((Ttot, HV, V), dtype),
+        dk_part: T.Tensor((Ttot, HV, K), f32),
+        dk: T.Tensor((Ttot, HV, K), dtype),
+        dv: T.Tensor((Ttot, HV, V), dtype),
+        dbeta: T.Tensor((Ttot, HV), dtype),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             b_s = T.alloc_shared((BT,), f32)
             db_s = T.alloc_shared((BT,), f32)
             a_s = T.alloc_shared((BT, BT), dtype)
@@ -97,16 +104,16 @@ def build(H, K, V, dtype, threads=128):
             row = T.alloc_fragment((BT,), f32)
 
             for i in T.Parallel(BT):
-                b_s[i] = T.if_then_else(t0 + i < L, T.cast(beta[b, h, t0 + i], f32), T.float32(0))
-            # rows past L masked; A is lower triangular, so a valid row has no entry past L
+                b_s[i] = T.if_then_else(i < nrow, T.cast(beta[t0 + i, h], f32), T.float32(0))
+            # rows past the chunk masked; A is lower triangular: a valid row has no entry past it
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(t0 + i < L, A[b, h, t0 + i, j], T.cast(0, dtype))
+                a_s[i, j] = T.if_then_else(i < nrow, A[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                dw_s[i, j] = T.if_then_else(t0 + i < L, dw[b, h, t0 + i, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+                dw_s[i, j] = T.if_then_else(i < nrow, dw[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
-                v_s[i, j] = T.if_then_else(t0 + i < L, v[b, h, t0 + i, j], T.cast(0, dtype))
-                du_s[i, j] = T.if_then_else(t0 + i < L, du[b, h, t0 + i, j], T.cast(0, dtype))
+                v_s[i, j] = T.if_then_else(i < nrow, v[t0 + i, h, j], T.cast(0, dtype))
+                du_s[i, j] = T.if_then_else(i < nrow, du[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 bk_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * b_s[i], dtype)
             for i, j in T.Parallel(BT, V):
@@ -116,8 +123,8 @@ def build(H, K, V, dtype, threads=128):
             T.gemm(a_s, dw_s, dbk_f, transpose_A=True, clear_accum=True)
             T.gemm(a_s, du_s, dbv_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, V):
-                if t0 + i < L:
-                    dv[b, h, t0 + i, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
+                if i < nrow:
+                    dv[t0 + i, h, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
             # dbeta: the direct terms
             for i, j in T.Parallel(BT, V):
                 prod_v[i, j] = dbv_f[i, j] * T.cast(v_s[i, j], f32)
@@ -130,7 +137,7 @@ def build(H, K, V, dtype, threads=128):
             for i in T.Parallel(BT):
                 db_s[i] = db_s[i] + row[i]
             for i, j in T.Parallel(BT, K):
-                dk_f[i, j] = T.if_then_else(t0 + i < L, dk_part[b, h, t0 + i, j], T.float32(0)) \
+                dk_f[i, j] = T.if_then_else(i < nrow, dk_part[t0 + i, h, j], T.float32(0)) \
                     + b_s[i] * dbk_f[i, j]
 
             # dA = du (beta v)^T + dw (beta k)^T, then dM = strict_tril(-A^T dA A^T)
@@ -147,8 +154,8 @@ def build(H, K, V, dtype, threads=128):
             for i in T.Parallel(BT):
                 db_s[i] = db_s[i] + row[i]
             for i in T.Parallel(BT):
-                if t0 + i < L:
-                    dbeta[b, h, t0 + i] = T.cast(db_s[i], dtype)
+                if i < nrow:
+                    dbeta[t0 + i, h] = T.cast(db_s[i], dtype)
             # dk += (beta dM) k + (beta dM)^T k
             for i, j in T.Parallel(BT, BT):
                 m_s[i, j] = T.if_then_else(i > j, T.cast(-m_f[i, j] * b_s[i], dtype),
@@ -156,7 +163,7 @@ def build(H, K, V, dtype, threads=128):
             T.gemm(m_s, k_s, dk_f)
             T.gemm(m_s, k_s, dk_f, transpose_A=True)
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dk[b, h, t0 + i, j] = T.cast(dk_f[i, j], dtype)
+                if i < nrow:
+                    dk[t0 + i, h, j] = T.cast(dk_f[i, j], dtype)
 
     return chunk_bwd_wy

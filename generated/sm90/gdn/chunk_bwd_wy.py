@@ -4,10 +4,13 @@
 # regenerate: linattn-gen --op gdn --arch sm90
 """Chunked backward, stage 4 of 4: back through the WY representation.
 
-One CTA per (chunk, sequence x head), whole K and V. The forward built, per chunk,
+One CTA per (chunk, value head), whole K and V; token-first packed tensors [Ttot, heads,
+D] cut into chunks by chunk_bos / chunk_len (ops.chunk._tables), k [Ttot, H, K] read at
+key head h // (HV / H). The forward built, per chunk,
 A = (I + M)^-1 with M = strict_tril(beta_i k_i . k_j E_ij), E_ij = exp(g_cum_i - g_cum_j),
 w = A (beta k exp(g_cum)), u = A (beta v). Given dw (stage 3), du = dv2 (stage 2) and
-dg_part (stage 3), rows past L read as 0 (g_cum's take the last row's value):
+dg_part (stage 3), rows past the chunk read as 0 (g_cum [HV, NT * 64]: chunk_kkt_inverse's,
+chunk c's rows at c * 64, those past the chunk holding its last row's value):
 
   dbk = A^T dw,  dbv = A^T du                 (gradients of beta k exp(g_cum), beta v)
   dA  = du (beta v)^T + dw (beta k exp(g_cum))^T
@@ -15,9 +18,9 @@ dg_part (stage 3), rows past L read as 0 (g_cum's take the last row's value):
   dv    = beta dbv
   dk    = dk_part + beta exp(g_cum) dbk + (beta dM E) k + (beta dM E)^T k
   dbeta = rowsum(dbv * v) + rowsum(dbk * k) exp(g_cum) + rowsum(Q)
-  dg    = dg_part + beta rowsum(dbk * k) exp(g_cum) + rowsum(P) - colsum(P)
-          (f32: the gradient of g_cum; the host adds the e^g_last terms and takes the
-          reverse cumulative sum within the chunk)
+  dG    = dg_part + beta rowsum(dbk * k) exp(g_cum) + rowsum(P) - colsum(P)
+          (f32: the gradient of g_cum; dg_part holds the e^g_last terms)
+  dg    = revcumsum(dG) within the chunk (the gradient of g itself)
 
 Products are tensor-core GEMMs in the input dtype with f32 accumulation.
 """
@@ -31,10 +34,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -49,42 +52,46 @@ def pass_configs(**params):
 
 def args(**params):
     return ["k", "v", "beta", "g_cum", "A", "dw", "du", "dk_part", "dg_part", "dk", "dv",
-            "dbeta", "dg"]
+            "dbeta", "dg", "chunk_bos", "chunk_len"]
 
 
-def build(H, K, V, dtype, threads=128):
+def build(H, HV, K, V, dtype, threads=128):
     """prim_func for chunk_bwd_wy.
 
-    Tensors (B, L dynamic):
-      k [B, H, L, K], v [B, H, L, V], beta [B, H, L], A [B, H, L, 64] (the forward's Aw),
-      dw [B, H, L, K], du [B, H, L, V] (input dtype), dk_part [B, H, L, K] f32
-      -> dk [B, H, L, K], dv [B, H, L, V], dbeta [B, H, L] (input dtype)
-      g_cum, dg_part [B, H, L] f32 -> dg [B, H, L] f32
+    Tensors (Ttot tokens, NT chunks dynamic):
+      k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV], A [Ttot, HV, 64] (the forward's
+      Aw), dw [Ttot, HV, K], du [Ttot, HV, V] (input dtype), dk_part [Ttot, HV, K] f32,
+      chunk_bos, chunk_len [NT] int32
+      -> dk [Ttot, HV, K] (per value head), dv [Ttot, HV, V], dbeta [Ttot, HV] (input dtype)
+      g_cum [HV, NT * 64], dg_part [Ttot, HV] f32 -> dg [Ttot, HV] f32 (the gradient of g)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L = T.dynamic("B, L")
+    G = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
     def chunk_bwd_wy(
-        k: T.Tensor((B, H, L, K), dtype),
-        v: T.Tensor((B, H, L, V), dtype),
-        beta: T.Tensor((B, H, L), dtype),
-        g_cum: T.Tensor((B, H, L), f32),
-        A: T.Tensor((B, H, L, BT), dtype),
-        dw: T.Tensor((B, H, L, K), dtype),
-        du: T.Tensor((B, H, L, V), dtype),
-        dk_part: T.Tensor((B, H, L, K), f32),
-        dg_part: T.Tensor((B, H, L), f32),
-        dk: T.Tensor((B, H, L, K), dtype),
-        dv: T.Tensor((B, H, L, V), dtype),
-        dbeta: T.Tensor((B, H, L), dtype),
-        dg: T.Tensor((B, H, L), f32),
+        k: T.Tensor((Ttot, H, K), dtype),
+        v: T.Tensor((Ttot, HV, V), dtype),
+        beta: T.Tensor((Ttot, HV), dtype),
+        g_cum: T.Tensor((HV, NT * BT), f32),
+        A: T.Tensor((Ttot, HV, BT), dtype),
+        dw: T.Tensor((Ttot, HV, K), dtype),
+        du: T.Tensor((Ttot, HV, V), dtype),
+        dk_part: T.Tensor((Ttot, HV, K), f32),
+        dg_part: T.Tensor((Ttot, HV), f32),
+        dk: T.Tensor((Ttot, HV, K), dtype),
+        dv: T.Tensor((Ttot, HV, V), dtype),
+        dbeta: T.Tensor((Ttot, HV), dtype),
+        dg: T.Tensor((Ttot, HV), f32),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             b_s = T.alloc_shared((BT,), f32)
             db_s = T.alloc_shared((BT,), f32)
             a_s = T.alloc_shared((BT, BT), dtype)
@@ -108,19 +115,19 @@ def build(H, K, V, dtype, threads=128):
             dg_s = T.alloc_shared((BT,), f32)
             p_s = T.alloc_shared((BT, BT), f32)
             for i in T.Parallel(BT):
-                g_s[i] = g_cum[b, h, T.min(t0 + i, L - 1)]
+                g_s[i] = g_cum[h, c * BT + i]
 
             for i in T.Parallel(BT):
-                b_s[i] = T.if_then_else(t0 + i < L, T.cast(beta[b, h, t0 + i], f32), T.float32(0))
-            # rows past L masked; A is lower triangular, so a valid row has no entry past L
+                b_s[i] = T.if_then_else(i < nrow, T.cast(beta[t0 + i, h], f32), T.float32(0))
+            # rows past the chunk masked; A is lower triangular: a valid row has no entry past it
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(t0 + i < L, A[b, h, t0 + i, j], T.cast(0, dtype))
+                a_s[i, j] = T.if_then_else(i < nrow, A[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                dw_s[i, j] = T.if_then_else(t0 + i < L, dw[b, h, t0 + i, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+                dw_s[i, j] = T.if_then_else(i < nrow, dw[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
-                v_s[i, j] = T.if_then_else(t0 + i < L, v[b, h, t0 + i, j], T.cast(0, dtype))
-                du_s[i, j] = T.if_then_else(t0 + i < L, du[b, h, t0 + i, j], T.cast(0, dtype))
+                v_s[i, j] = T.if_then_else(i < nrow, v[t0 + i, h, j], T.cast(0, dtype))
+                du_s[i, j] = T.if_then_else(i < nrow, du[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 bk_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * b_s[i] * T.exp(g_s[i]), dtype)
             for i, j in T.Parallel(BT, V):
@@ -130,8 +137,8 @@ def build(H, K, V, dtype, threads=128):
             T.gemm(a_s, dw_s, dbk_f, transpose_A=True, clear_accum=True)
             T.gemm(a_s, du_s, dbv_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, V):
-                if t0 + i < L:
-                    dv[b, h, t0 + i, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
+                if i < nrow:
+                    dv[t0 + i, h, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
             # dbeta: the direct terms
             for i, j in T.Parallel(BT, V):
                 prod_v[i, j] = dbv_f[i, j] * T.cast(v_s[i, j], f32)
@@ -143,10 +150,10 @@ def build(H, K, V, dtype, threads=128):
             T.reduce_sum(prod_k, row, dim=1)
             for i in T.Parallel(BT):
                 db_s[i] = db_s[i] + row[i] * T.exp(g_s[i])
-                dg_s[i] = T.if_then_else(t0 + i < L, dg_part[b, h, t0 + i], T.float32(0)) \
+                dg_s[i] = T.if_then_else(i < nrow, dg_part[t0 + i, h], T.float32(0)) \
                     + b_s[i] * row[i] * T.exp(g_s[i])
             for i, j in T.Parallel(BT, K):
-                dk_f[i, j] = T.if_then_else(t0 + i < L, dk_part[b, h, t0 + i, j], T.float32(0)) \
+                dk_f[i, j] = T.if_then_else(i < nrow, dk_part[t0 + i, h, j], T.float32(0)) \
                     + b_s[i] * T.exp(g_s[i]) * dbk_f[i, j]
 
             # dA = du (beta v)^T + dw (beta k)^T, then dM = strict_tril(-A^T dA A^T)
@@ -169,12 +176,18 @@ def build(H, K, V, dtype, threads=128):
             for i, j in T.Parallel(BT, BT):
                 prod_a[i, j] = p_s[i, j] - p_s[j, i]
             T.reduce_sum(prod_a, row, dim=1)
+            # dg = the reverse cumulative sum of dG within the chunk (rows past it: 0)
             for i in T.Parallel(BT):
-                if t0 + i < L:
-                    dg[b, h, t0 + i] = dg_s[i] + row[i]
+                dg_s[i] = T.if_then_else(i < nrow, dg_s[i] + row[i], T.float32(0))
+            T.sync_threads()
+            T.cumsum(dg_s, dim=0, reverse=True)
+            T.sync_threads()
             for i in T.Parallel(BT):
-                if t0 + i < L:
-                    dbeta[b, h, t0 + i] = T.cast(db_s[i], dtype)
+                if i < nrow:
+                    dg[t0 + i, h] = dg_s[i]
+            for i in T.Parallel(BT):
+                if i < nrow:
+                    dbeta[t0 + i, h] = T.cast(db_s[i], dtype)
             # dk += (beta dM E) k + (beta dM E)^T k
             for i, j in T.Parallel(BT, BT):
                 m_s[i, j] = T.if_then_else(
@@ -183,7 +196,7 @@ def build(H, K, V, dtype, threads=128):
             T.gemm(m_s, k_s, dk_f)
             T.gemm(m_s, k_s, dk_f, transpose_A=True)
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dk[b, h, t0 + i, j] = T.cast(dk_f[i, j], dtype)
+                if i < nrow:
+                    dk[t0 + i, h, j] = T.cast(dk_f[i, j], dtype)
 
     return chunk_bwd_wy

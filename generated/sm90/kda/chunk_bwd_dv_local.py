@@ -4,10 +4,12 @@
 # regenerate: linattn-gen --op kda --arch sm90
 """Chunked backward, stage 1 of 4: the intra-chunk part of the value gradient.
 
-One CTA of two warpgroups per (chunk, sequence x head); head-first tensors [B, H, L, D],
-rows i, j of the chunk (rows past L read as 0, never written):
+One CTA of two warpgroups per (chunk, value head); token-first packed tensors [Ttot, heads,
+D] cut into chunks by the tables chunk_bos / chunk_len (ops.chunk._tables: varlen packs,
+or each (sequence, head) of a head-first tensor as a one-head sequence), rows i, j of
+the chunk (rows past its length read as 0, never written):
 
-  dv_local = A_qk^T do                         (A_qk [B, H, L, 64]: the recompute's
+  dv_local = A_qk^T do                         (A_qk [Ttot, HV, 64]: the recompute's
                                                per-key decayed tril_incl(q k^T))
 
 One tensor-core GEMM in the input dtype with f32 accumulation.
@@ -22,10 +24,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -39,40 +41,43 @@ def pass_configs(**params):
 
 
 def args(**params):
-    return ["aqk", "do", "dv_local"]
+    return ["aqk", "do", "dv_local", "chunk_bos", "chunk_len"]
 
 
-def build(H, K, V, dtype, threads=256):
+def build(H, HV, K, V, dtype, threads=256):
     """prim_func for chunk_bwd_dv_local.
 
-    Tensors (B, L dynamic): aqk [B, H, L, 64], do [B, H, L, V]
+    Tensors (Ttot tokens, NT chunks dynamic): aqk [Ttot, HV, 64], do [Ttot, HV, V]
 
-      -> dv_local [B, H, L, V] (input dtype)
+      chunk_bos, chunk_len [NT] int32 -> dv_local [Ttot, HV, V] (input dtype)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L = T.dynamic("B, L")
+    G = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
     def chunk_bwd_dv_local(
-        aqk: T.Tensor((B, H, L, BT), dtype),
-        do: T.Tensor((B, H, L, V), dtype),
-        dv_local: T.Tensor((B, H, L, V), dtype),
+        aqk: T.Tensor((Ttot, HV, BT), dtype),
+        do: T.Tensor((Ttot, HV, V), dtype),
+        dv_local: T.Tensor((Ttot, HV, V), dtype),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             do_s = T.alloc_shared((BT, V), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
             dv_f = T.alloc_fragment((BT, V), f32)
             for i, j in T.Parallel(BT, V):
-                do_s[i, j] = T.if_then_else(t0 + i < L, do[b, h, t0 + i, j], T.cast(0, dtype))
+                do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, BT):
-                p_s[i, j] = T.if_then_else(t0 + i < L, aqk[b, h, t0 + i, j], T.cast(0, dtype))
+                p_s[i, j] = T.if_then_else(i < nrow, aqk[t0 + i, h, j], T.cast(0, dtype))
             T.gemm(p_s, do_s, dv_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, V):
-                if t0 + i < L:
-                    dv_local[b, h, t0 + i, j] = T.cast(dv_f[i, j], dtype)
+                if i < nrow:
+                    dv_local[t0 + i, h, j] = T.cast(dv_f[i, j], dtype)
 
     return chunk_bwd_dv_local

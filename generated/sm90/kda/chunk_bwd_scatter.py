@@ -66,13 +66,13 @@ def build(H, HV, K, V, dtype, l2norm=False, threads=256):
                 dy[i, d] += T.cast(dxh[n, h * G + j, T.min(t0 + i, L - 1), d], f32)
         if l2norm:
             xf = T.alloc_fragment((BT, K), f32)
-            prod = T.alloc_fragment((BT, K), f32)
-            ss = T.alloc_fragment((BT,), f32)
-            xd = T.alloc_fragment((BT,), f32)
             for i, d in T.Parallel(BT, K):
                 xf[i, d] = T.if_then_else(rows[i] >= 0,
                                           T.cast(x[0, T.max(rows[i], 0), h, d], f32),
                                           T.float32(0))
+            prod = T.alloc_fragment((BT, K), f32)
+            ss = T.alloc_fragment((BT,), f32)
+            xd = T.alloc_fragment((BT,), f32)
             for i, d in T.Parallel(BT, K):
                 prod[i, d] = xf[i, d] * xf[i, d]
             T.reduce_sum(prod, ss, dim=1)

@@ -4,8 +4,10 @@
 # regenerate: linattn-gen --op kda --arch sm90
 """Chunked backward, stage 4 of 4: back through the WY representation.
 
-One CTA per (chunk, sequence x head), whole K and V. The forward built, per chunk,
-A = (I + M)^-1 with M = strict_tril(beta_i sum_c k_ic k_jc e^{G_ic - G_jc}) (G [B, H, L, K]
+One CTA per (chunk, value head), whole K and V; token-first packed tensors [Ttot, heads,
+D] cut into chunks by chunk_bos / chunk_len (ops.chunk._tables), k [Ttot, H, K] read at
+key head h // (HV / H). The forward built, per chunk,
+A = (I + M)^-1 with M = strict_tril(beta_i sum_c k_ic k_jc e^{G_ic - G_jc}) (G [Ttot, HV, K]
 f32: the in-chunk cumulative log gate per key channel, g_cum), w = A (beta k e^G),
 u = A (beta v). Given dw (stage 3), du = dv2 (stage 2), dk_part and dg_part (stage 3):
 
@@ -33,10 +35,10 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset(['allow_neg_eigval', 'beta_sigmoid', 'gate_in_kernel', 'l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
 EXAMPLES = [
-    dict(H=4, K=64, V=64, dtype="bfloat16"),
-    dict(H=4, K=128, V=128, dtype="float16"),
+    dict(H=4, HV=4, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=128, dtype="float16"),
 ]
 CHUNK = 64
 
@@ -51,42 +53,46 @@ def pass_configs(**params):
 
 def args(**params):
     return ["k", "v", "beta", "g_cum", "A", "dw", "du", "dk_part", "dg_part", "dk", "dv",
-            "dbeta", "dg"]
+            "dbeta", "dg", "chunk_bos", "chunk_len"]
 
 
-def build(H, K, V, dtype, threads=256):
+def build(H, HV, K, V, dtype, threads=256):
     """prim_func for chunk_bwd_wy.
 
-    Tensors (B, L dynamic):
-      k [B, H, L, K], v [B, H, L, V], beta [B, H, L], A [B, H, L, 64] (the forward's Aw),
-      dw [B, H, L, K], du [B, H, L, V] (input dtype), dk_part [B, H, L, K] f32
-      -> dk [B, H, L, K], dv [B, H, L, V], dbeta [B, H, L] (input dtype)
-      g_cum, dg_part [B, H, L, K] f32 -> dg [B, H, L, K] f32 (the gradient of g itself)
+    Tensors (Ttot tokens, NT chunks dynamic):
+      k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV], A [Ttot, HV, 64] (the forward's
+      Aw), dw [Ttot, HV, K], du [Ttot, HV, V] (input dtype), dk_part [Ttot, HV, K] f32,
+      chunk_bos, chunk_len [NT] int32
+      -> dk [Ttot, HV, K] (per value head), dv [Ttot, HV, V], dbeta [Ttot, HV] (input dtype)
+      g_cum, dg_part [Ttot, HV, K] f32 -> dg [Ttot, HV, K] f32 (the gradient of g itself)
     """
     BT = CHUNK
     f32 = "float32"
-    B, L = T.dynamic("B, L")
+    G = HV // H
+    Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
     def chunk_bwd_wy(
-        k: T.Tensor((B, H, L, K), dtype),
-        v: T.Tensor((B, H, L, V), dtype),
-        beta: T.Tensor((B, H, L), dtype),
-        g_cum: T.Tensor((B, H, L, K), f32),
-        A: T.Tensor((B, H, L, BT), dtype),
-        dw: T.Tensor((B, H, L, K), dtype),
-        du: T.Tensor((B, H, L, V), dtype),
-        dk_part: T.Tensor((B, H, L, K), f32),
-        dg_part: T.Tensor((B, H, L, K), f32),
-        dk: T.Tensor((B, H, L, K), dtype),
-        dv: T.Tensor((B, H, L, V), dtype),
-        dbeta: T.Tensor((B, H, L), dtype),
-        dg: T.Tensor((B, H, L, K), f32),
+        k: T.Tensor((Ttot, H, K), dtype),
+        v: T.Tensor((Ttot, HV, V), dtype),
+        beta: T.Tensor((Ttot, HV), dtype),
+        g_cum: T.Tensor((Ttot, HV, K), f32),
+        A: T.Tensor((Ttot, HV, BT), dtype),
+        dw: T.Tensor((Ttot, HV, K), dtype),
+        du: T.Tensor((Ttot, HV, V), dtype),
+        dk_part: T.Tensor((Ttot, HV, K), f32),
+        dg_part: T.Tensor((Ttot, HV, K), f32),
+        dk: T.Tensor((Ttot, HV, K), dtype),
+        dv: T.Tensor((Ttot, HV, V), dtype),
+        dbeta: T.Tensor((Ttot, HV), dtype),
+        dg: T.Tensor((Ttot, HV, K), f32),
+        chunk_bos: T.Tensor((NT,), "int32"),
+        chunk_len: T.Tensor((NT,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(L, BT), B * H, threads=threads) as (c, bh):
-            b = bh // H
-            h = bh % H
-            t0 = c * BT
+        with T.Kernel(NT, HV, threads=threads) as (c, h):
+            hk = h // G
+            t0 = chunk_bos[c]
+            nrow = chunk_len[c]
             b_s = T.alloc_shared((BT,), f32)
             a_s = T.alloc_shared((BT, BT), dtype)
             k_s = T.alloc_shared((BT, K), dtype)
@@ -111,16 +117,16 @@ def build(H, K, V, dtype, threads=256):
             tx = T.get_thread_binding()
 
             for i in T.Parallel(BT):
-                b_s[i] = T.if_then_else(t0 + i < L, T.cast(beta[b, h, t0 + i], f32), T.float32(0))
+                b_s[i] = T.if_then_else(i < nrow, T.cast(beta[t0 + i, h], f32), T.float32(0))
             for i, j in T.Parallel(BT, BT):
-                a_s[i, j] = T.if_then_else(t0 + i < L, A[b, h, t0 + i, j], T.cast(0, dtype))
+                a_s[i, j] = T.if_then_else(i < nrow, A[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(t0 + i < L, k[b, h, t0 + i, j], T.cast(0, dtype))
-                dw_s[i, j] = T.if_then_else(t0 + i < L, dw[b, h, t0 + i, j], T.cast(0, dtype))
-                G_s[i, j] = g_cum[b, h, T.min(t0 + i, L - 1), j]
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+                dw_s[i, j] = T.if_then_else(i < nrow, dw[t0 + i, h, j], T.cast(0, dtype))
+                G_s[i, j] = g_cum[t0 + T.min(i, nrow - 1), h, j]
             for i, j in T.Parallel(BT, V):
-                v_s[i, j] = T.if_then_else(t0 + i < L, v[b, h, t0 + i, j], T.cast(0, dtype))
-                du_s[i, j] = T.if_then_else(t0 + i < L, du[b, h, t0 + i, j], T.cast(0, dtype))
+                v_s[i, j] = T.if_then_else(i < nrow, v[t0 + i, h, j], T.cast(0, dtype))
+                du_s[i, j] = T.if_then_else(i < nrow, du[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 bk_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * b_s[i] * T.exp(G_s[i, j]), dtype)
             for i, j in T.Parallel(BT, V):
@@ -131,8 +137,8 @@ def build(H, K, V, dtype, threads=256):
             T.gemm(a_s, dw_s, dbk_f, transpose_A=True, clear_accum=True)
             T.gemm(a_s, du_s, dbv_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, V):
-                if t0 + i < L:
-                    dv[b, h, t0 + i, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
+                if i < nrow:
+                    dv[t0 + i, h, j] = T.cast(dbv_f[i, j] * b_s[i], dtype)
             for i, j in T.Parallel(BT, V):
                 prod_v[i, j] = dbv_f[i, j] * T.cast(v_s[i, j], f32)
             T.reduce_sum(prod_v, row, dim=1)                    # (dbeta accumulates in row)
@@ -213,17 +219,17 @@ def build(H, K, V, dtype, threads=256):
                 p_f[i, j] = x_f[i, j] * T.cast(k_s[i, j], f32)
             T.reduce_sum(p_f, row, dim=1, clear=False)
             for i in T.Parallel(BT):
-                if t0 + i < L:
-                    dbeta[b, h, t0 + i] = T.cast(row[i], dtype)
+                if i < nrow:
+                    dbeta[t0 + i, h] = T.cast(row[i], dtype)
             for i, j in T.Parallel(BT, K):
                 wk_f[i, j] = wk_f[i, j] + b_s[i] * x_f[i, j]
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dk[b, h, t0 + i, j] = T.cast(
-                        dk_part[b, h, t0 + i, j] + wk_f[i, j] + y_f[i, j], dtype)
+                if i < nrow:
+                    dk[t0 + i, h, j] = T.cast(
+                        dk_part[t0 + i, h, j] + wk_f[i, j] + y_f[i, j], dtype)
             # dg = the reverse cumulative sum of dG within the chunk (G_s's last use was above)
             for i, j in T.Parallel(BT, K):
-                G_s[i, j] = T.if_then_else(t0 + i < L, dg_part[b, h, t0 + i, j], T.float32(0)) \
+                G_s[i, j] = T.if_then_else(i < nrow, dg_part[t0 + i, h, j], T.float32(0)) \
                     + T.cast(k_s[i, j], f32) * (wk_f[i, j] - y_f[i, j])
             T.sync_threads()
             for e in T.serial(T.ceildiv(4 * K, threads)):
@@ -245,7 +251,7 @@ def build(H, K, V, dtype, threads=256):
                         G_s[idx // K * (BT // 4) + BT // 4 - 1 - r, idx % K] = run[0]
             T.sync_threads()
             for i, j in T.Parallel(BT, K):
-                if t0 + i < L:
-                    dg[b, h, t0 + i, j] = G_s[i, j]
+                if i < nrow:
+                    dg[t0 + i, h, j] = G_s[i, j]
 
     return chunk_bwd_wy
