@@ -333,8 +333,14 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     Ttot, dt, dev = B * T, q.dtype, q.device
-    cu = call.cu if call.cu is not None else tuple(range(0, Ttot + 1, T))
+    cu = call.cu if call.cu is not None else tuple(T * b for b in range(B + 1))
     N, gated, n = len(cu) - 1, g_in is not None, cu[-1]   # tokens past cu[-1]: in no sequence
+    if n == 0:              # no token: the final state is the initial one
+        dh0 = None if initial_state is None else (
+            torch.zeros(initial_state.shape, dtype=torch.float32, device=dev)
+            if dht is None else dht.float().clone())
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                b_in.new_zeros(B, T, HV), b_in.new_zeros(B, T, HV) if gated else None, dh0)
     flat = lambda x: x.reshape(Ttot, *x.shape[2:])[:n].contiguous()  # noqa: E731
     f32 = lambda *s: torch.zeros(*s, dtype=torch.float32, device=dev)  # noqa: E731
     params = chunk_bwd.train_params(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""),

@@ -136,6 +136,23 @@ def test_tokens_past_the_last_sequence(fake_kernels, rng):
         assert _rel(g, r.grad) < 5e-3, (name, _rel(g, r.grad))
 
 
+@pytest.mark.parametrize("B,T,cu", [(2, 0, None), (1, 5, (0, 0, 0))], ids=["T0", "cu-empty"])
+def test_no_tokens(fake_kernels, rng, B, T, cu):
+    """No token in any sequence: no kernel runs, zero gradients, and the initial state's
+    gradient is the final state's (the final state is the initial one)."""
+    H, K, V = 2, 64, 64
+    N = B if cu is None else len(cu) - 1
+    xs, do, dht = _inputs(rng, B, T, H, K, V, torch.float16, N, True)
+    call = autograd.DeltaRuleCall(spec=deltanet.SPEC, scale=0.125, output_final_state=True,
+                                  cu=cu)
+    h = xs[0].new_empty(0, H, K, V)
+    grads = autograd.deltanet_backward(call, *xs, do, dht, h)
+    assert fake_kernels == []
+    for g, x in zip(grads[:4], xs[:4]):
+        assert g.shape == x.shape and g.dtype == x.dtype and not g.any()
+    assert torch.equal(grads[4], dht)
+
+
 def test_only_o_used_and_inputs_without_grad(fake_kernels, rng):
     xs, do, _ = _inputs(rng, 1, 70, 2, 64, 64, torch.bfloat16, 1, True)
     q, k, v, beta, h0 = xs
