@@ -14,7 +14,7 @@ cu_seqlens / chunk_offsets per sequence), so one set of kernels serves
 The stages (grid):
     chunk_bwd_dv_local  (NT, HV)        dv_local = tril_incl(q k^T)^T do (gated forms: the
                                         decays; per-key: the recompute's A_qk^T do)
-    chunk_bwd_dh        (V/BV, N HV)    the reverse sequential pass per sequence: dh per
+    chunk_bwd_dh        (N HV, V/BV)    the reverse sequential pass per sequence: dh per
                                         chunk, dv2 = dv_local + k dh (the gradient of v_new)
     chunk_bwd_dqkw      (NT, HV)        v_new = u - w S, dq, dk (output and state terms),
                                         dw = -dv2 S^T (S: the forward's states, chunk t's

@@ -89,7 +89,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
     ):
-        with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
+        with T.Kernel(N * HV, V // BV, threads=threads) as (nh, iv):   # (N HV on x: no 65535 limit)
             b = nh // HV
             h = nh % HV
             hk = h // G
