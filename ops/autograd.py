@@ -350,11 +350,11 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
                                     spec=call.spec)
     runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
-    qf, kf = flat(q.detach()), flat(k.detach())
-    x = chunk_bwd.recompute(qf, kf, flat(v.detach()), flat(b_in.to(dt)),
+    qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
+    x = chunk_bwd.recompute(qf, kf, vf, bf,
                             flat(g_in) if gated else None, tables, params, call.spec)
-    x.update(tables, q=(x["q"] * call.scale).to(dt), v=flat(v.detach()),
-             beta=flat(b_in.to(dt)), do=flat(torch.zeros_like(v) if do is None else do),
+    x.update(tables, q=(x["q"] * call.scale).to(dt), v=vf,
+             beta=bf, do=flat(torch.zeros_like(v) if do is None else do),
              S=h, state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
                                          device=dev),
              dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),

@@ -405,7 +405,7 @@ def chunk_forward_intermediates(q, k, v, beta):
     spec = default_spec()
     params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, L=L)
     runtime.announce(spec, ARCH, params)                        # recording(): all at once
-    tables = chunk._tables(tuple(range(0, Ttot + 1, L)), CHUNK, dev, 0)
+    tables = one_head_tables(B, H, L, dev)
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
     u = torch.empty(B, H, L, V, dtype=dt, device=dev)
