@@ -254,7 +254,7 @@ GDN_CASES = [
              h0=True, dht=True, name="gdn-varlen-long-K128-f16-h0-dht"),
 ]
 GDN_SMALL_CASES = [c for c in GDN_CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
-#: checked again with the dh pass's pipelined form (GATED_DH_NUM_STAGES = 2, not the default)
+#: checked again with the dh pass's pipelined form forced (GATED_DH_NUM_STAGES = 2)
 GDN_PIPELINED_CASES = [GDN_CASES[1], GDN_CASES[3], GDN_CASES[8]]
 
 
