@@ -112,7 +112,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_key_grads", "chunk_bwd_key_grads.py.jinja", "bwd",
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "
                   "l2norm backward)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
         Stage("chunk_bwd_scatter", "chunk_bwd_scatter.py.jinja", "bwd",
               doc="layout out, per-key gate: head-first dq, dk, dv to token-first (GVA sum, "
                   "l2norm backward)",

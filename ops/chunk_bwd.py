@@ -28,6 +28,9 @@ log gate as chunk_kkt_inverse writes it when the backward recomputes A, w, u
 :func:`key_recompute`, :func:`key_backward_stages`, dsl/delta_key_bwd.py) runs the same
 four stages in their per-key form after a recompute by the forward's per-key prepare
 (rendered as chunk_bwd_wy_recompute, writing A too), on head-first one-head sequences.
+Its token-first recompute, :func:`key_recompute_packed` (params: :func:`key_train_params`),
+runs the same prepare on the call's packed tensors, writing g_cum and the l2-normalised
+q, k as well, for run_stages(key=True) and chunk_bwd_key_grads (not yet used by training).
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u) over the chunked forward's stages (:func:`contract_plan`).
@@ -540,8 +543,59 @@ def key_recompute(q, k, v, beta, g, spec=None) -> dict:
              q=tok(q), k=tok(k), v=tok(v), g=tok(g), beta=beta.contiguous().view(Ttot, 1),
              A_log=f32(1), dt_bias=f32(K), aqk=tok(out["aqk"]), qg=tok(out["qg"]),
              kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
-             u=tok(out["u"]), A_out=tok(out["A"]))
+             u=tok(out["u"]), A_out=tok(out["A"]),
+             # (the token-first path's outputs: g_cum written and dropped here, the caller
+             # takes a torch cumsum; qn, kn not written without l2norm_qk)
+             g_cum=f32(Ttot, 1, K), qn=tok(q), kn=tok(k))
     runtime.launch_kernel(spec, ARCH, RECOMPUTE, params[RECOMPUTE], x)
+    return out
+
+
+def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
+                     store_dh0=False, spec=None) -> dict:
+    """Every kernel the per-key gate's token-first training backward runs, stage name ->
+    build() params: the recompute (RECOMPUTE: the forward's per-key prepare at the arch
+    plan's params, :func:`key_recompute_params`, with H key heads, HV value heads and the
+    call's l2norm_qk), the four stages in their gated form (:func:`stage_params`; chains:
+    sequences x value heads) and chunk_bwd_key_grads (as :func:`train_params`)."""
+    rec = key_recompute_params(H=1, K=K, V=V, dtype=dtype, spec=spec)[RECOMPUTE]
+    sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
+    return {RECOMPUTE: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
+            **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
+                           gated=True),
+            "chunk_bwd_key_grads": dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm))}
+
+
+def key_recompute_packed(q, k, v, beta, g, tables: dict, params: dict, spec=None) -> dict:
+    """The token-first counterpart of :func:`key_recompute`: what the per-key stages need
+    from the forward besides its states, recomputed by the forward's per-key prepare
+    (RECOMPUTE, params: :func:`key_train_params`) on token-first packed q, k [Ttot, H, K],
+    v [Ttot, HV, V], beta [Ttot, HV] (input dtype; the effective beta), g [Ttot, HV, K] f32
+    (the activated log gate) and the chunk tables (ops.chunk._tables), varlen as it comes
+    (a chunk shorter than 64 rows: its rows only). q is taken unscaled (aqk and qg are
+    formed from it): the scale goes into do (o = scale f(q)), and :func:`key_grads` then
+    takes scale 1.
+    Returns the dict run_stages(key=True) takes: q, k (l2-normalised with the params'
+    l2norm_qk, else the inputs themselves), A, aqk [Ttot, HV, 64], qg, kg, w [Ttot, HV, K],
+    u [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
+    in-chunk cumulative log gate per key channel, the chunk's rows)."""
+    import torch
+    Ttot, H, K = k.shape
+    HV, V = v.shape[1:]
+    NT = tables["chunk_bos"].numel()
+    p = params[RECOMPUTE]
+    l2norm = p["l2norm_qk"]
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
+    e = lambda D: v.new_empty(Ttot, HV, D)  # noqa: E731
+    x = dict(tables, q=q, k=k, v=v, g=g, beta=beta, A_log=f32(HV), dt_bias=f32(HV * K),
+             aqk=e(CHUNK), qg=e(K), kg=e(K), g_last=f32(NT, HV, K), w=e(K), u=e(V),
+             A=e(CHUNK), g_cum=f32(Ttot, HV, K),
+             qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k)
+    if NT:
+        runtime.launch_kernel(spec or _key_spec(), ARCH, RECOMPUTE, p, x,
+                              lambda n: "A" if n == "A_out" else n)
+    out = dict(q=x["qn"], k=x["kn"])
+    out.update((n, x[n]) for n in ("A", "aqk", "qg", "kg", "g_last", "w", "u", "g_cum"))
     return out
 
 

@@ -1,14 +1,15 @@
-"""CPU tests of KDA's chunked backward (the delta rule with a per-key gate;
-ops/chunk_bwd.py key_recompute / key_backward_stages, ops/autograd.py key_backward): the
-plan lists the stages, they render with the arguments the host passes, they compile for
-sm_90a without spills, the recompute and the stages on head-first inputs match
-dsl/delta_key_bwd.py, and training through linattn.chunk_kda matches torch.autograd of
-the fp64 reference. The kernels are replaced by fakes that check every launch against
-the traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's
-stage functions (per chunk, with the kernels' rounding of GEMM operands emulated); the
-training forward itself is the fp64 reference rounded to the input dtype, its per-chunk
-states too (the backward reads them, tests/_layout_fakes.py forward_states). The four
-stages read token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables
+"""CPU tests of KDA's chunked backward (the delta rule with a per-key gate; ops/chunk_bwd.py
+key_recompute / key_backward_stages, ops/autograd.py key_backward): the plan lists the
+stages, they render with the arguments the host passes, they compile for sm_90a without
+spills, the recompute and the stages on head-first inputs match dsl/delta_key_bwd.py, so do
+the token-first recompute (key_recompute_packed), the stages and chunk_bwd_key_grads on
+packed varlen inputs, and training through linattn.chunk_kda matches torch.autograd of the
+fp64 reference. The kernels are replaced by fakes that check every launch against the
+traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's stage
+functions (per chunk, with the kernels' rounding of GEMM operands emulated); the training
+forward itself is the fp64 reference rounded to the input dtype, its per-chunk states too
+(the backward reads them, tests/_layout_fakes.py forward_states). The four stages read
+token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables
 (key_backward_stages runs them on the (b, h) one-head sequences); the fakes walk those
 tables as the kernels do."""
 import numpy as np
@@ -19,6 +20,7 @@ import _layout_fakes as layout_fakes
 from _layout_fakes import forward_states
 from _kernel_check import fake_compiles
 from test_chunk import by_name
+from test_chunk_bwd import _key_grads
 
 import linattn
 from linattn.codegen.plan import plan
@@ -33,20 +35,21 @@ F64 = torch.float64
 C = chunk_bwd.CHUNK
 STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.STAGES
 LAYOUT = ("chunk_bwd_gather", "chunk_bwd_scatter")
+KEY_GRADS = "chunk_bwd_key_grads"
 
 
 def test_plan_lists_the_stages():
-    assert [s.name for s in plan(SPEC, "bwd")] == [LAYOUT[0], *STAGES, LAYOUT[1]]
+    assert [s.name for s in plan(SPEC, "bwd")] == [LAYOUT[0], *STAGES, KEY_GRADS, LAYOUT[1]]
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + (KEY_GRADS,))
 def test_stage_renders(stage):
     mod = chunk.stage_module(SPEC, stage)
     assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == SPEC.hash
     for ex in mod.EXAMPLES[:2]:
         fn = mod.build(**ex)
         if hasattr(mod, "args"):
-            assert [fn.buffer_map[p].name for p in fn.params] == mod.args(**ex)
+            assert list(runtime.arg_names(fn)) == mod.args(**ex)
 
 
 def test_recompute_params_are_the_forward_prepare():
@@ -80,6 +83,27 @@ def test_stage_params_are_the_one_head_gated_ones():
     assert sp["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in sp["chunk_bwd_dh"]
 
 
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_key_train_params(l2norm):
+    """key_train_params: the token-first backward's kernels, the recompute at the params
+    the arch's plan gives the forward's chunk_prepare for the call (its key and value
+    heads, its l2norm_qk), the four stages in their gated form at the same heads, then
+    chunk_bwd_key_grads (the l2norm's backward with l2norm)."""
+    p = chunk_bwd.key_train_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
+                                   l2norm=l2norm, use_dht=True)
+    assert list(p) == [*STAGES, KEY_GRADS]
+    fwd = chunk.plan_params(chunk.forward_plan(
+        SPEC, Options(l2norm_qk=l2norm), H=2, HV=4, K=64, V=128, dtype="bfloat16",
+        beta_dtype="bfloat16", seq_chunks=(2, 1, 3), Ttot=6 * C, has_initial_state=True,
+        output_final_state=True, return_states=True, config={"fused": False}))
+    assert p[chunk_bwd.RECOMPUTE] == fwd["chunk_prepare"]
+    assert p[chunk_bwd.RECOMPUTE]["l2norm_qk"] == l2norm
+    assert p[KEY_GRADS] == dict(H=2, HV=4, K=64, dtype="bfloat16", l2norm=l2norm)
+    sp = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
+                                use_dht=True, gated=True)
+    assert {s: p[s] for s in chunk_bwd.STAGES} == sp
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("K,V,dtype", [(128, 128, "bfloat16"), (64, 64, "float16"),
                                        (128, 64, "float16"), (64, 128, "bfloat16")])
@@ -93,6 +117,23 @@ def test_stages_compile_without_spills(K, V, dtype):
                                            use_dht=True, store_dh0=True, gated=True))
     for stage, p in params.items():
         rec = compile_stage(chunk.stage_module(SPEC, stage), p, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["registers"] and rec["registers"] <= 255, rec
+        assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
+        assert not rec["barriers_in_branches"], rec
+
+
+@pytest.mark.compile
+def test_token_first_recompute_compiles_without_spills():
+    """The token-first recompute (GVA, l2norm: g_cum, qn, kn written too) and
+    chunk_bwd_key_grads at key_train_params compile for sm_90a without spills and without
+    a CTA barrier in a thread-dependent branch."""
+    from linattn.codegen.compile import compile_stage, format_record
+    params = chunk_bwd.key_train_params(H=2, HV=4, K=128, V=128, dtype="bfloat16", chains=8,
+                                        l2norm=True)
+    for stage in (chunk_bwd.RECOMPUTE, KEY_GRADS):
+        rec = compile_stage(chunk.stage_module(SPEC, stage), params[stage], "sm90")
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec
         assert rec["registers"] and rec["registers"] <= 255, rec
@@ -151,14 +192,25 @@ class KeyStageMath:
         self.kh = np.arange(HV) // (HV // H)      # each value head's key head
 
     def recompute(self, p, q, k, v, g, beta, chunk_bos, chunk_len, aqk, qg, kg, g_last, w, u,
-                  A_out, **_):
-        assert not (p["l2norm_qk"] or p["beta_sigmoid"] or p["gate_in_kernel"]), p
+                  A_out, g_cum, qn, kn, **_):
+        """The forward's per-key prepare (chunks of any length: rows past it zero, g = 0
+        there, so G stays at its last row and g_last = G[len - 1]), A and G (g_cum, the
+        chunk's rows) written too; with l2norm_qk q, k l2-normalised first (the kernel
+        scales its raw sums by rsqrt(sum x^2 + eps) in f32: unrounded here) and written
+        to qn, kn rounded once (without, qn, kn are left alone)."""
+        assert not (p["beta_sigmoid"] or p["gate_in_kernel"]), p
+        l2 = p["l2norm_qk"]
+        norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + tref.L2NORM_EPS)  # noqa: E731
         for ci, (t0, n) in _chunks(chunk_bos, chunk_len):
-            assert n == C                          # (the per-key path pads to whole chunks)
-            r = ref.recompute(_take(q, t0, n, self.kh), _take(k, t0, n, self.kh),
-                              _take(v, t0, n), _take(beta, t0, n), _take(g, t0, n), self.rnd)
+            qc, kc = _take(q, t0, n), _take(k, t0, n)      # [H, 64, K]
+            if l2:
+                qc, kc = norm(qc), norm(kc)
+                _put(qn, t0, n, qc)
+                _put(kn, t0, n, kc)
+            r = ref.recompute(qc[self.kh], kc[self.kh], _take(v, t0, n), _take(beta, t0, n),
+                              _take(g, t0, n), self.rnd)
             for name, dst in (("aqk", aqk), ("qg", qg), ("kg", kg), ("w", w), ("u", u),
-                              ("A", A_out)):
+                              ("A", A_out), ("G", g_cum)):
                 _put(dst, t0, n, r[name])
             g_last[ci] = _t(r["g_last"]).to(g_last.dtype)
 
@@ -213,8 +265,8 @@ class KeyStageMath:
 
 def install_key_fakes(monkeypatch):
     """Route every compile to fakes checked against the traced kernels: the per-key
-    stages (the per-key spec's kernels) run KeyStageMath. Returns the stage names
-    compiled, in order."""
+    stages (the per-key spec's kernels) run KeyStageMath, chunk_bwd_key_grads
+    test_chunk_bwd's emulation. Returns the stage names compiled, in order."""
     names = []
 
     def body(spec, stage, params):
@@ -222,6 +274,8 @@ def install_key_fakes(monkeypatch):
         if stage in layout_fakes.STAGES:
             return layout_fakes.body(stage, params)
         assert chunk_bwd.is_key(spec), (spec.name, stage)
+        if stage == KEY_GRADS:
+            return by_name({stage: _key_grads})(spec, stage, params)
         if stage == chunk_bwd.RECOMPUTE or stage in chunk_bwd.STAGES:
             fn = getattr(KeyStageMath(params), stage.replace("chunk_bwd_", "").replace(
                 "wy_recompute", "recompute"))
@@ -298,7 +352,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     x = dict(tables, q=q, k=k, v=v, g=g, beta=beta, A_log=f32(HV), dt_bias=f32(HV * K),
              aqk=v.new_empty(Tt, HV, C), qg=v.new_empty(Tt, HV, K), kg=v.new_empty(Tt, HV, K),
              g_last=f32(NT, HV, K), w=v.new_empty(Tt, HV, K), u=v.new_empty(Tt, HV, V),
-             A=v.new_empty(Tt, HV, C))
+             A=v.new_empty(Tt, HV, C), g_cum=f32(Tt, HV, K), qn=q, kn=k)
     runtime.launch_kernel(SPEC, chunk_bwd.ARCH, chunk_bwd.RECOMPUTE, rp, x,
                           lambda n: "A" if n == "A_out" else n)
     del x["g"]
@@ -323,6 +377,88 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     got = dict(dq=x["dq"].to(F64).view(Tt, H, G, K).sum(2),
                dk=x["dk"].to(F64).view(Tt, H, G, K).sum(2),
                dv=x["dv"], dbeta=x["dbeta"], dg=x["dg"], dh0=x["dh0"])
+    for name, t in got.items():
+        w = torch.from_numpy(want[name])
+        w = w if name == "dh0" else w[0]
+        assert t.shape == w.shape and not torch.isnan(t).any(), name
+        assert _rel(t, w) < 1e-2, (name, _rel(t, w))
+
+
+@pytest.mark.parametrize("cu,H,HV,K,V,l2norm,dtype", [
+    pytest.param((0, 128, 192, 320), 1, 2, 64, 64, False, torch.float16, id="whole-GVA2"),
+    pytest.param((0, 128, 192, 320), 1, 2, 64, 64, True, torch.float16,
+                 id="whole-GVA2-l2norm"),
+    pytest.param((0, 100, 164, 257), 2, 4, 64, 128, True, torch.bfloat16,
+                 id="partial-GVA2-l2norm"),
+    pytest.param((0, 1, 70, 134, 200), 1, 2, 128, 64, False, torch.bfloat16,
+                 id="partial-1tok-GVA2"),
+    pytest.param((0, 64, 150), 2, 4, 128, 64, True, torch.float16,
+                 id="mixed-GVA2-l2norm")])
+def test_token_first_recompute_stages_match_reference(monkeypatch, rng, cu, H, HV, K, V,
+                                                      l2norm, dtype):
+    """The per-key gate's token-first backward from the call's packed varlen tensors:
+    key_recompute_packed (the forward's per-key prepare writing A, g_cum and, with l2norm,
+    the l2-normalised q, k), run_stages(key=True) (chunk t's state S[state_row[t]], the
+    rows shuffled), then chunk_bwd_key_grads (dq, dk summed over each key head's value
+    heads, through the l2norm's backward; the scale folded into do, so dq's factor is 1),
+    against dsl/delta_key_backward in fp64 with the same scale and l2norm. Sequences of
+    whole chunks and not."""
+    names = install_key_fakes(monkeypatch)
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    Tt, N = cu[-1], len(cu) - 1
+    q, k = r(Tt, H, K), r(Tt, H, K)
+    if not l2norm:
+        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
+    q, k = q.to(dtype), k.to(dtype)
+    v, do = r(Tt, HV, V).to(dtype), r(Tt, HV, V).to(dtype)
+    beta = torch.sigmoid(r(Tt, HV)).to(dtype)
+    g = torch.nn.functional.logsigmoid(r(Tt, HV, K)).float()
+    h0, dht = (0.1 * r(N, HV, K, V)).float(), r(N, HV, K, V).float()
+    scale = K ** -0.5
+    tables = chunk._tables(cu, C, "cpu", 0)
+    NT, dt = tables["chunk_bos"].numel(), str(dtype).replace("torch.", "")
+    params = chunk_bwd.key_train_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
+                                        l2norm=l2norm, use_dht=True, store_dh0=True)
+    x = chunk_bwd.key_recompute_packed(q, k, v, beta, g, tables, params)
+    assert names == [chunk_bwd.RECOMPUTE]
+    assert set(x) == {"q", "k", "A", "aqk", "qg", "kg", "g_last", "w", "u", "g_cum"}
+    for name, raw in (("q", q), ("k", k)):
+        if l2norm:
+            assert x[name].shape == raw.shape and x[name].dtype == dtype, name
+            want = tref.l2norm(raw.to(F64))
+            assert _rel(x[name], want) < 1e-2, (name, _rel(x[name], want))
+        else:
+            assert x[name] is raw, name
+    assert x["g_cum"].shape == (Tt, HV, K) and x["g_cum"].dtype == torch.float32
+    assert x["g_last"].shape == (NT, HV, K) and x["g_last"].dtype == torch.float32
+    for c, (t0, n) in _chunks(tables["chunk_bos"], tables["chunk_len"]):
+        want = g[t0:t0 + n].double().cumsum(0)
+        torch.testing.assert_close(x["g_cum"][t0:t0 + n].double(), want, rtol=1e-5,
+                                   atol=1e-5)
+        torch.testing.assert_close(x["g_last"][c].double(), want[-1], rtol=1e-5, atol=1e-5)
+
+    opts = Options(l2norm_qk=l2norm)
+    h = tref.chunked_forward(SPEC, *(t.to(F64)[None] for t in (q, k, v, g)),
+                             beta=beta.to(F64)[None], options=opts, scale=scale,
+                             initial_state=h0.double(), cu_seqlens=torch.tensor(cu),
+                             intermediates=True)["h"]
+    S = forward_states(h, list(cu), Tt, dtype)               # [NT, HV, K, V]
+    assert S.shape == (NT, HV, K, V), S.shape
+    perm = torch.randperm(NT, generator=gen)
+    x["S"] = torch.empty_like(S)
+    x["S"][perm] = S
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32)  # noqa: E731
+    x.update(tables, v=v, beta=beta, do=(do.to(F64) * scale).to(dtype),
+             state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
+    chunk_bwd.run_stages(SPEC, params, x, key=True)
+    dq, dk = chunk_bwd.key_grads(x, q, k, 1.0, params, SPEC)
+    assert names == [*STAGES, KEY_GRADS]
+    want = ref.delta_key_backward(SPEC, *(t.to(F64)[None].numpy() for t in (q, k, v, g, beta)),
+                                  do=do.to(F64)[None].numpy(), dht=dht.double().numpy(),
+                                  options=opts, scale=scale,
+                                  initial_state=h0.double().numpy(), cu_seqlens=np.array(cu))
+    got = dict(dq=dq, dk=dk, dv=x["dv"], dbeta=x["dbeta"], dg=x["dg"], dh0=x["dh0"])
     for name, t in got.items():
         w = torch.from_numpy(want[name])
         w = w if name == "dh0" else w[0]

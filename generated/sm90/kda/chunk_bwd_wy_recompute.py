@@ -15,6 +15,10 @@ G = within-chunk cumsum of the log gate per channel (G <= 0, decreasing down the
   A = X                                                 (written, input dtype)
   qg = q exp(G),  kg = k exp(G_last - G),  g_last = G[len - 1]   (written)
 (q, k l2-normalised first with l2norm_qk.)
+For the token-first backward stages the recompute also writes G itself (g_cum, f32, the
+chunk's rows) and, with l2norm_qk, the l2-normalised q, k (qn, kn, input dtype: x *
+rsqrt(sum x^2 + eps) rounded once), by the key head's first value head (hv % (HV / H)
+== 0) only; without l2norm_qk qn, kn are not written (the caller passes q, k).
 
 No exponential of a positive number is taken, so nothing overflows whatever the gate.
 The pairs (i, j) are cut by bisection: at level W (32, 16, ..., diag) the rows come in
@@ -29,7 +33,8 @@ a group are kept. The pairs of the diag x diag blocks on the diagonal are summed
 element by element in f32 (one thread per row and half of the channels; the channel
 loop starts at the thread's lane so that the shared-memory reads do not conflict).
 Channels come in panels of block_k; the l2norm scales apply to the sums afterwards (the
-sums are bilinear in q and k), so a second pass over the panels writes qg, kg, w.
+sums are bilinear in q and k), so a second pass over the panels writes qg, kg, w,
+g_cum, qn, kn.
 """
 import tilelang
 import tilelang.language as T
@@ -85,7 +90,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
       -> aqk [Ttot, HV, 64], qg [Ttot, HV, K], kg [Ttot, HV, K] (input dtype),
          g_last [NT, HV, K] f32, w [Ttot, HV, K], u [Ttot, HV, V] (delta rule),
-         A_out [Ttot, HV, 64] (the inverse X)
+         A_out [Ttot, HV, 64] (the inverse X), g_cum [Ttot, HV, K] f32 (G, the chunk's
+         rows), qn, kn [Ttot, H, K] (q, k l2-normalised; written with l2norm_qk, by the
+         key head's first value head)
     """
     BT = CHUNK
     BK = block_k or _block(K)
@@ -174,6 +181,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         w: T.Tensor((Ttot, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
         A_out: T.Tensor((Ttot, HV, BT), dtype),
+        g_cum: T.Tensor((Ttot, HV, K), f32),
+        qn: T.Tensor((Ttot, H, K), dtype),
+        kn: T.Tensor((Ttot, H, K), dtype),
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
                       threads=threads) as (bx, by):
@@ -343,7 +353,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                     A_out[t0 + i, hv, j] = x_lp[i, j]
             w_f = T.alloc_fragment((BT, BK), f32)
 
-            # pass 2: qg, kg, w and g_last per panel, with the l2norm scales
+            # pass 2: qg, kg, w, g_cum, qn, kn and g_last per panel, with the l2norm scales
             for p in T.serial(n_panels):
                 c0 = p * BK
                 if reload:
@@ -360,6 +370,19 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         kg[t0 + i, hv, c0 + j] = T.cast(
                             T.cast(k_s[i, j], f32) * nk_s[i] * T.exp(G_s[rows - 1, j] - G_s[i, j]),
                             dtype)
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        g_cum[t0 + i, hv, c0 + j] = G_s[i, j]
+                if l2norm_qk:                   # qn, kn by the key head's first value head
+                    if hv % group == 0:
+                        for i, j in T.Parallel(BT, BK):
+                            if i < rows:
+                                qn[t0 + i, hk, c0 + j] = T.cast(T.cast(q_s[i, j], f32) * nq_s[i],
+                                                                dtype)
+                        for i, j in T.Parallel(BT, BK):
+                            if i < rows:
+                                kn[t0 + i, hk, c0 + j] = T.cast(T.cast(k_s[i, j], f32) * nk_s[i],
+                                                                dtype)
                 for i, j in T.Parallel(BT, BK):
                     l_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * nk_s[i]) * T.exp(G_s[i, j]),
                                        dtype)
