@@ -89,10 +89,6 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               skip=frozenset({"delta/none", "delta/scalar"})),
     ),
     "bwd": (
-        Stage("chunk_bwd_gather", "chunk_bwd_gather.py.jinja", "bwd",
-              doc="layout in, per-key gate: token-first q, k, v, do to head-first (GVA expanded, "
-                  "l2norm, scale)",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
         Stage("chunk_bwd_wy_recompute", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: the forward's prepare (A_qk, A, w, u, qg, kg, "
                   "g_last), A written too (token-first)",
@@ -113,10 +109,6 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "
                   "l2norm backward)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
-        Stage("chunk_bwd_scatter", "chunk_bwd_scatter.py.jinja", "bwd",
-              doc="layout out, per-key gate: head-first dq, dk, dv to token-first (GVA sum, "
-                  "l2norm backward)",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
         Stage("chunk_bwd_dstate_local", "chunk_bwd_dstate_local.py.jinja", "bwd",
               doc="additive rule, per chunk: its state-gradient term scale (q e^g)^T do, its decay",
               rules=frozenset({"additive"})),

@@ -5,28 +5,18 @@ The forward runs the chunked forward keeping its per-chunk states h [NT, HV, K, 
 16-bit states its kernels already form: the walk's, or chunk_state's) and saves them with
 its inputs. The backward recomputes the rest of what it needs, as fla does.
 
-DeltaNet and Gated DeltaNet (:func:`packed_backward`) run on the call's own token-first
-tensors [B T, H, D] and packed varlen, cut into chunks by the forward's tables:
+Every gate (:func:`packed_backward`: DeltaNet, Gated DeltaNet, KDA) runs on the call's own
+token-first tensors [B T, H, D] and packed varlen, cut into chunks by the forward's tables:
 
-    chunk_kkt_inverse,     A, w, u (and q, k l2-normalised, the scalar gate's in-chunk
-    chunk_wu               cumulative log gate g_cum) by the forward's own prepare
+    recompute              the forward's own prepare: A, w, u and, with l2norm, q, k
+                           l2-normalised; the scalar gate's in-chunk cumulative log gate
+                           (chunk_kkt_inverse, chunk_wu); the per-key gate's A_qk, qg, kg,
+                           g_last and cumulative gate too (chunk_bwd_wy_recompute)
     chunk_bwd_* stages     dq, dk (per value head), dv, dbeta, dg, dh0 from do and dht,
-                           with q scaled (o = f(scale q): dq = scale * the gradient of f)
-    chunk_bwd_key_grads    dq, dk summed over each key head's value heads (GVA), dq times
-                           the scale, through the l2norm's backward
-
-KDA (the per-key gate, :func:`_key_stages`) runs on head-first copies, each sequence
-padded to a multiple of 64 (zero rows with g = 0 leave every gradient unchanged):
-
-    chunk_bwd_gather       token-first q, k, v, do -> head-first [N, HV, L, D] in one pass:
-                           key heads expanded to the value heads (GVA), q, k l2-normalised
-                           (use_qk_l2norm_in_kernel, f32 as the forward), do * scale;
-                           varlen sequences zero-padded to the longest of their length group
-    chunk_bwd_wy_recompute the forward's per-key prepare (A written too)
-    chunk_bwd_* stages     on the head-first rows as one-head sequences (S: the forward's h,
-                           read through a row table per layout, _Layout.state_rows)
-    chunk_bwd_scatter      head-first dq, dk, dv -> token-first: summed over each key head's
-                           value heads, through the l2norm's backward
+                           the scale in q (none / scalar gate: dq = scale * the gradient
+                           of f) or in do (per-key gate)
+    chunk_bwd_key_grads    dq, dk summed over each key head's value heads (GVA), times dq's
+                           factor, through the l2norm's backward
 
 The gate's activation (use_gate_in_kernel: g <- -exp(A_log) softplus(g + dt_bias), or
 KDA's lower-bounded form) and beta's sigmoid are differentiated by torch (per-token
@@ -176,137 +166,6 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
         raise SpecError(f"cu_seqlens needs B == 1, got B={q.shape[0]}")
 
 
-# -- layouts --------------------------------------------------------------------------------
-
-class _Layout:
-    """[B, T, H, (D)] <-> head-first [N, H, L, (D)]: a transpose for fixed length; for
-    varlen (B == 1, host cu) the sequences ``seqs`` (one length group, :func:`_layouts`)
-    are the rows of N, zero-padded to the group's longest; multiple: the head-first length
-    is zero-padded to a multiple of it. The large tensors (q, k, v, do and their gradients)
-    move by chunk_bwd's gather / scatter kernels through row_map; the per-token ones (beta,
-    g and theirs) and the per-sequence states by torch here; the forward's per-chunk states
-    stay where they are, read through state_rows' table."""
-
-    def __init__(self, B, T, cu, device, multiple=1, seqs=None):
-        import torch
-        self.cu, self.T = cu, T
-        self.pad = -T % multiple
-        self.covered = cu is None or (cu[0] == 0 and cu[-1] == B * T)   # every token a row
-        C = chunk_bwd.CHUNK
-        if cu is None:          # (each sequence's chunks in the forward's h: first, count)
-            self.nc = torch.full((B,), -(-T // C), dtype=torch.long)
-            self.c0 = torch.arange(B, dtype=torch.long) * -(-T // C)
-            self.N, self.L, self.seqs = B, T + self.pad, None
-            pos = torch.arange(self.L, device=device, dtype=torch.int32)
-            base = torch.arange(B, device=device, dtype=torch.int32)[:, None] * T
-            self.row_map = torch.where(pos < T, base + pos, -1)
-            return
-        seqs = list(range(len(cu) - 1)) if seqs is None else list(seqs)
-        nc_all = torch.tensor([-(-(b - a) // C) for a, b in zip(cu[:-1], cu[1:])],
-                              dtype=torch.long)
-        self.nc = nc_all[seqs]
-        self.c0 = (torch.cumsum(nc_all, 0) - nc_all)[seqs]
-        lens = torch.tensor([cu[i + 1] - cu[i] for i in seqs], dtype=torch.long)
-        starts = torch.tensor([cu[i] for i in seqs], dtype=torch.long)
-        self.N, self.L = len(seqs), int(lens.max()) if seqs else 0
-        self.L += -self.L % multiple
-        seq = torch.repeat_interleave(torch.arange(self.N), lens)
-        pos = torch.arange(len(seq)) - (torch.cumsum(lens, 0) - lens)[seq]
-        self.seqs = torch.tensor(seqs, dtype=torch.long, device=device)
-        self.seq, self.pos, self.tok = (x.to(device) for x in (seq, pos, starts[seq] + pos))
-        col = torch.arange(self.L, dtype=torch.long)
-        rows = torch.where(col < lens[:, None], starts[:, None] + col, -1)
-        self.row_map = rows.to(torch.int32).to(device)
-
-    def to_head_first(self, x):
-        if self.cu is None:
-            if self.pad:
-                x = torch_pad_time(x, self.pad)
-            return x.transpose(1, 2).contiguous()
-        out = x.new_zeros(self.N, self.L, *x.shape[2:])
-        out[self.seq, self.pos] = x[0, self.tok]
-        return out.transpose(1, 2).contiguous()
-
-    def put(self, full, y):
-        """The head-first y of this layout's rows into its tokens of the token-first full."""
-        if self.cu is None:
-            full.copy_(y.transpose(1, 2)[:, :self.T])
-        else:
-            full[0, self.tok] = y.transpose(1, 2)[self.seq, self.pos].to(full.dtype)
-
-    def state_rows(self, h):
-        """The forward's states h [NT, HV, K, V] as the backward stages read them: (rows
-        [NT HV, K, V], srow [N, HV, ceil(L / 64)] int32): chunk c of this layout's
-        sequence i enters with row (c0 + c) HV + hv, c0 its first chunk in h; chunks past
-        its end (zero padding: their rows and gradients are dropped) read its last one."""
-        import torch
-        NT, HV = h.shape[:2]
-        c = torch.arange(-(-self.L // chunk_bwd.CHUNK), dtype=torch.long)
-        last = (self.nc - 1).clamp_min(0)[:, None]
-        chunk = (self.c0[:, None] + torch.minimum(c[None, :], last)).clamp(0, max(NT - 1, 0))
-        srow = chunk[:, None, :] * HV + torch.arange(HV, dtype=torch.long)[None, :, None]
-        return h.reshape(NT * HV, *h.shape[2:]), srow.to(torch.int32).to(h.device)
-
-    def rows(self, x):
-        """This layout's rows of a per-sequence tensor [N_all, ...] (None stays None)."""
-        return x if x is None or self.seqs is None else x[self.seqs]
-
-    def put_rows(self, full, x):
-        if self.seqs is None:
-            full.copy_(x)
-        else:
-            full[self.seqs] = x.to(full.dtype)
-
-
-def _layouts(B, T, cu, device, multiple) -> list:
-    """The layouts a backward runs: one for fixed length; for varlen one per length group
-    of the arch (varlen_groups: each group padded to its own longest sequence)."""
-    if cu is None:
-        return [_Layout(B, T, cu, device, multiple)]
-    from ..codegen.arch import get_arch
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    groups = get_arch(chunk_bwd.ARCH).varlen_groups(lens, chunk_bwd.CHUNK) or [[]]
-    return [_Layout(B, T, cu, device, multiple, seqs) for seqs in groups]
-
-
-def _backward_by_layout(call, q, k, v, do, initial_state, dht, multiple, stages, per_token):
-    """The layout loop of both backwards: per layout (_layouts) gather q, k, v, do, run
-    ``stages(lay, heads, want_dh0, dht)`` -> (dqh, dkh, dvh, dh0 or None, [head-first
-    gradients of the per_token tensors]), scatter dq, dk, dv and put the rest into f32
-    zeros shaped like ``per_token``'s. Returns (dq, dk, dv, dh0 f32 or None, [per-token
-    gradients])."""
-    import torch
-    B, T = q.shape[:2]
-    chunk_bwd.announce_layout(q, v, call.l2norm_qk, spec=call.spec)
-    lays = _layouts(B, T, call.cu, q.device, multiple)
-    out = None          # the token-first gradients, allocated after the first stages
-    full = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in per_token]
-    want_dh0 = initial_state is not None
-    dh0 = (torch.empty(initial_state.shape, dtype=torch.float32, device=q.device)
-           if want_dh0 else None)
-    dht = None if dht is None else dht.float().contiguous()
-    qd, kd = q.detach(), k.detach()
-    for lay in lays:
-        heads = chunk_bwd.gather_inputs(qd, kd, v.detach(), do, lay.row_map, call.scale,
-                                        call.l2norm_qk, spec=call.spec)
-        dqh, dkh, dvh, dh0_rows, grads = stages(lay, heads, want_dh0, lay.rows(dht))
-        del heads
-        out = out or chunk_bwd.grad_buffers(q, v, lays[0].covered)
-        chunk_bwd.scatter_grads(dqh, dkh, dvh, qd, kd, lay.row_map, out, call.l2norm_qk,
-                                spec=call.spec)
-        for dst, y in zip(full, grads):
-            lay.put(dst, y)
-        if dh0 is not None:
-            lay.put_rows(dh0, dh0_rows)
-    return (*out, dh0, full)
-
-
-def torch_pad_time(x, n):
-    """x [B, T, ...] with n zero rows appended along T."""
-    import torch
-    return torch.cat([x, x.new_zeros(x.shape[0], n, *x.shape[2:])], 1)
-
-
 def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h):
     """Gradients of chunk_delta_rule under sum(o * do) + sum(final_state * dht).
 
@@ -322,12 +181,12 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
 
 
 def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h):
-    """The none / scalar gate's backward on the call's own token-first tensors (packed
-    varlen as it comes, no padding): the recompute of A, w, u by the forward's prepare
-    (with q, k's l2norm), the four stages (q scaled: o = f(scale q)), then dq, dk summed
-    over each key head's value heads through the l2norm's backward. b_in, g_in: the
-    effective beta, log gate (f32, g_in None: no gate). Returns (dq, dk, dv (input
-    dtype), dbeta, dg [B, T, HV] (or None), dh0 [N, HV, K, V] f32 (or None))."""
+    """The delta rule's backward (every gate) on the call's own token-first tensors (packed
+    varlen as it comes, no padding): the recompute by the forward's prepare (_recompute),
+    the four stages, then dq, dk summed over each key head's value heads through the
+    l2norm's backward. b_in, g_in: the effective beta, log gate (f32; [B, T, HV] scalar,
+    [B, T, HV, K] per key, None: no gate). Returns (dq, dk, dv (input dtype), dbeta, dg
+    (like g_in, or None), dh0 [N, HV, K, V] f32 (or None))."""
     import torch
     from . import chunk, runtime
     B, T, H, K = q.shape
@@ -340,31 +199,46 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
             torch.zeros(initial_state.shape, dtype=torch.float32, device=dev)
             if dht is None else dht.float().clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
-                b_in.new_zeros(B, T, HV), b_in.new_zeros(B, T, HV) if gated else None, dh0)
+                b_in.new_zeros(B, T, HV), None if g_in is None else torch.zeros_like(g_in),
+                dh0)
     flat = lambda x: x.reshape(Ttot, *x.shape[2:])[:n].contiguous()  # noqa: E731
     f32 = lambda *s: torch.zeros(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    params = chunk_bwd.train_params(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""),
-                                    chains=N * HV, l2norm=call.l2norm_qk,
-                                    use_dht=dht is not None,
-                                    store_dh0=initial_state is not None, gated=gated,
-                                    spec=call.spec)
+    sizes = dict(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""), chains=N * HV,
+                 l2norm=call.l2norm_qk, use_dht=dht is not None,
+                 store_dh0=initial_state is not None, spec=call.spec)
+    params = (chunk_bwd.key_train_params(**sizes) if call.keyed
+              else chunk_bwd.train_params(**sizes, gated=gated))
     runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
-    x = chunk_bwd.recompute(qf, kf, vf, bf,
-                            flat(g_in) if gated else None, tables, params, call.spec)
-    x.update(tables, q=(x["q"] * call.scale).to(dt), v=vf,
-             beta=bf, do=flat(torch.zeros_like(v) if do is None else do),
-             S=h, state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
-                                         device=dev),
+    x, q_scale = _recompute(call, params, tables, qf, kf, vf, bf,
+                            flat(g_in) if gated else None,
+                            flat(torch.zeros_like(v) if do is None else do))
+    x.update(tables, v=vf, beta=bf, S=h,
+             state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
+                                    device=dev),
              dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),
              dh0=f32(N, HV, K, V) if initial_state is not None else f32(1, HV, K, V))
-    chunk_bwd.run_stages(call.spec, params, x)
-    dq, dk = chunk_bwd.key_grads(x, qf, kf, call.scale, params, call.spec)
+    chunk_bwd.run_stages(call.spec, params, x, key=call.keyed)
+    dq, dk = chunk_bwd.key_grads(x, qf, kf, q_scale, params, call.spec)
     shape = lambda y: _tokens(y, B, T)  # noqa: E731
     return (shape(dq), shape(dk), shape(x["dv"]), shape(x["dbeta"]),
             shape(x["dg"]) if gated else None,
             x["dh0"] if initial_state is not None else None)
+
+
+def _recompute(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do):
+    """The stages' inputs recomputed from the forward's prepare on the flat tokens, with
+    the call's scale in: the none / scalar gate's stages read scale q (dq's factor then
+    the scale); the per-key gate's recompute forms its q terms from the raw q, so the scale
+    goes into do instead (dq's factor 1). Returns (the stages' dict, dq's factor)."""
+    if call.keyed:
+        x = chunk_bwd.key_recompute_packed(q, k, v, beta, g, tables, params, call.spec)
+        x["do"] = do * call.scale
+        return x, 1.0
+    x = chunk_bwd.recompute(q, k, v, beta, g, tables, params, call.spec)
+    x.update(q=(x["q"] * call.scale).to(q.dtype), do=do)
+    return x, call.scale
 
 
 def _tokens(y, B, T):
@@ -412,29 +286,17 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0); h
     [NT, HV, K, V]: the forward's per-chunk states (run_forward). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
-    for an input not given). The scalar gate runs :func:`packed_backward` on the call's
-    tensors; the per-key gate the head-first path (_backward_by_layout, _key_stages: q, k,
-    v, do moved by the gather / scatter kernels). The gate's and beta's activations are
-    differentiated by torch around the stages.
+    for an input not given): :func:`packed_backward` on the call's tensors, the gate's and
+    beta's activations differentiated by torch around it.
     """
     import torch
     raw = [None if x is None else x.detach().requires_grad_()
            for x in (g, beta, A_log, dt_bias)]
     with torch.enable_grad():
         g_in, b_in = _gated_inputs(call, *raw)
-    g_d, b_d = g_in.detach(), b_in.detach().to(q.dtype)
 
-    if call.keyed:
-        def stages(lay, heads, want_dh0, dht_rows):
-            dqh, dkh, dvh, dbh, dh0, dgh = _key_stages(call, lay, heads, g_d, b_d, want_dh0,
-                                                       dht_rows, lay.state_rows(h))
-            return dqh, dkh, dvh, dh0, [dgh, dbh]
-
-        dq, dk, dv, dh0, (dg, dbeta) = _backward_by_layout(
-            call, q, k, v, do, initial_state, dht, chunk_bwd.CHUNK, stages, [g_in, b_in])
-    else:
-        dq, dk, dv, dbeta, dg, dh0 = packed_backward(call, q, k, v, b_in.detach(), g_d,
-                                                     initial_state, do, dht, h)
+    dq, dk, dv, dbeta, dg, dh0 = packed_backward(call, q, k, v, b_in.detach(), g_in.detach(),
+                                                 initial_state, do, dht, h)
     leaves = [x for x in raw if x is not None]
     grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta.float()),
                                      allow_unused=True))
@@ -445,22 +307,6 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
 
 def _cast(d, x):
     return None if d is None else d.to(x.dtype)
-
-
-def _key_stages(call, lay, heads, g_in, b_in, want_dh0, dht, states):
-    """The per-key gate's recompute and backward stages on the gathered head-first heads
-    (qh, kh, vh, doh), the activated g, beta and the forward's states (rows, srow:
-    _Layout.state_rows); the in-chunk cumulative gate per key channel is a torch cumsum
-    (f32). Returns head-first (dq, dk, dv, dbeta, dh0, dg)."""
-    qh, kh, vh, doh = heads
-    bh, gh = lay.to_head_first(b_in), lay.to_head_first(g_in.float())
-    N, HV, L = gh.shape[:3]
-    C = chunk_bwd.CHUNK
-    g_cum = gh.view(N, HV, L // C, C, *gh.shape[3:]).cumsum(3).view(gh.shape)
-    S, srow = states
-    rec = dict(chunk_bwd.key_recompute(qh, kh, vh, bh, gh, spec=call.spec), S=S, srow=srow)
-    return chunk_bwd.key_backward_stages(doh, qh, kh, vh, bh, g_cum, rec, dht=dht,
-                                         want_dh0=want_dh0, spec=call.spec)
 
 
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,

@@ -7,9 +7,8 @@ cu_seqlens / chunk_offsets per sequence), so one set of kernels serves
   - training (ops/autograd.py): the call's own [B, T, H, D] tensors and packed varlen,
     no relayout and no padding; q, k read at key head h // (HV / H) (GVA); the per-value-
     head dq, dk are summed over a key head's value heads after the stages;
-  - the DeltaNetChunkBwd contract and the per-key gate's head-first path: head-first
-    [B, H, L, D] is token-first [B H L, 1, D] with one one-head sequence per (b, h)
-    (:func:`one_head`).
+  - the DeltaNetChunkBwd contract: head-first [B, H, L, D] is token-first [B H L, 1, D]
+    with one one-head sequence per (b, h) (:func:`one_head`).
 
 The stages (grid):
     chunk_bwd_dv_local  (NT, HV)        dv_local = tril_incl(q k^T)^T do (gated forms: the
@@ -25,9 +24,9 @@ The stages (grid):
 The scalar gate (Gated DeltaNet) reads g_cum [HV, NT * 64] f32: the in-chunk cumulative
 log gate as chunk_kkt_inverse writes it when the backward recomputes A, w, u
 (:func:`recompute`, the forward's own prepare). The per-key gate (KDA;
-:func:`key_recompute`, :func:`key_backward_stages`, dsl/delta_key_bwd.py) runs the same
-four stages in their per-key form after a recompute by the forward's per-key prepare
-(rendered as chunk_bwd_wy_recompute, writing A too), on head-first one-head sequences.
+:func:`key_recompute_packed`, dsl/delta_key_bwd.py) runs the same four stages in their
+per-key form after a recompute by the forward's per-key prepare (rendered as
+chunk_bwd_wy_recompute, writing A, g_cum and the l2-normalised q, k too).
 Its token-first recompute, :func:`key_recompute_packed` (params: :func:`key_train_params`),
 runs the same prepare on the call's packed tensors, writing g_cum and the l2-normalised
 q, k as well, for run_stages(key=True) and chunk_bwd_key_grads (not yet used by training).
@@ -260,67 +259,6 @@ def _gated_spec():
     return get_spec("gdn")
 
 
-# -- the training layout: token-first call tensors <-> the stages' head-first ones ---------
-
-def layout_params(q, HV: int, V: int, l2norm: bool) -> dict:
-    """build() params of chunk_bwd_gather / chunk_bwd_scatter for token-first q [B, T, H, K]
-    and HV value heads of V channels."""
-    return dict(H=q.shape[2], HV=HV, K=q.shape[3], V=V,
-                dtype=str(q.dtype).replace("torch.", ""), l2norm=bool(l2norm))
-
-
-def announce_layout(q, v, l2norm=False, spec=None) -> None:
-    """Both layout kernels named at once (runtime.recording: one round for the pair)."""
-    params = layout_params(q, v.shape[2], v.shape[3], l2norm)
-    runtime.announce(spec or default_spec(), ARCH,
-                     {"chunk_bwd_gather": params, "chunk_bwd_scatter": params})
-
-
-def gather_inputs(q, k, v, do, row_map, scale, l2norm=False, spec=None):
-    """Head-first qh, kh [N, HV, L, K], vh, doh [N, HV, L, V] (chunk_bwd_gather) from
-    token-first q, k [B, T, H, K], v, do [B, T, HV, V] (one dtype; do None: zeros) and
-    row_map [N, L] int32 (each head-first row's token of the packed B * T, -1: zero row):
-    key heads expanded to the value heads, q, k l2-normalised with l2norm, do * scale."""
-    import torch
-    N, L = row_map.shape
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    do = torch.zeros_like(v) if do is None else do
-    out = [q.new_empty(N, HV, L, D) for D in (K, K, V, V)]
-    if row_map.numel() == 0:
-        return tuple(out)
-    flat = [x.reshape(1, B * T, *x.shape[2:]).contiguous() for x in (q, k, v, do)]
-    params = layout_params(q, HV, V, l2norm)
-    compiled_stage("chunk_bwd_gather", spec, **params)(*flat, row_map, float(scale), *out)
-    return tuple(out)
-
-
-def grad_buffers(q, v, covered=True) -> tuple:
-    """dq, dk [B, T, H, K], dv [B, T, HV, V] in q's dtype for scatter_grads to fill (zeros
-    unless every token has a head-first row: covered)."""
-    import torch
-    new = torch.empty if covered else torch.zeros
-    kw = dict(dtype=q.dtype, device=q.device)
-    return new(q.shape, **kw), new(q.shape, **kw), new(*v.shape[:3], v.shape[3], **kw)
-
-
-def scatter_grads(dqh, dkh, dvh, q, k, row_map, out, l2norm=False, spec=None):
-    """chunk_bwd_scatter: the stages' head-first gradients [N, HV, L, D] of the gathered
-    rows into their tokens of out = (dq, dk [B, T, H, K], dv [B, T, HV, V], contiguous:
-    grad_buffers), summed over each key head's value heads, through the l2norm (q, k: the
-    call's raw inputs) with l2norm."""
-    if row_map.numel() == 0:
-        return out
-    B, T, H, K = q.shape
-    HV, V = dvh.shape[1], dvh.shape[3]
-    flat = [x.reshape(1, B * T, H, K).contiguous() for x in (q, k)]
-    dst = [x.view(1, B * T, *x.shape[2:]) for x in out]
-    params = layout_params(q, HV, V, l2norm)
-    compiled_stage("chunk_bwd_scatter", spec, **params)(
-        dqh.contiguous(), dkh.contiguous(), dvh.contiguous(), *flat, row_map, *dst)
-    return out
-
-
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
 def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, spec=None):
@@ -509,48 +447,6 @@ def _key_spec():
     return get_spec("kda")
 
 
-def _check_key_gate(g, B, H, L, K, name="g"):
-    import torch
-    if L % CHUNK:
-        raise SpecError(f"the per-key backward needs L a multiple of {CHUNK}, got {L}")
-    _check(name, g, (B, H, L, K), torch.float32)
-
-
-def key_recompute(q, k, v, beta, g, spec=None) -> dict:
-    """What the per-key backward needs from the forward besides its states, recomputed:
-    head-first q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (f16 / bf16, one
-    dtype), g [B, H, L, DK] f32 (the effective per-token log gate, L a multiple of 64).
-    Runs the forward's per-key prepare (A written too) over the B * H one-head sequences.
-    Returns dict(A, aqk [B, H, L, 64], w, qg, kg [B, H, L, DK], u [B, H, L, DV] (input
-    dtype), g_last [B, H, NC, DK] f32); key_backward_stages takes it with the states."""
-    import torch
-    B, H, L, K, V = _dims(q, k, v, beta)
-    _check_key_gate(g, B, H, L, K)
-    spec = spec or _key_spec()
-    dt, dev = q.dtype, q.device
-    NC, N, Ttot = L // CHUNK, B * H, B * H * L
-    e = lambda *s: torch.empty(*s, dtype=dt, device=dev)  # noqa: E731
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
-    out = dict(A=e(B, H, L, CHUNK), aqk=e(B, H, L, CHUNK), w=e(B, H, L, K), qg=e(B, H, L, K),
-               kg=e(B, H, L, K), u=e(B, H, L, V), g_last=f32(B, H, NC, K))
-    if Ttot == 0:
-        return out
-    params = key_recompute_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B,
-                                  L=L, spec=spec)
-    runtime.announce(spec, ARCH, params)
-    tok = lambda x: x.contiguous().view(Ttot, 1, x.shape[-1])  # noqa: E731
-    x = dict(one_head_tables(B, H, L, dev),
-             q=tok(q), k=tok(k), v=tok(v), g=tok(g), beta=beta.contiguous().view(Ttot, 1),
-             A_log=f32(1), dt_bias=f32(K), aqk=tok(out["aqk"]), qg=tok(out["qg"]),
-             kg=tok(out["kg"]), g_last=out["g_last"].view(N * NC, 1, K), w=tok(out["w"]),
-             u=tok(out["u"]), A_out=tok(out["A"]),
-             # (the token-first path's outputs: g_cum written and dropped here, the caller
-             # takes a torch cumsum; qn, kn not written without l2norm_qk)
-             g_cum=f32(Ttot, 1, K), qn=tok(q), kn=tok(k))
-    runtime.launch_kernel(spec, ARCH, RECOMPUTE, params[RECOMPUTE], x)
-    return out
-
-
 def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                      store_dh0=False, spec=None) -> dict:
     """Every kernel the per-key gate's token-first training backward runs, stage name ->
@@ -567,7 +463,7 @@ def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
 
 
 def key_recompute_packed(q, k, v, beta, g, tables: dict, params: dict, spec=None) -> dict:
-    """The token-first counterpart of :func:`key_recompute`: what the per-key stages need
+    """What the per-key stages need
     from the forward besides its states, recomputed by the forward's per-key prepare
     (RECOMPUTE, params: :func:`key_train_params`) on token-first packed q, k [Ttot, H, K],
     v [Ttot, HV, V], beta [Ttot, HV] (input dtype; the effective beta), g [Ttot, HV, K] f32
@@ -597,50 +493,3 @@ def key_recompute_packed(q, k, v, beta, g, tables: dict, params: dict, spec=None
     out = dict(q=x["qn"], k=x["kn"])
     out.update((n, x[n]) for n in ("A", "aqk", "qg", "kg", "g_last", "w", "u", "g_cum"))
     return out
-
-
-def key_backward_stages(do, q, k, v, beta, g_cum, rec: dict, dht=None, want_dh0=False,
-                        spec=None):
-    """The per-key backward's four stages after :func:`key_recompute`, on the (b, h)
-    one-head sequences (:func:`one_head`).
-
-    Head-first do [B, H, L, DV], q, k [B, H, L, DK], v [B, H, L, DV], beta [B, H, L] (one
-    dtype, f16 / bf16), g_cum [B, H, L, DK] f32 (the in-chunk cumulative log gate, L a
-    multiple of 64), rec: key_recompute's dict with the states entering the chunks,
-    rec["S"] [R, DK, DV] (the input dtype) and rec["srow"] [B, H, NC] int32 (chunk t of
-    (b, h) enters with S[srow[b, h, t]]), consumed: each recomputed tensor leaves it once
-    its last stage is launched; dht [B, H, DK, DV] f32 or None. Returns (dq, dk, dv, dbeta
-    (input dtype), dh0 [B, H, DK, DV] f32 or None, dg [B, H, L, DK] f32: the gradient of
-    the per-token log gate g)."""
-    import torch
-    B, H, L, K, V = _dims(q, k, v, beta)
-    _check_key_gate(g_cum, B, H, L, K, "g_cum")
-    NC, dt = L // CHUNK, q.dtype
-    _check("do", do, (B, H, L, V), dt)
-    if dht is not None:
-        _check("dht", dht, (B, H, K, V), torch.float32)
-    S, srow = rec.pop("S"), rec.pop("srow")
-    _check("S", S, (S.shape[0], K, V), dt)
-    _check("srow", srow, (B, H, NC), torch.int32)
-    spec = spec or _key_spec()
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
-    outs = dict(dq=torch.empty_like(q), dk=torch.empty_like(k), dv=torch.empty_like(v),
-                dbeta=torch.empty_like(beta), dg=f32(B, H, L, K))
-    dh0 = f32(B, H, K, V) if want_dh0 else None
-    if L == 0 or B * H == 0:
-        if dh0 is not None:
-            dh0.copy_(dht if dht is not None else 0.0)
-        return (*list(outs.values())[:4], dh0, outs["dg"])
-    params = stage_params(H=1, K=K, V=V, dtype=str(dt).replace("torch.", ""), chains=B * H,
-                          use_dht=dht is not None, store_dh0=want_dh0, gated=True)
-    runtime.announce(spec, ARCH, params)
-    names = ("q", "k", "v", "do", "g_cum")
-    x = dict(zip(names, one_head(q, k, v, do, g_cum)), **one_head_tables(B, H, L, q.device))
-    x.update({n: one_head(rec.pop(n))[0] for n in ("A", "aqk", "w", "qg", "kg", "u")},
-             g_last=rec.pop("g_last").view(-1, 1, K), beta=beta.contiguous().view(-1, 1),
-             S=S.contiguous().view(-1, 1, K, V), state_row=srow.contiguous().view(-1),
-             dht=f32(1, 1, K, V) if dht is None else dht.contiguous().view(-1, 1, K, V),
-             dh0=f32(1, 1, K, V) if dh0 is None else dh0.view(-1, 1, K, V),
-             **{n: o.view(-1, 1, *o.shape[3:]) for n, o in outs.items()})
-    run_stages(spec, params, x, key=True)
-    return (*list(outs.values())[:4], dh0, outs["dg"])

@@ -4,7 +4,7 @@ The kernels are replaced by fakes that check each launch against the traced prim
 carry out the stage's math in fp64 (tests/test_chunk_bwd.py's install_fakes: the
 backward's emulators and the forward stages of the recompute); the forward itself is the
 fp64 reference rounded to the input dtype, its per-chunk states too (the h [NT, HV, K, V]
-the backward reads chunk by chunk, tests/_layout_fakes.py forward_states). Gradients (dq,
+the backward reads chunk by chunk, tests/_forward_states.py forward_states). Gradients (dq,
 dk, dv, dbeta, dh0, with dht; the gate's) are compared with torch autograd of the fp64
 chunked reference: this checks packed_backward on the call's own token-first tensors
 (varlen as it comes, GVA), the scale, the l2norm backward, the state-gradient flags and
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from _layout_fakes import forward_states
+from _forward_states import forward_states
 from test_chunk_bwd import install_fakes
 
 import linattn
@@ -342,47 +342,3 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
         assert _rel(grads[n], refs[n].grad) < tol, (n, _rel(grads[n], refs[n].grad))
 
 
-def test_varlen_groups_bound_the_padding():
-    """The arch's length groups of a varlen backward: every sequence once, longest first,
-    each group's padded chunks within VARLEN_GROUP_WASTE of its own (a lone sequence
-    excepted), empty sequences in the last group."""
-    from linattn.codegen.arch import get_arch
-    from linattn.codegen.arch.sm90 import backward as bw
-    arch = get_arch("sm90")
-    for lens in [(4096, 1024, 3000, 517, 2048, 5699), (1, 69, 1, 64), (5, 0, 70), (0, 0),
-                 tuple(range(0, 2000, 37))]:
-        groups = arch.varlen_groups(lens, 64)
-        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
-        pad = [-(-n // 64) * 64 for n in lens]
-        for g in groups:
-            top = max(pad[i] for i in g)
-            if len([i for i in g if pad[i]]) > 1:
-                assert top * len(g) <= (1 + bw.VARLEN_GROUP_WASTE) * sum(pad[i] for i in g)
-    assert arch.varlen_groups((4096, 1024, 3000, 517, 2048, 5699), 64) == \
-        [[5, 0], [2, 4], [1], [3]]          # 19136 padded tokens for 16384 (one group: 34560)
-
-
-@pytest.mark.parametrize("cu,T", [(None, 130), ((0, 1, 130, 130, 200, 600), 600)],
-                         ids=["fixed", "varlen-groups-empty"])
-def test_state_rows_point_at_the_forward_states(cu, T):
-    """Each layout's row table: chunk c of its sequence s (head hv) reads the forward's
-    h[chunk_offsets[s] + c, hv]; chunks past the sequence's end (its zero padding) read
-    its last chunk, an empty sequence's a valid row."""
-    B = 2 if cu is None else 1
-    lens = [T] * B if cu is None else [b - a for a, b in zip(cu[:-1], cu[1:])]
-    nc = [-(-n // 64) for n in lens]
-    c0 = [sum(nc[:i]) for i in range(len(nc))]
-    HV = 3
-    h = torch.arange(sum(nc) * HV, dtype=torch.float32).view(sum(nc), HV, 1, 1)
-    seen = set()
-    for lay in autograd._layouts(B, T, cu, "cpu", 64):
-        rows, srow = lay.state_rows(h)
-        assert srow.dtype == torch.int32 and srow.shape == (lay.N, HV, lay.L // 64)
-        seqs = range(B) if lay.seqs is None else lay.seqs.tolist()
-        for i, s in enumerate(seqs):
-            seen.add(s)
-            for c in range(lay.L // 64):
-                want = min(c0[s] + min(c, max(nc[s] - 1, 0)), sum(nc) - 1)
-                for hv in range(HV):
-                    assert rows[srow[i, hv, c]].item() == h[want, hv].item(), (s, c, hv)
-    assert seen == set(range(len(lens)))

@@ -1,23 +1,20 @@
 """CPU tests of KDA's chunked backward (the delta rule with a per-key gate; ops/chunk_bwd.py
-key_recompute / key_backward_stages, ops/autograd.py key_backward): the plan lists the
-stages, they render with the arguments the host passes, they compile for sm_90a without
-spills, the recompute and the stages on head-first inputs match dsl/delta_key_bwd.py, so do
-the token-first recompute (key_recompute_packed), the stages and chunk_bwd_key_grads on
-packed varlen inputs, and training through linattn.chunk_kda matches torch.autograd of the
-fp64 reference. The kernels are replaced by fakes that check every launch against the
+key_recompute_packed, run_stages(key=True), key_grads; ops/autograd.py packed_backward):
+the plan lists the stages, they render with the arguments the host passes, they compile
+for sm_90a without spills, the token-first recompute, the stages and chunk_bwd_key_grads
+on packed varlen inputs match dsl/delta_key_bwd.py, and training through linattn.chunk_kda
+matches torch.autograd of the fp64 reference. The kernels are replaced by fakes that check every launch against the
 traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's stage
 functions (per chunk, with the kernels' rounding of GEMM operands emulated); the training
 forward itself is the fp64 reference rounded to the input dtype, its per-chunk states too
-(the backward reads them, tests/_layout_fakes.py forward_states). The four stages read
-token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables
-(key_backward_stages runs them on the (b, h) one-head sequences); the fakes walk those
-tables as the kernels do."""
+(the backward reads them, tests/_forward_states.py forward_states). The four stages read
+token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables; the
+fakes walk those tables as the kernels do."""
 import numpy as np
 import pytest
 import torch
 
-import _layout_fakes as layout_fakes
-from _layout_fakes import forward_states
+from _forward_states import forward_states
 from _kernel_check import fake_compiles
 from test_chunk import by_name
 from test_chunk_bwd import _key_grads
@@ -34,12 +31,11 @@ from linattn.ops.kda import SPEC
 F64 = torch.float64
 C = chunk_bwd.CHUNK
 STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.STAGES
-LAYOUT = ("chunk_bwd_gather", "chunk_bwd_scatter")
 KEY_GRADS = "chunk_bwd_key_grads"
 
 
 def test_plan_lists_the_stages():
-    assert [s.name for s in plan(SPEC, "bwd")] == [LAYOUT[0], *STAGES, KEY_GRADS, LAYOUT[1]]
+    assert [s.name for s in plan(SPEC, "bwd")] == [*STAGES, KEY_GRADS]
 
 
 @pytest.mark.parametrize("stage", STAGES + (KEY_GRADS,))
@@ -66,9 +62,8 @@ def test_recompute_params_are_the_forward_prepare():
 
 
 def test_stage_params_are_the_one_head_gated_ones():
-    """The four stages at the params key_backward_stages gives them: one key and one value
-    head (the (b, h) one-head sequences), the gated dh pass's pipeline depth, dht / dh0
-    only where asked, the states in the input dtype (no state_dtype)."""
+    """The four stages' gated params: the heads given, the gated dh pass's pipeline depth,
+    dht / dh0 only where asked, the states in the input dtype (no state_dtype)."""
     sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, use_dht=True,
                                 gated=True)
     assert list(sp) == list(chunk_bwd.STAGES)
@@ -271,8 +266,6 @@ def install_key_fakes(monkeypatch):
 
     def body(spec, stage, params):
         names.append(stage)
-        if stage in layout_fakes.STAGES:
-            return layout_fakes.body(stage, params)
         assert chunk_bwd.is_key(spec), (spec.name, stage)
         if stage == KEY_GRADS:
             return by_name({stage: _key_grads})(spec, stage, params)
@@ -284,45 +277,6 @@ def install_key_fakes(monkeypatch):
     fake_compiles(monkeypatch, body)
     monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
     return names
-
-
-@pytest.mark.parametrize("B,H,L,K,V,dtype", [(2, 2, 128, 64, 64, torch.float16),
-                                               (1, 1, 64, 128, 64, torch.bfloat16)])
-def test_stages_match_reference(monkeypatch, rng, B, H, L, K, V, dtype):
-    """key_recompute then key_backward_stages on head-first inputs (h0, dht, dh0; the
-    states entering the chunks from the fp64 forward, rounded to the dtype, as rows of S
-    in the training forward's order, token-first (b, chunk, h), read through srow)
-    against dsl/delta_key_backward in fp64: the launches, buffers and stage order."""
-    names = install_key_fakes(monkeypatch)
-    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
-    q, k = (torch.nn.functional.normalize(r(B, H, L, K), dim=-1).to(dtype) for _ in "qk")
-    v, do = r(B, H, L, V).to(dtype), r(B, H, L, V).to(dtype)
-    beta = torch.sigmoid(r(B, H, L)).to(dtype)
-    g = torch.nn.functional.logsigmoid(r(B, H, L, K)).float()
-    h0, dht = (0.1 * r(B, H, K, V)).float(), r(B, H, K, V).float()
-    g_cum = g.view(B, H, L // C, C, K).cumsum(3).view(B, H, L, K)
-    rec = chunk_bwd.key_recompute(q, k, v, beta, g)
-    tf = lambda x: x.to(F64).transpose(1, 2)  # noqa: E731
-    h = tref.chunked_forward(SPEC, tf(q), tf(k), tf(v), tf(g), beta=tf(beta), scale=1.0,
-                             initial_state=h0.double(), intermediates=True)["h"]
-    NC = L // C
-    assert h.shape == (B, NC, H, K, V), h.shape
-    rec["S"] = h.reshape(B * NC * H, K, V).to(dtype)       # row (b NC + t) H + h
-    b_, h_, t_ = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(NC),
-                                indexing="ij")
-    rec["srow"] = ((b_ * NC + t_) * H + h_).to(torch.int32)   # [B, H, NC]
-    got = chunk_bwd.key_backward_stages(do, q, k, v, beta, g_cum, rec, dht=dht, want_dh0=True)
-    assert names == list(STAGES)
-    tok = lambda x: x.to(F64).transpose(1, 2).numpy()  # noqa: E731
-    want = ref.delta_key_backward(SPEC, tok(q), tok(k), tok(v), tok(g), tok(beta), do=tok(do),
-                                  dht=dht.double().numpy(), scale=1.0,
-                                  initial_state=h0.double().numpy())
-    for name, x in zip(("dq", "dk", "dv", "dbeta", "dh0", "dg"), got):
-        w = torch.from_numpy(want[name])
-        w = w if name == "dh0" else w.transpose(1, 2)
-        assert x.shape == w.shape and not torch.isnan(x).any(), name
-        assert _rel(x, w) < 1e-2, (name, _rel(x, w))
 
 
 @pytest.mark.parametrize("cu,H,HV,K,V,dtype", [
@@ -538,7 +492,7 @@ def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu
                               use_gate_in_kernel=gik, lower_bound=lb, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == [LAYOUT[0], *STAGES, LAYOUT[1]]
+    assert fake_kernels == [*STAGES, KEY_GRADS]
 
     refs = {n: None if t is None else t.detach().to(F64).requires_grad_() for n, t in x.items()}
     g, opts = refs["g"], Options(l2norm_qk=l2, gate_in_kernel=gik)

@@ -48,30 +48,6 @@ SCAN_TILES = ((16, 32), (16, 16), (8, 16))
 SCAN_STAGES = 4
 
 
-#: the delta rule's backward stages take a varlen batch as head-first rows of one length
-#: (a group's longest sequence, zero-padded): sequences are grouped longest first, a group
-#: taking the next one while its padded chunks stay within this fraction above its own
-#: (each group is one more round of ~10 launches; one group padded the s10-3 varlen row's
-#: 16k tokens to 6 x 5760)
-VARLEN_GROUP_WASTE = 0.25
-
-
-def varlen_groups(lens, chunk: int = 64) -> list:
-    """Sequence indices of each group (varlen backward: VARLEN_GROUP_WASTE); an empty
-    sequence joins the last group."""
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    groups, top, work = [], 0, 0
-    for i in order:
-        n = -(-lens[i] // chunk) * chunk
-        if not groups or (n and top * (len(groups[-1]) + 1)
-                          > (1 + VARLEN_GROUP_WASTE) * (work + n)):
-            groups.append([])
-            top, work = n, 0
-        groups[-1].append(i)
-        work += n
-    return groups
-
-
 def value_block(V: int, most: int = 64) -> int:
     """The largest of 64, 32, 16 (at most ``most``) dividing V."""
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
