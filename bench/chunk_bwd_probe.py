@@ -77,13 +77,9 @@ def fla_calls(q, k, v, beta, do):
 SWEEP = [(0, 16), (1, 16), (2, 16), (2, 32), (0, 64)]
 
 
-def _with_dh(ns, bv, fn):
-    saved = (chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE)
-    chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = ns, bv
-    try:
-        return fn()
-    finally:
-        chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = saved
+def _dh(ns, bv) -> dict:
+    """The dh pass's variant as chunk_bwd's explicit config."""
+    return {"num_stages": ns, "block_v": bv}
 
 
 def _short(per):
@@ -118,7 +114,8 @@ def probe(name, iters, sweep=False):
     fwd_flops, bwd_flops = 2 * B * H * L * D * D, 4 * B * H * L * D * D
     outs = contracts.deltanet_chunk_fwd(q, k, v, beta)
     ours_fwd = lambda: contracts.deltanet_chunk_fwd(q, k, v, beta)  # noqa: E731
-    ours_bwd = lambda: contracts.deltanet_chunk_bwd(do, q, k, v, beta, *outs[1:])  # noqa: E731
+    ours_bwd = lambda dh=None: chunk_bwd.chunk_backward(do, q, k, v, beta, *outs[1:],  # noqa: E731
+                                                         dh=dh)
     ours_bwd()
     for op, fn, flops in (("fwd", ours_fwd, fwd_flops), ("bwd", ours_bwd, bwd_flops)):
         ms, per, n = device_times(fn, iters=iters)
@@ -129,10 +126,10 @@ def probe(name, iters, sweep=False):
         res["dh_sweep"] = {}
         for ns, bv in SWEEP:
             try:
-                got = _with_dh(ns, bv, ours_bwd)
+                got = ours_bwd(_dh(ns, bv))
                 err = max(float((a.float() - b.float()).norm() / b.float().norm())
                           for a, b in zip(got, ref))
-                ms, per, _ = _with_dh(ns, bv, lambda: device_times(ours_bwd, iters=iters))
+                ms, per, _ = device_times(lambda: ours_bwd(_dh(ns, bv)), iters=iters)
                 dh_ms = sum(v for k_, v in per.items() if "chunk_bwd_dh" in k_)
                 res["dh_sweep"][f"stages{ns}-bv{bv}"] = dict(ms=ms, dh_ms=dh_ms, diff=err)
             except Exception as e:
@@ -168,8 +165,7 @@ def main():
             fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims, L=L).items()]
             bwd.append(chunk_bwd.backward_params(**dims))
             if n == args.sweep_on:
-                bwd += [_with_dh(ns, bv, lambda: chunk_bwd.backward_params(**dims))
-                        for ns, bv in SWEEP]
+                bwd += [chunk_bwd.backward_params(**dims, dh=_dh(ns, bv)) for ns, bv in SWEEP]
         errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
         print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")

@@ -207,7 +207,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
                  l2norm=call.l2norm_qk, use_dht=dht is not None,
                  store_dh0=initial_state is not None, spec=call.spec)
     params = (chunk_bwd.key_train_params(**sizes) if call.keyed
-              else chunk_bwd.train_params(**sizes, gated=gated))
+              else chunk_bwd.train_params(**sizes))
     runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))

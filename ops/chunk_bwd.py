@@ -50,17 +50,6 @@ RECOMPUTE = "chunk_bwd_wy_recompute"
 ARCH = "sm90"
 CHUNK = 64
 
-#: pipeline depth of the reverse dh pass (0: plain loop; >= 1: TMA producer warps prefetch
-#: the next chunks' inputs). 0, 1 and 2 passed the GPU gradient checks (session 5, run 2);
-#: 2, like the forward's state pass
-DH_NUM_STAGES = 2
-#: force the dh pass's value block (16 / 32 / 64; probing); None = the state pass's rule
-DH_BLOCK_V_OVERRIDE = None
-#: pipeline depth of the gated dh passes (scalar and per-key gate; 2 passed the GPU gradient
-#: checks in session 16, run 1: GDN 4k dh 0.99 -> 0.51 ms on the token-first rows)
-GATED_DH_NUM_STAGES = 2
-
-
 def is_gated(spec) -> bool:
     """Whether spec takes the gated backward (the delta rule with a scalar gate)."""
     return spec is not None and spec.gate.value == "scalar"
@@ -84,17 +73,18 @@ def compiled_stage(stage: str, spec=None, **params):
 
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
-                 gated=False, state_dtype=None) -> dict:
+                 state_dtype=None, dh=None) -> dict:
     """stage name -> build() params of the four backward stages (the recompute of A, w, u
     before them: :func:`recompute_params`): H key heads, HV value heads (default H);
     chains: the dh pass's sequences x value heads (more value blocks for few chains);
     use_dht / store_dh0: the dh pass starts from the final state's gradient / writes the
-    initial state's; gated: a gated spec's (scalar or per-key gate: GATED_DH_NUM_STAGES);
-    state_dtype: the states' dtype where it is not the input dtype (the contract's f32)."""
+    initial state's; gated: a gated spec's (the stages' gated forms read the spec, the
+    params are the same); state_dtype: the states' dtype where it is not the input dtype
+    (the contract's f32); dh: the dh pass's num_stages / block_v where a probe sets them
+    (default: the arch's dh_config)."""
+    from ..codegen.arch import get_arch
     common = dict(H=H, HV=HV or H, K=K, V=V, dtype=dtype)
-    from ..codegen.arch.sm90.stages import state_block_v
-    dh = dict(common, num_stages=GATED_DH_NUM_STAGES if gated else DH_NUM_STAGES,
-              block_v=DH_BLOCK_V_OVERRIDE or state_block_v(V, chains),
+    dh = dict(common, **{**get_arch(ARCH).dh_config(V, chains), **(dh or {})},
               **({"use_dht": True} if use_dht else {}),
               **({"store_dh0": True} if store_dh0 else {}))
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh,
@@ -207,13 +197,14 @@ def _dims(q, k, v, beta, forward=False):
     return B, H, L, K, V
 
 
-def backward_params(*, H, K, V, dtype, B=1) -> dict:
+def backward_params(*, H, K, V, dtype, B=1, dh=None) -> dict:
     """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
-    sequences, the forward's f32 states."""
-    return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32")
+    sequences, the forward's f32 states (dh: as :func:`stage_params`)."""
+    return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32",
+                        dh=dh)
 
 
-def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
+def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
     """DeltaNetChunkBwd: the exact gradients of the chunked forward's o under sum(o * do).
 
     Head-first: do [B, H, L, DV]; q, k, w [B, H, L, DK]; v, u [B, H, L, DV]; beta
@@ -239,7 +230,7 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u):
     if B * H * L == 0:
         return tuple(outs)
     spec, dev = default_spec(), q.device
-    params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B)
+    params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh)
     runtime.announce(spec, ARCH, params)     # recording(): every stage at once
     n = torch.arange(B * H * NC, dtype=torch.int32, device=dev)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
@@ -378,15 +369,14 @@ def recompute_params(*, H, HV, K, V, dtype, l2norm=False, spec=None) -> dict:
 
 
 def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
-                 store_dh0=False, gated=False, spec=None) -> dict:
+                 store_dh0=False, spec=None) -> dict:
     """Every kernel the none / scalar gate's training backward runs (ops/autograd.py
     packed_backward), stage name -> build() params: the recompute (:func:`recompute_params`),
     the four stages (:func:`stage_params`; chains: sequences x value heads) and
     chunk_bwd_key_grads."""
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     return dict(recompute_params(**sizes, l2norm=l2norm, spec=spec),
-                **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
-                               gated=gated),
+                **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
@@ -457,8 +447,7 @@ def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
     rec = key_recompute_params(H=1, K=K, V=V, dtype=dtype, spec=spec)[RECOMPUTE]
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     return {RECOMPUTE: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
-            **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
-                           gated=True),
+            **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
             "chunk_bwd_key_grads": dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm))}
 
 

@@ -254,8 +254,6 @@ GDN_CASES = [
              h0=True, dht=True, name="gdn-varlen-long-K128-f16-h0-dht"),
 ]
 GDN_SMALL_CASES = [c for c in GDN_CASES if c.values[0]["B"] * c.values[0]["T"] <= 600]
-#: checked again with the dh pass's pipelined form forced (GATED_DH_NUM_STAGES = 2)
-GDN_PIPELINED_CASES = [GDN_CASES[1], GDN_CASES[3], GDN_CASES[8]]
 
 
 def _gdn_jobs(p):
@@ -273,7 +271,7 @@ def _gdn_jobs(p):
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
     return jobs, chunk_bwd.train_params(H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=dt,
                                         chains=N * p["HV"], l2norm=p["l2norm"],
-                                        use_dht=p["dht"], store_dh0=p["h0"], gated=True,
+                                        use_dht=p["dht"], store_dh0=p["h0"],
                                         spec=SPEC)
 
 
@@ -363,13 +361,6 @@ def test_gdn_gradients_vs_torch_fp64(p, rng):
     _gdn_check(p, rng)
 
 
-@pytest.mark.parametrize("p", GDN_PIPELINED_CASES)
-def test_gdn_dh_pipelined(p, rng, monkeypatch):
-    from linattn.ops import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GATED_DH_NUM_STAGES", 2)
-    _gdn_check(p, rng, dh_num_stages=2)
-
-
 @pytest.mark.parametrize("p", GDN_SMALL_CASES)
 def test_gdn_gradients_vs_chunked_bwd(p, rng):
     """The same run against the NumPy fp64 chunked backward (the kernels' algorithm)."""
@@ -440,7 +431,7 @@ def _kda_jobs(p):
     dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
     return jobs, [chunk_bwd.key_recompute_params(**dims, L=L),
                   chunk_bwd.stage_params(H=1, K=p["K"], V=p["V"], dtype=dt, chains=N * p["HV"],
-                                         use_dht=p["dht"], store_dh0=p["h0"], gated=True)]
+                                         use_dht=p["dht"], store_dh0=p["h0"])]
 
 
 def _kda_ours(p, xs, do, dht):

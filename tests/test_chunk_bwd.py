@@ -17,6 +17,8 @@ from _kernel_check import fake_compiles
 from test_chunk import by_name
 from test_chunk_fused import PipelineMath
 
+from linattn.codegen.arch import get_arch
+from linattn.codegen.arch.sm90 import backward as sm90_backward
 from linattn.codegen.plan import plan
 from linattn.dsl import Options, SpecError, all_rule_gate_specs
 from linattn.dsl import torch_reference as tref
@@ -78,7 +80,8 @@ def test_key_grads_compiles(l2norm):
 
 def test_stage_params():
     """stage_params: every stage at H key heads and HV value heads (default H); the dh
-    pass's flags and pipeline depth (the gated one's own), the contract's f32 states."""
+    pass's flags, its tuning from the arch (dh_config) unless a probe passes dh, the
+    contract's f32 states."""
     p = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="float16", chains=8,
                                use_dht=True)
     assert list(p) == list(chunk_bwd.STAGES)
@@ -87,14 +90,19 @@ def test_stage_params():
             H=2, HV=4, K=64, V=128, dtype="float16"), stage
     dh = p["chunk_bwd_dh"]
     assert dh["use_dht"] and "store_dh0" not in dh
-    assert dh["num_stages"] == chunk_bwd.DH_NUM_STAGES
+    assert dh["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert "state_dtype" not in p["chunk_bwd_dqkw"]
-    g = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", store_dh0=True, gated=True,
+    g = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", store_dh0=True,
                                state_dtype="float32")
     assert all(params["HV"] == 3 for params in g.values())
     assert g["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in g["chunk_bwd_dh"]
-    assert g["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
+    assert g["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert g["chunk_bwd_dqkw"]["state_dtype"] == "float32"
+    want = get_arch("sm90").dh_config(64, 3)
+    assert {n: g["chunk_bwd_dh"][n] for n in want} == want
+    x = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", dh={"block_v": 64})
+    assert (x["chunk_bwd_dh"]["block_v"], x["chunk_bwd_dh"]["num_stages"]) == (
+        64, sm90_backward.DH_NUM_STAGES)
 
 
 def test_train_params():
@@ -103,14 +111,14 @@ def test_train_params():
     key and value heads, the four stages, then chunk_bwd_key_grads (the l2norm's
     backward with l2norm)."""
     p = chunk_bwd.train_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=8,
-                               l2norm=True, use_dht=True, gated=True, spec=get_spec("gdn"))
+                               l2norm=True, use_dht=True, spec=get_spec("gdn"))
     assert list(p) == ["chunk_kkt_inverse", "chunk_wu", *PACKED_STAGES]
     kkt, wu = p["chunk_kkt_inverse"], p["chunk_wu"]
     assert kkt["l2norm_qk"] and not kkt["a_beta"] and not wu["a_beta"]
     assert p["chunk_bwd_key_grads"]["l2norm"]
     assert all((x["H"], x["HV"]) == (2, 4) for x in p.values())
     assert p["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in p["chunk_bwd_dh"]
-    assert p["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
+    assert p["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
 
 
 def test_dh_value_block_fills_gpu():
@@ -501,18 +509,20 @@ def test_recompute(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dt
 
 @pytest.mark.compile
 @pytest.mark.parametrize("K,V,dtype,dh_stages", [(128, 128, "bfloat16", None),
-                                                 (64, 64, "float16", 2)])
+                                                 (64, 64, "float16", 0)])
 def test_gated_stages_compile(K, V, dtype, dh_stages):
     """Gated DeltaNet's backward stages at the params one call runs (2 sequences, H=2
     key heads, HV=4 value heads, with dht and dh0) compile for sm_90a; dh_stages: the dh
-    pass's pipelined form as well."""
+    pass's plain loop as well (an explicit dh config)."""
     from linattn.codegen.compile import compile_stage, format_record
     spec = get_spec("gdn")
+    dh = None if dh_stages is None else {"num_stages": dh_stages}
     params = chunk_bwd.stage_params(H=2, HV=4, K=K, V=V, dtype=dtype, chains=8, use_dht=True,
-                                    store_dh0=True, gated=True)
-    if dh_stages is not None:
-        params = {"chunk_bwd_dh": dict(params["chunk_bwd_dh"], num_stages=dh_stages)}
-    assert params["chunk_bwd_dh"]["num_stages"] == (dh_stages or chunk_bwd.GATED_DH_NUM_STAGES)
+                                    store_dh0=True, dh=dh)
+    if dh is not None:
+        params = {"chunk_bwd_dh": params["chunk_bwd_dh"]}
+    want = sm90_backward.DH_NUM_STAGES if dh_stages is None else dh_stages
+    assert params["chunk_bwd_dh"]["num_stages"] == want
     for stage, p in params.items():
         rec = compile_stage(chunk.stage_module(spec, stage), p, "sm90")
         print(format_record(rec))

@@ -52,13 +52,6 @@ DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16)
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
 
 
-def _dh_knobs(num_stages, block_v):
-    from linattn.ops import chunk_bwd
-    saved = (chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE)
-    chunk_bwd.DH_NUM_STAGES, chunk_bwd.DH_BLOCK_V_OVERRIDE = num_stages, block_v
-    return saved
-
-
 @pytest.fixture(scope="module", autouse=True)
 def precompiled():
     """Compile every kernel first (parallel processes, TileLang's disk cache); write the
@@ -75,12 +68,8 @@ def precompiled():
     for c in DH_VARIANT_CASES:
         p = c.values[0]
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
-        for ns, bv in DH_VARIANTS:
-            saved = _dh_knobs(ns, bv)
-            try:
-                bwd.append(chunk_bwd.backward_params(**dims))
-            finally:
-                _dh_knobs(*saved)
+        bwd += [chunk_bwd.backward_params(**dims, dh={"num_stages": ns, "block_v": bv})
+                for ns, bv in DH_VARIANTS]
     # LINATTN_TEST_PRECOMPILE=forward: only the contract forward's kernels (`-k test_forward`)
     forward_only = os.environ.get("LINATTN_TEST_PRECOMPILE") == "forward"
     errors = chunk.precompile(fwd) + ([] if forward_only else chunk_bwd.precompile(bwd))
@@ -127,21 +116,19 @@ def test_backward(p, rng):
                          ids=[f"stages{a}-bv{b}" for a, b in DH_VARIANTS])
 @pytest.mark.parametrize("p", DH_VARIANT_CASES)
 def test_backward_dh_variants(p, num_stages, block_v, rng):
-    saved = _dh_knobs(num_stages, block_v)
-    try:
-        _check_backward(p, rng, dh_num_stages=num_stages, dh_block_v=block_v)
-    finally:
-        _dh_knobs(*saved)
+    _check_backward(p, rng, dh={"num_stages": num_stages, "block_v": block_v},
+                    dh_num_stages=num_stages, dh_block_v=block_v)
 
 
-def _check_backward(p, rng, **extra):
-    from linattn.ops.contracts import deltanet_chunk_bwd
+def _check_backward(p, rng, dh=None, **extra):
+    """The contract backward (chunk_backward with the dh pass's variant dh, if given)."""
+    from linattn.ops.chunk_bwd import chunk_backward
     (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
     dt = q.dtype
     _, S, Aw, Au, w, u = fwd
     args = [do, q, k, v, beta, S.float(), Aw.to(dt), Au.to(dt), w.to(dt), u.to(dt)]
     saved = [a.clone() for a in args]
-    out = deltanet_chunk_bwd(*args)
+    out = chunk_backward(*args, dh=dh)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):

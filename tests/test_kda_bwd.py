@@ -25,6 +25,7 @@ from linattn.dsl import Options, SpecError
 from linattn.dsl import delta_key_bwd as ref
 from linattn.dsl import torch_reference as tref
 from linattn.dsl.additive_bwd import rounding
+from linattn.codegen.arch.sm90 import backward as sm90_backward
 from linattn.ops import autograd, chunk, chunk_bwd, runtime
 from linattn.ops.kda import SPEC
 
@@ -64,17 +65,15 @@ def test_recompute_params_are_the_forward_prepare():
 def test_stage_params_are_the_one_head_gated_ones():
     """The four stages' gated params: the heads given, the gated dh pass's pipeline depth,
     dht / dh0 only where asked, the states in the input dtype (no state_dtype)."""
-    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, use_dht=True,
-                                gated=True)
+    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, use_dht=True)
     assert list(sp) == list(chunk_bwd.STAGES)
     for stage, p in sp.items():
         assert (p["H"], p["HV"], p["K"], p["V"], p["dtype"]) == (1, 1, 64, 128, "bfloat16"), \
             stage
     assert sp["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in sp["chunk_bwd_dh"]
-    assert sp["chunk_bwd_dh"]["num_stages"] == chunk_bwd.GATED_DH_NUM_STAGES
+    assert sp["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert "state_dtype" not in sp["chunk_bwd_dqkw"]
-    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, store_dh0=True,
-                                gated=True)
+    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, store_dh0=True)
     assert sp["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in sp["chunk_bwd_dh"]
 
 
@@ -95,7 +94,7 @@ def test_key_train_params(l2norm):
     assert p[chunk_bwd.RECOMPUTE]["l2norm_qk"] == l2norm
     assert p[KEY_GRADS] == dict(H=2, HV=4, K=64, dtype="bfloat16", l2norm=l2norm)
     sp = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
-                                use_dht=True, gated=True)
+                                use_dht=True)
     assert {s: p[s] for s in chunk_bwd.STAGES} == sp
 
 
@@ -109,7 +108,7 @@ def test_stages_compile_without_spills(K, V, dtype):
     from linattn.codegen.compile import compile_stage, format_record
     params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
                   **chunk_bwd.stage_params(H=1, K=K, V=V, dtype=dtype, chains=2 * 4,
-                                           use_dht=True, store_dh0=True, gated=True))
+                                           use_dht=True, store_dh0=True))
     for stage, p in params.items():
         rec = compile_stage(chunk.stage_module(SPEC, stage), p, "sm90")
         print(format_record(rec))
@@ -321,7 +320,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     x["S"][perm] = S
     x.update(do=do, state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
     params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
-                                    use_dht=True, store_dh0=True, gated=True)
+                                    use_dht=True, store_dh0=True)
     chunk_bwd.run_stages(SPEC, params, x, key=True)
     assert names == list(STAGES)
     want = ref.delta_key_backward(SPEC, *(t.to(F64)[None].numpy() for t in (q, k, v, g, beta)),

@@ -48,6 +48,20 @@ SCAN_TILES = ((16, 32), (16, 16), (8, 16))
 SCAN_STAGES = 4
 
 
+#: the delta rule's reverse dh pass: pipeline depth (0: plain loop; >= 1: TMA producer warps
+#: prefetch the next chunks' inputs). 2 for every gate: DeltaNet's since session 5 (0, 1, 2
+#: GPU-checked); the gated ones' since session 16 (GDN 4k, token-first rows: dh 0.99 ->
+#: 0.51 ms at 2)
+DH_NUM_STAGES = 2
+
+
+def dh_config(V: int, chains: int) -> dict:
+    """The reverse dh pass's tuning for V value channels and ``chains`` (sequences x value
+    heads): its pipeline depth and value block (the state pass's rule)."""
+    from .stages import state_block_v
+    return {"num_stages": DH_NUM_STAGES, "block_v": state_block_v(V, chains)}
+
+
 def value_block(V: int, most: int = 64) -> int:
     """The largest of 64, 32, 16 (at most ``most``) dividing V."""
     return next(b for b in (64, 32, 16) if b <= most and V % b == 0)
