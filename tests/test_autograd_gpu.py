@@ -415,8 +415,7 @@ KDA_SMALL_CASES = [c for c in KDA_CASES if c.values[0]["B"] * c.values[0]["T"] <
 
 def _kda_jobs(p):
     """(forward jobs, [backward param dicts]) of one KDA case: the training forward's
-    plan (save_states), the backward's recompute (the per-key prepare with A) and its
-    stages."""
+    plan (save_states) and the token-first backward's kernels (key_train_params)."""
     from linattn.dsl import Options
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.kda import SPEC
@@ -427,11 +426,9 @@ def _kda_jobs(p):
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    L = -(-max(lens) // 64) * 64
-    dims = dict(H=p["HV"], K=p["K"], V=p["V"], dtype=dt, B=N)
-    return jobs, [chunk_bwd.key_recompute_params(**dims, L=L),
-                  chunk_bwd.stage_params(H=1, K=p["K"], V=p["V"], dtype=dt, chains=N * p["HV"],
-                                         use_dht=p["dht"], store_dh0=p["h0"])]
+    return jobs, [chunk_bwd.key_train_params(H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+                                             dtype=dt, chains=N * p["HV"], l2norm=p["l2norm"],
+                                             use_dht=p["dht"], store_dh0=p["h0"], spec=SPEC)]
 
 
 def _kda_ours(p, xs, do, dht):
