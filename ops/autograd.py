@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from ..dsl import Options, SpecError
 from . import chunk_bwd
 
-#: head dims the backward stages are generated for
+#: head dims the backward stages are generated for (a call of smaller dims runs zero-padded
+#: to the next one: :func:`kernel_dims`)
 HEAD_DIMS = (64, 128)
 
 
@@ -90,10 +91,52 @@ class ChunkDeltaRuleFunction:
 
     @classmethod
     def apply(cls, call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
-        """g, A_log, dt_bias: the scalar gate's inputs (call.spec gated)."""
+        """g, A_log, dt_bias: the gate's inputs (call.spec gated). Head dims K, V not in
+        HEAD_DIMS run zero-padded (:func:`pad_dims`): o and the final state sliced back."""
         if cls._fn is None:
             cls._fn = _make_function()
-        return cls._fn.apply(call, q, k, v, beta, initial_state, g, A_log, dt_bias)
+        K, V = q.shape[-1], v.shape[-1]
+        Kp, Vp = kernel_dims(K, V)
+        if (Kp, Vp) != (K, V):
+            q, k, v, initial_state, g, dt_bias = pad_dims(call, Kp, Vp, q, k, v, initial_state,
+                                                          g, dt_bias)
+        o, final = cls._fn.apply(call, q, k, v, beta, initial_state, g, A_log, dt_bias)
+        if (Kp, Vp) == (K, V):
+            return o, final
+        return o[..., :V], None if final is None else final[..., :K, :V]
+
+
+def kernel_dims(K: int, V: int) -> tuple:
+    """(K, V) the training kernels run a call of head dims K, V at: each the least of
+    HEAD_DIMS at or above it (check_trainable refuses larger)."""
+    return tuple(next(d for d in HEAD_DIMS if d >= x) for x in (K, V))
+
+
+def pad_dims(call, Kp, Vp, q, k, v, initial_state, g, dt_bias):
+    """The call's tensors zero-padded to head dims Kp, Vp by differentiable torch ops (the
+    gradients of the padding are dropped by autograd). Zero key channels (q, k, the
+    initial state's rows) and zero value channels (v, its columns) leave every real
+    output and gradient unchanged: a padded key channel's state row starts at zero and
+    only ever gains k's zero entries, whatever its (finite) decay, so the per-key gate
+    and KDA's per-channel dt_bias take zeros there too. The l2norm of q, k is unchanged."""
+    import torch.nn.functional as F
+    K, V = q.shape[-1], v.shape[-1]
+    HV = v.shape[2]
+    pk = (0, Kp - K)
+    q, k, v = F.pad(q, pk), F.pad(k, pk), F.pad(v, (0, Vp - V))
+    if initial_state is not None:
+        if tuple(initial_state.shape[1:]) != (HV, K, V):
+            raise SpecError(f"initial_state must be [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
+                            f"{tuple(initial_state.shape)}")
+        initial_state = F.pad(initial_state, (0, Vp - V, 0, Kp - K))
+    if call.keyed:
+        g = F.pad(g, pk)
+        if dt_bias is not None:
+            if dt_bias.numel() != HV * K:
+                raise SpecError(f"dt_bias must have HV * K = {HV * K} elements, got "
+                                f"{dt_bias.numel()}")
+            dt_bias = F.pad(dt_bias.reshape(HV, K), pk).reshape(HV * Kp)
+    return q, k, v, initial_state, g, dt_bias
 
 
 def _make_function():
@@ -154,8 +197,8 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
             v.dtype != q.dtype:
         raise SpecError(f"{what} needs q, k, v in one of float16 / bfloat16, "
                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[-1] not in HEAD_DIMS or v.shape[-1] not in HEAD_DIMS:
-        raise SpecError(f"{what} is generated for K, V in {HEAD_DIMS}, got "
+    if not 0 < q.shape[-1] <= HEAD_DIMS[-1] or not 0 < v.shape[-1] <= HEAD_DIMS[-1]:
+        raise SpecError(f"{what} supports K, V in [1, {HEAD_DIMS[-1]}], got "
                         f"K={q.shape[-1]}, V={v.shape[-1]}")
     names = ("state_v_first",) if gated else ("beta_sigmoid", "allow_neg_eigval",
                                               "gate_in_kernel", "state_v_first")

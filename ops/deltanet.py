@@ -20,8 +20,9 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, beta, initial_state requires
-    grad: gradients for all five, from o's and final_state's (K, V in {64, 128}; f16 /
-    bf16; anything the backward does not support raises SpecError).
+    grad: gradients for all five, from o's and final_state's (K, V up to 128, below
+    64 / 128 zero-padded to them; f16 / bf16; anything the backward does not support
+    raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs)
     from . import autograd

@@ -27,9 +27,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
-    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V in
-    {64, 128}; float16 / bfloat16; anything the backward does not support raises
-    SpecError).
+    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V up
+    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16; anything the backward
+    does not support raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)

@@ -45,9 +45,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     chunk_size: 64 only. Returns (o [B, T, HV, V], final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
-    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V in
-    {64, 128}; float16 / bfloat16; the gate's activation, l2norm and beta's sigmoid by
-    torch; anything the backward does not support raises SpecError).
+    dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V up
+    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16; the gate's activation,
+    l2norm and beta's sigmoid by torch; anything the backward does not support raises
+    SpecError).
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,

@@ -72,6 +72,8 @@ CASES = [   # B, T, H, K, V, cu_seqlens, initial state, dht, l2norm, scale
                  id="varlen-1tok-h0-dht-l2norm"),
     pytest.param(1, 200, 2, 64, 64, (0, 128, 128, 200), True, True, False, 0.5,
                  id="varlen-empty-h0-dht"),
+    pytest.param(2, 70, 2, 48, 100, None, True, True, True, None,
+                 id="K48-V100-padded-h0-dht-l2norm"),
 ]
 
 
@@ -184,8 +186,8 @@ def _grad_inputs(K=64, V=64, dtype=torch.bfloat16, T=70):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(K=32), "K, V in"),
-    (dict(V=96), "K, V in"),
+    (dict(K=160), "K, V in \\[1, 128\\]"),
+    (dict(V=256), "K, V in \\[1, 128\\]"),
     (dict(dtype=torch.float32), "float16 / bfloat16"),
 ])
 def test_unsupported_shapes_raise(kwargs, match):
@@ -262,6 +264,8 @@ GDN_CASES = [   # B, T, H, HV, K, V, cu_seqlens, initial state, dht, l2norm, gat
                  id="T200-GVA2-h0-dht-l2norm-gik-bf16"),
     pytest.param(1, 150, 1, 2, 64, 64, (0, 64, 64, 150), True, True, False, False, F16,
                  id="varlen-empty-GVA2-h0-dht"),
+    pytest.param(1, 90, 1, 2, 100, 32, (0, 20, 90), True, True, True, True, F16,
+                 id="K100-V32-padded-varlen-GVA2-h0-dht-l2norm-gik"),
 ]
 
 

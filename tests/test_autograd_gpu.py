@@ -47,6 +47,8 @@ def case(B, T, H, K, V, dtype, cu=None, h0=False, dht=False, l2norm=False, scale
 
 CASES = [
     case(2, 2048, 4, 64, 64, "bfloat16", name="train-2k-bf16"),
+    case(1, 300, 2, 48, 100, "bfloat16", h0=True, dht=True, l2norm=True,
+         name="K48-V100-padded-bf16-h0-dht-l2norm"),
     case(2, 2048, 4, 64, 64, "float16", h0=True, dht=True, name="train-2k-f16-h0-dht"),
     case(2, 2048, 4, 64, 64, "bfloat16", h0=True, dht=True, l2norm=True,
          name="train-2k-bf16-h0-dht-l2norm"),
@@ -77,16 +79,17 @@ def _jobs(p):
     (save_states: its per-chunk states for the backward), the backward's recompute and
     stages on the call's token-first tensors."""
     from linattn.dsl import Options
-    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops import autograd, chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
     N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    K, V = autograd.kernel_dims(p["K"], p["V"])   # (smaller dims run padded)
     plan = chunk.forward_plan(SPEC, Options(l2norm_qk=p["l2norm"]), H=p["H"], HV=p["H"],
-                              K=p["K"], V=p["V"], dtype=dt, beta_dtype=dt,
+                              K=K, V=V, dtype=dt, beta_dtype=dt,
                               seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["H"], K=p["K"], V=p["V"], dtype=dt,
+    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["H"], K=K, V=V, dtype=dt,
                                         chains=N * p["H"], l2norm=p["l2norm"], use_dht=True,
                                         store_dh0=p["h0"])
 
@@ -237,6 +240,8 @@ def gdn_case(B, T, H, HV, K, V, dtype, cu=None, h0=False, dht=False, l2norm=Fals
 
 
 GDN_CASES = [
+    gdn_case(1, 300, 2, 4, 100, 60, "bfloat16", cu=(0, 77, 300), h0=True, dht=True, l2norm=True,
+             gik=True, name="gdn-K100-V60-padded-varlen-GVA2-bf16-h0-dht-l2norm-gik"),
     gdn_case(2, 2048, 4, 4, 128, 128, "bfloat16", dht=True, name="gdn-train-2k-K128-bf16-dht"),
     gdn_case(2, 2048, 2, 4, 64, 64, "float16", h0=True, dht=True, l2norm=True,
              name="gdn-train-2k-GVA2-f16-h0-dht-l2norm"),
@@ -260,16 +265,17 @@ def _gdn_jobs(p):
     """(forward and recompute jobs, backward stage_params) of one GDN case, as _jobs (best
     effort: a kernel missed here compiles on its first call)."""
     from linattn.dsl import Options
-    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops import autograd, chunk, chunk_bwd
     from linattn.ops.gdn import SPEC
     N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    K, V = autograd.kernel_dims(p["K"], p["V"])   # (smaller dims run padded)
     opts = Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"])
-    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=K, V=V,
                               dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=dt,
+    return jobs, chunk_bwd.train_params(H=p["H"], HV=p["HV"], K=K, V=V, dtype=dt,
                                         chains=N * p["HV"], l2norm=p["l2norm"],
                                         use_dht=p["dht"], store_dh0=p["h0"],
                                         spec=SPEC)
@@ -393,6 +399,8 @@ def kda_case(B, T, H, HV, K, V, dtype, cu=None, h0=False, dht=False, l2norm=Fals
 
 
 KDA_CASES = [
+    kda_case(1, 300, 2, 4, 80, 48, "bfloat16", cu=(0, 77, 300), h0=True, dht=True, l2norm=True,
+             gik=True, name="kda-K80-V48-padded-varlen-GVA2-bf16-h0-dht-l2norm-gik"),
     kda_case(2, 2048, 4, 4, 128, 128, "bfloat16", dht=True, name="kda-train-2k-K128-bf16-dht"),
     kda_case(2, 2048, 2, 4, 64, 64, "float16", h0=True, dht=True, l2norm=True,
              name="kda-train-2k-GVA2-f16-h0-dht-l2norm"),
@@ -417,16 +425,17 @@ def _kda_jobs(p):
     """(forward jobs, [backward param dicts]) of one KDA case: the training forward's
     plan (save_states) and the token-first backward's kernels (key_train_params)."""
     from linattn.dsl import Options
-    from linattn.ops import chunk, chunk_bwd
+    from linattn.ops import autograd, chunk, chunk_bwd
     from linattn.ops.kda import SPEC
     N, dt, lens = _n_seqs(p), p["dtype"], _lens(p)
+    K, V = autograd.kernel_dims(p["K"], p["V"])   # (smaller dims run padded)
     opts = Options(l2norm_qk=p["l2norm"], gate_in_kernel=p["gik"])
-    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+    plan = chunk.forward_plan(SPEC, opts, H=p["H"], HV=p["HV"], K=K, V=V,
                               dtype=dt, beta_dtype=dt, seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
     jobs = [(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()]
-    return jobs, [chunk_bwd.key_train_params(H=p["H"], HV=p["HV"], K=p["K"], V=p["V"],
+    return jobs, [chunk_bwd.key_train_params(H=p["H"], HV=p["HV"], K=K, V=V,
                                              dtype=dt, chains=N * p["HV"], l2norm=p["l2norm"],
                                              use_dht=p["dht"], store_dh0=p["h0"], spec=SPEC)]
 

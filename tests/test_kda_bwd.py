@@ -3,13 +3,13 @@ key_recompute_packed, run_stages(key=True), key_grads; ops/autograd.py packed_ba
 the plan lists the stages, they render with the arguments the host passes, they compile
 for sm_90a without spills, the token-first recompute, the stages and chunk_bwd_key_grads
 on packed varlen inputs match dsl/delta_key_bwd.py, and training through linattn.chunk_kda
-matches torch.autograd of the fp64 reference. The kernels are replaced by fakes that check every launch against the
-traced prim_func and carry out the stage's math in fp64 by dsl/delta_key_bwd.py's stage
-functions (per chunk, with the kernels' rounding of GEMM operands emulated); the training
-forward itself is the fp64 reference rounded to the input dtype, its per-chunk states too
-(the backward reads them, tests/_forward_states.py forward_states). The four stages read
-token-first packed tensors [Ttot, heads, D] cut into chunks by the chunk tables; the
-fakes walk those tables as the kernels do."""
+matches torch.autograd of the fp64 reference. The kernels are replaced by fakes that check
+every launch against the traced prim_func and carry out the stage's math in fp64 by
+dsl/delta_key_bwd.py's stage functions (per chunk, with the kernels' rounding of GEMM
+operands emulated); the training forward itself is the fp64 reference rounded to the input
+dtype, its per-chunk states too (the backward reads them, tests/_forward_states.py
+forward_states). The four stages read token-first packed tensors [Ttot, heads, D] cut into
+chunks by the chunk tables; the fakes walk those tables as the kernels do."""
 import numpy as np
 import pytest
 import torch
@@ -463,6 +463,8 @@ CASES = [   # B, T, H, HV, K, V, cu, h0, dht, l2norm, gate in kernel, lower_boun
                  id="gate-in-kernel-GVA2"),
     pytest.param(1, 80, 1, 1, 64, 64, None, False, True, False, True, -5.0, torch.float16,
                  id="lower-bound"),
+    pytest.param(1, 90, 1, 2, 80, 48, (0, 30, 90), True, True, True, True, None, torch.float16,
+                 id="K80-V48-padded-varlen-GVA2-h0-dht-l2norm-gik"),
 ]
 
 
@@ -525,8 +527,8 @@ def test_refusals():
     beta = torch.zeros(1, 70, 2, dtype=torch.bfloat16)
     with pytest.raises(SpecError, match="KDA backward needs g"):
         linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2), beta)
-    with pytest.raises(SpecError, match="K, V in"):
-        y = torch.zeros(1, 70, 2, 32, dtype=torch.bfloat16)
-        linattn.chunk_kda(y.requires_grad_(), y, y, torch.zeros(1, 70, 2, 32), beta)
+    with pytest.raises(SpecError, match="K, V in \\[1, 128\\]"):
+        y = torch.zeros(1, 70, 2, 192, dtype=torch.bfloat16)
+        linattn.chunk_kda(y.requires_grad_(), y, y, torch.zeros(1, 70, 2, 192), beta)
     with pytest.raises(SpecError, match="state_v_first"):
         linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2, 64), beta, state_v_first=True)
