@@ -46,6 +46,7 @@ class DeltaRuleCall:
     beta_sigmoid: bool = False
     allow_neg_eigval: bool = False
     lower_bound: float | None = None        # KDA's lower-bounded gate (with gate_in_kernel)
+    state_v_first: bool = False             # the caller's states [N, HV, V, K]
     cu: tuple | None = None                 # host cu_seqlens (varlen) or None
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
@@ -91,19 +92,27 @@ class ChunkDeltaRuleFunction:
 
     @classmethod
     def apply(cls, call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
-        """g, A_log, dt_bias: the gate's inputs (call.spec gated). Head dims K, V not in
-        HEAD_DIMS run zero-padded (:func:`pad_dims`): o and the final state sliced back."""
+        """g, A_log, dt_bias: the gate's inputs (call.spec gated). The Function runs the
+        states key-first ([N, HV, K, V]: a state_v_first call's transposed in and out) at
+        head dims in HEAD_DIMS (others zero-padded, :func:`pad_dims`, o and the final
+        state sliced back), each by differentiable torch ops around it."""
         if cls._fn is None:
             cls._fn = _make_function()
+        if call.state_v_first and initial_state is not None:
+            initial_state = initial_state.transpose(-1, -2)
         K, V = q.shape[-1], v.shape[-1]
         Kp, Vp = kernel_dims(K, V)
         if (Kp, Vp) != (K, V):
             q, k, v, initial_state, g, dt_bias = pad_dims(call, Kp, Vp, q, k, v, initial_state,
                                                           g, dt_bias)
+        elif initial_state is not None:
+            initial_state = initial_state.contiguous()
         o, final = cls._fn.apply(call, q, k, v, beta, initial_state, g, A_log, dt_bias)
-        if (Kp, Vp) == (K, V):
-            return o, final
-        return o[..., :V], None if final is None else final[..., :K, :V]
+        if (Kp, Vp) != (K, V):
+            o, final = o[..., :V], None if final is None else final[..., :K, :V]
+        if call.state_v_first and final is not None:
+            final = final.transpose(-1, -2)
+        return o, None if final is None else final.contiguous()
 
 
 def kernel_dims(K: int, V: int) -> tuple:
@@ -200,8 +209,7 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
     if not 0 < q.shape[-1] <= HEAD_DIMS[-1] or not 0 < v.shape[-1] <= HEAD_DIMS[-1]:
         raise SpecError(f"{what} supports K, V in [1, {HEAD_DIMS[-1]}], got "
                         f"K={q.shape[-1]}, V={v.shape[-1]}")
-    names = ("state_v_first",) if gated else ("beta_sigmoid", "allow_neg_eigval",
-                                              "gate_in_kernel", "state_v_first")
+    names = () if gated else ("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel")
     unsupported = [n for n in names if getattr(options, n)]
     if unsupported:
         raise SpecError(f"{what} does not support {unsupported} (yet)")
@@ -369,7 +377,7 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
         output_final_state=bool(output_final_state), gate_in_kernel=opts.gate_in_kernel,
         beta_sigmoid=opts.beta_sigmoid, allow_neg_eigval=opts.allow_neg_eigval,
         lower_bound=(None if lower_bound is None or not opts.gate_in_kernel
-                     else float(lower_bound)), cu=cu,
+                     else float(lower_bound)), state_v_first=opts.state_v_first, cu=cu,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     return ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state, g, A_log,
                                         dt_bias)

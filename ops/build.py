@@ -189,5 +189,5 @@ def _train(spec: OpSpec, opts, q, k, v, beta, a: dict):
     return deltanet.chunk_delta_rule(
         q, k, v, beta, scale=spec.scale_for(q.shape[-1], a["scale"]),
         initial_state=a["initial_state"], output_final_state=a["output_final_state"],
-        use_qk_l2norm_in_kernel=opts.l2norm_qk, cu_seqlens=a["cu_seqlens"],
-        cu_seqlens_cpu=a["cu_seqlens_cpu"])
+        use_qk_l2norm_in_kernel=opts.l2norm_qk, transpose_state_layout=opts.state_v_first,
+        cu_seqlens=a["cu_seqlens"], cu_seqlens_cpu=a["cu_seqlens_cpu"])

@@ -34,8 +34,8 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
             cu = tuple(int(x) for x in host.tolist())
         call = autograd.DeltaRuleCall(
             spec=SPEC, scale=SPEC.scale_for(q.shape[-1], scale), l2norm_qk=opts.l2norm_qk,
-            output_final_state=bool(output_final_state), cu=cu, cu_seqlens=cu_seqlens,
-            cu_seqlens_cpu=cu_seqlens_cpu)
+            output_final_state=bool(output_final_state), state_v_first=opts.state_v_first,
+            cu=cu, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return autograd.ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state)
     return api.forward(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,

@@ -195,9 +195,36 @@ def test_unsupported_shapes_raise(kwargs, match):
         linattn.chunk_delta_rule(*_grad_inputs(**kwargs))
 
 
-def test_unsupported_options_raise():
-    with pytest.raises(SpecError, match="state_v_first"):
-        linattn.chunk_delta_rule(*_grad_inputs(), transpose_state_layout=True)
+def v_first_matches_k_first(fn, x: dict, do, dht, flag="state_v_first", **kw):
+    """fn (a chunk_* function) with its states value-first ([N, HV, V, K]: the initial
+    state, the final state and their gradients transposed) against the same call
+    key-first: o, the final state and every gradient equal (the transposes are exact)."""
+    runs = []
+    for v_first in (False, True):
+        x1 = dict(x, initial_state=x["initial_state"].transpose(-1, -2).contiguous()
+                  if v_first else x["initial_state"])
+        leaves = {n: t.clone().requires_grad_() for n, t in x1.items()}
+        o, ht = fn(**leaves, output_final_state=True, **{flag: v_first}, **kw)
+        assert ht.shape == x1["initial_state"].shape
+        ht = ht.transpose(-1, -2) if v_first else ht
+        ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+        grads = {n: t.grad for n, t in leaves.items()}
+        if v_first:
+            grads["initial_state"] = grads["initial_state"].transpose(-1, -2)
+        runs.append((o, ht, grads))
+    (o0, h0, g0), (o1, h1, g1) = runs
+    assert torch.equal(o0, o1) and torch.equal(h0, h1)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
+def test_state_v_first(fake_kernels, rng):
+    """chunk_delta_rule's transpose_state_layout (fla's name of state_v_first) trains: the
+    Function runs key-first, the states transposed around it."""
+    xs, do, dht = _inputs(rng, 1, 100, 2, 64, 128, torch.float16, 1, True)
+    x = dict(zip(("q", "k", "v", "beta", "initial_state"), xs))
+    v_first_matches_k_first(linattn.chunk_delta_rule, x, do, dht,
+                            flag="transpose_state_layout", use_qk_l2norm_in_kernel=True)
 
 
 # (chunk_gla trains: test_additive_bwd.py; chunk_kda: test_kda_bwd.py)
@@ -301,11 +328,16 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
         assert _rel(t.grad, refs[n].grad) < tol, (n, _rel(t.grad, refs[n].grad))
 
 
+def test_gdn_state_v_first(fake_kernels, rng):
+    """chunk_gated_delta_rule with state_v_first trains (GVA, gate in kernel, padded K)."""
+    x, do, dht = _gdn_inputs(rng, 1, 90, 1, 2, 48, 64, F16, 1, True, True)
+    v_first_matches_k_first(linattn.chunk_gated_delta_rule, x, do, dht,
+                            use_gate_in_kernel=True)
+
+
 def test_gdn_unsupported_raise():
     q, k, v, beta = _grad_inputs()
     g = torch.zeros(1, 70, 2)
-    with pytest.raises(SpecError, match="state_v_first"):
-        linattn.chunk_gated_delta_rule(q, k, v, g, beta, transpose_state_layout=True)
     with pytest.raises(SpecError, match="g \\[B, T, HV\\]"):
         linattn.chunk_gated_delta_rule(q, k, v, g[:, :, :1], beta)
     with pytest.raises(SpecError, match="HV a multiple of H"):

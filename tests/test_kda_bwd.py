@@ -17,6 +17,7 @@ import torch
 from _forward_states import forward_states
 from _kernel_check import fake_compiles
 from test_chunk import by_name
+from test_autograd import v_first_matches_k_first
 from test_chunk_bwd import _key_grads
 
 import linattn
@@ -520,6 +521,21 @@ def test_training_matches_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V, cu
         assert _rel(t.grad, refs[n].grad) < lim, (n, _rel(t.grad, refs[n].grad))
 
 
+def test_state_v_first(fake_kernels, rng):
+    """chunk_kda with state_v_first trains: the states transposed around the key-first
+    Function (GVA, l2norm, gate in kernel)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    x = dict(q=r(1, 80, 1, 64).half(), k=r(1, 80, 1, 64).half(), v=r(1, 80, 2, 128).half(),
+             g=r(1, 80, 2, 64).float(), beta=torch.sigmoid(r(1, 80, 2)).half(),
+             initial_state=0.1 * r(1, 2, 64, 128).float(),
+             A_log=torch.log(torch.rand(2, generator=gen) * 4 + .5).float(),
+             dt_bias=(r(2 * 64) * 0.5).float())
+    v_first_matches_k_first(linattn.chunk_kda, x, r(1, 80, 2, 128).half(),
+                            r(1, 2, 64, 128).float(), use_qk_l2norm_in_kernel=True,
+                            use_gate_in_kernel=True)
+
+
 def test_refusals():
     q = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     k, v = torch.zeros(1, 70, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 70, 2, 64,
@@ -530,5 +546,3 @@ def test_refusals():
     with pytest.raises(SpecError, match="K, V in \\[1, 128\\]"):
         y = torch.zeros(1, 70, 2, 192, dtype=torch.bfloat16)
         linattn.chunk_kda(y.requires_grad_(), y, y, torch.zeros(1, 70, 2, 192), beta)
-    with pytest.raises(SpecError, match="state_v_first"):
-        linattn.chunk_kda(q, k, v, torch.zeros(1, 70, 2, 64), beta, state_v_first=True)

@@ -331,7 +331,10 @@ def test_build_training_checks_first():
     q, k, v, _ = _tensors(K=64, V=64)
     q, k, v = (x.half().requires_grad_() for x in (q, k, v))
     beta = torch.rand(1, 8, 2).half()
-    with pytest.raises(SpecError, match="does not support \\['state_v_first'\\]"):
+    with pytest.raises(SpecError, match="on cpu"):      # (state_v_first trains: accepted)
+        ops.chunk(q, k, v, beta, state_v_first=True)
+    q, k = (torch.zeros(1, 8, 2, 160, dtype=torch.half, requires_grad=True) for _ in "qk")
+    with pytest.raises(SpecError, match="K, V in \\[1, 128\\]"):
         ops.chunk(q, k, v, beta, state_v_first=True)
 
 
