@@ -68,10 +68,53 @@ def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool) -> str:
 
 
 def _head_dims(dims) -> None:
-    """Head dims some kernel takes: the recurrent kernel's limits are the wider ones (the
-    chunked kernels' calls outside theirs take it, see choose_path)."""
-    validate.check_head_dims(dims.K, dims.V, what="linattn (the recurrent kernel; the "
-                             "chunked ones: K, V multiples of 16 up to 256)")
+    """Head dims some kernel takes, zero-padded where needed (:func:`padded_dims`): the
+    recurrent kernel's limits are the wider ones (the chunked kernels' calls outside
+    theirs take it, see choose_path)."""
+    validate.check_head_dims(dims.K, dims.V, k_multiple=1, v_multiple=1,
+                             what="linattn (the recurrent kernel; the chunked ones: K, V up "
+                             "to 256)")
+
+
+def padded_dims(dims: validate.Dims) -> validate.Dims:
+    """The dims a call runs at: its own where every kernel's multiples hold (K of 16, V of
+    8), else K and V rounded up to multiples of 16 (:func:`pad_inputs`: exact)."""
+    if dims.K % 16 == 0 and dims.V % 8 == 0:
+        return dims
+    return dims._replace(K=-(-dims.K // 16) * 16, V=-(-dims.V // 16) * 16)
+
+
+def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
+    """kernel_inputs' x zero-padded from head dims ``dims`` to ``padded``: q, k (a per-key
+    gate and its dt_bias) in K, v (a per-value gate, its dt_bias) in V, the initial state
+    in both. Zero key channels add nothing to any product and their state rows stay zero
+    under any finite decay; zero value channels give zero outputs: the call's outputs are
+    the padded run's, sliced (:func:`unpad`)."""
+    import torch.nn.functional as F
+    if padded == dims:
+        return x
+    pk, pv = (0, padded.K - dims.K), (0, padded.V - dims.V)
+    x = dict(x, q=F.pad(x["q"], pk), k=F.pad(x["k"], pk), v=F.pad(x["v"], pv))
+    p = {"K": pk, "V": pv}.get(spec.gate.channels)
+    if p is not None and x["g"] is not None:
+        x["g"] = F.pad(x["g"], p)
+    if p is not None and x["dt_bias"] is not None:
+        x["dt_bias"] = F.pad(x["dt_bias"].view(dims.HV, -1), p).reshape(-1)
+    if x["initial_state"] is not None:
+        x["initial_state"] = F.pad(x["initial_state"],
+                                   pk + pv if options.state_v_first else pv + pk)
+    return x
+
+
+def unpad(options: Options, dims, padded, o, ht):
+    """(o, final state) of a padded run (:func:`pad_inputs`) at the call's head dims."""
+    if padded == dims:
+        return o, ht
+    K, V = dims.K, dims.V
+    o = o[..., :V].contiguous()
+    if ht is not None:
+        ht = (ht[..., :V, :K] if options.state_v_first else ht[..., :K, :V]).contiguous()
+    return o, ht
 
 
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
@@ -86,13 +129,16 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=validate.host_checks(), sizes=_head_dims, **extra)
-    path = choose_path(spec, chk.dims, q.dtype, cu_seqlens is not None)
+    padded = padded_dims(chk.dims)
+    path = choose_path(spec, padded, q.dtype, cu_seqlens is not None)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    x = pad_inputs(spec, opts, x, chk.dims, padded)
     from . import library
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                         x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
                         spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts)
-    return o, (ht if output_final_state else None)
+    o, ht = unpad(opts, chk.dims, padded, o, ht if output_final_state else None)
+    return o, ht
 
 
 def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
@@ -138,7 +184,13 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
                               values=validate.host_checks(), sizes=_head_dims, **extra, **pool)
+    padded = padded_dims(chk.dims)
+    if padded != chk.dims and (ssm_state_indices is not None or inplace_final_state):
+        raise validate.error(f"a state pool (ssm_state_indices / inplace_final_state) needs "
+                             f"K a multiple of 16 and V of 8, got K={chk.dims.K}, "
+                             f"V={chk.dims.V}")
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    x = pad_inputs(spec, opts, x, chk.dims, padded)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
     from . import library
     o, ht = library.run(spec, "recurrent", x["q"], x["k"], x["v"], x["g"], x["beta"],
@@ -148,7 +200,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                         **pool)
     if inplace_final_state:
         return o, initial_state
-    return o, (ht if output_final_state else None)
+    return unpad(opts, chk.dims, padded, o, ht if output_final_state else None)
 
 
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,

@@ -329,11 +329,12 @@ def check_pool(ssm_state_indices, num_accepted_tokens, initial_state, inplace: b
 def check_head_dims(K: int, V: int, *, k_multiple=16, k_max=256, v_multiple=8, v_max=512,
                     what="this kernel"):
     """K and V within a kernel's limits."""
+    mult = lambda m: f"multiple of {m} " if m > 1 else ""  # noqa: E731
     if K % k_multiple or not k_multiple <= K <= k_max:
-        raise error(f"{what} supports K (key head dim) multiple of {k_multiple} in "
+        raise error(f"{what} supports K (key head dim) {mult(k_multiple)}in "
                     f"[{k_multiple}, {k_max}], got K={K}")
     if V % v_multiple or not v_multiple <= V <= v_max:
-        raise error(f"{what} supports V (value head dim) multiple of {v_multiple} in "
+        raise error(f"{what} supports V (value head dim) {mult(v_multiple)}in "
                     f"[{v_multiple}, {v_max}], got V={V}")
 
 

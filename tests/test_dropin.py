@@ -428,3 +428,69 @@ def test_opcheck(cpu_ops):
     torch.library.opcheck(torch.ops.linattn.fused_recurrent_gdn.default, args + (None, None),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
+
+
+# ------------------------------------------------------------- head dims off the multiples
+def _padded_runs(monkeypatch):
+    """The head dims (K, V) each kernel call ran at."""
+    dims, real = [], library.run
+
+    def run(spec, path, q, k, v, *args, **kw):
+        dims.append((q.shape[-1], v.shape[-1]))
+        return real(spec, path, q, k, v, *args, **kw)
+    monkeypatch.setattr(library, "run", run)
+    return dims
+
+
+@pytest.mark.parametrize("fn, fam, gate, K, V, v_first, T", [
+    ("chunk_gated_delta_rule", "gdn", "scalar", 60, 100, False, 70),
+    ("chunk_gated_delta_rule", "gdn", "scalar", 100, 36, True, 70),
+    ("fused_recurrent_gated_delta_rule", "gdn", "scalar", 20, 12, False, 3),
+    ("chunk_kda", "kda", "key", 100, 36, False, 70),
+    ("fused_recurrent_kda", "kda", "key", 60, 20, True, 1),
+    ("chunk_gla", "gla", "key", 60, 50, False, 70),
+    ("chunk_delta_rule", "deltanet", None, 100, 100, False, 70)])
+def test_head_dims_off_the_kernel_multiples_run_zero_padded(cpu_ops, monkeypatch, fn, fam, gate,
+                                                            K, V, v_first, T):
+    """K, V that no kernel takes as they are (K not a multiple of 16, or V of 8) run
+    zero-padded to multiples of 16: outputs and final states equal the fp64 reference at
+    the call's own dims (gates in the kernel with per-channel dt_bias, initial states
+    either layout, GVA)."""
+    ran = _padded_runs(monkeypatch)
+    spec = get_spec(fam)
+    HV = 2 if spec.rule.value == "additive" or gate is None else 4
+    q, k, v, g, beta = inputs(T=T, K=K, V=V, HV=HV, H=2, gate=gate or "scalar")
+    gen = torch.Generator().manual_seed(3)
+    h0 = torch.randn(2, HV, *((V, K) if v_first else (K, V)), generator=gen)
+    kw = dict(initial_state=h0, output_final_state=True, state_v_first=v_first)
+    ref_kw = dict(initial_state=h0.transpose(-1, -2) if v_first else h0)
+    if spec.rule.value == "additive":
+        args, ref_args = (q, k, v, g), (q, k, v, g, None)
+        kw = dict(kw, state_v_first=False, initial_state=h0) if v_first else kw
+    elif gate is None:
+        args, ref_args = (q, k, v, beta[..., :HV]), (q, k, v, None, beta[..., :HV])
+    else:
+        A_log = torch.randn(HV, generator=gen)
+        dt_bias = torch.randn(HV * (K if gate == "key" else 1), generator=gen)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        ref_kw.update(options=Options(gate_in_kernel=True), A_log=A_log, dt_bias=dt_bias)
+        args, ref_args = (q, k, v, g, beta), (q, k, v, g, beta)
+        if fn == "fused_recurrent_gated_delta_rule":      # (its 5th argument is gk)
+            args, kw["beta"] = args[:4], beta
+    if "state_v_first" in kw and not kw["state_v_first"]:
+        del kw["state_v_first"]
+    o, ht = getattr(linattn, fn)(*args, **kw)
+    assert ran == [(-(-K // 16) * 16, -(-V // 16) * 16)], ran
+    ro, rht = tr.recurrent_forward(spec, *ref_args, **ref_kw)
+    assert o.shape == ro.shape and ht.shape == h0.shape
+    _close(o, ro)
+    _close(ht.transpose(-1, -2) if v_first else ht, rht)
+
+
+def test_state_pool_with_padded_dims_refused(cpu_ops):
+    q, k, v, g, beta = inputs(T=1, K=60, V=16)
+    pool = torch.zeros(8, 4, 60, 16)
+    with pytest.raises(SpecError, match="state pool .* needs K a multiple of 16"):
+        linattn.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta=beta, initial_state=pool, inplace_final_state=True,
+            ssm_state_indices=torch.tensor([1, 3]))
