@@ -44,7 +44,7 @@ import numpy as np
 from ..codegen.arch import get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
-from . import chunk, runtime
+from . import chunk, padding, runtime
 
 ARCH = "sm90"
 CHUNK = 64
@@ -154,17 +154,19 @@ def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
             None if dh0 is None else dh0[..., :K, :V].contiguous())
 
 
-def check_backward(spec, q, k, v, what: str) -> None:
-    """One-line errors for what the backward kernels do not take."""
+def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
+    """One-line errors for what the backward kernels do not take (multiple: of K and V;
+    training takes 1: its calls run zero-padded, :func:`train`)."""
     import torch
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or \
             v.dtype != q.dtype:
         raise SpecError(f"{what} needs q, k, v in one of float16 / bfloat16, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
     K, V = q.shape[-1], v.shape[-1]
-    if K % 16 or V % 16 or not (16 <= K <= K_MAX and 16 <= V <= V_MAX):
-        raise SpecError(f"{what} is generated for K a multiple of 16 up to {K_MAX} and V a "
-                        f"multiple of 16 up to {V_MAX}, got K={K}, V={V}")
+    if K % multiple or V % multiple or not (multiple <= K <= K_MAX and multiple <= V <= V_MAX):
+        mult = f"a multiple of {multiple} " if multiple > 1 else ""
+        raise SpecError(f"{what} is generated for K {mult}up to {K_MAX} and V {mult}up to "
+                        f"{V_MAX}, got K={K}, V={V}")
 
 
 def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
@@ -422,7 +424,7 @@ def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlen
                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     B, T, H, K = q.shape
     spec.check_heads(H, v.shape[2])
-    check_backward(spec, q, k, v, what)
+    check_backward(spec, q, k, v, what, multiple=1)
     if spec.gate.per_value and v.shape[-1] > K_MAX:
         raise SpecError(f"{what} (its key-gated twin's K is V) is generated for V up to "
                         f"{K_MAX}, got V={v.shape[-1]}")
@@ -458,15 +460,21 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
     it). Returns (o, final_state or None)."""
     check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens, A_log)
     q, k, g = _effective(spec, options, q, k, g, A_log, dt_bias)
+    K, V, vf = q.shape[-1], v.shape[-1], options.state_v_first
+    scale = spec.scale_for(K, scale)
+    Kp, Vp = (padding.round_up(d, 16) for d in (K, V))    # (zero channels: exact)
+    q, k, v, g, _, initial_state = padding.pad_heads(spec.gate.channels, vf, K, V, Kp, Vp,
+                                                     q, k, v, g, None, initial_state)
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
         cu = tuple(int(x) for x in host.tolist())
     options = Options(state_v_first=options.state_v_first)
-    call = AdditiveCall(spec=spec, scale=spec.scale_for(q.shape[-1], scale),
+    call = AdditiveCall(spec=spec, scale=scale,
                         output_final_state=bool(output_final_state),
                         state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu,
                         save_states=get_arch(ARCH).save_states(q.shape[-1], v.shape[-1])
                         and not spec.gate.per_value)    # (its twin's forward writes them)
-    return ChunkAdditiveFunction.apply(call, q, k, v, g, initial_state)
+    return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
+                                                                initial_state))

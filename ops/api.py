@@ -32,6 +32,7 @@ from ..codegen.arch import get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
 from . import validate
+from .padding import pad_heads, round_up, unpad
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
 _CHUNKED: dict = {}
@@ -78,43 +79,19 @@ def _head_dims(dims) -> None:
 
 def padded_dims(dims: validate.Dims) -> validate.Dims:
     """The dims a call runs at: its own where every kernel's multiples hold (K of 16, V of
-    8), else K and V rounded up to multiples of 16 (:func:`pad_inputs`: exact)."""
+    8), else K and V rounded up to multiples of 16 (zero channels: ops/padding.py)."""
     if dims.K % 16 == 0 and dims.V % 8 == 0:
         return dims
-    return dims._replace(K=-(-dims.K // 16) * 16, V=-(-dims.V // 16) * 16)
+    return dims._replace(K=round_up(dims.K, 16), V=round_up(dims.V, 16))
 
 
 def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
-    """kernel_inputs' x zero-padded from head dims ``dims`` to ``padded``: q, k (a per-key
-    gate and its dt_bias) in K, v (a per-value gate, its dt_bias) in V, the initial state
-    in both. Zero key channels add nothing to any product and their state rows stay zero
-    under any finite decay; zero value channels give zero outputs: the call's outputs are
-    the padded run's, sliced (:func:`unpad`)."""
-    import torch.nn.functional as F
-    if padded == dims:
-        return x
-    pk, pv = (0, padded.K - dims.K), (0, padded.V - dims.V)
-    x = dict(x, q=F.pad(x["q"], pk), k=F.pad(x["k"], pk), v=F.pad(x["v"], pv))
-    p = {"K": pk, "V": pv}.get(spec.gate.channels)
-    if p is not None and x["g"] is not None:
-        x["g"] = F.pad(x["g"], p)
-    if p is not None and x["dt_bias"] is not None:
-        x["dt_bias"] = F.pad(x["dt_bias"].view(dims.HV, -1), p).reshape(-1)
-    if x["initial_state"] is not None:
-        x["initial_state"] = F.pad(x["initial_state"],
-                                   pk + pv if options.state_v_first else pv + pk)
-    return x
-
-
-def unpad(options: Options, dims, padded, o, ht):
-    """(o, final state) of a padded run (:func:`pad_inputs`) at the call's head dims."""
-    if padded == dims:
-        return o, ht
-    K, V = dims.K, dims.V
-    o = o[..., :V].contiguous()
-    if ht is not None:
-        ht = (ht[..., :V, :K] if options.state_v_first else ht[..., :K, :V]).contiguous()
-    return o, ht
+    """kernel_inputs' x zero-padded from head dims ``dims`` to ``padded``
+    (padding.pad_heads); the call's outputs are the padded run's, sliced (padding.unpad)."""
+    names = ("q", "k", "v", "g", "dt_bias", "initial_state")
+    return dict(x, **dict(zip(names, pad_heads(
+        spec.gate.channels, options.state_v_first, dims.K, dims.V, padded.K, padded.V,
+        *(x[n] for n in names)))))
 
 
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
@@ -137,8 +114,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                         x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
                         spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts)
-    o, ht = unpad(opts, chk.dims, padded, o, ht if output_final_state else None)
-    return o, ht
+    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o,
+                 ht if output_final_state else None)
 
 
 def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
@@ -200,7 +177,8 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                         **pool)
     if inplace_final_state:
         return o, initial_state
-    return unpad(opts, chk.dims, padded, o, ht if output_final_state else None)
+    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o,
+                 ht if output_final_state else None)
 
 
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,

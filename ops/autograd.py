@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..dsl import Options, SpecError
-from . import chunk_bwd
+from . import chunk_bwd, padding
 
 #: head dims the backward stages are generated for (a call of smaller dims runs zero-padded
 #: to the next one: :func:`kernel_dims`)
@@ -107,9 +107,8 @@ class ChunkDeltaRuleFunction:
                                                           g, dt_bias)
         elif initial_state is not None:
             initial_state = initial_state.contiguous()
-        o, final = cls._fn.apply(call, q, k, v, beta, initial_state, g, A_log, dt_bias)
-        if (Kp, Vp) != (K, V):
-            o, final = o[..., :V], None if final is None else final[..., :K, :V]
+        o, final = padding.unpad(False, K, V, *cls._fn.apply(
+            call, q, k, v, beta, initial_state, g, A_log, dt_bias))
         if call.state_v_first and final is not None:
             final = final.transpose(-1, -2)
         return o, None if final is None else final.contiguous()
@@ -122,29 +121,18 @@ def kernel_dims(K: int, V: int) -> tuple:
 
 
 def pad_dims(call, Kp, Vp, q, k, v, initial_state, g, dt_bias):
-    """The call's tensors zero-padded to head dims Kp, Vp by differentiable torch ops (the
-    gradients of the padding are dropped by autograd). Zero key channels (q, k, the
-    initial state's rows) and zero value channels (v, its columns) leave every real
-    output and gradient unchanged: a padded key channel's state row starts at zero and
-    only ever gains k's zero entries, whatever its (finite) decay, so the per-key gate
-    and KDA's per-channel dt_bias take zeros there too. The l2norm of q, k is unchanged."""
-    import torch.nn.functional as F
-    K, V = q.shape[-1], v.shape[-1]
-    HV = v.shape[2]
-    pk = (0, Kp - K)
-    q, k, v = F.pad(q, pk), F.pad(k, pk), F.pad(v, (0, Vp - V))
-    if initial_state is not None:
-        if tuple(initial_state.shape[1:]) != (HV, K, V):
-            raise SpecError(f"initial_state must be [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
-                            f"{tuple(initial_state.shape)}")
-        initial_state = F.pad(initial_state, (0, Vp - V, 0, Kp - K))
-    if call.keyed:
-        g = F.pad(g, pk)
-        if dt_bias is not None:
-            if dt_bias.numel() != HV * K:
-                raise SpecError(f"dt_bias must have HV * K = {HV * K} elements, got "
-                                f"{dt_bias.numel()}")
-            dt_bias = F.pad(dt_bias.reshape(HV, K), pk).reshape(HV * Kp)
+    """The call's tensors zero-padded to head dims Kp, Vp (ops/padding.py: exact) by
+    differentiable torch ops (autograd drops the padding's gradients); the initial state
+    key-first here."""
+    K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
+    if initial_state is not None and tuple(initial_state.shape[1:]) != (HV, K, V):
+        raise SpecError(f"initial_state must be [N, HV, K, V] = [N, {HV}, {K}, {V}], got "
+                        f"{tuple(initial_state.shape)}")
+    if call.keyed and dt_bias is not None and dt_bias.numel() != HV * K:
+        raise SpecError(f"dt_bias must have HV * K = {HV * K} elements, got "
+                        f"{dt_bias.numel()}")
+    q, k, v, g, dt_bias, initial_state = padding.pad_heads(
+        "K" if call.keyed else None, False, K, V, Kp, Vp, q, k, v, g, dt_bias, initial_state)
     return q, k, v, initial_state, g, dt_bias
 
 

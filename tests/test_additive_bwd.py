@@ -327,6 +327,11 @@ CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
     pytest.param("additive_scalar", 1, 70, 1, 2, 144, 48, None, True, True, False,
                  id="scalar-K144-GVA2"),
     pytest.param("gla", 1, 70, 1, 1, 144, 96, None, True, True, False, id="gla-K144-V96"),
+    # head dims off 16's multiples: zero-padded to them (ops/padding.py)
+    pytest.param("gla", 1, 90, 2, 2, 60, 20, [40, 50], True, True, True,
+                 id="gla-K60-V20-padded-varlen-v-first"),
+    pytest.param("simple_gla", 1, 70, 2, 2, 100, 36, None, True, True, False,
+                 id="sgla-K100-V36-padded"),
 ]
 
 
@@ -386,6 +391,8 @@ VALUE_CASES = [   # name, B, T, H, HV, K, V, lens, h0, dht, v_first
     pytest.param("additive_value", 1, 90, 1, 2, 32, 16, [40, 50], False, True, False,
                  id="value-GVA2-varlen"),
     pytest.param("gla_gv", 1, 70, 1, 1, 64, 144, None, True, True, False, id="gv-K64-V144"),
+    pytest.param("gla_gv", 1, 70, 1, 1, 40, 28, None, True, True, False,
+                 id="gv-K40-V28-padded"),
 ]
 
 
@@ -472,10 +479,10 @@ def test_no_grad_and_refusals(monkeypatch):
     with pytest.raises(SpecError, match="float16 / bfloat16"):
         gla.chunk_gla(x.float(), x.float(), x.float(), g)
     y = torch.zeros(1, 70, 2, 272, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(SpecError, match="K a multiple of 16 up to 256"):
+    with pytest.raises(SpecError, match="K up to 256"):
         linear_attn.chunk_linear_attn(y, y, x)
     w = torch.zeros(1, 70, 2, 528, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(SpecError, match="V a multiple of 16 up to 512"):
+    with pytest.raises(SpecError, match="V up to 512"):
         linear_attn.chunk_linear_attn(x, x, w)
     with pytest.raises(SpecError, match="needs g"):
         gla.chunk_gla(x, x, x, g[..., :32])
