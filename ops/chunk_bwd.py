@@ -187,13 +187,13 @@ def _dims(q, k, v, beta, forward=False):
     if K not in (64, 128) or V not in (64, 128):
         raise SpecError(f"the chunked DeltaNet contract supports DK, DV in (64, 128), "
                         f"got DK={K}, DV={V}")
-    # the dh pass puts the B * H sequences (and the forward's output stage the B * H * NC
-    # chunks) on gridDim.y, which CUDA limits
+    # the forward's output stage puts the B * H * NC chunks on gridDim.y, which CUDA
+    # limits (the backward's stages put sequences and chunks on gridDim.x)
     limit = get_arch(ARCH).hardware.MAX_GRID_YZ
-    if B * H > limit or (forward and B * H * -(-L // CHUNK) > limit):
+    if forward and B * H * -(-L // CHUNK) > limit:
         raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
-                        f"DeltaNet contract supports up to {limit} (batch, head) pairs and "
-                        f"{limit} chunks in all per call")
+                        f"DeltaNet contract's forward supports up to {limit} chunks in all "
+                        f"per call")
     return B, H, L, K, V
 
 

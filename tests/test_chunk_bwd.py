@@ -528,3 +528,16 @@ def test_gated_stages_compile(K, V, dtype, dh_stages):
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec
         assert rec["registers"] and rec["registers"] <= 255, rec
+
+
+def test_contract_backward_takes_more_than_65535_sequences(monkeypatch):
+    """The contract backward's stages put the B * H sequences and their chunks on
+    gridDim.x: its size checks pass B * H = 70000; the forward's output stage (the chunks
+    on gridDim.y) refuses it in one line."""
+    monkeypatch.setattr(chunk_bwd, "_check_device", lambda n, x: None)
+    B, H, L, K = 1, 70000, 64, 64
+    m = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    q, beta = m(B, H, L, K), m(B, H, L)
+    assert chunk_bwd._dims(q, q, q, beta) == (B, H, L, K, K)
+    with pytest.raises(SpecError, match="forward supports up to 65535 chunks"):
+        chunk_bwd._dims(q, q, q, beta, forward=True)
