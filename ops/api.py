@@ -181,6 +181,26 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                  ht if output_final_state else None)
 
 
+def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
+                     inplace_final_state=False, kwargs=None) -> bool:
+    """Whether a fused_recurrent_* call of a family whose fla function trains (DeltaNet,
+    GLA, simple GLA, linear attention, retention) needs gradients: it then runs as its
+    chunk_* twin's training (the same function of its inputs). A state pool does not
+    train (refused in one line); ``chunk_size``, which fused_recurrent ignores, is dropped
+    from kwargs."""
+    import torch
+    if not (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                            for t in tensors)):
+        return False
+    if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state:
+        raise validate.error("a state pool (ssm_state_indices / num_accepted_tokens / "
+                             "inplace_final_state) has no backward: run it under "
+                             "torch.no_grad()")
+    if kwargs is not None:
+        kwargs.pop("chunk_size", None)
+    return True
+
+
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
                   dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None):
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form

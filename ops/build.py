@@ -32,6 +32,7 @@ registry are rendered on first use into ``ops.runtime.gen_dir()`` and compiled t
 Gradients: a spec with DeltaNet's, Gated DeltaNet's or KDA's mathematics (rule "delta", gate
 "none", "scalar" or "key", chunk size 64) trains through ``chunk`` (the generated backward,
 ops/autograd.py), and so does the additive rule with any gate (ops/additive_bwd.py);
+``fused_recurrent`` of such a spec trains as ``chunk`` (the same function of its inputs);
 every other call whose inputs need gradients raises SpecError instead of dropping them.
 """
 from __future__ import annotations
@@ -147,8 +148,13 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
     q, k, v, g, beta = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g", None), a.pop("beta", None)
     if spec.decay:
         g = fixed_gate(spec, q, v)
-    if recurrent:           # (a missing beta means ones, as in fla)
+    if recurrent and not (has_backward(spec) and api.recurrent_trains(
+            q, k, v, g, beta, a["initial_state"], a.get("A_log"), a.get("dt_bias"))):
+        # (a missing beta means ones, as in fla)
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
+    if recurrent and spec.has_beta and beta is None:    # (trains as ``chunk``)
+        import torch
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
     if has_backward(spec) and spec.rule is Rule.ADDITIVE:
         from . import additive_bwd
         if additive_bwd.needs_grad(q, k, v, g, a["initial_state"], a.get("A_log"),

@@ -50,7 +50,15 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
     """fla's fused_recurrent_delta_rule: the token-by-token kernel for any T; a missing
     beta means ones (as in fla). Shapes as chunk_delta_rule; the state pool arguments
     (ssm_state_indices, num_accepted_tokens, inplace_final_state) as
-    fused_recurrent_gated_delta_rule's."""
+    fused_recurrent_gated_delta_rule's. Differentiable as chunk_delta_rule (its training
+    runs the call)."""
+    if api.recurrent_trains(q, k, v, beta, initial_state, ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state, kwargs=kwargs):
+        import torch
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device) if beta is None else beta
+        return chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **kwargs)
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunked=False)
     return api.recurrent(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,

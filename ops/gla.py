@@ -58,9 +58,20 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     channel: S <- diag(exp(gk)) S) or gv [B, T, H, V] (per value channel:
     S <- S diag(exp(gv)); fla's name), f32 or q's dtype; neither: plain linear attention
     (the additive rule without a gate). gk and gv together and ``reverse`` are not
-    supported; the state pool arguments as fused_recurrent_gated_delta_rule's."""
+    supported; the state pool arguments as fused_recurrent_gated_delta_rule's.
+    Differentiable as chunk_gla (chunk_linear_attn without normalize for neither gate):
+    their training runs the call."""
     from . import linear_attn
     api.reject({"reverse": reverse})
+    if api.recurrent_trains(q, k, v, gk, gv, initial_state, ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state, kwargs=kwargs):
+        common = dict(scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                      output_final_state=output_final_state, cu_seqlens_cpu=cu_seqlens_cpu)
+        if gk is None and gv is None and not state_v_first:
+            return linear_attn.chunk_linear_attn(q, k, v, normalize=False, **common, **kwargs)
+        return chunk_gla(q, k, v, g=gk, gv=gv, state_v_first=state_v_first, **common,
+                         **kwargs)
     if gk is not None and gv is not None:
         raise validate.error("fused_recurrent_gla takes gk or gv, not both: both at once "
                              "is not supported yet")

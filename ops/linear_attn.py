@@ -47,8 +47,16 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None,
     """fla's fused_recurrent_linear_attn: the token-by-token kernel for any T. As
     chunk_linear_attn, with normalize off by default (as in fla); ``reverse`` is not
     supported; the state pool arguments (not with normalize) as
-    fused_recurrent_gated_delta_rule's."""
+    fused_recurrent_gated_delta_rule's. Differentiable as chunk_linear_attn (its
+    training runs the call)."""
     api.reject({"reverse": reverse})
+    if api.recurrent_trains(q, k, v, *(initial_state if isinstance(initial_state, tuple)
+                                       else (initial_state,)),
+                            ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state, kwargs=kwargs):
+        return chunk_linear_attn(q, k, v, scale, initial_state, output_final_state, normalize,
+                                 cu_seqlens, cu_seqlens_cpu, **kwargs)
     opts = api.fla_options(kwargs=kwargs, chunked=False)
     if normalize and (ssm_state_indices is not None or inplace_final_state):
         raise api.validate.error("normalize=True is not supported with a state pool "

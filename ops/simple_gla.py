@@ -53,8 +53,15 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
                                **kwargs):
     """fla's fused_recurrent_simple_gla: the token-by-token kernel for any T. Shapes as
     chunk_simple_gla; ``reverse`` is not supported; the state pool arguments as
-    fused_recurrent_gated_delta_rule's."""
+    fused_recurrent_gated_delta_rule's. Differentiable as chunk_simple_gla (its training
+    runs the call)."""
     api.reject({"reverse": reverse})
+    if api.recurrent_trains(q, k, v, g, g_gamma, initial_state,
+                            ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state, kwargs=kwargs):
+        return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                                state_v_first, cu_seqlens, cu_seqlens_cpu, **kwargs)
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
     return api.recurrent(_spec(g, g_gamma), q, k, v, g, None, scale=scale,
                          initial_state=initial_state, output_final_state=output_final_state,

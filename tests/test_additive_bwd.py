@@ -22,6 +22,7 @@ from test_chunk import by_name
 from test_chunk_additive import poisoned  # noqa: F401
 from test_chunk_fused import PipelineMath
 
+import linattn
 from linattn.codegen.plan import plan
 from linattn.codegen.pipeline import AdditiveBackwardProblem
 from linattn.dsl import (Gate, Options, SpecError, all_rule_gate_specs, key_twin,
@@ -429,15 +430,19 @@ def test_chunk_gla_gv_trains(monkeypatch, rng):
         assert _rel(t.grad, ref[n].grad) < 5e-3, n
 
 
-def test_family_functions_train(monkeypatch, rng):
-    """chunk_gla / chunk_simple_gla (g and g_gamma) / chunk_linear_attn (normalize) route
-    calls that need gradients through the backward, with fla's argument names."""
+@pytest.mark.parametrize("kind", ["chunk", "fused_recurrent"])
+def test_family_functions_train(monkeypatch, rng, kind):
+    """chunk_gla / chunk_simple_gla (g and g_gamma) / chunk_linear_attn (normalize) /
+    chunk_retention route calls that need gradients through the backward, with fla's
+    argument names; so do their fused_recurrent_* twins (as fla's, they train: the
+    chunked training runs them; fused_recurrent_gla's gate is named gk)."""
     monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
     B, T, H, K, V = 1, 80, 2, 32, 32
-    for fn, spec, kw in ((gla.chunk_gla, gla.SPEC, {}),
-                         (simple_gla.chunk_simple_gla, simple_gla.SPEC, {"gamma": True}),
-                         (retention.chunk_retention, retention.SPEC, {"fixed": True}),
-                         (linear_attn.chunk_linear_attn, linear_attn.SPEC, {"normalize": True})):
+    for name, spec, kw in (("gla", gla.SPEC, {}),
+                           ("simple_gla", simple_gla.SPEC, {"gamma": True}),
+                           ("retention", retention.SPEC, {"fixed": True}),
+                           ("linear_attn", linear_attn.SPEC, {"normalize": True})):
+        fn = getattr(linattn, f"{kind}_{name}")
         install_fakes(monkeypatch, spec, H, H, K, V)
         x, do, _ = _train_inputs(spec, rng, B, T, H, H, K, V, B, True, False)
         if kw.get("normalize"):         # a positive feature map: the normaliser q.z > 0
@@ -451,7 +456,10 @@ def test_family_functions_train(monkeypatch, rng):
             args["g_gamma"] = torch.tensor([-0.05, -0.2]).requires_grad_()
         if kw.get("normalize") is not None:
             args["normalize"] = True
-        o, ht = fn(**args, scale=0.2, output_final_state=True)
+        call = dict(args)
+        if kind == "fused_recurrent" and name == "gla":
+            call["gk"] = call.pop("g")
+        o, ht = fn(**call, scale=0.2, output_final_state=True)
         (o.double() * do).sum().backward()
         ref = {n: t.detach().double().requires_grad_() for n, t in args.items()
                if isinstance(t, torch.Tensor)}

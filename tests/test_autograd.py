@@ -227,9 +227,9 @@ def test_state_v_first(fake_kernels, rng):
                             flag="transpose_state_layout", use_qk_l2norm_in_kernel=True)
 
 
-# (chunk_gla trains: test_additive_bwd.py; chunk_kda: test_kda_bwd.py)
-@pytest.mark.parametrize("op", ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda",
-                                "fused_recurrent_gla", "fused_recurrent_delta_rule"])
+# (chunk_gla and fused_recurrent_gla train: test_additive_bwd.py; chunk_kda: test_kda_bwd.py;
+# fused_recurrent_delta_rule: test_fused_recurrent_delta_rule_trains_as_chunk)
+@pytest.mark.parametrize("op", ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda"])
 def test_ops_without_backward_refuse_requires_grad(op):
     fn = getattr(linattn, op, None)
     if fn is None:
@@ -244,6 +244,33 @@ def test_ops_without_backward_refuse_requires_grad(op):
                 fused_recurrent_delta_rule=(q, k, v, beta))[op]
     with pytest.raises(SpecError, match="no backward"):
         fn(*args)
+
+
+def test_fused_recurrent_delta_rule_trains_as_chunk(fake_kernels, rng):
+    """fused_recurrent_delta_rule with gradients (as fla's) runs chunk_delta_rule's
+    training: the same o, final state and gradients (a missing beta: ones); a state pool
+    is refused."""
+    xs, do, dht = _inputs(rng, 1, 70, 2, 64, 64, torch.float16, 1, True)
+    for beta in (xs[3], None):
+        runs = []
+        for fn in (linattn.chunk_delta_rule, linattn.fused_recurrent_delta_rule):
+            leaves = [None if x is None else x.clone().requires_grad_()
+                      for x in (xs[0], xs[1], xs[2], beta, xs[4])]
+            b = leaves[3] if beta is not None else (
+                torch.ones(1, 70, 2, dtype=torch.float16) if fn is linattn.chunk_delta_rule
+                else None)
+            o, ht = fn(leaves[0], leaves[1], leaves[2], b, initial_state=leaves[4],
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, chunk_size=64)
+            ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+            runs.append((o, ht, [x.grad for x in leaves if x is not None]))
+        (o0, h0, g0), (o1, h1, g1) = runs
+        assert torch.equal(o0, o1) and torch.equal(h0, h1)
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    q = xs[0].clone().requires_grad_()
+    with pytest.raises(SpecError, match="state pool .* has no backward"):
+        linattn.fused_recurrent_delta_rule(q, xs[1], xs[2], xs[3], initial_state=xs[4],
+                                           inplace_final_state=True,
+                                           ssm_state_indices=torch.tensor([0]))
 
 
 def test_gpu_check_recorder():
