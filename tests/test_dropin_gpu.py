@@ -219,3 +219,28 @@ def test_linear_attn_normalize():
     zc = k.double().cumsum(1)
     denom = (q.double() * 128 ** -0.5 * zc).sum(-1, keepdim=True) + 1e-10
     assert _rel(o, ro / denom) < TOL and _rel(z, zc[:, -1:]) < 1e-5
+
+
+@pytest.mark.parametrize("fn, fam, K, V, T", [
+    ("chunk_gated_delta_rule", "gdn", 100, 60, 200), ("chunk_gated_delta_rule", "gdn", 60, 100, 1),
+    ("fused_recurrent_gated_delta_rule", "gdn", 20, 12, 5), ("chunk_kda", "kda", 60, 100, 200),
+    ("chunk_gla", "gla", 100, 50, 200), ("chunk_delta_rule", "deltanet", 48, 100, 130)])
+def test_head_dims_off_the_kernel_multiples(fn, fam, K, V, T):
+    """K, V no kernel takes as they are run zero-padded to multiples of 16 (ops/padding.py)
+    and match the fp64 reference at the call's dims, initial and final states included."""
+    spec = get_spec(fam)
+    HV = 2 if fam in ("gla", "deltanet") else 4
+    q, k, v, g, beta = _inputs(T=T, K=K, V=V, HV=HV, key=spec.gate.value == "key")
+    h0 = torch.randn(2, HV, K, V, device="cuda")
+    if fam == "gla":
+        args, ref_args = (q, k, v, g), (q, k, v, g, None)
+    elif fam == "deltanet":
+        args, ref_args = (q, k, v, beta[..., :HV]), (q, k, v, None, beta[..., :HV])
+    else:
+        args = (q, k, v, g) + ((beta,) if fn != "fused_recurrent_gated_delta_rule" else ())
+        ref_args = (q, k, v, g, beta)
+    kw = {"beta": beta} if fn == "fused_recurrent_gated_delta_rule" else {}
+    o, ht = getattr(linattn, fn)(*args, **kw, initial_state=h0, output_final_state=True)
+    ro, rht = _ref(fam, *ref_args, initial_state=h0)
+    assert o.shape == ro.shape and ht.shape == h0.shape
+    assert _rel(o, ro) < TOL and _rel(ht, rht) < TOL
