@@ -44,7 +44,7 @@ import numpy as np
 from ..codegen.arch import get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
-from . import chunk, padding, runtime
+from . import chunk, exact_train, padding, runtime
 
 ARCH = "sm90"
 CHUNK = 64
@@ -458,6 +458,11 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
     """A differentiable chunk call of an additive-rule spec: checked, then the autograd
     Function (l2norm and the gate activation, where the spec has them, by torch before
     it). Returns (o, final_state or None)."""
+    if exact_train.is_float32(q):
+        return exact_train.train(spec, options, q, k, v, g, None, scale=scale,
+                                 initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
     check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens, A_log)
     q, k, g = _effective(spec, options, q, k, g, A_log, dt_bias)
     K, V, vf = q.shape[-1], v.shape[-1], options.state_v_first

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..dsl import Options, SpecError
-from . import chunk_bwd, padding
+from . import chunk_bwd, exact_train, padding
 
 #: head dims the backward stages are generated for (a call of smaller dims runs zero-padded
 #: to the next one: :func:`kernel_dims`)
@@ -353,9 +353,15 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
     """A differentiable call of a gated delta-rule spec (chunk_gated_delta_rule: the
     scalar gate; chunk_kda: the per-key gate, lower_bound its lower-bounded gate):
     checked, then the autograd Function. Returns (o, final_state or None)."""
-    check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec)
     if opts.gate_in_kernel and A_log is None and lower_bound is None:
         raise SpecError("use_gate_in_kernel=True needs A_log")
+    if exact_train.is_float32(q):
+        return exact_train.train(spec, opts, q, k, v, g, beta, scale=scale,
+                                 initial_state=initial_state,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lower_bound if opts.gate_in_kernel else None)
+    check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec)
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()

@@ -21,12 +21,18 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
 
     Differentiable (ops/autograd.py) when any of q, k, v, beta, initial_state requires
     grad: gradients for all five, from o's and final_state's (K, V up to 128, below
-    64 / 128 zero-padded to them; f16 / bf16; anything the backward does not support
-    raises SpecError).
+    64 / 128 zero-padded to them; f16 / bf16; float32 exactly in torch,
+    ops/exact_train.py; anything the backward does not support raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs)
     from . import autograd
     if autograd.needs_grad(q, k, v, beta, initial_state):
+        from . import exact_train
+        if exact_train.is_float32(q):
+            return exact_train.train(SPEC, opts, q, k, v, None, beta, scale=scale,
+                                     initial_state=initial_state,
+                                     output_final_state=output_final_state,
+                                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         autograd.check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens)
         cu = None
         if cu_seqlens is not None:

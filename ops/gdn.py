@@ -28,8 +28,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
     dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V up
-    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16; anything the backward
-    does not support raises SpecError).
+    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16; float32 exactly in
+    torch, ops/exact_train.py; anything the backward does not support raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)

@@ -46,7 +46,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
     dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V up
-    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16; the gate's activation,
+    to 128, below 64 / 128 zero-padded to them; float16 / bfloat16 (float32 exactly in
+    torch, ops/exact_train.py); the gate's activation,
     l2norm and beta's sigmoid by torch; anything the backward does not support raises
     SpecError).
     """

@@ -188,7 +188,7 @@ def _grad_inputs(K=64, V=64, dtype=torch.bfloat16, T=70):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(K=160), "K, V in \\[1, 128\\]"),
     (dict(V=256), "K, V in \\[1, 128\\]"),
-    (dict(dtype=torch.float32), "float16 / bfloat16"),
+    (dict(dtype=torch.float32), "q is on cpu"),       # (float32 trains: exact_train)
 ])
 def test_unsupported_shapes_raise(kwargs, match):
     with pytest.raises(SpecError, match=match):
@@ -369,8 +369,10 @@ def test_gdn_unsupported_raise():
         linattn.chunk_gated_delta_rule(q, k, v, g[:, :, :1], beta)
     with pytest.raises(SpecError, match="HV a multiple of H"):
         linattn.chunk_gated_delta_rule(q, k, v[:, :, :1], g[:, :, :1], beta[:, :, :1])
-    with pytest.raises(SpecError, match="float16 / bfloat16"):
+    with pytest.raises(SpecError, match="q is on cpu"):     # (float32 trains: exact_train)
         linattn.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta)
+    with pytest.raises(SpecError, match="k has dtype"):
+        linattn.chunk_gated_delta_rule(q.float(), k, v, g, beta)
 
 
 def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):

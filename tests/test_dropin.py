@@ -494,3 +494,59 @@ def test_state_pool_with_padded_dims_refused(cpu_ops):
         linattn.fused_recurrent_gated_delta_rule(
             q, k, v, g, beta=beta, initial_state=pool, inplace_final_state=True,
             ssm_state_indices=torch.tensor([1, 3]))
+
+
+# ------------------------------------------------------------------ float32 training
+@pytest.mark.parametrize("fn, fam", [
+    ("chunk_gated_delta_rule", "gdn"), ("chunk_kda", "kda"), ("chunk_delta_rule", "deltanet"),
+    ("chunk_gla", "gla"), ("fused_recurrent_simple_gla", "simple_gla"),
+    ("fused_recurrent_delta_rule", "deltanet")])
+def test_float32_training_is_exact(cpu_ops, fn, fam):
+    """A float32 call that needs gradients (ops/exact_train.py: the chunked algorithm in
+    fp64 by torch) against torch autograd of the independent fp64 token recurrence, with
+    varlen, an initial state, the final state's gradient, GVA and the gate in the kernel
+    (KDA's lower-bounded form) where the family has them."""
+    spec = get_spec(fam)
+    key = spec.gate.value == "key"
+    HV = 4 if fam in ("gdn", "kda") else 2
+    q, k, v, g, beta = inputs(B=1, T=70, H=2, HV=HV, K=32, V=16, dtype=F32,
+                              gate="key" if key else "scalar")
+    gen = torch.Generator().manual_seed(5)
+    x = dict(q=q, k=k, v=v, initial_state=torch.randn(3, HV, 32, 16, generator=gen))
+    kw = dict(cu_seqlens=torch.tensor([0, 20, 21, 70]), output_final_state=True)
+    lb = None
+    if fam in ("gdn", "kda"):
+        x.update(g=torch.randn(g.shape, generator=gen), beta=beta,
+                 A_log=torch.randn(HV, generator=gen),
+                 dt_bias=torch.randn(HV * (32 if key else 1), generator=gen))
+        kw.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+        lb = -5.0 if key else None
+        if key:
+            kw.update(lower_bound=lb, safe_gate=True)
+    elif fam == "deltanet":
+        x["beta"] = beta[..., :HV]
+    else:                       # simple GLA: a decay per head; GLA: per key channel
+        x["g"] = g if fam == "simple_gla" else F.logsigmoid(torch.randn(1, 70, 2, 32,
+                                                                        generator=gen))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = getattr(linattn, fn)(**leaves, **kw)
+    assert cpu_ops == [] and o.dtype == F32 and ht.dtype == F32
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    g_r, opts = ref.get("g"), Options(l2norm_qk=fam in ("gdn", "kda"),
+                                      gate_in_kernel=fam == "gdn")
+    A_log, dt_bias = ref.get("A_log"), ref.get("dt_bias")
+    if fam == "kda":            # lower_bound * sigmoid(exp(A_log) (g + dt_bias))
+        g_r = lb * torch.sigmoid(torch.exp(A_log).view(HV, 1) * (g_r + dt_bias.view(HV, 32)))
+        A_log = dt_bias = None
+    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], g_r, ref.get("beta"),
+                                   options=opts, initial_state=ref["initial_state"],
+                                   cu_seqlens=kw["cu_seqlens"], A_log=A_log, dt_bias=dt_bias)
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    _close(o, ro, 1e-5)
+    _close(ht, rht, 1e-5)
+    for n, t in leaves.items():
+        assert t.grad is not None and t.grad.dtype == t.dtype, n
+        _close(t.grad, ref[n].grad, 1e-5)

@@ -244,3 +244,28 @@ def test_head_dims_off_the_kernel_multiples(fn, fam, K, V, T):
     ro, rht = _ref(fam, *ref_args, initial_state=h0)
     assert o.shape == ro.shape and ht.shape == h0.shape
     assert _rel(o, ro) < TOL and _rel(ht, rht) < TOL
+
+
+@pytest.mark.parametrize("fn, fam", [("chunk_gated_delta_rule", "gdn"), ("chunk_gla", "gla"),
+                                     ("fused_recurrent_delta_rule", "deltanet")])
+def test_float32_training(fn, fam):
+    """float32 calls train exactly (ops/exact_train.py) on the GPU: o and every gradient
+    against torch autograd of the fp64 token recurrence."""
+    spec = get_spec(fam)
+    HV = 4 if fam == "gdn" else 2
+    q, k, v, g, beta = _inputs(B=1, T=100, K=60, V=32, HV=HV, dtype=torch.float32,
+                               key=fam == "gla")
+    x = dict(q=q, k=k, v=v, initial_state=torch.randn(1, HV, 60, 32, device="cuda"))
+    x.update(dict(g=g, beta=beta) if fam == "gdn" else dict(g=g) if fam == "gla"
+             else dict(beta=beta[..., :HV]))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = getattr(linattn, fn)(**leaves, output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref.get("g"),
+                                   ref.get("beta"), initial_state=ref["initial_state"])
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    assert _rel(o, ro) < 1e-5 and _rel(ht, rht) < 1e-5
+    for n, t in leaves.items():
+        assert _rel(t.grad, ref[n].grad) < 1e-5, n

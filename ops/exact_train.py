@@ -1,0 +1,45 @@
+"""Training of float32 calls: the chunked algorithm in fp64 by torch, differentiated by
+torch.autograd (dsl/torch_reference.py chunked_forward).
+
+The generated kernels take float16 / bfloat16. A float32 call that needs gradients (fla's
+own float32 tests train this way) runs the spec's chunked forward in fp64 on the call's
+device, every option applied as the kernels apply it, and torch.autograd gives the
+gradients: exact, at torch's speed (no generated kernel), for correctness work rather
+than for speed. Everything is checked first, as a kernel call is (the device check last).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+def is_float32(q) -> bool:
+    import torch
+    return getattr(q, "dtype", None) == torch.float32
+
+
+def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
+          output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, A_log=None,
+          dt_bias=None, lower_bound=None):
+    """(o [B, T, HV, V] float32, final state float32 or None) of a float32 call of
+    ``spec`` (any rule and gate), differentiable in every tensor input."""
+    import torch
+    from ..dsl import torch_reference as tref
+    from . import validate
+    validate.check_call(spec, options, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                        initial_state=initial_state, cu_seqlens=cu_seqlens,
+                        cu_seqlens_cpu=cu_seqlens_cpu, lower_bound=lower_bound, scale=scale,
+                        values=validate.host_checks())
+    if options.gate_in_kernel and lower_bound is not None:   # KDA's lower-bounded gate
+        HV = v.shape[2]
+        x = g.double() + (0.0 if dt_bias is None else dt_bias.double().reshape(HV, -1))
+        if A_log is not None:
+            x = torch.exp(A_log.double().reshape(HV, 1)) * x
+        g, A_log, dt_bias = float(lower_bound) * torch.sigmoid(x), None, None
+        options = dataclasses.replace(options, gate_in_kernel=False)
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    o, final = tref.chunked_forward(spec, q, k, v, g, beta, options=options,
+                                    scale=spec.scale_for(q.shape[-1], scale),
+                                    initial_state=initial_state,
+                                    cu_seqlens=None if cu is None else cu.cpu(),
+                                    A_log=A_log, dt_bias=dt_bias)
+    return o.to(q.dtype), (final.float() if output_final_state else None)
