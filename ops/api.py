@@ -201,6 +201,24 @@ def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
     return True
 
 
+def lower_bounded_gate(g, A_log, dt_bias, lower_bound):
+    """KDA's lower-bounded gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)) in g's
+    precision (differentiable): g [B, T, HV, K]; A_log HV elements, dt_bias HV * K, each
+    or None."""
+    import torch
+    HV = g.shape[2]
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype).reshape(HV, -1)
+    if A_log is not None:
+        x = torch.exp(A_log.to(g.dtype).reshape(HV, 1)) * x
+    return float(lower_bound) * torch.sigmoid(x)
+
+
+def ones_beta(q, v):
+    """fla's missing beta: ones [B, T, HV] in q's dtype."""
+    import torch
+    return torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+
+
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
                   dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None):
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
@@ -221,14 +239,13 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
         gam = g_gamma.reshape(1, 1, dims.HV).float()
         g = (gam if g is None else g.float() + gam).expand(dims.B, dims.T, dims.HV).contiguous()
     if spec.has_beta and beta is None:
-        beta = torch.ones(dims.B, dims.T, dims.HV, dtype=q.dtype, device=q.device)
+        beta = ones_beta(q, v)
     gate_params = options.gate_in_kernel and spec.has_gate
     HV, n = dims.HV, dims.HV * spec.gate.n_channels(dims.K, dims.V)
     a = A_log.reshape(HV).float() if gate_params and A_log is not None else None
     b = dt_bias.reshape(n).float() if gate_params and dt_bias is not None else None
     if gate_params and lower_bound is not None:
-        x = g.float() + (b.view(HV, -1) if b is not None else 0.0)
-        g = float(lower_bound) * torch.sigmoid(x if a is None else torch.exp(a).view(HV, 1) * x)
+        g = lower_bounded_gate(g.float(), a, b, lower_bound)
         options, a, b = dataclasses.replace(options, gate_in_kernel=False), None, None
     elif gate_params and b is None:
         from .runtime import zeros

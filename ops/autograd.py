@@ -99,14 +99,12 @@ class ChunkDeltaRuleFunction:
         if cls._fn is None:
             cls._fn = _make_function()
         if call.state_v_first and initial_state is not None:
-            initial_state = initial_state.transpose(-1, -2)
+            initial_state = initial_state.transpose(-1, -2).contiguous()
         K, V = q.shape[-1], v.shape[-1]
         Kp, Vp = kernel_dims(K, V)
         if (Kp, Vp) != (K, V):
             q, k, v, initial_state, g, dt_bias = pad_dims(call, Kp, Vp, q, k, v, initial_state,
                                                           g, dt_bias)
-        elif initial_state is not None:
-            initial_state = initial_state.contiguous()
         o, final = padding.unpad(False, K, V, *cls._fn.apply(
             call, q, k, v, beta, initial_state, g, A_log, dt_bias))
         if call.state_v_first and final is not None:
@@ -294,20 +292,20 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
     torch.autograd differentiates the activations): the gate's activation
     -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla; per key channel for
     KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid. (q, k's
-    l2norm is the gather / scatter kernels'.)"""
+    l2norm is the recompute's and chunk_bwd_key_grads'.)"""
     import torch
     from ..dsl.torch_reference import softplus_fla
+    from . import api
     g_in = g.float()
-    if call.gate_in_kernel:
+    if call.gate_in_kernel and call.lower_bound is not None:     # KDA's lower-bounded gate
+        g_in = api.lower_bounded_gate(g_in, A_log, dt_bias, call.lower_bound)
+    elif call.gate_in_kernel:
         # per key channel: A_log [HV] -> [HV, 1], dt_bias [HV * K] -> [HV, K]
         shape = (g.shape[2], -1) if call.keyed else (-1,)
         x = g_in if dt_bias is None else g_in + dt_bias.float().reshape(shape)
-        a = None if A_log is None else torch.exp(A_log.float().reshape(g.shape[2], -1)
-                                                 if call.keyed else A_log.float().reshape(-1))
-        if call.lower_bound is not None:          # KDA's lower-bounded gate
-            g_in = float(call.lower_bound) * torch.sigmoid(x if a is None else a * x)
-        else:
-            g_in = -a * softplus_fla(x)
+        a = torch.exp(A_log.float().reshape(g.shape[2], -1) if call.keyed
+                      else A_log.float().reshape(-1))
+        g_in = -a * softplus_fla(x)
     b_in = beta.float()
     if call.beta_sigmoid:
         b_in = torch.sigmoid(b_in) * (2.0 if call.allow_neg_eigval else 1.0)

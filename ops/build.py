@@ -153,8 +153,7 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
         # (a missing beta means ones, as in fla)
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
     if recurrent and spec.has_beta and beta is None:    # (trains as ``chunk``)
-        import torch
-        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
+        beta = api.ones_beta(q, v)
     if has_backward(spec) and spec.rule is Rule.ADDITIVE:
         from . import additive_bwd
         if additive_bwd.needs_grad(q, k, v, g, a["initial_state"], a.get("A_log"),

@@ -42,8 +42,6 @@ from . import chunk, runtime
 
 #: the backward's stages, in order
 STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
-#: every stage of this module, in the plan's order
-ALL_STAGES = ("chunk_bwd_gather",) + STAGES + ("chunk_bwd_scatter",)
 #: the per-key gate's recompute of the forward's prepare (A written too); the other gates
 #: recompute A, w, u by the forward's own chunk_kkt_inverse and chunk_wu
 RECOMPUTE = "chunk_bwd_wy_recompute"

@@ -61,8 +61,7 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
     if api.recurrent_trains(q, k, v, beta, initial_state, ssm_state_indices=ssm_state_indices,
                             num_accepted_tokens=num_accepted_tokens,
                             inplace_final_state=inplace_final_state, kwargs=kwargs):
-        import torch
-        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device) if beta is None else beta
+        beta = api.ones_beta(q, v) if beta is None else beta
         return chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state,
                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **kwargs)
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunked=False)

@@ -22,19 +22,15 @@ def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_stat
           dt_bias=None, lower_bound=None):
     """(o [B, T, HV, V] float32, final state float32 or None) of a float32 call of
     ``spec`` (any rule and gate), differentiable in every tensor input."""
-    import torch
     from ..dsl import torch_reference as tref
-    from . import validate
+    from . import api, validate
     validate.check_call(spec, options, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                         initial_state=initial_state, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu, lower_bound=lower_bound, scale=scale,
                         values=validate.host_checks())
     if options.gate_in_kernel and lower_bound is not None:   # KDA's lower-bounded gate
-        HV = v.shape[2]
-        x = g.double() + (0.0 if dt_bias is None else dt_bias.double().reshape(HV, -1))
-        if A_log is not None:
-            x = torch.exp(A_log.double().reshape(HV, 1)) * x
-        g, A_log, dt_bias = float(lower_bound) * torch.sigmoid(x), None, None
+        g, A_log, dt_bias = api.lower_bounded_gate(g.double(), A_log, dt_bias, lower_bound), \
+            None, None
         options = dataclasses.replace(options, gate_in_kernel=False)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     o, final = tref.chunked_forward(spec, q, k, v, g, beta, options=options,

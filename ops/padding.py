@@ -35,10 +35,8 @@ def pad_heads(gate_channels, v_first: bool, K: int, V: int, Kp: int, Vp: int, q,
 
 
 def unpad(v_first: bool, K: int, V: int, o, final):
-    """(o, final state or None) of a padded run at head dims K, V (contiguous)."""
-    if o.shape[-1] == V and (final is None or final.shape[-2:] == ((V, K) if v_first
-                                                                  else (K, V))):
-        return o, final
+    """(o, final state or None) of a padded run at head dims K, V (contiguous; an unpadded
+    run's own tensors where they are contiguous already)."""
     o = o[..., :V].contiguous()
     if final is not None:
         final = (final[..., :V, :K] if v_first else final[..., :K, :V]).contiguous()
