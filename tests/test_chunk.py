@@ -322,18 +322,19 @@ def test_state_pass_takes_k_in_64s():
     """The state pass (per-key gate, additive rule) takes K a multiple of 64: the plan
     refuses other K with one line, the arch rounds them up (the op pads; the pipeline test
     test_chunk_fused.test_padded_k checks it) and the API keeps them chunked; the delta
-    rule's walk takes any K a multiple of 16."""
+    rule's walk takes K in 64s too (its state GEMMs: K = 96 did not compile), so the arch
+    rounds the walk's K up as well and a plan at K = 96 is refused there too."""
     from linattn.ops import api, validate
     arch = get_arch("sm90")
-    for name in ("kda", "gla"):
+    for name in ("kda", "gla", "gdn"):
         with pytest.raises(SpecError, match="multiple of 64"):
             _plan(name, K=96)
+    for name in ("kda", "gla"):
         assert _plan(name, K=192).name in ("fused", "three-stage")
         assert [arch.chunk_k("delta" if name == "kda" else "additive", "key", K)
                 for K in (16, 96, 128, 208)] == [64, 128, 128, 256]
         assert api.chunk_supports(_spec(name), validate.Dims(1, 256, 2, 2, 96, 64), "bfloat16")
-    assert _plan("gdn", K=96).name in ("walk", "walk-split")
-    assert arch.chunk_k("delta", "scalar", 96) == 96
+    assert [arch.chunk_k("delta", g, 96) for g in ("none", "scalar")] == [128, 128]
 
 
 def test_key_gate_prepare_tuning():

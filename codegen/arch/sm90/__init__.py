@@ -17,12 +17,12 @@ from .stages import STATE_K_MULTIPLE
 
 
 def chunk_k(rule: str, gate: str, K: int) -> int:
-    """The head dim K the chunked forward's kernels run a call of head dim K at: the walk
-    any multiple of 16, the state pass of the other rules and gates K rounded up to a
-    multiple of STATE_K_MULTIPLE (the op pads q, k, the gate and the states with zero
-    channels, which leave every output unchanged)."""
-    step = 16 if walks(rule, gate) else STATE_K_MULTIPLE
-    return -(-K // step) * step
+    """The head dim K the chunked forward's kernels run a call of head dim K at: K rounded
+    up to a multiple of STATE_K_MULTIPLE for every rule and gate (the op pads q, k, the
+    gate and the states with zero channels, which leave every output unchanged). The walk
+    too: its state GEMMs have K rows, which 4 warps of a warpgroup MMA cover only in 64s
+    (K = 48, 96, 112 failed to compile, run s17-1 and sm_90a on the CPU)."""
+    return -(-K // STATE_K_MULTIPLE) * STATE_K_MULTIPLE
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}

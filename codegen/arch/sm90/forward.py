@@ -78,7 +78,7 @@ def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
 def walk_blocks(p: ForwardProblem) -> tuple:
     """The value blocks chunk_walk can run at for p (fitting shared memory), largest first."""
     return tuple(bv for bv in (128, 64, 32, 16)
-                 if p.V % bv == 0 and p.K % 16 == 0 and walk_smem(p.K, bv) <= SMEM_BYTES)
+                 if p.V % bv == 0 and p.K % 64 == 0 and walk_smem(p.K, bv) <= SMEM_BYTES)
 
 
 def _step_us(p: ForwardProblem, bv: int) -> float:
