@@ -109,13 +109,15 @@ def launch(stage: str, params: dict, note: str = "", **bind) -> Launch:
 class Plan:
     """The stages one call runs, in order. ``name`` says which pipeline; ``segments`` the
     sequence split's segment length in chunks (0: not split); ``reasons`` the rules that
-    chose it, one line each."""
+    chose it, one line each; ``saved`` the buffers a training forward (save_states) keeps
+    for the backward."""
     name: str
     arch: str
     launches: tuple
     buffers: tuple = ()
     segments: int = 0
     reasons: tuple = field(default=(), compare=False)
+    saved: tuple = ()
 
     def stages(self) -> list[str]:
         return [la.stage for la in self.launches]
@@ -131,6 +133,8 @@ class Plan:
                 lines.append("      " + ", ".join(f"{a} <- {t}" for a, t in la.bind))
         for b in self.buffers:
             lines.append(f"  buffer {b.name} {list(b.shape)} {b.dtype}")
+        if self.saved:
+            lines.append(f"  saved for the backward: {', '.join(self.saved)}")
         return "\n".join(lines)
 
 

@@ -71,6 +71,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_prepare", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate: cumsum, A_qk, WY inverse A, w, u, qg, kg",
               gates=frozenset({"key"})),
+        Stage("chunk_prepare_save", "chunk_prepare_key.py.jinja", "fwd",
+              doc="per chunk, per-key gate, training: chunk_prepare writing the WY "
+                  "inverse A too (the backward keeps it)",
+              rules=frozenset({"delta"}), gates=frozenset({"key"})),
         Stage("chunk_state_summary", "chunk_state.py.jinja", "fwd",
               doc="sequence split, additive rule: each segment's end state from zero and "
                   "its summed log decay (S_end = diag(e^G) S_start + B)",
@@ -89,9 +93,9 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               skip=frozenset({"delta/none", "delta/scalar"})),
     ),
     "bwd": (
-        Stage("chunk_bwd_wy_recompute", "chunk_prepare_key.py.jinja", "bwd",
-              doc="per chunk, per-key gate: the forward's prepare (A_qk, A, w, u, qg, kg, "
-                  "g_last), A written too (token-first)",
+        Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",
+              doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
+                  "q, k) from the inverse A the training forward kept",
               rules=frozenset({"delta"}), gates=frozenset({"key"})),
         Stage("chunk_bwd_dv_local", "chunk_bwd_dv_local.py.jinja", "bwd",
               doc="per chunk (token-first packed): dv_local = (tril_incl(q k^T) E)^T do",

@@ -122,10 +122,10 @@ def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
                   initial_state=None, output_final_state=False, options: Options = Options(),
                   cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None,
                   lower_bound=None):
-    """(o, final_state or None, h) of a training forward (ops/autograd.py's Function):
-    the chunked forward for every T (its backward reads the states), keeping h
-    [NT, HV, K, V] in q's dtype, the state entering each chunk (ops/chunk.py
-    chunk_forward's save_states). Checks and kernel inputs as :func:`forward`; called
+    """(o, final_state or None, saved) of a training forward (ops/autograd.py's Function):
+    the chunked forward for every T, keeping what its backward reads (ops/chunk.py
+    chunk_forward's save_states: h [NT, HV, K, V] in q's dtype, the state entering each
+    chunk; the per-key gate's A and aqk too). Checks and kernel inputs as :func:`forward`; called
     inside the autograd Function, not through a torch.library op (as the additive rule's
     training forward)."""
     from .chunk import chunk_forward

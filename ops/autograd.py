@@ -2,16 +2,19 @@
 forward (ops/chunk.py) and backward (ops/chunk_bwd.py) stages.
 
 The forward runs the chunked forward keeping its per-chunk states h [NT, HV, K, V] (the
-16-bit states its kernels already form: the walk's, or chunk_state's) and saves them with
-its inputs. The backward recomputes the rest of what it needs, as fla does.
+16-bit states its kernels already form: the walk's, or chunk_state's) and, for the
+per-key gate, the WY inverse A and A_qk [Ttot, HV, 64] (its prepare's costly part: the
+pair sums and the inverse; fla keeps its A_qk, A_kk likewise), and saves them with its
+inputs. The backward recomputes the rest of what it needs, as fla does.
 
 Every gate (:func:`packed_backward`: DeltaNet, Gated DeltaNet, KDA) runs on the call's own
 token-first tensors [B T, H, D] and packed varlen, cut into chunks by the forward's tables:
 
     recompute              the forward's own prepare: A, w, u and, with l2norm, q, k
                            l2-normalised; the scalar gate's in-chunk cumulative log gate
-                           (chunk_kkt_inverse, chunk_wu); the per-key gate's A_qk, qg, kg,
-                           g_last and cumulative gate too (chunk_bwd_wy_recompute)
+                           (chunk_kkt_inverse, chunk_wu); the per-key gate's w, u, qg, kg,
+                           g_last and cumulative gate from the kept A
+                           (chunk_bwd_key_rebuild)
     chunk_bwd_* stages     dq, dk (per value head), dv, dbeta, dg, dh0 from do and dht,
                            the scale in q (none / scalar gate: dq = scale * the gradient
                            of f) or in do (per-key gate)
@@ -74,8 +77,9 @@ def needs_grad(*tensors) -> bool:
 
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,
                 dt_bias=None):
-    """(o, final_state or None, h [NT, HV, K, V] in q's dtype: the state entering each
-    chunk) from the chunked forward (tests replace this on the CPU)."""
+    """(o, final_state or None, saved) from the chunked forward (tests replace this on the
+    CPU); saved: h [NT, HV, K, V] in q's dtype, the state entering each chunk, and for
+    the per-key gate A, aqk [Ttot, HV, 64] (api.train_forward)."""
     from . import api
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
     return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
@@ -141,18 +145,21 @@ def _make_function():
         @staticmethod
         def forward(ctx, call, q, k, v, beta, initial_state, g, A_log, dt_bias):
             gate = (g, A_log, dt_bias) if call.gated else ()
-            o, final, h = run_forward(call, q, k, v, beta, initial_state, *gate)
-            ctx.call = call
-            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias, h)
+            o, final, saved = run_forward(call, q, k, v, beta, initial_state, *gate)
+            ctx.call, ctx.saved_names = call, tuple(saved)
+            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias,
+                                  *saved.values())
             ctx.set_materialize_grads(False)
             return o, final
 
         @staticmethod
         def backward(ctx, do, dht):
-            q, k, v, beta, initial_state, g, A_log, dt_bias, h = ctx.saved_tensors
+            q, k, v, beta, initial_state, g, A_log, dt_bias, *kept = ctx.saved_tensors
+            kept = dict(zip(ctx.saved_names, kept))
+            h = kept.pop("h")
             if ctx.call.gated or ctx.call.keyed:
                 grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
-                                       dt_bias, do, dht, h)
+                                       dt_bias, do, dht, h, kept)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
             else:
                 grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht, h)
@@ -217,9 +224,11 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
             None if dh0 is None else dh0.to(initial_state.dtype))
 
 
-def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h):
+def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h,
+                    kept=None):
     """The delta rule's backward (every gate) on the call's own token-first tensors (packed
-    varlen as it comes, no padding): the recompute by the forward's prepare (_recompute),
+    varlen as it comes, no padding): the recompute by the forward's prepare (_recompute;
+    the per-key gate's from kept: the A, aqk its forward kept),
     the four stages, then dq, dk summed over each key head's value heads through the
     l2norm's backward. b_in, g_in: the effective beta, log gate (f32; [B, T, HV] scalar,
     [B, T, HV, K] per key, None: no gate). Returns (dq, dk, dv (input dtype), dbeta, dg
@@ -250,7 +259,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
     x, q_scale = _recompute(call, params, tables, qf, kf, vf, bf,
                             flat(g_in) if gated else None,
-                            flat(torch.zeros_like(v) if do is None else do))
+                            flat(torch.zeros_like(v) if do is None else do), kept)
     x.update(tables, v=vf, beta=bf, S=h,
              state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
                                     device=dev),
@@ -264,13 +273,16 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
             x["dh0"] if initial_state is not None else None)
 
 
-def _recompute(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do):
+def _recompute(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept):
     """The stages' inputs recomputed from the forward's prepare on the flat tokens, with
     the call's scale in: the none / scalar gate's stages read scale q (dq's factor then
-    the scale); the per-key gate's recompute forms its q terms from the raw q, so the scale
-    goes into do instead (dq's factor 1). Returns (the stages' dict, dq's factor)."""
+    the scale); the per-key gate's rebuild (from kept: A, aqk) forms its q terms from the
+    raw q, so the scale goes into do instead (dq's factor 1). Returns (the stages' dict,
+    dq's factor)."""
     if call.keyed:
-        x = chunk_bwd.key_recompute_packed(q, k, v, beta, g, tables, params, call.spec)
+        n = q.shape[0]                   # (the kept tensors span all B T tokens)
+        x = chunk_bwd.key_rebuild_packed(q, k, v, beta, g, kept["A"][:n], kept["aqk"][:n],
+                                         tables, params, call.spec)
         x["do"] = do * call.scale
         return x, 1.0
     x = chunk_bwd.recompute(q, k, v, beta, g, tables, params, call.spec)
@@ -313,7 +325,7 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
 
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
-                   dht, h):
+                   dht, h, kept=None):
     """Gradients of chunk_gated_delta_rule (scalar gate g [B, T, HV]; A_log, dt_bias [HV])
     or chunk_kda (per-key gate g [B, T, HV, K]; dt_bias HV * K elements) under
     sum(o * do) + sum(final_state * dht).
@@ -321,7 +333,8 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     q, k [B, T, H, K], v [B, T, HV, V] (f16 / bf16; HV a multiple of H); beta [B, T, HV]
     (any float dtype); A_log, dt_bias with gate_in_kernel, else None; initial_state
     [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0); h
-    [NT, HV, K, V]: the forward's per-chunk states (run_forward). Returns
+    [NT, HV, K, V]: the forward's per-chunk states, kept: what else it kept (run_forward's
+    saved: the per-key gate's A, aqk). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
     for an input not given): :func:`packed_backward` on the call's tensors, the gate's and
     beta's activations differentiated by torch around it.
@@ -333,7 +346,7 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
         g_in, b_in = _gated_inputs(call, *raw)
 
     dq, dk, dv, dbeta, dg, dh0 = packed_backward(call, q, k, v, b_in.detach(), g_in.detach(),
-                                                 initial_state, do, dht, h)
+                                                 initial_state, do, dht, h, kept)
     leaves = [x for x in raw if x is not None]
     grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta.float()),
                                      allow_unused=True))

@@ -225,9 +225,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     K, V] (or [..., V, K] with state_v_first): per sequence, the state entering each of its
     chunks, in order, then its final state (sequence n's rows start at chunk_offsets[n] +
     n); the final state returned is taken from those rows. save_states=True (training):
-    a third result, h [NT, HV, K, V] in q's dtype, K-first in either state layout: the
-    state entering each chunk, sequence n's at rows chunk_offsets[n] .. (its chunks in
-    order), as the kernels read it. Inputs are never modified.
+    a third result, the dict of what the plan keeps for the backward (Plan.saved): h
+    [NT, HV, K, V] in q's dtype, K-first in either state layout: the state entering each
+    chunk, sequence n's at rows chunk_offsets[n] .. (its chunks in order), as the kernels
+    read it; the per-key gate's delta rule also A (the WY inverse) and aqk [Ttot, HV, 64]
+    (input dtype). Inputs are never modified.
     config: forces plan choices (probes and tests; see codegen.arch.<arch> CONFIG_KEYS).
     """
     check_supported(spec)
@@ -242,8 +244,11 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         out = chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale), initial_state,
                             output_final_state, options, cu_seqlens, cu_seqlens_cpu, A_log,
                             dt_bias, return_states, config, save_states)
-        v_first = [options.state_v_first] * (1 + return_states) + [False] * save_states
-        return (out[0],) + tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
+        v_first = [options.state_v_first] * (1 + return_states)
+        cut = tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
+        if save_states:
+            cut += (dict(out[-1], h=_cut_k(out[-1]["h"], K, False)),)
+        return (out[0],) + cut
     cu = _cu_tuple(B, T, cu_seqlens, cu_seqlens_cpu)
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
     C = spec.chunk_size
@@ -258,7 +263,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     if B * T == 0:
         return _empty_result(q, B, T, HV, V, N, state_shape, initial_state,
                              output_final_state, return_states) + (
-            (q.new_empty(0, HV, K, V),) if save_states else ())
+            ({"h": q.new_empty(0, HV, K, V)},) if save_states else ())
     plan = _plan(arch, problem, _config(config))
     x.update(_tables(cu, C, q.device, plan.segments))
     x["scale"] = float(spec.scale_for(K, scale))
@@ -270,7 +275,7 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     x["o"] = q.new_empty(B * T, HV, V)
     runtime.run_plan(spec, plan, x)
     o = x["o"].reshape(B, T, HV, V)
-    saved = (x["h"],) if save_states else ()
+    saved = ({n: x[n] for n in plan.saved},) if save_states else ()
     if not return_states:
         return (o, x["ht"] if output_final_state else None) + saved
     states = x["ht"]

@@ -24,12 +24,11 @@ The stages (grid):
 The scalar gate (Gated DeltaNet) reads g_cum [HV, NT * 64] f32: the in-chunk cumulative
 log gate as chunk_kkt_inverse writes it when the backward recomputes A, w, u
 (:func:`recompute`, the forward's own prepare). The per-key gate (KDA;
-:func:`key_recompute_packed`, dsl/delta_key_bwd.py) runs the same four stages in their
-per-key form after a recompute by the forward's per-key prepare (rendered as
-chunk_bwd_wy_recompute, writing A, g_cum and the l2-normalised q, k too).
-Its token-first recompute, :func:`key_recompute_packed` (params: :func:`key_train_params`),
-runs the same prepare on the call's packed tensors, writing g_cum and the l2-normalised
-q, k as well, for run_stages(key=True) and chunk_bwd_key_grads (not yet used by training).
+dsl/delta_key_bwd.py) runs the same four stages in their per-key form after
+:func:`key_rebuild_packed` (params: :func:`key_train_params`): the forward's per-key
+prepare rendered as chunk_bwd_key_rebuild, which reads the WY inverse A the training
+forward kept (chunk_prepare_save) instead of forming the pair sums and the inverse again,
+and writes w, u, qg, kg, g_last, g_cum and the l2-normalised q, k.
 
 Also here: :func:`chunk_forward_intermediates`, the contract's forward (o, S, Aw, Au, w,
 u) over the chunked forward's stages (:func:`contract_plan`).
@@ -42,9 +41,10 @@ from . import chunk, runtime
 
 #: the backward's stages, in order
 STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
-#: the per-key gate's recompute of the forward's prepare (A written too); the other gates
-#: recompute A, w, u by the forward's own chunk_kkt_inverse and chunk_wu
-RECOMPUTE = "chunk_bwd_wy_recompute"
+#: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
+#: kept; the other gates recompute A, w, u by the forward's own chunk_kkt_inverse and
+#: chunk_wu
+REBUILD = "chunk_bwd_key_rebuild"
 ARCH = "sm90"
 CHUNK = 64
 
@@ -106,7 +106,7 @@ _BIND = {"du": "dv2", "dh_out": "dh"}
 def run_stages(spec, params: dict, x: dict, key: bool = False) -> dict:
     """Launch the four stages on the token-first packed tensors of x (by the kernels'
     argument names: q, k [Ttot, H, K]; v, do [Ttot, HV, V]; beta [Ttot, HV]; w, u, A (or
-    the per-key recompute's aqk, qg, kg, g_last, w, u, A); g_cum (gated); S, state_row;
+    the per-key rebuild's aqk, qg, kg, g_last, w, u, A); g_cum (gated); S, state_row;
     the chunk tables; dht, dh0 [N or 1, HV, K, V] f32). Allocates each intermediate when
     its stage needs it and drops it (and the recomputed tensors) after its last reader,
     so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per value head),
@@ -421,13 +421,13 @@ def key_grads(x: dict, q, k, scale, params: dict, spec=None):
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
 
-def key_recompute_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
-    """{RECOMPUTE: the forward's per-key prepare params (the arch's plan; the recompute
-    stage renders the same template with A written)} for B * H one-head sequences of L."""
+def key_rebuild_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
+    """{REBUILD: the forward's per-key prepare params (the arch's plan; the rebuild renders
+    the same template reading A)} for B * H one-head sequences of L."""
     spec = spec or _key_spec()
     params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
                                              spec=spec))
-    return {RECOMPUTE: params["chunk_prepare"]}
+    return {REBUILD: params["chunk_prepare"]}
 
 
 def _key_spec():
@@ -438,45 +438,45 @@ def _key_spec():
 def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                      store_dh0=False, spec=None) -> dict:
     """Every kernel the per-key gate's token-first training backward runs, stage name ->
-    build() params: the recompute (RECOMPUTE: the forward's per-key prepare at the arch
-    plan's params, :func:`key_recompute_params`, with H key heads, HV value heads and the
+    build() params: the rebuild (REBUILD: the forward's per-key prepare at the arch
+    plan's params, :func:`key_rebuild_params`, with H key heads, HV value heads and the
     call's l2norm_qk), the four stages in their gated form (:func:`stage_params`; chains:
     sequences x value heads) and chunk_bwd_key_grads (as :func:`train_params`)."""
-    rec = key_recompute_params(H=1, K=K, V=V, dtype=dtype, spec=spec)[RECOMPUTE]
+    rec = key_rebuild_params(H=1, K=K, V=V, dtype=dtype, spec=spec)[REBUILD]
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
-    return {RECOMPUTE: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
+    return {REBUILD: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
             **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
             "chunk_bwd_key_grads": dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm))}
 
 
-def key_recompute_packed(q, k, v, beta, g, tables: dict, params: dict, spec=None) -> dict:
-    """What the per-key stages need
-    from the forward besides its states, recomputed by the forward's per-key prepare
-    (RECOMPUTE, params: :func:`key_train_params`) on token-first packed q, k [Ttot, H, K],
-    v [Ttot, HV, V], beta [Ttot, HV] (input dtype; the effective beta), g [Ttot, HV, K] f32
-    (the activated log gate) and the chunk tables (ops.chunk._tables), varlen as it comes
-    (a chunk shorter than 64 rows: its rows only). q is taken unscaled (aqk and qg are
-    formed from it): the scale goes into do (o = scale f(q)), and :func:`key_grads` then
-    takes scale 1.
+def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
+                       spec=None) -> dict:
+    """What the per-key stages need from the forward besides its states: rebuilt
+    (REBUILD, params: :func:`key_train_params`) from the WY inverse A and taken with A_qk
+    as the training forward kept them (chunk_prepare_save; A, aqk [Ttot, HV, 64], input
+    dtype), on token-first packed q, k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV]
+    (input dtype; the effective beta), g [Ttot, HV, K] f32 (the activated log gate) and
+    the chunk tables (ops.chunk._tables), varlen as it comes (a chunk shorter than 64
+    rows: its rows only). q is taken unscaled (aqk and qg are formed from it): the scale
+    goes into do (o = scale f(q)), and :func:`key_grads` then takes scale 1.
     Returns the dict run_stages(key=True) takes: q, k (l2-normalised with the params'
-    l2norm_qk, else the inputs themselves), A, aqk [Ttot, HV, 64], qg, kg, w [Ttot, HV, K],
-    u [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
+    l2norm_qk, else the inputs themselves), A, aqk, qg, kg, w [Ttot, HV, K], u
+    [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
     in-chunk cumulative log gate per key channel, the chunk's rows)."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
     NT = tables["chunk_bos"].numel()
-    p = params[RECOMPUTE]
+    p = params[REBUILD]
     l2norm = p["l2norm_qk"]
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
     e = lambda D: v.new_empty(Ttot, HV, D)  # noqa: E731
     x = dict(tables, q=q, k=k, v=v, g=g, beta=beta, A_log=f32(HV), dt_bias=f32(HV * K),
-             aqk=e(CHUNK), qg=e(K), kg=e(K), g_last=f32(NT, HV, K), w=e(K), u=e(V),
-             A=e(CHUNK), g_cum=f32(Ttot, HV, K),
+             A=A, qg=e(K), kg=e(K), g_last=f32(NT, HV, K), w=e(K), u=e(V),
+             g_cum=f32(Ttot, HV, K),
              qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k)
     if NT:
-        runtime.launch_kernel(spec or _key_spec(), ARCH, RECOMPUTE, p, x,
-                              lambda n: "A" if n == "A_out" else n)
-    out = dict(q=x["qn"], k=x["kn"])
-    out.update((n, x[n]) for n in ("A", "aqk", "qg", "kg", "g_last", "w", "u", "g_cum"))
+        runtime.launch_kernel(spec or _key_spec(), ARCH, REBUILD, p, x)
+    out = dict(q=x["qn"], k=x["kn"], aqk=aqk)
+    out.update((n, x[n]) for n in ("A", "qg", "kg", "g_last", "w", "u", "g_cum"))
     return out

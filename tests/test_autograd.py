@@ -33,7 +33,7 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
                                cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, intermediates=True)
     return (ref["o"].to(q.dtype),
             ref["final_state"].float() if call.output_final_state else None,
-            forward_states(ref["h"], call.cu, q.shape[1], q.dtype))
+            {"h": forward_states(ref["h"], call.cu, q.shape[1], q.dtype)})
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_tokens_past_the_last_sequence(fake_kernels, rng):
     call = autograd.DeltaRuleCall(spec=deltanet.SPEC, scale=deltanet.SPEC.scale_for(K, None),
                                   output_final_state=True, cu=cu)
     head = [x[:, :n] for x in (q, k, v, beta)]
-    h = _reference_forward(call, *head, h0)[2]
+    h = _reference_forward(call, *head, h0)[2]["h"]
     grads = autograd.deltanet_backward(call, q, k, v, beta, h0, do, dht, h)
     assert fake_kernels == PACKED_STAGES
     refs = [x.to(F64).requires_grad_() for x in head + [h0]]
@@ -392,7 +392,7 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
                                   gate_in_kernel=True, cu=cu)
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
     h = _reference_forward(call, x["q"], x["k"], x["v"], x["beta"], x["initial_state"], x["g"],
-                           x["A_log"], x["dt_bias"])[2]
+                           x["A_log"], x["dt_bias"])[2]["h"]
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
         x["dt_bias"], do, dht, h)))

@@ -36,12 +36,12 @@ PACKED_STAGES = (*chunk_bwd.STAGES, "chunk_bwd_key_grads")
 
 def test_plan_lists_backward_stages():
     """The none and the scalar gate run the four stages on the call's token-first tensors,
-    then chunk_bwd_key_grads; the per-key gate's plan recomputes by its own prepare first
-    (chunk_bwd.key_recompute_packed)."""
+    then chunk_bwd_key_grads; the per-key gate's plan rebuilds by its own prepare first
+    (chunk_bwd.key_rebuild_packed)."""
     want = list(PACKED_STAGES)
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
     assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
-    key = [chunk_bwd.RECOMPUTE, *PACKED_STAGES]
+    key = [chunk_bwd.REBUILD, *PACKED_STAGES]
     for spec in all_rule_gate_specs():
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "delta":          # (the additive rule's: test_additive_bwd.py)

@@ -194,7 +194,7 @@ def _inputs(spec, options, lens, H, HV, K, V, gate_scale=1.0, key_scale=None, se
     return x, cu
 
 
-def _run(monkeypatch, name, options, lens, config, H=2, HV=4, K=32, V=32, save_states=False,
+def _run(monkeypatch, name, options, lens, config, H=2, HV=4, K=64, V=32, save_states=False,
          **kw):
     spec = get_spec(name)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
@@ -273,10 +273,12 @@ def test_walk_saves_every_chunks_state(monkeypatch, name, options, config):
     layout, sequence n's chunk c at row chunk_offsets[n] + c: the reference's state
     entering that chunk (rounded once to f16; the split's segments from their combined
     starts, each chunk stored once)."""
-    o, ht, ref, seen, stages, (h,) = _run(monkeypatch, name, options, LENS, config,
-                                          save_states=True)
+    o, ht, ref, seen, stages, (saved,) = _run(monkeypatch, name, options, LENS, config,
+                                              save_states=True)
+    assert list(saved) == ["h"]
+    h = saved["h"]
     assert stages[-1] == "chunk_walk" and ("chunk_walk_map" in stages) == bool(config)
-    assert h.dtype == torch.float16 and h.shape == (sum(-(-n // C) for n in LENS), 4, 32, 32)
+    assert h.dtype == torch.float16 and h.shape == (sum(-(-n // C) for n in LENS), 4, 64, 32)
     want, row, c = ref["h"][0], 0, 0        # (K-first, as h)
     for n in LENS:
         for j in range(-(-n // C)):

@@ -1,14 +1,14 @@
 """CPU tests of KDA's chunked backward (the delta rule with a per-key gate; ops/chunk_bwd.py
-key_recompute_packed, run_stages(key=True), key_grads; ops/autograd.py packed_backward):
+key_rebuild_packed, run_stages(key=True), key_grads; ops/autograd.py packed_backward):
 the plan lists the stages, they render with the arguments the host passes, they compile
-for sm_90a without spills, the token-first recompute, the stages and chunk_bwd_key_grads
+for sm_90a without spills, the token-first rebuild, the stages and chunk_bwd_key_grads
 on packed varlen inputs match dsl/delta_key_bwd.py, and training through linattn.chunk_kda
 matches torch.autograd of the fp64 reference. The kernels are replaced by fakes that check
 every launch against the traced prim_func and carry out the stage's math in fp64 by
 dsl/delta_key_bwd.py's stage functions (per chunk, with the kernels' rounding of GEMM
 operands emulated); the training forward itself is the fp64 reference rounded to the input
 dtype, its per-chunk states too (the backward reads them, tests/_forward_states.py
-forward_states). The four stages read token-first packed tensors [Ttot, heads, D] cut into
+forward_states), and the A, A_qk it keeps by the fp64 prepare (KeyStageMath.prepare). The four stages read token-first packed tensors [Ttot, heads, D] cut into
 chunks by the chunk tables; the fakes walk those tables as the kernels do."""
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ from linattn.ops.kda import SPEC
 
 F64 = torch.float64
 C = chunk_bwd.CHUNK
-STAGES = (chunk_bwd.RECOMPUTE,) + chunk_bwd.STAGES
+STAGES = (chunk_bwd.REBUILD,) + chunk_bwd.STAGES
 KEY_GRADS = "chunk_bwd_key_grads"
 
 
@@ -50,16 +50,16 @@ def test_stage_renders(stage):
             assert list(runtime.arg_names(fn)) == mod.args(**ex)
 
 
-def test_recompute_params_are_the_forward_prepare():
-    """The recompute renders the forward's per-key prepare (A written too) at the params
-    the arch's plan gives chunk_prepare, and nothing else (the states are the forward's)."""
-    p = chunk_bwd.key_recompute_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128)
+def test_rebuild_params_are_the_forward_prepare():
+    """The rebuild renders the forward's per-key prepare (reading A) at the params the
+    arch's plan gives chunk_prepare, and nothing else (the states are the forward's)."""
+    p = chunk_bwd.key_rebuild_params(H=3, K=64, V=128, dtype="bfloat16", B=2, L=128)
     fwd = chunk.plan_params(chunk.forward_plan(
         SPEC, Options(), H=1, HV=1, K=64, V=128, dtype="bfloat16", beta_dtype="bfloat16",
         seq_chunks=(2,) * 6, Ttot=768, has_initial_state=True, output_final_state=True,
         return_states=True, config={"fused": False}))
-    assert p == {chunk_bwd.RECOMPUTE: fwd["chunk_prepare"]}   # (the states: the forward's)
-    assert not any(p[chunk_bwd.RECOMPUTE][f] for f in ("l2norm_qk", "beta_sigmoid",
+    assert p == {chunk_bwd.REBUILD: fwd["chunk_prepare"]}   # (the states: the forward's)
+    assert not any(p[chunk_bwd.REBUILD][f] for f in ("l2norm_qk", "beta_sigmoid",
                                                        "gate_in_kernel"))
 
 
@@ -80,7 +80,7 @@ def test_stage_params_are_the_one_head_gated_ones():
 
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_key_train_params(l2norm):
-    """key_train_params: the token-first backward's kernels, the recompute at the params
+    """key_train_params: the token-first backward's kernels, the rebuild at the params
     the arch's plan gives the forward's chunk_prepare for the call (its key and value
     heads, its l2norm_qk), the four stages in their gated form at the same heads, then
     chunk_bwd_key_grads (the l2norm's backward with l2norm)."""
@@ -91,8 +91,8 @@ def test_key_train_params(l2norm):
         SPEC, Options(l2norm_qk=l2norm), H=2, HV=4, K=64, V=128, dtype="bfloat16",
         beta_dtype="bfloat16", seq_chunks=(2, 1, 3), Ttot=6 * C, has_initial_state=True,
         output_final_state=True, return_states=True, config={"fused": False}))
-    assert p[chunk_bwd.RECOMPUTE] == fwd["chunk_prepare"]
-    assert p[chunk_bwd.RECOMPUTE]["l2norm_qk"] == l2norm
+    assert p[chunk_bwd.REBUILD] == fwd["chunk_prepare"]
+    assert p[chunk_bwd.REBUILD]["l2norm_qk"] == l2norm
     assert p[KEY_GRADS] == dict(H=2, HV=4, K=64, dtype="bfloat16", l2norm=l2norm)
     sp = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
                                 use_dht=True)
@@ -107,7 +107,7 @@ def test_stages_compile_without_spills(K, V, dtype):
     sequences) compiles for sm_90a without spills and without a CTA barrier in a
     thread-dependent branch."""
     from linattn.codegen.compile import compile_stage, format_record
-    params = dict(chunk_bwd.key_recompute_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
+    params = dict(chunk_bwd.key_rebuild_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
                   **chunk_bwd.stage_params(H=1, K=K, V=V, dtype=dtype, chains=2 * 4,
                                            use_dht=True, store_dh0=True))
     for stage, p in params.items():
@@ -120,14 +120,14 @@ def test_stages_compile_without_spills(K, V, dtype):
 
 
 @pytest.mark.compile
-def test_token_first_recompute_compiles_without_spills():
-    """The token-first recompute (GVA, l2norm: g_cum, qn, kn written too) and
+def test_token_first_rebuild_compiles_without_spills():
+    """The token-first rebuild (GVA, l2norm: g_cum, qn, kn written too) and
     chunk_bwd_key_grads at key_train_params compile for sm_90a without spills and without
     a CTA barrier in a thread-dependent branch."""
     from linattn.codegen.compile import compile_stage, format_record
     params = chunk_bwd.key_train_params(H=2, HV=4, K=128, V=128, dtype="bfloat16", chains=8,
                                         l2norm=True)
-    for stage in (chunk_bwd.RECOMPUTE, KEY_GRADS):
+    for stage in (chunk_bwd.REBUILD, KEY_GRADS):
         rec = compile_stage(chunk.stage_module(SPEC, stage), params[stage], "sm90")
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec
@@ -186,26 +186,49 @@ class KeyStageMath:
         assert HV % H == 0, params
         self.kh = np.arange(HV) // (HV // H)      # each value head's key head
 
-    def recompute(self, p, q, k, v, g, beta, chunk_bos, chunk_len, aqk, qg, kg, g_last, w, u,
-                  A_out, g_cum, qn, kn, **_):
-        """The forward's per-key prepare (chunks of any length: rows past it zero, g = 0
-        there, so G stays at its last row and g_last = G[len - 1]), A and G (g_cum, the
-        chunk's rows) written too; with l2norm_qk q, k l2-normalised first (the kernel
-        scales its raw sums by rsqrt(sum x^2 + eps) in f32: unrounded here) and written
-        to qn, kn rounded once (without, qn, kn are left alone)."""
-        assert not (p["beta_sigmoid"] or p["gate_in_kernel"]), p
-        l2 = p["l2norm_qk"]
+    def prepare(self, q, k, v, g, beta, chunk_bos, chunk_len, l2norm):
+        """The forward's per-key prepare per chunk in fp64 (chunks of any length: rows past
+        it zero, g = 0 there, so G stays at its last row and g_last = G[len - 1]); with
+        l2norm q, k l2-normalised first (the kernel scales its raw sums by rsqrt(sum x^2 +
+        eps) in f32: unrounded here). Yields (chunk, t0, len, q, k (normalised), the
+        dict of dsl/delta_key_bwd.recompute)."""
         norm = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + tref.L2NORM_EPS)  # noqa: E731
         for ci, (t0, n) in _chunks(chunk_bos, chunk_len):
             qc, kc = _take(q, t0, n), _take(k, t0, n)      # [H, 64, K]
-            if l2:
+            if l2norm:
                 qc, kc = norm(qc), norm(kc)
+            yield ci, t0, n, qc, kc, ref.recompute(qc[self.kh], kc[self.kh], _take(v, t0, n),
+                                                   _take(beta, t0, n), _take(g, t0, n),
+                                                   self.rnd)
+
+    def kept(self, q, k, v, g, beta, tables, l2norm):
+        """What the training forward keeps for the backward besides its states (A, aqk
+        [Ttot, HV, 64] in v's dtype), by :meth:`prepare`."""
+        Tt, HV = v.shape[:2]
+        out = {n: v.new_zeros(Tt, HV, C) for n in ("A", "aqk")}
+        for _, t0, n, _, _, r in self.prepare(q, k, v, g, beta, tables["chunk_bos"],
+                                              tables["chunk_len"], l2norm):
+            for name, dst in out.items():
+                _put(dst, t0, n, r[name])
+        return out
+
+    def rebuild(self, p, q, k, v, g, beta, chunk_bos, chunk_len, A, qg, kg, g_last, w, u,
+                g_cum, qn, kn, **_):
+        """The rebuild from the kept inverse A (read as given: w = A (beta k e^G), u =
+        A (beta v), rounded as the kernel stores them), qg, kg, g_last and G (g_cum, the
+        chunk's rows) by the forward's prepare; with l2norm_qk qn, kn written rounded once
+        (without, they are left alone)."""
+        assert not (p["beta_sigmoid"] or p["gate_in_kernel"]), p
+        rnd = self.rnd
+        for ci, t0, n, qc, kc, r in self.prepare(q, k, v, g, beta, chunk_bos, chunk_len,
+                                                 p["l2norm_qk"]):
+            if p["l2norm_qk"]:
                 _put(qn, t0, n, qc)
                 _put(kn, t0, n, kc)
-            r = ref.recompute(qc[self.kh], kc[self.kh], _take(v, t0, n), _take(beta, t0, n),
-                              _take(g, t0, n), self.rnd)
-            for name, dst in (("aqk", aqk), ("qg", qg), ("kg", kg), ("w", w), ("u", u),
-                              ("A", A_out), ("G", g_cum)):
+            X, b = _take(A, t0, n), _take(beta, t0, n)[:, :, None]
+            r.update(w=rnd(X @ rnd(b * kc[self.kh] * np.exp(r["G"]))),
+                     u=rnd(X @ rnd(b * _take(v, t0, n))))
+            for name, dst in (("qg", qg), ("kg", kg), ("w", w), ("u", u), ("G", g_cum)):
                 _put(dst, t0, n, r[name])
             g_last[ci] = _t(r["g_last"]).to(g_last.dtype)
 
@@ -269,9 +292,9 @@ def install_key_fakes(monkeypatch):
         assert chunk_bwd.is_key(spec), (spec.name, stage)
         if stage == KEY_GRADS:
             return by_name({stage: _key_grads})(spec, stage, params)
-        if stage == chunk_bwd.RECOMPUTE or stage in chunk_bwd.STAGES:
+        if stage == chunk_bwd.REBUILD or stage in chunk_bwd.STAGES:
             fn = getattr(KeyStageMath(params), stage.replace("chunk_bwd_", "").replace(
-                "wy_recompute", "recompute"))
+                "key_rebuild", "rebuild"))
             return by_name({stage: fn})(spec, stage, params)
         raise AssertionError(f"the per-key backward launched {stage}")
     fake_compiles(monkeypatch, body)
@@ -286,7 +309,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     """The four stages on token-first packed varlen inputs with GVA (run_stages, key=True:
     q, k [Ttot, H, K] read at key head h // (HV / H); each sequence's dh pass by
     cu_seqlens / chunk_offsets; chunk t's state S[state_row[t]], the rows shuffled) after
-    the recompute at the same heads, against dsl/delta_key_backward in fp64 (dq, dk summed
+    the rebuild at the same heads, against dsl/delta_key_backward in fp64 (dq, dk summed
     over each key head's value heads). Sequences of whole chunks, as the per-key path
     gives the stages."""
     names = install_key_fakes(monkeypatch)
@@ -301,14 +324,14 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     tables = chunk._tables(cu, C, "cpu", 0)
     NT, dt = tables["chunk_bos"].numel(), str(dtype).replace("torch.", "")
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32)  # noqa: E731
-    rp = dict(chunk_bwd.key_recompute_params(H=1, K=K, V=V, dtype=dt)[chunk_bwd.RECOMPUTE],
+    rp = dict(chunk_bwd.key_rebuild_params(H=1, K=K, V=V, dtype=dt)[chunk_bwd.REBUILD],
               H=H, HV=HV)
+    kept = KeyStageMath(rp).kept(q, k, v, g, beta, tables, False)
     x = dict(tables, q=q, k=k, v=v, g=g, beta=beta, A_log=f32(HV), dt_bias=f32(HV * K),
-             aqk=v.new_empty(Tt, HV, C), qg=v.new_empty(Tt, HV, K), kg=v.new_empty(Tt, HV, K),
+             qg=v.new_empty(Tt, HV, K), kg=v.new_empty(Tt, HV, K),
              g_last=f32(NT, HV, K), w=v.new_empty(Tt, HV, K), u=v.new_empty(Tt, HV, V),
-             A=v.new_empty(Tt, HV, C), g_cum=f32(Tt, HV, K), qn=q, kn=k)
-    runtime.launch_kernel(SPEC, chunk_bwd.ARCH, chunk_bwd.RECOMPUTE, rp, x,
-                          lambda n: "A" if n == "A_out" else n)
+             g_cum=f32(Tt, HV, K), qn=q, kn=k, **kept)
+    runtime.launch_kernel(SPEC, chunk_bwd.ARCH, chunk_bwd.REBUILD, rp, x)
     del x["g"]
     x["g_cum"] = g.view(NT, C, HV, K).cumsum(1).view(Tt, HV, K)
     h = tref.chunked_forward(SPEC, *(t.to(F64)[None] for t in (q, k, v, g)),
@@ -348,11 +371,11 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
                  id="partial-1tok-GVA2"),
     pytest.param((0, 64, 150), 2, 4, 128, 64, True, torch.float16,
                  id="mixed-GVA2-l2norm")])
-def test_token_first_recompute_stages_match_reference(monkeypatch, rng, cu, H, HV, K, V,
-                                                      l2norm, dtype):
+def test_token_first_rebuild_stages_match_reference(monkeypatch, rng, cu, H, HV, K, V,
+                                                    l2norm, dtype):
     """The per-key gate's token-first backward from the call's packed varlen tensors:
-    key_recompute_packed (the forward's per-key prepare writing A, g_cum and, with l2norm,
-    the l2-normalised q, k), run_stages(key=True) (chunk t's state S[state_row[t]], the
+    key_rebuild_packed (from the A, A_qk the forward keeps: w, u, qg, kg, g_last, g_cum
+    and, with l2norm, the l2-normalised q, k), run_stages(key=True) (chunk t's state S[state_row[t]], the
     rows shuffled), then chunk_bwd_key_grads (dq, dk summed over each key head's value
     heads, through the l2norm's backward; the scale folded into do, so dq's factor is 1),
     against dsl/delta_key_backward in fp64 with the same scale and l2norm. Sequences of
@@ -374,8 +397,9 @@ def test_token_first_recompute_stages_match_reference(monkeypatch, rng, cu, H, H
     NT, dt = tables["chunk_bos"].numel(), str(dtype).replace("torch.", "")
     params = chunk_bwd.key_train_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
                                         l2norm=l2norm, use_dht=True, store_dh0=True)
-    x = chunk_bwd.key_recompute_packed(q, k, v, beta, g, tables, params)
-    assert names == [chunk_bwd.RECOMPUTE]
+    kept = KeyStageMath(params[chunk_bwd.REBUILD]).kept(q, k, v, g, beta, tables, l2norm)
+    x = chunk_bwd.key_rebuild_packed(q, k, v, beta, g, kept["A"], kept["aqk"], tables, params)
+    assert names == [chunk_bwd.REBUILD]
     assert set(x) == {"q", "k", "A", "aqk", "qg", "kg", "g_last", "w", "u", "g_cum"}
     for name, raw in (("q", q), ("k", k)):
         if l2norm:
@@ -432,7 +456,10 @@ def _gate(call_or_opts, g, A_log, dt_bias, lower_bound):
 
 
 def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
+    """The training forward in fp64 (rounded as the kernels store): o, the final state and
+    what it keeps (h; A, aqk by KeyStageMath.kept from the activated gate and beta)."""
     cu = None if call.cu is None else torch.tensor(call.cu)
+    g_raw, A_log_raw, dt_bias_raw = g, A_log, dt_bias
     opts = call.options
     if call.lower_bound is not None:
         g, _ = _gate(None, g.double(), A_log.double(), dt_bias.double(), call.lower_bound)
@@ -441,9 +468,16 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
     ref = tref.chunked_forward(call.spec, q, k, v, g, beta=beta, options=opts,
                                scale=call.scale, initial_state=initial_state,
                                cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, intermediates=True)
+    B, T, H, K = q.shape
+    g_in, b_in = autograd._gated_inputs(call, g_raw, beta, A_log_raw, dt_bias_raw)
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    tables = chunk._tables(call.cu or tuple(range(0, B * T + 1, T)), C, "cpu", 0)
+    math = KeyStageMath(dict(H=H, HV=v.shape[2], dtype=str(q.dtype).replace("torch.", "")))
+    kept = math.kept(flat(q), flat(k), flat(v), flat(g_in), flat(b_in.to(q.dtype)), tables,
+                     call.l2norm_qk)
     return (ref["o"].to(q.dtype),
             ref["final_state"].float() if call.output_final_state else None,
-            forward_states(ref["h"], call.cu, q.shape[1], q.dtype))
+            dict(h=forward_states(ref["h"], call.cu, q.shape[1], q.dtype), **kept))
 
 
 @pytest.fixture

@@ -216,4 +216,4 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
         walk_bind = dict(qk, **gate, **hbind)
     launches.append(launch("chunk_walk", walk, **walk_bind))
     return Plan("walk-split" if split else "walk", NAME, tuple(launches), tuple(buffers),
-                L if split else 0, tuple(reasons))
+                L if split else 0, tuple(reasons), saved=("h",) if p.save_states else ())

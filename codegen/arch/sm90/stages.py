@@ -163,8 +163,11 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     if key:
         bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
                  Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
-        prep = launch("chunk_prepare", dict(common, **flags, **order, **key_prepare(config)),
-                      **({} if delta else {"u": "v"}))
+        keep_a = delta and p.save_states     # (training: the backward rebuilds from A, A_qk)
+        bufs += [Buffer("A", (p.Ttot, p.HV, C), "input")] if keep_a else []
+        prep = launch("chunk_prepare_save" if keep_a else "chunk_prepare",
+                      dict(common, **flags, **order, **key_prepare(config)),
+                      **({} if delta else {"u": "v"}), **({"A_out": "A"} if keep_a else {}))
         return [prep], bufs, dict(k="kg", g_cum="g_last", u="u" if delta else "v", q="qg",
                                   aqk="aqk")
     bind = dict(u="u" if delta else "v", k="kn" if p.l2norm_qk else "k")
@@ -263,8 +266,9 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
+    saved = ("h", "A", "aqk") if p.gate == "key" and p.rule == "delta" else ("h",)
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
-                reasons=(_why(p, choice, config),))
+                reasons=(_why(p, choice, config),), saved=saved if p.save_states else ())
 
 
 def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
