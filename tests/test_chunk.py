@@ -53,14 +53,15 @@ def test_stage_renders(name, stage):
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
-    first = stage in ("chunk_prepare", "chunk_kkt_inverse")
+    first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_kkt_inverse")
     cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
     assert cumsum == (first and spec.has_gate)
     if not spec.has_gate and stage != "chunk_kkt_inverse":
         assert "T.exp" not in text and "exp2" not in text
     assert "_chunk_inverse" not in text
-    if stage == "chunk_prepare":
+    if stage in ("chunk_prepare", "chunk_prepare_save"):
         assert ("x_lp = T.alloc_shared" in text) == spec.has_beta
+    assert ("A_out" in text) == (stage == "chunk_prepare_save")
 
 
 def _rendered_text(spec, stage):
@@ -87,10 +88,13 @@ def test_generated_stages_are_what_the_plans_launch():
         spec, used = _spec(name), set()
         for opts in (Options(), Options(l2norm_qk=True)):
             for config in ({}, {"fused": True}, {"fused": False}, {"segments": 2}):
-                for states in (False, True):
-                    p = chunk.forward_plan(spec, opts, H=2, HV=2, K=64, V=64,
-                                           dtype="bfloat16", seq_chunks=(5, 1), Ttot=320,
-                                           return_states=states, config=config)
+                for states in ({}, {"return_states": True}, {"save_states": True}):
+                    try:
+                        p = chunk.forward_plan(spec, opts, H=2, HV=2, K=64, V=64,
+                                               dtype="bfloat16", seq_chunks=(5, 1), Ttot=320,
+                                               config=config, **states)
+                    except SpecError:       # (a config that form does not take)
+                        continue
                     used |= set(p.stages())
         assert used == set(_fwd_stages(name)), (name, used ^ set(_fwd_stages(name)))
 
