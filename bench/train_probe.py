@@ -3,7 +3,7 @@ step (cli/bench/train.py: forward, then autograd.grad of every input) goes, per 
 ours against fla's, and the forward alone.
 
     python3 bench/train_probe.py [--ops GDNTrain KDATrain GLATrain DeltaNetTrain]
-        [--workload '*-4k'] [--iters 10] [--budget-s 200]
+        [--workload '*-4k'] [--iters 10] [--budget-s 200] [--impls linattn fla]
 
 Device time as bench/probe_lib.py's device_times (union of the call's kernels, L2 flushed
 before each call, median). One line per row and implementation, the kernels sorted by
@@ -40,11 +40,11 @@ def _forward_only(impl, row, x):
                      **kw)
 
 
-def probe(row, iters):
+def probe(row, iters, impls):
     x = inputs.build_inputs(row, "cuda", 1)
     run.precompile_rows([row])
     res = {"op": row.op, "workload": row.workload}
-    for impl in ("linattn", "fla"):
+    for impl in impls:
         try:
             step, _ = train.make(impl, row, x)
             ms, per, n = device_times(step, iters=iters)
@@ -54,12 +54,13 @@ def probe(row, iters):
         except Exception as e:
             traceback.print_exc()
             res[impl] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(line(res, [impl]), flush=True)
     return res
 
 
-def line(r):
+def line(r, impls):
     out = [f"{r['op']} {r['workload']}"]
-    for impl in ("linattn", "fla"):
+    for impl in impls:
         d = r.get(impl, {})
         if "error" in d:
             out.append(f"  {impl}: ERROR {d['error'][:200]}")
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--workload", default="*-4k")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=0)
+    ap.add_argument("--impls", nargs="*", default=["linattn", "fla"])
     a = ap.parse_args()
     rows = workloads.select(workloads.train_rows(), ops=a.ops, workload=a.workload)
     t0, results = time.time(), []
@@ -84,9 +86,8 @@ def main():
         if a.budget_s and time.time() - t0 > a.budget_s:
             print(f"{row.op} {row.workload}: skipped (--budget-s)", flush=True)
             continue
-        r = probe(row, a.iters)
+        r = probe(row, a.iters, a.impls)
         r["t_s"] = round(time.time() - t0, 1)
-        print(line(r), flush=True)
         results.append(r)
         if out:
             with open(os.path.join(out, "train_probe.json"), "w") as f:
