@@ -52,6 +52,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_kkt_inverse", "chunk_kkt_inverse.py.jinja", "fwd",
               doc="per chunk: gate cumsum, l2norm q, k, beta, A diag(beta), the chunk's norm bound",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_kkt_inverse_save", "chunk_kkt_inverse.py.jinja", "fwd",
+              doc="training: chunk_kkt_inverse writing the WY inverse A itself too (the "
+                  "backward keeps it)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
               doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
@@ -97,6 +101,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
                   "q, k) from the inverse A the training forward kept",
               rules=frozenset({"delta"}), gates=frozenset({"key"})),
+        Stage("chunk_bwd_kkt_rebuild", "chunk_kkt_inverse.py.jinja", "bwd",
+              doc="per chunk, none / scalar gate: the gate cumsum and the l2-normalised q, k "
+                  "(the kept A spares the inverse)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_bwd_dv_local", "chunk_bwd_dv_local.py.jinja", "bwd",
               doc="per chunk (token-first packed): dv_local = (tril_incl(q k^T) E)^T do",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),

@@ -2,19 +2,19 @@
 forward (ops/chunk.py) and backward (ops/chunk_bwd.py) stages.
 
 The forward runs the chunked forward keeping its per-chunk states h [NT, HV, K, V] (the
-16-bit states its kernels already form: the walk's, or chunk_state's) and, for the
-per-key gate, the WY inverse A and A_qk [Ttot, HV, 64] (its prepare's costly part: the
-pair sums and the inverse; fla keeps its A_qk, A_kk likewise), and saves them with its
-inputs. The backward recomputes the rest of what it needs, as fla does.
+16-bit states its kernels already form: the walk's, or chunk_state's) and the WY inverse
+[Ttot, HV, 64] (its prepare's costly part; fla keeps its A likewise): A itself as A_inv
+(none / scalar gate), or A with A_qk (per-key gate: the pair sums too; fla keeps its
+A_qk, A_kk), and saves them with its inputs. The backward rebuilds the rest of what it
+needs from them.
 
 Every gate (:func:`packed_backward`: DeltaNet, Gated DeltaNet, KDA) runs on the call's own
 token-first tensors [B T, H, D] and packed varlen, cut into chunks by the forward's tables:
 
-    recompute              the forward's own prepare: A, w, u and, with l2norm, q, k
-                           l2-normalised; the scalar gate's in-chunk cumulative log gate
-                           (chunk_kkt_inverse, chunk_wu); the per-key gate's w, u, qg, kg,
-                           g_last and cumulative gate from the kept A
-                           (chunk_bwd_key_rebuild)
+    rebuild                from the kept A: w, u and, with l2norm, q, k l2-normalised;
+                           the scalar gate's in-chunk cumulative log gate
+                           (chunk_bwd_kkt_rebuild, chunk_wu); the per-key gate's w, u, qg,
+                           kg, g_last and cumulative gate (chunk_bwd_key_rebuild)
     chunk_bwd_* stages     dq, dk (per value head), dv, dbeta, dg, dh0 from do and dht,
                            the scale in q (none / scalar gate: dq = scale * the gradient
                            of f) or in do (per-key gate)
@@ -78,8 +78,9 @@ def needs_grad(*tensors) -> bool:
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,
                 dt_bias=None):
     """(o, final_state or None, saved) from the chunked forward (tests replace this on the
-    CPU); saved: h [NT, HV, K, V] in q's dtype, the state entering each chunk, and for
-    the per-key gate A, aqk [Ttot, HV, 64] (api.train_forward)."""
+    CPU); saved: h [NT, HV, K, V] in q's dtype, the state entering each chunk, and the
+    WY inverse: A_inv (none / scalar gate) or A, aqk (per-key gate), [Ttot, HV, 64]
+    (api.train_forward, the plan's saved)."""
     from . import api
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
     return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
@@ -162,7 +163,8 @@ def _make_function():
                                        dt_bias, do, dht, h, kept)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
             else:
-                grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht, h)
+                grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht, h,
+                                          kept)
                 grads = grads + (None, None, None)
             return (None, *(x if need else None
                             for x, need in zip(grads, ctx.needs_input_grad[1:])))
@@ -210,25 +212,26 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
         raise SpecError(f"cu_seqlens needs B == 1, got B={q.shape[0]}")
 
 
-def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h):
+def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h, kept):
     """Gradients of chunk_delta_rule under sum(o * do) + sum(final_state * dht).
 
     q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H] (f16 / bf16; beta any float dtype);
     initial_state [N, H, K, V] or None; do like v or None (0); dht [N, H, K, V] or None
-    (0); h [NT, H, K, V]: the forward's per-chunk states (run_forward). Returns (dq, dk,
-    dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None without an initial state).
+    (0); h [NT, H, K, V]: the forward's per-chunk states, kept: its A_inv (run_forward).
+    Returns (dq, dk, dv, dbeta, dh0) in the inputs' shapes and dtypes (dh0 None without an
+    initial state).
     """
     dq, dk, dv, dbeta, _, dh0 = packed_backward(call, q, k, v, beta.float(), None,
-                                                initial_state, do, dht, h)
+                                                initial_state, do, dht, h, kept)
     return (dq, dk, dv, dbeta.to(beta.dtype),
             None if dh0 is None else dh0.to(initial_state.dtype))
 
 
 def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h,
-                    kept=None):
+                    kept):
     """The delta rule's backward (every gate) on the call's own token-first tensors (packed
-    varlen as it comes, no padding): the recompute by the forward's prepare (_recompute;
-    the per-key gate's from kept: the A, aqk its forward kept),
+    varlen as it comes, no padding): the rebuild from what its forward kept (_rebuild:
+    A_inv, or the per-key gate's A, aqk),
     the four stages, then dq, dk summed over each key head's value heads through the
     l2norm's backward. b_in, g_in: the effective beta, log gate (f32; [B, T, HV] scalar,
     [B, T, HV, K] per key, None: no gate). Returns (dq, dk, dv (input dtype), dbeta, dg
@@ -257,7 +260,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
-    x, q_scale = _recompute(call, params, tables, qf, kf, vf, bf,
+    x, q_scale = _rebuild(call, params, tables, qf, kf, vf, bf,
                             flat(g_in) if gated else None,
                             flat(torch.zeros_like(v) if do is None else do), kept)
     x.update(tables, v=vf, beta=bf, S=h,
@@ -273,19 +276,19 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
             x["dh0"] if initial_state is not None else None)
 
 
-def _recompute(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept):
-    """The stages' inputs recomputed from the forward's prepare on the flat tokens, with
+def _rebuild(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept):
+    """The stages' inputs rebuilt from the forward's kept WY inverse on the flat tokens, with
     the call's scale in: the none / scalar gate's stages read scale q (dq's factor then
     the scale); the per-key gate's rebuild (from kept: A, aqk) forms its q terms from the
     raw q, so the scale goes into do instead (dq's factor 1). Returns (the stages' dict,
     dq's factor)."""
+    n = q.shape[0]                       # (the kept tensors span all B T tokens)
     if call.keyed:
-        n = q.shape[0]                   # (the kept tensors span all B T tokens)
         x = chunk_bwd.key_rebuild_packed(q, k, v, beta, g, kept["A"][:n], kept["aqk"][:n],
                                          tables, params, call.spec)
         x["do"] = do * call.scale
         return x, 1.0
-    x = chunk_bwd.recompute(q, k, v, beta, g, tables, params, call.spec)
+    x = chunk_bwd.rebuild(q, k, v, beta, g, kept["A_inv"][:n], tables, params, call.spec)
     x.update(q=(x["q"] * call.scale).to(q.dtype), do=do)
     return x, call.scale
 
@@ -304,7 +307,7 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
     torch.autograd differentiates the activations): the gate's activation
     -exp(A_log) softplus(g + dt_bias) (f32, as the kernels and fla; per key channel for
     KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid. (q, k's
-    l2norm is the recompute's and chunk_bwd_key_grads'.)"""
+    l2norm is the rebuild's and chunk_bwd_key_grads'.)"""
     import torch
     from ..dsl.torch_reference import softplus_fla
     from . import api
@@ -325,7 +328,7 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
 
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
-                   dht, h, kept=None):
+                   dht, h, kept):
     """Gradients of chunk_gated_delta_rule (scalar gate g [B, T, HV]; A_log, dt_bias [HV])
     or chunk_kda (per-key gate g [B, T, HV, K]; dt_bias HV * K elements) under
     sum(o * do) + sum(final_state * dht).
@@ -334,7 +337,7 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     (any float dtype); A_log, dt_bias with gate_in_kernel, else None; initial_state
     [N, HV, K, V] or None; do like v or None (0); dht [N, HV, K, V] or None (0); h
     [NT, HV, K, V]: the forward's per-chunk states, kept: what else it kept (run_forward's
-    saved: the per-key gate's A, aqk). Returns
+    saved: A_inv, or the per-key gate's A, aqk). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
     for an input not given): :func:`packed_backward` on the call's tensors, the gate's and
     beta's activations differentiated by torch around it.

@@ -21,9 +21,11 @@ The stages (grid):
     chunk_bwd_wy        (NT, HV)        back through A, w, u: dk (complete), dv, dbeta and,
                                         gated, dg (the reverse cumulative sum in the kernel)
 
-The scalar gate (Gated DeltaNet) reads g_cum [HV, NT * 64] f32: the in-chunk cumulative
-log gate as chunk_kkt_inverse writes it when the backward recomputes A, w, u
-(:func:`recompute`, the forward's own prepare). The per-key gate (KDA;
+The none / scalar gate's training forward keeps the WY inverse A itself
+(chunk_kkt_inverse_save); the backward forms the rest from it (:func:`rebuild`: the gate's
+in-chunk cumulative sum and the l2-normalised q, k by chunk_bwd_kkt_rebuild, the row pass
+of chunk_kkt_inverse without the inverse; w, u by the forward's chunk_wu). The scalar
+gate (Gated DeltaNet) reads g_cum [HV, NT * 64] f32, the in-chunk cumulative log gate. The per-key gate (KDA;
 dsl/delta_key_bwd.py) runs the same four stages in their per-key form after
 :func:`key_rebuild_packed` (params: :func:`key_train_params`): the forward's per-key
 prepare rendered as chunk_bwd_key_rebuild, which reads the WY inverse A the training
@@ -42,9 +44,11 @@ from . import chunk, runtime
 #: the backward's stages, in order
 STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
-#: kept; the other gates recompute A, w, u by the forward's own chunk_kkt_inverse and
-#: chunk_wu
+#: kept
 REBUILD = "chunk_bwd_key_rebuild"
+#: the none / scalar gate's: the gate cumsum and qn, kn (run where the call has a gate or
+#: l2norm), then chunk_wu forms w, u from the kept A
+ROWS = "chunk_bwd_kkt_rebuild"
 ARCH = "sm90"
 CHUNK = 64
 
@@ -72,8 +76,8 @@ def compiled_stage(stage: str, spec=None, **params):
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
                  state_dtype=None, dh=None) -> dict:
-    """stage name -> build() params of the four backward stages (the recompute of A, w, u
-    before them: :func:`recompute_params`): H key heads, HV value heads (default H);
+    """stage name -> build() params of the four backward stages (the rebuild of w, u
+    before them: :func:`rebuild_params`): H key heads, HV value heads (default H);
     chains: the dh pass's sequences x value heads (more value blocks for few chains);
     use_dht / store_dh0: the dh pass starts from the final state's gradient / writes the
     initial state's; gated: a gated spec's (the stages' gated forms read the spec, the
@@ -356,49 +360,50 @@ def chunk_forward_intermediates(q, k, v, beta):
     return o, S, A, A, w, u
 
 
-def recompute_params(*, H, HV, K, V, dtype, l2norm=False, spec=None) -> dict:
-    """The forward's prepare as the backward recomputes A, w, u from token-first packed
-    inputs (H key heads, HV value heads): chunk_kkt_inverse writing A without beta (and
-    qn, kn with l2norm; the scalar gate's g_cum), chunk_wu applying beta (a_beta=False)."""
+def rebuild_params(*, H, HV, K, V, dtype, l2norm=False, spec=None) -> dict:
+    """The backward's rebuild from the kept A on token-first packed inputs (H key heads,
+    HV value heads): ROWS at chunk_kkt_inverse's params (qn, kn with l2norm; the scalar
+    gate's g_cum; not run for neither), then chunk_wu applying beta (a_beta=False)."""
     base = wy_params(H=1, K=K, V=V, dtype=dtype, spec=spec)
-    return {"chunk_kkt_inverse": dict(base["chunk_kkt_inverse"], H=H, HV=HV,
-                                      l2norm_qk=bool(l2norm)),
+    rows = {ROWS: dict(base["chunk_kkt_inverse"], H=H, HV=HV, l2norm_qk=bool(l2norm))}
+    return {**(rows if l2norm or is_gated(spec) else {}),
             "chunk_wu": dict(base["chunk_wu"], H=H, HV=HV)}
 
 
 def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                  store_dh0=False, spec=None) -> dict:
     """Every kernel the none / scalar gate's training backward runs (ops/autograd.py
-    packed_backward), stage name -> build() params: the recompute (:func:`recompute_params`),
+    packed_backward), stage name -> build() params: the rebuild (:func:`rebuild_params`),
     the four stages (:func:`stage_params`; chains: sequences x value heads) and
     chunk_bwd_key_grads."""
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
-    return dict(recompute_params(**sizes, l2norm=l2norm, spec=spec),
+    return dict(rebuild_params(**sizes, l2norm=l2norm, spec=spec),
                 **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
-def recompute(q, k, v, beta, g, tables: dict, params: dict, spec=None) -> dict:
-    """What the none / scalar gate's stages need from the forward besides its states,
-    recomputed by the forward's prepare (params: :func:`recompute_params`) on token-first
+def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
+    """What the none / scalar gate's stages need from the forward besides its states and
+    the WY inverse A [Ttot, HV, 64] it kept (chunk_kkt_inverse_save: A itself, input
+    dtype), formed by ROWS and chunk_wu (params: :func:`rebuild_params`) on token-first
     packed q, k [Ttot, H, K], v [Ttot, HV, V], beta [Ttot, HV] (input dtype; the effective
     beta), g [Ttot, HV] f32 (the effective log gate) or None, the chunk tables. Returns
-    dict(q, k: q, k l2-normalised with the params' l2norm_qk (else the inputs), A
-    [Ttot, HV, 64], w [Ttot, HV, K], u [Ttot, HV, V] (input dtype) and, with g, g_cum
-    [HV, NT * 64] f32: the in-chunk cumulative log gate the stages read)."""
+    dict(q, k: q, k l2-normalised with l2norm (else the inputs), A, w [Ttot, HV, K], u
+    [Ttot, HV, V] (input dtype) and, with g, g_cum [HV, NT * 64] f32: the in-chunk
+    cumulative log gate the stages read)."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
     NT = tables["chunk_bos"].numel()
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
-    l2norm = params["chunk_kkt_inverse"]["l2norm_qk"]
+    l2norm = ROWS in params and params[ROWS]["l2norm_qk"]
     x = dict(tables, q=q, k=k, v=v, beta=beta, A_log=f32(HV), dt_bias=f32(HV),
              qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k,
              g=f32(Ttot, HV) if g is None else g,
              g_cum=f32(Ttot, HV) if g is None else f32(HV, NT * CHUNK),
-             A=v.new_empty(Ttot, HV, CHUNK), chunk_norm=f32(HV, NT),
-             w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
-    runtime.launch_kernel(spec, ARCH, "chunk_kkt_inverse", params["chunk_kkt_inverse"], x)
+             A=A, w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
+    if ROWS in params:
+        runtime.launch_kernel(spec, ARCH, ROWS, params[ROWS], x)
     runtime.launch_kernel(spec, ARCH, "chunk_wu", params["chunk_wu"], x,
                           lambda n: "kn" if n == "k" else n)
     out = dict(q=x["qn"], k=x["kn"], A=x["A"], w=x["w"], u=x["u"])

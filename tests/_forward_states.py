@@ -20,3 +20,14 @@ def forward_states(h, cu, T, dtype):
             c += max(n, 1)
         rows = torch.cat(parts)
     return rows.to(dtype).contiguous()
+
+
+def kept_inverse(A, B, T, dtype):
+    """The WY inverse a none / scalar gate's training forward keeps (A_inv [B T, HV, 64],
+    chunk_kkt_inverse_save: A itself, the chunk's columns) from the fp64 reference's
+    intermediates A [B', tokens, HV, 64], rounded to dtype; tokens past the last sequence
+    zero."""
+    flat = A.reshape(-1, *A.shape[2:])
+    out = torch.zeros(B * T, *A.shape[2:], dtype=dtype)
+    out[:flat.shape[0]] = flat.to(dtype)
+    return out

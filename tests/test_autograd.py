@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from _forward_states import forward_states
+from _forward_states import forward_states, kept_inverse
 from test_chunk_bwd import install_fakes
 
 import linattn
@@ -33,7 +33,8 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
                                cu_seqlens=cu, A_log=A_log, dt_bias=dt_bias, intermediates=True)
     return (ref["o"].to(q.dtype),
             ref["final_state"].float() if call.output_final_state else None,
-            {"h": forward_states(ref["h"], call.cu, q.shape[1], q.dtype)})
+            {"h": forward_states(ref["h"], call.cu, q.shape[1], q.dtype),
+             "A_inv": kept_inverse(ref["A"], *q.shape[:2], q.dtype)})
 
 
 @pytest.fixture
@@ -77,10 +78,11 @@ CASES = [   # B, T, H, K, V, cu_seqlens, initial state, dht, l2norm, scale
 ]
 
 
-#: what a DeltaNet / Gated DeltaNet backward launches: the recompute of A, w, u (the
-#: forward's prepare; the states are the forward's), the four stages, the key heads' dq,
-#: dk (chunk_bwd_key_grads)
-PACKED_STAGES = ["chunk_kkt_inverse", "chunk_wu", *chunk_bwd.STAGES, "chunk_bwd_key_grads"]
+#: what a DeltaNet / Gated DeltaNet backward launches: the rebuild of w, u (and of qn, kn,
+#: g_cum where the call has l2norm or a gate) from the A its forward kept, the four stages,
+#: the key heads' dq, dk (chunk_bwd_key_grads)
+PACKED_STAGES = ["chunk_wu", *chunk_bwd.STAGES, "chunk_bwd_key_grads"]
+ROWS_STAGES = [chunk_bwd.ROWS, *PACKED_STAGES]
 
 
 @pytest.mark.parametrize("B,T,H,K,V,cu,h0,use_dht,l2norm,scale", CASES)
@@ -96,7 +98,7 @@ def test_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, K, V, cu, h0,
                                      use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == PACKED_STAGES
+    assert fake_kernels == (ROWS_STAGES if l2norm else PACKED_STAGES)
 
     refs = [None if x is None else x.to(F64).requires_grad_() for x in xs]
     cu64 = None if cu is None else torch.tensor(cu)
@@ -123,8 +125,8 @@ def test_tokens_past_the_last_sequence(fake_kernels, rng):
     call = autograd.DeltaRuleCall(spec=deltanet.SPEC, scale=deltanet.SPEC.scale_for(K, None),
                                   output_final_state=True, cu=cu)
     head = [x[:, :n] for x in (q, k, v, beta)]
-    h = _reference_forward(call, *head, h0)[2]["h"]
-    grads = autograd.deltanet_backward(call, q, k, v, beta, h0, do, dht, h)
+    kept = _reference_forward(call, *head, h0)[2]
+    grads = autograd.deltanet_backward(call, q, k, v, beta, h0, do, dht, kept.pop("h"), kept)
     assert fake_kernels == PACKED_STAGES
     refs = [x.to(F64).requires_grad_() for x in head + [h0]]
     o_r, ht_r = tref.chunked_forward(deltanet.SPEC, *refs[:3], beta=refs[3],
@@ -148,7 +150,7 @@ def test_no_tokens(fake_kernels, rng, B, T, cu):
     call = autograd.DeltaRuleCall(spec=deltanet.SPEC, scale=0.125, output_final_state=True,
                                   cu=cu)
     h = xs[0].new_empty(0, H, K, V)
-    grads = autograd.deltanet_backward(call, *xs, do, dht, h)
+    grads = autograd.deltanet_backward(call, *xs, do, dht, h, {})
     assert fake_kernels == []
     for g, x in zip(grads[:4], xs[:4]):
         assert g.shape == x.shape and g.dtype == x.dtype and not g.any()
@@ -338,7 +340,7 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
                                            use_gate_in_kernel=gik, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == PACKED_STAGES
+    assert fake_kernels == ROWS_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=None if cu is None else
                                      torch.tensor(cu),
@@ -391,12 +393,12 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
                                   l2norm_qk=True, output_final_state=True,
                                   gate_in_kernel=True, cu=cu)
     names = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
-    h = _reference_forward(call, x["q"], x["k"], x["v"], x["beta"], x["initial_state"], x["g"],
-                           x["A_log"], x["dt_bias"])[2]["h"]
+    kept = _reference_forward(call, x["q"], x["k"], x["v"], x["beta"], x["initial_state"],
+                              x["g"], x["A_log"], x["dt_bias"])[2]
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
-        x["dt_bias"], do, dht, h)))
-    assert fake_kernels == PACKED_STAGES
+        x["dt_bias"], do, dht, kept.pop("h"), kept)))
+    assert fake_kernels == ROWS_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=torch.tensor(cu),
                                      options=Options(l2norm_qk=True, gate_in_kernel=True))

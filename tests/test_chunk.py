@@ -53,15 +53,16 @@ def test_stage_renders(name, stage):
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
-    first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_kkt_inverse")
+    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save")
+    first = stage in ("chunk_prepare", "chunk_prepare_save") + kkt
     cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
     assert cumsum == (first and spec.has_gate)
-    if not spec.has_gate and stage != "chunk_kkt_inverse":
+    if not spec.has_gate and stage not in kkt:
         assert "T.exp" not in text and "exp2" not in text
     assert "_chunk_inverse" not in text
     if stage in ("chunk_prepare", "chunk_prepare_save"):
         assert ("x_lp = T.alloc_shared" in text) == spec.has_beta
-    assert ("A_out" in text) == (stage == "chunk_prepare_save")
+    assert ("A_out" in text) == (stage in ("chunk_prepare_save", "chunk_kkt_inverse_save"))
 
 
 def _rendered_text(spec, stage):
@@ -291,22 +292,35 @@ def test_pipeline_rules():
 
 def test_save_states_plans():
     """save_states (training): the walk stores every chunk's state into h [NT, HV, K, V]
-    (input dtype), the split walk too; the other delta plans take the three-stage form,
-    whose chunk_state writes that h (KDA's fused pass writes no states)."""
+    (input dtype), the split walk too, and its kkt (chunk_kkt_inverse_save) the WY
+    inverse itself into A_inv (saved with h); the three-stage delta plan keeps the same;
+    the per-key gate's plans (three-stage: its chunk_state writes h) keep h, A, aqk
+    (KDA's fused pass writes no states). No other plan saves anything."""
     from linattn.codegen.pipeline import Buffer
-    for name, config in (("gdn", {}), ("gdn", {"segments": 2}), ("deltanet", {})):
+    for name, config in (("gdn", {}), ("gdn", {"segments": 2}), ("deltanet", {}),
+                         ("deltanet", {"fused": False})):
         plan = _plan(name, config=config, seq_chunks=(4, 3), Ttot=7 * 64, save_states=True)
+        assert plan.saved == ("h", "A_inv")
+        kkt = plan.launches[0]
+        assert kkt.stage == "chunk_kkt_inverse_save" and kkt.tensor("A_out") == "A_inv"
+        assert Buffer("A_inv", (7 * 64, 2, 64), "input") in plan.buffers
+        assert Buffer("h", (7, 2, 64, 64), "input") in plan.buffers
+        plain = _plan(name, config=config, seq_chunks=(4, 3), Ttot=7 * 64)
+        assert plain.saved == () and plain.launches[0].stage == "chunk_kkt_inverse"
+        if config.get("fused") is False:
+            assert plan.name == "three-stage" and "chunk_state" in plan.stages()
+            continue
         walk = plan.launches[-1]
         assert plan.name.startswith("walk") and walk.stage == "chunk_walk"
         assert walk.kwargs["states_out"] and walk.tensor("h") == "h"
-        assert Buffer("h", (7, 2, 64, 64), "input") in plan.buffers
-        plain = _plan(name, config=config, seq_chunks=(4, 3), Ttot=7 * 64)
         assert "states_out" not in plain.launches[-1].kwargs
         assert plain.launches[-1].tensor("h") == "h_none"
     for name in ("kda", "delta_key"):
         plan = _plan(name, HV=32, H=32, save_states=True)
         assert plan.name == "three-stage" and "chunk_state" in plan.stages()
         assert Buffer("h", (4, 32, 64, 64), "input") in plan.buffers
+        assert plan.saved == ("h", "A", "aqk")
+    assert _plan("gla", save_states=True).saved == ("h",)
 
 
 def test_plans_are_printable_and_frozen():

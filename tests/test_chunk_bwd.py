@@ -35,10 +35,11 @@ PACKED_STAGES = (*chunk_bwd.STAGES, "chunk_bwd_key_grads")
 
 
 def test_plan_lists_backward_stages():
-    """The none and the scalar gate run the four stages on the call's token-first tensors,
-    then chunk_bwd_key_grads; the per-key gate's plan rebuilds by its own prepare first
-    (chunk_bwd.key_rebuild_packed)."""
-    want = list(PACKED_STAGES)
+    """The none and the scalar gate rebuild from the kept A by the kkt's row pass first
+    (chunk_bwd.rebuild; then the forward's chunk_wu), run the four stages on the call's
+    token-first tensors, then chunk_bwd_key_grads; the per-key gate's plan rebuilds by
+    its own prepare first (chunk_bwd.key_rebuild_packed)."""
+    want = [chunk_bwd.ROWS, *PACKED_STAGES]
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
     assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
     key = [chunk_bwd.REBUILD, *PACKED_STAGES]
@@ -106,15 +107,21 @@ def test_stage_params():
 
 
 def test_train_params():
-    """train_params: what packed_backward runs, the recompute (the forward's kkt writing
-    A without beta, l2-normalising q, k with l2norm; chunk_wu applying beta) at the call's
-    key and value heads, the four stages, then chunk_bwd_key_grads (the l2norm's
-    backward with l2norm)."""
+    """train_params: what packed_backward runs, the rebuild from the kept A (the kkt's row
+    pass l2-normalising q, k with l2norm and forming a gate's g_cum, run for either; chunk_wu
+    applying beta) at the call's key and value heads, the four stages, then
+    chunk_bwd_key_grads (the l2norm's backward with l2norm)."""
     p = chunk_bwd.train_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=8,
                                l2norm=True, use_dht=True, spec=get_spec("gdn"))
-    assert list(p) == ["chunk_kkt_inverse", "chunk_wu", *PACKED_STAGES]
-    kkt, wu = p["chunk_kkt_inverse"], p["chunk_wu"]
-    assert kkt["l2norm_qk"] and not kkt["a_beta"] and not wu["a_beta"]
+    assert list(p) == [chunk_bwd.ROWS, "chunk_wu", *PACKED_STAGES]
+    rows, wu = p[chunk_bwd.ROWS], p["chunk_wu"]
+    assert rows["l2norm_qk"] and not wu["a_beta"]
+    for spec, l2norm, want in (("deltanet", False, ["chunk_wu"]),
+                               ("deltanet", True, [chunk_bwd.ROWS, "chunk_wu"]),
+                               ("gdn", False, [chunk_bwd.ROWS, "chunk_wu"])):
+        q = chunk_bwd.train_params(H=2, HV=2, K=64, V=64, dtype="float16", chains=2,
+                                   l2norm=l2norm, spec=get_spec(spec))
+        assert list(q)[:-len(PACKED_STAGES)] == want, (spec, l2norm)
     assert p["chunk_bwd_key_grads"]["l2norm"]
     assert all((x["H"], x["HV"]) == (2, 4) for x in p.values())
     assert p["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in p["chunk_bwd_dh"]
@@ -453,13 +460,14 @@ RECOMPUTE_CASES = [     # family, B, T, H, HV, K, V, cu_seqlens, l2norm, dtype
 
 
 @pytest.mark.parametrize("family,B,T,H,HV,K,V,cu,l2norm,dtype", RECOMPUTE_CASES)
-def test_recompute(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dtype):
-    """recompute: the forward's prepare (chunk_kkt_inverse writing A without beta, then
-    chunk_wu) on the call's token-first packed tensors, varlen as it comes, q, k at their
-    key heads (GVA): q, k l2-normalised with l2norm (else the inputs themselves), per value
-    head A, w = A diag(beta e^g_cum) k, u = A diag(beta) v and, with the scalar gate, g_cum
-    in chunk_kkt_inverse's layout [HV, NT * 64] (rows past a chunk's length holding its
-    last row's value), against the fp64 reference's intermediates."""
+def test_rebuild(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dtype):
+    """rebuild: from the WY inverse A the training forward kept (the reference's, rounded),
+    on the call's token-first packed tensors, varlen as it comes, q, k at their key heads
+    (GVA): chunk_bwd_kkt_rebuild (where the call has l2norm or a gate) and chunk_wu give
+    q, k l2-normalised with l2norm (else the inputs themselves), per value head
+    w = A diag(beta e^g_cum) k, u = A diag(beta) v and, with the scalar gate, g_cum in
+    chunk_kkt_inverse's layout [HV, NT * 64] (rows past a chunk's length holding its last
+    row's value), against the fp64 reference's intermediates."""
     spec = get_spec(family)
     gated = chunk_bwd.is_gated(spec)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
@@ -472,19 +480,19 @@ def test_recompute(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dt
     g = (torch.nn.functional.logsigmoid(r(B, T, HV)) / 8).float() if gated else None
     Ttot = B * T
     tables = chunk._tables(cu or tuple(range(0, Ttot + 1, T)), C, "cpu", 0)
-    params = chunk_bwd.recompute_params(H=H, HV=HV, K=K, V=V, l2norm=l2norm, spec=spec,
-                                        dtype=str(dtype).replace("torch.", ""))
-    flat = lambda x: x.reshape(Ttot, *x.shape[2:]).contiguous()  # noqa: E731
-    qf, kf = flat(q), flat(k)
-    out = chunk_bwd.recompute(qf, kf, flat(v), flat(beta), None if g is None else flat(g),
-                              tables, params, spec)
-    assert fake_backward == ["chunk_kkt_inverse", "chunk_wu"]
-
     ref = tref.chunked_forward(spec, q.to(F64), k.to(F64), v.to(F64),
                                None if g is None else g.to(F64), beta=beta.to(F64),
                                options=Options(l2norm_qk=l2norm), scale=1.0,
                                cu_seqlens=None if cu is None else torch.tensor(cu),
                                intermediates=True)
+    params = chunk_bwd.rebuild_params(H=H, HV=HV, K=K, V=V, l2norm=l2norm, spec=spec,
+                                      dtype=str(dtype).replace("torch.", ""))
+    flat = lambda x: x.reshape(Ttot, *x.shape[2:]).contiguous()  # noqa: E731
+    qf, kf, A = flat(q), flat(k), flat(ref["A"]).to(dtype)
+    out = chunk_bwd.rebuild(qf, kf, flat(v), flat(beta), None if g is None else flat(g), A,
+                            tables, params, spec)
+    assert fake_backward == ([chunk_bwd.ROWS] if l2norm or gated else []) + ["chunk_wu"]
+    assert out["A"] is A
     tol = 2e-3 if dtype == F16 else 1e-2
     for name, x, raw in (("q", out["q"], qf), ("k", out["k"], kf)):
         if l2norm:
@@ -493,7 +501,7 @@ def test_recompute(fake_backward, rng, family, B, T, H, HV, K, V, cu, l2norm, dt
             assert _rel(x, want) < tol, (name, _rel(x, want))
         else:
             assert x is raw, name
-    for name, D in (("A", C), ("w", K), ("u", V)):
+    for name, D in (("w", K), ("u", V)):
         x, want = out[name], flat(ref[name])
         assert x.shape == (Ttot, HV, D) and x.dtype == dtype, name
         assert _rel(x, want) < tol, (name, _rel(x, want))

@@ -125,26 +125,43 @@ class PipelineMath:
                     u[t0:t0 + n, hv] = (X @ (b[:, None] * v[t0:t0 + n, hv].to(F64))).to(u.dtype)
 
     def kkt(self, p, q, k, g, beta, A_log, dt_bias, chunk_bos, chunk_len, g_cum, qn, kn, A,
-            chunk_norm):
+            chunk_norm, A_out=None):
+        """chunk_kkt_inverse (chunk_kkt_inverse_save: A itself into A_out as well)."""
         A.zero_()
+        if A_out is not None:
+            A_out.zero_()
         self.seen["kkt_a_beta"] = p.get("a_beta", True)
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
             qe, ke, gc, be = self.effective(p, t0, n, q, k, g, beta, A_log, dt_bias)
-            if p["l2norm_qk"]:
-                kn[t0:t0 + n] = ke[:, ::self.group].to(kn.dtype)
-                qn[t0:t0 + n] = qe[:, ::self.group].to(qn.dtype)
+            self._rows(p, qe, ke, gc, ci, t0, n, g_cum, qn, kn)
             for hv in range(self.HV):
                 kk, b = ke[:, hv], be[:, hv]
                 gh = gc[:, hv, 0] if gc is not None else torch.zeros(n, dtype=F64)
-                if gc is not None:
-                    g_cum[hv, ci * C:ci * C + n] = gh.to(g_cum.dtype)
-                    g_cum[hv, ci * C + n:(ci + 1) * C] = gh[-1].to(g_cum.dtype)
                 M = (b[:, None] * (kk @ kk.T) * _tril_decay(gh)).tril(-1)
                 X = torch.linalg.inv(torch.eye(n, dtype=F64) + M)
                 Ab = X * b[None, :] if p.get("a_beta", True) else X
                 A[t0:t0 + n, hv, :n] = Ab.to(A.dtype)
+                if A_out is not None:
+                    A_out[t0:t0 + n, hv, :n] = X.to(A_out.dtype)
                 d = b * kk.pow(2).sum(-1)
                 chunk_norm[hv, ci] = gh[-1] + (d - 1).clamp_min(1).log().sum()
+
+    def _rows(self, p, qe, ke, gc, ci, t0, n, g_cum, qn, kn):
+        """kkt's row outputs: qn, kn (l2norm_qk), the scalar gate's g_cum (rows past the
+        chunk's length: its last row's)."""
+        if p["l2norm_qk"]:
+            kn[t0:t0 + n] = ke[:, ::self.group].to(kn.dtype)
+            qn[t0:t0 + n] = qe[:, ::self.group].to(qn.dtype)
+        if gc is not None:
+            g_cum[:, ci * C:ci * C + n] = gc[..., 0].T.to(g_cum.dtype)
+            g_cum[:, ci * C + n:(ci + 1) * C] = gc[-1, :, 0, None].to(g_cum.dtype)
+
+    def kkt_rows(self, p, q, k, g, A_log, dt_bias, chunk_bos, chunk_len, g_cum, qn, kn):
+        """chunk_bwd_kkt_rebuild: kkt's row outputs only (no beta, no inverse)."""
+        beta = torch.ones(q.shape[0], self.HV, dtype=F64)
+        for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
+            qe, ke, gc, _ = self.effective(p, t0, n, q, k, g, beta, A_log, dt_bias)
+            self._rows(p, qe, ke, gc, ci, t0, n, g_cum, qn, kn)
 
     def wu(self, p, k, v, A, beta, chunk_bos, chunk_len, w, u, g_cum=None):
         """w = A_b e^g k, u = A_b v (a_beta=False: A_b = A diag(beta))."""
@@ -326,7 +343,9 @@ class PipelineMath:
                 o[t0:t0 + n, hv] = (scale * oo).to(o.dtype)
 
     def body(self, spec, stage, params):
-        fn = {"chunk_prepare": self.prepare, "chunk_kkt_inverse": self.kkt, "chunk_wu": self.wu,
+        fn = {"chunk_prepare": self.prepare, "chunk_kkt_inverse": self.kkt,
+              "chunk_kkt_inverse_save": self.kkt, "chunk_bwd_kkt_rebuild": self.kkt_rows,
+              "chunk_wu": self.wu,
               "chunk_qk": self.qk, "chunk_state": self.state,
               "chunk_state_summary": self.summary,
               "chunk_state_output": self.state_output, "chunk_output": self.output}[stage]

@@ -54,8 +54,11 @@ class Walk:
         return g_cum[hv, ci * C:ci * C + rows].to(F64)
 
     def kkt(self, p):
-        def run(q, k, g, beta, A_log, dt_bias, bos, lens, g_cum, qn, kn, A, chunk_norm):
+        def run(q, k, g, beta, A_log, dt_bias, bos, lens, g_cum, qn, kn, A, chunk_norm,
+                A_out=None):        # (A_out: chunk_kkt_inverse_save's A itself)
             A.zero_()
+            if A_out is not None:
+                A_out.zero_()
             self.f64 = dict(a=torch.zeros(A.shape, dtype=F64), q=q.to(F64), k=k.to(F64))
             for ci, (t0, rows) in enumerate(zip(bos.tolist(), lens.tolist())):
                 for hv in range(self.HV):
@@ -80,9 +83,12 @@ class Walk:
                         g_cum[hv, ci * C:(ci + 1) * C] = gc.to(g_cum.dtype)
                     G = (gc[:rows, None] - gc[None, :rows]).exp()
                     M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
-                    Ab = torch.linalg.inv(M) * b[None, :]
+                    X = torch.linalg.inv(M)
+                    Ab = X * b[None, :]
                     self.f64["a"][t0:t0 + rows, hv, :rows] = Ab
                     A[t0:t0 + rows, hv, :rows] = Ab.to(A.dtype)
+                    if A_out is not None:
+                        A_out[t0:t0 + rows, hv, :rows] = X.to(A_out.dtype)
                     d = b * kk.pow(2).sum(-1)
                     chunk_norm[hv, ci] = gc[rows - 1] + (d - 1).clamp_min(1).log().sum()
         return run
@@ -166,7 +172,8 @@ class Walk:
         return run
 
     def body(self, spec, stage, params):
-        return {"chunk_kkt_inverse": self.kkt, "chunk_walk": self.walk,
+        return {"chunk_kkt_inverse": self.kkt, "chunk_kkt_inverse_save": self.kkt,
+                "chunk_walk": self.walk,
                 "chunk_walk_map": self.walk_map,
                 "chunk_segment_combine": self.combine}[stage](params)
 
@@ -272,12 +279,17 @@ def test_walk_saves_every_chunks_state(monkeypatch, name, options, config):
     """save_states (training): h [NT, HV, K, V] in q's dtype, K-first in either state
     layout, sequence n's chunk c at row chunk_offsets[n] + c: the reference's state
     entering that chunk (rounded once to f16; the split's segments from their combined
-    starts, each chunk stored once)."""
+    starts, each chunk stored once); and A_inv [Ttot, HV, 64], the WY inverse without
+    beta (chunk_kkt_inverse_save), the reference's A."""
     o, ht, ref, seen, stages, (saved,) = _run(monkeypatch, name, options, LENS, config,
                                               save_states=True)
-    assert list(saved) == ["h"]
+    assert list(saved) == ["h", "A_inv"]
     h = saved["h"]
+    assert stages[0] == "chunk_kkt_inverse_save"
     assert stages[-1] == "chunk_walk" and ("chunk_walk_map" in stages) == bool(config)
+    A = saved["A_inv"]
+    assert A.shape == (sum(LENS), 4, C) and A.dtype == torch.float16
+    assert _rel(A, ref["A"][0]) < 2e-3
     assert h.dtype == torch.float16 and h.shape == (sum(-(-n // C) for n in LENS), 4, 64, 32)
     want, row, c = ref["h"][0], 0, 0        # (K-first, as h)
     for n in LENS:

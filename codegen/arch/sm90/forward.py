@@ -30,7 +30,8 @@ from __future__ import annotations
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import hardware as hw
 from .hardware import NAME, SMEM_BYTES, makespan
-from .stages import kkt_launch, n_segments, prepare_buffers, segment_chunks, stage_plan
+from .stages import (kkt_launch, n_segments, prepare_buffers, saved_names, segment_chunks,
+                     stage_plan)
 
 #: the walk's time per chunk step of one CTA (us) by value block at K = 128, bf16 (session
 #: 6, runs s6-3 / s6-4: prefill-4k 64 CTAs at block 32: 1.67 us a step, 64 CTAs at block
@@ -216,4 +217,4 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
         walk_bind = dict(qk, **gate, **hbind)
     launches.append(launch("chunk_walk", walk, **walk_bind))
     return Plan("walk-split" if split else "walk", NAME, tuple(launches), tuple(buffers),
-                L if split else 0, tuple(reasons), saved=("h",) if p.save_states else ())
+                L if split else 0, tuple(reasons), saved=saved_names(p))

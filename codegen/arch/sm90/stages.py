@@ -74,21 +74,38 @@ def _kkt(p: ForwardProblem, heads_fastest: bool) -> dict:
                 heads_fastest=heads_fastest)
 
 
+def saved_names(p: ForwardProblem) -> tuple:
+    """What a training forward (save_states) keeps for the backward (Plan.saved): the
+    states entering each chunk and, for the delta rule, the WY inverse it formed (the
+    per-key gate's A with A_qk; the other gates' A itself as A_inv, beside the A_b the
+    walk reads), so the backward does not form the inverse again."""
+    if not p.save_states:
+        return ()
+    if p.rule != "delta":
+        return ("h",)
+    return ("h", "A", "aqk") if p.gate == "key" else ("h", "A_inv")
+
+
 def prepare_buffers(p: ForwardProblem) -> list:
-    """chunk_kkt_inverse's outputs."""
+    """chunk_kkt_inverse's outputs (chunk_kkt_inverse_save's A_inv too)."""
     C, gated = p.chunk_size, p.gate == "scalar"
     out = [Buffer("A", (p.Ttot, p.HV, C), "input"),
            Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
            Buffer("chunk_norm", (p.HV, p.NT))]
     if p.l2norm_qk:
         out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    if "A_inv" in saved_names(p):
+        out += [Buffer("A_inv", (p.Ttot, p.HV, C), "input")]
     return out
 
 
 def kkt_launch(p: ForwardProblem):
-    """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk)."""
+    """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk); in a
+    training forward chunk_kkt_inverse_save, writing A itself into A_inv as well."""
     heads_fastest = p.NT <= hw.MAX_GRID_YZ
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
+    if "A_inv" in saved_names(p):
+        return launch("chunk_kkt_inverse_save", _kkt(p, heads_fastest), **binds, A_out="A_inv")
     return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
 
 
@@ -163,7 +180,7 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     if key:
         bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
                  Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
-        keep_a = delta and p.save_states     # (training: the backward rebuilds from A, A_qk)
+        keep_a = "A" in saved_names(p)       # (training: the backward rebuilds from A, A_qk)
         bufs += [Buffer("A", (p.Ttot, p.HV, C), "input")] if keep_a else []
         prep = launch("chunk_prepare_save" if keep_a else "chunk_prepare",
                       dict(common, **flags, **order, **key_prepare(config)),
@@ -266,9 +283,8 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
-    saved = ("h", "A", "aqk") if p.gate == "key" and p.rule == "delta" else ("h",)
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
-                reasons=(_why(p, choice, config),), saved=saved if p.save_states else ())
+                reasons=(_why(p, choice, config),), saved=saved_names(p))
 
 
 def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
