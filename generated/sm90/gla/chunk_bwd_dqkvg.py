@@ -25,13 +25,9 @@ GEMMs give the rows of A and dq in block [r, r + 16) and the rows of dk in block
 (only exponentials of non-positive numbers are taken).
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs. V is walked in blocks of block_v twice (dA first; then the
-state terms and dv, v and do read again).
-The state part of dg, rowsum(h_out * dh), is formed without reading h_out: with
-h_out = e^{G_l} h_in + (k e^{G_l - G})^T v, it is e^{G_l} rowsum(h_in * dh) (f32, h_in and
-dh as read for the GEMMs, reduced per value block) plus colsum(k * dk_s),
-dk_s = e^{G_l - G} (v dh^T) dk's state term (dk after the value blocks less dk before
-them, both summed over the rows against k).dq, dk are per value head (the host sums a GVA group).
+f32 and rounded for the GEMMs; rowsum(h_out * dh) stays f32. V is walked in
+blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+dq, dk are per value head (the host sums a GVA group).
 
 Key blocks (block_k < K): every term above but dv is per key channel, and dA needs
 no key channel, so a CTA forms the dq, dk, dg of its block_k channels; A and
@@ -145,7 +141,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             dv_f = T.alloc_fragment((BT, BV), f32)
             hd_f = T.alloc_fragment((BK, BV), f32)
             hd_row = T.alloc_fragment((BK,), f32)
-            kdk_row = T.alloc_fragment((BK,), f32)
             dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
 
@@ -279,12 +274,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1, j] - G_s[i, j]),
                                     dtype)
-            # dg's state part, first: -colsum(k * dk) before the state terms join dk
-            for i, j in T.Parallel(BT, BK):
-                p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, kdk_row, dim=0)
             for j in T.Parallel(BK):
-                dgl_s[j] = -kdk_row[j]
+                dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -295,10 +286,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
                 for i, j in T.Parallel(BK, BV):
-                    hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]
+                    hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):
-                    dgl_s[j] = dgl_s[j] + hd_row[j] * T.exp(G_s[BT - 1, j])
+                    dgl_s[j] = dgl_s[j] + hd_row[j]
                 T.gemm(do_s, h_s, p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BK):
                     dq_f[i, j] = dq_f[i, j] + p_f[i, j] * scale * T.exp(G_s[i, j])
@@ -313,12 +304,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             dv[kb, t0 + i, hv, vb * BV + j] = dv_f[i, j]
                         else:
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
-            # ... then colsum(k * dk) after them
-            for i, j in T.Parallel(BT, BK):
-                p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, kdk_row, dim=0)
-            for j in T.Parallel(BK):
-                dgl_s[j] = dgl_s[j] + kdk_row[j]
 
             # totals (the diagonal blocks added), then dg = revcumsum(q dq - k dk) + <h_out, dh>
             for i, j in T.Parallel(BT, BK):

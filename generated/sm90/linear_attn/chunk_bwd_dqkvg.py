@@ -15,8 +15,9 @@ gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstat
   dv = A^T do + k dh
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs. V is walked in blocks of block_v twice (dA first; then the
-state terms and dv, v and do read again).dq, dk are per value head (the host sums a GVA group).
+f32 and rounded for the GEMMs. V is walked in
+blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+dq, dk are per value head (the host sums a GVA group).
 
 Key blocks (block_k < K): every term above but dv is per key channel, and dA needs
 no key channel, so a CTA forms the dq, dk of its block_k channels; A and
@@ -125,6 +126,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             dk_f = T.alloc_fragment((BT, BK), f32)
             p_f = T.alloc_fragment((BT, BK), f32)
             dv_f = T.alloc_fragment((BT, BV), f32)
+            hd_f = T.alloc_fragment((BK, BV), f32)
+            hd_row = T.alloc_fragment((BK,), f32)
+            dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
 
             for i, j in T.Parallel(BT, BK):
@@ -154,6 +158,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             # the state terms and dv, over the value blocks (v, do read again: their tiles
             # are not held through the pair terms); kd = k e^{G_l - G}
             T.copy(k_s, kd_s)
+            for j in T.Parallel(BK):
+                dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
