@@ -17,8 +17,9 @@ before each call, median over calls.
 
     python3 bench/gla_bwd_probe.py [--rows train-16k train-2k] [--dtypes bf16 f16]
         [--iters 20] [--no-sweep] [--no-train] [--train-kv K V] [--train-t T] [--budget-s 50]
+        [--shape B T H K V ...]
     (order: every row ours vs fla, then the variants on the first row, then the training
-    step; JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
+    step, then each --shape's variants (SHAPE_SWEEP); JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ from linattn.ops import additive_bwd, runtime  # noqa: E402
 #: scan variants timed on the first row (the default plan's choice is the baseline)
 SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_block_v": 32},
          {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
+#: variants timed on --shape (a GLAChunkBwd call of any head dims): the reverse pass
+#: forced each way, dqkvg's value block
+SHAPE_SWEEP = [{"dstate_pass": "scan"}, {"dstate_pass": "walk"}, {"dqkvg_block_v": 64},
+               {"dqkvg_block_v": 128}]
 
 
 def _short(per):
@@ -104,6 +109,40 @@ def probe_row(workload, dtype, iters, sweep):
     return res
 
 
+def shape_inputs(B, T, H, K, V):
+    """GLAChunkBwd arguments [B, T, H, K / V] bf16 of the benchmark's distributions (q, k,
+    v, do N(0, 1), g = logsigmoid(N(2, 1)), h and dht 0.1 N(0, 1): timing only)."""
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    bf = torch.bfloat16
+    NT = -(-T // 64)
+    return dict(q=r(B, T, H, K).to(bf), k=r(B, T, H, K).to(bf), v=r(B, T, H, V).to(bf),
+                g=torch.nn.functional.logsigmoid(r(B, T, H, K) + 2).to(bf),
+                h=0.1 * r(B, NT + 1, H, K, V), do=r(B, T, H, V).to(bf), dht=0.1 * r(B, H, K, V))
+
+
+def probe_shape(shape, iters):
+    """The default plan and SHAPE_SWEEP's variants on one call of shape (B, T, H, K, V)."""
+    x, s = shape_inputs(*shape), shape[3] ** -0.5
+    res = {"workload": "shape-" + "x".join(map(str, shape)), "dtype": "bf16"}
+    calls = [_ours(x, s)] + [_ours(x, s, c) for c in SHAPE_SWEEP]
+    errs = _precompile(calls)
+    if errs:
+        res["compile_errors"] = errs[:3]
+    ref = calls[0]()
+    res["ours_ms"], res["ours_kernels_ms"], _ = device_times(calls[0], iters=iters)
+    for c, fn in zip(SHAPE_SWEEP, calls[1:]):
+        key = ",".join(f"{k}={v}" for k, v in c.items())
+        try:
+            diff = max(float((a - b).norm() / b.norm()) for a, b in zip(fn(), ref))
+            vms, vper, _ = device_times(fn, iters=iters)
+            res.setdefault("sweep", {})[key] = dict(ms=vms, kernels_ms=vper, diff=diff)
+        except Exception as e:
+            res.setdefault("sweep", {})[key] = f"{type(e).__name__}: {e}"[:200]
+    return res
+
+
 def train_step(T, iters, K=64, V=64):
     """One chunk_gla training step, ours and fla's: linattn-bench's step (cli/bench/train.py)
     on a GLATrain row [2, T, 4, K] bf16 with h0 and dht, and each one's peak memory."""
@@ -149,6 +188,9 @@ def main():
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--train-kv", nargs=2, type=int, default=[64, 64], metavar=("K", "V"))
     ap.add_argument("--train-t", type=int, default=16384)
+    ap.add_argument("--shape", nargs=5, type=int, action="append", default=[],
+                    metavar=("B", "T", "H", "K", "V"),
+                    help="also time SHAPE_SWEEP on a GLAChunkBwd call of this shape (repeatable)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new measurement after this many seconds (0: no limit)")
     args = ap.parse_args()
@@ -158,12 +200,14 @@ def main():
     todo = [("row", w, d, False) for w in args.rows for d in args.dtypes]
     todo += [] if args.no_sweep else [("row", args.rows[0], args.dtypes[0], True)]
     todo += [] if args.no_train else [("train", args.train_t, None, False)]
+    todo += [("shape", tuple(sh), None, False) for sh in args.shape]
     for kind, a, b, sweep in todo:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"{kind} {a} {b or ''}: skipped (--budget-s)", flush=True)
             continue
         try:
             r = (probe_row(a, b, args.iters, sweep) if kind == "row"
+                 else probe_shape(a, args.iters) if kind == "shape"
                  else train_step(a, args.iters, *args.train_kv))
         except Exception as e:
             traceback.print_exc()

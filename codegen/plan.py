@@ -124,6 +124,13 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_dstate_local", "chunk_bwd_dstate_local.py.jinja", "bwd",
               doc="additive rule, per chunk: its state-gradient term scale (q e^g)^T do, its decay",
               rules=frozenset({"additive"})),
+        Stage("chunk_bwd_dstate_gate", "chunk_bwd_dstate_local.py.jinja", "bwd",
+              doc="additive rule, per chunk (before the walk): q e^g, its decay",
+              rules=frozenset({"additive"}), gates=frozenset({"scalar", "key"})),
+        Stage("chunk_bwd_dstate_walk", "chunk_bwd_dstate_walk.py.jinja", "bwd",
+              doc="additive rule, reverse sequential pass (where its tiles fill the GPU): "
+                  "the gradient of the state leaving each chunk, dh0",
+              rules=frozenset({"additive"})),
         Stage("chunk_bwd_dstate_scan", "chunk_bwd_dstate_scan.py.jinja", "bwd",
               doc="additive rule, reverse element-wise pass: the gradient of the state leaving each chunk, dh0",
               rules=frozenset({"additive"})),

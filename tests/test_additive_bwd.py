@@ -34,7 +34,10 @@ from linattn.ops import (additive_bwd, chunk, contracts, gla, linear_attn, reten
 
 F64 = torch.float64
 C = 64
-STAGES = ["chunk_bwd_dstate_local", "chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"]
+STAGES = ["chunk_bwd_dstate_local", "chunk_bwd_dstate_gate", "chunk_bwd_dstate_walk",
+          "chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"]
+SCAN = ["chunk_bwd_dstate_local", "chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"]
+CALLS = {"scan": ["local", "scan", "dqkvg"], "walk": ["gate", "walk", "dqkvg"]}
 SIX = {s.name: s for s in all_rule_gate_specs()}
 FAMILIES = {"gla": gla.SPEC, "simple_gla": simple_gla.SPEC, "linear_attn": linear_attn.SPEC,
             "gla_gv_twin": key_twin(gla.SPEC_GV)}     # (the value gate's backward)
@@ -44,7 +47,9 @@ def test_plan_lists_the_stages():
     for spec in list(FAMILIES.values()) + list(SIX.values()):
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "additive":
-            assert names == STAGES, spec.name
+            gated = spec.gate is not Gate.NONE
+            assert names == [s for s in STAGES if gated or s != "chunk_bwd_dstate_gate"], \
+                spec.name
         else:
             assert not set(STAGES) & set(names), spec.name
 
@@ -54,6 +59,8 @@ def test_plan_lists_the_stages():
 def test_stage_renders(family, stage):
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
+    if spec.gate is Gate.NONE and stage == "chunk_bwd_dstate_gate":
+        pytest.skip("no gate: the walk reads q")
     mod = stage_module(spec, stage, "sm90")
     assert mod.STAGE == stage and mod.VARIANT == "bwd" and mod.SPEC_HASH == spec.hash
     for ex in mod.EXAMPLES:
@@ -68,7 +75,7 @@ def test_backward_plan():
                                 g_dtype="bfloat16", grad_dtype="float32",
                                 seq_chunks=(256, 256), use_dht=True)
     pl = additive_bwd.backward_plan(p)
-    assert pl.stages() == STAGES
+    assert pl.stages() == SCAN         # 8 chains: the walk's smallest tiles fill 32 SMs
     kw = {la.stage: la.kwargs for la in pl.launches}
     assert (kw["chunk_bwd_dstate_scan"]["block_k"], kw["chunk_bwd_dstate_scan"]["block_v"]) \
         == (8, 16)            # 8 chains x 32 tiles = 256 CTAs (16 x 16: 128 < 132 SMs)
@@ -78,11 +85,21 @@ def test_backward_plan():
                                                      "decay": (512, 4, 64)}
     big = AdditiveBackwardProblem(gate="none", H=16, HV=16, K=128, V=128, dtype="float16",
                                   g_dtype="float32", grad_dtype="float16", seq_chunks=(64,) * 8)
-    pl = additive_bwd.backward_plan(big)
+    pl = additive_bwd.backward_plan(big, {"dstate_pass": "scan"})
     assert (pl.launches[1].kwargs["block_k"], pl.launches[1].kwargs["block_v"]) == (16, 32)
     assert [b.name for b in pl.buffers] == ["dstate"]
     assert "g_dtype" not in pl.launches[0].kwargs
-    assert all("block_k" not in la.kwargs for la in pl.launches if la.stage != STAGES[1])
+    assert all("block_k" not in la.kwargs for la in pl.launches
+               if la.stage != "chunk_bwd_dstate_scan")
+    print(pl)
+    # 128 chains x 2 tiles of 128 x 64 cover the SMs: the walk (no gate: it reads q)
+    pl = additive_bwd.backward_plan(big)
+    assert pl.stages() == ["chunk_bwd_dstate_walk", "chunk_bwd_dqkvg"]
+    kw = pl.launches[0].kwargs
+    assert (kw["block_k"], kw["block_v"], kw["use_dht"], kw["store_dh0"]) == (128, 64, False, False)
+    assert [b.name for b in pl.buffers] == ["dstate"]
+    with pytest.raises(SpecError, match="dstate_pass"):
+        additive_bwd.backward_plan(big, {"dstate_pass": "fused"})
     print(pl)
 
 
@@ -97,17 +114,27 @@ def test_backward_plan_key_blocks():
     assert [key_block(K) for K in (16, 48, 128, 192, 256)] == [16, 48, 128, 64, 128]
     p = AdditiveBackwardProblem(gate="key", H=4, HV=4, K=256, V=512, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,) * 4)
-    pl = additive_bwd.backward_plan(p)
+    pl = additive_bwd.backward_plan(p, {"dstate_pass": "scan"})
     kw = {la.stage: la.kwargs for la in pl.launches}
     assert kw["chunk_bwd_dstate_local"]["block_k"] == kw["chunk_bwd_dqkvg"]["block_k"] == 128
     assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 32
     assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 1 and additive_bwd.key_blocks(pl) == 2
     assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
                                                      "decay": (256, 4, 256)}
+    # 16 chains x 2 x 8 tiles of 128 x 64: the walk, after the gate pass (key blocks)
+    pl = additive_bwd.backward_plan(p)
+    kw = {la.stage: la.kwargs for la in pl.launches}
+    assert pl.stages() == ["chunk_bwd_dstate_gate", "chunk_bwd_dstate_walk", "chunk_bwd_dqkvg"]
+    assert kw["chunk_bwd_dstate_gate"]["block_k"] == 128
+    assert (kw["chunk_bwd_dstate_walk"]["block_k"], kw["chunk_bwd_dstate_walk"]["block_v"]) \
+        == (128, 64)
+    assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
+                                                     "qg": (256 * 64, 4, 256),
+                                                     "decay": (256, 4, 256)}
     small = AdditiveBackwardProblem(gate="scalar", H=4, HV=4, K=192, V=48, dtype="float16",
                                     g_dtype="float32", grad_dtype="float16", seq_chunks=(3,))
     pl = additive_bwd.backward_plan(small)
-    assert additive_bwd.key_blocks(pl) == 3 and pl.launches[2].kwargs["min_blocks"] == 2
+    assert additive_bwd.key_blocks(pl) == 3 and pl.launches[-1].kwargs["min_blocks"] == 2
     print(pl)
     with pytest.raises(SpecError, match="multiples of 64"):
         additive_bwd.backward_plan(dataclasses.replace(small, K=144))
@@ -164,6 +191,41 @@ class BackwardMath:
                 if decay is not None:
                     decay[c, hv] = G[-1].exp().float()
 
+    def gate(self, p, q, g, chunk_bos, chunk_len, qg, decay):
+        """qg rows per chunk (rows past its len: 0), as the walk reads them whole."""
+        self.calls.append("gate")
+        self.K = p["K"]
+        qg.fill_(0)
+        for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
+            for hv in range(self.HV):
+                G = self._gate(g, t0, n, hv).cumsum(0)
+                qg[c * C:c * C + n, hv] = (q[t0:t0 + n, hv // self.group].to(F64) * G.exp()).to(qg.dtype)
+                decay[c, hv] = G[-1].exp().float()
+
+    def walk(self, p, do, cu_seqlens, chunk_offsets, dht, dstate, dh0, scale, q=None, qg=None,
+             decay=None):
+        """Gated: qg's 64 rows of a chunk against do's 64 rows from its start (the next
+        sequence's, or zeros past Ttot, beyond it); no gate: q and do of the chunk's rows."""
+        self.calls.append("walk")
+        self.K, self.V = p["K"], p["V"]
+        cu, offs = cu_seqlens.tolist(), chunk_offsets.tolist()
+        dop = torch.cat([do.to(F64), torch.zeros(C, *do.shape[1:], dtype=F64)])
+        for n in range(len(offs) - 1):
+            c0, nc = offs[n], offs[n + 1] - offs[n]
+            for hv in range(self.HV):
+                dh = dht[n, hv].to(F64) if p["use_dht"] else torch.zeros(self.K, self.V, dtype=F64)
+                for t in reversed(range(nc)):
+                    dstate[c0 + n + t + 1, hv] = dh.float()
+                    t0 = cu[n] + t * C
+                    if qg is not None:
+                        x = qg[(c0 + t) * C:(c0 + t + 1) * C, hv].to(F64).T @ dop[t0:t0 + C, hv]
+                        dh = decay[c0 + t, hv].to(F64)[:, None] * dh + scale * x
+                    else:
+                        e = min(t0 + C, cu[n + 1])
+                        dh = dh + scale * q[t0:e, hv // self.group].to(F64).T @ dop[t0:e, hv]
+                if p["store_dh0"]:
+                    dh0[n, hv] = dh.float()
+
     def scan(self, p, chunk_offsets, dht, dstate, dh0, decay=None):
         self.calls.append("scan")
         self.K, self.V = p["K"], p["V"]      # (the kernels' K, V: padded by backward_dims)
@@ -219,6 +281,7 @@ def install_fakes(monkeypatch, spec, H, HV, K, V):
     stages run BackwardMath, the forward's (the states' recompute) PipelineMath."""
     bwd = BackwardMath(spec, H, HV, K, V)
     body = by_name({"chunk_bwd_dstate_local": bwd.local, "chunk_bwd_dstate_scan": bwd.scan,
+                    "chunk_bwd_dstate_gate": bwd.gate, "chunk_bwd_dstate_walk": bwd.walk,
                     "chunk_bwd_dqkvg": bwd.dqkvg})
 
     def route(spec_, stage, params):
@@ -231,6 +294,17 @@ def install_fakes(monkeypatch, spec, H, HV, K, V):
     return bwd
 
 
+@pytest.fixture
+def dstate_pass(monkeypatch, request):
+    """Force the state gradient's reverse pass (the walk where any tile fills an SM, the
+    scan where none can): the param's name; the cached plans cleared before and after."""
+    from linattn.codegen.arch.sm90 import backward as sm90_backward
+    monkeypatch.setattr(sm90_backward, "NUM_SMS", 1 if request.param == "walk" else 10 ** 9)
+    additive_bwd._plan.cache_clear()
+    yield request.param
+    additive_bwd._plan.cache_clear()
+
+
 def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref.to(F64)) / torch.linalg.norm(ref.to(F64)))
 
@@ -241,7 +315,8 @@ def _rel(x, ref):
                                                (2, 64, 1, 64, 32, True),
                                                (1, 70, 1, 256, 512, True),
                                                (1, 70, 2, 144, 64, False)])
-def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
+@pytest.mark.parametrize("dstate_pass", ["scan", "walk"], indirect=True)
+def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0, dstate_pass):
     bwd = install_fakes(monkeypatch, gla.SPEC, H, H, K, V)
     gen = torch.Generator().manual_seed(int(rng.integers(2 ** 31)))
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
@@ -253,7 +328,7 @@ def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0):
     dht = (0.1 * r(B, H, K, V)).float()
     out = contracts.gla_chunk_bwd(q, k, v, g, h.float(), do, dht, scale=0.125,
                                   initial_state=init.float() if h0 else None)
-    assert bwd.calls == ["local", "scan", "dqkvg"]
+    assert bwd.calls == CALLS[dstate_pass]
     assert bwd.key_blocks == {256: 2, 144: 3}.get(K, 1)      # (144: padded to 3 x 64)
     refs = tref.gla_chunk_bwd(q, k, v, g, h, do, dht, scale=0.125)
     assert len(out) == (5 if h0 else 4)
@@ -348,19 +423,20 @@ def _train_inputs(spec, rng, B, T, H, HV, K, V, N, h0, v_first, dtype=torch.floa
     return x, r(B, T, HV, V).to(dtype), 0.1 * r(*st)
 
 
-@pytest.mark.parametrize("save", [True, False], ids=["saved", "recomputed"])
+@pytest.mark.parametrize("save, dstate_pass", [(True, "walk"), (False, "scan")],
+                         ids=["saved-walk", "recomputed-scan"], indirect=["dstate_pass"])
 @pytest.mark.parametrize("name, B, T, H, HV, K, V, lens, h0, with_dht, v_first", CASES)
 def test_training_matches_fp64_autograd(monkeypatch, rng, name, B, T, H, HV, K, V, lens, h0,
-                                        with_dht, v_first, save):
+                                        with_dht, v_first, save, dstate_pass):
     """The states saved by the forward or recomputed by the backward (the arch's rule
-    forced both ways)."""
+    forced both ways), each with one of the two reverse passes for the state gradient."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     spec = FAMILIES.get(name) or SIX[name]
     bwd = install_fakes(monkeypatch, spec, H, HV, K, V)
     monkeypatch.setattr(additive_bwd, "run_forward", _reference_forward)
     monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
     _train_and_compare(spec, rng, B, T, H, HV, K, V, lens, h0, with_dht, v_first)
-    assert bwd.calls == ["local", "scan", "dqkvg"]
+    assert bwd.calls == [c for c in CALLS[dstate_pass] if spec.has_gate or c != "gate"]
 
 
 def _train_and_compare(spec, rng, B, T, H, HV, K, V, lens, h0, with_dht, v_first):
@@ -510,9 +586,10 @@ def test_no_grad_and_refusals(monkeypatch):
                                                  ("gla_gv_twin", 128, 128, "bfloat16"),
                                                  ("gla_gv_twin", 64, 256, "float16")])
 def test_stages_compile_without_spills(family, K, V, dtype):
-    """The plan's three stages at a table-like call (B=2, H=4, 256 chunks each, with dht
-    and dh0) compile for sm_90a: <= 255 registers, no spills, TMA shared destinations
-    128-byte aligned, no CTA barrier in a thread-dependent branch (as test_compile)."""
+    """The plan's stages, with either reverse pass (walk, scan), at a table-like call (B=2,
+    H=4, 256 chunks each, with dht and dh0) compile for sm_90a: <= 255 registers, no
+    spills, TMA shared destinations 128-byte aligned, no CTA barrier in a thread-dependent
+    branch (as test_compile)."""
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
@@ -520,7 +597,9 @@ def test_stages_compile_without_spills(family, K, V, dtype):
     p = AdditiveBackwardProblem(gate=spec.gate.value, H=4, HV=4, K=K, V=V, dtype=dtype,
                                 g_dtype=dtype if gated else "float32", grad_dtype="float32",
                                 seq_chunks=(256, 256), use_dht=True, store_dh0=True)
-    for la in additive_bwd.backward_plan(p).launches:
+    launches = {la.stage + repr(la.params): la for pass_ in ("walk", "scan")
+                for la in additive_bwd.backward_plan(p, {"dstate_pass": pass_}).launches}
+    for la in launches.values():
         rec = compile_stage(stage_module(spec, la.stage, "sm90"), la.kwargs, "sm90")
         print(format_record(rec))
         assert "error" not in rec and "ptxas_error" not in rec, rec

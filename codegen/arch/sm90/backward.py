@@ -1,18 +1,24 @@
 """Hopper's chunked backward of the additive rule (GLA, simple GLA, linear attention):
-three stages, every one generated from the spec (codegen/templates/chunk_bwd_*):
+stages generated from the spec (codegen/templates/chunk_bwd_*). The state gradient comes
+from one of two reverse passes:
 
-  chunk_bwd_dstate_local  per chunk, in parallel: its own term of the state gradient,
-                          X = scale (q e^G)^T do, into the row of the state entering it,
-                          and its decay e^{G_last}
+  walk (where its tiles fill the GPU: chains x tiles >= the SMs)
+  chunk_bwd_dstate_gate   per chunk, in parallel (gated): q e^G and the chunk's decay e^{G_last}
+  chunk_bwd_dstate_walk   per sequence, last chunk first: dh = decay (.) dh + scale qg^T do,
+                          one tensor-core product a chunk, dh in registers (block_k x
+                          block_v a CTA), leaving the gradient of the state leaving each chunk
+
+  scan (few chains: the GLAChunkBwd rows' 8 chains of 256 chunks)
+  chunk_bwd_dstate_local  per chunk, in parallel: its own term X = scale (q e^G)^T do, into
+                          the row of the state entering it, and its decay
   chunk_bwd_dstate_scan   per sequence, last chunk first: dh = decay (.) dh + X, element
-                          by element (the additive rule's transition is diagonal), leaving
-                          the gradient of the state leaving each chunk in its row
+                          by element (the transition is diagonal): no matrix product is
+                          serialised, but X goes through memory (f32, written and read)
+
+then
+
   chunk_bwd_dqkvg         per chunk, in parallel: dq, dk, dv, dg from the states (f32, the
                           forward's or recomputed), their gradients and the intra-chunk pairs
-
-The sequential part is the element-wise scan only, so a few long sequences (the
-GLAChunkBwd rows: 8 chains of 256 chunks) do not serialise matrix products. The
-tunings below are first choices, not yet measured (the GPU probe compares them).
 """
 from __future__ import annotations
 
@@ -121,9 +127,28 @@ def save_states(K: int, V: int) -> bool:
     return K * V <= SAVE_STATES_MAX_KV
 
 
-#: what a probe or test may set in additive_backward_plan's config
+#: the walk: state elements per CTA (block_k x block_v; block_k a multiple of 64, the
+#: product's M), largest first: the first whose CTAs cover every SM, else the scan runs.
+#: A step is one load of qg, do (pipelined) and a 64-deep product; the scan's step is as
+#: long but the walk spares local's X (f32, written and read again)
+WALK_TILES = ((128, 64), (64, 64), (64, 32), (64, 16))
+WALK_STAGES = 2
+
+
+def walk_tile(p: AdditiveBackwardProblem):
+    """(block_k, block_v) of chunk_bwd_dstate_walk, or None where no tile's CTAs cover
+    every SM (then local + scan)."""
+    for bk, bv in WALK_TILES:
+        if p.K % bk == 0 and p.V % bv == 0 and \
+                p.N * p.HV * (p.K // bk) * (p.V // bv) >= NUM_SMS:
+            return bk, bv
+    return None
+
+
+#: what a probe or test may set in additive_backward_plan's config ("dstate_pass": "walk"
+#: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
-                        "dqkvg_min_blocks")
+                        "dqkvg_min_blocks", "dqkvg_block_v", "dstate_pass")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -145,11 +170,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     order = {"heads_fastest": True}     # the value heads of a chunk together (q, k through L2)
     heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     g = {"g_dtype": p.g_dtype} if gated else {}
-    bk, bv = scan_tile(p)
-    bk, bv = config.get("scan_block_k", bk), config.get("scan_block_v", bv)
-    scan = dict(HV=p.HV, K=p.K, V=p.V, use_dht=p.use_dht, store_dh0=p.store_dh0,
-                block_k=bk, block_v=bv, num_stages=config.get("scan_stages", SCAN_STAGES))
-    dbv, kbk = value_block(p.V, DQKVG_BLOCK_V), key_block(p.K)
+    dbv = config.get("dqkvg_block_v", value_block(p.V, DQKVG_BLOCK_V))
+    kbk = key_block(p.K)
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
     two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and kbk <= 64
@@ -157,15 +179,42 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
                  **kblocks)
-    launches = (
-        launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
-                                             **kblocks, **order)),
-        launch("chunk_bwd_dstate_scan", scan),
-        launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg, **order)),
-    )
-    bufs = [Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V))]
+    launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
+    launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
+                                                **order)),)
+    bufs = (Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V)),) + bufs
     if gated:
-        bufs.append(Buffer("decay", (p.NT, p.HV, p.K)))
-    scan_why = (f"{p.N * p.HV} chains x {(p.K // bk) * (p.V // bv)} tiles of {bk} x {bv} "
-                f"state elements: one scan CTA per tile")
-    return Plan("additive-backward", NAME, launches, tuple(bufs), reasons=(scan_why,))
+        bufs += (Buffer("decay", (p.NT, p.HV, p.K)),)
+    return Plan("additive-backward", NAME, launches, bufs, reasons=(why,))
+
+
+def _dstate_pass(p: AdditiveBackwardProblem, config: dict, heads: dict, g: dict,
+                 kblocks: dict, order: dict) -> tuple:
+    """(launches, extra buffers, reason) of the reverse pass for the state gradient: the
+    walk where walk_tile finds a tile (or config["dstate_pass"] says so), else local + scan."""
+    flags = dict(use_dht=p.use_dht, store_dh0=p.store_dh0)
+    tile = walk_tile(p)
+    forced = config.get("dstate_pass")
+    if forced not in (None, "walk", "scan"):
+        raise ValueError(f"plan config dstate_pass={forced!r}: 'walk' or 'scan'")
+    if forced == "walk" and tile is None:
+        tile = next((bk, bv) for bk, bv in reversed(WALK_TILES) if p.K % bk == 0 and p.V % bv == 0)
+    chains = p.N * p.HV
+    if tile is not None and forced != "scan":
+        bk, bv = tile
+        walk = launch("chunk_bwd_dstate_walk", dict(heads, **flags, block_k=bk, block_v=bv,
+                                                    num_stages=WALK_STAGES))
+        why = (f"{chains} chains x {(p.K // bk) * (p.V // bv)} tiles of {bk} x {bv}: the walk")
+        if not g:
+            return (walk,), (), why
+        gate = launch("chunk_bwd_dstate_gate", dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype, **g,
+                                                    **kblocks))
+        return (gate, walk), (Buffer("qg", (p.NT * p.chunk_size, p.HV, p.K), "input"),), why
+    bk, bv = scan_tile(p)
+    bk, bv = config.get("scan_block_k", bk), config.get("scan_block_v", bv)
+    scan = dict(HV=p.HV, K=p.K, V=p.V, **flags, block_k=bk, block_v=bv,
+                num_stages=config.get("scan_stages", SCAN_STAGES))
+    local = launch("chunk_bwd_dstate_local", dict(heads, **g, block_v=value_block(p.V, LOCAL_BLOCK_V),
+                                                 **kblocks, **order))
+    why = f"{chains} chains x {(p.K // bk) * (p.V // bv)} tiles of {bk} x {bv}: local + scan"
+    return (local, launch("chunk_bwd_dstate_scan", scan)), (), why

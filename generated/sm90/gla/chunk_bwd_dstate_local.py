@@ -43,7 +43,6 @@ def out_idx(**params):
 def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-
 def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
           heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dstate_local.
@@ -127,8 +126,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
             T.gemm(q_s, do_s, x_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BK, BV):
                 dstate[state_row[c], hv, k0 + i, iv * BV + j] = x_f[i, j] * scale
-            if iv == 0:         # rows past len added 0: row BT - 1 holds G_last
-                for j in T.Parallel(BK):
+            if iv == 0:
+                for j in T.Parallel(BK):          # rows past len added 0: row BT - 1 holds G_last
                     decay[c, hv, k0 + j] = T.exp(g_s[BT - 1, j])
 
     return chunk_bwd_dstate_local

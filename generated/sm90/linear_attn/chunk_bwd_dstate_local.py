@@ -42,7 +42,6 @@ def out_idx(**params):
 def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
-
 def build(H, HV, K, V, dtype, g_dtype="float32", block_v=64, threads=128,
           heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dstate_local.
