@@ -117,7 +117,7 @@ def test_backward_plan_key_blocks():
     pl = additive_bwd.backward_plan(p, {"dstate_pass": "scan"})
     kw = {la.stage: la.kwargs for la in pl.launches}
     assert kw["chunk_bwd_dstate_local"]["block_k"] == kw["chunk_bwd_dqkvg"]["block_k"] == 128
-    assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 32
+    assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 64
     assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 1 and additive_bwd.key_blocks(pl) == 2
     assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
                                                      "decay": (256, 4, 256)}

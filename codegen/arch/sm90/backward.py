@@ -40,9 +40,13 @@ BLOCK_K_MULTIPLE = 64
 #: dqkvg: two warpgroups (a CTA's fragments and the element passes over 64 x K split in
 #: two), the value dimension walked in blocks of 32 (the value tiles are then small enough
 #: for two CTAs an SM at K = 64: dqkvg_smem); two CTAs an SM where their shared memory
-#: fits (min_blocks 2 caps the registers at 128: 127, no spills, at K = V = 64)
+#: fits (min_blocks 2 caps the registers at 128: 127, no spills, at K = V = 64). Key
+#: blocks of 128 (one CTA an SM) walk V in blocks of 64 where that fits: half the steps of
+#: its two value loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16: dqkvg 1.752 ->
+#: 1.415 ms; 128 needs 258 KB)
 DQKVG = dict(threads=256)
 DQKVG_BLOCK_V = 32
+DQKVG_WIDE_BLOCK_V = 64
 SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
 #: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
 #: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
@@ -102,6 +106,15 @@ def dqkvg_smem(p: AdditiveBackwardProblem, bv: int) -> int:
     held = C * K * (2 + 2 + 4 + 8) + 16 * K + 2 * C * C        # q, k, G, dq / dk diag, A
     return held + max(2 * C * C + 4 * C * K,                   # dA, Qr, Kr
                       2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K)   # kd, v, do, h, dh
+
+
+def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int) -> int:
+    """dqkvg's value block: DQKVG_WIDE_BLOCK_V for key blocks over 64 channels where V
+    takes it and its shared memory fits one CTA, else DQKVG_BLOCK_V (or what divides V)."""
+    wide = DQKVG_WIDE_BLOCK_V
+    if block_k > 64 and p.V % wide == 0 and dqkvg_smem(p, wide) + 1024 <= SM_SMEM_BYTES:
+        return wide
+    return value_block(p.V, DQKVG_BLOCK_V)
 
 
 def scan_tile(p: AdditiveBackwardProblem) -> tuple:
@@ -170,8 +183,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     order = {"heads_fastest": True}     # the value heads of a chunk together (q, k through L2)
     heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     g = {"g_dtype": p.g_dtype} if gated else {}
-    dbv = config.get("dqkvg_block_v", value_block(p.V, DQKVG_BLOCK_V))
     kbk = key_block(p.K)
+    dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, kbk))
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
     two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and kbk <= 64
