@@ -9,7 +9,8 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
     chunk_bwd_dstate_local   X = scale (q e^G)^T do per chunk, into dstate
     chunk_bwd_dstate_scan    dh leaving each chunk = decay (.) dh leaving the next + X
     chunk_bwd_dqkvg          dq, dk, dv, dg per chunk (and key block above K = 128: dv,
-                             a scalar gate's dg as f32 partials, summed here)
+                             a scalar gate's dg as f32 partials, summed here; dv
+                             summed over the key blocks in f32 by the kernel)
 
 over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
 offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its
@@ -28,8 +29,8 @@ Memory. Held from forward to backward: the inputs, plus the states where saved,
 fla's chunk_gla keeps there, its A: f32, 4 x 64 bytes a token and head; fla also keeps
 the gate's cumulative sum in g's place for an f32 g). During the backward: the states
 (recomputed where not saved) and their gradients, f32, (NT + N) x HV x K x V x 4 bytes
-each; the decays NT x HV x K x 4; the gradients (dg in f32; above K = 128 dv first as
-K / block_k f32 partials, 8 V bytes a token and head at K = 256); and, only while states
+each; the decays NT x HV x K x 4; the gradients (dg in f32; above K = 128 dv first in
+f32, summed over the key blocks by atomic adds, 4 V bytes a token and head); and, only while states
 are recomputed, the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w
 and h in the input dtype, g_last in f32). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
 34 MB of their gradients in the backward.
@@ -81,8 +82,9 @@ def _name(dtype) -> str:
 
 
 def key_blocks(plan) -> int:
-    """dqkvg's CTAs a chunk and head: > 1 when it writes dv (and a scalar gate's dg) as f32
-    partials per key block, [K / block_k, ...], which the host sums."""
+    """dqkvg's CTAs a chunk and head: > 1 when it sums dv over them in f32 (atomic adds into
+    a zeroed buffer) and writes a scalar gate's dg as f32 partials per key block, [K /
+    block_k, ...], which the host sums."""
     kw = next(la.kwargs for la in plan.launches if la.stage == "chunk_bwd_dqkvg")
     return kw["K"] // kw.get("block_k", kw["K"])
 
@@ -111,7 +113,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0)
     plan = backward_plan(problem, config)
     N, nkb = len(seq_chunks), key_blocks(plan)
-    part = (nkb,) if nkb > 1 else ()            # dv (dg of a scalar gate): partials
+    part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
     f32 = dict(dtype=torch.float32, device=q.device)
     x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,
              state_row=state_rows(cu, q.device), scale=float(scale),
@@ -119,8 +121,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
              dh0=torch.empty(N if want_dh0 else 1, HV, K, V, **f32),
              dq=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
              dk=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
-             dv=torch.empty(*part, Ttot, HV, V, dtype=torch.float32 if part else out_dtype,
-                            device=q.device))
+             dv=(torch.zeros if part else torch.empty)(       # (key blocks: atomic adds)
+                 Ttot, HV, V, dtype=torch.float32 if part else out_dtype, device=q.device))
     if gated:
         x["g"] = g
         x["dg"] = torch.empty(*(part if scalar else ()), *g.shape, **f32)
@@ -129,8 +131,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     elif want_dh0:
         x["dh0"].copy_(dht if dht is not None else 0.0)
     dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
-    if part:
-        dv, dg = dv.sum(0), (dg.sum(0) if scalar else dg)
+    if part and scalar:
+        dg = dg.sum(0)
     if group > 1:
         dq, dk = (t.view(Ttot, H, group, K).sum(2).to(grad_dtype) for t in (dq, dk))
     return dq, dk, dv.to(grad_dtype), dg, x["dh0"] if want_dh0 else None

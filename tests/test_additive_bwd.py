@@ -244,7 +244,8 @@ class BackwardMath:
 
     def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
               dv, scale, g=None, dg=None):
-        """With block_k (key blocks): dv, a scalar gate's dg as per-block f32 partials."""
+        """With block_k (key blocks): dv summed in f32 into the caller's zeros, a scalar
+        gate's dg as per-block f32 partials."""
         self.calls.append("dqkvg")
         self.K = p["K"]
         bk = p.get("block_k", self.K)
@@ -264,8 +265,9 @@ class BackwardMath:
                 dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
                 dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)
                 dk[t0:t0 + n, hv] = dkc.to(dk.dtype)
-                if self.key_blocks > 1:
-                    dv[:, t0:t0 + n, hv] = dvc.to(dv.dtype)
+                if self.key_blocks > 1:         # (atomic adds into the caller's zeros)
+                    assert dv.dtype == torch.float32
+                    dv[t0:t0 + n, hv] += dvc.sum(0).to(dv.dtype)
                 else:
                     dv[t0:t0 + n, hv] = dvc[0].to(dv.dtype)
                 if self.spec.gate is Gate.KEY:

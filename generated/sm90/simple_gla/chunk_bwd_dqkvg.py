@@ -24,7 +24,9 @@ dq, dk are per value head (the host sums a GVA group).
 Key blocks (block_k < K): every term above but dv and dg is per key channel, and dA needs
 no key channel, so a CTA forms the dq, dk of its block_k channels; A and
 (k e^{G_l - G}) dh are sums over the channels, so its dv (A_b^T do + kd_b dh_b, A_b from its
-channels) and dg (its channels' part of both sums) are f32 partials [K / block_k, ...] that the host sums.
+channels) are added into a zeroed f32 dv by atomic adds (two blocks: the sum does not
+depend on their order; more: the f32 rounding follows the arrival order), and dg (its channels' part of both
+sums) is f32 partials [K / block_k, ...] that the host sums.
 """
 import tilelang
 import tilelang.language as T
@@ -66,8 +68,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
       states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
       scale (f32)
       -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV] f32;
-         with key blocks dv [K / block_k, Ttot, HV, V] f32, dg [K / block_k, Ttot, HV] f32 (partials)
-
+         with key blocks dv [Ttot, HV, V] f32 (zeroed by the caller, atomic adds),
+         dg [K / block_k, Ttot, HV] f32 (partials)
     """
     BT = CHUNK
     SUB = 16
@@ -83,8 +85,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
-    # (key blocks: dv, dg are per-block f32 partials)
-    dv_shape, dv_type = ((NKB, Ttot, HV, V), f32) if split else ((Ttot, HV, V), grad_dtype)
+    # (key blocks: dv summed in f32 by atomic adds, dg per-block f32 partials)
+    dv_type = f32 if split else grad_dtype
     dg_shape = (NKB, Ttot, HV) if split else (Ttot, HV)
 
 
@@ -102,7 +104,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         state_row: T.Tensor((NT,), "int32"),
         dq: T.Tensor((Ttot, HV, K), grad_dtype),
         dk: T.Tensor((Ttot, HV, K), grad_dtype),
-        dv: T.Tensor(dv_shape, dv_type),
+        dv: T.Tensor((Ttot, HV, V), dv_type),
         dg: T.Tensor(dg_shape, f32),
         scale: T.float32,
     ):
@@ -199,7 +201,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         if split:
-                            dv[kb, t0 + i, hv, vb * BV + j] = dv_f[i, j]
+                            T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
                         else:
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
