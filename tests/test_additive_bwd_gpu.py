@@ -13,6 +13,10 @@ the fp64 torch reference (dsl.torch_reference, autograd, on the GPU).
                   the value gate (chunk_gla(gv=...), linattn.build(value_gate_spec())
                   with GVA) through its key-gated twin (dsl.spec.key_twin)
 
+The plan picks the state gradient's reverse pass by the call's chains x tiles: the
+K = 256 / V = 512 cases run the walk (chunk_bwd_dstate_gate + chunk_bwd_dstate_walk: the
+gated, scalar-gated and ungated specs, varlen, h0, v-first), the others local + scan.
+
 Inputs as the benchmark's: q, k, v, do ~ N(0, 1) (q, k through elu + 1 with normalize, so
 the normaliser q.z stays away from 0), g = logsigmoid(N(2, 1)) (per key channel or per
 head), states 0.1 N(0, 1). ||x - ref|| / ||ref|| < 1e-2 bf16, 5e-3 f16; NaN never
