@@ -43,6 +43,9 @@ class ForwardProblem:
     return_states: every chunk's state in f32 and the final one (the chunk contracts);
     save_states: the delta rule's per-chunk states h [NT, HV, K, V] in the input dtype,
     kept for the training backward (which then runs no state pass of its own).
+    states_only: with return_states, the f32 states alone (a training backward's
+    recompute): no output stage, no input-dtype h, and the per-key gate's prepare forms
+    only what the state pass reads.
     """
     rule: str                     # "delta" | "additive"
     gate: str                     # "none" | "scalar" | "key"
@@ -64,6 +67,7 @@ class ForwardProblem:
     output_final_state: bool = False
     return_states: bool = False
     save_states: bool = False
+    states_only: bool = False
     chunk_size: int = 64
 
     @property

@@ -79,6 +79,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="per chunk, per-key gate, training: chunk_prepare writing the WY "
                   "inverse A too (the backward keeps it)",
               rules=frozenset({"delta"}), gates=frozenset({"key"})),
+        Stage("chunk_prepare_states", "chunk_prepare_key.py.jinja", "fwd",
+              doc="per chunk, per-key gate, the states alone (a training backward's "
+                  "recompute): cumsum, kg, g_last; no pair sums",
+              rules=frozenset({"additive"}), gates=frozenset({"key"})),
         Stage("chunk_state_summary", "chunk_state.py.jinja", "fwd",
               doc="sequence split, additive rule: each segment's end state from zero and "
                   "its summed log decay (S_end = diag(e^G) S_start + B)",

@@ -21,8 +21,8 @@ Training (:class:`AdditiveCall`, :func:`train`): the forward saves its inputs (q
 g, initial_state: references, no copies) and, where the arch's rule says so
 (codegen/arch/sm90/backward.py save_states: K V <= 64 x 64), the states entering its
 chunks, which the three-stage forward writes in f32 anyway; otherwise the backward
-recomputes them (the forward plan's prepare and state stages, K-first; its output stage
-is not run). Then the three stages.
+recomputes them (the forward plan of the states alone, K-first: ForwardProblem.
+states_only). Then the backward stages.
 
 Memory. Held from forward to backward: the inputs, plus the states where saved,
 (NT + N) x HV x K x V x 4 bytes (4 K V / 64 bytes a token and head: at K = V = 64 what
@@ -31,8 +31,8 @@ the gate's cumulative sum in g's place for an f32 g). During the backward: the s
 (recomputed where not saved) and their gradients, f32, (NT + N) x HV x K x V x 4 bytes
 each; the decays NT x HV x K x 4; the gradients (dg in f32; above K = 128 dv first in
 f32, summed over the key blocks by atomic adds, 4 V bytes a token and head); and, only while states
-are recomputed, the forward plan's buffers (per-key gate: A_qk, q e^G, k e^(G_l - G), w
-and h in the input dtype, g_last in f32). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
+are recomputed, that plan's buffers (per-key gate: k e^(G_l - G), w and h in the input
+dtype, g_last in f32; h is not written). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
 34 MB of their gradients in the backward.
 """
 from __future__ import annotations
@@ -174,8 +174,9 @@ def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
 def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     """The states entering each chunk and the final ones, f32 [NT + N, HV, K, V] K-first,
     from flat q, k [Ttot, H, K], v [Ttot, HV, V], g (flat, or None), h0 [N, HV, K, V] f32
-    K-first or None: the forward plan's prepare and state stages (its output stage is not
-    run)."""
+    K-first or None: the forward plan of the states alone (ForwardProblem.states_only: its
+    prepare and state stages; no output, no input-dtype h; the per-key gate's prepare
+    forms kg and g_last only)."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
@@ -193,14 +194,14 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     problem = chunk.forward_problem(
         spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
         seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
-        output_final_state=True, return_states=True)
+        output_final_state=True, return_states=True, states_only=True)
     plan = chunk._plan(ARCH, problem, chunk._config({"fused": False}))
     x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
              h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
              ht=torch.empty(NT + N, HV, K, V, **f32))
     if Ttot == 0:
         return x["ht"].copy_(h0 if h0 is not None else 0.0)
-    launches = [la for la in plan.launches if la.stage != "chunk_output"]
+    launches = plan.launches
     runtime.announce(spec, plan.arch, {la.stage: la.kwargs for la in launches})
     for b in plan.buffers:
         x[b.name] = torch.empty(b.shape, dtype=q.dtype if b.dtype == "input"

@@ -143,7 +143,7 @@ def _plan(arch: str, problem: ForwardProblem, config: tuple = ()):
 def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_chunks,
                     Ttot, g_dtype="float32", beta_dtype="float32", has_initial_state=False,
                     output_final_state=False, return_states=False,
-                    save_states=False) -> ForwardProblem:
+                    save_states=False, states_only=False) -> ForwardProblem:
     """The problem the arch plans for (sizes, dtypes and flags of one call)."""
     return ForwardProblem(
         rule=spec.rule.value, gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=dtype,
@@ -152,7 +152,8 @@ def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_c
         allow_neg_eigval=options.allow_neg_eigval, gate_in_kernel=options.gate_in_kernel,
         state_v_first=options.state_v_first, has_initial_state=bool(has_initial_state),
         output_final_state=bool(output_final_state), return_states=bool(return_states),
-        save_states=bool(save_states), chunk_size=spec.chunk_size)
+        save_states=bool(save_states), states_only=bool(states_only),
+        chunk_size=spec.chunk_size)
 
 
 def forward_plan(spec: OpSpec, options: Options, arch: str = DEFAULT_ARCH, config=None,

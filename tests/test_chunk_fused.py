@@ -6,7 +6,7 @@ stages stored; o and the final state must match the torch fp64 reference within 
 storage rounding (a wrong gate, head map, binding or layout is an O(1) error).
 
 Stages emulated (``PipelineMath``): chunk_prepare (additive: gate cumsum, kn; per-key
-gate: A_qk, qg, kg, g_last, w, u), chunk_kkt_inverse + chunk_wu (the delta rule's
+gate: A_qk, qg, kg, g_last, w, u; chunk_prepare_states: kg, g_last), chunk_kkt_inverse + chunk_wu (the delta rule's
 prepare), chunk_qk, chunk_state, chunk_state_output, chunk_output."""
 import numpy as np
 import pytest
@@ -123,6 +123,16 @@ class PipelineMath:
                     X = torch.linalg.inv(torch.eye(n, dtype=F64) + M)
                     w[t0:t0 + n, hv] = (X @ (b[:, None] * kk * Gh.exp())).to(w.dtype)
                     u[t0:t0 + n, hv] = (X @ (b[:, None] * v[t0:t0 + n, hv].to(F64))).to(u.dtype)
+
+    def prepare_states(self, p, q, k, v, g, beta, A_log, dt_bias, chunk_bos, chunk_len, kg,
+                       g_last, w, u):
+        """chunk_prepare_states (a recompute of the states alone): kg, g_last, nothing else."""
+        self.seen["prepare_states"] = True
+        for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
+            _, ke, G, _ = self.effective(p, t0, n, q, k, g, beta, A_log, dt_bias)
+            for hv in range(self.HV):
+                kg[t0:t0 + n, hv] = (ke[:, hv] * (G[-1, hv] - G[:, hv]).exp()).to(kg.dtype)
+                g_last[ci, hv] = G[-1, hv].to(g_last.dtype)
 
     def kkt(self, p, q, k, g, beta, A_log, dt_bias, chunk_bos, chunk_len, g_cum, qn, kn, A,
             chunk_norm, A_out=None):
@@ -286,7 +296,8 @@ class PipelineMath:
         self.seen["state"] = dict(p)
 
         def on_chunk(ci, t0, n, hv, S, vn, m):
-            h[ci, hv] = S.to(h.dtype)          # h [NT, HV, K, V] whatever the state layout
+            if p.get("h_out", True):           # (states_only: f32 ht alone)
+                h[ci, hv] = S.to(h.dtype)      # h [NT, HV, K, V] whatever the state layout
             if self.spec.has_beta:
                 v_new[t0:t0 + n, hv] = vn.to(v_new.dtype)
             if p.get("states_out"):
@@ -343,7 +354,8 @@ class PipelineMath:
                 o[t0:t0 + n, hv] = (scale * oo).to(o.dtype)
 
     def body(self, spec, stage, params):
-        fn = {"chunk_prepare": self.prepare, "chunk_kkt_inverse": self.kkt,
+        fn = {"chunk_prepare": self.prepare, "chunk_prepare_states": self.prepare_states,
+              "chunk_kkt_inverse": self.kkt,
               "chunk_kkt_inverse_save": self.kkt, "chunk_bwd_kkt_rebuild": self.kkt_rows,
               "chunk_wu": self.wu,
               "chunk_qk": self.qk, "chunk_state": self.state,

@@ -115,6 +115,9 @@ PLAN_CASES = [
     ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(32, 32)), {"fused": False}),
     ("kda", dict(H=16, HV=16, K=128, V=128, seq_chunks=(64,)), {}),          # fused
     ("gla", dict(H=2, HV=2, K=64, V=64, seq_chunks=(16,)), {}),              # three-stage
+    # a training backward's recompute of the states (GLA-1.3B's heads, 4 x 4k)
+    ("gla", dict(H=4, HV=4, K=256, V=512, seq_chunks=(64,) * 4, return_states=True,
+                 states_only=True), {}),
 ]
 
 

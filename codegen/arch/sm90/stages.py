@@ -177,6 +177,11 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     if p.gate == "value":
         return _value_prepare(p, bufs, dict(common, **flags, **order))
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input")] if delta else []
+    if key and p.states_only and not delta:     # (what the state pass reads: kg, g_last)
+        bufs += [Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
+        prep = launch("chunk_prepare_states", dict(common, **flags, **order, **key_prepare(config)),
+                      u="v")
+        return [prep], bufs, dict(k="kg", g_cum="g_last", u="v")
     if key:
         bufs += [Buffer("aqk", (p.Ttot, p.HV, C), "input"), Buffer("qg", (p.Ttot, p.HV, p.K), "input"),
                  Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
@@ -225,7 +230,10 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
     forms = [config["fused"]] if "fused" in config else [True, False]
-    if p.save_states or (p.rule == "delta" and (p.return_states or p.gate != "key")):
+    if p.states_only and not (p.return_states and p.rule == "additive"):
+        raise ValueError("states_only: the additive rule's recompute of its f32 states "
+                         "(return_states) alone")
+    if p.save_states or p.states_only or (p.rule == "delta" and (p.return_states or p.gate != "key")):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
                                 # pass writes no per-chunk states, the additive rule's only
                                 # in f32; save_states' h is chunk_state's buffer)
@@ -275,8 +283,11 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         bufs += [Buffer("h", (p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
+        if p.states_only:
+            state["h_out"] = False
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
+    if not (choice.fused or p.states_only):
         out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order)
         g_out = "g_cum" if p.gate == "value" else bind.get("g_cum", "g_cum")
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
@@ -315,7 +326,8 @@ def _why(p: ForwardProblem, choice, config: dict) -> str:
     what = (f"segments of {choice.segments} chunks (summaries at block "
             f"{choice.summary_block_k} x {choice.summary_block_v}), " if choice.segments
             else "whole sequences, ")
-    how = "o inside the state pass" if choice.fused else "h per chunk, then chunk_output"
+    how = ("o inside the state pass" if choice.fused else "the states alone" if p.states_only
+           else "h per chunk, then chunk_output")
     how += ", every chunk's state in f32" if p.return_states else ""
     model = f"config {config}" if config else f"models fastest: {choice.us:.0f} us"
     return (f"{p.N * p.HV} chains, additive rule: {what}state tile {choice.block_k} x "

@@ -63,7 +63,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, states_out=False,
+          output_final_state=False, block_v=64, num_stages=2, states_out=False, h_out=True,
           block_k=None, segment_starts=False):
     """prim_func for chunk_state.
 
@@ -81,6 +81,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
+    h_out=False leaves h unwritten (with states_out: the f32 states alone, as a training
+    backward recomputes them).
     """
     BT = CHUNK
     BV = block_v
@@ -155,7 +157,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(g_cum[c0 + c, hv, ik * BK:(ik + 1) * BK], gl_s)
                 T.copy(S, S_s)
-                T.copy(S_s, h[c0 + c, hv, ik * BK:(ik + 1) * BK, iv * BV:(iv + 1) * BV])
+                if h_out:
+                    T.copy(S_s, h[c0 + c, hv, ik * BK:(ik + 1) * BK, iv * BV:(iv + 1) * BV])
                 if states_out:            # and in f32 for the contract, from registers
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
