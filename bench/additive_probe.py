@@ -52,6 +52,8 @@ EXTRA = {
                             False),
     "fwd-continue-b4-bf16": ("GLAFwd", "gla-continue-b4", "bf16", 4, 257, 16, 128, 128, None,
                              True, False),
+    "fwd-short-continuation-bf16": ("GLAFwd", "gla-short-continuation", "bf16", 1, 257, 16,
+                                    128, 128, None, True, False),
 }
 SWEEP = ["segments=8", "segments=32", "segments=16,fused=false",
          "segments=16,block_k=32,fused=false"]
