@@ -54,7 +54,7 @@ def test_stage_renders(name, stage):
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
     kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save")
-    first = stage in ("chunk_prepare", "chunk_prepare_save") + kkt
+    first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_prepare_states") + kkt
     cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
     assert cumsum == (first and spec.has_gate)
     if not spec.has_gate and stage not in kkt:
@@ -89,7 +89,8 @@ def test_generated_stages_are_what_the_plans_launch():
         spec, used = _spec(name), set()
         for opts in (Options(), Options(l2norm_qk=True)):
             for config in ({}, {"fused": True}, {"fused": False}, {"segments": 2}):
-                for states in ({}, {"return_states": True}, {"save_states": True}):
+                for states in ({}, {"return_states": True}, {"save_states": True},
+                               {"return_states": True, "states_only": True}):
                     try:
                         p = chunk.forward_plan(spec, opts, H=2, HV=2, K=64, V=64,
                                                dtype="bfloat16", seq_chunks=(5, 1), Ttot=320,
@@ -122,7 +123,9 @@ def test_stage_compiles(name, example, stage):
     kern = chunk.compiled_stage(spec, stage, **params)
     src = kern.get_kernel_source()
     assert "__global__" in src
-    uses_gemm = stage != "chunk_prepare" or spec.has_beta or spec.gate is Gate.KEY
+    # (the states-only prepare of the additive rule writes kg / g_last: no pair GEMM)
+    uses_gemm = stage != "chunk_prepare_states" and (
+        stage != "chunk_prepare" or spec.has_beta or spec.gate is Gate.KEY)
     assert ("mma" in src) == uses_gemm
     if uses_gemm:
         assert ("wgmma" in src) == (stage not in MMA_ONLY)

@@ -15,6 +15,10 @@ from linattn.dsl.recurrent import random_inputs, recurrent_backward, recurrent_f
 from _ref_inputs import SPECS, all_options, assert_close, spec_option_params
 
 TOL = 1e-10
+#: the gate's gradients (dg, dA_log, dt_bias) are sums over K x V products that can cancel:
+#: one-element dg reached 1.7e-10 (LINATTN_SEED=1952477638, additive_scalar B1-T1), while a
+#: wrong formula is off by O(1)
+TOL_GATE = 1e-8
 
 # (id, B, T, H, HV, K, V, cu_seqlens, chunk_size)
 SIZES = [
@@ -71,7 +75,8 @@ def _assert_grads_match(got, want, inp, spec, opts):
         assert (want[name] is None) == expect_none.get(name, False), name
         assert (got[name] is None) == (want[name] is None), name
         if want[name] is not None:
-            assert_close(got[name], want[name], TOL, name)
+            tol = TOL_GATE if name in ("dg", "dA_log", "ddt_bias") else TOL
+            assert_close(got[name], want[name], tol, name)
 
 
 @pytest.mark.parametrize("spec, opts", spec_option_params())
