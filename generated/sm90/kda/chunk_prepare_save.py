@@ -26,8 +26,8 @@ through the last row r of the first half,
 so a level is one tensor-core GEMM: [k rows i | q rows i] (64 x K, each row scaled by
 its first factor) times the 32 rows j (scaled by the second), of which the pairs inside
 a group are kept. The pairs of the diag x diag blocks on the diagonal are summed
-element by element in f32 (one thread per row and half of the channels; the channel
-loop starts at the thread's lane so that the shared-memory reads do not conflict).
+element by element in f32 (one thread per row and a part of the channels, threads / 64
+parts; the channel loop starts at the thread's lane so that the shared-memory reads do not conflict).
 Channels come in panels of block_k; the l2norm scales apply to the sums afterwards (the
 sums are bilinear in q and k), so a second pass over the panels writes qg, kg, w.
 """
@@ -71,7 +71,7 @@ def _block(n: int, widest: int = 64) -> int:
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
-          heads_fastest=False, block_k=None, diag=4):
+          heads_fastest=False, block_k=None, diag=4, threads=128, min_ctas=1):
     """prim_func for chunk_prepare (per-key gate).
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -79,7 +79,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     group's q / k rows through L2.
     Tuning: block_k (channels per panel, a divisor of K; default the widest of 64, 32,
     16), diag (rows of the diagonal blocks summed element by element, 4 or 8; the
-    levels 32 .. diag are GEMMs).
+    levels 32 .. diag are GEMMs), threads (128 or 256: the element-wise passes over more
+    threads, each a row and a quarter of the panel's channels at 256), min_ctas (CTAs a
+    SM the registers must allow: __launch_bounds__'s second argument).
     Tensors (Ttot tokens, NT chunks; dynamic):
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
@@ -90,7 +92,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     BT = CHUNK
     BK = block_k or _block(K)
     BV = _block(V)
-    threads = 128
+    assert threads in (128, 256), threads
     assert K % BK == 0 and BK % 16 == 0, (K, BK)
     assert diag in (4, 8) and BT % (2 * diag) == 0, diag
     levels = []                 # the half-widths W of the GEMM levels: 32, 16, .., diag
@@ -99,7 +101,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         levels.append(W)
         W //= 2
     HALF = BT // 2              # rows of a level's operands: each group's second (first) half
-    CH = BK // 2                # channels of a panel per thread of the element-wise sums
+    PARTS_E = threads // BT     # the element-wise sums: threads a row
+    CH = BK // PARTS_E          # channels of a panel per thread of the element-wise sums
     n_panels = K // BK
     PARTS = threads // BK       # the gate cumsum: row parts per channel
     RP = BT // PARTS
@@ -182,9 +185,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             hk = hv // group
             t0 = chunk_bos[c]
             rows = chunk_len[c]
+            if min_ctas > 1:
+                T.annotate_min_blocks_per_sm(min_ctas)
             tx = T.get_thread_binding()
             er = tx % BT                                   # element-wise sums: this thread's
-            eh = tx // BT                                  # row, half of the channels,
+            eh = tx // BT                                  # row, part of the channels,
             b0 = er // diag * diag                         # and diagonal block
             q_s = T.alloc_shared((BT, BK), dtype)
             k_s = T.alloc_shared((BT, BK), dtype)
@@ -241,7 +246,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             # A_qk and A_kk (f32) from the levels and the diagonal blocks
             aqk_s = T.alloc_shared((BT, BT), dtype)     # scaled, as written
             a_s = T.alloc_shared((BT, BT), f32)
-            part_s = T.alloc_shared((BT, 2 * diag), f32)
+            part_s = T.alloc_shared((BT, 2 * diag * (PARTS_E - 1)), f32)
             st_s = T.alloc_shared((BT, HALF), f32)
             if l2norm_qk:
                 for i in T.Parallel(BT):
@@ -264,18 +269,21 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                     if a // W == a2 // W:
                         a_s[i, j] = st_s[a, a2]
                         aqk_s[i, j] = T.cast(st_s[HALF + a, a2] * nq_s[i] * nk_s[j], dtype)
-            if eh == 1:
+            if eh > 0:
                 for jj in T.unroll(diag):
-                    part_s[er, jj] = dq[jj]
-                    part_s[er, diag + jj] = dk[jj]
+                    part_s[er, (eh - 1) * 2 * diag + jj] = dq[jj]
+                    part_s[er, (eh - 1) * 2 * diag + diag + jj] = dk[jj]
             T.sync_threads()
             if eh == 0:
+                for pe in T.unroll(PARTS_E - 1):
+                    for jj in T.unroll(diag):
+                        dq[jj] = dq[jj] + part_s[er, pe * 2 * diag + jj]
+                        dk[jj] = dk[jj] + part_s[er, pe * 2 * diag + diag + jj]
                 for jj in T.unroll(diag):
                     if b0 + jj <= er:
-                        aqk_s[er, b0 + jj] = T.cast((dq[jj] + part_s[er, jj]) * nq_s[er]
-                                                    * nk_s[b0 + jj], dtype)
+                        aqk_s[er, b0 + jj] = T.cast(dq[jj] * nq_s[er] * nk_s[b0 + jj], dtype)
                     if b0 + jj < er:
-                        a_s[er, b0 + jj] = dk[jj] + part_s[er, diag + jj]
+                        a_s[er, b0 + jj] = dk[jj]
             T.sync_threads()
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
