@@ -14,6 +14,7 @@ import pytest
 from _kernel_check import fake_compiles
 
 from linattn.codegen.arch import get_arch
+from linattn.codegen.compile import barriers_in_branches, ptxas_usage
 from linattn.codegen.arch.sm90 import additive as sm90_additive
 from linattn.codegen.arch.sm90 import forward as sm90_forward
 from linattn.codegen.arch.sm90 import hardware as sm90_hardware
@@ -147,14 +148,23 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
 @pytest.mark.parametrize("op,params", [
     ("kda", dict(diag=8)), ("kda", dict(block_k=32)), ("gla", dict(diag=8)),
     ("kda", dict(H=2, HV=2, K=96, V=48, dtype="float16", l2norm_qk=True)),
+    ("kda", dict(threads=256, min_ctas=2)), ("gla", dict(threads=256, block_k=16)),
 ])
 def test_key_prepare_tunings_compile(op, params):
-    """The per-key prepare at the other diagonal block, a narrower panel, and a K that is
-    not a multiple of 64 (three panels of 32) lower to tensor-core GEMMs."""
+    """The per-key prepare at the other diagonal block, a narrower panel, a K that is not
+    a multiple of 64 (three panels of 32), and two warpgroups (registers capped for two
+    CTAs a SM) lower to tensor-core GEMMs, no barrier inside a thread-dependent branch,
+    no spill."""
     spec = get_spec(op)
     params = dict(chunk.stage_module(spec, "chunk_prepare").EXAMPLES[0], **params)
     kernel = chunk.compiled_stage(spec, "chunk_prepare", **params)
-    assert "wgmma" in kernel.get_kernel_source()
+    src = kernel.get_kernel_source()
+    assert "wgmma" in src
+    assert not barriers_in_branches(src)
+    usage = ptxas_usage(kernel)
+    assert usage["spill_store_bytes"] == 0, usage
+    if params.get("min_ctas", 1) > 1:
+        assert usage["registers"] <= 65536 // (params["min_ctas"] * params["threads"]), usage
 
 
 # -- host chunk tables --------------------------------------------------------------------

@@ -174,7 +174,7 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
                  l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
                  allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel)
     delta = p.rule == "delta"
-    bufs = [Buffer("w", (p.Ttot, p.HV, p.K), "input")]
+    bufs = [Buffer("w", (p.Ttot if delta else 1, p.HV, p.K), "input")]   # (additive: unused)
     if p.gate == "value":
         return _value_prepare(p, bufs, dict(common, **flags, **order))
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input")] if delta else []
@@ -281,7 +281,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
             state["q_gated"] = False
         launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
-        bufs += [Buffer("h", (p.NT, p.HV, p.K, p.V), "input")]
+        bufs += [Buffer("h", (1 if p.states_only else p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
         if p.states_only:

@@ -68,7 +68,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
       q, k [Ttot, H, K], v [Ttot, HV, V], g [Ttot, HV, K], beta [Ttot, HV], A_log [HV],
       dt_bias [HV * K], chunk_bos [NT], chunk_len [NT] (int32)
       -> aqk [Ttot, HV, 64] (not the rebuild's), qg [Ttot, HV, K], kg [Ttot, HV, K] (input dtype),
-         g_last [NT, HV, K] f32, w [Ttot, HV, K], u [Ttot, HV, V] (delta rule)
+         g_last [NT, HV, K] f32, w [Ttot, HV, K], u [Ttot, HV, V] (delta rule; the additive
+         rule's w is any [1, HV, K], u any [Ttot, HV, V] (v))
     """
     BT = CHUNK
     BK = block_k or _block(K)
@@ -151,7 +152,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         chunk_len: T.Tensor((NT,), "int32"),
         kg: T.Tensor((Ttot, HV, K), dtype),
         g_last: T.Tensor((NT, HV, K), f32),
-        w: T.Tensor((Ttot, HV, K), dtype),
+        w: T.Tensor((1, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,

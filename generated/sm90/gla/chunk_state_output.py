@@ -106,7 +106,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     @T.prim_func
     def chunk_state_output(
         k: T.Tensor((Ttot, HV, K), dtype),          # kg, per value head
-        w: T.Tensor((Ttot, HV, K), dtype),
+        w: T.Tensor((1, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
         g_cum: T.Tensor((NT, HV, K), f32),          # g_last per chunk and key channel
         cu_seqlens: T.Tensor((N + 1,), "int32"),

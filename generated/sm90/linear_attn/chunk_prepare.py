@@ -76,7 +76,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         chunk_len: T.Tensor((NT,), "int32"),
         g_cum: T.Tensor((Ttot, HV), f32),
         kn: T.Tensor((Ttot, H, K), dtype),
-        w: T.Tensor((Ttot, HV, K), dtype),
+        w: T.Tensor((1, HV, K), dtype),             # (the delta rule's: unused)
         u: T.Tensor((Ttot, HV, V), dtype),
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,

@@ -80,8 +80,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
-    h_out=False leaves h unwritten (with states_out: the f32 states alone, as a training
-    backward recomputes them).
+    h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the f32 states alone,
+    as a training backward recomputes them). w is the delta rule's ([1, HV, K] here).
     """
     BT = CHUNK
     BV = block_v
@@ -98,13 +98,13 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     @T.prim_func
     def chunk_state(
         k: T.Tensor((Ttot, H, K), dtype),
-        w: T.Tensor((Ttot, HV, K), dtype),
+        w: T.Tensor((1, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
         g_cum: T.Tensor((Ttot, HV), f32),           # unused
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
-        h: T.Tensor((NT, HV, K, V), dtype),
+        h: T.Tensor((NT if h_out else 1, HV, K, V), dtype),
         v_new: T.Tensor((Ttot, HV, V), dtype),
         ht: T.Tensor(ht_shape, f32),
         final_row: T.Tensor((N,), "int32"),

@@ -106,7 +106,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     @T.prim_func
     def chunk_state_output(
         k: T.Tensor((Ttot, H, K), dtype),
-        w: T.Tensor((Ttot, HV, K), dtype),
+        w: T.Tensor((1, HV, K), dtype),
         u: T.Tensor((Ttot, HV, V), dtype),
         g_cum: T.Tensor((HV, NT * BT), f32),        # chunk-padded within-chunk cumsum
         cu_seqlens: T.Tensor((N + 1,), "int32"),
