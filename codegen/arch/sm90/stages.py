@@ -29,9 +29,10 @@ FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 #: kda-tp1-4096 (us, prepare alone): the predecessor (every 16 x 16 diagonal block element
 #: by element from shared memory, 256 threads) ~930; this one at diag 8 with TileLang's
 #: column cumsum 724, with the register cumsum 527; diag 4: 419 (tp2-16384 1062 -> 839,
-#: tp8-4096 71 -> 56, GLA prefill-8k 94 -> 74). A probe may force diag / block_k (config
-#: key_diag, key_block_k).
-KEY_PREPARE = dict(diag=4, threads=128)
+#: tp8-4096 71 -> 56, GLA prefill-8k 94 -> 74). A probe may force diag / block_k / threads
+#: / min_ctas (config key_diag, key_block_k, key_threads, key_min_ctas: 256 threads with
+#: two or three CTAs a SM compile without spills, bench/LOG.md session 21; not yet timed).
+KEY_PREPARE = dict(diag=4, threads=128, min_ctas=1)
 #: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
@@ -159,7 +160,8 @@ def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
 
 
 def key_prepare(config: dict) -> dict:
-    """chunk_prepare_key's tuning: KEY_PREPARE, or a probe's key_diag / key_block_k."""
+    """chunk_prepare_key's tuning: KEY_PREPARE, or a probe's key_diag / key_block_k /
+    key_threads / key_min_ctas."""
     forced = {"diag": config.get("key_diag"), "block_k": config.get("key_block_k"),
               "threads": config.get("key_threads"), "min_ctas": config.get("key_min_ctas")}
     return dict(KEY_PREPARE, **{k: v for k, v in forced.items() if v is not None})
