@@ -7,6 +7,7 @@ inside the generated ``build()``.
 from __future__ import annotations
 
 import ast
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def render_tree(specs: list[OpSpec], arch: str = "sm90", variant: str | None = N
 
 
 def write(files: dict[str, str], out_dir: Path | str = DEFAULT_OUT) -> list[str]:
-    """Write files whose content differs; returns the relative paths written."""
+    """Write files whose content differs; returns the relative paths written. Each file is
+    replaced whole (a process reading it concurrently sees the old text or the new)."""
     out_dir = Path(out_dir)
     written = []
     for rel, text in sorted(files.items()):
@@ -152,7 +154,9 @@ def write(files: dict[str, str], out_dir: Path | str = DEFAULT_OUT) -> list[str]
         if path.is_file() and path.read_text() == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
         written.append(rel)
     return written
 

@@ -8,7 +8,9 @@
   registered op families (and its SPEC_HASH must match: a stale tree is an error that
   says to run ``linattn-gen``); any other spec (the six rule x gate combinations of the
   tests, a user's new variant) is rendered on the fly into a per-user folder
-  (``$LINATTN_GEN_DIR`` or ``~/.cache/linattn/generated``).
+  (``$LINATTN_GEN_DIR`` or ``~/.cache/linattn/generated``), one file a rendering named
+  by its text's hash: a file never changes once written (TileLang reads the source when
+  it builds), whatever other processes or linattn versions share the folder.
 * Compiles go through ``tilelang.compile`` with the arch's target, so TileLang's on-disk
   cache applies (``TILELANG_CACHE_DIR`` honoured by TileLang); in-process, kernels are
   memoised per (arch, spec hash, stage, parameters).
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import os
 import threading
@@ -104,9 +107,13 @@ def _render_and_load(spec: OpSpec, stage_name: str, arch: str):
     stages = {s.name: s for s in plan(spec, None, arch)}
     if stage_name not in stages:
         raise SpecError(f"{spec.name} has no stage {stage_name!r}; it has {sorted(stages)}")
-    folder = f"{arch}/{spec.name}_{spec.hash}"
-    rel = f"{folder}/{stage_name}.py"
-    write({rel: render_stage(spec, stages[stage_name], arch, shipped=False)}, gen_dir())
+    text = render_stage(spec, stages[stage_name], arch, shipped=False)
+    # named by its text: TileLang reads a kernel's source from the file when it builds, so
+    # the file must never change under a process that loaded it (two linattn versions, or
+    # a template edit, sharing the folder)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    rel = f"{arch}/{spec.name}_{spec.hash}/{stage_name}_{digest}.py"
+    write({rel: text}, gen_dir())
     return load_module(gen_dir() / rel, f"linattn_rendered_{spec.name}_{spec.hash}_{stage_name}")
 
 

@@ -825,6 +825,30 @@ def _is_environ(node) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "environ"
 
 
+def test_rendered_files_never_change(monkeypatch, tmp_path):
+    """A spec outside the registry renders into LINATTN_GEN_DIR one file a rendering,
+    named by its text: another rendering of the same stage (a template edit, another
+    linattn version sharing the folder) gets a file of its own, and the one a process
+    loaded (TileLang reads it again when it builds) stays as it was."""
+    from linattn.codegen import render
+    monkeypatch.setenv("LINATTN_GEN_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_MODULES", {})
+    spec = SIX["additive_key"]
+    first = runtime.stage_module(spec, "chunk_state", "sm90")
+    text = Path(first.__file__).read_text()
+    assert Path(first.__file__).parent.parent == tmp_path / "sm90"
+    assert text == render.render_stage(spec, {st.name: st for st in stage_plan(spec, "fwd")}[
+        "chunk_state"], "sm90", shipped=False)
+    real = render.render_stage
+    monkeypatch.setattr(render, "render_stage", lambda *a, **k: real(*a, **k) + "# edited\n")
+    monkeypatch.setattr(runtime, "_MODULES", {})
+    second = runtime.stage_module(spec, "chunk_state", "sm90")
+    assert second.__file__ != first.__file__ and second.STAGE == "chunk_state"
+    assert Path(first.__file__).read_text() == text
+    assert Path(second.__file__).read_text() == text + "# edited\n"
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
 MAX_FUNCTION_LINES = 80
 
 
