@@ -286,19 +286,18 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                                T.cast(0, dtype))
                     do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
                                                 T.cast(0, dtype))
+                if not read_h_out:      # h_out = e^{G_l} h_in + kd^T v, formed from h_in's loads
+                    T.gemm(kd_s, v_s, hd_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(BK, BV):
+                    h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                    if not read_h_out:
+                        hd_f[i, j] = (hd_f[i, j] + T.exp(G_s[BT - 1, i])
+                                      * states[sr, hv, k0 + i, vb * BV + j]) * \
+                            dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 if read_h_out:          # rowsum(h_out * dh), h_out read
                     for i, j in T.Parallel(BK, BV):
-                        h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
-                        dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                    for i, j in T.Parallel(BK, BV):
                         hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * \
-                            dstate[sr + 1, hv, k0 + i, vb * BV + j]
-                else:                   # h_out = e^{G_l} h_in + kd^T v, formed from h_in's loads
-                    T.gemm(kd_s, v_s, hd_f, transpose_A=True, clear_accum=True)
-                    for i, j in T.Parallel(BK, BV):
-                        h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
-                        dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                        hd_f[i, j] = (hd_f[i, j] + T.exp(G_s[BT - 1, i]) * states[sr, hv, k0 + i, vb * BV + j]) * \
                             dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
