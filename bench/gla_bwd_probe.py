@@ -38,12 +38,11 @@ from linattn.ops import additive_bwd, runtime  # noqa: E402
 
 #: scan variants timed on the first row (the default plan's choice is the baseline)
 SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_block_v": 32},
-         {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1},
-         {"dqkvg_read_h_out": False}]
+         {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
 #: variants timed on --shape (a GLAChunkBwd call of any head dims): the reverse pass
-#: forced each way, dqkvg's value block, dqkvg forming h_out instead of reading it
+#: forced each way, dqkvg's value block
 SHAPE_SWEEP = [{"dstate_pass": "scan"}, {"dstate_pass": "walk"}, {"dqkvg_block_v": 64},
-               {"dqkvg_block_v": 128}, {"dqkvg_read_h_out": False}]
+               {"dqkvg_block_v": 128}]
 
 
 def _short(per):

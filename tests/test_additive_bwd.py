@@ -588,8 +588,7 @@ def test_no_grad_and_refusals(monkeypatch):
                                                  ("gla_gv_twin", 128, 128, "bfloat16"),
                                                  ("gla_gv_twin", 64, 256, "float16")])
 def test_stages_compile_without_spills(family, K, V, dtype):
-    """The plan's stages, with either reverse pass (walk, scan) and dqkvg either way
-    (read_h_out), at a table-like call (B=2, H=4, 256 chunks each, with dht and dh0)
+    """The plan's stages, with either reverse pass (walk, scan), at a table-like call (B=2, H=4, 256 chunks each, with dht and dh0)
     compile for sm_90a: <= 255 registers, no spills, TMA shared destinations 128-byte
     aligned, no CTA barrier in a thread-dependent branch (as test_compile)."""
     from linattn.codegen.compile import compile_stage, format_record
@@ -600,7 +599,6 @@ def test_stages_compile_without_spills(family, K, V, dtype):
                                 g_dtype=dtype if gated else "float32", grad_dtype="float32",
                                 seq_chunks=(256, 256), use_dht=True, store_dh0=True)
     configs = [{"dstate_pass": "walk"}, {"dstate_pass": "scan"}]
-    configs += [{"dqkvg_read_h_out": False}] if gated else []     # (dqkvg forming h_out)
     launches = {la.stage + repr(la.params): la for config in configs
                 for la in additive_bwd.backward_plan(p, config).launches}
     for la in launches.values():

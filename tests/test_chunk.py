@@ -149,6 +149,7 @@ def test_state_pass_compiles_unpipelined_and_shallow(num_stages):
     ("kda", dict(diag=8)), ("kda", dict(block_k=32)), ("gla", dict(diag=8)),
     ("kda", dict(H=2, HV=2, K=96, V=48, dtype="float16", l2norm_qk=True)),
     ("kda", dict(threads=256, min_ctas=2)), ("gla", dict(threads=256, block_k=16)),
+    ("kda", dict(H=2, HV=2, K=256, V=256, threads=256, min_ctas=2)),
 ])
 def test_key_prepare_tunings_compile(op, params):
     """The per-key prepare at the other diagonal block, a narrower panel, a K that is not
@@ -369,18 +370,23 @@ def test_state_pass_takes_k_in_64s():
 
 
 def test_key_gate_prepare_tuning():
-    """The per-key gate's chunk_prepare takes KEY_PREPARE's diag (and a probe's key_diag /
-    key_block_k); the scalar-gate stages take no such knobs; the params build."""
-    kw = dict(H=2, HV=2, K=64, V=64, dtype="bfloat16", seq_chunks=(3,), Ttot=192)
-    for op in ("kda", "gla"):
-        prep = chunk.plan_params(_plan(op, **kw))["chunk_prepare"]
-        assert prep["diag"] == sm90_stages.KEY_PREPARE["diag"] and "block_k" not in prep
+    """The per-key gate's chunk_prepare takes KEY_PREPARE's tuning by rule (the additive
+    rule's KEY_PREPARE_FEW_CTAS where its chunks x heads are below the SMs) and a probe's
+    key_diag / key_block_k; the scalar-gate stages take no such knobs; the params build."""
+    few, many = dict(seq_chunks=(3,), Ttot=192), dict(seq_chunks=(40,), Ttot=2560)
+    kw = dict(H=4, HV=4, K=64, V=64, dtype="bfloat16")
+    for op, rule in (("kda", "delta"), ("gla", "additive")):
+        for size in (few, many):
+            prep = chunk.plan_params(_plan(op, **kw, **size))["chunk_prepare"]
+            want = (sm90_stages.KEY_PREPARE_FEW_CTAS if rule == "additive" and size is few
+                    else sm90_stages.KEY_PREPARE[rule])
+            assert {k: prep[k] for k in want} == want and "block_k" not in prep
         forced = chunk.plan_params(_plan(op, config={"key_diag": 8, "key_block_k": 32},
-                                         **kw))["chunk_prepare"]
+                                         **kw, **few))["chunk_prepare"]
         assert forced["diag"] == 8 and forced["block_k"] == 32
         chunk.stage_module(get_spec(op), "chunk_prepare").build(**forced)
     for config in ({}, {"fused": False}):
-        for p in chunk.plan_params(_plan("gdn", config=config, **kw)).values():
+        for p in chunk.plan_params(_plan("gdn", config=config, **kw, **few)).values():
             assert "diag" not in p and "block_k" not in p
 
 

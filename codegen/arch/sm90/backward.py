@@ -44,9 +44,9 @@ BLOCK_K_MULTIPLE = 64
 #: blocks of 128 (one CTA an SM) walk V in blocks of 64 where that fits: half the steps of
 #: its two value loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16: dqkvg 1.752 ->
 #: 1.415 ms; 128 needs 258 KB)
-#: read_h_out: dg's <h_out, dh> from h_out itself (a third f32 state tile a value block);
-#: a probe's dqkvg_read_h_out=false forms it from h_in's loads (not yet measured)
-DQKVG = dict(threads=256, read_h_out=True)
+#: dg's <h_out, dh> reads h_out (forming it from h_in's loads instead was slower and
+#: wrong as built: run s22-1, bench/LOG.md session 22)
+DQKVG = dict(threads=256)
 DQKVG_BLOCK_V = 32
 DQKVG_WIDE_BLOCK_V = 64
 SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
@@ -163,7 +163,7 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: what a probe or test may set in additive_backward_plan's config ("dstate_pass": "walk"
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
-                        "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_read_h_out", "dstate_pass")
+                        "dqkvg_min_blocks", "dqkvg_block_v", "dstate_pass")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -193,8 +193,6 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     kblocks = {"block_k": kbk} if kbk < p.K else {}
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
-                 **({"read_h_out": config["dqkvg_read_h_out"]}
-                    if "dqkvg_read_h_out" in config else {}),
                  **kblocks)
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,

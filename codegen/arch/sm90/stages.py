@@ -23,16 +23,23 @@ CHUNK_STATE_STEP_COST = {16: 1.19, 32: 2.34, 64: 3.50}
 FUSE_MIN_CHAINS = {"float16": 8}
 FUSE_MIN_CHAINS_DEFAULT = 16
 FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
-#: the per-key gate's prepare (chunk_prepare_key): one CTA of 128 threads per (chunk,
-#: head), the pair sums by bisection levels on tensor cores down to diag x diag diagonal
-#: blocks summed element by element, channels in panels of up to 64. Runs s8-3 / s8-6 at
-#: kda-tp1-4096 (us, prepare alone): the predecessor (every 16 x 16 diagonal block element
-#: by element from shared memory, 256 threads) ~930; this one at diag 8 with TileLang's
-#: column cumsum 724, with the register cumsum 527; diag 4: 419 (tp2-16384 1062 -> 839,
-#: tp8-4096 71 -> 56, GLA prefill-8k 94 -> 74). A probe may force diag / block_k / threads
-#: / min_ctas (config key_diag, key_block_k, key_threads, key_min_ctas: 256 threads with
-#: two or three CTAs a SM compile without spills, bench/LOG.md session 21; not yet timed).
-KEY_PREPARE = dict(diag=4, threads=128, min_ctas=1)
+#: the per-key gate's prepare (chunk_prepare_key): one CTA per (chunk, head), the pair
+#: sums by bisection levels on tensor cores down to diag x diag diagonal blocks summed
+#: element by element, channels in panels of up to 64. Runs s8-3 / s8-6 at kda-tp1-4096
+#: (us, prepare alone): the predecessor (every 16 x 16 diagonal block element by element
+#: from shared memory, 256 threads) ~930; this one at diag 8 with TileLang's column cumsum
+#: 724, with the register cumsum 527; diag 4: 419 (tp2-16384 1062 -> 839, tp8-4096 71 -> 56,
+#: GLA prefill-8k 94 -> 74). Threads (run s22-1, us): the delta rule at 256 threads with two
+#: CTAs an SM (128 registers) against 128 threads: kda-tp1-4096 416 -> 376, tp2-16384 822 ->
+#: 729, tp8-4096 56.5 -> 52.7, tp1-4x1024 415 -> 375 (256 at one CTA: 521 / 1021; at three:
+#: 384 / 743). The additive rule gains from 256 only where its grid leaves SMs idle
+#: (gla-short, 80 CTAs: 33.1 -> 22.6; at 320 CTAs, gla-continue-b4: 46.8 -> 54.7 at one CTA,
+#: 51.2 at three; prefill-8k and varlen-ragged +-1 %). A probe may force diag / block_k /
+#: threads / min_ctas (config key_diag, key_block_k, key_threads, key_min_ctas).
+KEY_PREPARE = {"delta": dict(diag=4, threads=256, min_ctas=2),
+               "additive": dict(diag=4, threads=128, min_ctas=1)}
+#: the additive rule's prepare where its grid (chunks x value heads) is below the SMs
+KEY_PREPARE_FEW_CTAS = dict(diag=4, threads=256, min_ctas=2)
 #: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
@@ -159,12 +166,15 @@ def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
     return n_chains >= (table.get(dtype) or FUSE_MIN_CHAINS.get(dtype, FUSE_MIN_CHAINS_DEFAULT))
 
 
-def key_prepare(config: dict) -> dict:
-    """chunk_prepare_key's tuning: KEY_PREPARE, or a probe's key_diag / key_block_k /
+def key_prepare(p: ForwardProblem, config: dict) -> dict:
+    """chunk_prepare_key's tuning for p: KEY_PREPARE by rule (the additive rule's
+    KEY_PREPARE_FEW_CTAS below one CTA an SM), or a probe's key_diag / key_block_k /
     key_threads / key_min_ctas."""
+    few = p.rule == "additive" and p.NT * p.HV < hw.NUM_SMS
+    base = KEY_PREPARE_FEW_CTAS if few else KEY_PREPARE[p.rule]
     forced = {"diag": config.get("key_diag"), "block_k": config.get("key_block_k"),
               "threads": config.get("key_threads"), "min_ctas": config.get("key_min_ctas")}
-    return dict(KEY_PREPARE, **{k: v for k, v in forced.items() if v is not None})
+    return dict(base, **{k: v for k, v in forced.items() if v is not None})
 
 
 def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
@@ -182,7 +192,7 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input")] if delta else []
     if key and p.states_only and not delta:     # (what the state pass reads: kg, g_last)
         bufs += [Buffer("kg", (p.Ttot, p.HV, p.K), "input"), Buffer("g_last", (p.NT, p.HV, p.K))]
-        prep = launch("chunk_prepare_states", dict(common, **flags, **order, **key_prepare(config)),
+        prep = launch("chunk_prepare_states", dict(common, **flags, **order, **key_prepare(p, config)),
                       u="v")
         return [prep], bufs, dict(k="kg", g_cum="g_last", u="v")
     if key:
@@ -191,7 +201,7 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
         keep_a = "A" in saved_names(p)       # (training: the backward rebuilds from A, A_qk)
         bufs += [Buffer("A", (p.Ttot, p.HV, C), "input")] if keep_a else []
         prep = launch("chunk_prepare_save" if keep_a else "chunk_prepare",
-                      dict(common, **flags, **order, **key_prepare(config)),
+                      dict(common, **flags, **order, **key_prepare(p, config)),
                       **({} if delta else {"u": "v"}), **({"A_out": "A"} if keep_a else {}))
         return [prep], bufs, dict(k="kg", g_cum="g_last", u="u" if delta else "v", q="qg",
                                   aqk="aqk")

@@ -25,8 +25,7 @@ GEMMs give the rows of A and dq in block [r, r + 16) and the rows of dk in block
 (only exponentials of non-positive numbers are taken).
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs; rowsum(h_out * dh) f32, h_out read or (read_h_out
-False) formed again, e^{G_l} h_in + (k e^{G_l - G})^T v. V is walked in
+f32 and rounded for the GEMMs; rowsum(h_out * dh) f32, h_out read. V is walked in
 blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
 dq, dk are per value head (the host sums a GVA group).
 
@@ -63,16 +62,13 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False, block_k=None, read_h_out=True):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
-    read_h_out: dg's <h_out, dh> from h_out (states row state_row[c] + 1, read); False:
-      h_out formed as the forward forms it, e^{G_l} h_in + (k e^{G_l - G})^T v (one more
-      tensor-core product a value block, from h_in's loads; h_out not read).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV, K] (g_dtype),
@@ -286,19 +282,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                                T.cast(0, dtype))
                     do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
                                                 T.cast(0, dtype))
-                if not read_h_out:      # h_out = e^{G_l} h_in + kd^T v, formed from h_in's loads
-                    T.gemm(kd_s, v_s, hd_f, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                    if not read_h_out:
-                        hd_f[i, j] = (hd_f[i, j] + T.exp(G_s[BT - 1, i])
-                                      * states[sr, hv, k0 + i, vb * BV + j]) * \
-                            dstate[sr + 1, hv, k0 + i, vb * BV + j]
-                if read_h_out:          # rowsum(h_out * dh), h_out read
-                    for i, j in T.Parallel(BK, BV):
-                        hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * \
-                            dstate[sr + 1, hv, k0 + i, vb * BV + j]
+                for i, j in T.Parallel(BK, BV):     # rowsum(h_out * dh), h_out read
+                    hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * \
+                        dstate[sr + 1, hv, k0 + i, vb * BV + j]
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]

@@ -52,16 +52,13 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False, block_k=None, read_h_out=True):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
-    read_h_out: dg's <h_out, dh> from h_out (states row state_row[c] + 1, read); False:
-      h_out formed as the forward forms it, e^{G_l} h_in + (k e^{G_l - G})^T v (one more
-      tensor-core product a value block, from h_in's loads; h_out not read).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
