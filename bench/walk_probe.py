@@ -50,6 +50,12 @@ CASES = {
     "gla-varlen-ragged": ("gla", 1, None, 16, 16, 128, 128, (), [1, 63, 1000, 3032], False),
     "gla-short": ("gla", 1, 257, 16, 16, 128, 128, (), None, False),
     "kda-tp8-1024-7168": ("kda", 1, None, 4, 4, 128, 128, ("l2norm_qk",), [1024, 7168], False),
+    # outside the table (bench/workloads/outside_keygate.json's shapes)
+    "kimi-h32-16k": ("kda", 1, 16384, 32, 32, 128, 128, ("l2norm_qk",), None, False),
+    "kimi-h32-16k-gik": ("kda", 1, 16384, 32, 32, 128, 128, ("l2norm_qk", "gate_in_kernel"),
+                         None, False),
+    "gla1.3b-16k": ("gla", 1, 16384, 4, 4, 256, 512, (), None, False),
+    "gla1.3b-2x4k": ("gla", 2, 4096, 4, 4, 256, 512, (), None, False),
 }
 
 
