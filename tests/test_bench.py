@@ -1,5 +1,6 @@
 """linattn-bench on CPU: the table, inputs, FLOP/byte formulas, timer interval logic,
 reference check, report/JSON/merge, and the loop end to end (check-only, torch impls)."""
+import dataclasses
 import json
 import math
 
@@ -228,6 +229,14 @@ def test_summary_table_and_merge(tmp_path):
         path, {"gpu": "x", "commit": "c4", "impls": ["fla"], "skipped_for_budget": ["r"],
                "rows": []})
     assert json.load(open(path))["impls"] == ["fla"]
+    # a row outside the packaged tables (--workloads-json) gets its figures from the rows given
+    out = dataclasses.replace(r1, workload="outside-row", seed={})
+    report.merge_into(path, {"gpu": "x", "commit": "c5", "rows": [fake_record(out, 0.1, 0.3)]}, [out])
+    only = fake_record(out, 0.05, None)
+    only["impls"] = {"linattn": only["impls"]["linattn"]}
+    merged = report.merge_into(path, {"gpu": "x", "commit": "c6", "rows": [only]}, [out])
+    row = [r for r in merged["rows"] if r["workload"] == "outside-row"][0]
+    assert row["ratio"] == pytest.approx(0.3 / 0.05) and row["impls"]["fla"]["commit"] == "c5"
 
 
 def test_bound_labels_match_seed_page():

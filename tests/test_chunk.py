@@ -371,16 +371,18 @@ def test_state_pass_takes_k_in_64s():
 
 def test_key_gate_prepare_tuning():
     """The per-key gate's chunk_prepare takes KEY_PREPARE's tuning by rule (the additive
-    rule's KEY_PREPARE_FEW_CTAS where its chunks x heads are below the SMs) and a probe's
+    rule's KEY_PREPARE_WIDE where its chunks x heads are below the SMs or K > 128) and a probe's
     key_diag / key_block_k; the scalar-gate stages take no such knobs; the params build."""
     few, many = dict(seq_chunks=(3,), Ttot=192), dict(seq_chunks=(40,), Ttot=2560)
     kw = dict(H=4, HV=4, K=64, V=64, dtype="bfloat16")
     for op, rule in (("kda", "delta"), ("gla", "additive")):
         for size in (few, many):
             prep = chunk.plan_params(_plan(op, **kw, **size))["chunk_prepare"]
-            want = (sm90_stages.KEY_PREPARE_FEW_CTAS if rule == "additive" and size is few
+            want = (sm90_stages.KEY_PREPARE_WIDE if rule == "additive" and size is few
                     else sm90_stages.KEY_PREPARE[rule])
             assert {k: prep[k] for k in want} == want and "block_k" not in prep
+        wide = chunk.plan_params(_plan(op, **dict(kw, K=256), **many))["chunk_prepare"]
+        assert wide["threads"] == 256
         forced = chunk.plan_params(_plan(op, config={"key_diag": 8, "key_block_k": 32},
                                          **kw, **few))["chunk_prepare"]
         assert forced["diag"] == 8 and forced["block_k"] == 32

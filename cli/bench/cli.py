@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         with open(a.table_md, "w") as f:
             f.write(text)
     if a.merge:
-        report.merge_into(a.merge, doc)
+        report.merge_into(a.merge, doc, load_rows(a.workloads_json) if a.workloads_json else None)
     if a.plot and not report.plot(doc["rows"], a.plot):
         print("no plot (matplotlib missing or no ratios)")
     if doc.get("timer_check"):

@@ -239,13 +239,14 @@ def write_json(doc: dict, path: str):
     os.replace(tmp, path)
 
 
-def merge_into(path: str, doc: dict) -> dict:
+def merge_into(path: str, doc: dict, workloads: list | None = None) -> dict:
     """Merge doc's rows into the file at path (created if missing) by (op, workload, dtype)
     and, within a row, by implementation: an implementation doc measured replaces the
     file's entry of that name, the others stay, and the row's derived figures (ratio,
     TFLOP/s, ...) are computed again from the merged set. Every implementation entry carries
     the commit / date it was measured at (a row's own stamp wins over doc's). Header
-    fields come from doc."""
+    fields come from doc. workloads: the rows the figures are computed from where they are
+    not the packaged tables' (a --workloads-json table)."""
     old = {"rows": []}
     if os.path.exists(path):
         with open(path) as f:
@@ -260,7 +261,7 @@ def merge_into(path: str, doc: dict) -> dict:
         return rec
 
     rows = {key(r): stamped(r, {}) for r in old.get("rows", [])}
-    table = table_rows()
+    table = {**table_rows(), **{tuple(r.key): r for r in workloads or ()}}
     for r in doc["rows"]:
         fresh = stamped(r, stamp)
         prev = rows.get(key(fresh))

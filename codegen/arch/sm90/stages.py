@@ -32,14 +32,16 @@ FUSE_MIN_CHAINS_SMALL_K = {"bfloat16": 32}
 #: GLA prefill-8k 94 -> 74). Threads (run s22-1, us): the delta rule at 256 threads with two
 #: CTAs an SM (128 registers) against 128 threads: kda-tp1-4096 416 -> 376, tp2-16384 822 ->
 #: 729, tp8-4096 56.5 -> 52.7, tp1-4x1024 415 -> 375 (256 at one CTA: 521 / 1021; at three:
-#: 384 / 743). The additive rule gains from 256 only where its grid leaves SMs idle
-#: (gla-short, 80 CTAs: 33.1 -> 22.6; at 320 CTAs, gla-continue-b4: 46.8 -> 54.7 at one CTA,
-#: 51.2 at three; prefill-8k and varlen-ragged +-1 %). A probe may force diag / block_k /
-#: threads / min_ctas (config key_diag, key_block_k, key_threads, key_min_ctas).
+#: 384 / 743). The additive rule gains from 256 where its grid leaves SMs idle (gla-short,
+#: 80 CTAs: 33.1 -> 22.6) and at K > 128 (run s22-4, GLA-1.3B K = 256: 2 x 4k 165 -> 131,
+#: 16k 271 -> 257), not at K <= 128 on a full grid (gla-continue-b4, 320 CTAs: 46 -> 54 at
+#: two CTAs, 51 at three; prefill-8k and varlen-ragged +-1 %). A probe may force diag /
+#: block_k / threads / min_ctas (config key_diag, key_block_k, key_threads, key_min_ctas).
 KEY_PREPARE = {"delta": dict(diag=4, threads=256, min_ctas=2),
                "additive": dict(diag=4, threads=128, min_ctas=1)}
-#: the additive rule's prepare where its grid (chunks x value heads) is below the SMs
-KEY_PREPARE_FEW_CTAS = dict(diag=4, threads=256, min_ctas=2)
+#: the additive rule's prepare where its grid (chunks x value heads) is below the SMs or
+#: K > 128
+KEY_PREPARE_WIDE = dict(diag=4, threads=256, min_ctas=2)
 #: chunk_wu: one CTA per (chunk, head), A_b loaded once, GEMMs of 64 columns (run s3-1:
 #: the split prepare 0.095 -> 0.040 ms at GDN prefill-4k with the one-warp inverse), fewer
 #: where 64 does not divide K and V
@@ -49,8 +51,10 @@ WU_BLOCK_N = 64
 #: per-key gate and the additive rule with zero channels (chunk_k, __init__.py)
 STATE_K_MULTIPLE = 64
 #: the state pass: two TMA pipeline stages (s2-5 sweep); one where two do not fit: the
-#: fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at K = 256,
-#: block 32; one: 132 KB)
+#: delta rule's fused pass at K > 128 (two stages of w, kg, qg, aqk, u asked for 243 KB at
+#: K = 256, block 32; one: 132 KB). The additive rule's (no w) keeps two: 178 KB at K = 256,
+#: block 32 (its one-stage pass: 2.09 us a step at GLA-1.3B 16k, chunk_state's 0.92, run
+#: s22-4)
 STATE_STAGES = 2
 #: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
 #: additive rule (its state pass splits K and V into tiles within the register budget,
@@ -123,7 +127,7 @@ def chunk_head_limits(rule: str, gate: str) -> tuple:
 
 
 def state_stages(p: ForwardProblem, fused: bool) -> int:
-    return 1 if fused and p.K > 128 else STATE_STAGES
+    return 1 if fused and p.K > 128 and p.rule == "delta" else STATE_STAGES
 
 
 def wu_block_n(K: int, V: int) -> int:
@@ -168,10 +172,10 @@ def fuse_output(n_chains: int, dtype: str, K: int) -> bool:
 
 def key_prepare(p: ForwardProblem, config: dict) -> dict:
     """chunk_prepare_key's tuning for p: KEY_PREPARE by rule (the additive rule's
-    KEY_PREPARE_FEW_CTAS below one CTA an SM), or a probe's key_diag / key_block_k /
-    key_threads / key_min_ctas."""
-    few = p.rule == "additive" and p.NT * p.HV < hw.NUM_SMS
-    base = KEY_PREPARE_FEW_CTAS if few else KEY_PREPARE[p.rule]
+    KEY_PREPARE_WIDE below one CTA an SM or at K > 128), or a probe's key_diag /
+    key_block_k / key_threads / key_min_ctas."""
+    wide = p.rule == "additive" and (p.NT * p.HV < hw.NUM_SMS or p.K > 128)
+    base = KEY_PREPARE_WIDE if wide else KEY_PREPARE[p.rule]
     forced = {"diag": config.get("key_diag"), "block_k": config.get("key_block_k"),
               "threads": config.get("key_threads"), "min_ctas": config.get("key_min_ctas")}
     return dict(base, **{k: v for k, v in forced.items() if v is not None})
