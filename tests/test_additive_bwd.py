@@ -588,9 +588,10 @@ def test_no_grad_and_refusals(monkeypatch):
                                                  ("gla_gv_twin", 128, 128, "bfloat16"),
                                                  ("gla_gv_twin", 64, 256, "float16")])
 def test_stages_compile_without_spills(family, K, V, dtype):
-    """The plan's stages, with either reverse pass (walk, scan), at a table-like call (B=2, H=4, 256 chunks each, with dht and dh0)
-    compile for sm_90a: <= 255 registers, no spills, TMA shared destinations 128-byte
-    aligned, no CTA barrier in a thread-dependent branch (as test_compile)."""
+    """The plan's stages, with either reverse pass (walk, scan), at a table-like call (B=2,
+    H=4, 256 chunks each, with dht and dh0) compile for sm_90a: <= 255 registers, no
+    spills, TMA shared destinations 128-byte aligned, no CTA barrier in a
+    thread-dependent branch (as test_compile)."""
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
