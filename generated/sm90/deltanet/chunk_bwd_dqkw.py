@@ -91,13 +91,17 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             hk = h // G
             t0 = chunk_bos[c]
             nrow = chunk_len[c]
-            q_s = T.alloc_shared((BT, K), dtype)
-            k_s = T.alloc_shared((BT, K), dtype)
+            # two phases, so that S and dh are never held together (80 KB, then 104 KB of
+            # shared memory at K = V = 128: two CTAs an SM, one loading while the other
+            # computes): S with w, do, dv2 first (v_new, dq's state term, dw), then dh
+            # with q, k in their place (ds and the pair terms, dk)
             w_s = T.alloc_shared((BT, K), dtype)
             do_s = T.alloc_shared((BT, V), dtype)
             dv_s = T.alloc_shared((BT, V), dtype)
             vn_s = T.alloc_shared((BT, V), dtype)
             S_s = T.alloc_shared((K, V), dtype)
+            q_s = T.alloc_shared((BT, K), dtype)
+            k_s = T.alloc_shared((BT, K), dtype)
             dh_s = T.alloc_shared((K, V), dtype)
             ds_s = T.alloc_shared((BT, BT), dtype)
             vn_f = T.alloc_fragment((BT, V), f32)
@@ -107,34 +111,38 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             dw_f = T.alloc_fragment((BT, K), f32)
 
             for i, j in T.Parallel(BT, K):
-                q_s[i, j] = T.if_then_else(i < nrow, q[t0 + i, hk, j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
                 w_s[i, j] = T.if_then_else(i < nrow, w[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, j], T.cast(0, dtype))
-            # the 16-bit GEMM tiles of S[t] (its row of S; cast from f32 in the contract) and dh[t]
+                dv_s[i, j] = T.if_then_else(i < nrow, dv2[t0 + i, h, j], T.cast(0, dtype))
+            # the 16-bit GEMM tile of S[t] (its row of S; cast from f32 in the contract)
             row = state_row[c]
             if state_dtype == dtype:
                 T.copy(S[row, h, 0:K, 0:V], S_s)
             else:
                 for i, j in T.Parallel(K, V):
                     S_s[i, j] = T.cast(S[row, h, i, j], dtype)
-            T.copy(dh[c, h, 0:K, 0:V], dh_s)
-            for i, j in T.Parallel(BT, V):
-                dv_s[i, j] = T.if_then_else(i < nrow, dv2[t0 + i, h, j], T.cast(0, dtype))
-
             # v_new = u - w S
             T.gemm(w_s, S_s, vn_f, clear_accum=True)
             for i, j in T.Parallel(BT, V):
                 vn_s[i, j] = T.if_then_else(
                     i < nrow, T.cast(T.cast(u[t0 + i, h, j], f32) - vn_f[i, j], dtype),
                     T.cast(0, dtype))
+            # dq = do S^T (+ ds k below); dw = -dv2 S^T
+            T.gemm(do_s, S_s, dq_f, transpose_B=True, clear_accum=True)
+            T.gemm(dv_s, S_s, dw_f, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(BT, K):
+                if i < nrow:
+                    dw[t0 + i, h, j] = T.cast(-dw_f[i, j], dtype)
+
+            for i, j in T.Parallel(BT, K):
+                q_s[i, j] = T.if_then_else(i < nrow, q[t0 + i, hk, j], T.cast(0, dtype))
+                k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
+            T.copy(dh[c, h, 0:K, 0:V], dh_s)
             # ds = tril_incl(do v_new^T)
             T.gemm(do_s, vn_s, ds_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 ds_s[i, j] = T.if_then_else(i >= j, T.cast(ds_f[i, j], dtype), T.cast(0, dtype))
-            # dq = do S^T + ds k
-            T.gemm(do_s, S_s, dq_f, transpose_B=True, clear_accum=True)
             T.gemm(ds_s, k_s, dq_f)
             for i, j in T.Parallel(BT, K):
                 if i < nrow:
@@ -145,10 +153,5 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             for i, j in T.Parallel(BT, K):
                 if i < nrow:
                     dk_part[t0 + i, h, j] = dk_f[i, j]
-            # dw = -dv2 S^T
-            T.gemm(dv_s, S_s, dw_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(BT, K):
-                if i < nrow:
-                    dw[t0 + i, h, j] = T.cast(-dw_f[i, j], dtype)
 
     return chunk_bwd_dqkw

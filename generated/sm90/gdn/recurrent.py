@@ -236,6 +236,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             kf = T.alloc_fragment((K,), acc)
             vf = T.alloc_fragment((BV,), acc)
             of = T.alloc_fragment((BV,), acc)
+            vin = T.alloc_fragment((BV,), acc)           # the token's v
             kS = T.alloc_fragment((BV,), acc)
             sq = T.alloc_fragment((K,), acc)             # l2norm only
             q_ss = T.alloc_fragment((1,), acc)           # sum q^2, sum k^2
@@ -278,9 +279,21 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
 
             for t in T.serial(seq_len):
                 tok = bos + t
+                # every input of the token first: their loads are in flight together, none
+                # waits behind a reduction's barrier
                 for i in T.Parallel(K):
                     qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
                     kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
+                for j in T.Parallel(BV):
+                    vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
+                g_t = T.cast(g[i_b, tok, i_hv], acc)
+                if gate_in_kernel:
+                    x = g_t + dt_bias[i_hv]
+                    g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+                decay = T.exp(g_t)
+                b_t = T.cast(beta[i_b, tok, i_hv], acc)
+                if beta_sigmoid:
+                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
                 if l2norm_qk:
                     for i in T.Parallel(K):
                         sq[i] = qf[i] * qf[i]
@@ -294,20 +307,12 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 else:
                     for i in T.Parallel(K):
                         qf[i] = qf[i] * scale
-                g_t = T.cast(g[i_b, tok, i_hv], acc)
-                if gate_in_kernel:
-                    x = g_t + dt_bias[i_hv]
-                    g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
-                decay = T.exp(g_t)
-                b_t = T.cast(beta[i_b, tok, i_hv], acc)
-                if beta_sigmoid:
-                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * decay
                     SX[i, j] = S[i, j] * kf[i]
                 T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
                 for j in T.Parallel(BV):
-                    vf[j] = (T.cast(v[i_b, tok, i_hv, v0 + j], acc) - kS[j]) * b_t
+                    vf[j] = (vin[j] - kS[j]) * b_t
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] + kf[i] * vf[j]
                     SX[i, j] = S[i, j] * qf[i]

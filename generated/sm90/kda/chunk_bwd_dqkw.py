@@ -134,14 +134,14 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             for i, j in T.Parallel(BT, V):
                 do_s[i, j] = T.if_then_else(i < nrow, do[t0 + i, h, j], T.cast(0, dtype))
                 dv_s[i, j] = T.if_then_else(i < nrow, dv2[t0 + i, h, j], T.cast(0, dtype))
-            # the 16-bit GEMM tiles of S[t] (its row of S; cast from f32 in the contract) and dh[t]
+            # the 16-bit GEMM tile of S[t] (its row of S; cast from f32 in the contract)
             row = state_row[c]
             if state_dtype == dtype:
                 T.copy(S[row, h, 0:K, 0:V], S_s)
             else:
                 for i, j in T.Parallel(K, V):
                     S_s[i, j] = T.cast(S[row, h, i, j], dtype)
-            T.copy(dh[c, h, 0:K, 0:V], dh_s)
+            T.copy(dh[c, h, 0:K, 0:V], dh_s)   # dh[t], the input dtype
             # rowsum(S * dh) per key channel, f32 sums of the tiles, in column blocks of HB
             for j in T.Parallel(K):
                 dgl_s[j] = T.float32(0)

@@ -236,6 +236,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             kf = T.alloc_fragment((K,), acc)
             vf = T.alloc_fragment((BV,), acc)
             of = T.alloc_fragment((BV,), acc)
+            vin = T.alloc_fragment((BV,), acc)           # the token's v
             kS = T.alloc_fragment((BV,), acc)
             decay_k = T.alloc_fragment((K,), acc)
             sq = T.alloc_fragment((K,), acc)             # l2norm only
@@ -279,9 +280,23 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
 
             for t in T.serial(seq_len):
                 tok = bos + t
+                # every input of the token first: their loads are in flight together, none
+                # waits behind a reduction's barrier
                 for i in T.Parallel(K):
                     qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
                     kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
+                for j in T.Parallel(BV):
+                    vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
+                for i in T.Parallel(K):
+                    if gate_in_kernel:
+                        x = T.cast(g[i_b, tok, i_hv, i], acc) + dt_bias[i_hv * K + i]
+                        decay_k[i] = T.exp(-T.exp(A_log[i_hv]) *
+                                           T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
+                    else:
+                        decay_k[i] = T.exp(T.cast(g[i_b, tok, i_hv, i], acc))
+                b_t = T.cast(beta[i_b, tok, i_hv], acc)
+                if beta_sigmoid:
+                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
                 if l2norm_qk:
                     for i in T.Parallel(K):
                         sq[i] = qf[i] * qf[i]
@@ -295,22 +310,12 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 else:
                     for i in T.Parallel(K):
                         qf[i] = qf[i] * scale
-                for i in T.Parallel(K):
-                    if gate_in_kernel:
-                        x = T.cast(g[i_b, tok, i_hv, i], acc) + dt_bias[i_hv * K + i]
-                        decay_k[i] = T.exp(-T.exp(A_log[i_hv]) *
-                                           T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
-                    else:
-                        decay_k[i] = T.exp(T.cast(g[i_b, tok, i_hv, i], acc))
-                b_t = T.cast(beta[i_b, tok, i_hv], acc)
-                if beta_sigmoid:
-                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] * decay_k[i]
                     SX[i, j] = S[i, j] * kf[i]
                 T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
                 for j in T.Parallel(BV):
-                    vf[j] = (T.cast(v[i_b, tok, i_hv, v0 + j], acc) - kS[j]) * b_t
+                    vf[j] = (vin[j] - kS[j]) * b_t
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = S[i, j] + kf[i] * vf[j]
                     SX[i, j] = S[i, j] * qf[i]
