@@ -99,10 +99,11 @@ def key_block(K: int) -> int:
     return MAX_BLOCK_K if K % MAX_BLOCK_K == 0 else BLOCK_K_MULTIPLE
 
 
-def dqkvg_smem(p: AdditiveBackwardProblem, bv: int) -> int:
+def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int) -> int:
     """Bytes of shared memory chunk_bwd_dqkvg holds at its peak (the pair terms or the
-    state terms; buffers of disjoint lifetimes share memory), 16-bit inputs."""
-    C, K = p.chunk_size, key_block(p.K)
+    state terms; buffers of disjoint lifetimes share memory) at value block bv and key
+    block bk, 16-bit inputs."""
+    C, K = p.chunk_size, bk
     if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
         return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv)
     held = C * K * (2 + 2 + 4 + 8) + 16 * K + 2 * C * C        # q, k, G, dq / dk diag, A
@@ -114,7 +115,7 @@ def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int) -> int:
     """dqkvg's value block: DQKVG_WIDE_BLOCK_V for key blocks over 64 channels where V
     takes it and its shared memory fits one CTA, else DQKVG_BLOCK_V (or what divides V)."""
     wide = DQKVG_WIDE_BLOCK_V
-    if block_k > 64 and p.V % wide == 0 and dqkvg_smem(p, wide) + 1024 <= SM_SMEM_BYTES:
+    if block_k > 64 and p.V % wide == 0 and dqkvg_smem(p, wide, block_k) + 1024 <= SM_SMEM_BYTES:
         return wide
     return value_block(p.V, DQKVG_BLOCK_V)
 
@@ -163,7 +164,7 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: what a probe or test may set in additive_backward_plan's config ("dstate_pass": "walk"
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
-                        "dqkvg_min_blocks", "dqkvg_block_v", "dstate_pass")
+                        "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -186,14 +187,17 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     g = {"g_dtype": p.g_dtype} if gated else {}
     kbk = key_block(p.K)
-    dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, kbk))
+    kblocks = {"block_k": kbk} if kbk < p.K else {}
+    dbk = config.get("dqkvg_block_k", kbk)
+    if p.K % dbk or dbk % 16:
+        raise ValueError(f"plan config dqkvg_block_k={dbk}: a multiple of 16 dividing K={p.K}")
+    dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk))
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
-    two = 2 * (dqkvg_smem(p, dbv) + 1024) <= SM_SMEM_BYTES and kbk <= 64
-    kblocks = {"block_k": kbk} if kbk < p.K else {}
+    two = 2 * (dqkvg_smem(p, dbv, dbk) + 1024) <= SM_SMEM_BYTES and dbk <= 64
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
-                 **kblocks)
+                 **({"block_k": dbk} if dbk < p.K else {}))
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
                                                 **order)),)
