@@ -40,9 +40,9 @@ from linattn.ops import additive_bwd, runtime  # noqa: E402
 SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_block_v": 32},
          {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
 #: variants timed on --shape (a GLAChunkBwd call of any head dims): the reverse pass
-#: forced each way, dqkvg's value block, key block and L2 prefetch
-SHAPE_SWEEP = [{"dstate_pass": "scan"}, {"dqkvg_block_k": 64}, {"dqkvg_prefetch": True},
-               {"dqkvg_prefetch": True, "dqkvg_block_v": 32}]
+#: forced each way, dqkvg's value block and key block
+SHAPE_SWEEP = [{"dstate_pass": "scan"}, {"dstate_pass": "walk"}, {"dqkvg_block_v": 64},
+               {"dqkvg_block_k": 64}]
 
 
 def _short(per):

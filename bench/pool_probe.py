@@ -8,11 +8,10 @@ token, num_accepted_tokens random in 1..T); both implementations update the pool
 place. Checked: o and the written slots of ours against fla's on the same inputs (fresh
 copies of the pool), relative error; timed: device time per call (probe_lib).
 
-    python3 bench/pool_probe.py [--sweep | --sweep-min-blocks] [--out pool_probe.json]
+    python3 bench/pool_probe.py [--sweep] [--out pool_probe.json]
 
---sweep: ours also at decode_probe's candidate tunings (block_v, threads, vec, warps_k)
-and at the arch's tile with min_blocks of MIN_BLOCKS, each checked against fla before it
-is timed.
+--sweep: ours also at decode_probe's candidate tunings (block_v, threads, vec, warps_k),
+each checked against fla before it is timed.
 """
 from __future__ import annotations
 
@@ -72,12 +71,11 @@ def fla(x, idx, acc, pool):
                                    num_accepted_tokens=acc)
 
 
-def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, tiles=True):
-    """[(knobs, ms or error)] of ours at the valid candidate tunings (tiles: also the
-    candidate tiles, else min_blocks only)."""
+def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
+    """[(knobs, ms or error)] of ours at the valid candidate tunings."""
     out = []
     slots = idx.flatten().long()
-    for c in CANDIDATES if tiles else ():
+    for c in CANDIDATES:
         if not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"], c["warps_k"],
                                    False):
             continue
@@ -90,25 +88,12 @@ def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, tiles=True):
             out.append(dict(c, err=err, ms=ms))
         except Exception as e:          # a config the template refuses
             out.append(dict(c, error=f"{type(e).__name__}: {e}"[:200]))
-    for m in MIN_BLOCKS:                # the arch's tile, registers capped for m CTAs an SM
-        with tuning_override(min_blocks=m):
-            p = pool.clone()
-            o, _ = ours(x, idx, acc, p)
-            err = max(rel(o, o_fla), rel(p[slots], p_fla[slots]))
-            ms = device_times(lambda: ours(x, idx, acc, p))[0] if err < 1e-3 else None
-        out.append(dict(min_blocks=m, err=err, ms=ms))
     return out
-
-
-#: min_blocks timed at the arch's tile by --sweep
-MIN_BLOCKS = (4, 6, 8)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-min-blocks", action="store_true",
-                    help="sweep min_blocks only (at the arch's tile)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
@@ -129,8 +114,8 @@ def main():
         rec["ours_ms"] = device_times(lambda: ours(x, idx, acc, p_ours))[0]
         rec["fla_ms"] = device_times(lambda: fla(x, idx, acc, p_fla))[0]
         rec["speedup"] = rec["fla_ms"] / rec["ours_ms"]
-        if args.sweep or args.sweep_min_blocks:
-            rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel, tiles=args.sweep)
+        if args.sweep:
+            rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         with open(args.out, "w") as f:
@@ -140,9 +125,7 @@ def main():
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
         for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
-            knobs = " ".join(f"{k}={c[k]}" for k in ("block_v", "threads", "vec", "warps_k",
-                                                      "min_blocks") if k in c)
-            print(f"   {knobs}  {c['ms']:.4f}")
+            print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
 
 
 if __name__ == "__main__":

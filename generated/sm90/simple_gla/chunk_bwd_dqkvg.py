@@ -44,11 +44,6 @@ EXAMPLES = [
     dict(H=2, HV=4, K=128, V=128, dtype="float16", g_dtype="float32", grad_dtype="float16"),
 ]
 CHUNK = 64
-PREFETCH_L2 = r"""
-__device__ __forceinline__ void linattn_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-"""
 
 
 def out_idx(**params):
@@ -60,14 +55,12 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False, block_k=None, prefetch=False):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
-    prefetch: the state rows of each value block are prefetched into L2 one block ahead
-      (the first block's before the pair terms), so that their synchronous loads hit L2.
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
@@ -88,7 +81,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     BK = block_k or K
     assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
     NKB = K // BK
-    LPR = max(1, BV // 32)          # 128-byte lines a state row of a value block spans
     split = NKB > 1
     f32 = "float32"
     group = HV // H
@@ -146,17 +138,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             hd_row = T.alloc_fragment((BK,), f32)
             dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
-            if prefetch:
-                T.import_source(PREFETCH_L2)
-                for e in T.serial(T.ceildiv(BK * LPR, threads)):    # value block 0's state rows into L2
-                    idx = e * threads + tx
-                    if idx < BK * LPR:
-                        pr = k0 + idx // LPR
-                        pc = (0) * BV + idx % LPR * 32
-                        T.call_extern("handle", "linattn_prefetch_l2", T.address_of(states[sr, hv, pr, pc]))
-                        T.call_extern("handle", "linattn_prefetch_l2", T.address_of(dstate[sr + 1, hv, pr, pc]))
-                        T.call_extern("handle", "linattn_prefetch_l2", T.address_of(states[sr + 1, hv, pr, pc]))
-
 
             for i, j in T.Parallel(BT, BK):
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
@@ -196,17 +177,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
             for vb in T.serial(NVB):
-                if prefetch:
-                    if vb + 1 < NVB:
-                        for e in T.serial(T.ceildiv(BK * LPR, threads)):    # value block vb + 1's state rows into L2
-                            idx = e * threads + tx
-                            if idx < BK * LPR:
-                                pr = k0 + idx // LPR
-                                pc = (vb + 1) * BV + idx % LPR * 32
-                                T.call_extern("handle", "linattn_prefetch_l2", T.address_of(states[sr, hv, pr, pc]))
-                                T.call_extern("handle", "linattn_prefetch_l2", T.address_of(dstate[sr + 1, hv, pr, pc]))
-                                T.call_extern("handle", "linattn_prefetch_l2", T.address_of(states[sr + 1, hv, pr, pc]))
-
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
                                                T.cast(0, dtype))
