@@ -92,6 +92,7 @@ for s in $STEPS; do
              /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); [ -n "$N" ] || { echo "no ncu"; exit 3; }
              "$N" --profile-from-start off --section SpeedOfLight --section Occupancy \
              --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis \
+             --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
              --csv --page details python3 bench/ncu_probe.py '"${NCU_ARGS:-}"' > "$OUT_DIR/ncu.csv"' ;;
     # the chunked forward's plans (PROBE_ARGS e.g. "--only prefill-4k --configs default
     # segments=8"): correctness vs fp64 and device time, JSON to walk_probe.json

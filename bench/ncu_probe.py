@@ -6,7 +6,9 @@ so `ncu --profile-from-start off` sees exactly those kernels.
         --section WarpStateStats --section LaunchStats --csv --page details \\
         python3 bench/ncu_probe.py --only prefill-4k q35-397b-tp1-65536 > ncu.csv
 
-Workloads: bench/walk_probe.py's CASES; --config forces a plan choice as there."""
+Workloads: bench/walk_probe.py's CASES; --config forces a plan choice as there.
+--gla-bwd B T H K V: instead, one GLAChunkBwd call of that shape (bench/gla_bwd_probe.py's
+inputs; the default backward plan)."""
 import argparse
 import dataclasses
 import os
@@ -26,10 +28,15 @@ def main():
     ap.add_argument("--only", nargs="*", default=["prefill-4k"], choices=list(CASES))
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--config", default="default")
+    ap.add_argument("--gla-bwd", nargs=5, type=int, default=None, metavar=("B", "T", "H", "K", "V"))
     args = ap.parse_args()
     config = parse_config(args.config)
     calls = []
-    for name in args.only:
+    if args.gla_bwd:
+        from gla_bwd_probe import _ours, shape_inputs
+        calls.append(("gla-bwd-" + "x".join(map(str, args.gla_bwd)), "linattn",
+                      _ours(shape_inputs(*args.gla_bwd), args.gla_bwd[3] ** -0.5)))
+    for name in ([] if args.gla_bwd else args.only):
         op, B, T, H, HV, K, V, opts, lens, v_first = CASES[name]
         spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens)
         options = dataclasses.replace(options, state_v_first=v_first)
