@@ -8,7 +8,7 @@ token, num_accepted_tokens random in 1..T); both implementations update the pool
 place. Checked: o and the written slots of ours against fla's on the same inputs (fresh
 copies of the pool), relative error; timed: device time per call (probe_lib).
 
-    python3 bench/pool_probe.py [--sweep] [--out pool_probe.json]
+    python3 bench/pool_probe.py [--sweep] [--only kimi-b8 ...] [--out pool_probe.json]
 
 --sweep: ours also at decode_probe's candidate tunings (block_v, threads, vec, warps_k),
 each checked against fla before it is timed.
@@ -94,11 +94,14 @@ def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     results = []
     for name, P, N, T, HV, D in CASES:
+        if args.only and name not in args.only:
+            continue
         x, idx, acc, pool = make(P, N, T, HV, D)
         p_ours, p_fla = pool.clone(), pool.clone()
         o1, _ = ours(x, idx, acc, p_ours)
