@@ -106,8 +106,8 @@ def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int) -> int:
     C, K = p.chunk_size, bk
     if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
         return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv)
-    held = C * K * (2 + 2 + 4 + 8) + 16 * K + 2 * C * C        # q, k, G, dq / dk diag, A
-    return held + max(2 * C * C + 4 * C * K,                   # dA, Qr, Kr
+    held = C * K * (2 + 2 + 4 + 8) + 16 * K + 4 * C * C        # q, k, G, dq / dk diag, A, dA
+    return held + max(4 * C * K,                               # Qr, Kr (A's rows; the pair terms)
                       2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K)   # kd, v, do, h, dh
 
 

@@ -239,15 +239,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     A_s[i, j] = T.cast(acc[0] * scale, dtype)
             T.sync_threads()
 
-            # the blocks below the diagonal through the reference rows r = 16, 32, ...
+            # A's blocks below the diagonal through the reference rows r = 16, 32, ...
             Qr_s = T.alloc_shared((BT, BK), dtype)
             Kr_s = T.alloc_shared((BT, BK), dtype)
             a_f = T.alloc_fragment((BT, BT), f32)
-            T.clear(dq_f)
-            T.clear(dk_f)
             for blk in T.serial(1, NB):
                 r = blk * SUB
-                for i, j in T.Parallel(BT, BK):
+                for i, j in T.Parallel(BT, BK):     # q e^{G - G_r} (rows >= r), k e^{G_r - G} (rows < r)
                     Qr_s[i, j] = T.if_then_else(
                         i >= r, T.cast(T.cast(q_s[i, j], f32) * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)),
                                        dtype), T.cast(0, dtype))
@@ -258,24 +256,17 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BT, BT):
                     if (i >= r) & (i < r + SUB) & (j < r):
                         A_s[i, j] = T.cast(a_f[i, j] * scale, dtype)
-                T.gemm(dA_s, Kr_s, p_f, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dq_f[i, j] = dq_f[i, j] + T.if_then_else(
-                        (i >= r) & (i < r + SUB),
-                        p_f[i, j] * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)), T.float32(0))
-                T.gemm(dA_s, Qr_s, p_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dk_f[i, j] = dk_f[i, j] + T.if_then_else(
-                        (i >= r - SUB) & (i < r),
-                        p_f[i, j] * T.exp(T.min(G_s[r, j] - G_s[i, j], 0.0)), T.float32(0))
 
             # the state terms and dv, over the value blocks (v, do read again: their tiles
-            # are not held through the pair terms); kd = k e^{G_l - G}
+            # are not held through the pair terms); kd = k e^{G_l - G}; dq, dk sum
+            # do h_in^T and v dh^T over the blocks as they come, scaled once after
             for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1, j] - G_s[i, j]),
                                     dtype)
             for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
+            T.clear(dq_f)
+            T.clear(dk_f)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -291,12 +282,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]
-                T.gemm(do_s, h_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dq_f[i, j] = dq_f[i, j] + p_f[i, j] * scale * T.exp(G_s[i, j])
-                T.gemm(v_s, dh_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dk_f[i, j] = dk_f[i, j] + p_f[i, j] * T.exp(G_s[BT - 1, j] - G_s[i, j])
+                T.gemm(do_s, h_s, dq_f, transpose_B=True)
+                T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                 T.gemm(kd_s, dh_s, dv_f)
                 for i, j in T.Parallel(BT, BV):
@@ -305,6 +292,33 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
                         else:
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+            for i, j in T.Parallel(BT, BK):
+                dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i, j])
+                dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1, j] - G_s[i, j])
+
+            # the pair terms: dq += dA k, dk += dA^T q (below the diagonal blocks, through the
+            # reference rows again; the diagonal blocks are in dqd_s, dkd_s)
+            Qb_s = T.alloc_shared((BT, BK), dtype)
+            Kb_s = T.alloc_shared((BT, BK), dtype)
+            for blk in T.serial(1, NB):
+                r = blk * SUB
+                for i, j in T.Parallel(BT, BK):     # q e^{G - G_r} (rows >= r), k e^{G_r - G} (rows < r)
+                    Qb_s[i, j] = T.if_then_else(
+                        i >= r, T.cast(T.cast(q_s[i, j], f32) * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)),
+                                       dtype), T.cast(0, dtype))
+                    Kb_s[i, j] = T.if_then_else(
+                        i < r, T.cast(T.cast(k_s[i, j], f32) * T.exp(T.min(G_s[r, j] - G_s[i, j], 0.0)),
+                                      dtype), T.cast(0, dtype))
+                T.gemm(dA_s, Kb_s, p_f, clear_accum=True)
+                for i, j in T.Parallel(BT, BK):
+                    dq_f[i, j] = dq_f[i, j] + T.if_then_else(
+                        (i >= r) & (i < r + SUB),
+                        p_f[i, j] * T.exp(T.min(G_s[i, j] - G_s[r, j], 0.0)), T.float32(0))
+                T.gemm(dA_s, Qb_s, p_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BK):
+                    dk_f[i, j] = dk_f[i, j] + T.if_then_else(
+                        (i >= r - SUB) & (i < r),
+                        p_f[i, j] * T.exp(T.min(G_s[r, j] - G_s[i, j], 0.0)), T.float32(0))
 
             # totals (the diagonal blocks added), then dg = revcumsum(q dq - k dk) + <h_out, dh>
             for i, j in T.Parallel(BT, BK):

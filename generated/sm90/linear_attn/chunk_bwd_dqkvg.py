@@ -147,19 +147,20 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 dA_s[i, j] = T.if_then_else(i >= j, T.cast(dA_f[i, j] * scale, dtype),
                                             T.cast(0, dtype))
 
-            # A = scale tril_incl(q k^T); the pair terms dq = dA k, dk = dA^T q
+            # A = scale tril_incl(q k^T)
             a_f = T.alloc_fragment((BT, BT), f32)
             T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 A_s[i, j] = T.if_then_else(i >= j, T.cast(a_f[i, j] * scale, dtype), T.cast(0, dtype))
-            T.gemm(dA_s, k_s, dq_f, clear_accum=True)
-            T.gemm(dA_s, q_s, dk_f, transpose_A=True, clear_accum=True)
 
             # the state terms and dv, over the value blocks (v, do read again: their tiles
-            # are not held through the pair terms); kd = k e^{G_l - G}
+            # are not held through the pair terms); kd = k e^{G_l - G}; dq, dk sum
+            # do h_in^T and v dh^T over the blocks as they come, scaled once after
             T.copy(k_s, kd_s)
             for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
+            T.clear(dq_f)
+            T.clear(dk_f)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -169,12 +170,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                T.gemm(do_s, h_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dq_f[i, j] = dq_f[i, j] + p_f[i, j] * scale
-                T.gemm(v_s, dh_s, p_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(BT, BK):
-                    dk_f[i, j] = dk_f[i, j] + p_f[i, j]
+                T.gemm(do_s, h_s, dq_f, transpose_B=True)
+                T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                 T.gemm(kd_s, dh_s, dv_f)
                 for i, j in T.Parallel(BT, BV):
@@ -183,6 +180,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
                         else:
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+            for i, j in T.Parallel(BT, BK):
+                dq_f[i, j] = dq_f[i, j] * scale
+
+            # the pair terms: dq += dA k, dk += dA^T q
+            T.gemm(dA_s, k_s, dq_f)
+            T.gemm(dA_s, q_s, dk_f, transpose_A=True)
 
             for i, j in T.Parallel(BT, BK):
                 if i < rows:
