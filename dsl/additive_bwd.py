@@ -20,7 +20,8 @@ Stage 2, chunk_bwd_dqkvg (every chunk in parallel; dh = dh_leaving of the chunk)
     dG  = q dq - k dk                    (per row and key channel)
     dg  = reverse cumsum of dG within the chunk + rowsum(h_out * dh)
 the last term being d/dG_l of both state terms, e^{G_l} <h_in, dh> + sum_j k_j dk_state_j,
-which is <h_out, dh> per key channel (every row's g feeds G_l).
+which is <h_out, dh> per key channel (every row's g feeds G_l); formed that way, h_out is
+not read.
 
 The pair sums go through tensor-core GEMMs without exponentials of positive numbers: the
 chunk's rows fall into blocks of 16; for the block pairs below the diagonal the decay
@@ -114,12 +115,14 @@ def _key_pairs(q, k, G, dA, rnd, dq, dk):
     return A
 
 
-def chunk_grads(gate: Gate, q, k, v, do, g, h_in, h_out, dh, rnd=rounding(None)):
+def chunk_grads(gate: Gate, q, k, v, do, g, h_in, dh, rnd=rounding(None)):
     """Stage 2 for one chunk, all value heads: q, k, g [HV, C, K] (g per key channel; a
     scalar gate broadcast over K), v, do [HV, C, V], rows past the chunk's end zero;
-    h_in, h_out, dh [HV, K, V] (the states entering and leaving, the gradient of the one
-    leaving). Returns (dq, dk, dv, dg) with dg [HV, C, K] (summed over K for a scalar
-    gate by the caller). rnd: the rounding of GEMM operands (:func:`rounding`)."""
+    h_in, dh [HV, K, V] (the state entering, the gradient of the one leaving). Returns
+    (dq, dk, dv, dg) with dg [HV, C, K] (summed over K for a scalar gate by the caller).
+    rnd: the rounding of GEMM operands (:func:`rounding`). rowsum(h_out * dh) is formed
+    as the kernel forms it, e^{G_l} rowsum(h_in * dh) + colsum(k * dk_state), h_out
+    = diag(e^{G_l}) h_in + (k e^{G_l - G})^T v not read."""
     HV, C, K = q.shape
     G = np.cumsum(g, axis=1)
     G_l = G[:, -1:, :]
@@ -128,6 +131,8 @@ def chunk_grads(gate: Gate, q, k, v, do, g, h_in, h_out, dh, rnd=rounding(None))
     dA_f = np.where(tril, do @ np.swapaxes(v, 1, 2), 0)
     dq = do @ np.swapaxes(h_s, 1, 2)                          # state terms, ungated
     dk = v @ np.swapaxes(dh_s, 1, 2)
+    hd = np.exp(G_l) * np.sum(h_in * dh, axis=-1)[:, None, :] + \
+        np.sum(k * dk * np.exp(G_l - G), axis=1, keepdims=True)
     kdec = rnd(k * np.exp(G_l - G))
     if gate is Gate.KEY:
         dA = rnd(dA_f)
@@ -140,11 +145,11 @@ def chunk_grads(gate: Gate, q, k, v, do, g, h_in, h_out, dh, rnd=rounding(None))
         dk = dk * np.exp(G_l - G) + np.swapaxes(dA, 1, 2) @ q
     dv = np.swapaxes(rnd(A), 1, 2) @ do + kdec @ dh_s
     dG = q * dq - k * dk
-    dg = np.flip(np.cumsum(np.flip(dG, 1), 1), 1) + np.sum(h_out * dh, axis=-1)[:, None, :]
+    dg = np.flip(np.cumsum(np.flip(dG, 1), 1), 1) + hd
     return dq, dk, dv, dg
 
 
-def chunk_grads_key_blocks(gate: Gate, q, k, v, do, g, h_in, h_out, dh, block_k: int,
+def chunk_grads_key_blocks(gate: Gate, q, k, v, do, g, h_in, dh, block_k: int,
                            rnd=rounding(None)):
     """Stage 2 as chunk_bwd_dqkvg forms it in key blocks of block_k channels (K > 128):
     :func:`chunk_grads` on each block's channels alone. dq, dk and dg are per key
@@ -157,7 +162,7 @@ def chunk_grads_key_blocks(gate: Gate, q, k, v, do, g, h_in, h_out, dh, block_k:
         raise SpecError(f"block_k={block_k} must divide K={K}")
     cut = lambda x, b: x[..., b:b + block_k]  # noqa: E731
     outs = [chunk_grads(gate, cut(q, b), cut(k, b), v, do, cut(g, b),
-                        *(s[:, b:b + block_k] for s in (h_in, h_out, dh)), rnd)
+                        *(s[:, b:b + block_k] for s in (h_in, dh)), rnd)
             for b in range(0, K, block_k)]
     dq, dk, dg = (np.concatenate([o[i] for o in outs], axis=-1) for i in (0, 1, 3))
     return dq, dk, np.stack([o[2] for o in outs]), dg
@@ -229,8 +234,7 @@ def additive_backward(spec: OpSpec, q, k, v, g=None, *, do, dht=None,
             qc, kc, vc, gc = padded(c)
             doc = _pad(np.swapaxes(do[c.b, c.start:c.end], 0, 1), C)
             r = rows[n] + t
-            out = chunk_grads(spec.gate, qc, kc, vc, doc, gc, states[r], states[r + 1],
-                              dstates[r + 1], rnd)
+            out = chunk_grads(spec.gate, qc, kc, vc, doc, gc, states[r], dstates[r + 1], rnd)
             L = c.end - c.start
             for dst, x in zip(grads, out):
                 scatter_rows(dst, c, x[:, :L])

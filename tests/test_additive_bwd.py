@@ -150,7 +150,7 @@ def test_key_blocks_sum_to_the_chunk(rng, gate):
     g = np.log(1 / (1 + np.exp(-r(HV, C, K) - 2)))
     if gate is not Gate.KEY:          # (one decay a row, broadcast; none: 0)
         g = np.repeat(g[..., :1], K, axis=-1) * (gate is Gate.SCALAR)
-    st = [0.1 * r(HV, K, V) for _ in range(3)]
+    st = [0.1 * r(HV, K, V) for _ in range(2)]            # h_in, dh
     whole = chunk_grads(gate, q, k, v, do, g, *st)
     dq, dk, dv, dg = chunk_grads_key_blocks(gate, q, k, v, do, g, *st, 16)
     assert dv.shape == (3, HV, C, V)
@@ -259,8 +259,7 @@ class BackwardMath:
                 out = chunk_grads_key_blocks(
                     self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(v, hv), rows(do, hv),
                     pad(self._gate(g, t0, n, hv))[None],
-                    *(x.to(F64).numpy()[None] for x in (states[sr, hv], states[sr + 1, hv],
-                                                        dstate[sr + 1, hv])), bk)
+                    *(x.to(F64).numpy()[None] for x in (states[sr, hv], dstate[sr + 1, hv])), bk)
                 dqc, dkc, dgc = (torch.from_numpy(x[0, :n]) for x in (out[0], out[1], out[3]))
                 dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
                 dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)

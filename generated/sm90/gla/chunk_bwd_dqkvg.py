@@ -25,7 +25,8 @@ GEMMs give the rows of A and dq in block [r, r + 16) and the rows of dk in block
 (only exponentials of non-positive numbers are taken).
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs; rowsum(h_out * dh) f32, h_out read. V is walked in
+f32 and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's state term
+(h_out not read). V is walked in
 blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
 dq, dk are per value head (the host sums a GVA group).
 
@@ -141,6 +142,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             dv_f = T.alloc_fragment((BT, BV), f32)
             hd_f = T.alloc_fragment((BK, BV), f32)
             hd_row = T.alloc_fragment((BK,), f32)
+            kdk_col = T.alloc_fragment((BK,), f32)
             dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
 
@@ -276,9 +278,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                for i, j in T.Parallel(BK, BV):     # rowsum(h_out * dh), h_out read
-                    hd_f[i, j] = states[sr + 1, hv, k0 + i, vb * BV + j] * \
-                        dstate[sr + 1, hv, k0 + i, vb * BV + j]
+                    hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * \
+                        dstate[sr + 1, hv, k0 + i, vb * BV + j]     # rowsum(h_in * dh), f32
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]
@@ -295,6 +296,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i, j])
                 dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1, j] - G_s[i, j])
+            # rowsum(h_out * dh) = e^{G_l} rowsum(h_in * dh) + colsum(k * dk_state): h_out
+            # = diag(e^{G_l}) h_in + kd^T v, and v dh^T is dk's state term (not read)
+            for i, j in T.Parallel(BT, BK):
+                p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
+            T.reduce_sum(p_f, kdk_col, dim=0)
+            for j in T.Parallel(BK):
+                dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1, j]) + kdk_col[j]
 
             # the pair terms: dq += dA k, dk += dA^T q (below the diagonal blocks, through the
             # reference rows again; the diagonal blocks are in dqd_s, dkd_s)
