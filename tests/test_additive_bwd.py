@@ -90,7 +90,8 @@ def test_backward_plan():
     assert [b.name for b in pl.buffers] == ["dstate"]
     assert "g_dtype" not in pl.launches[0].kwargs
     assert all("block_k" not in la.kwargs for la in pl.launches
-               if la.stage != "chunk_bwd_dstate_scan")
+               if la.stage not in ("chunk_bwd_dstate_scan", "chunk_bwd_dqkvg"))
+    assert pl.launches[-1].kwargs["block_k"] == 64      # dqkvg: two CTAs an SM (DQKVG_BLOCK_K)
     print(pl)
     # 128 chains x 2 tiles of 128 x 64 cover the SMs: the walk (no gate: it reads q)
     pl = additive_bwd.backward_plan(big)
@@ -105,8 +106,8 @@ def test_backward_plan():
 
 def test_backward_plan_key_blocks():
     """Above K = 128 the per-chunk stages run in key blocks (GLA-1.3B: K = 256, V = 512:
-    two CTAs of 128 channels a chunk and head, each the K = 128 kernel's size); dqkvg's dv
-    then comes as partials."""
+    dstate_local in two CTAs of 128 channels a chunk and head, dqkvg in four of 64, two an
+    SM); dqkvg's dv then comes as partials."""
     from linattn.codegen.arch.sm90.backward import backward_dims, key_block
     assert [backward_dims(K, 64)[0] for K in (16, 48, 128, 144, 192, 208, 256)] == \
         [64, 64, 128, 192, 192, 256, 256]     # (the op pads K with zero channels)
@@ -116,9 +117,9 @@ def test_backward_plan_key_blocks():
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,) * 4)
     pl = additive_bwd.backward_plan(p, {"dstate_pass": "scan"})
     kw = {la.stage: la.kwargs for la in pl.launches}
-    assert kw["chunk_bwd_dstate_local"]["block_k"] == kw["chunk_bwd_dqkvg"]["block_k"] == 128
-    assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 64
-    assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 1 and additive_bwd.key_blocks(pl) == 2
+    assert kw["chunk_bwd_dstate_local"]["block_k"] == 128 and kw["chunk_bwd_dqkvg"]["block_k"] == 64
+    assert kw["chunk_bwd_dstate_local"]["block_v"] == 64 and kw["chunk_bwd_dqkvg"]["block_v"] == 32
+    assert kw["chunk_bwd_dqkvg"]["min_blocks"] == 2 and additive_bwd.key_blocks(pl) == 4
     assert {b.name: b.shape for b in pl.buffers} == {"dstate": (260, 4, 256, 512),
                                                      "decay": (256, 4, 256)}
     # 16 chains x 2 x 8 tiles of 128 x 64: the walk, after the gate pass (key blocks)
@@ -330,7 +331,8 @@ def test_contract_matches_reference(monkeypatch, rng, B, T, H, K, V, h0, dstate_
     out = contracts.gla_chunk_bwd(q, k, v, g, h.float(), do, dht, scale=0.125,
                                   initial_state=init.float() if h0 else None)
     assert bwd.calls == CALLS[dstate_pass]
-    assert bwd.key_blocks == {256: 2, 144: 3}.get(K, 1)      # (144: padded to 3 x 64)
+    assert bwd.key_blocks == {256: 4, 144: 3, 128: 2}.get(K, 1)   # (dqkvg's blocks of 64;
+    #                                                                144: padded to 192)
     refs = tref.gla_chunk_bwd(q, k, v, g, h, do, dht, scale=0.125)
     assert len(out) == (5 if h0 else 4)
     for name, x, ref, like in zip(("dq", "dk", "dv", "dg", "dh0"), out, refs,

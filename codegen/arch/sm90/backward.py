@@ -44,9 +44,12 @@ BLOCK_K_MULTIPLE = 64
 #: blocks of 128 (one CTA an SM) walk V in blocks of 64 where that fits: half the steps of
 #: its two value loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16: dqkvg 1.752 ->
 #: 1.415 ms; 128 needs 258 KB)
-#: dg's <h_out, dh> reads h_out (forming it from h_in's loads instead was slower and
-#: wrong as built: run s22-1, bench/LOG.md session 22)
 DQKVG = dict(threads=256)
+#: dqkvg's key block where K is a multiple of it: two CTAs an SM (128 registers), dv's
+#: key-block partials added in f32 (runs s24-3 / s24-4, GLA's dqkvg in ms: K = 256,
+#: V = 512, 4 x 4k: 1.347 at 128 -> 1.268 at 64; 4 x 4k, 8 heads, K = V = 128: 0.771 ->
+#: 0.685 before dg's h_out term came from h_in, which made 64 faster and 128 slower)
+DQKVG_BLOCK_K = 64
 DQKVG_BLOCK_V = 32
 DQKVG_WIDE_BLOCK_V = 64
 SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
@@ -188,7 +191,7 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     g = {"g_dtype": p.g_dtype} if gated else {}
     kbk = key_block(p.K)
     kblocks = {"block_k": kbk} if kbk < p.K else {}
-    dbk = config.get("dqkvg_block_k", kbk)
+    dbk = config.get("dqkvg_block_k", DQKVG_BLOCK_K if p.K % DQKVG_BLOCK_K == 0 else kbk)
     if p.K % dbk or dbk % 16:
         raise ValueError(f"plan config dqkvg_block_k={dbk}: a multiple of 16 dividing K={p.K}")
     dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk))
