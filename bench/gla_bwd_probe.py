@@ -40,7 +40,7 @@ from linattn.ops import additive_bwd, runtime  # noqa: E402
 SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_block_v": 32},
          {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
 #: variants timed on --shape (a GLAChunkBwd call of any head dims): the reverse pass
-#: forced each way, dqkvg's value block and key block
+#: forced to the walk, dqkvg's key block at 128 and at 64
 SHAPE_SWEEP = [{"dstate_pass": "walk"}, {"dqkvg_block_k": 128}, {"dqkvg_block_k": 64}]
 
 

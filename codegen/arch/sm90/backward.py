@@ -41,9 +41,10 @@ BLOCK_K_MULTIPLE = 64
 #: two), the value dimension walked in blocks of 32 (the value tiles are then small enough
 #: for two CTAs an SM at K = 64: dqkvg_smem); two CTAs an SM where their shared memory
 #: fits (min_blocks 2 caps the registers at 128: 127, no spills, at K = V = 64). Key
-#: blocks of 128 (one CTA an SM) walk V in blocks of 64 where that fits: half the steps of
-#: its two value loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16: dqkvg 1.752 ->
-#: 1.415 ms; 128 needs 258 KB)
+#: blocks over 64 channels (one CTA an SM: K <= 128 not a multiple of DQKVG_BLOCK_K, or a
+#: probe's 128) walk V in blocks of 64 where that fits: half the steps of their two value
+#: loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16 at key block 128: dqkvg
+#: 1.752 -> 1.415 ms; 128 needs 258 KB)
 DQKVG = dict(threads=256)
 #: dqkvg's key block where K is a multiple of it: two CTAs an SM (128 registers), dv's
 #: key-block partials added in f32 (runs s24-3 / s24-4, GLA's dqkvg in ms: K = 256,
