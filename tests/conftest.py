@@ -108,6 +108,32 @@ def rel_err(x, ref) -> float:
     return float(torch.linalg.norm(x - ref) / (den if den > 0 else 1.0))
 
 
+def token_sum_scale(terms, n: int) -> float:
+    """The scale a gradient of n entries that is a sum over tokens (g_gamma, dt_bias,
+    A_log) is judged at: its terms can cancel, so its error is measured against the norm
+    of the sums of |terms| (terms [B, T, ...], the fp64 reference's per-token terms; every
+    axis past the tokens that the n entries do not keep is summed too)."""
+    import torch
+    mag = terms.detach().to(torch.float64).abs().sum(dim=(0, 1)).reshape(n, -1).sum(-1)
+    return float(torch.linalg.norm(mag))
+
+
+def token_sum_err(got, want, terms) -> float:
+    """||got - want|| / token_sum_scale(terms): the error of a token-sum gradient."""
+    import torch
+    diff = got.to(torch.float64) - want.to(torch.float64)
+    return float(torch.linalg.norm(diff)) / token_sum_scale(terms, got.numel())
+
+
+def assert_token_sum_of(total, per_token, terms, what: str):
+    """total (a gradient summed over tokens) is the token sum of per_token [B, T, ...]
+    (linattn's own, checked on its own) to f32 rounding, at token_sum_scale(terms)."""
+    import torch
+    own = per_token.to(torch.float64).sum(dim=(0, 1)).reshape(-1)
+    gap = token_sum_err(total.reshape(-1), own, terms)
+    assert gap < 1e-5, (f"{what} vs the token sum of its terms' gradient", gap)
+
+
 def record_errors(results: list, test: str, p: dict, errs: dict, seed, **extra):
     """Append one GPU check (its relative errors against GRAD_TOL[p["dtype"]]) to a test
     module's results, print it, and fail on any error over the limit (NaN fails too)."""
