@@ -122,6 +122,8 @@ def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     usage["spill_store_bytes"] = int(m.group(1)) if m else 0
     usage["spill_load_bytes"] = int(m.group(2)) if m else 0
+    # ptxas's "Potential Performance Loss" notes (e.g. wgmma serialized for a reason it names)
+    usage["perf_loss"] = re.findall(r"Potential Performance Loss: ([^\n]*)", text)
     src = kernel.get_kernel_source()
     usage["barriers_in_branches"] = barriers_in_branches(src)
     usage["tma_misaligned"] = tma_misaligned(src)
@@ -153,11 +155,12 @@ def compile_stage(module, problem: dict, arch: str = "sm90", usage: bool = True)
 
 def dynamic_smem_bytes(module, params: dict, arch: str = "sm90"):
     """Dynamic shared memory of a stage's kernel, from TileLang's lowered device module
-    (lowers again: about 2 s; the compiled kernel does not keep it when cached)."""
+    (lowers again, under the module's pass configs: about 2 s; the compiled kernel does
+    not keep it when cached)."""
     import tilelang
     from tilelang import tvm
     target = tvm.target.Target(get_arch(arch).TARGET)
-    with target:
+    with target, tvm.transform.PassContext(config=module.pass_configs(**params) or {}):
         art = tilelang.lower(module.build(**params), target=target)
     sizes = [int(fn.attrs["dyn_shared_memory_buf"]) for _, fn in art.device_mod.functions.items()
              if fn.attrs is not None and "dyn_shared_memory_buf" in fn.attrs]
@@ -188,4 +191,5 @@ def format_record(rec: dict) -> str:
         return f"{head}  ERROR {rec['error'].splitlines()[-1] if rec['error'] else ''}"
     return (f"{head}  {rec['compile_s']:.1f}s regs={rec.get('registers')} "
             f"smem={rec.get('static_smem_bytes')}+{rec.get('dynamic_smem_bytes', 0)}dyn "
-            f"spills={rec.get('spill_store_bytes', 0)}/{rec.get('spill_load_bytes', 0)}")
+            f"spills={rec.get('spill_store_bytes', 0)}/{rec.get('spill_load_bytes', 0)}"
+            + "".join(f"  PERF LOSS: {n}" for n in rec.get("perf_loss", ())))

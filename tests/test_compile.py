@@ -43,6 +43,8 @@ def _check(rec):
     # a CTA barrier inside a branch on threadIdx (some threads never reach it: a hang)
     assert not rec["barriers_in_branches"], f"__syncthreads in a thread-dependent branch, " \
         f"CUDA lines {rec['barriers_in_branches']}"
+    # ptxas's "Potential Performance Loss" (e.g. its tensor-core products serialized)
+    assert not rec.get("perf_loss"), f"ptxas: {rec['perf_loss']}"
     if rec["stage"] == "recurrent":     # state in registers: a spill would be a perf bug
         assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
 
