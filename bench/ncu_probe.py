@@ -8,7 +8,9 @@ so `ncu --profile-from-start off` sees exactly those kernels.
 
 Workloads: bench/walk_probe.py's CASES; --config forces a plan choice as there.
 --gla-bwd B T H K V: instead, one GLAChunkBwd call of that shape (bench/gla_bwd_probe.py's
-inputs; the default backward plan)."""
+inputs; the default backward plan).
+--pool NAME ...: instead, pool decode (bench/pool_probe.py's cases), ours and fla's, each on
+its own copy of the pool."""
 import argparse
 import dataclasses
 import os
@@ -23,20 +25,34 @@ from walk_probe import CASES, parse_config  # noqa: E402
 from linattn.ops import chunk  # noqa: E402
 
 
+def _pool_calls(names):
+    """(name, who, fn) of pool decode, ours and fla's, for pool_probe's cases ``names``."""
+    import pool_probe
+    cases = {c[0]: c[1:] for c in pool_probe.CASES}
+    calls = []
+    for name in names:
+        x, idx, acc, pool = pool_probe.make(*cases[name])
+        for who, fn in (("linattn", pool_probe.ours), ("fla", pool_probe.fla)):
+            p = pool.clone()
+            calls.append((name, who, lambda fn=fn, p=p: fn(x, idx, acc, p)))
+    return calls
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=["prefill-4k"], choices=list(CASES))
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--config", default="default")
     ap.add_argument("--gla-bwd", nargs=5, type=int, default=None, metavar=("B", "T", "H", "K", "V"))
+    ap.add_argument("--pool", nargs="*", default=None, help="pool_probe case names")
     args = ap.parse_args()
     config = parse_config(args.config)
-    calls = []
+    calls = _pool_calls(args.pool) if args.pool else []
     if args.gla_bwd:
         from gla_bwd_probe import _ours, shape_inputs
         calls.append(("gla-bwd-" + "x".join(map(str, args.gla_bwd)), "linattn",
                       _ours(shape_inputs(*args.gla_bwd), args.gla_bwd[3] ** -0.5)))
-    for name in ([] if args.gla_bwd else args.only):
+    for name in ([] if args.gla_bwd or args.pool else args.only):
         op, B, T, H, HV, K, V, opts, lens, v_first = CASES[name]
         spec, options, x, cu = make_inputs(op, B, T, H, HV, K, V, opts, lens)
         options = dataclasses.replace(options, state_v_first=v_first)
