@@ -26,8 +26,9 @@ GEMMs give the rows of A and dq in block [r, r + 16) and the rows of dk in block
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
 f32 and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's state term
-(h_out not read). V is walked in
-blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+(h_out not read). V is walked once, in blocks of block_v: A comes first (it
+reads no value), then every value block adds to dA, dq's and dk's state terms and
+writes its dv; what needs dA (the pair terms) follows the walk.
 dq, dk are per value head (the host sums a GVA group).
 
 Key blocks (block_k < K): every term above but dv is per key channel, and dA needs
@@ -174,55 +175,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                         G_s[idx // BK * (BT // 4) + r, idx % BK] = run[0]
             T.sync_threads()
 
-            # dA = scale tril_incl(do v^T), over the value blocks
-            T.clear(dA_f)
-            for vb in T.serial(NVB):
-                for i, j in T.Parallel(BT, BV):
-                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                T.cast(0, dtype))
-                T.gemm(do_s, v_s, dA_f, transpose_B=True)
-            for i, j in T.Parallel(BT, BT):
-                dA_s[i, j] = T.if_then_else(i >= j, T.cast(dA_f[i, j] * scale, dtype),
-                                            T.cast(0, dtype))
-
-            # the diagonal 16 x 16 blocks, element by element in f32: thread (block b,
-            # channel kk) sums dq[b, kk] over j <= i and dk[b, kk] over i >= j
-            dqd_s = T.alloc_shared((BT, BK), f32)
-            dkd_s = T.alloc_shared((BT, BK), f32)
-            gl = T.alloc_local((SUB,), f32)
-            qv = T.alloc_local((SUB,), f32)
-            kv = T.alloc_local((SUB,), f32)
-            aq = T.alloc_local((SUB,), f32)
-            ak = T.alloc_local((SUB,), f32)
-            dd = T.alloc_local((1,), f32)
-            ee = T.alloc_local((1,), f32)
             acc = T.alloc_local((1,), f32)
             for i, j in T.Parallel(BT, BT):
                 A_s[i, j] = T.cast(0, dtype)
             T.sync_threads()
-            for e in T.serial(T.ceildiv(NB * BK, threads)):
-                idx = e * threads + tx
-                if idx < NB * BK:
-                    r0 = idx // BK * SUB
-                    kk = idx % BK
-                    for ii in T.unroll(SUB):
-                        gl[ii] = G_s[r0 + ii, kk]
-                        qv[ii] = T.cast(q_s[r0 + ii, kk], f32)
-                        kv[ii] = T.cast(k_s[r0 + ii, kk], f32)
-                        aq[ii] = T.float32(0)
-                        ak[ii] = T.float32(0)
-                    for ii in T.unroll(SUB):
-                        for jj in T.unroll(SUB):
-                            if jj <= ii:
-                                ee[0] = T.exp(gl[ii] - gl[jj])
-                                dd[0] = T.cast(dA_s[r0 + ii, r0 + jj], f32) * ee[0]
-                                aq[ii] = aq[ii] + dd[0] * kv[jj]
-                                ak[jj] = ak[jj] + dd[0] * qv[ii]
-                    for ii in T.unroll(SUB):
-                        dqd_s[r0 + ii, kk] = aq[ii]
-                        dkd_s[r0 + ii, kk] = ak[ii]
-            # ... and A's diagonal blocks: item (block b, row pair rp, slot s) is entry
+            # A's diagonal 16 x 16 blocks, element by element in f32: item (block b, row pair rp, slot s) is entry
             # (ii, jj) = (rp, s) for s <= rp, else (15 - rp, s - rp - 1): rows rp and 15 - rp
             # hold 17 entries jj <= ii together; lane l starts at channel l, so a warp's
             # loads of its 32 rows fall in 32 banks
@@ -259,9 +216,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     if (i >= r) & (i < r + SUB) & (j < r):
                         A_s[i, j] = T.cast(a_f[i, j] * scale, dtype)
 
-            # the state terms and dv, over the value blocks (v, do read again: their tiles
-            # are not held through the pair terms); kd = k e^{G_l - G}; dq, dk sum
-            # do h_in^T and v dh^T over the blocks as they come, scaled once after
+            # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
+            # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
             for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1, j] - G_s[i, j]),
                                     dtype)
@@ -269,6 +225,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 dgl_s[j] = T.float32(0)
             T.clear(dq_f)
             T.clear(dk_f)
+            T.clear(dA_f)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -283,6 +240,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]
+                T.gemm(do_s, v_s, dA_f, transpose_B=True)
                 T.gemm(do_s, h_s, dq_f, transpose_B=True)
                 T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
@@ -304,8 +262,51 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             for j in T.Parallel(BK):
                 dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1, j]) + kdk_col[j]
 
+            # dA = scale tril_incl(do v^T) (summed in the value loop)
+            for i, j in T.Parallel(BT, BT):
+                dA_s[i, j] = T.if_then_else(i >= j, T.cast(dA_f[i, j] * scale, dtype),
+                                            T.cast(0, dtype))
+            # the diagonal 16 x 16 blocks, element by element in f32: thread (block b,
+            # channel kk) adds dq[b, kk]'s sum over j <= i and dk[b, kk]'s over i >= j to
+            # the state terms, parked in shared memory meanwhile (registers for the loop)
+            dqd_s = T.alloc_shared((BT, BK), f32)
+            dkd_s = T.alloc_shared((BT, BK), f32)
+            T.copy(dq_f, dqd_s)
+            T.copy(dk_f, dkd_s)
+            gl = T.alloc_local((SUB,), f32)
+            qv = T.alloc_local((SUB,), f32)
+            kv = T.alloc_local((SUB,), f32)
+            aq = T.alloc_local((SUB,), f32)
+            ak = T.alloc_local((SUB,), f32)
+            dd = T.alloc_local((1,), f32)
+            ee = T.alloc_local((1,), f32)
+            T.sync_threads()
+            for e in T.serial(T.ceildiv(NB * BK, threads)):
+                idx = e * threads + tx
+                if idx < NB * BK:
+                    r0 = idx // BK * SUB
+                    kk = idx % BK
+                    for ii in T.unroll(SUB):
+                        gl[ii] = G_s[r0 + ii, kk]
+                        qv[ii] = T.cast(q_s[r0 + ii, kk], f32)
+                        kv[ii] = T.cast(k_s[r0 + ii, kk], f32)
+                        aq[ii] = T.float32(0)
+                        ak[ii] = T.float32(0)
+                    for ii in T.unroll(SUB):
+                        for jj in T.unroll(SUB):
+                            if jj <= ii:
+                                ee[0] = T.exp(gl[ii] - gl[jj])
+                                dd[0] = T.cast(dA_s[r0 + ii, r0 + jj], f32) * ee[0]
+                                aq[ii] = aq[ii] + dd[0] * kv[jj]
+                                ak[jj] = ak[jj] + dd[0] * qv[ii]
+                    for ii in T.unroll(SUB):
+                        dqd_s[r0 + ii, kk] = dqd_s[r0 + ii, kk] + aq[ii]
+                        dkd_s[r0 + ii, kk] = dkd_s[r0 + ii, kk] + ak[ii]
+            T.copy(dqd_s, dq_f)
+            T.copy(dkd_s, dk_f)
+
             # the pair terms: dq += dA k, dk += dA^T q (below the diagonal blocks, through the
-            # reference rows again; the diagonal blocks are in dqd_s, dkd_s)
+            # reference rows again)
             Qb_s = T.alloc_shared((BT, BK), dtype)
             Kb_s = T.alloc_shared((BT, BK), dtype)
             for blk in T.serial(1, NB):
@@ -328,10 +329,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                         (i >= r - SUB) & (i < r),
                         p_f[i, j] * T.exp(T.min(G_s[r, j] - G_s[i, j], 0.0)), T.float32(0))
 
-            # totals (the diagonal blocks added), then dg = revcumsum(q dq - k dk) + <h_out, dh>
-            for i, j in T.Parallel(BT, BK):
-                dq_f[i, j] = dq_f[i, j] + dqd_s[i, j]
-                dk_f[i, j] = dk_f[i, j] + dkd_s[i, j]
+            # dg = revcumsum(q dq - k dk) + <h_out, dh>
             T.copy(dq_f, dqd_s)
             T.copy(dk_f, dkd_s)
             for i, j in T.Parallel(BT, BK):

@@ -15,8 +15,9 @@ gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstat
   dv = A^T do + k dh
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs. V is walked in
-blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+f32 and rounded for the GEMMs. V is walked once, in blocks of block_v: A comes first (it
+reads no value), then every value block adds to dA, dq's and dk's state terms and
+writes its dv; what needs dA (the pair terms) follows the walk.
 dq, dk are per value head (the host sums a GVA group).
 
 Key blocks (block_k < K): every term above but dv is per key channel, and dA needs
@@ -135,32 +136,20 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
 
-            # dA = scale tril_incl(do v^T), over the value blocks
-            T.clear(dA_f)
-            for vb in T.serial(NVB):
-                for i, j in T.Parallel(BT, BV):
-                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                T.cast(0, dtype))
-                T.gemm(do_s, v_s, dA_f, transpose_B=True)
-            for i, j in T.Parallel(BT, BT):
-                dA_s[i, j] = T.if_then_else(i >= j, T.cast(dA_f[i, j] * scale, dtype),
-                                            T.cast(0, dtype))
-
             # A = scale tril_incl(q k^T)
             a_f = T.alloc_fragment((BT, BT), f32)
             T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(BT, BT):
                 A_s[i, j] = T.if_then_else(i >= j, T.cast(a_f[i, j] * scale, dtype), T.cast(0, dtype))
 
-            # the state terms and dv, over the value blocks (v, do read again: their tiles
-            # are not held through the pair terms); kd = k e^{G_l - G}; dq, dk sum
-            # do h_in^T and v dh^T over the blocks as they come, scaled once after
+            # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
+            # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
             T.copy(k_s, kd_s)
             for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
             T.clear(dq_f)
             T.clear(dk_f)
+            T.clear(dA_f)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -170,6 +159,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                T.gemm(do_s, v_s, dA_f, transpose_B=True)
                 T.gemm(do_s, h_s, dq_f, transpose_B=True)
                 T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
@@ -182,6 +172,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
             for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] * scale
+
+            # dA = scale tril_incl(do v^T) (summed in the value loop)
+            for i, j in T.Parallel(BT, BT):
+                dA_s[i, j] = T.if_then_else(i >= j, T.cast(dA_f[i, j] * scale, dtype),
+                                            T.cast(0, dtype))
 
             # the pair terms: dq += dA k, dk += dA^T q
             T.gemm(dA_s, k_s, dq_f)

@@ -18,8 +18,9 @@ G the in-chunk cumulative log gate, G_l its last row, E_ij = e^{G_i - G_j} (i >=
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
 f32 and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's state term
-(h_out not read). V is walked in
-blocks of block_v twice (dA first; then the state terms and dv, v and do read again).
+(h_out not read). V is walked once, in blocks of block_v: A comes first (it
+reads no value), then every value block adds to dA, dq's and dk's state terms and
+writes its dv; what needs dA (the pair terms) follows the walk.
 dq, dk are per value head (the host sums a GVA group).
 
 Key blocks (block_k < K): every term above but dv and dg is per key channel, and dA needs
@@ -149,19 +150,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 G_s[i] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv], f32), T.float32(0))
             T.cumsum(G_s, dim=0)
 
-            # dA = scale tril_incl(do v^T) * E, over the value blocks
-            T.clear(dA_f)
-            for vb in T.serial(NVB):
-                for i, j in T.Parallel(BT, BV):
-                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                T.cast(0, dtype))
-                T.gemm(do_s, v_s, dA_f, transpose_B=True)
-            for i, j in T.Parallel(BT, BT):
-                dA_s[i, j] = T.if_then_else(
-                    i >= j, T.cast(dA_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
-                    T.cast(0, dtype))
-
             # A = scale tril_incl(q k^T) * E
             a_f = T.alloc_fragment((BT, BT), f32)
             T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
@@ -170,15 +158,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     i >= j, T.cast(a_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
                     T.cast(0, dtype))
 
-            # the state terms and dv, over the value blocks (v, do read again: their tiles
-            # are not held through the pair terms); kd = k e^{G_l - G}; dq, dk sum
-            # do h_in^T and v dh^T over the blocks as they come, scaled once after
+            # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
+            # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
             for i, j in T.Parallel(BT, BK):
                 kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
             for j in T.Parallel(BK):
                 dgl_s[j] = T.float32(0)
             T.clear(dq_f)
             T.clear(dk_f)
+            T.clear(dA_f)
             for vb in T.serial(NVB):
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
@@ -193,6 +181,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]
+                T.gemm(do_s, v_s, dA_f, transpose_B=True)
                 T.gemm(do_s, h_s, dq_f, transpose_B=True)
                 T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                 T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
@@ -213,6 +202,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             T.reduce_sum(p_f, kdk_col, dim=0)
             for j in T.Parallel(BK):
                 dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1]) + kdk_col[j]
+
+            # dA = scale tril_incl(do v^T) * E (summed in the value loop)
+            for i, j in T.Parallel(BT, BT):
+                dA_s[i, j] = T.if_then_else(
+                    i >= j, T.cast(dA_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
+                    T.cast(0, dtype))
 
             # the pair terms: dq += dA k, dk += dA^T q
             T.gemm(dA_s, k_s, dq_f)
