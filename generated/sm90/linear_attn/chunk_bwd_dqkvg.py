@@ -49,7 +49,8 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+            tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,

@@ -53,7 +53,8 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
+            tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
@@ -146,8 +147,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
                 k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
             G_s = T.alloc_shared((BT,), f32)
+            graw_s = T.alloc_shared((BT,), g_dtype)
             for i in T.Parallel(BT):
-                G_s[i] = T.if_then_else(i < rows, T.cast(g[t0 + i, hv], f32), T.float32(0))
+                graw_s[i] = T.if_then_else(i < rows, g[t0 + i, hv], T.cast(0, g_dtype))
+            for i in T.Parallel(BT):
+                G_s[i] = T.cast(graw_s[i], f32)
             T.cumsum(G_s, dim=0)
 
             # A = scale tril_incl(q k^T) * E
