@@ -180,6 +180,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                    hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * \
+                        dstate[sr + 1, hv, k0 + i, vb * BV + j]     # rowsum(h_in * dh), f32
+                T.reduce_sum(hd_f, hd_row, dim=1)
+                for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                    dgl_s[j] = dgl_s[j] + hd_row[j]
                 T.gemm(do_s, v_s, dA_f, transpose_B=True)
                 T.gemm(do_s, h_s, dq_f, transpose_B=True)
                 T.gemm(v_s, dh_s, dk_f, transpose_B=True)
@@ -191,14 +196,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
                         else:
                             dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
-                # rowsum(h_in * dh) in f32, the state tiles read again (cache hits) once dv's
-                # accumulator is free: with it, the loads' registers spill
-                for i, j in T.Parallel(BK, BV):
-                    hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * \
-                        dstate[sr + 1, hv, k0 + i, vb * BV + j]
-                T.reduce_sum(hd_f, hd_row, dim=1)
-                for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
-                    dgl_s[j] = dgl_s[j] + hd_row[j]
             for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
                 dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
