@@ -246,11 +246,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 T.reduce_sum(hd_f, hd_row, dim=1)
                 for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                     dgl_s[j] = dgl_s[j] + hd_row[j]
-                T.gemm(do_s, v_s, dA_f, transpose_B=True)
-                T.gemm(do_s, h_s, dq_f, transpose_B=True)
-                T.gemm(v_s, dh_s, dk_f, transpose_B=True)
-                T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                T.gemm(kd_s, dh_s, dv_f)
+                # five tensor-core products in flight together, one wait
+                T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(kd_s, dh_s, dv_f)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         if split:

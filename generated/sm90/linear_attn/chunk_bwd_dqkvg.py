@@ -160,11 +160,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BK, BV):
                     h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                     dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                T.gemm(do_s, v_s, dA_f, transpose_B=True)
-                T.gemm(do_s, h_s, dq_f, transpose_B=True)
-                T.gemm(v_s, dh_s, dk_f, transpose_B=True)
-                T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                T.gemm(kd_s, dh_s, dv_f)
+                # five tensor-core products in flight together, one wait
+                T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                T.wgmma_gemm(kd_s, dh_s, dv_f)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         if split:
