@@ -41,7 +41,8 @@ SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_bloc
          {"scan_block_k": 16, "scan_block_v": 16}, {"dqkvg_min_blocks": 1}]
 #: variants timed on --shape (a GLAChunkBwd call of any head dims): the reverse pass
 #: forced to the walk, dqkvg's key block at 128 and at 64
-SHAPE_SWEEP = [{"dstate_pass": "walk"}, {"dqkvg_block_k": 128}, {"dqkvg_block_k": 64}]
+SHAPE_SWEEP = [{"dstate_pass": "walk"}, {"dqkvg_block_k": 128}, {"dqkvg_block_k": 64},
+               {"dqkvg_state_stages": 2}]
 
 
 def _short(per):

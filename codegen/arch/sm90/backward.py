@@ -168,7 +168,8 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: what a probe or test may set in additive_backward_plan's config ("dstate_pass": "walk"
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
-                        "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass")
+                        "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass",
+                        "dqkvg_state_stages")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -201,6 +202,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     two = 2 * (dqkvg_smem(p, dbv, dbk) + 1024) <= SM_SMEM_BYTES and dbk <= 64
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
+                 **({"state_stages": config["dqkvg_state_stages"]}
+                    if "dqkvg_state_stages" in config else {}),
                  **({"block_k": dbk} if dbk < p.K else {}))
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,

@@ -53,18 +53,22 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
+    # (no producer warpgroup for the pipelined copies: the GEMMs' warp layout is 8 warps)
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True,
-            tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True}
+            tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False, block_k=None):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
+    state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their f32
+      tiles copied asynchronously into shared stages (T.Pipelined), converted from there.
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV] (g_dtype),
@@ -171,33 +175,63 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             T.clear(dq_f)
             T.clear(dk_f)
             T.clear(dA_f)
-            for vb in T.serial(NVB):
-                for i, j in T.Parallel(BT, BV):
-                    v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j],
-                                               T.cast(0, dtype))
-                    do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j],
-                                                T.cast(0, dtype))
-                for i, j in T.Parallel(BK, BV):
-                    h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
-                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                    hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * \
-                        dstate[sr + 1, hv, k0 + i, vb * BV + j]     # rowsum(h_in * dh), f32
-                T.reduce_sum(hd_f, hd_row, dim=1)
-                for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
-                    dgl_s[j] = dgl_s[j] + hd_row[j]
-                # five tensor-core products in flight together, one wait
-                T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
-                T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
-                T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
-                T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                T.wgmma_gemm(kd_s, dh_s, dv_f)
-                T.wait_wgmma(0)
-                for i, j in T.Parallel(BT, BV):
-                    if i < rows:
-                        if split:
-                            T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
-                        else:
-                            dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+            if state_stages == 0:
+                for vb in T.serial(NVB):
+                    for i, j in T.Parallel(BT, BV):
+                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BK, BV):
+                        h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                        dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                        hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]     # rowsum(h_in * dh), f32
+                    T.reduce_sum(hd_f, hd_row, dim=1)
+                    for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                        dgl_s[j] = dgl_s[j] + hd_row[j]
+                    # five tensor-core products in flight together, one wait
+                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(kd_s, dh_s, dv_f)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            if split:
+                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                            else:
+                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
+            else:
+                # the f32 state tiles by asynchronous copies, state_stages value blocks ahead
+                hf_s = T.alloc_shared((BK, BV), f32)
+                dhf_s = T.alloc_shared((BK, BV), f32)
+                for vb in T.Pipelined(NVB, num_stages=state_stages):
+                    T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
+                    T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
+                    for i, j in T.Parallel(BT, BV):
+                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BK, BV):
+                        h_s[i, j] = T.cast(hf_s[i, j], dtype)
+                        dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
+                        hd_f[i, j] = hf_s[i, j] * dhf_s[i, j]     # rowsum(h_in * dh), f32
+                    T.reduce_sum(hd_f, hd_row, dim=1)
+                    for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                        dgl_s[j] = dgl_s[j] + hd_row[j]
+                    # five tensor-core products in flight together, one wait
+                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(kd_s, dh_s, dv_f)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            if split:
+                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                            else:
+                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
             for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
                 dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
