@@ -43,9 +43,9 @@ class ForwardProblem:
     return_states: every chunk's state in f32 and the final one (the chunk contracts);
     save_states: the delta rule's per-chunk states h [NT, HV, K, V] in the input dtype,
     kept for the training backward (which then runs no state pass of its own).
-    states_only: with return_states, the f32 states alone (a training backward's
-    recompute): no output stage, no input-dtype h, and the per-key gate's prepare forms
-    only what the state pass reads.
+    states_only: with return_states, the states alone in the input dtype (a training
+    backward's recompute; its GEMMs take them rounded so): no output stage, no per-chunk
+    h of its own, and the per-key gate's prepare forms only what the state pass reads.
     """
     rule: str                     # "delta" | "additive"
     gate: str                     # "none" | "scalar" | "key"
@@ -147,7 +147,8 @@ class AdditiveBackwardProblem:
     """One chunked backward of the additive rule (the GLA family), as the arch rules see
     it. grad_dtype: the dtype of dq, dk, dv ("float32" for the GLAChunkBwd contract, the
     input dtype under autograd); use_dht / store_dh0: the final state's gradient is given
-    / the initial state's is wanted."""
+    / the initial state's is wanted; state_dtype: the saved states' ("float32" for the
+    contract, the input dtype for a training recompute's)."""
     gate: str                     # "none" | "scalar" | "key"
     H: int
     HV: int
@@ -159,6 +160,7 @@ class AdditiveBackwardProblem:
     seq_chunks: tuple
     use_dht: bool = False
     store_dh0: bool = False
+    state_dtype: str = "float32"
     chunk_size: int = 64
 
     @property

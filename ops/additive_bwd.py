@@ -93,7 +93,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
                  want_dh0: bool, grad_dtype, config=None):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
     [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
-    None, states [NT + N, HV, K, V] f32 (rows as the module docstring), dht [N, HV, K, V]
+    None, states [NT + N, HV, K, V] f32 or q's dtype (rows as the module docstring; dstate
+    and the GEMMs' state operands follow), dht [N, HV, K, V]
     f32 or None (zero); cu the sequences' token bounds; config: the plan's (probes).
     Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype, dg f32 like g or None,
     dh0 [N, HV, K, V] f32 or None)."""
@@ -110,7 +111,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     problem = AdditiveBackwardProblem(
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
-        seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0)
+        seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0,
+        state_dtype=_name(states.dtype))
     plan = backward_plan(problem, config)
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
@@ -172,10 +174,11 @@ def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
 
 
 def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
-    """The states entering each chunk and the final ones, f32 [NT + N, HV, K, V] K-first,
+    """The states entering each chunk and the final ones, [NT + N, HV, K, V] K-first in
+    q's dtype (the backward's GEMMs take them rounded so; fla keeps them so too),
     from flat q, k [Ttot, H, K], v [Ttot, HV, V], g (flat, or None), h0 [N, HV, K, V] f32
     K-first or None: the forward plan of the states alone (ForwardProblem.states_only: its
-    prepare and state stages; no output, no input-dtype h; the per-key gate's prepare
+    prepare and state stages; no output, no per-chunk h of its own; the per-key gate's prepare
     forms kg and g_last only)."""
     import torch
     Ttot, H, K = q.shape
@@ -198,7 +201,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     plan = chunk._plan(ARCH, problem, chunk._config({"fused": False}))
     x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
              h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
-             ht=torch.empty(NT + N, HV, K, V, **f32))
+             ht=torch.empty(NT + N, HV, K, V, dtype=q.dtype, device=q.device))
     if Ttot == 0:
         return x["ht"].copy_(h0 if h0 is not None else 0.0)
     launches = plan.launches

@@ -580,27 +580,27 @@ def test_no_grad_and_refusals(monkeypatch):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("family, K, V, dtype", [("gla", 64, 64, "bfloat16"),
-                                                 ("gla", 128, 128, "float16"),
-                                                 ("simple_gla", 64, 64, "float16"),
-                                                 ("linear_attn", 128, 256, "bfloat16"),
-                                                 ("gla", 256, 512, "bfloat16"),
-                                                 ("simple_gla", 256, 512, "bfloat16"),
-                                                 ("linear_attn", 256, 512, "float16"),
-                                                 ("gla_gv_twin", 128, 128, "bfloat16"),
-                                                 ("gla_gv_twin", 64, 256, "float16")])
-def test_stages_compile_without_spills(family, K, V, dtype):
+@pytest.mark.parametrize("family, K, V, dtype, states", [
+    ("gla", 64, 64, "bfloat16", "input"), ("gla", 128, 128, "float16", "float32"),
+    ("gla", 128, 128, "float16", "input"), ("simple_gla", 64, 64, "float16", "input"),
+    ("linear_attn", 128, 256, "bfloat16", "float32"), ("gla", 256, 512, "bfloat16", "input"),
+    ("gla", 256, 512, "bfloat16", "float32"), ("simple_gla", 256, 512, "bfloat16", "input"),
+    ("linear_attn", 256, 512, "float16", "input"), ("gla_gv_twin", 128, 128, "bfloat16", "float32"),
+    ("gla_gv_twin", 64, 256, "float16", "float32")])
+def test_stages_compile_without_spills(family, K, V, dtype, states):
     """The plan's stages, with either reverse pass (walk, scan), at a table-like call (B=2,
     H=4, 256 chunks each, with dht and dh0) compile for sm_90a: <= 255 registers, no
     spills, TMA shared destinations 128-byte aligned, no CTA barrier in a
-    thread-dependent branch (as test_compile)."""
+    thread-dependent branch (as test_compile). states: f32 (the contract's, the value
+    gate's twin's) or the input dtype (a training recompute's)."""
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
     gated = spec.gate is not Gate.NONE
     p = AdditiveBackwardProblem(gate=spec.gate.value, H=4, HV=4, K=K, V=V, dtype=dtype,
                                 g_dtype=dtype if gated else "float32", grad_dtype="float32",
-                                seq_chunks=(256, 256), use_dht=True, store_dh0=True)
+                                seq_chunks=(256, 256), use_dht=True, store_dh0=True,
+                                state_dtype=dtype if states == "input" else states)
     configs = [{"dstate_pass": "walk"}, {"dstate_pass": "scan"}]
     launches = {la.stage + repr(la.params): la for config in configs
                 for la in additive_bwd.backward_plan(p, config).launches}

@@ -206,9 +206,14 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
                     if "dqkvg_state_stages" in config else {}),
                  **({"block_k": dbk} if dbk < p.K else {}))
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
+    # dstate as the states (the walk rounds its rows as it writes them; the scan sums into
+    # its rows in place, so they stay f32)
+    walked = launches[-1].stage == "chunk_bwd_dstate_walk"
+    dstate_dtype = p.state_dtype if walked else "float32"
     launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
-                                                **order)),)
-    bufs = (Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V)),) + bufs
+                                                state_dtype=p.state_dtype,
+                                                dstate_dtype=dstate_dtype, **order)),)
+    bufs = (Buffer("dstate", (p.NT + p.N, p.HV, p.K, p.V), dstate_dtype),) + bufs
     if gated:
         bufs += (Buffer("decay", (p.NT, p.HV, p.K)),)
     return Plan("additive-backward", NAME, launches, bufs, reasons=(why,))
@@ -229,7 +234,8 @@ def _dstate_pass(p: AdditiveBackwardProblem, config: dict, heads: dict, g: dict,
     if tile is not None and forced != "scan":
         bk, bv = tile
         walk = launch("chunk_bwd_dstate_walk", dict(heads, **flags, block_k=bk, block_v=bv,
-                                                    num_stages=WALK_STAGES))
+                                                    num_stages=WALK_STAGES,
+                                                    state_dtype=p.state_dtype))
         why = (f"{chains} chains x {(p.K // bk) * (p.V // bv)} tiles of {bk} x {bv}: the walk")
         if not g:
             return (walk,), (), why

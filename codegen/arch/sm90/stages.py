@@ -248,7 +248,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
                          "chunks in one call are not supported")
     forms = [config["fused"]] if "fused" in config else [True, False]
     if p.states_only and not (p.return_states and p.rule == "additive"):
-        raise ValueError("states_only: the additive rule's recompute of its f32 states "
+        raise ValueError("states_only: the additive rule's recompute of its states "
                          "(return_states) alone")
     if p.save_states or p.states_only or (p.rule == "delta" and (p.return_states or p.gate != "key")):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
@@ -300,8 +300,8 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         bufs += [Buffer("h", (1 if p.states_only else p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
-        if p.states_only:
-            state["h_out"] = False
+        if p.states_only:       # (a training recompute: its states in the input dtype)
+            state.update(h_out=False, ht_dtype=p.dtype)
         launches.append(launch("chunk_state", state, **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
     if not (choice.fused or p.states_only):
@@ -345,7 +345,8 @@ def _why(p: ForwardProblem, choice, config: dict) -> str:
             else "whole sequences, ")
     how = ("o inside the state pass" if choice.fused else "the states alone" if p.states_only
            else "h per chunk, then chunk_output")
-    how += ", every chunk's state in f32" if p.return_states else ""
+    how += (", every chunk's state" + (" in the input dtype" if p.states_only else " in f32")
+            if p.return_states else "")
     model = f"config {config}" if config else f"models fastest: {choice.us:.0f} us"
     return (f"{p.N * p.HV} chains, additive rule: {what}state tile {choice.block_k} x "
             f"{choice.block_v}, {how} ({model})")

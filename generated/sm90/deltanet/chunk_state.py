@@ -16,9 +16,10 @@ The initial state (f32, [NS, HV, K, V], or [NS, HV, V, K] with state_v_first) is
 when has_initial_state; the final state is written in the same layout when
 output_final_state. Sequence n spans tokens cu_seqlens[n] .. cu_seqlens[n+1] and owns
 global chunks chunk_offsets[n] .. chunk_offsets[n+1].
-states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
-per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
-after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] (ht_dtype: f32, or
+a training recompute's input dtype) and receives, per sequence, every h[t] at row
+chunk_offsets[n] + n + t and the final state after them (row chunk_offsets[n + 1] + n),
+so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -50,7 +51,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, states_out=False):
+          output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32"):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -71,6 +72,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     assert not states_out or output_final_state, "states_out writes the final state too"
+    assert ht_dtype == f32 or states_out, "ht_dtype: the states_out rows' (a training recompute's)"
     Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -86,7 +88,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         h: T.Tensor((NT, HV, K, V), dtype),
         v_new: T.Tensor((Ttot, HV, V), dtype),
-        ht: T.Tensor(ht_shape, f32),
+        ht: T.Tensor(ht_shape, ht_dtype),
     ):
         with T.Kernel(V // BV, N * HV, threads=128) as (iv, nh):
             n = nh // HV
@@ -126,9 +128,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 if states_out:            # and in f32 for the contract, from registers
                     for i, j in T.Parallel(K, BV):
                         if state_v_first:
-                            ht[c0 + n + c, hv, iv * BV + j, i] = S[i, j]
+                            ht[c0 + n + c, hv, iv * BV + j, i] = T.cast(S[i, j], ht_dtype)
                         else:
-                            ht[c0 + n + c, hv, i, iv * BV + j] = S[i, j]
+                            ht[c0 + n + c, hv, i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
                 T.gemm(w_s, S_s, vn, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32) - vn[i, j],
@@ -143,8 +145,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 nf = n + int(states_out) * (c0 + T.ceildiv(seqlen, BT))   # n without states_out
                 for i, j in T.Parallel(K, BV):
                     if state_v_first:
-                        ht[nf, hv, iv * BV + j, i] = S[i, j]
+                        ht[nf, hv, iv * BV + j, i] = T.cast(S[i, j], ht_dtype)
                     else:
-                        ht[nf, hv, i, iv * BV + j] = S[i, j]
+                        ht[nf, hv, i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
 
     return chunk_state

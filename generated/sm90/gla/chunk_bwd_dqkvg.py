@@ -7,7 +7,7 @@
 One CTA per (key block, chunk, value head): block_k key channels (all of K where it
 fits: K <= 128); rows i, j < len of the chunk (rows past it read as
 zero, their gate as 0), h_in / h_out the states entering / leaving the chunk and dh the
-gradient of h_out (f32, rows state_row[c] and state_row[c] + 1 of states / dstate),
+gradient of h_out (f32 or 16-bit, rows state_row[c] and state_row[c] + 1 of states / dstate),
 G the in-chunk cumulative log gate per key channel, G_l its last row:
 
   dA = scale tril_incl(do v^T)
@@ -25,7 +25,7 @@ GEMMs give the rows of A and dq in block [r, r + 16) and the rows of dk in block
 (only exponentials of non-positive numbers are taken).
 
 GEMM operands are in the input dtype (f32 accumulation); the states and dh are read in
-f32 and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's state term
+their dtype and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's state term
 (h_out not read). V is walked once, in blocks of block_v: A comes first (it
 reads no value), then every value block adds to dA, dq's and dk's state terms and
 writes its dv; what needs dA (the pair terms) follows the walk.
@@ -67,19 +67,22 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
-          threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0):
+          threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0,
+          state_dtype="float32", dstate_dtype="float32"):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
-    state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their f32
+    state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their
       tiles copied asynchronously into shared stages (T.Pipelined), converted from there.
+    state_dtype, dstate_dtype: the states' and dstate's (f32, or a training recompute's
+      input dtype: then read straight into the GEMM tiles' dtype).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV, K] (g_dtype),
-      states, dstate [NS, HV, K, V] f32, chunk_bos, chunk_len, state_row [NT] int32,
+      states [NS, HV, K, V] state_dtype, dstate [NS, HV, K, V] dstate_dtype, chunk_bos, chunk_len, state_row [NT] int32,
       scale (f32)
       -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV, K] f32;
          with key blocks dv [Ttot, HV, V] f32 (zeroed by the caller, atomic adds)
@@ -109,8 +112,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         v: T.Tensor((Ttot, HV, V), dtype),
         do: T.Tensor((Ttot, HV, V), dtype),
         g: T.Tensor((Ttot, HV, K), g_dtype),
-        states: T.Tensor((NS, HV, K, V), f32),
-        dstate: T.Tensor((NS, HV, K, V), f32),
+        states: T.Tensor((NS, HV, K, V), state_dtype),
+        dstate: T.Tensor((NS, HV, K, V), dstate_dtype),
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         state_row: T.Tensor((NT,), "int32"),
@@ -244,7 +247,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     for i, j in T.Parallel(BK, BV):
                         h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                         dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                        hd_f[i, j] = states[sr, hv, k0 + i, vb * BV + j] * dstate[sr + 1, hv, k0 + i, vb * BV + j]     # rowsum(h_in * dh), f32
+                        hd_f[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], f32) * T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], f32)     # rowsum(h_in * dh)
                     T.reduce_sum(hd_f, hd_row, dim=1)
                     for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                         dgl_s[j] = dgl_s[j] + hd_row[j]
@@ -263,9 +266,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                 dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
             else:
-                # the f32 state tiles by asynchronous copies, state_stages value blocks ahead
-                hf_s = T.alloc_shared((BK, BV), f32)
-                dhf_s = T.alloc_shared((BK, BV), f32)
+                # the state tiles by asynchronous copies, state_stages value blocks ahead
+                hf_s = T.alloc_shared((BK, BV), state_dtype)
+                dhf_s = T.alloc_shared((BK, BV), dstate_dtype)
                 for vb in T.Pipelined(NVB, num_stages=state_stages):
                     T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
                     T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
@@ -275,7 +278,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     for i, j in T.Parallel(BK, BV):
                         h_s[i, j] = T.cast(hf_s[i, j], dtype)
                         dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
-                        hd_f[i, j] = hf_s[i, j] * dhf_s[i, j]     # rowsum(h_in * dh), f32
+                        hd_f[i, j] = T.cast(hf_s[i, j], f32) * T.cast(dhf_s[i, j], f32)     # rowsum(h_in * dh)
                     T.reduce_sum(hd_f, hd_row, dim=1)
                     for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                         dgl_s[j] = dgl_s[j] + hd_row[j]

@@ -23,9 +23,10 @@ piece n belongs to sequence seg_seq[n] (its h0 row), writes its final state at r
 final_row[n] (-1: none; a segment that does not end its sequence) and, with
 segment_starts, enters from the chain of the summaries of its sequence's earlier pieces
 seg_first[n] .. n - 1 (chunk_state_summary): S = h0; S = exp(G_s) S + B_s for each.
-states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
-per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
-after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] (ht_dtype: f32, or
+a training recompute's input dtype) and receives, per sequence, every h[t] at row
+chunk_offsets[n] + n + t and the final state after them (row chunk_offsets[n + 1] + n),
+so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -63,7 +64,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, states_out=False, h_out=True,
+          output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32", h_out=True,
           block_k=None, segment_starts=False):
     """prim_func for chunk_state.
 
@@ -81,8 +82,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
-    h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the f32 states alone,
-    as a training backward recomputes them). w is the delta rule's ([1, HV, K] here).
+    h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the states alone,
+    as a training backward recomputes them; ht_dtype their dtype, the input dtype there). w is the delta rule's ([1, HV, K] here).
     """
     BT = CHUNK
     BV = block_v
@@ -92,6 +93,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     assert not states_out or output_final_state, "states_out writes the final state too"
+    assert ht_dtype == f32 or states_out, "ht_dtype: the states_out rows' (a training recompute's)"
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -107,7 +109,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         h: T.Tensor((NT if h_out else 1, HV, K, V), dtype),
         v_new: T.Tensor((Ttot, HV, V), dtype),
-        ht: T.Tensor(ht_shape, f32),
+        ht: T.Tensor(ht_shape, ht_dtype),
         final_row: T.Tensor((N,), "int32"),
         seg_seq: T.Tensor((N,), "int32"),
         seg_first: T.Tensor((N,), "int32"),
@@ -162,9 +164,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 if states_out:            # and in f32 for the contract, from registers
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
-                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = T.cast(S[i, j], ht_dtype)
                         else:
-                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = S[i, j]
+                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 for i in T.Parallel(BK):      # each key row's decay once, not per element
@@ -179,8 +181,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     nf = final_row[n] + int(states_out) * (c0 + T.ceildiv(seqlen, BT))
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
-                            ht[nf, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                            ht[nf, hv, iv * BV + j, ik * BK + i] = T.cast(S[i, j], ht_dtype)
                         else:
-                            ht[nf, hv, ik * BK + i, iv * BV + j] = S[i, j]
+                            ht[nf, hv, ik * BK + i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
 
     return chunk_state

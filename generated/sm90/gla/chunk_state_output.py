@@ -24,9 +24,10 @@ piece n belongs to sequence seg_seq[n] (its h0 row), writes its final state at r
 final_row[n] (-1: none; a segment that does not end its sequence) and, with
 segment_starts, enters from the chain of the summaries of its sequence's earlier pieces
 seg_first[n] .. n - 1 (chunk_state_summary): S = h0; S = exp(G_s) S + B_s for each.
-states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] f32 and receives,
-per sequence, every h[t] in f32 at row chunk_offsets[n] + n + t and the final state
-after them (row chunk_offsets[n + 1] + n), so no conversion pass follows.
+states_out (the chunk contracts' f32 states): ht is [NT + N, HV, K, V] (ht_dtype: f32, or
+a training recompute's input dtype) and receives, per sequence, every h[t] at row
+chunk_offsets[n] + n + t and the final state after them (row chunk_offsets[n + 1] + n),
+so no conversion pass follows.
 """
 import tilelang
 import tilelang.language as T
@@ -64,7 +65,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False,
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False, ht_dtype="float32",
           block_k=None, segment_starts=False):
     """prim_func for chunk_state_output.
 
@@ -99,6 +100,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     assert q_gated, "the per-key gate's q operand comes gated from chunk_prepare"
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
     assert not states_out or output_final_state, "states_out writes the final state too"
+    assert ht_dtype == f32 or states_out, "ht_dtype: the states_out rows' (a training recompute's)"
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -112,7 +114,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
-        ht: T.Tensor(ht_shape, f32),
+        ht: T.Tensor(ht_shape, ht_dtype),
         qg: T.Tensor((Ttot, q_heads, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
@@ -175,9 +177,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 if states_out:            # the contracts' f32 states, from registers
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
-                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                            ht[c0 + m + c, hv, iv * BV + j, ik * BK + i] = T.cast(S[i, j], ht_dtype)
                         else:
-                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = S[i, j]
+                            ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 # o = scale (qg S + aqk v_new), v_new ungated
@@ -197,8 +199,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     nf = final_row[n] + int(states_out) * (c0 + T.ceildiv(seqlen, BT))
                     for i, j in T.Parallel(BK, BV):
                         if state_v_first:
-                            ht[nf, hv, iv * BV + j, ik * BK + i] = S[i, j]
+                            ht[nf, hv, iv * BV + j, ik * BK + i] = T.cast(S[i, j], ht_dtype)
                         else:
-                            ht[nf, hv, ik * BK + i, iv * BV + j] = S[i, j]
+                            ht[nf, hv, ik * BK + i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
 
     return chunk_state_output

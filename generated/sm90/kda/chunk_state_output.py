@@ -75,6 +75,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     group = HV // H
     assert q_gated, "the per-key gate's q operand comes gated from chunk_prepare"
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
+    ht_dtype = f32
     Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -88,7 +89,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         h0: T.Tensor(h0_shape, f32),
-        ht: T.Tensor(ht_shape, f32),
+        ht: T.Tensor(ht_shape, ht_dtype),
         qg: T.Tensor((Ttot, q_heads, K), dtype),
         aqk: T.Tensor((Ttot, HV, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
@@ -154,8 +155,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 nf = n
                 for i, j in T.Parallel(K, BV):
                     if state_v_first:
-                        ht[nf, hv, iv * BV + j, i] = S[i, j]
+                        ht[nf, hv, iv * BV + j, i] = T.cast(S[i, j], ht_dtype)
                     else:
-                        ht[nf, hv, i, iv * BV + j] = S[i, j]
+                        ht[nf, hv, i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
 
     return chunk_state_output

@@ -48,14 +48,15 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_k=64, block_v=64,
-          threads=128, num_stages=2):
+          threads=128, num_stages=2, state_dtype="float32"):
     """prim_func for chunk_bwd_dstate_walk.
 
     Tensors (Ttot tokens, NT chunks, N sequences, NS = NT + N state rows; dynamic):
       qg [NT * 64, HV, K] (input dtype; chunk c's rows at c * 64), decay [NT, HV, K] f32,
       do [Ttot, HV, V] (input dtype), cu_seqlens, chunk_offsets [N + 1] int32,
       dht [N0, HV, K, V] f32, scale (f32)
-      -> dstate [NS, HV, K, V] f32 (the gradients of the states leaving the chunks),
+      -> dstate [NS, HV, K, V] state_dtype (the gradients of the states leaving the chunks,
+         as the states: f32, or a training recompute's input dtype; the walk sums in f32),
          dh0 [N1, HV, K, V] f32
     Tuning: block_k (a multiple of 64: the product's M) x block_v elements per CTA;
     num_stages: chunks whose inputs are in flight.
@@ -77,7 +78,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_k=64, block_
         cu_seqlens: T.Tensor((N + 1,), "int32"),
         chunk_offsets: T.Tensor((N + 1,), "int32"),
         dht: T.Tensor((N0, HV, K, V), f32),
-        dstate: T.Tensor((NS, HV, K, V), f32),
+        dstate: T.Tensor((NS, HV, K, V), state_dtype),
         dh0: T.Tensor((N1, HV, K, V), f32),
         scale: T.float32,
     ):
@@ -109,7 +110,8 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_k=64, block_
                 # (an element loop, not T.copy: the warp-specialised pipeline would give a
                 # fragment-to-global copy to its producer warps)
                 for i, j in T.Parallel(BK, BV):
-                    dstate[c0 + n + c + 1, hv, k0 + i, v0 + j] = u[i, j] * scale
+                    dstate[c0 + n + c + 1, hv, k0 + i, v0 + j] = T.cast(u[i, j] * scale,
+                                                                        state_dtype)
                 for i, j in T.Parallel(BK, BV):
                     u[i, j] = u[i, j] * a_s[i]
                 T.gemm(q_s, do_s, u, transpose_A=True)
