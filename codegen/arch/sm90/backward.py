@@ -44,8 +44,12 @@ BLOCK_K_MULTIPLE = 64
 #: blocks over 64 channels (one CTA an SM: K <= 128 not a multiple of DQKVG_BLOCK_K, or a
 #: probe's 128) walk V in blocks of 64 where that fits: half the steps of their two value
 #: loops (run s19-2, GLA-1.3B's [4, 4096, 4, 256 / 512] bf16 at key block 128: dqkvg
-#: 1.752 -> 1.415 ms; 128 needs 258 KB)
+#: 1.752 -> 1.415 ms; 128 needs 258 KB). The state tiles come by asynchronous copies two
+#: value blocks ahead (state_stages 2; run s26-1 at f32 states: dqkvg 1.169 -> 1.129 ms at
+#: [4, 4096, 4, 256, 512], 0.674 -> 0.677 at [4, 4096, 8, 128, 128]; 96 KB, 128 registers,
+#: no spills with both in 16 bits; f32 ones spill at some shapes: element loads there)
 DQKVG = dict(threads=256)
+DQKVG_STATE_STAGES = 2
 #: dqkvg's key block where K is a multiple of it: two CTAs an SM (128 registers), dv's
 #: key-block partials added in f32 (runs s24-3 / s24-4, GLA's dqkvg in ms: K = 256,
 #: V = 512, 4 x 4k: 1.347 at 128 -> 1.268 at 64; 4 x 4k, 8 heads, K = V = 128: 0.771 ->
@@ -210,6 +214,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     # its rows in place, so they stay f32)
     walked = launches[-1].stage == "chunk_bwd_dstate_walk"
     dstate_dtype = p.state_dtype if walked else "float32"
+    if dstate_dtype != "float32":
+        dqkvg.setdefault("state_stages", DQKVG_STATE_STAGES)
     launches += (launch("chunk_bwd_dqkvg", dict(heads, **g, grad_dtype=p.grad_dtype, **dqkvg,
                                                 state_dtype=p.state_dtype,
                                                 dstate_dtype=dstate_dtype, **order)),)
