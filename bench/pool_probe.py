@@ -8,7 +8,7 @@ token, num_accepted_tokens random in 1..T); both implementations update the pool
 place. Checked: o and the written slots of ours against fla's on the same inputs (fresh
 copies of the pool), relative error; timed: device time per call (probe_lib).
 
-    python3 bench/pool_probe.py [--sweep [--sweep-n N]] [--only kimi-b8 ...] [--out F]
+    python3 bench/pool_probe.py [--sweep] [--only kimi-b8 ...] [--out pool_probe.json]
 
 --sweep: ours also at decode_probe's candidate tunings (block_v, threads, vec, warps_k),
 each checked against fla before it is timed.
@@ -80,12 +80,11 @@ CAPPED = [dict(block_v=bv, threads=th, vec=4, warps_k=wk, min_blocks=mb)
                                  (64, 128, 1, 4), (64, 256, 4, 3))]
 
 
-def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, n_candidates=None):
-    """[(knobs, ms or error)] of ours at CAPPED and the valid candidate tunings (the first
-    n_candidates of them; None: all)."""
+def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
+    """[(knobs, ms or error)] of ours at the valid candidate tunings."""
     out = []
     slots = idx.flatten().long()
-    for c in CAPPED + CANDIDATES[:n_candidates]:
+    for c in CAPPED + CANDIDATES:
         if not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"], c["warps_k"],
                                    False):
             continue
@@ -105,8 +104,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
-    ap.add_argument("--sweep-n", type=int, default=None,
-                    help="--sweep: CAPPED and only the first N of CANDIDATES")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
@@ -130,7 +127,7 @@ def main():
         rec["fla_ms"] = device_times(lambda: fla(x, idx, acc, p_fla))[0]
         rec["speedup"] = rec["fla_ms"] / rec["ours_ms"]
         if args.sweep:
-            rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel, args.sweep_n)
+            rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         with open(args.out, "w") as f:
