@@ -71,20 +71,11 @@ def fla(x, idx, acc, pool):
                                    num_accepted_tokens=acc)
 
 
-#: --sweep's tunings beyond decode_probe's CANDIDATES: registers capped (min_blocks) so
-#: that more CTAs, and so more state loads, are resident an SM (sm_90a, KDA K = V = 128:
-#: 96 registers at (32, 128, 4, 4), 80 at min_blocks 6, 72 at 7; (64, 128, 4, 1) 156, 128
-#: at 4; (64, 256, 4, 4) 80 at 3; none spills)
-CAPPED = [dict(block_v=bv, threads=th, vec=4, warps_k=wk, min_blocks=mb)
-          for bv, th, wk, mb in ((32, 128, 4, 6), (32, 128, 4, 7), (32, 128, 1, 6),
-                                 (64, 128, 1, 4), (64, 256, 4, 3))]
-
-
 def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
     """[(knobs, ms or error)] of ours at the valid candidate tunings."""
     out = []
     slots = idx.flatten().long()
-    for c in CAPPED + CANDIDATES:
+    for c in CANDIDATES:
         if not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"], c["warps_k"],
                                    False):
             continue
@@ -137,8 +128,7 @@ def main():
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
         for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
-            print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']} "
-                  f"mb{c.get('min_blocks', 1)}  {c['ms']:.4f}")
+            print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, min_blocks=1):
+          block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
@@ -221,8 +221,6 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         ht: T.Tensor(ht_shape, state_dtype),
     ):
         with T.Kernel(N * HV, V // BV, threads=threads) as (i_nh, i_v):
-            if min_blocks > 1:          # registers capped so that many CTAs fit an SM
-                T.annotate_min_blocks_per_sm(min_blocks)
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
