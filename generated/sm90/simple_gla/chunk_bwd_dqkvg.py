@@ -71,12 +71,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their
       tiles copied asynchronously into shared stages (T.Pipelined), converted from there.
     state_dtype, dstate_dtype: the states' and dstate's (f32, or a training recompute's
-      input dtype: then read straight into the GEMM tiles' dtype).
+      input dtype; the GEMM tiles take them in the input dtype either way).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
       q, k [Ttot, H, K], v, do [Ttot, HV, V] (input dtype),
       g [Ttot, HV] (g_dtype),
-      states [NS, HV, K, V] state_dtype, dstate [NS, HV, K, V] dstate_dtype, chunk_bos, chunk_len, state_row [NT] int32,
-      scale (f32)
+      states [NS, HV, K, V] state_dtype, dstate [NS, HV, K, V] dstate_dtype,
+      chunk_bos, chunk_len, state_row [NT] int32, scale (f32)
       -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV] f32;
          with key blocks dv [Ttot, HV, V] f32 (zeroed by the caller, atomic adds),
          dg [K / block_k, Ttot, HV] f32 (partials)

@@ -82,7 +82,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
     h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the states alone,
-    as a training backward recomputes them; ht_dtype their dtype, the input dtype there). w is the delta rule's ([1, HV, K] here).
+    as a training backward recomputes them; ht_dtype their dtype, the input dtype there).
+    w is the delta rule's ([1, HV, K] here).
     """
     BT = CHUNK
     BV = block_v
