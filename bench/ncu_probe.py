@@ -34,7 +34,8 @@ def _pool_calls(names):
         x, idx, acc, pool = pool_probe.make(*cases[name])
         for who, fn in (("linattn", pool_probe.ours), ("fla", pool_probe.fla)):
             p = pool.clone()
-            calls.append((name, who, lambda fn=fn, p=p: fn(x, idx, acc, p)))
+            calls.append((name, who,
+                          lambda fn=fn, p=p, x=x, i=idx, a=acc: fn(x, i, a, p)))
     return calls
 
 
