@@ -71,6 +71,14 @@ def fla(x, idx, acc, pool):
                                    num_accepted_tokens=acc)
 
 
+def copy_floor(numel):
+    """Device time of copying ``numel`` random f32 values (read once, written once: the
+    state bytes a decode step moves), the bandwidth floor the kernels are measured by."""
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    return device_times(lambda: dst.copy_(src))[0]
+
+
 def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
     """[(knobs, ms or error)] of ours at the valid candidate tunings."""
     out = []
@@ -117,15 +125,17 @@ def main():
         rec["ours_ms"] = device_times(lambda: ours(x, idx, acc, p_ours))[0]
         rec["fla_ms"] = device_times(lambda: fla(x, idx, acc, p_fla))[0]
         rec["speedup"] = rec["fla_ms"] / rec["ours_ms"]
+        rec["copy_ms"] = copy_floor(pool[:N].numel() * (1 + T) // 2)   # N read, N * T written
         if args.sweep:
             rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("\ncase              ours_ms   fla_ms  x fla   err_o    err_pool")
+    print("\ncase              ours_ms   fla_ms  x fla  copy_ms  err_o    err_pool")
     for r in results:
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
+              f"{r['copy_ms']:8.4f} "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
         for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
             print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
