@@ -79,13 +79,19 @@ def copy_floor(numel):
     return device_times(lambda: dst.copy_(src))[0]
 
 
-def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
-    """[(knobs, ms or error)] of ours at the valid candidate tunings."""
+def parse_knobs(text):
+    """"v_fastest=1,block_v=64" -> {"v_fastest": 1, "block_v": 64} (integer values)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+
+
+def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, candidates=CANDIDATES, check_layout=True):
+    """[(knobs, ms or error)] of ours at the valid candidate tunings (knobs not given
+    keep the arch table's)."""
     out = []
     slots = idx.flatten().long()
-    for c in CANDIDATES:
-        if not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"], c["warps_k"],
-                                   False):
+    for c in candidates:
+        if check_layout and not recurrent_layout_ok(D, D, c["block_v"], c["threads"], c["vec"],
+                                                    c["warps_k"], False):
             continue
         try:
             with tuning_override(**c):
@@ -102,6 +108,8 @@ def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--knobs", nargs="*", default=None,
+                    help='ours also with these tuning knobs, e.g. "v_fastest=1"')
     ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()
@@ -128,6 +136,9 @@ def main():
         rec["copy_ms"] = copy_floor(pool[:N].numel() * (1 + T) // 2)   # N read, N * T written
         if args.sweep:
             rec["sweep"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel)
+        if args.knobs:
+            rec["variants"] = sweep(x, idx, acc, pool, fla_once, o2, D, rel,
+                                    [parse_knobs(k) for k in args.knobs], check_layout=False)
         print(json.dumps(rec), flush=True)
         results.append(rec)
         with open(args.out, "w") as f:
@@ -139,6 +150,9 @@ def main():
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
         for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
             print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
+        for c in r.get("variants", []):
+            knobs = {k: v for k, v in c.items() if k not in ("err", "ms", "error")}
+            print(f"   {knobs}  {c.get('ms') or c.get('error')}  err {c.get('err')}")
 
 
 if __name__ == "__main__":
