@@ -203,6 +203,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     slots_shape = (N, S_slots) if slots_per_token else (N,) if state_pool else (1,)
     accepted_shape = (N,) if accepted_tokens else (1,)
 
+    # v_fastest (a probe's knob, not yet measured): a state's value blocks on adjacent CTAs
     grid = (V // BV, N * HV) if v_fastest else (N * HV, V // BV)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state

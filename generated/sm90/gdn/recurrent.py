@@ -209,6 +209,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     dt_bias_shape = (HV,) if gate_in_kernel else (1,)
     A_log_shape = (HV,) if gate_in_kernel else (1,)
 
+    # v_fastest (a probe's knob, not yet measured): a state's value blocks on adjacent CTAs
     grid = (V // BV, N * HV) if v_fastest else (N * HV, V // BV)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
