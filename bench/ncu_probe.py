@@ -10,7 +10,7 @@ Workloads: bench/walk_probe.py's CASES; --config forces a plan choice as there.
 --gla-bwd B T H K V: instead, one GLAChunkBwd call of that shape (bench/gla_bwd_probe.py's
 inputs; the default backward plan).
 --pool NAME ...: instead, pool decode (bench/pool_probe.py's cases), ours and fla's, each on
-its own copy of the pool."""
+its own copy of the pool; --knobs "v_fastest=1" ...: ours also with those tuning knobs."""
 import argparse
 import dataclasses
 import os
@@ -25,14 +25,24 @@ from walk_probe import CASES, parse_config  # noqa: E402
 from linattn.ops import chunk  # noqa: E402
 
 
-def _pool_calls(names):
-    """(name, who, fn) of pool decode, ours and fla's, for pool_probe's cases ``names``."""
+def _pool_calls(names, knobs=()):
+    """(name, who, fn) of pool decode, ours and fla's, for pool_probe's cases ``names``;
+    ours also with each knob string of ``knobs`` (pool_probe --knobs's form)."""
     import pool_probe
+    from linattn.ops.recurrent import tuning_override
     cases = {c[0]: c[1:] for c in pool_probe.CASES}
+
+    def tuned(kn):
+        def call(x, i, a, p):
+            with tuning_override(**pool_probe.parse_knobs(kn)):
+                return pool_probe.ours(x, i, a, p)
+        return call
     calls = []
     for name in names:
         x, idx, acc, pool = pool_probe.make(*cases[name])
-        for who, fn in (("linattn", pool_probe.ours), ("fla", pool_probe.fla)):
+        fns = [("linattn", pool_probe.ours), ("fla", pool_probe.fla)]
+        fns += [(f"linattn[{kn}]", tuned(kn)) for kn in knobs]
+        for who, fn in fns:
             p = pool.clone()
             calls.append((name, who,
                           lambda fn=fn, p=p, x=x, i=idx, a=acc: fn(x, i, a, p)))
@@ -46,9 +56,11 @@ def main():
     ap.add_argument("--config", default="default")
     ap.add_argument("--gla-bwd", nargs=5, type=int, default=None, metavar=("B", "T", "H", "K", "V"))
     ap.add_argument("--pool", nargs="*", default=None, help="pool_probe case names")
+    ap.add_argument("--knobs", nargs="*", default=(),
+                    help='with --pool: ours also with these knobs, e.g. "v_fastest=1"')
     args = ap.parse_args()
     config = parse_config(args.config)
-    calls = _pool_calls(args.pool) if args.pool else []
+    calls = _pool_calls(args.pool, args.knobs) if args.pool else []
     if args.gla_bwd:
         from gla_bwd_probe import _ours, shape_inputs
         calls.append(("gla-bwd-" + "x".join(map(str, args.gla_bwd)), "linattn",
