@@ -17,7 +17,7 @@ before each call, median over calls.
 
     python3 bench/gla_bwd_probe.py [--rows train-16k train-2k] [--dtypes bf16 f16]
         [--iters 20] [--no-sweep] [--no-train] [--train-kv K V] [--train-t T] [--budget-s 50]
-        [--shape B T H K V ...]
+        [--shape B T H K V ...] [--shape16 B T H K V ...]
     (order: every row ours vs fla, then the variants on the first row, then the training
     step, then each --shape's variants (SHAPE_SWEEP); JSON to $OUT_DIR or $OUT /gla_bwd_probe.json; one line per measurement)
 """
@@ -43,6 +43,9 @@ SWEEP = [{"scan_stages": 2}, {"scan_stages": 8}, {"scan_block_k": 16, "scan_bloc
 #: forced to the walk, dqkvg's key block at 128 and at 64
 SHAPE_SWEEP = [{"dstate_pass": "walk"}, {"dqkvg_block_k": 128}, {"dqkvg_block_k": 64},
                {"dqkvg_state_stages": 2}]
+#: variants timed on --shape16 (the backward's three stages as a training step runs them:
+#: the states in the input dtype): dqkvg's copies straight into its GEMM tiles
+SHAPE16_SWEEP = [{"dqkvg_direct_states": True}]
 
 
 def _short(per):
@@ -122,17 +125,35 @@ def shape_inputs(B, T, H, K, V):
                 h=0.1 * r(B, NT + 1, H, K, V), do=r(B, T, H, V).to(bf), dht=0.1 * r(B, H, K, V))
 
 
-def probe_shape(shape, iters):
-    """The default plan and SHAPE_SWEEP's variants on one call of shape (B, T, H, K, V)."""
+def _ours16(x, s, config=None):
+    """The backward's three stages (additive_bwd.run_backward) as a GLA training step runs
+    them: x's states rounded to the input dtype, bf16 gradients."""
+    from linattn.ops.registry import get_spec
+    B, T, H, K = x["q"].shape
+    flat = lambda t: t.reshape(B * T, *t.shape[2:]).contiguous()  # noqa: E731
+    q, k, v, g, do = (flat(x[n]) for n in ("q", "k", "v", "g", "do"))
+    h = x["h"].to(q.dtype).reshape(-1, *x["h"].shape[2:]).contiguous()
+    cu = tuple(range(0, (B + 1) * T, T))
+    spec = get_spec("gla")
+    return lambda: additive_bwd.run_backward(spec, q, k, v, g, h, do, x["dht"], scale=s,
+                                             cu=cu, want_dh0=False, grad_dtype=q.dtype,
+                                             config=config)[:4]
+
+
+def probe_shape(shape, iters, states16=False):
+    """The default plan and SHAPE_SWEEP's variants on one call of shape (B, T, H, K, V);
+    states16: the training step's form (_ours16) and SHAPE16_SWEEP."""
     x, s = shape_inputs(*shape), shape[3] ** -0.5
-    res = {"workload": "shape-" + "x".join(map(str, shape)), "dtype": "bf16"}
-    calls = [_ours(x, s)] + [_ours(x, s, c) for c in SHAPE_SWEEP]
+    res = {"workload": ("shape16-" if states16 else "shape-") + "x".join(map(str, shape)),
+           "dtype": "bf16"}
+    make, sweep = (_ours16, SHAPE16_SWEEP) if states16 else (_ours, SHAPE_SWEEP)
+    calls = [make(x, s)] + [make(x, s, c) for c in sweep]
     errs = _precompile(calls)
     if errs:
         res["compile_errors"] = errs[:3]
     ref = calls[0]()
     res["ours_ms"], res["ours_kernels_ms"], _ = device_times(calls[0], iters=iters)
-    for c, fn in zip(SHAPE_SWEEP, calls[1:]):
+    for c, fn in zip(sweep, calls[1:]):
         key = ",".join(f"{k}={v}" for k, v in c.items())
         try:
             diff = max(float((a - b).norm() / b.norm()) for a, b in zip(fn(), ref))
@@ -191,6 +212,9 @@ def main():
     ap.add_argument("--shape", nargs=5, type=int, action="append", default=[],
                     metavar=("B", "T", "H", "K", "V"),
                     help="also time SHAPE_SWEEP on a GLAChunkBwd call of this shape (repeatable)")
+    ap.add_argument("--shape16", nargs=5, type=int, action="append", default=[],
+                    metavar=("B", "T", "H", "K", "V"),
+                    help="also time SHAPE16_SWEEP on the training form at this shape")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new measurement after this many seconds (0: no limit)")
     args = ap.parse_args()
@@ -201,13 +225,14 @@ def main():
     todo += [] if args.no_sweep else [("row", args.rows[0], args.dtypes[0], True)]
     todo += [] if args.no_train else [("train", args.train_t, None, False)]
     todo += [("shape", tuple(sh), None, False) for sh in args.shape]
+    todo += [("shape16", tuple(sh), None, False) for sh in args.shape16]
     for kind, a, b, sweep in todo:
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"{kind} {a} {b or ''}: skipped (--budget-s)", flush=True)
             continue
         try:
             r = (probe_row(a, b, args.iters, sweep) if kind == "row"
-                 else probe_shape(a, args.iters) if kind == "shape"
+                 else probe_shape(a, args.iters, kind == "shape16") if kind.startswith("shape")
                  else train_step(a, args.iters, *args.train_kv))
         except Exception as e:
             traceback.print_exc()

@@ -592,7 +592,8 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
     H=4, 256 chunks each, with dht and dh0) compile for sm_90a: <= 255 registers, no
     spills, TMA shared destinations 128-byte aligned, no CTA barrier in a
     thread-dependent branch (as test_compile). states: f32 (the contract's, the value
-    gate's twin's) or the input dtype (a training recompute's)."""
+    gate's twin's) or the input dtype (a training recompute's; with the walk also dqkvg's
+    direct_states probe knob)."""
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops.runtime import stage_module
     spec = FAMILIES[family]
@@ -602,6 +603,8 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
                                 seq_chunks=(256, 256), use_dht=True, store_dh0=True,
                                 state_dtype=dtype if states == "input" else states)
     configs = [{"dstate_pass": "walk"}, {"dstate_pass": "scan"}]
+    if states == "input":
+        configs.append({"dstate_pass": "walk", "dqkvg_direct_states": True})
     launches = {la.stage + repr(la.params): la for config in configs
                 for la in additive_bwd.backward_plan(p, config).launches}
     for la in launches.values():

@@ -173,7 +173,7 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
                         "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass",
-                        "dqkvg_state_stages")
+                        "dqkvg_state_stages", "dqkvg_direct_states")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -208,6 +208,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
                  **({"state_stages": config["dqkvg_state_stages"]}
                     if "dqkvg_state_stages" in config else {}),
+                 **({"direct_states": config["dqkvg_direct_states"]}
+                    if "dqkvg_direct_states" in config else {}),
                  **({"block_k": dbk} if dbk < p.K else {}))
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     # dstate as the states (the walk rounds its rows as it writes them; the scan sums into

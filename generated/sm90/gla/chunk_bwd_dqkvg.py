@@ -68,7 +68,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
           threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0,
-          state_dtype="float32", dstate_dtype="float32"):
+          state_dtype="float32", dstate_dtype="float32", direct_states=False):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
@@ -77,6 +77,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
     state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their
       tiles copied asynchronously into shared stages (T.Pipelined), converted from there.
+    direct_states (a probe's knob, not yet measured): with state_stages and both state
+      tensors in the input dtype, the copies land in the GEMM tiles themselves (no
+      shared-to-shared pass).
     state_dtype, dstate_dtype: the states' and dstate's (f32, or a training recompute's
       input dtype; the GEMM tiles take them in the input dtype either way).
     Tensors (Ttot tokens, NT chunks, NS = NT + N state rows; dynamic):
@@ -98,6 +101,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     assert K % BK == 0 and BK % 16 == 0, f"K={K}: block_k={block_k} must divide it"
     NKB = K // BK
     split = NKB > 1
+    assert not direct_states or (state_stages and state_dtype == dstate_dtype == dtype), \
+        "direct_states needs state_stages and both state dtypes equal to dtype"
     f32 = "float32"
     group = HV // H
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
@@ -248,6 +253,32 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                         h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
                         dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
                         hd_f[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], f32) * T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], f32)     # rowsum(h_in * dh)
+                    T.reduce_sum(hd_f, hd_row, dim=1)
+                    for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                        dgl_s[j] = dgl_s[j] + hd_row[j]
+                    # five tensor-core products in flight together, one wait
+                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                    T.wgmma_gemm(kd_s, dh_s, dv_f)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            if split:
+                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                            else:
+                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
+            elif direct_states:
+                for vb in T.Pipelined(NVB, num_stages=state_stages):
+                    T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], h_s)
+                    T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dh_s)
+                    for i, j in T.Parallel(BT, BV):
+                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                    for i, j in T.Parallel(BK, BV):
+                        hd_f[i, j] = T.cast(h_s[i, j], f32) * T.cast(dh_s[i, j], f32)     # rowsum(h_in * dh)
                     T.reduce_sum(hd_f, hd_row, dim=1)
                     for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
                         dgl_s[j] = dgl_s[j] + hd_row[j]
