@@ -208,7 +208,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     A_log_shape = (HV,) if gate_in_kernel else (1,)
 
     # v_fastest (a probe's knob, not yet measured): a state's value blocks on adjacent CTAs
-    grid = (V // BV, N * HV) if v_fastest else (N * HV, V // BV)
+    # (one grid dimension: gridDim.y would cap N * HV at 65535)
+    NVB = V // BV
+    grid = (N * HV * NVB, 1) if v_fastest else (N * HV, NVB)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
         return (n, hv, j, i) if state_v_first else (n, hv, i, j)
@@ -230,8 +232,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         ht: T.Tensor(ht_shape, state_dtype),
     ):
         with T.Kernel(*grid, threads=threads) as (bx, by):
-            i_nh = by if v_fastest else bx
-            i_v = bx if v_fastest else by
+            i_nh = bx // NVB if v_fastest else bx
+            i_v = bx % NVB if v_fastest else by
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
