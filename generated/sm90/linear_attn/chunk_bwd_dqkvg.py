@@ -169,29 +169,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                         v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                         do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                     for i, j in T.Parallel(BK, BV):
-                        h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
-                        dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                    # five tensor-core products in flight together, one wait
-                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
-                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
-                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
-                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(kd_s, dh_s, dv_f)
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(BT, BV):
-                        if i < rows:
-                            if split:
-                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
-                            else:
-                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
-
-            elif direct_states:
-                for vb in T.Pipelined(NVB, num_stages=state_stages):
-                    T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], h_s)
-                    T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dh_s)
-                    for i, j in T.Parallel(BT, BV):
-                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                            h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                            dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
                     # five tensor-core products in flight together, one wait
                     T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
                     T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
@@ -207,9 +187,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                                 dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
             else:
-                # the state tiles by asynchronous copies, state_stages value blocks ahead
-                hf_s = T.alloc_shared((BK, BV), state_dtype)
-                dhf_s = T.alloc_shared((BK, BV), dstate_dtype)
+                # the state tiles by asynchronous copies, state_stages value blocks ahead, into
+                # shared stages converted from there (direct_states: the GEMM tiles themselves)
+                hf_s = h_s if direct_states else T.alloc_shared((BK, BV), state_dtype)
+                dhf_s = dh_s if direct_states else T.alloc_shared((BK, BV), dstate_dtype)
                 for vb in T.Pipelined(NVB, num_stages=state_stages):
                     T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
                     T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
@@ -217,8 +198,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                         v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                         do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                     for i, j in T.Parallel(BK, BV):
-                        h_s[i, j] = T.cast(hf_s[i, j], dtype)
-                        dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
+                        if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                            h_s[i, j] = T.cast(hf_s[i, j], dtype)
+                            dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
                     # five tensor-core products in flight together, one wait
                     T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
                     T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
