@@ -21,7 +21,7 @@ runs in three steps:
    graphs see one opaque op.
 
 ``fla_options`` maps fla's keyword names onto :class:`Options` and checks fla's keywords
-that change nothing here (``chunk_size=64``, ``chunk_indices``, ...); anything else is
+that change nothing here (``chunk_size``, ``chunk_indices``, ...); anything else is
 refused in one line (:func:`reject`) instead of being silently ignored.
 """
 from __future__ import annotations
@@ -143,6 +143,39 @@ def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
                          A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True)
 
 
+def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=None,
+                        **kw):
+    """fla's ``return_intermediate_states`` (chunk_kda, inference only): (o, final_state
+    or None, h), h the state entering each 64-token chunk in q's dtype, [B, NT, HV, K, V]
+    ([..., V, K] with state_v_first; with cu_seqlens B == 1 and NT counts every
+    sequence's chunks, sequence by sequence): the training forward's saved states
+    (:func:`train_forward`, whose keywords ``kw`` are)."""
+    import torch
+    grads = (q, k, v, g, beta, kw.get("initial_state"), kw.get("A_log"), kw.get("dt_bias"))
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in grads):
+        raise validate.error("return_intermediate_states=True is for inference: call it "
+                             "under torch.inference_mode() or torch.no_grad()")
+    if chunk_size not in (None, 64):
+        raise validate.error(f"return_intermediate_states=True needs chunk_size=64 (its "
+                             f"states are per 64-token chunk), got "
+                             f"{validate.describe(chunk_size)}")
+    if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, v)):
+        K, V = q.shape[3], v.shape[3]      # (the chunked forward pads K itself)
+        if not chunk_supports(spec, validate.Dims(*q.shape[:3], v.shape[2],
+                                                  round_up(K, 16), V), q.dtype):
+            k_max, v_max = CHUNK_HEAD_LIMITS(spec.rule.value, spec.gate.value)
+            raise validate.error(
+                f"return_intermediate_states=True runs the chunked kernels: float16 / "
+                f"bfloat16, K up to {k_max}, V a multiple of 16 up to {v_max}; got "
+                f"{validate._name(q.dtype)}, K={K}, V={V}")
+    o, final, saved = train_forward(spec, q, k, v, g, beta, **kw)
+    h = saved["h"]
+    h = h.unsqueeze(0) if kw.get("cu_seqlens") is not None else h.unflatten(0, (q.shape[0], -1))
+    if kw["options"].state_v_first:
+        h = h.transpose(-1, -2).contiguous()
+    return o, final, h
+
+
 def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
               output_final_state=False, options: Options = Options(), cu_seqlens=None,
               cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None,
@@ -259,16 +292,17 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
 
 def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                 allow_neg_eigval=False, use_gate_in_kernel=False, state_v_first=False,
-                kwargs=None, chunked=True) -> Options:
+                kwargs=None, chunk_sizes=(64,)) -> Options:
     """fla's flag names -> Options; fla's other keywords (``kwargs``) checked: the old name
-    ``transpose_state_layout`` of ``state_v_first`` is accepted, ``chunk_size`` must be 64
-    in a chunked call (ignored by fused_recurrent, as in fla), the rest must be no-ops."""
+    ``transpose_state_layout`` of ``state_v_first`` is accepted, ``chunk_size`` must be one
+    of fla's values for the function (``chunk_sizes``; None: a fused_recurrent call, which
+    ignores it as fla does), the rest must be no-ops."""
     kwargs = dict(kwargs or {})
     if "transpose_state_layout" in kwargs:
         state_v_first = bool(kwargs.pop("transpose_state_layout")) or state_v_first
     size = kwargs.pop("chunk_size", None)
-    if chunked and size is not None:
-        check_chunk_size(size)
+    if chunk_sizes is not None and size is not None:
+        check_chunk_size(size, chunk_sizes)
     reject(kwargs)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise validate.error("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
@@ -280,12 +314,17 @@ def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    state_v_first=bool(state_v_first))
 
 
-def check_chunk_size(chunk_size) -> None:
-    """fla's chunk_size: linattn's chunked kernels are generated for 64 (fla's default)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size != 64:
-        raise validate.error(f"chunk_size={validate.describe(chunk_size)} is not supported: "
-                             "linattn's chunked kernels use chunk_size=64 (fla's default) "
-                             "only; omit it or pass 64")
+def check_chunk_size(chunk_size, allowed: tuple) -> None:
+    """fla's chunk_size, one of the function's fla values (``allowed``). It sets how fla's
+    kernels split the sequence, not the result: linattn runs every allowed value on its
+    chunk-64 kernels (the same recurrence; the chunk size moves only rounding)."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or (
+            chunk_size not in allowed):
+        *head, last = [str(c) for c in allowed]
+        choices = (last if not head else f"either {head[0]} or {last}" if len(head) == 1
+                   else f"{', '.join(head)}, or {last}")
+        raise validate.error(f"`chunk_size` must be {choices}, got "
+                             f"{validate.describe(chunk_size)}")
 
 
 #: fla keywords that change nothing in a forward call when left at these values (None in

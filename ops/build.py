@@ -144,7 +144,8 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
     flags = {n: a.pop(FLA_OPTION[n], False) for n in OPTION_NAMES}
     opts = spec.check_options(api.fla_options(
         flags["l2norm_qk"], flags["beta_sigmoid"], flags["allow_neg_eigval"],
-        flags["gate_in_kernel"], flags["state_v_first"], extra, chunked=not recurrent))
+        flags["gate_in_kernel"], flags["state_v_first"], extra,
+        chunk_sizes=None if recurrent else (spec.chunk_size,)))
     q, k, v, g, beta = a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g", None), a.pop("beta", None)
     if spec.decay:
         g = fixed_gate(spec, q, v)

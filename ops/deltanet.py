@@ -16,7 +16,8 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
 
     q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; f16 / bf16 / f32 (f32: the
     recurrent kernel); scale default K^-0.5; initial_state [N, H, K, V] of any float
-    dtype, read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1); chunk_size: 64 only.
+    dtype, read as f32 (N = B, or len(cu_seqlens) - 1 with B == 1); chunk_size: fla's 16,
+    32 or 64, all on the chunk-64 kernels.
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, beta, initial_state requires
@@ -24,7 +25,7 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     64 / 128 zero-padded to them; f16 / bf16; float32 exactly in torch,
     ops/exact_train.py; anything the backward does not support raises SpecError).
     """
-    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=(16, 32, 64))
     from . import autograd
     if autograd.needs_grad(q, k, v, beta, initial_state):
         from . import exact_train
@@ -64,7 +65,7 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
         beta = api.ones_beta(q, v) if beta is None else beta
         return chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state,
                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **kwargs)
-    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunked=False)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=None)
     return api.recurrent(SPEC, q, k, v, None, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

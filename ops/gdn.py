@@ -23,7 +23,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     HV elements ([HV], [1, 1, HV, 1], ...), dt_bias [HV] or None for no bias); beta is
     post-sigmoid unless use_beta_sigmoid_in_kernel (2 sigmoid with allow_neg_eigval).
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read
-    as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). chunk_size: 64 only.
+    as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). chunk_size: fla's 16, 32 or 64,
+    all run on the chunk-64 kernels (the same recurrence).
     Returns (o [B, T, HV, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
@@ -32,7 +33,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     torch, ops/exact_train.py; anything the backward does not support raises SpecError).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
+                           chunk_sizes=(16, 32, 64))
     from . import autograd
     if autograd.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return autograd.train(SPEC, opts, q, k, v, g, beta, scale, initial_state,
@@ -79,7 +81,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
         raise api.validate.error("use_gate_in_kernel=True needs g (the raw gate input)")
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
-                           chunked=False)
+                           chunk_sizes=None)
     return api.recurrent(spec, q, k, v, gate, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -75,7 +75,7 @@ def fused_recurrent_gla(q, k, v, gk=None, gv=None, scale=None, initial_state=Non
     if gk is not None and gv is not None:
         raise validate.error("fused_recurrent_gla takes gk or gv, not both: both at once "
                              "is not supported yet")
-    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=None)
     spec, g = ((SPEC, gk) if gk is not None else (SPEC_GV, gv) if gv is not None
                else (linear_attn.SPEC, None))
     return api.recurrent(spec, q, k, v, g, None, scale=scale, initial_state=initial_state,

@@ -31,8 +31,9 @@ def check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel) -> None:
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False,
-              lower_bound=None, disable_recompute=False, state_v_first=False,
-              cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
+              lower_bound=None, disable_recompute=False, return_intermediate_states=False,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, A_log=None,
+              dt_bias=None, **kwargs):
     """fla's chunk_kda (forward). T == 1 takes the decode kernel.
 
     q, k [B, T, H, K]; v [B, T, HV, V], f16 / bf16 / f32 (f32, and K not a
@@ -42,7 +43,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     HV elements, dt_bias [HV * K] / [HV, K] or None; beta [B, T, HV]. initial_state
     [N, HV, K, V] ([N, HV, V, K] with state_v_first), any float dtype, read as f32.
     safe_gate (fla's rules checked) and disable_recompute change nothing in a forward;
-    chunk_size: 64 only. Returns (o [B, T, HV, V], final_state f32 or None).
+    chunk_size: fla's 32 or 64, both on the chunk-64 kernels. Returns (o [B, T, HV, V],
+    final_state f32 or None), and with return_intermediate_states (inference only, fla's
+    h): the state entering each 64-token chunk too, in q's dtype (api.intermediate_states).
 
     Differentiable (ops/autograd.py) when any of q, k, v, g, beta, initial_state, A_log,
     dt_bias requires grad: gradients for all of them, from o's and final_state's (K, V up
@@ -53,7 +56,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs)
+                           allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
+                           chunk_sizes=(32, 64))
+    if return_intermediate_states:
+        return api.intermediate_states(
+            SPEC, q, k, v, g, beta, chunk_size=kwargs.get("chunk_size"), scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state,
+            options=opts, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     from . import autograd
     if autograd.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return autograd.train(SPEC, opts, q, k, v, g, beta, scale, initial_state,
@@ -77,7 +87,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
     check_safe_gate(False, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
-                           chunked=False)
+                           chunk_sizes=None)
     return api.recurrent(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

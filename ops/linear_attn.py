@@ -57,7 +57,7 @@ def fused_recurrent_linear_attn(q, k, v, scale=None, initial_state=None,
                             inplace_final_state=inplace_final_state, kwargs=kwargs):
         return chunk_linear_attn(q, k, v, scale, initial_state, output_final_state, normalize,
                                  cu_seqlens, cu_seqlens_cpu, **kwargs)
-    opts = api.fla_options(kwargs=kwargs, chunked=False)
+    opts = api.fla_options(kwargs=kwargs, chunk_sizes=None)
     if normalize and (ssm_state_indices is not None or inplace_final_state):
         raise api.validate.error("normalize=True is not supported with a state pool "
                                  "(ssm_state_indices / inplace_final_state)")

@@ -24,14 +24,16 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
     g [B, T, H] natural-log decay per head and token and / or g_gamma [H] (a decay per
     head, the same at every token; with both the decay is g + g_gamma, as in fla);
     neither: no decay. initial_state [N, H, K, V] ([N, H, V, K] with state_v_first), any
-    float dtype, read as f32; chunk_size: 64 only.
+    float dtype, read as f32; chunk_size: a power of two from 16 to 256 (fla: any power of
+    two), all on the chunk-64 kernels.
     Returns (o [B, T, H, V] in q's dtype, final_state f32 or None).
 
     Differentiable (ops/additive_bwd.py) when any of q, k, v, g, g_gamma, initial_state
     requires grad (g + g_gamma formed by torch, so g_gamma's gradient is g's summed);
     limits as chunk_gla's.
     """
-    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs,
+                           chunk_sizes=(16, 32, 64, 128, 256))
     from . import additive_bwd
     if additive_bwd.needs_grad(q, k, v, g, g_gamma, initial_state):
         if g_gamma is not None:
@@ -62,7 +64,7 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
                             inplace_final_state=inplace_final_state, kwargs=kwargs):
         return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
                                 state_v_first, cu_seqlens, cu_seqlens_cpu, **kwargs)
-    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunked=False)
+    opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=None)
     return api.recurrent(_spec(g, g_gamma), q, k, v, g, None, scale=scale,
                          initial_state=initial_state, output_final_state=output_final_state,
                          options=opts, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

@@ -147,7 +147,7 @@ def _bad_calls():
         lambda: L.fused_recurrent_gla(q[:, :, :1], k[:, :, :1], v[:, :, :1], gv=big),
         lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, reverse=big),
         lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, not_an_argument=big),
-        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32),
+        lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48),
         lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=big),
         lambda: L.chunk_gated_delta_rule(q, k, v, big, beta),
         lambda: L.chunk_gated_delta_rule(q, k, v, g, beta, scale=big),
@@ -161,7 +161,7 @@ def _bad_calls():
         lambda: L.chunk_kda(q, k, vk, gk, bk, safe_gate=True, use_gate_in_kernel=True,
                             lower_bound=-9.0),
         lambda: L.chunk_kda(q, k, vk, gk, bk, lower_bound=big),
-        lambda: L.chunk_kda(q, k, vk, gk, bk, return_intermediate_states=True),
+        lambda: L.chunk_kda(q, k, vk, gk, bk, return_intermediate_states=True, chunk_size=32),
         lambda: L.chunk_kda(q, k, vk, gk, bk, cp_context=big),
         lambda: L.chunk_delta_rule(q, k, v[:, :, :2], g, beta[..., :2]),
         lambda: L.chunk_linear_attn(q, k, v[:, :, :2], g),
@@ -185,12 +185,30 @@ def test_errors_are_one_short_line_without_tensor_contents(index):
     assert "cuda" not in msg.lower() or "CUDA device" in msg, msg
 
 
-def test_chunk_size_error_names_the_argument_and_the_supported_value():
+def test_chunk_size_takes_fla_values_and_names_them_otherwise():
+    """fla's chunk_size values per function run (the chunk-64 kernels: the same
+    recurrence); any other is refused in fla's wording (fla's KDA test matches it)."""
     q, k, v, g, beta = inputs()
-    with pytest.raises(SpecError, match=r"chunk_size=32 is not supported.*chunk_size=64"):
-        linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=32)
-    with pytest.raises(SpecError, match=DEVICE_ERROR):     # 64: honoured
-        linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)
+    qs, ks, vs, gs, _ = inputs(HV=2)
+    _, _, vk, gk, bk = inputs(gate="key")
+    _, _, _, gg, _ = inputs(HV=2, gate="key")
+    for size in (16, 32, 64):
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=size)
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            linattn.chunk_delta_rule(qs, ks, vs, beta[..., :2], chunk_size=size)
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            linattn.chunk_simple_gla(qs, ks, vs, gs, chunk_size=size)
+    with pytest.raises(SpecError, match=DEVICE_ERROR):
+        linattn.chunk_kda(q, k, vk, gk, bk, chunk_size=32)
+    with pytest.raises(ValueError, match=r"`chunk_size` must be either 32 or 64"):
+        linattn.chunk_kda(q, k, vk, gk, bk, chunk_size=16)
+    with pytest.raises(SpecError, match=r"`chunk_size` must be 16, 32, or 64, got 48$"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=48)
+    with pytest.raises(SpecError, match=r"`chunk_size` must be 64, got 32$"):
+        linattn.chunk_gla(qs, ks, vs, gg, chunk_size=32)
+    with pytest.raises(SpecError, match=r"`chunk_size` must be .*, got True$"):
+        linattn.chunk_simple_gla(qs, ks, vs, gs, chunk_size=True)
     with pytest.raises(SpecError, match=DEVICE_ERROR):     # fused_recurrent: ignored (fla)
         linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, chunk_size=16)
 
@@ -550,3 +568,41 @@ def test_float32_training_is_exact(cpu_ops, fn, fam):
     for n, t in leaves.items():
         assert t.grad is not None and t.grad.dtype == t.dtype, n
         _close(t.grad, ref[n].grad, 1e-5)
+
+
+def test_return_intermediate_states_rules_and_shapes(monkeypatch):
+    """chunk_kda's return_intermediate_states: refused in one line under autograd, with
+    another chunk size, f32 or an unsupported head dim; otherwise the training forward's
+    saved states come back as fla's h (the kernels replaced by a stub on the CPU)."""
+    from linattn.ops import api
+    q, k, v, g, beta = inputs(B=2, T=130, K=32, V=16, gate="key")
+    ris = dict(return_intermediate_states=True)
+    with pytest.raises(SpecError, match="for inference"):
+        linattn.chunk_kda(q.requires_grad_(), k, v, g, beta, **ris)
+    q = q.detach()
+    with pytest.raises(SpecError, match="needs chunk_size=64"):
+        linattn.chunk_kda(q, k, v, g, beta, chunk_size=32, **ris)
+    with pytest.raises(SpecError, match="float16 / bfloat16"):
+        linattn.chunk_kda(q.float(), k.float(), v.float(), g, beta, **ris)
+    with pytest.raises(SpecError, match="got bfloat16, K=40, V=40"):
+        linattn.chunk_kda(*inputs(K=40, V=40, gate="key"), **ris)
+    with pytest.raises(SpecError, match=DEVICE_ERROR):
+        linattn.chunk_kda(*inputs(K=40, V=48, gate="key"), **ris)
+    with pytest.raises(SpecError, match=DEVICE_ERROR):
+        linattn.chunk_kda(q, k, v, g, beta, **ris)
+    seen, rows = {}, torch.randn(6, 4, 32, 16).to(q.dtype)
+
+    def fake(spec, q, k, v, g, beta, **kw):
+        seen.update(kw)
+        return "o", "ht", {"h": rows}
+    monkeypatch.setattr(api, "train_forward", fake)
+    o, ht, h = linattn.chunk_kda(q, k, v, g, beta, lower_bound=-5.0, **ris)
+    assert (o, ht) == ("o", "ht") and seen["lower_bound"] == -5.0
+    assert h.shape == (2, 3, 4, 32, 16) and h.dtype == q.dtype
+    assert torch.equal(h[1, 0], rows[3])
+    _, _, hv = linattn.chunk_kda(q, k, v, g, beta, state_v_first=True, **ris)
+    assert hv.shape == (2, 3, 4, 16, 32) and torch.equal(hv, h.transpose(-1, -2))
+    cu = torch.tensor([0, 100, 260])
+    _, _, hc = linattn.chunk_kda(*(t.reshape(1, 260, *t.shape[2:]) for t in
+                                   (q, k, v, g, beta)), cu_seqlens=cu, **ris)
+    assert hc.shape == (1, 6, 4, 32, 16)

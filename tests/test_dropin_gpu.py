@@ -269,3 +269,66 @@ def test_float32_training(fn, fam):
     assert _rel(o, ro) < 1e-5 and _rel(ht, rht) < 1e-5
     for n, t in leaves.items():
         assert _rel(t.grad, ref[n].grad) < 1e-5, n
+
+
+@pytest.mark.parametrize("fn, fam, size", [("chunk_gated_delta_rule", "gdn", 16),
+                                           ("chunk_delta_rule", "deltanet", 32),
+                                           ("chunk_kda", "kda", 32),
+                                           ("chunk_simple_gla", "simple_gla", 16)])
+def test_fla_chunk_sizes_train_against_the_reference(fn, fam, size):
+    """fla's other chunk sizes (run on the chunk-64 kernels): o, the final state and every
+    gradient against torch autograd of the fp64 token recurrence."""
+    spec = get_spec(fam)
+    HV = 4 if fam in ("gdn", "kda") else 2
+    q, k, v, g, beta = _inputs(B=1, T=150, K=64, V=64, HV=HV, key=fam == "kda")
+    x = dict(q=q, k=k, v=v, initial_state=torch.randn(1, HV, 64, 64, device="cuda"))
+    x.update(dict(g=g, beta=beta) if fam in ("gdn", "kda") else dict(beta=beta[..., :HV])
+             if fam == "deltanet" else dict(g=g[..., :HV]))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = getattr(linattn, fn)(**leaves, output_final_state=True, chunk_size=size)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref.get("g"),
+                                   ref.get("beta"), initial_state=ref["initial_state"])
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    assert _rel(o, ro) < TOL and _rel(ht, rht) < TOL
+    for n, t in leaves.items():
+        assert _rel(t.grad, ref[n].grad) < TOL, n
+
+
+@pytest.mark.parametrize("v_first, varlen", [(False, False), (True, True)])
+def test_kda_return_intermediate_states(v_first, varlen):
+    """fla's return_intermediate_states: h[.., c] is the state entering chunk c of each
+    sequence (the reference: the recurrence over the sequence's first 64 c tokens), in
+    q's dtype, [B, NT, HV, K, V] ([1, all chunks, ...] with cu_seqlens; V-first
+    transposed)."""
+    spec = get_spec("kda")
+    q, k, v, g, beta = _inputs(B=2, T=200, key=True)
+    h0 = torch.randn(2, 4, 128, 128, device="cuda")
+    lens = [130, 270] if varlen else [200, 200]
+    flat = lambda t: t.reshape(1, 400, *t.shape[2:])  # noqa: E731
+    args = [flat(t) for t in (q, k, v, g, beta)] if varlen else [q, k, v, g, beta]
+    cu = torch.tensor([0, 130, 400], device="cuda") if varlen else None
+    with torch.inference_mode():
+        o, ht, h = linattn.chunk_kda(*args, initial_state=h0.transpose(-1, -2) if v_first
+                                     else h0, output_final_state=True, state_v_first=v_first,
+                                     return_intermediate_states=True, cu_seqlens=cu)
+    chunks = [-(-n // 64) for n in lens]
+    assert h.dtype == q.dtype
+    assert h.shape == ((1, sum(chunks)) if varlen else (2, chunks[0])) + (4, 128, 128)
+    h = h.reshape(-1, 4, 128, 128)
+    h = h.transpose(-1, -2) if v_first else h
+    starts = [0, 130] if varlen else [0, 200]
+    row = 0
+    for n, (s, length) in enumerate(zip(starts, lens)):
+        seq = [t.reshape(1, 400, *t.shape[2:])[:, s:s + length] for t in (q, k, v, g, beta)]
+        for c in range(chunks[n]):
+            want = h0[n:n + 1].double()
+            if c:
+                part = [t[:, :64 * c] for t in seq]
+                _, want = tr.recurrent_forward(spec, *part, initial_state=h0[n:n + 1])
+            assert _rel(h[row], want[0]) < TOL, (n, c)
+            row += 1
+        _, fin = tr.recurrent_forward(spec, *seq, initial_state=h0[n:n + 1])
+        assert _rel(ht[n].transpose(-1, -2) if v_first else ht[n], fin[0]) < TOL
