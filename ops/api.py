@@ -332,7 +332,7 @@ def check_chunk_size(chunk_size, allowed: tuple) -> None:
 _HARMLESS = {"chunk_indices": None, "cp_context": (None,), "safe_gate": (False,),
              "lower_bound": (None,), "disable_recompute": (False, True),
              "return_intermediate_states": (False,), "reverse": (False,), "gv": (None,),
-             "head_first": (False,)}
+             "head_first": (False,), "use_graph": (False,), "max_num_seqs": None}
 
 
 def reject(kwargs: dict) -> None:

@@ -3,6 +3,7 @@ chunk_retention / fused_recurrent_retention. The spec declares the decay (``deca
 log of 1 - 2^(-5 - h) for value head h), so a call passes no gate; the functions are those
 of ``linattn.build(SPEC)`` (forward, decode, and training through the additive backward)."""
 from ..dsl import OpSpec
+from . import api
 from .build import build
 
 SPEC = OpSpec(
@@ -29,10 +30,11 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
 
 
 def fused_recurrent_retention(q, k, v, scale=None, initial_state=None,
-                              output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                              **kwargs):
+                              output_final_state=False, reverse=False, state_v_first=False,
+                              cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
     """fla's fused_recurrent_retention: the token-by-token kernel for any T; arguments as
-    chunk_retention's."""
+    chunk_retention's (in fla's order), ``reverse`` not supported."""
+    api.reject({"reverse": reverse})
     return _ops().fused_recurrent(q, k, v, scale, initial_state, output_final_state,
-                                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                  **kwargs)
+                                  state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                                  cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
