@@ -69,6 +69,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     are returned as usual ([N, HV, K, V] f32). A negative or out-of-range slot is never
     read (the sequence is skipped: its o rows are zeros) nor written; a slot not named
     is never touched.
+
+    Differentiable as the chunk_* function of its spec (with gradients the call runs that
+    function's training: the same recurrence); a state pool is not.
     """
     from . import deltanet, kda
     if gv is not None:
@@ -82,6 +85,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
                            chunk_sizes=None)
+    if api.recurrent_trains(q, k, v, gate, beta, initial_state, A_log, dt_bias,
+                            ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state):
+        from . import autograd
+        beta = api.ones_beta(q, v) if beta is None else beta
+        return autograd.train(spec, opts, q, k, v, gate, beta, scale, initial_state,
+                              output_final_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
     return api.recurrent(spec, q, k, v, gate, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

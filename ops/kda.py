@@ -83,11 +83,21 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                         cu_seqlens_cpu=None, ssm_state_indices=None,
                         num_accepted_tokens=None, inplace_final_state=False, **kwargs):
     """fla's fused_recurrent_kda: the token-by-token kernel for any T. Shapes as
-    chunk_kda; the state pool arguments as fused_recurrent_gated_delta_rule's."""
+    chunk_kda; the state pool arguments as fused_recurrent_gated_delta_rule's.
+    Differentiable as chunk_kda (with gradients the call runs its training).
+    """
     check_safe_gate(False, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
                            chunk_sizes=None)
+    if api.recurrent_trains(q, k, v, g, beta, initial_state, A_log, dt_bias,
+                            ssm_state_indices=ssm_state_indices,
+                            num_accepted_tokens=num_accepted_tokens,
+                            inplace_final_state=inplace_final_state):
+        from . import autograd
+        return autograd.train(SPEC, opts, q, k, v, g, beta, scale, initial_state,
+                              output_final_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                              lower_bound=lower_bound)
     return api.recurrent(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, options=opts,
                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,

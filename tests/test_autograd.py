@@ -231,21 +231,39 @@ def test_state_v_first(fake_kernels, rng):
 
 # (chunk_gla and fused_recurrent_gla train: test_additive_bwd.py; chunk_kda: test_kda_bwd.py;
 # fused_recurrent_delta_rule: test_fused_recurrent_delta_rule_trains_as_chunk)
-@pytest.mark.parametrize("op", ["fused_recurrent_gated_delta_rule", "fused_recurrent_kda"])
-def test_ops_without_backward_refuse_requires_grad(op):
-    fn = getattr(linattn, op, None)
-    if fn is None:
-        pytest.skip(f"linattn has no {op}")
+@pytest.mark.parametrize("gate", ["g", "gk", "none", "kda"])
+def test_fused_recurrent_delta_rules_train_as_their_chunk_twin(monkeypatch, gate):
+    """fused_recurrent_gated_delta_rule (g: GDN, gk: KDA, neither: DeltaNet) and
+    fused_recurrent_kda with gradients run the same training as the chunk_* function of
+    their spec (autograd.train, called with the same arguments; a missing beta: ones); a
+    state pool is refused."""
+    from linattn.ops import deltanet, gdn, kda
+    seen = []
+    monkeypatch.setattr(autograd, "train", lambda *a, **kw: seen.append((a, kw)) or ("o", None))
     q, k, v, beta = _grad_inputs()
-    g = torch.zeros(1, 70, 2, dtype=torch.float32) if "gated_delta" in op else \
-        torch.zeros(1, 70, 2, 64, dtype=torch.float32)
-    args = dict(chunk_gated_delta_rule=(q, k, v, g, beta), chunk_kda=(q, k, v, g, beta),
-                chunk_gla=(q, k, v, g), fused_recurrent_gated_delta_rule=(q, k, v, g, None, None,
-                                                                          beta),
-                fused_recurrent_kda=(q, k, v, g, beta), fused_recurrent_gla=(q, k, v, g),
-                fused_recurrent_delta_rule=(q, k, v, beta))[op]
-    with pytest.raises(SpecError, match="no backward"):
-        fn(*args)
+    sg = torch.zeros(1, 70, 2)
+    kg = torch.zeros(1, 70, 2, 64)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    ones = torch.ones(1, 70, 2, dtype=q.dtype)
+    if gate == "kda":
+        spec, twin = kda.SPEC, lambda: linattn.chunk_kda(q, k, v, kg, beta, **kw)
+        fn = lambda **x: linattn.fused_recurrent_kda(q, k, v, kg, beta, **kw, **x)  # noqa
+    else:
+        g = dict(g=sg, gk=kg, none=None)[gate]
+        spec = dict(g=gdn.SPEC, gk=kda.SPEC, none=deltanet.SPEC)[gate]
+        twin = lambda: autograd.train(spec, linattn.ops.api.fla_options(True), q, k, v, g,  # noqa
+                                      ones, None, None, True, None, None, None, None)
+        fn = lambda **x: linattn.fused_recurrent_gated_delta_rule(  # noqa: E731
+            q, k, v, **{gate: g} if g is not None else {}, **kw, **x)
+    twin()
+    assert fn() == ("o", None)
+    (a0, kw0), (a1, kw1) = seen
+    assert a0[0] is a1[0] is spec and kw0 == kw1
+    for x, y in zip(a0[1:], a1[1:]):
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y)
+    with pytest.raises(SpecError, match="state pool .* has no backward"):
+        fn(initial_state=torch.zeros(3, 2, 64, 64), inplace_final_state=True,
+           ssm_state_indices=torch.tensor([0]))
 
 
 def test_fused_recurrent_delta_rule_trains_as_chunk(fake_kernels, rng):
