@@ -294,12 +294,19 @@ def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                 allow_neg_eigval=False, use_gate_in_kernel=False, state_v_first=False,
                 kwargs=None, chunk_sizes=(64,)) -> Options:
     """fla's flag names -> Options; fla's other keywords (``kwargs``) checked: the old name
-    ``transpose_state_layout`` of ``state_v_first`` is accepted, ``chunk_size`` must be one
+    ``transpose_state_layout`` of ``state_v_first`` is accepted (warned; not with it, as
+    fla), ``chunk_size`` must be one
     of fla's values for the function (``chunk_sizes``; None: a fused_recurrent call, which
     ignores it as fla does), the rest must be no-ops."""
     kwargs = dict(kwargs or {})
-    if "transpose_state_layout" in kwargs:
-        state_v_first = bool(kwargs.pop("transpose_state_layout")) or state_v_first
+    if "transpose_state_layout" in kwargs:      # fla's rules for its old name
+        if state_v_first:
+            raise validate.error("Cannot pass both `state_v_first` and the deprecated "
+                                 "`transpose_state_layout`.")
+        import warnings
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to "
+                      "`state_v_first`.", DeprecationWarning, stacklevel=3)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
     size = kwargs.pop("chunk_size", None)
     if chunk_sizes is not None and size is not None:
         check_chunk_size(size, chunk_sizes)

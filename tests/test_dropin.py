@@ -606,3 +606,16 @@ def test_return_intermediate_states_rules_and_shapes(monkeypatch):
     _, _, hc = linattn.chunk_kda(*(t.reshape(1, 260, *t.shape[2:]) for t in
                                    (q, k, v, g, beta)), cu_seqlens=cu, **ris)
     assert hc.shape == (1, 6, 4, 32, 16)
+
+
+def test_transpose_state_layout_is_fla_s_deprecated_name():
+    """fla's old name of state_v_first: a DeprecationWarning; with state_v_first too, fla's
+    ValueError (before the device check)."""
+    q, k, v, g, beta = inputs()
+    with pytest.warns(DeprecationWarning, match="renamed to `state_v_first`"):
+        with pytest.raises(SpecError, match=DEVICE_ERROR):
+            linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta,
+                                                     transpose_state_layout=True)
+    with pytest.raises(ValueError, match="Cannot pass both `state_v_first`"):
+        linattn.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True,
+                                       transpose_state_layout=True)
