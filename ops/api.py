@@ -77,12 +77,15 @@ def _head_dims(dims) -> None:
                              "to 256)")
 
 
-def padded_dims(dims: validate.Dims) -> validate.Dims:
+def padded_dims(dims: validate.Dims, v_first: bool = False) -> validate.Dims:
     """The dims a call runs at: its own where every kernel's multiples hold (K of 16, V of
-    8), else K and V rounded up to multiples of 16 (zero channels: ops/padding.py)."""
-    if dims.K % 16 == 0 and dims.V % 8 == 0:
+    8; with value-first states the recurrent kernel's K is a power of two), else K and V
+    rounded up to them (zero channels: ops/padding.py)."""
+    K = round_up(dims.K, 16)
+    K = 1 << (K - 1).bit_length() if v_first else K
+    if K == dims.K and dims.V % 8 == 0:
         return dims
-    return dims._replace(K=round_up(dims.K, 16), V=round_up(dims.V, 16))
+    return dims._replace(K=K, V=round_up(dims.V, 16))
 
 
 def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
@@ -108,6 +111,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                               values=validate.host_checks(), sizes=_head_dims, **extra)
     padded = padded_dims(chk.dims)
     path = choose_path(spec, padded, q.dtype, cu_seqlens is not None)
+    if path == "recurrent":
+        padded = padded_dims(chk.dims, options.state_v_first)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     from . import library
@@ -194,11 +199,11 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
                               values=validate.host_checks(), sizes=_head_dims, **extra, **pool)
-    padded = padded_dims(chk.dims)
+    padded = padded_dims(chk.dims, options.state_v_first)
     if padded != chk.dims and (ssm_state_indices is not None or inplace_final_state):
         raise validate.error(f"a state pool (ssm_state_indices / inplace_final_state) needs "
-                             f"K a multiple of 16 and V of 8, got K={chk.dims.K}, "
-                             f"V={chk.dims.V}")
+                             f"K a multiple of 16 (with state_v_first a power of two) and V "
+                             f"of 8, got K={chk.dims.K}, V={chk.dims.V}")
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}

@@ -466,12 +466,14 @@ def _padded_runs(monkeypatch):
     ("fused_recurrent_gated_delta_rule", "gdn", "scalar", 20, 12, False, 3),
     ("chunk_kda", "kda", "key", 100, 36, False, 70),
     ("fused_recurrent_kda", "kda", "key", 60, 20, True, 1),
+    ("fused_recurrent_kda", "kda", "key", 100, 100, True, 5),
+    ("chunk_kda", "kda", "key", 96, 64, True, 1),
     ("chunk_gla", "gla", "key", 60, 50, False, 70),
     ("chunk_delta_rule", "deltanet", None, 100, 100, False, 70)])
 def test_head_dims_off_the_kernel_multiples_run_zero_padded(cpu_ops, monkeypatch, fn, fam, gate,
                                                             K, V, v_first, T):
-    """K, V that no kernel takes as they are (K not a multiple of 16, or V of 8) run
-    zero-padded to multiples of 16: outputs and final states equal the fp64 reference at
+    """K, V that no kernel takes as they are (K not a multiple of 16, or V of 8; with
+    value-first states in the recurrent kernel, K not a power of two) run zero-padded: outputs and final states equal the fp64 reference at
     the call's own dims (gates in the kernel with per-channel dt_bias, initial states
     either layout, GVA)."""
     ran = _padded_runs(monkeypatch)
@@ -498,7 +500,10 @@ def test_head_dims_off_the_kernel_multiples_run_zero_padded(cpu_ops, monkeypatch
     if "state_v_first" in kw and not kw["state_v_first"]:
         del kw["state_v_first"]
     o, ht = getattr(linattn, fn)(*args, **kw)
-    assert ran == [(-(-K // 16) * 16, -(-V // 16) * 16)], ran
+    Kp, Vp = -(-K // 16) * 16, (V if K % 16 == 0 and V % 8 == 0 else -(-V // 16) * 16)
+    if v_first and (fn.startswith("fused") or T == 1):   # (value-first recurrent: 2^n)
+        Kp = 1 << (Kp - 1).bit_length()
+    assert ran == [(Kp, Vp)], ran
     ro, rht = tr.recurrent_forward(spec, *ref_args, **ref_kw)
     assert o.shape == ro.shape and ht.shape == h0.shape
     _close(o, ro)
