@@ -109,17 +109,17 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=validate.host_checks(), sizes=_head_dims, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     padded = padded_dims(chk.dims)
-    path = choose_path(spec, padded, q.dtype, cu_seqlens is not None)
+    path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None)
     if path == "recurrent":
         padded = padded_dims(chk.dims, options.state_v_first)
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     from . import library
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                         x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
                         spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts)
-    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o,
+    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o.to(q.dtype),
                  ht if output_final_state else None)
 
 
@@ -214,8 +214,8 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                         bool(output_final_state), opts, inplace=bool(inplace_final_state),
                         **pool)
     if inplace_final_state:
-        return o, initial_state
-    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o,
+        return o.to(q.dtype), initial_state
+    return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o.to(q.dtype),
                  ht if output_final_state else None)
 
 
@@ -267,8 +267,12 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
     KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
     exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
     the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
-    (the kernels read them as f32; an in-place one is updated in its dtype), f64 as f32."""
+    (the kernels read them as f32; an in-place one is updated in its dtype), f64 as f32.
+    q, k, v of mixed dtypes (fla's kernels read each as it is): all three in their
+    promoted dtype (an exact upcast; the caller returns o in q's dtype)."""
     import torch
+    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = (t if t.dtype == common else t.to(common) for t in (q, k, v))
 
     def f32(x):
         return x if x is None else (x if x.dtype in (torch.float32, q.dtype)

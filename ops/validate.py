@@ -136,16 +136,17 @@ def check_devices(q, **tensors) -> None:
 
 
 def check_qkv(spec: OpSpec, q, k, v, *, dtypes=INPUT_DTYPES, like=True,
-              contiguous=True) -> Dims:
-    """q, k [B, T, H, K] and v [B, T, HV, V] of one dtype (one of ``dtypes``); with
-    ``like`` on q's device too."""
+              contiguous=True, mixed=False) -> Dims:
+    """q, k [B, T, H, K] and v [B, T, HV, V] of one dtype (one of ``dtypes``; ``mixed``:
+    each of its own, as fla's kernels read them); with ``like`` on q's device too."""
     check_tensor("q", q, dtypes=dtypes, contiguous=contiguous)
     if q.dim() != 4:
         raise shape_error("q", q.shape, "[B, T, H, K]")
     B, T, H, K = q.shape
     ref = q if like else None
-    check_tensor("k", k, like=ref, dtypes=[q.dtype], shape=(B, T, H, K), contiguous=contiguous)
-    check_tensor("v", v, like=ref, dtypes=[q.dtype], shape=(B, T, None, None),
+    same = dtypes if mixed else [q.dtype]
+    check_tensor("k", k, like=ref, dtypes=same, shape=(B, T, H, K), contiguous=contiguous)
+    check_tensor("v", v, like=ref, dtypes=same, shape=(B, T, None, None),
                  contiguous=contiguous)
     HV, V = v.shape[2], v.shape[3]
     spec.check_heads(H, HV)
@@ -367,7 +368,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
     (off while tracing); ``sizes(dims)``: the caller's check of the head dims (the kernel
     path's limits), run before the device check."""
     spec.check_options(options)
-    dims = check_qkv(spec, q, k, v, like=False, contiguous=False)
+    dims = check_qkv(spec, q, k, v, like=False, contiguous=False, mixed=True)
     if g_gamma is not None:
         check_tensor("g_gamma", g_gamma, dtypes=FLOAT_DTYPES[:3], contiguous=False)
         if not _squeezes_to(g_gamma, (dims.HV,)):

@@ -391,8 +391,10 @@ def test_gdn_unsupported_raise():
         linattn.chunk_gated_delta_rule(q, k, v[:, :, :1], g[:, :, :1], beta[:, :, :1])
     with pytest.raises(SpecError, match="q is on cpu"):     # (float32 trains: exact_train)
         linattn.chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta)
-    with pytest.raises(SpecError, match="k has dtype"):
+    with pytest.raises(SpecError, match="q is on cpu"):     # (mixed, q float32: exact_train)
         linattn.chunk_gated_delta_rule(q.float(), k, v, g, beta)
+    with pytest.raises(SpecError, match="backward needs q, k, v in one of float16"):
+        linattn.chunk_gated_delta_rule(q, k.float(), v, g, beta)
 
 
 def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):

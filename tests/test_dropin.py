@@ -316,6 +316,24 @@ def test_float32_inputs_take_the_recurrent_kernel(cpu_ops):
     _close(o, tr.recurrent_forward(get_spec("gdn"), q, k, v, g, beta)[0], 1e-5)
 
 
+def test_mixed_input_dtypes_run_promoted(cpu_ops):
+    """q, k, v of different float dtypes (fla's test: q, k float32, v, beta float16): all
+    three upcast to their promoted dtype (exact), o in q's dtype."""
+    q, k, _, g, beta = inputs(T=70, dtype=F32)
+    v = inputs(T=70)[2].half()
+    o, ht = linattn.fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta.half(),
+                                                     output_final_state=True)
+    assert cpu_ops == [("gdn", "recurrent")] and o.dtype == F32
+    ro, rht = tr.recurrent_forward(get_spec("gdn"), q, k, v.float(), g, beta.half().float())
+    _close(o, ro, 1e-5)
+    _close(ht, rht, 1e-5)
+    qb, kb, vb, gb, _ = inputs(T=70, HV=2)
+    o, _ = linattn.chunk_simple_gla(qb, kb.half(), vb.float(), gb)
+    assert cpu_ops[-1] == ("simple_gla", "recurrent") and o.dtype == BF
+    _close(o, tr.recurrent_forward(get_spec("simple_gla"), qb.float(), kb.half().float(),
+                                   vb.float(), gb, None)[0])
+
+
 def test_non_contiguous_inputs_are_accepted(cpu_ops):
     q, k, v, g, beta = inputs(T=6)
     qt = q.transpose(0, 1).contiguous().transpose(0, 1)
