@@ -24,9 +24,12 @@ from linattn.ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
                       fused_recurrent_gated_delta_rule, fused_recurrent_gdn)
 from linattn.ops.gla import chunk_gla, fused_recurrent_gla  # noqa: F401
 from linattn.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
-from linattn.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn  # noqa: F401
-from linattn.ops.retention import chunk_retention, fused_recurrent_retention  # noqa: F401
-from linattn.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla  # noqa: F401
+from linattn.ops.linear_attn import (chunk_linear_attn, fused_chunk_linear_attn,  # noqa: F401
+                                    fused_recurrent_linear_attn)
+from linattn.ops.retention import (chunk_retention, fused_chunk_retention,  # noqa: F401
+                                  fused_recurrent_retention, parallel_retention)
+from linattn.ops.simple_gla import (chunk_simple_gla, fused_chunk_simple_gla,  # noqa: F401
+                                   fused_recurrent_simple_gla, parallel_simple_gla)
 from linattn.ops import library as _library
 
 _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py

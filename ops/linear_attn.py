@@ -113,3 +113,8 @@ def normalize_output(o, q, k, scale: float, z0=None, cu_seqlens=None):
         z = z.unsqueeze(0)
     denom = (q.float() * scale * z).sum(-1, keepdim=True) + 1e-10
     return (o.float() / denom).to(o.dtype), z_state
+
+
+#: fla's fused_chunk_linear_attn (fla's other algorithm for the same function, the same
+#: arguments)
+fused_chunk_linear_attn = chunk_linear_attn

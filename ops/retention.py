@@ -38,3 +38,23 @@ def fused_recurrent_retention(q, k, v, scale=None, initial_state=None,
     return _ops().fused_recurrent(q, k, v, scale, initial_state, output_final_state,
                                   state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                   cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
+
+
+#: fla's fused_chunk_retention (fla's other algorithm for the same function, the same
+#: arguments)
+fused_chunk_retention = chunk_retention
+
+
+def parallel_retention(q, k, v, scale=None, output_attentions=False, cu_seqlens=None,
+                       **kwargs):
+    """fla's parallel_retention: (o, attn or None), o as chunk_retention's (no state);
+    with ``output_attentions`` (not with cu_seqlens, as fla) also attn [B, H, T, T] f32,
+    scale q_i . k_j gamma_h^(i - j) for j <= i (simple_gla.attention_scores)."""
+    from .build import fixed_gate
+    from .simple_gla import attention_scores
+    if output_attentions and cu_seqlens is not None:
+        raise api.validate.error("output_attentions=True is not supported with cu_seqlens "
+                                 "(as fla)")
+    o, _ = chunk_retention(q, k, v, scale, cu_seqlens=cu_seqlens, **kwargs)
+    return o, attention_scores(q, k, fixed_gate(SPEC, q, v), scale) if output_attentions \
+        else None

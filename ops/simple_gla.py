@@ -71,3 +71,40 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
                          g_gamma=g_gamma, ssm_state_indices=ssm_state_indices,
                          num_accepted_tokens=num_accepted_tokens,
                          inplace_final_state=inplace_final_state)
+
+
+def fused_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, **kwargs):
+    """fla's fused_chunk_simple_gla (fla's other algorithm for the same function):
+    chunk_simple_gla, in fla's argument order."""
+    return chunk_simple_gla(q, k, v, g, g_gamma, scale, initial_state, output_final_state,
+                            cu_seqlens=cu_seqlens, **kwargs)
+
+
+def parallel_simple_gla(q, k, v, g=None, scale=None, output_attentions=False,
+                        cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """fla's parallel_simple_gla: (o, attn or None), o as chunk_simple_gla's (no state);
+    with ``output_attentions`` (not with cu_seqlens, as fla) also the attention scores
+    attn [B, H, T, T] f32 (:func:`attention_scores`)."""
+    if output_attentions and cu_seqlens is not None:
+        raise api.validate.error("output_attentions=True is not supported with cu_seqlens "
+                                 "(as fla)")
+    o, _ = chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens,
+                            cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
+    return o, attention_scores(q, k, g, scale) if output_attentions else None
+
+
+def attention_scores(q, k, g, scale):
+    """The causal scores of the additive rule with a scalar gate, materialized by torch
+    (differentiable): attn[b, h, i, j] = scale q_i . k_j exp(G_i - G_j) for j <= i, else
+    0, with G the running sum of g [B, T, H] over T (None: no decay); f32 [B, H, T, T]."""
+    import torch
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf = (t.float().transpose(1, 2) for t in (q, k))
+    attn = scale * qf @ kf.transpose(-1, -2)
+    T = q.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if g is not None:
+        G = g.float().cumsum(1).transpose(1, 2)
+        attn = attn * (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, -torch.inf).exp()
+    return attn.masked_fill(~causal, 0.0)

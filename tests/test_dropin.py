@@ -642,3 +642,39 @@ def test_transpose_state_layout_is_fla_s_deprecated_name():
     with pytest.raises(ValueError, match="Cannot pass both `state_v_first`"):
         linattn.chunk_gated_delta_rule(q, k, v, g, beta, state_v_first=True,
                                        transpose_state_layout=True)
+
+
+@pytest.mark.parametrize("fn", ["parallel_simple_gla", "parallel_retention"])
+def test_parallel_forms_return_o_and_the_attention_scores(cpu_ops, monkeypatch, fn):
+    """fla's parallel_simple_gla / parallel_retention: o as the chunk function's, and with
+    output_attentions the causal scores attn [B, H, T, T] (f32) with attn @ v == o (both
+    against the fp64 reference); with cu_seqlens the scores are refused, as in fla.
+    (Retention's op has no CPU kernel here: its chunk function is the reference.)"""
+    from linattn.ops import retention
+    from linattn.ops.build import fixed_gate
+    q, k, v, g, _ = inputs(T=40, HV=2, K=64, dtype=F32)
+    monkeypatch.setattr(retention, "chunk_retention", lambda q, k, v, *a, **kw: (
+        tr.recurrent_forward(retention.SPEC, q, k, v, fixed_gate(retention.SPEC, q, v), None)))
+    args = (q, k, v, g) if fn == "parallel_simple_gla" else (q, k, v)
+    o, attn = getattr(linattn, fn)(*args, output_attentions=True)
+    o2, none = getattr(linattn, fn)(*args)
+    assert none is None and torch.equal(o, o2)
+    spec = get_spec("simple_gla") if fn == "parallel_simple_gla" else retention.SPEC
+    gate = g if fn == "parallel_simple_gla" else fixed_gate(retention.SPEC, q, v)
+    ro, _ = tr.recurrent_forward(spec, q, k, v, gate, None)
+    assert attn.shape == (2, 2, 40, 40) and attn.dtype == F32
+    assert torch.equal(attn.triu(1), torch.zeros_like(attn))
+    _close(o, ro, 1e-5)
+    _close((attn.double() @ v.double().transpose(1, 2)).transpose(1, 2), ro, 1e-5)
+    with pytest.raises(SpecError, match="output_attentions=True is not supported with cu"):
+        getattr(linattn, fn)(*(t[:1] for t in args), output_attentions=True,
+                             cu_seqlens=torch.tensor([0, 40]))
+
+
+def test_fused_chunk_forms_are_the_chunk_functions(cpu_ops):
+    q, k, v, g, _ = inputs(T=40, HV=2, K=64)
+    assert linattn.fused_chunk_retention is linattn.chunk_retention
+    assert linattn.fused_chunk_linear_attn is linattn.chunk_linear_attn
+    a = linattn.fused_chunk_simple_gla(q, k, v, g, None, 0.5, None, True)
+    b = linattn.chunk_simple_gla(q, k, v, g, scale=0.5, output_final_state=True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
