@@ -22,6 +22,7 @@ from linattn.ops.build import Ops, build  # noqa: F401
 from linattn.ops.deltanet import chunk_delta_rule, fused_recurrent_delta_rule  # noqa: F401
 from linattn.ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
                       fused_recurrent_gated_delta_rule, fused_recurrent_gdn)
+from linattn.ops.gates import fused_gdn_gate, fused_kda_gate  # noqa: F401
 from linattn.ops.gla import chunk_gla, fused_recurrent_gla  # noqa: F401
 from linattn.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
 from linattn.ops.linear_attn import (chunk_linear_attn, fused_chunk_linear_attn,  # noqa: F401

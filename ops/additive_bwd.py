@@ -446,16 +446,12 @@ def _effective(spec, options: Options, q, k, g, A_log, dt_bias):
     """The l2norm of q, k and the gate's activation -exp(A_log) softplus(g + dt_bias)
     (f32), by torch, so that torch.autograd differentiates them (a user spec's options;
     the kernels then run without them)."""
-    import torch
-    from ..dsl.torch_reference import l2norm, softplus_fla
+    from ..dsl.torch_reference import l2norm
+    from . import gates
     if options.l2norm_qk:
         q, k = (l2norm(x.float()).to(x.dtype) for x in (q, k))
     if options.gate_in_kernel:
-        HV, per_channel = g.shape[2], bool(spec.gate.channels)
-        x = g.float() if dt_bias is None else \
-            g.float() + dt_bias.float().reshape((HV, -1) if per_channel else (HV,))
-        a = torch.exp(A_log.float().reshape(HV))
-        g = -(a.view(HV, 1) if per_channel else a) * softplus_fla(x)
+        g = gates.activate(g, A_log, dt_bias, per_channel=bool(spec.gate.channels))
     return q, k, g
 
 

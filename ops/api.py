@@ -31,7 +31,7 @@ import dataclasses
 from ..codegen.arch import get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
-from . import validate
+from . import gates, validate
 from .padding import pad_heads, round_up, unpad
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
@@ -239,18 +239,6 @@ def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
     return True
 
 
-def lower_bounded_gate(g, A_log, dt_bias, lower_bound):
-    """KDA's lower-bounded gate lower_bound * sigmoid(exp(A_log) (g + dt_bias)) in g's
-    precision (differentiable): g [B, T, HV, K]; A_log HV elements, dt_bias HV * K, each
-    or None."""
-    import torch
-    HV = g.shape[2]
-    x = g if dt_bias is None else g + dt_bias.to(g.dtype).reshape(HV, -1)
-    if A_log is not None:
-        x = torch.exp(A_log.to(g.dtype).reshape(HV, 1)) * x
-    return float(lower_bound) * torch.sigmoid(x)
-
-
 def ones_beta(q, v):
     """fla's missing beta: ones [B, T, HV] in q's dtype."""
     import torch
@@ -287,7 +275,7 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
     a = A_log.reshape(HV).float() if gate_params and A_log is not None else None
     b = dt_bias.reshape(n).float() if gate_params and dt_bias is not None else None
     if gate_params and lower_bound is not None:
-        g = lower_bounded_gate(g.float(), a, b, lower_bound)
+        g = gates.activate(g, a, b, lower_bound, per_channel=True)
         options, a, b = dataclasses.replace(options, gate_in_kernel=False), None, None
     elif gate_params and b is None:
         from .runtime import zeros

@@ -309,18 +309,10 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
     KDA, or its lower_bound * sigmoid(exp(A_log) (g + dt_bias))), beta's sigmoid. (q, k's
     l2norm is the rebuild's and chunk_bwd_key_grads'.)"""
     import torch
-    from ..dsl.torch_reference import softplus_fla
-    from . import api
+    from . import gates
     g_in = g.float()
-    if call.gate_in_kernel and call.lower_bound is not None:     # KDA's lower-bounded gate
-        g_in = api.lower_bounded_gate(g_in, A_log, dt_bias, call.lower_bound)
-    elif call.gate_in_kernel:
-        # per key channel: A_log [HV] -> [HV, 1], dt_bias [HV * K] -> [HV, K]
-        shape = (g.shape[2], -1) if call.keyed else (-1,)
-        x = g_in if dt_bias is None else g_in + dt_bias.float().reshape(shape)
-        a = torch.exp(A_log.float().reshape(g.shape[2], -1) if call.keyed
-                      else A_log.float().reshape(-1))
-        g_in = -a * softplus_fla(x)
+    if call.gate_in_kernel:     # (per key channel: A_log [HV] -> [HV, 1], dt_bias [HV, K])
+        g_in = gates.activate(g_in, A_log, dt_bias, call.lower_bound, per_channel=call.keyed)
     b_in = beta.float()
     if call.beta_sigmoid:
         b_in = torch.sigmoid(b_in) * (2.0 if call.allow_neg_eigval else 1.0)

@@ -23,14 +23,14 @@ def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_stat
     """(o [B, T, HV, V] float32, final state float32 or None) of a float32 call of
     ``spec`` (any rule and gate), differentiable in every tensor input."""
     from ..dsl import torch_reference as tref
-    from . import api, validate
+    from . import gates, validate
     validate.check_call(spec, options, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                         initial_state=initial_state, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu, lower_bound=lower_bound, scale=scale,
                         values=validate.host_checks())
     if options.gate_in_kernel and lower_bound is not None:   # KDA's lower-bounded gate
-        g, A_log, dt_bias = api.lower_bounded_gate(g.double(), A_log, dt_bias, lower_bound), \
-            None, None
+        g = gates.activate(g.double(), A_log, dt_bias, lower_bound, per_channel=True)
+        A_log = dt_bias = None
         options = dataclasses.replace(options, gate_in_kernel=False)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     o, final = tref.chunked_forward(spec, q, k, v, g, beta, options=options,

@@ -678,3 +678,33 @@ def test_fused_chunk_forms_are_the_chunk_functions(cpu_ops):
     a = linattn.fused_chunk_simple_gla(q, k, v, g, None, 0.5, None, True)
     b = linattn.chunk_simple_gla(q, k, v, g, scale=0.5, output_final_state=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_fla_gate_functions():
+    """fused_gdn_gate / fused_kda_gate (fla's standalone gate activations) against the
+    formulas in fp64, with gradients for g, A_log, dt_bias; one-line errors for bad
+    shapes."""
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    g, A, b = r(2, 7, 3), r(3), r(3)
+    sp = lambda x: torch.log1p(torch.exp(x))  # noqa: E731
+    got = linattn.fused_gdn_gate(g.bfloat16(), A.float(), b.float(), output_dtype=BF)
+    assert got.dtype == BF and got.shape == g.shape
+    _close(got, -torch.exp(A) * sp(g.bfloat16().double() + b), 1e-2)
+    gk, bk = r(2, 7, 3, 8), r(24)
+    ref = -torch.exp(A).view(3, 1) * sp(gk + bk.view(3, 8))
+    leaves = [t.float().requires_grad_() for t in (gk, A, bk)]
+    out = linattn.fused_kda_gate(*leaves)
+    assert out.dtype == F32
+    _close(out, ref, 1e-6)
+    out.sum().backward()
+    refs = [t.clone().requires_grad_() for t in (gk, A, bk)]
+    (-torch.exp(refs[1]).view(3, 1) * sp(refs[0] + refs[2].view(3, 8))).sum().backward()
+    for got_t, ref_t in zip(leaves, refs):
+        _close(got_t.grad, ref_t.grad, 1e-5)
+    low = linattn.fused_kda_gate(gk, None, bk, lower_bound=-5.0)
+    _close(low, -5.0 * torch.sigmoid(gk + bk.view(3, 8)), 1e-6)
+    with pytest.raises(SpecError, match="dt_bias must have 24 elements"):
+        linattn.fused_kda_gate(gk, A, b)
+    with pytest.raises(SpecError, match="needs A_log"):
+        linattn.fused_kda_gate(gk)
