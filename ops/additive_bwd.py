@@ -45,7 +45,7 @@ import numpy as np
 from ..codegen.arch import get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
-from . import chunk, exact_train, padding, runtime
+from . import chunk, exact_train, padding, runtime, split, validate
 
 ARCH = "sm90"
 CHUNK = 64
@@ -465,6 +465,16 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
                                  initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
+    if split.wide_keys(spec, options, q):      # (every argument checked before the blocks)
+        validate.check_call(spec, options, q, k, v, g, None, initial_state=initial_state,
+                            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                            scale=scale, values=validate.host_checks())
+
+        def block(q, k, g, initial_state, scale):
+            return train(spec, options, q, k, v, g, scale, initial_state, output_final_state,
+                         cu_seqlens, cu_seqlens_cpu)
+        return split.by_key_blocks(spec, block, q, k, g, initial_state, scale,
+                                   options.state_v_first)
     check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens, A_log)
     q, k, g = _effective(spec, options, q, k, g, A_log, dt_bias)
     K, V, vf = q.shape[-1], v.shape[-1], options.state_v_first

@@ -31,7 +31,7 @@ import dataclasses
 from ..codegen.arch import get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
-from . import gates, validate
+from . import gates, split, validate
 from .padding import pad_heads, round_up, unpad
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
@@ -106,9 +106,19 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    wide = split.wide_keys(spec, options, q)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
-                              values=validate.host_checks(), sizes=_head_dims, **extra)
+                              values=validate.host_checks(),
+                              sizes=None if wide else _head_dims, **extra)
+    if wide:
+        def block(q, k, g, initial_state, scale):
+            return forward(spec, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, options=options,
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                           g_gamma=g_gamma)
+        return split.by_key_blocks(spec, block, q, k, g, initial_state, scale,
+                                   options.state_v_first)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
     padded = padded_dims(chk.dims)
     path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None)
@@ -195,10 +205,21 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    wide = (split.wide_keys(spec, options, q) and ssm_state_indices is None
+            and not inplace_final_state)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
-                              values=validate.host_checks(), sizes=_head_dims, **extra, **pool)
+                              values=validate.host_checks(),
+                              sizes=None if wide else _head_dims, **extra, **pool)
+    if wide:
+        def block(q, k, g, initial_state, scale):
+            return recurrent(spec, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, options=options,
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                             g_gamma=g_gamma, beta_ones=beta_ones)
+        return split.by_key_blocks(spec, block, q, k, g, initial_state, scale,
+                                   options.state_v_first)
     padded = padded_dims(chk.dims, options.state_v_first)
     if padded != chk.dims and (ssm_state_indices is not None or inplace_final_state):
         raise validate.error(f"a state pool (ssm_state_indices / inplace_final_state) needs "

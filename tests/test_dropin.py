@@ -708,3 +708,61 @@ def test_fla_gate_functions():
         linattn.fused_kda_gate(gk, A, b)
     with pytest.raises(SpecError, match="needs A_log"):
         linattn.fused_kda_gate(gk)
+
+
+@pytest.mark.parametrize("fn, K, v_first", [("chunk_gla", 320, False),
+                                            ("fused_recurrent_gla", 300, True),
+                                            ("chunk_simple_gla", 520, False),
+                                            ("chunk_linear_attn", 272, False)])
+def test_additive_keys_past_256_run_in_key_blocks(cpu_ops, fn, K, v_first):
+    """The additive rule with K > 256 (fla's GLA tests: 320, 512): the sum of calls on key
+    blocks (each key channel's state row is independent), the scale K^-0.5 of the whole
+    call: o and the final state against the fp64 reference at the call's own K."""
+    spec = get_spec({"chunk_gla": "gla", "fused_recurrent_gla": "gla"}.get(fn, fn[6:]))
+    q, k, v, g, _ = inputs(T=70, HV=2, K=K, V=32, gate="key" if spec.gate.value == "key"
+                           else "scalar")
+    h0 = torch.randn(2, 2, K, 32)
+    kw = dict(initial_state=h0.transpose(-1, -2) if v_first else h0, output_final_state=True)
+    if v_first:
+        kw["state_v_first"] = True
+    if fn == "chunk_linear_attn":
+        kw["normalize"] = False
+    args = (q, k, v) if spec.gate.value == "none" else (q, k, v, g)
+    o, ht = getattr(linattn, fn)(*args, **kw)
+    assert len(cpu_ops) == -(-K // 256)
+    ro, rht = tr.recurrent_forward(spec, q, k, v, g if len(args) == 4 else None, None,
+                                   initial_state=h0)
+    _close(o, ro)
+    _close(ht.transpose(-1, -2) if v_first else ht, rht)
+
+
+def test_additive_keys_past_256_train_in_key_blocks(cpu_ops, monkeypatch):
+    """Training by key blocks: the autograd Function replaced by the differentiable fp64
+    recurrence, so o, the final state and every gradient of chunk_gla at K = 320 against
+    torch autograd of the whole call's recurrence (scale, state rows, gate slices)."""
+    from linattn.ops import additive_bwd
+    spec = get_spec("gla")
+
+    blocks = []
+
+    def fake(call, q, k, v, g, h0):
+        blocks.append(q.shape[-1])
+        o, ht = tr.recurrent_forward(call.spec, q, k, v, g, None, scale=call.scale,
+                                     initial_state=h0)
+        return o.to(q.dtype), ht.float()
+    monkeypatch.setattr(additive_bwd.ChunkAdditiveFunction, "apply", fake)
+    q, k, v, g, _ = inputs(T=40, HV=2, K=320, V=32, gate="key")
+    x = dict(q=q, k=k, v=v, g=g, initial_state=torch.randn(2, 2, 320, 32))
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = linattn.chunk_gla(**leaves, output_final_state=True)
+    assert blocks == [160, 160]
+    do, dht = torch.randn_like(o.float()), torch.randn_like(ht)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref["g"], None,
+                                   initial_state=ref["initial_state"])
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    _close(o, ro)
+    _close(ht, rht, 1e-5)
+    for n, t in leaves.items():
+        _close(t.grad, ref[n].grad)
