@@ -30,9 +30,9 @@ def chunk_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_stat
     per value channel, S <- S diag(exp(gv)) + k v^T (g and gv together are not supported).
 
     Differentiable (ops/additive_bwd.py) when any of q, k, v, g (gv), initial_state
-    requires grad: gradients for all five, from o's and final_state's (f16 / bf16; K, V
-    multiples of 16, K <= 256, V <= 512, with gv V <= 256: its backward is the key gate's
-    on the transposed state; anything else raises SpecError).
+    requires grad: gradients for all five, from o's and final_state's (f16 / bf16; V <=
+    512, with gv V <= 256: its backward is the key gate's on the transposed state; K > 256
+    in key blocks, ops/split.py; anything else raises SpecError).
     """
     opts = api.fla_options(state_v_first=state_v_first, kwargs=kwargs)
     from . import additive_bwd
