@@ -24,7 +24,7 @@ from linattn.ops.gdn import (chunk_gated_delta_rule, chunk_gdn,  # noqa: F401
                       fused_recurrent_gated_delta_rule, fused_recurrent_gdn)
 from linattn.ops.gates import fused_gdn_gate, fused_kda_gate  # noqa: F401
 from linattn.ops.gla import chunk_gla, fused_recurrent_gla  # noqa: F401
-from linattn.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: F401
+from linattn.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd  # noqa: F401
 from linattn.ops.linear_attn import (chunk_linear_attn, fused_chunk_linear_attn,  # noqa: F401
                                     fused_recurrent_linear_attn)
 from linattn.ops.retention import (chunk_retention, fused_chunk_retention,  # noqa: F401

@@ -105,3 +105,29 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None,
                          ssm_state_indices=ssm_state_indices,
                          num_accepted_tokens=num_accepted_tokens,
                          inplace_final_state=inplace_final_state)
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                            scale=None, output_final_state=False, inplace_final_state=True,
+                            state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                            num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                            allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+    """fla's fused_recurrent_kda_fwd (the serving entry vLLM calls): fused_recurrent_kda
+    with fla's order and defaults (inplace_final_state=True: initial_state is the state
+    pool, updated in place and returned); ``out``, a tensor of v's shape and dtype, takes
+    o. Not differentiable."""
+    import torch
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != getattr(v, "shape", None) or (
+                out.dtype != v.dtype):
+            raise api.validate.error(f"out must be a tensor of v's shape and dtype, got "
+                                     f"{api.validate.describe(out)}")
+    with torch.no_grad():
+        o, ht = fused_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            inplace_final_state=inplace_final_state, **kwargs)
+    return (o if out is None else out.copy_(o)), ht

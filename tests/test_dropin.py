@@ -766,3 +766,32 @@ def test_additive_keys_past_256_train_in_key_blocks(cpu_ops, monkeypatch):
     _close(ht, rht, 1e-5)
     for n, t in leaves.items():
         _close(t.grad, ref[n].grad)
+
+
+def test_fused_recurrent_kda_fwd_decodes_on_a_pool_in_place(cpu_ops):
+    """fla's fused_recurrent_kda_fwd as vLLM calls it (fla's own test, small): one token
+    per sequence, cu_seqlens, a pool whose unnamed slots hold 1e30, inplace_final_state by
+    default, o written into ``out``: o and the named slots against a loop of the fp64
+    recurrence, the other slots untouched."""
+    B, H, D = 5, 2, 32
+    gen = torch.Generator().manual_seed(9)
+    pool = torch.full((3 * B, H, D, D), 1e30)
+    slots = torch.randperm(3 * B, generator=gen)[:B].int()
+    pool[slots.long()] = torch.randn(B, H, D, D, generator=gen)
+    q, k, v, g, beta = inputs(B=1, T=B, H=H, HV=H, K=D, V=D, gate="key")
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    want = pool.clone()
+    out = torch.empty_like(v)
+    o, ht = linattn.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, scale=0.5,
+                                            cu_seqlens=cu, ssm_state_indices=slots, out=out)
+    assert o is out and ht is pool
+    for i in range(B):
+        s = int(slots[i])
+        ro, rht = tr.recurrent_forward(get_spec("kda"), *(t[:, i:i + 1] for t in (q, k, v, g, beta)),
+                                       scale=0.5, initial_state=want[s:s + 1])
+        _close(o[:, i:i + 1], ro)
+        want[s] = rht[0].float()
+    _close(pool[slots.long()], want[slots.long()], 1e-5)
+    rest = torch.ones(3 * B, dtype=torch.bool)
+    rest[slots.long()] = False
+    assert torch.equal(pool[rest], want[rest])
