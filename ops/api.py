@@ -317,6 +317,8 @@ def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
     of fla's values for the function (``chunk_sizes``; None: a fused_recurrent call, which
     ignores it as fla does), the rest must be no-ops."""
     kwargs = dict(kwargs or {})
+    if "state_v_first" in kwargs:      # (a function without the parameter: chunk_delta_rule)
+        state_v_first = bool(kwargs.pop("state_v_first")) or state_v_first
     if "transpose_state_layout" in kwargs:      # fla's rules for its old name
         if state_v_first:
             raise validate.error("Cannot pass both `state_v_first` and the deprecated "

@@ -172,6 +172,13 @@ def _make_function():
     return _ChunkDeltaRule
 
 
+def wide_heads(q, v) -> bool:
+    """A 16-bit call whose K or V the backward kernels do not take (past HEAD_DIMS): it
+    trains on ops/exact_train.py's exact torch path instead (correct, at torch's speed)."""
+    return (getattr(q, "dim", lambda: 0)() == 4 and getattr(v, "dim", lambda: 0)() == 4
+            and max(q.shape[-1], v.shape[-1]) > HEAD_DIMS[-1])
+
+
 def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, g=None,
                     spec=None):
     """Raise SpecError for what the backward does not support (never a wrong gradient).
@@ -361,7 +368,7 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
     checked, then the autograd Function. Returns (o, final_state or None)."""
     if opts.gate_in_kernel and A_log is None and lower_bound is None:
         raise SpecError("use_gate_in_kernel=True needs A_log")
-    if exact_train.is_float32(q):
+    if exact_train.is_float32(q) or wide_heads(q, v):
         return exact_train.train(spec, opts, q, k, v, g, beta, scale=scale,
                                  initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,

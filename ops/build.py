@@ -191,9 +191,10 @@ def _train(spec: OpSpec, opts, q, k, v, beta, a: dict):
     """A differentiable call of a DeltaNet-like spec: DeltaNet's autograd Function, at
     the scale this spec gives."""
     from . import autograd, deltanet
-    autograd.check_trainable(q, k, v, beta, a["initial_state"], opts, a["cu_seqlens"])
+    if not autograd.wide_heads(q, v):      # (wide ones train exactly in torch)
+        autograd.check_trainable(q, k, v, beta, a["initial_state"], opts, a["cu_seqlens"])
     return deltanet.chunk_delta_rule(
         q, k, v, beta, scale=spec.scale_for(q.shape[-1], a["scale"]),
         initial_state=a["initial_state"], output_final_state=a["output_final_state"],
-        use_qk_l2norm_in_kernel=opts.l2norm_qk, transpose_state_layout=opts.state_v_first,
+        use_qk_l2norm_in_kernel=opts.l2norm_qk, state_v_first=opts.state_v_first,
         cu_seqlens=a["cu_seqlens"], cu_seqlens_cpu=a["cu_seqlens_cpu"])

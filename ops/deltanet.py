@@ -29,7 +29,7 @@ def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final
     from . import autograd
     if autograd.needs_grad(q, k, v, beta, initial_state):
         from . import exact_train
-        if exact_train.is_float32(q):
+        if exact_train.is_float32(q) or autograd.wide_heads(q, v):
             return exact_train.train(SPEC, opts, q, k, v, None, beta, scale=scale,
                                      initial_state=initial_state,
                                      output_final_state=output_final_state,

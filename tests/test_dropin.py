@@ -795,3 +795,31 @@ def test_fused_recurrent_kda_fwd_decodes_on_a_pool_in_place(cpu_ops):
     rest = torch.ones(3 * B, dtype=torch.bool)
     rest[slots.long()] = False
     assert torch.equal(pool[rest], want[rest])
+
+
+@pytest.mark.parametrize("fn, fam", [("chunk_kda", "kda"), ("chunk_delta_rule", "deltanet"),
+                                     ("fused_recurrent_gated_delta_rule", "gdn")])
+def test_delta_rule_training_past_the_kernels_head_dims_is_exact(cpu_ops, fn, fam):
+    """16-bit delta-rule training with K or V past the backward kernels' 128 (fla's KDA
+    test: 256) runs the exact torch path (ops/exact_train.py): o, the final state and
+    every gradient against torch autograd of the fp64 token recurrence."""
+    spec = get_spec(fam)
+    HV = 2 if fam == "deltanet" else 4
+    q, k, v, g, beta = inputs(B=1, T=40, H=2, HV=HV, K=160, V=144, gate="key" if fam == "kda"
+                              else "scalar")
+    x = dict(q=q, k=k, v=v, initial_state=torch.randn(1, HV, 160, 144), beta=beta[..., :HV])
+    if fam != "deltanet":
+        x["g"] = g
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    o, ht = getattr(linattn, fn)(**leaves, output_final_state=True)
+    assert o.dtype == BF
+    do, dht = torch.randn_like(o.float()), torch.randn_like(ht)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref.get("g"),
+                                   ref["beta"], initial_state=ref["initial_state"])
+    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
+    _close(o, ro)
+    _close(ht, rht, 1e-4)
+    for n, t in leaves.items():
+        _close(t.grad, ref[n].grad)
