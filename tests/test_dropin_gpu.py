@@ -258,17 +258,23 @@ def test_float32_training(fn, fam):
     x = dict(q=q, k=k, v=v, initial_state=torch.randn(1, HV, 60, 32, device="cuda"))
     x.update(dict(g=g, beta=beta) if fam == "gdn" else dict(g=g) if fam == "gla"
              else dict(beta=beta[..., :HV]))
+    _trains_as_the_reference(getattr(linattn, fn), spec, x, 1e-5)
+
+
+def _trains_as_the_reference(fn, spec, x: dict, tol, **kw):
+    """fn(**x, **kw) with every tensor of x a leaf: o, the final state and every gradient
+    (under random do, dht) against torch autograd of the fp64 token recurrence."""
     leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, ht = getattr(linattn, fn)(**leaves, output_final_state=True)
+    o, ht = fn(**leaves, output_final_state=True, **kw)
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     ((o * do).sum() + (ht * dht).sum()).backward()
     ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref.get("g"),
                                    ref.get("beta"), initial_state=ref["initial_state"])
     ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
-    assert _rel(o, ro) < 1e-5 and _rel(ht, rht) < 1e-5
+    assert _rel(o, ro) < tol and _rel(ht, rht) < tol
     for n, t in leaves.items():
-        assert _rel(t.grad, ref[n].grad) < 1e-5, n
+        assert _rel(t.grad, ref[n].grad) < tol, n
 
 
 @pytest.mark.parametrize("fn, fam, size", [("chunk_gated_delta_rule", "gdn", 16),
@@ -284,17 +290,7 @@ def test_fla_chunk_sizes_train_against_the_reference(fn, fam, size):
     x = dict(q=q, k=k, v=v, initial_state=torch.randn(1, HV, 64, 64, device="cuda"))
     x.update(dict(g=g, beta=beta) if fam in ("gdn", "kda") else dict(beta=beta[..., :HV])
              if fam == "deltanet" else dict(g=g[..., :HV]))
-    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, ht = getattr(linattn, fn)(**leaves, output_final_state=True, chunk_size=size)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    ((o * do).sum() + (ht * dht).sum()).backward()
-    ref = {n: t.detach().double().requires_grad_() for n, t in x.items()}
-    ro, rht = tr.recurrent_forward(spec, ref["q"], ref["k"], ref["v"], ref.get("g"),
-                                   ref.get("beta"), initial_state=ref["initial_state"])
-    ((ro * do.double()).sum() + (rht * dht.double()).sum()).backward()
-    assert _rel(o, ro) < TOL and _rel(ht, rht) < TOL
-    for n, t in leaves.items():
-        assert _rel(t.grad, ref[n].grad) < TOL, n
+    _trains_as_the_reference(getattr(linattn, fn), spec, x, TOL, chunk_size=size)
 
 
 @pytest.mark.parametrize("v_first, varlen", [(False, False), (True, True)])
