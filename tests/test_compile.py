@@ -123,6 +123,9 @@ PLAN_CASES = [
     # a training backward's recompute of the states (GLA-1.3B's heads, 4 x 4k)
     ("gla", dict(H=4, HV=4, K=256, V=512, seq_chunks=(64,) * 4, return_states=True,
                  states_only=True), {}),
+    # V not a multiple of 32: the per-key prepare's u panels (16 wide failed on sm_90a)
+    ("kda", dict(H=8, HV=8, K=128, V=48, seq_chunks=(16,)), {}),
+    ("kda", dict(H=4, HV=4, K=64, V=208, seq_chunks=(8,), save_states=True), {}),
 ]
 
 
@@ -176,3 +179,19 @@ def test_value_gate_plan_launches_compile():
     assert p.name == "three-stage-split"
     for la in p.launches:
         _check(compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH))
+
+
+@pytest.mark.parametrize("K, V, HV, N, state_dtype", [(96, 96, 8, 16, "float32"),
+                                                      (192, 192, 16, 4, "float32"),
+                                                      (160, 128, 8, 64, "bfloat16")])
+def test_recurrent_tuning_compiles_at_head_dims_off_powers_of_two(K, V, HV, N, state_dtype):
+    """The arch's recurrent tile for K = 96, 160, 192 (a K-reduction over 3 / 5 / 6 warps
+    failed TileLang's power-of-two all-reduce) compiles."""
+    from linattn.codegen.arch import get_arch
+    from linattn.ops import runtime
+    from linattn.ops.registry import get_spec
+    problem = dict(H=HV, HV=HV, K=K, V=V, dtype="bfloat16", state_dtype=state_dtype)
+    params = dict(problem, **get_arch(ARCH).tuning("recurrent", problem, {"N": N}))
+    print(params)
+    _check(compile_stage(runtime.stage_module(get_spec("gdn"), "recurrent", ARCH), params,
+                         ARCH))

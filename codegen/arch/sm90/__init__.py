@@ -39,8 +39,8 @@ def recurrent_layout_ok(K: int, V: int, block_v: int, threads: int, vec: int, wa
     if state_v_first:
         lanes_k = max(x for x in (1, 2, 4, 8, 16, 32) if (K // vec) % x == 0)
         return block_v % (threads // lanes_k) == 0
-    warps = threads // 32
-    if warps % warps_k or block_v % (vec * (warps // warps_k)):
+    warps = threads // 32       # (the K-reduction over warps_k warps: a power of two)
+    if warps % warps_k or not pow2(warps_k) or block_v % (vec * (warps // warps_k)):
         return False
     lanes_v = block_v // (vec * (warps // warps_k))
     return pow2(lanes_v) and lanes_v <= 32 and K % ((32 // lanes_v) * warps_k) == 0
@@ -89,8 +89,9 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
             and recurrent_layout_ok(K, V, 64, 128, 4, 1, False)):
         return {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
     per_thread = 64 if block_v == 64 and item == 2 else 32
+    threads = max(32, min(256, K * block_v // per_thread))
+    threads = 1 << (threads.bit_length() - 1)      # (K = 96, 160, 192: 64, 128 threads)
     for vec in (16 // item, 4, 2, 1):
-        threads = max(32, min(256, K * block_v // per_thread))
         warps_k = 1 if v_first else threads // 32
         if recurrent_layout_ok(K, V, block_v, threads, vec, warps_k, v_first):
             return {"block_v": block_v, "threads": threads, "vec": vec, "warps_k": warps_k}

@@ -73,7 +73,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     """
     BT = CHUNK
     BK = block_k or _block(K)
-    BV = _block(V)
+    # u's value panels: a 16-wide panel is no wgmma B layout (sm_90a compile: "Not a
+    # canonical GMMA_MN layout"), so V % 32 != 0 takes 32-wide panels, the last one cut
+    BV = _block(V) if V % 32 == 0 else 32
+    cut_v = V % BV != 0
     assert threads in (128, 256), threads
     assert K % BK == 0 and BK % 16 == 0, (K, BK)
     assert diag in (4, 8) and BT % (2 * diag) == 0, diag

@@ -102,7 +102,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     """
     BT = CHUNK
     BK = block_k or _block(K)
-    BV = _block(V)
+    # u's value panels: a 16-wide panel is no wgmma B layout (sm_90a compile: "Not a
+    # canonical GMMA_MN layout"), so V % 32 != 0 takes 32-wide panels, the last one cut
+    BV = _block(V) if V % 32 == 0 else 32
+    cut_v = V % BV != 0
     assert threads in (128, 256), threads
     assert K % BK == 0 and BK % 16 == 0, (K, BK)
     assert diag in (4, 8) and BT % (2 * diag) == 0, diag
@@ -296,15 +299,28 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             # u = X (beta v), per value panel
             vb_s = T.alloc_shared((BT, BV), dtype)
             u_f = T.alloc_fragment((BT, BV), f32)
-            for pv in T.serial(V // BV):
+            for pv in T.serial(-(-V // BV)):
                 v0 = pv * BV
-                for i, j in T.Parallel(BT, BV):
-                    vb_s[i, j] = T.if_then_else(
-                        i < rows, T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i], dtype),
-                        T.cast(0, dtype))
+                if cut_v:
+                    for i, j in T.Parallel(BT, BV):
+                        vb_s[i, j] = T.if_then_else(
+                            i < rows and v0 + j < V,
+                            T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i], dtype),
+                            T.cast(0, dtype))
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        vb_s[i, j] = T.if_then_else(
+                            i < rows, T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i],
+                                             dtype),
+                            T.cast(0, dtype))
                 T.gemm(x_lp, vb_s, u_f, clear_accum=True)
-                for i, j in T.Parallel(BT, BV):
-                    if i < rows:
-                        u[t0 + i, hv, v0 + j] = T.cast(u_f[i, j], dtype)
+                if cut_v:
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows and v0 + j < V:
+                            u[t0 + i, hv, v0 + j] = T.cast(u_f[i, j], dtype)
+                else:
+                    for i, j in T.Parallel(BT, BV):
+                        if i < rows:
+                            u[t0 + i, hv, v0 + j] = T.cast(u_f[i, j], dtype)
 
     return chunk_prepare
