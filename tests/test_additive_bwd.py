@@ -567,7 +567,7 @@ def test_no_grad_and_refusals(monkeypatch):
     with pytest.raises(SpecError, match="q is on cpu"):   # (float32 trains: exact_train)
         gla.chunk_gla(x.float(), x.float(), x.float(), g)
     y = torch.zeros(1, 70, 2, 272, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(SpecError, match="K up to 256"):
+    with pytest.raises(SpecError, match="q is on cpu"):   # (K past 256: key blocks, split)
         linear_attn.chunk_linear_attn(y, y, x)
     w = torch.zeros(1, 70, 2, 528, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(SpecError, match="V up to 512"):
