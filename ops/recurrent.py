@@ -76,12 +76,12 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
                                          cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
                                          state_dtype, scale, **pool)
     in_pool = ssm_state_indices is not None
-    new = torch.zeros if in_pool else torch.empty      # skipped sequences: o rows zero
-    o = new(dims.B, dims.T, dims.HV, dims.V, dtype=q.dtype, device=q.device)
+    o = torch.empty(dims.B, dims.T, dims.HV, dims.V, dtype=q.dtype, device=q.device)
     ht = initial_state if inplace_final_state else (
         torch.empty(validate.state_shape(N, dims, options.state_v_first), dtype=state_dtype,
                     device=q.device) if output_final_state else None)
     if q.numel() == 0 or o.numel() == 0 or N == 0:
+        o.zero_()
         if ht is not None and not inplace_final_state:
             ht.copy_(_start_states(initial_state, N, **pool) if initial_state is not None
                      else torch.zeros_like(ht))

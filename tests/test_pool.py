@@ -136,7 +136,7 @@ def test_pool_arguments_match_kernel_signature(fake_kernels, case):
     else:
         assert ht.shape == (3, 4, 32, 16) and ht.dtype == F32
         assert params.get("h0_dtype", "float32") == str(pool_dtype).replace("torch.", "")
-    assert torch.equal(o, torch.zeros_like(o))       # pool calls start from zeros (skips)
+    assert any(a is o for a in args)     # the kernel writes every o row (skips: zeros)
 
 
 def test_pool_checks():

@@ -22,8 +22,8 @@ Shapes (B, T, N dynamic: one compile serves every batch and length):
 A state pool (state_pool, fla's continuous batching): h0 holds P states [P, HV, K, V]
 and sequence n starts from slot slots[n] ([N]) or slots[n, c] ([N, S] with
 slots_per_token; c = accepted[n] - 1 with accepted_tokens, else 0). A slot outside
-[0, P) is padding: the sequence is skipped (no o rows written, no state read or
-written). With ``inplace`` ht is h0 (the same tensor): the final state goes back to
+[0, P) is padding: the sequence is skipped (its o rows written as zeros, no state read
+or written). With ``inplace`` ht is h0 (the same tensor): the final state goes back to
 slot slots[n] ([N]) or, per token, the state after token t to slots[n, t] ([N, S]);
 without a pool, to row n. Every slot not named is never read or written.
 Arguments a call does not use (h0 without an initial state, ht without a final state,
@@ -273,6 +273,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 else:
                     slot = T.cast(slots[i_n], "int32")
                 live = T.And(slot >= 0, slot < P)
+                if not live:        # skipped: its o rows are zeros (o is not pre-filled)
+                    for t in T.serial(seq_len):
+                        for j in T.Parallel(BV):
+                            o[i_b, bos + t, i_hv, v0 + j] = T.cast(0.0, dtype)
                 seq_len = T.if_then_else(live, seq_len, 0)
                 row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
                 for i, j in T.Parallel(K, BV):
