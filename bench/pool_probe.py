@@ -130,8 +130,8 @@ def main():
                    untouched_equal=bool(torch.equal(
                        p_ours[~torch.isin(torch.arange(P, device="cuda"), slots)],
                        pool[~torch.isin(torch.arange(P, device="cuda"), slots)])))
-        rec["ours_ms"] = device_times(lambda: ours(x, idx, acc, p_ours))[0]
-        rec["fla_ms"] = device_times(lambda: fla(x, idx, acc, p_fla))[0]
+        rec["ours_ms"], rec["ours_kernels"], _ = device_times(lambda: ours(x, idx, acc, p_ours))
+        rec["fla_ms"], rec["fla_kernels"], _ = device_times(lambda: fla(x, idx, acc, p_fla))
         rec["speedup"] = rec["fla_ms"] / rec["ours_ms"]
         rec["copy_ms"] = copy_floor(pool[:N].numel() * (1 + T) // 2)   # N read, N * T written
         if args.sweep:
@@ -148,6 +148,9 @@ def main():
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
               f"{r['copy_ms']:8.4f} "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
+        for who in ("ours", "fla"):
+            print(f"   {who} kernels: " + ", ".join(f"{k} {v * 1e3:.1f} us"
+                                                  for k, v in r[f"{who}_kernels"].items()))
         for c in sorted((c for c in r.get("sweep", []) if c.get("ms")), key=lambda c: c["ms"])[:4]:
             print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
         for c in r.get("variants", []):
