@@ -45,7 +45,9 @@ CANDIDATES = [dict(block_v=bv, threads=th, vec=vec, warps_k=wk) for bv, th, vec,
     (32, 128, 4, 1), (32, 128, 4, 4), (32, 128, 8, 4), (32, 128, 4, 2), (16, 64, 4, 2),
     (16, 64, 8, 2), (64, 256, 4, 4), (64, 256, 8, 8), (64, 128, 8, 4), (32, 64, 4, 2),
     (8, 32, 4, 1), (8, 32, 8, 1), (32, 128, 8, 1), (16, 64, 8, 1), (32, 64, 8, 1),
-    (64, 256, 8, 1), (64, 128, 4, 1))]
+    (64, 256, 8, 1), (64, 128, 4, 1),
+    # one warp, 16 value columns, 64 state values a thread (TileOPs' raw decode kernel's map)
+    (16, 32, 4, 1), (16, 32, 2, 1), (16, 32, 1, 1))]
 
 
 def key(row):
@@ -58,13 +60,21 @@ def row_dims(row):
     return q[-1], v[-1], bool(row.options.get("state_v_first"))
 
 
-def configs_for(row, sweep: bool, limit: int):
-    """[None (the arch table)] + up to `limit` valid candidate knob dicts."""
+_CONFIGS = []        # --configs's knob dicts (main sets them)
+
+
+def configs_for(row, sweep: bool, limit: int, candidates=None):
+    """[None (the arch table)] + up to `limit` valid candidate knob dicts (CANDIDATES, or
+    --configs's: a dict without the four tile knobs keeps the table's tile)."""
     out = [None]
     if not sweep:
         return out
     K, V, vf = row_dims(row)
-    for c in CANDIDATES:
+    tile = ("block_v", "threads", "vec", "warps_k")
+    for c in candidates or _CONFIGS or CANDIDATES:
+        if not all(t in c for t in tile):
+            out.append(c)
+            continue
         if vf and c["warps_k"] != 1:
             continue
         if recurrent_layout_ok(K, V, c["block_v"], c["threads"], c["vec"], c["warps_k"], vf):
@@ -167,7 +177,7 @@ def summary_line(rec):
     line += f" best {fmt(best['ms'] if best else None)} us fla {fmt(fla)} target {fmt(target)}"
     if best and best["tuning"] != "table":
         t = best["tuning"]
-        line += f"  [bv{t['block_v']} th{t['threads']} vec{t['vec']} wk{t['warps_k']}]"
+        line += "  [" + " ".join(f"{k}={v}" for k, v in t.items()) + "]"
     bad = [c for c in rec["configs"] if not c.get("ok", True) or "error" in c]
     if bad:
         line += f"  {len(bad)} FAILED: {(bad[0].get('error') or bad[0].get('msg'))[:120]}"
@@ -182,8 +192,14 @@ def main(argv=None):
     ap.add_argument("--budget-ms", type=float, default=40.0, help="timer budget per config")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting rows after")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--configs", nargs="*", default=None,
+                    help='sweep every selected row over these knobs instead, e.g. '
+                         '"block_v=16,threads=32,vec=4,warps_k=1" "v_fastest=1"')
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.configs:
+        _CONFIGS[:] = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))}
+                       for c in a.configs]
     out = a.out or os.path.join(os.environ.get("OUT_DIR") or os.environ.get("OUT") or ".",
                                 "decode_probe.json")
     t_start = time.time()
@@ -191,7 +207,8 @@ def main(argv=None):
     if a.rows:
         globs = a.rows.split(",")
         rows = [r for r in rows if any(fnmatch.fnmatchcase(key(r), g) for g in globs)]
-    sweep_of = {key(r): a.sweep and any(fnmatch.fnmatchcase(key(r), g) for g in SWEEP_ROWS)
+    sweep_of = {key(r): bool(a.configs) or (a.sweep and any(fnmatch.fnmatchcase(key(r), g)
+                                                             for g in SWEEP_ROWS))
                 for r in rows}
     with_fla = not a.no_fla
     if with_fla:
