@@ -194,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--configs", nargs="*", default=None,
                     help='sweep every selected row over these knobs instead, e.g. '
-                         '"block_v=16,threads=32,vec=4,warps_k=1" "v_fastest=1"')
+                         '"block_v=16,threads=32,vec=4,warps_k=1"')
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.configs:

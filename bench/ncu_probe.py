@@ -10,7 +10,7 @@ Workloads: bench/walk_probe.py's CASES; --config forces a plan choice as there.
 --gla-bwd B T H K V: instead, one GLAChunkBwd call of that shape (bench/gla_bwd_probe.py's
 inputs; the default backward plan).
 --pool NAME ...: instead, pool decode (bench/pool_probe.py's cases), ours and fla's, each on
-its own copy of the pool; --knobs "v_fastest=1" ...: ours also with those tuning knobs."""
+its own copy of the pool; --knobs "block_v=16,threads=64" ...: ours also with those tuning knobs."""
 import argparse
 import dataclasses
 import os
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--gla-bwd", nargs=5, type=int, default=None, metavar=("B", "T", "H", "K", "V"))
     ap.add_argument("--pool", nargs="*", default=None, help="pool_probe case names")
     ap.add_argument("--knobs", nargs="*", default=(),
-                    help='with --pool: ours also with these knobs, e.g. "v_fastest=1"')
+                    help='with --pool: ours also with these knobs, e.g. "block_v=16,threads=64"')
     args = ap.parse_args()
     config = parse_config(args.config)
     calls = _pool_calls(args.pool, args.knobs) if args.pool else []

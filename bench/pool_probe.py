@@ -81,7 +81,7 @@ def copy_floor(numel):
 
 
 def parse_knobs(text):
-    """"v_fastest=1,block_v=64" -> {"v_fastest": 1, "block_v": 64} (integer values)."""
+    """"threads=64,block_v=16" -> {"threads": 64, "block_v": 16} (integer values)."""
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
@@ -110,7 +110,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--knobs", nargs="*", default=None,
-                    help='ours also with these tuning knobs, e.g. "v_fastest=1"')
+                    help='ours also with these tuning knobs, e.g. "block_v=16,threads=64"')
     ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pool_probe.json"))
     args = ap.parse_args()

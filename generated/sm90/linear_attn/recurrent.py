@@ -163,7 +163,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, v_fastest=False):
+          block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
@@ -201,10 +201,11 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     slots_shape = (N, S_slots) if slots_per_token else (N,) if state_pool else (1,)
     accepted_shape = (N,) if accepted_tokens else (1,)
 
-    # v_fastest (a probe's knob, not yet measured): a state's value blocks on adjacent CTAs
-    # (one grid dimension: gridDim.y would cap N * HV at 65535)
+    # one CTA per (sequence, head, value block), a state's value blocks on adjacent CTAs:
+    # the CTAs running together read and write whole states, not a strip of each of many
+    # (run s29-1: GDN decode b512 579 -> 543 us, KDA pool b64 78.0 -> 75.5 us; one grid
+    # dimension, as gridDim.y would cap N * HV at 65535)
     NVB = V // BV
-    grid = (N * HV * NVB, 1) if v_fastest else (N * HV, NVB)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
         return (n, hv, j, i) if state_v_first else (n, hv, i, j)
@@ -222,9 +223,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         o: T.Tensor((B, Tlen, HV, V), dtype),
         ht: T.Tensor(ht_shape, state_dtype),
     ):
-        with T.Kernel(*grid, threads=threads) as (bx, by):
-            i_nh = bx // NVB if v_fastest else bx
-            i_v = bx % NVB if v_fastest else by
+        with T.Kernel(N * HV * NVB, threads=threads) as bx:
+            i_nh = bx // NVB
+            i_v = bx % NVB
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
