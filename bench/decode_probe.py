@@ -31,6 +31,7 @@ from linattn.cli.bench.workloads import load_rows
 from linattn.codegen.arch.sm90 import recurrent_layout_ok
 from linattn.ops import runtime
 from linattn.ops.recurrent import tuning_override
+from probe_lib import parse_knobs
 
 COPY_BW = 4.27e12
 # rows swept over the tuning knobs (globs on "op/workload/dtype"): small, mid, large
@@ -63,7 +64,7 @@ def row_dims(row):
 _CONFIGS = []        # --configs's knob dicts (main sets them)
 
 
-def configs_for(row, sweep: bool, limit: int, candidates=None):
+def configs_for(row, sweep: bool, limit: int):
     """[None (the arch table)] + up to `limit` valid candidate knob dicts (CANDIDATES, or
     --configs's: a dict without the four tile knobs keeps the table's tile)."""
     out = [None]
@@ -71,7 +72,7 @@ def configs_for(row, sweep: bool, limit: int, candidates=None):
         return out
     K, V, vf = row_dims(row)
     tile = ("block_v", "threads", "vec", "warps_k")
-    for c in candidates or _CONFIGS or CANDIDATES:
+    for c in _CONFIGS or CANDIDATES:
         if not all(t in c for t in tile):
             out.append(c)
             continue
@@ -198,8 +199,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.configs:
-        _CONFIGS[:] = [{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))}
-                       for c in a.configs]
+        _CONFIGS[:] = [parse_knobs(c) for c in a.configs]
     out = a.out or os.path.join(os.environ.get("OUT_DIR") or os.environ.get("OUT") or ".",
                                 "decode_probe.json")
     t_start = time.time()

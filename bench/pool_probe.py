@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_lib import device_times  # noqa: E402
+from probe_lib import device_times, parse_knobs  # noqa: E402
 from decode_probe import CANDIDATES  # noqa: E402
 
 import linattn  # noqa: E402
@@ -78,11 +78,6 @@ def copy_floor(numel):
     dst = torch.empty_like(src)
     # (an elementwise kernel: a same-dtype copy_ is a memcpy, which device_times skips)
     return device_times(lambda: torch.mul(src, 1.0, out=dst))[0]
-
-
-def parse_knobs(text):
-    """"threads=64,block_v=16" -> {"threads": 64, "block_v": 16} (integer values)."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
 def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, candidates=CANDIDATES, check_layout=True):

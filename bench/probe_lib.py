@@ -13,6 +13,11 @@ from linattn.dsl import torch_reference as tref
 from linattn.ops.registry import get_spec
 
 
+def parse_knobs(text):
+    """"threads=64,block_v=16" -> {"threads": 64, "block_v": 16} (integer values)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+
+
 def device_times(fn, iters=30, warmup=5):
     """Median device ms per call (union of kernels) and per kernel name."""
     from torch.profiler import ProfilerActivity, profile
