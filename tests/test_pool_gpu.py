@@ -83,7 +83,7 @@ def test_pool_decode_matches_the_loop_reference(name, S, T, accepted, varlen, po
     # o is allocated uninitialised: leave NaNs where the caching allocator will hand it out,
     # so that a skipped sequence's rows count only if the kernel writes their zeros
     torch.full((x["v"].numel() * 4,), float("nan"), device="cuda")
-    with tuning_override(**({"grid_cap": cap, "prefetch": cap} if cap else {})):
+    with tuning_override(**({"grid_cap": cap} if cap else {})):
         o, ht = CALLS[name](x, initial_state=pool, ssm_state_indices=slots,
                             num_accepted_tokens=acc, inplace_final_state=inplace,
                             output_final_state=True, cu_seqlens=cu)

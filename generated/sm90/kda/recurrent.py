@@ -61,7 +61,7 @@ EXAMPLES = [
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-#: the L2 prefetch of `bytes` adjacent bytes (sm_90's bulk copy engine; a 16-byte
+#: grid_cap's L2 prefetch of `bytes` adjacent bytes (sm_90's bulk copy engine; a 16-byte
 #: aligned address, a multiple of 16 bytes), prepended to the kernel source
 PREFETCH = """
 __device__ __forceinline__ void linattn_prefetch_l2(const void* p, int bytes) {
@@ -177,17 +177,16 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, grid_cap=0, prefetch=0):
+          block_v=32, threads=128, vec=4, warps_k=1, grid_cap=0):
     """The recurrent kernel for one static configuration (see the module docstring).
 
     grid_cap > 0: at most grid_cap CTAs, each taking the items (sequence, head, value
-    block) bx, bx + grid_cap, ... in turn. prefetch > 0: item i asks L2 for the initial
-    state of item i + prefetch while it runs (a hint: it never changes a result; with
-    grid_cap, prefetch = grid_cap is the CTA's own next item)."""
+    block) bx, bx + grid_cap, ... in turn and asking L2 for the next one's initial state
+    while it runs the current one (a prefetch hint: it never changes a result)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
-    if grid_cap < 0 or prefetch < 0:
-        raise ValueError(f"grid_cap, prefetch must be >= 0, got {grid_cap}, {prefetch}")
+    if grid_cap < 0:
+        raise ValueError(f"grid_cap must be >= 0 (0: one CTA per item), got {grid_cap}")
     requested = dict(l2norm_qk=l2norm_qk, beta_sigmoid=beta_sigmoid,
                      allow_neg_eigval=allow_neg_eigval, gate_in_kernel=gate_in_kernel,
                      state_v_first=state_v_first)
@@ -265,7 +264,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         o: T.Tensor((B, Tlen, HV, V), dtype),
         ht: T.Tensor(ht_shape, state_dtype),
     ):
-        with T.Kernel(grid, threads=threads, prelude=PREFETCH if prefetch else None) as bx:
+        with T.Kernel(grid, threads=threads, prelude=PREFETCH if grid_cap else None) as bx:
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
@@ -315,8 +314,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                         S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
                 else:
                     T.clear(S)
-                if prefetch and has_initial_state:     # a later item's state, into L2
-                    nxt = item + prefetch
+                if grid_cap and has_initial_state:     # the next item's state, into L2
+                    nxt = item + grid_cap
                     if nxt < items:
                         hv2 = nxt // NVB % HV
                         c2 = nxt % NVB * BV
