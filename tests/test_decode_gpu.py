@@ -49,18 +49,16 @@ def _spec(name):
 
 
 def case(op, B=1, T=1, H=2, HV=4, K=128, V=128, dtype="bfloat16", opts=(), init=True,
-         final=True, lens=None, state="float32", f32_gb=True, scale=None, index="int32",
-         grid_cap=None):
+         final=True, lens=None, state="float32", f32_gb=True, scale=None, index="int32"):
     if opts == "all":
         opts = tuple(sorted(_spec(op).supports))
     parts = [op, f"B{B}", f"T{T}" if lens is None else "varlen" + "_".join(map(str, lens)),
              f"H{H}", f"HV{HV}", f"K{K}", f"V{V}", SHORT[dtype], f"state_{SHORT[state]}"] + list(opts)
     parts += ([] if init else ["noh0"]) + ([] if final else ["noht"])
     parts += [] if f32_gb else ["gb_in_dtype"]
-    parts += [f"cap{grid_cap}"] if grid_cap else []
     return pytest.param(dict(op=op, B=B, T=T, H=H, HV=HV, K=K, V=V, dtype=dtype, opts=tuple(opts),
                              init=init, final=final, lens=lens, state=state, f32_gb=f32_gb,
-                             scale=scale, index=index, grid_cap=grid_cap), id="-".join(parts))
+                             scale=scale, index=index), id="-".join(parts))
 
 
 CASES = []
@@ -94,16 +92,6 @@ CASES += [  # the registered families through the checked-in generated modules
     case("gla", B=8, T=1, H=4, HV=4),
     case("gla", lens=[5, 1, 30], H=2, HV=2, K=64, V=64, dtype="float16", opts=("state_v_first",)),
     case("gla", B=4, T=1, H=4, HV=4, state="bfloat16", f32_gb=False),
-]
-CASES += [  # a capped grid (grid_cap: each CTA runs several items, prefetching the next one's
-    # state into L2): both layouts, 16-bit initial states, varlen, no initial state, T > 1
-    case("gdn", B=32, T=1, H=16, HV=32, opts=("l2norm_qk", "beta_sigmoid"), grid_cap=7),
-    case("gdn", lens=[1, 1, 1, 1, 1, 1, 1], H=2, HV=8, opts=("state_v_first",), grid_cap=5),
-    case("gdn", B=2, T=9, H=2, HV=8, K=128, V=64, init=False, grid_cap=4),
-    case("kda", B=2, T=17, H=2, HV=4, K=64, V=128, dtype="float16", opts="all", grid_cap=3),
-    case("deltanet", B=4, T=1, H=8, HV=8, state="bfloat16", f32_gb=False, grid_cap=3),
-    case("gla", lens=[5, 1, 30], H=2, HV=2, K=64, V=64, dtype="float16",
-         opts=("state_v_first",), grid_cap=2),
 ]
 
 
@@ -168,8 +156,7 @@ def test_decode_matches_reference(c, rng, request):
         o, ht = fused_recurrent(spec, t["q"], t["k"], t["v"], t["g"], t["beta"], scale=c["scale"],
                                 initial_state=t["initial_state"], output_final_state=c["final"],
                                 options=opts, cu_seqlens=t["cu_seqlens"], A_log=t["A_log"],
-                                dt_bias=t["dt_bias"], state_dtype=sdt,
-                                tuning={"grid_cap": c["grid_cap"]} if c["grid_cap"] else None)
+                                dt_bias=t["dt_bias"], state_dtype=sdt)
         torch.cuda.synchronize()
     except Exception as e:
         rec["error"] = f"{type(e).__name__}: {e}"
