@@ -60,16 +60,6 @@ EXAMPLES = [
 ]
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-#: grid_cap's L2 prefetch of `bytes` adjacent bytes (sm_90's bulk copy engine; a 16-byte
-#: aligned address, a multiple of 16 bytes), prepended to the kernel source
-PREFETCH = """
-__device__ __forceinline__ void linattn_prefetch_l2(const void* p, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
-}
-"""
-
-
 def args(**params):
     """Names of the kernel's arguments, in order (scale is a float scalar)."""
     names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"]
@@ -177,16 +167,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, grid_cap=0):
-    """The recurrent kernel for one static configuration (see the module docstring).
-
-    grid_cap > 0: at most grid_cap CTAs, each taking the items (sequence, head, value
-    block) bx, bx + grid_cap, ... in turn and asking L2 for the next one's initial state
-    while it runs the current one (a prefetch hint: it never changes a result)."""
+          block_v=32, threads=128, vec=4, warps_k=1):
+    """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
-    if grid_cap < 0:
-        raise ValueError(f"grid_cap must be >= 0 (0: one CTA per item), got {grid_cap}")
     requested = dict(l2norm_qk=l2norm_qk, beta_sigmoid=beta_sigmoid,
                      allow_neg_eigval=allow_neg_eigval, gate_in_kernel=gate_in_kernel,
                      state_v_first=state_v_first)
@@ -225,27 +209,14 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     dt_bias_shape = (HV,) if gate_in_kernel else (1,)
     A_log_shape = (HV,) if gate_in_kernel else (1,)
 
-    # one item per (sequence, head, value block), a state's value blocks on adjacent CTAs
-    # (one CTA per item; with grid_cap, CTA bx takes items bx, bx + grid_cap, ...):
+    # one CTA per (sequence, head, value block), a state's value blocks on adjacent CTAs:
     # the CTAs running together read and write whole states, not a strip of each of many
     # (run s29-1: GDN decode b512 579 -> 543 us, KDA pool b64 78.0 -> 75.5 us; one grid
     # dimension, as gridDim.y would cap N * HV at 65535)
     NVB = V // BV
-    items = N * HV * NVB
-    grid = T.min(items, grid_cap) if grid_cap else items
-    # a stored state tile is R rows of C adjacent elements (C * item size: 16-byte multiples)
-    R, C = (BV, K) if state_v_first else (K, BV)
 
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
         return (n, hv, j, i) if state_v_first else (n, hv, i, j)
-
-    def slot_of(slots, accepted, i_n):     # sequence i_n's pool slot (state_pool)
-        if slots_per_token:
-            col = 0
-            if accepted_tokens:
-                col = T.min(T.max(T.cast(accepted[i_n], "int32") - 1, 0), S_slots - 1)
-            return T.cast(slots[i_n, col], "int32")
-        return T.cast(slots[i_n], "int32")
 
     @T.prim_func
     def recurrent(
@@ -264,7 +235,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         o: T.Tensor((B, Tlen, HV, V), dtype),
         ht: T.Tensor(ht_shape, state_dtype),
     ):
-        with T.Kernel(grid, threads=threads, prelude=PREFETCH if grid_cap else None) as bx:
+        with T.Kernel(N * HV * NVB, threads=threads) as bx:
+            i_nh = bx // NVB
+            i_v = bx % NVB
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
@@ -279,111 +252,97 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             layout = _state_layout(K, BV, threads, vec, warps_k, state_v_first)
             T.annotate_layout({S: layout, SX: layout})
 
-            for it in T.serial(T.ceildiv(items - bx, grid_cap) if grid_cap else 1):
-                item = bx + it * grid_cap if grid_cap else bx
-                i_nh = item // NVB
-                i_v = item % NVB
-                i_n = i_nh // HV
-                i_hv = i_nh % HV
-                i_h = i_hv // group
-                v0 = i_v * BV
-                if varlen:
-                    i_b = 0
-                    bos = T.cast(cu_seqlens[i_n], "int32")
-                    seq_len = T.cast(cu_seqlens[i_n + 1], "int32") - bos
-                else:
-                    i_b = i_n
-                    bos = 0
-                    seq_len = Tlen
+            i_n = i_nh // HV
+            i_hv = i_nh % HV
+            i_h = i_hv // group
+            v0 = i_v * BV
+            if varlen:
+                i_b = 0
+                bos = T.cast(cu_seqlens[i_n], "int32")
+                seq_len = T.cast(cu_seqlens[i_n + 1], "int32") - bos
+            else:
+                i_b = i_n
+                bos = 0
+                seq_len = Tlen
 
-                if state_pool:      # the sequence's slot; outside [0, P): padding, skipped
-                    slot = slot_of(slots, accepted, i_n)
-                    live = T.And(slot >= 0, slot < P)
-                    if not live:        # skipped: its o rows are zeros (o is not pre-filled)
-                        for t in T.serial(seq_len):
-                            for j in T.Parallel(BV):
-                                o[i_b, bos + t, i_hv, v0 + j] = T.cast(0.0, dtype)
-                    seq_len = T.if_then_else(live, seq_len, 0)
-                    row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = T.if_then_else(
-                            live, T.cast(h0[state_at(row, i_hv, i, v0 + j)], acc), 0.0)
-                elif has_initial_state:
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
+            if state_pool:      # the sequence's slot; outside [0, P): padding, skipped
+                if slots_per_token:
+                    col = 0
+                    if accepted_tokens:
+                        col = T.min(T.max(T.cast(accepted[i_n], "int32") - 1, 0), S_slots - 1)
+                    slot = T.cast(slots[i_n, col], "int32")
                 else:
-                    T.clear(S)
-                if grid_cap and has_initial_state:     # the next item's state, into L2
-                    nxt = item + grid_cap
-                    if nxt < items:
-                        hv2 = nxt // NVB % HV
-                        c2 = nxt % NVB * BV
-                        row2 = slot_of(slots, accepted, nxt // NVB // HV) if state_pool \
-                            else nxt // NVB // HV
-                        if T.And(row2 >= 0, row2 < P):
-                            tx = T.get_thread_binding()
-                            for r in T.serial(-(-R // threads)):      # a row a thread
-                                if r * threads + tx < R:
-                                    at = (row2, hv2, c2 + r * threads + tx, 0) \
-                                        if state_v_first else (row2, hv2, r * threads + tx, c2)
-                                    T.call_extern("handle", "linattn_prefetch_l2",
-                                                  T.address_of(h0[at]), C * _ITEMSIZE[h0_dtype])
+                    slot = T.cast(slots[i_n], "int32")
+                live = T.And(slot >= 0, slot < P)
+                if not live:        # skipped: its o rows are zeros (o is not pre-filled)
+                    for t in T.serial(seq_len):
+                        for j in T.Parallel(BV):
+                            o[i_b, bos + t, i_hv, v0 + j] = T.cast(0.0, dtype)
+                seq_len = T.if_then_else(live, seq_len, 0)
+                row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.if_then_else(
+                        live, T.cast(h0[state_at(row, i_hv, i, v0 + j)], acc), 0.0)
+            elif has_initial_state:
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
+            else:
+                T.clear(S)
 
-                for t in T.serial(seq_len):
-                    tok = bos + t
-                    # every input of the token first: their loads are in flight together, none
-                    # waits behind a reduction's barrier
+            for t in T.serial(seq_len):
+                tok = bos + t
+                # every input of the token first: their loads are in flight together, none
+                # waits behind a reduction's barrier
+                for i in T.Parallel(K):
+                    qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
+                    kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
+                for j in T.Parallel(BV):
+                    vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
+                g_t = T.cast(g[i_b, tok, i_hv], acc)
+                if gate_in_kernel:
+                    x = g_t + dt_bias[i_hv]
+                    g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
+                decay = T.exp(g_t)
+                b_t = T.cast(beta[i_b, tok, i_hv], acc)
+                if beta_sigmoid:
+                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
+                if l2norm_qk:
                     for i in T.Parallel(K):
-                        qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
-                        kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
-                    for j in T.Parallel(BV):
-                        vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
-                    g_t = T.cast(g[i_b, tok, i_hv], acc)
-                    if gate_in_kernel:
-                        x = g_t + dt_bias[i_hv]
-                        g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
-                    decay = T.exp(g_t)
-                    b_t = T.cast(beta[i_b, tok, i_hv], acc)
-                    if beta_sigmoid:
-                        b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
-                    if l2norm_qk:
-                        for i in T.Parallel(K):
-                            sq[i] = qf[i] * qf[i]
-                        T.reduce_sum(sq, q_ss, dim=0)
-                        for i in T.Parallel(K):
-                            sq[i] = kf[i] * kf[i]
-                        T.reduce_sum(sq, k_ss, dim=0)
-                        for i in T.Parallel(K):
-                            qf[i] = qf[i] * T.rsqrt(q_ss[0] + L2NORM_EPS) * scale
-                            kf[i] = kf[i] * T.rsqrt(k_ss[0] + L2NORM_EPS)
-                    else:
-                        for i in T.Parallel(K):
-                            qf[i] = qf[i] * scale
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * decay
-                        SX[i, j] = S[i, j] * kf[i]
-                    T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
-                    for j in T.Parallel(BV):
-                        vf[j] = (vin[j] - kS[j]) * b_t
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] + kf[i] * vf[j]
-                        SX[i, j] = S[i, j] * qf[i]
-                    T.reduce_sum(SX, of, dim=0, batch=red_batch)               # o = S^T (scale q)
-                    for j in T.Parallel(BV):
-                        o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
-                    if inplace and slots_per_token:     # the state after token t: slot [n, t]
-                        wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
-                        if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
-                            for i, j in T.Parallel(K, BV):
-                                ht[state_at(wslot, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
-
-                if inplace and state_pool and not slots_per_token:     # back to its slot
-                    if live:
+                        sq[i] = qf[i] * qf[i]
+                    T.reduce_sum(sq, q_ss, dim=0)
+                    for i in T.Parallel(K):
+                        sq[i] = kf[i] * kf[i]
+                    T.reduce_sum(sq, k_ss, dim=0)
+                    for i in T.Parallel(K):
+                        qf[i] = qf[i] * T.rsqrt(q_ss[0] + L2NORM_EPS) * scale
+                        kf[i] = kf[i] * T.rsqrt(k_ss[0] + L2NORM_EPS)
+                else:
+                    for i in T.Parallel(K):
+                        qf[i] = qf[i] * scale
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * decay
+                    SX[i, j] = S[i, j] * kf[i]
+                T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
+                for j in T.Parallel(BV):
+                    vf[j] = (vin[j] - kS[j]) * b_t
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] + kf[i] * vf[j]
+                    SX[i, j] = S[i, j] * qf[i]
+                T.reduce_sum(SX, of, dim=0, batch=red_batch)               # o = S^T (scale q)
+                for j in T.Parallel(BV):
+                    o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
+                if inplace and slots_per_token:     # the state after token t: slot [n, t]
+                    wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
+                    if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
                         for i, j in T.Parallel(K, BV):
-                            ht[state_at(row, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
-                elif (output_final_state or inplace) and not (inplace and slots_per_token):
-                    for i, j in T.Parallel(K, BV):
-                        ht[state_at(i_n, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+                            ht[state_at(wslot, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
 
+            if inplace and state_pool and not slots_per_token:     # back to its slot
+                if live:
+                    for i, j in T.Parallel(K, BV):
+                        ht[state_at(row, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+            elif (output_final_state or inplace) and not (inplace and slots_per_token):
+                for i, j in T.Parallel(K, BV):
+                    ht[state_at(i_n, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
 
     return recurrent
