@@ -134,10 +134,8 @@ def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, **flags):
                          "threads) would not fit in registers; at most 128")
 
 
-def _state_layout(K, BV, threads, vec, warps_k, v_first, copies=1):
-    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]); see thread_map.
-    With ``copies`` > 1 a [K, copies * BV] tile whose column j sits where column j % BV
-    of the state does (each thread's copies one after the other in its registers)."""
+def _state_layout(K, BV, threads, vec, warps_k, v_first):
+    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]); see thread_map."""
     m = thread_map(K, BV, threads, vec, warps_k, v_first)
     if not v_first:
         lanes_v, k_lanes = m["lanes_v"], m["k_lanes"]
@@ -159,11 +157,7 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first, copies=1):
 
         def index(i, j):
             return ((j // rows) * k_chunks + i // (vec * lanes_k)) * vec + i % vec
-    if copies == 1:
-        return T.Fragment((K, BV), forward_thread_fn=thread, forward_index_fn=index)
-    per = m["per_thread"]
-    return T.Fragment((K, copies * BV), forward_thread_fn=lambda i, j: thread(i, j % BV),
-                      forward_index_fn=lambda i, j: (j // BV) * per + index(i, j % BV))
+    return T.Fragment((K, BV), forward_thread_fn=thread, forward_index_fn=index)
 
 
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
@@ -172,7 +166,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, one_exchange=0):
+          block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)

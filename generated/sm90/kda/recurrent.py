@@ -134,10 +134,8 @@ def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, **flags):
                          "threads) would not fit in registers; at most 128")
 
 
-def _state_layout(K, BV, threads, vec, warps_k, v_first, copies=1):
-    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]); see thread_map.
-    With ``copies`` > 1 a [K, copies * BV] tile whose column j sits where column j % BV
-    of the state does (each thread's copies one after the other in its registers)."""
+def _state_layout(K, BV, threads, vec, warps_k, v_first):
+    """Thread mapping of the fp32 state tile S[K, BV] (index [k, v]); see thread_map."""
     m = thread_map(K, BV, threads, vec, warps_k, v_first)
     if not v_first:
         lanes_v, k_lanes = m["lanes_v"], m["k_lanes"]
@@ -159,11 +157,7 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first, copies=1):
 
         def index(i, j):
             return ((j // rows) * k_chunks + i // (vec * lanes_k)) * vec + i % vec
-    if copies == 1:
-        return T.Fragment((K, BV), forward_thread_fn=thread, forward_index_fn=index)
-    per = m["per_thread"]
-    return T.Fragment((K, copies * BV), forward_thread_fn=lambda i, j: thread(i, j % BV),
-                      forward_index_fn=lambda i, j: (j // BV) * per + index(i, j % BV))
+    return T.Fragment((K, BV), forward_thread_fn=thread, forward_index_fn=index)
 
 
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
@@ -173,7 +167,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, one_exchange=0):
+          block_v=32, threads=128, vec=4, warps_k=1):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
                  warps_k=warps_k, state_v_first=state_v_first)
@@ -252,18 +246,12 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             of = T.alloc_fragment((BV,), acc)
             vin = T.alloc_fragment((BV,), acc)           # the token's v
             kS = T.alloc_fragment((BV,), acc)
-            SX2 = T.alloc_fragment((K, 2 * BV), acc)     # [S k | S q] (one_exchange)
-            red2 = T.alloc_fragment((2 * BV,), acc)
-            qk = T.alloc_fragment((1,), acc)
             decay_k = T.alloc_fragment((K,), acc)
             sq = T.alloc_fragment((K,), acc)             # l2norm only
             q_ss = T.alloc_fragment((1,), acc)           # sum q^2, sum k^2
             k_ss = T.alloc_fragment((1,), acc)
             layout = _state_layout(K, BV, threads, vec, warps_k, state_v_first)
             T.annotate_layout({S: layout, SX: layout})
-            if one_exchange:
-                T.annotate_layout({SX2: _state_layout(K, BV, threads, vec, warps_k,
-                                                      state_v_first, copies=2)})
 
             i_n = i_nh // HV
             i_hv = i_nh % HV
@@ -334,39 +322,18 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                 else:
                     for i in T.Parallel(K):
                         qf[i] = qf[i] * scale
-                if one_exchange:
-                    # o = (S + k vf^T)^T q = S^T q + (q . k) vf: S^T k and S^T q in one
-                    # exchange; q . k needs only the token's inputs
-                    for i in T.Parallel(K):
-                        sq[i] = qf[i] * kf[i]
-                    T.reduce_sum(sq, qk, dim=0)
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * decay_k[i]
-                        SX2[i, j] = S[i, j] * kf[i]
-                    for i, j in T.Parallel(K, BV):
-                        SX2[i, BV + j] = S[i, j] * qf[i]
-                    T.reduce_sum(SX2, red2, dim=0, batch=2 * red_batch)
-                    for j in T.Parallel(BV):
-                        vf[j] = (vin[j] - red2[j]) * b_t
-                    for j in T.Parallel(BV):
-                        of[j] = red2[BV + j] + qk[0] * vf[j]
-                    for j in T.Parallel(BV):
-                        o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] + kf[i] * vf[j]
-                else:
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] * decay_k[i]
-                        SX[i, j] = S[i, j] * kf[i]
-                    T.reduce_sum(SX, kS, dim=0, batch=red_batch)           # kS = S^T k
-                    for j in T.Parallel(BV):
-                        vf[j] = (vin[j] - kS[j]) * b_t
-                    for i, j in T.Parallel(K, BV):
-                        S[i, j] = S[i, j] + kf[i] * vf[j]
-                        SX[i, j] = S[i, j] * qf[i]
-                    T.reduce_sum(SX, of, dim=0, batch=red_batch)           # o = S^T (scale q)
-                    for j in T.Parallel(BV):
-                        o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] * decay_k[i]
+                    SX[i, j] = S[i, j] * kf[i]
+                T.reduce_sum(SX, kS, dim=0, batch=red_batch)               # kS = S^T k
+                for j in T.Parallel(BV):
+                    vf[j] = (vin[j] - kS[j]) * b_t
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] + kf[i] * vf[j]
+                    SX[i, j] = S[i, j] * qf[i]
+                T.reduce_sum(SX, of, dim=0, batch=red_batch)               # o = S^T (scale q)
+                for j in T.Parallel(BV):
+                    o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
                 if inplace and slots_per_token:     # the state after token t: slot [n, t]
                     wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
                     if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
