@@ -238,25 +238,32 @@ def test_arguments_match_kernel_signature(fake_kernels, spec, options, varlen, i
         assert torch.equal(t, args[n]), n
 
 
+@pytest.mark.parametrize("pool", [False, True])
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("v_first", [False, True])
 @pytest.mark.parametrize("N,HV,K,V", [(1, 8, 128, 128), (8, 64, 128, 128), (8, 48, 128, 128),
-                                      (256, 32, 128, 128), (3, 4, 64, 96), (512, 16, 256, 64)])
-def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first):
+                                      (256, 32, 128, 128), (3, 4, 64, 96), (512, 16, 256, 64),
+                                      (128, 8, 128, 128), (8, 32, 128, 128)])
+def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool):
     """The sm90 decode table's pick always satisfies the template's thread-map rules;
     the doubled block (64 values a thread) only for 16-bit states with CTAs to spare, the
-    f32 block of 64 (one warp per 16 columns) only on grids of >= 16 CTAs per SM."""
+    f32 block of 64 (one warp per 16 columns) only on grids of >= 16 CTAs per SM (8 on a
+    state pool)."""
     from linattn.codegen.arch import sm90
-    problem = dict(K=K, V=V, HV=HV, state_dtype=state_dtype, state_v_first=v_first)
+    problem = dict(K=K, V=V, HV=HV, state_dtype=state_dtype, state_v_first=v_first,
+                   state_pool=pool)
     t = sm90.tuning("recurrent", problem, {"N": N})
     assert sm90.recurrent_layout_ok(K, V, t["block_v"], t["threads"], t["vec"], t["warps_k"],
                                     v_first)
+    ctas64 = N * HV * V // 64
+    if (state_dtype, v_first, K, V) == ("float32", False, 128, 128):
+        assert (t["block_v"] == 64) == (ctas64 >= (8 if pool else 16) * sm90.NUM_SMS)
     if t["block_v"] == 64 and state_dtype == "float32":
-        assert not v_first and K <= 128 and N * HV * V // 64 >= 16 * sm90.NUM_SMS
+        assert not v_first and K <= 128 and ctas64 >= (8 if pool else 16) * sm90.NUM_SMS
         assert t == {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
     elif t["block_v"] == 64:
         assert not v_first
-        assert N * HV * V // 64 >= 6 * sm90.NUM_SMS
+        assert ctas64 >= 6 * sm90.NUM_SMS
     if (N, HV, state_dtype, v_first) == (8, 64, "bfloat16", False):   # the swept row
         assert t == {"block_v": 64, "threads": 128, "vec": 8, "warps_k": 4}
     if v_first and state_dtype == "float32" and N * HV * V // 8 <= 32 * sm90.NUM_SMS:

@@ -84,8 +84,14 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     # threads, one warp per 16 value columns (run s7-2 sweep, KDA pool decode [N, 32, 128,
     # 128]: N 64 84.6 -> 78.6 us, N 256 327 -> 296 (fla 77.5, 321); N 8 (4 CTAs per SM):
     # 13.8 at the default, 14.7 at this tile)
+    # A state pool from 8 CTAs per SM at block 64: each CTA first reads its slot, then the
+    # state at that slot, a dependent load more per CTA; half the CTAs pay it half as often
+    # (run s31-2, KDA pool [N 128, HV 8, 128 x 128] f32, 2048 CTAs: 42.5 -> 41.1 us, fla
+    # 41.6; the same grid without a pool, KDAFwd kda-tp8-decode-b256: 37.6 -> 38.0; pool
+    # N 8 / HV 32, 512 CTAs: 12.9 -> 13.6)
+    min_ctas = 8 if problem.get("state_pool") else 16
     if (item == 4 and not v_first and n is not None and K <= 128 and V % 64 == 0
-            and n * HV * (V // 64) >= 16 * NUM_SMS
+            and n * HV * (V // 64) >= min_ctas * NUM_SMS
             and recurrent_layout_ok(K, V, 64, 128, 4, 1, False)):
         return {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
     per_thread = 64 if block_v == 64 and item == 2 else 32
