@@ -33,11 +33,15 @@ from linattn.ops.recurrent import tuning_override  # noqa: E402
 
 #: (name, pool slots P, sequences N, tokens T, heads HV, K = V)
 CASES = [
+    ("kimi-b1", 512, 1, 1, 32, 128),
     ("kimi-b8", 512, 8, 1, 32, 128),
     ("kimi-b64", 512, 64, 1, 32, 128),
     ("kimi-b256", 1024, 256, 1, 32, 128),
     ("kimi-spec4-b64", 1024, 64, 4, 32, 128),
+    ("kimi-b512", 1024, 512, 1, 32, 128),
+    ("tp4-b1", 64, 1, 1, 8, 128),
     ("tp4-b128", 1024, 128, 1, 8, 128),
+    ("tp4-b512", 1024, 512, 1, 8, 128),
 ]
 
 
