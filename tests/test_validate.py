@@ -256,10 +256,11 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool
     assert sm90.recurrent_layout_ok(K, V, t["block_v"], t["threads"], t["vec"], t["warps_k"],
                                     v_first)
     ctas64 = N * HV * V // 64
+    wide_f32 = ctas64 >= (8 if pool else 16) * sm90.NUM_SMS     # enough CTAs at block 64
     if (state_dtype, v_first, K, V) == ("float32", False, 128, 128):
-        assert (t["block_v"] == 64) == (ctas64 >= (8 if pool else 16) * sm90.NUM_SMS)
+        assert (t["block_v"] == 64) == wide_f32
     if t["block_v"] == 64 and state_dtype == "float32":
-        assert not v_first and K <= 128 and ctas64 >= (8 if pool else 16) * sm90.NUM_SMS
+        assert not v_first and K <= 128 and wide_f32
         assert t == {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
     elif t["block_v"] == 64:
         assert not v_first
