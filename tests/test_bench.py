@@ -247,9 +247,11 @@ def test_bound_labels_match_seed_page():
     assert all(a for a, r in zip(agree, ROWS) if r.op != "GDNFwd")
 
 
-def test_families_fla_vs_seed_and_summary(tmp_path):
-    """GDN rows fall in the issue's families; fla here / the seed's fla column per op;
-    the summary prints every part, also through linattn-bench --summary."""
+def test_families_and_summary(tmp_path):
+    """GDN rows fall in the issue's families; the summary prints the per-op geomeans
+    against each alternative and the best, states the ratio's direction, lists the rows
+    where linattn is behind and counts entries from other runs and stale commits, also
+    through linattn-bench --summary."""
     from linattn.cli.bench.cli import main
     gdn = select(ROWS, ops=["GDNFwd"])
     fams = {report.family({"op": r.op, "workload": r.workload, "dtype": r.dtype}) for r in gdn}
@@ -262,17 +264,28 @@ def test_families_fla_vs_seed_and_summary(tmp_path):
     assert report.family({"op": "GDNFwd", "workload": "q35-397b-tp4-8x1024",
                           "dtype": "bf16"}) == "varlen"
     r1, r2 = select(ROWS, ops=["GDNFwd"], workload="prefill-4k")[:2]
-    a = fake_record(r1, 0.1, 0.5 * r1.seed["alternatives"]["fla"])
-    b = fake_record(r2, 0.1, 2.0 * r2.seed["alternatives"]["fla"])
-    v = report.fla_vs_seed([a, b])["GDNFwd"]
-    assert v["n"] == 2 and v["geomean"] == pytest.approx(1.0)
-    assert v["min"] == pytest.approx(0.5) and v["max"] == pytest.approx(2.0)
+    a = fake_record(r1, 0.1, 0.2)
+    b = fake_record(r2, 0.1, 0.05)
+    a["impls"]["seed"] = {"ms": 0.08, "ok": True, "run": "r2"}
+    b["impls"]["flashinfer"] = {"ms": 0.2, "ok": False, "run": "r1"}    # wrong: not counted
+    for rec, row in ((a, r1), (b, r2)):
+        rec["impls"]["linattn"].update(run="r1", commit="c-new" if rec is a else "c-old")
+        rec["impls"]["fla"]["run"] = "r1"
+        report.summarize(rec, row)
     f = report.families([a, b])["prefill"]
-    assert f["rows"] == 2 and f["timed"] == 2
-    assert f["vs_fla"] == pytest.approx((0.5 * r1.seed["alternatives"]["fla"] / 0.1 *
-                                          2.0 * r2.seed["alternatives"]["fla"] / 0.1) ** 0.5)
-    text = report.summary([a, b])
-    assert "fla here / seed's fla column" in text and "| prefill | 2 | 2 |" in text
+    assert f["rows"] == 2 and f["timed"] == 2 and f["vs_fla"] == pytest.approx(1.0)
+    v = report.versus([a, b])["GDNFwd"]
+    assert v["fla"] == (pytest.approx(1.0), 2) and v["seed"] == (pytest.approx(0.8), 1)
+    assert v["flashinfer"] == (None, 0)
+    assert v["best"][0] == pytest.approx((0.8 * 0.5) ** 0.5)
+    assert [(w, d) for _, w, d, _ in v["behind"]] == [(r2.workload, r2.dtype), (r1.workload, r1.dtype)]
+    p = report.provenance([a, b], generated_matches=lambda c: c == "c-new")
+    assert p == {"other_run": 1, "stale": 1, "unknown": 0, "stale_commits": ["c-old"]}
+    text = report.summary([a, b], generated_matches=lambda c: True)
+    assert "other / linattn" in text and "> 1: linattn is faster" in text
+    assert "| GDNFwd | 2 | 2 | 1.000 (2) | 0.800 (1) | - |" in text
+    assert "Rows where linattn is behind the best alternative: 2" in text
+    assert "| prefill | 2 | 2 |" in text and "1 entries from another run" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": [a, b]}))
     assert main(["--summary", str(path)]) == 0

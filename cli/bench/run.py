@@ -19,7 +19,9 @@ FATAL = ("illegal memory access", "unspecified launch failure", "device-side ass
          "misaligned address", "illegal instruction")
 
 
-def header(device: str) -> dict:
+def header(device: str, run_id: str | None = None) -> dict:
+    """The run's stamp: GPU, clocks, commit, date, run id (every entry carries run, commit
+    and gpu: calls on one machine at one commit share a run id when the caller passes it)."""
     import datetime
     import torch
     doc = {"gpu": None, "commit": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -30,6 +32,7 @@ def header(device: str) -> dict:
                             "--format=csv,noheader")
     # the GPU machine gets the working tree without .git: the caller passes the commit
     doc["commit"] = os.environ.get("LINATTN_COMMIT") or _sh("git rev-parse --short HEAD")
+    doc["run"] = run_id or f"{doc['date'][:19]}-{os.uname().nodename}-{os.getpid()}"
     try:
         import fla
         doc["fla"] = getattr(fla, "__version__", "?")
@@ -45,8 +48,10 @@ def _sh(cmd):
         return None
 
 
-def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0, seed=None) -> dict:
-    """One row -> its record (never raises; errors land in notes)."""
+def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0, seed=None,
+            stamp=None) -> dict:
+    """One row -> its record (never raises; errors land in notes). stamp (run, commit,
+    gpu) goes into every implementation's entry."""
     import torch
     seed = zlib.crc32("/".join(row.key).encode()) if seed is None else seed
     rec = {"op": row.op, "workload": row.workload, "dtype": row.dtype, "seed": row.seed,
@@ -65,7 +70,8 @@ def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0,
     _slow_phase(row, "inputs and reference", rec["reference_s"])
     for name in impl_names:
         t1 = time.monotonic()
-        rec["impls"].update(_run_impl(name, row, x, ref, device, time_it, timer_budget_ms))
+        for n, e in _run_impl(name, row, x, ref, device, time_it, timer_budget_ms).items():
+            rec["impls"][n] = {**(stamp or {}), **e}
         _slow_phase(row, f"{name} (first call, check, timing)", time.monotonic() - t1)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -104,22 +110,37 @@ def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
         if ok and row.is_train and device.startswith("cuda"):
             res.update(train.peak_memory(fn))
         if ok and time_it:
-            t = __import__("linattn.cli.bench.timer", fromlist=["device_time"]).device_time(
-                fn, budget_ms=timer_budget_ms)
+            # an implementation in a child process times itself there (remote.RemoteCall)
+            timed = getattr(fn, "device_time", None) or (lambda budget_ms: __import__(
+                "linattn.cli.bench.timer", fromlist=["device_time"]).device_time(fn, budget_ms=budget_ms))
+            t = timed(budget_ms=timer_budget_ms)
             res.update(ms=t["ms"], p10=t["p10"], p90=t["p90"], calls=t["calls"], kernels=t["kernels"])
     except impl_mod.NotImplementedImpl as e:     # refused when called (a training row's gap)
         res.update(ok=False, ms=None, note=f"not implemented: {e}"[:500])
     except Exception as e:
         res.update(ok=False, ms=None, note=f"{type(e).__name__}: {e}"[:500])
-        if any(s in str(e) for s in FATAL):
-            res["fatal"] = True
+        if any(s in str(e) for s in FATAL) and not getattr(fn, "in_child", False):
+            res["fatal"] = True     # this process's CUDA context is broken (a child's is not)
     finally:
+        _close(fn, res)
         if device.startswith("cuda"):
             try:
                 torch.cuda.synchronize()
             except Exception as e:
                 res.update(ok=False, fatal=True, note=(res["note"] + f" | sync: {e}")[:500])
     return {name: res}
+
+
+def _close(fn, res) -> None:
+    """Free a child process's side of the call (remote.RemoteCall.close); a child that
+    died there is noted, the next row starts a new one."""
+    close = getattr(fn, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as e:
+        res["note"] = (res.get("note", "") + f" | close: {type(e).__name__}: {e}")[:500]
 
 
 def precompile_rows(rows, device="cuda", rounds=None) -> dict:
@@ -210,7 +231,12 @@ def _warm_worker(args):
                     fn, _ = impl_mod.make(name, row, x)
                 except (impl_mod.NotApplicable, impl_mod.NotImplementedImpl):
                     continue
-                fn()
+                try:
+                    fn()
+                except impl_mod.NotImplementedImpl:    # refused when called: the run reports it
+                    pass
+                finally:
+                    _close(fn, {})
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
             del x
@@ -274,10 +300,11 @@ def progress(items, desc):
 
 
 def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budget_ms=100.0,
-        budget_s=None, verify_timer=False, min_left_s=20.0, warm_processes=0) -> dict:
+        budget_s=None, verify_timer=False, min_left_s=20.0, warm_processes=0, run_id=None) -> dict:
     """Run rows; returns the results document (also written to out_path after every row)."""
     t0 = time.monotonic()
-    doc = header(device)
+    doc = header(device, run_id)
+    stamp = {k: doc[k] for k in ("run", "commit", "gpu")}
     doc["impls"] = list(impl_names)
     if verify_timer:
         from .timer import verify_timer as vt
@@ -286,6 +313,7 @@ def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budg
         except Exception as e:
             doc["timer_check"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         print("timer check:", doc["timer_check"], flush=True)
+        doc["copy_tbps"] = doc["timer_check"].get("copy_tbps")
     if warm_processes and set(impl_names) - {"linattn"}:
         doc["warm"] = warm_rows(rows, impl_names, warm_processes, device,
                                 budget_s=budget_s / 2 if budget_s else None)
@@ -301,7 +329,8 @@ def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budg
             skipped.append(list(row.key))
             continue
         t1 = time.monotonic()
-        rec = report.summarize(run_row(row, impl_names, device, time_it, timer_budget_ms), row)
+        rec = report.summarize(run_row(row, impl_names, device, time_it, timer_budget_ms,
+                                             stamp=stamp), row)
         last[row.op] = time.monotonic() - t1
         doc["rows"].append(rec)
         doc["skipped_for_budget"] = skipped
