@@ -11,7 +11,8 @@
 # Needs .gpu/both.tar.xz + prelude_both.sh (../shared/gpu/pack_both.sh: linattn's and the
 # release's packages) and .gpu/fi_bundle.tar.xz (../shared/gpu/flashinfer). BUDGET (s,
 # default 480), WARM (processes compiling fla / the release / torch.compile first,
-# default 12), IMPLS, VERIFY=1 (the timer's self-check and the copy bandwidth) tune it.
+# default 12), IMPLS, VERIFY=1 (the timer's self-check and the copy bandwidth), ALL (the
+# merged file's name, default all) tune it.
 set -u
 name=$1; shift
 T=/tmp/table; mkdir -p "$T" "${OUT:-/tmp/out}"
@@ -23,18 +24,19 @@ BUDGET=${BUDGET:-480}
 args=(--impl "${IMPLS:-linattn,fla,seed,flashinfer,torch,torch-compile}" --seed-path "$SEED_PATH"
       --flashinfer-path /tmp/fisite --run-id "${RUN:?RUN names the run}" --row-budget-ms 60
       --budget-s "$BUDGET" --warm "${WARM:-12}" --out "$T/$name.json" --table-md "$T/$name.md")
-[ -f "$T/all.json" ] && args+=(--skip-timed "$T/all.json")
+ALL=$T/${ALL:-all}.json     # the merged file of this table (ALL=gates for another table)
+[ -f "$ALL" ] && args+=(--skip-timed "$ALL")
 [ "${VERIFY:-0}" = 1 ] && args+=(--verify-timer)
 t0=$SECONDS
 timeout -k 20 $((BUDGET + 90)) python3 -m linattn.cli.bench "${args[@]}" "$@" > "$T/$name.log" 2>&1
 echo "$name: rc=$? in $((SECONDS - t0)) s" | tee -a "$T/parts.txt"
-python3 - "$T/$name.json" "$T/all.json" <<'PY'
+python3 - "$T/$name.json" "$ALL" <<'PY'
 import json, os, sys
 from linattn.cli.bench import report
 if os.path.exists(sys.argv[1]):
     doc = json.load(open(sys.argv[1]))
     merged = report.merge_into(sys.argv[2], doc)
-    print(f"{len(doc['rows'])} rows this part, {len(merged['rows'])} in all.json, "
+    print(f"{len(doc['rows'])} rows this part, {len(merged['rows'])} in {sys.argv[2]}, "
           f"{len(doc.get('skipped_for_budget') or [])} skipped for budget")
     print(report.summary(merged["rows"], generated_matches=lambda c: None))
 PY

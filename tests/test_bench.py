@@ -346,3 +346,34 @@ def test_plot_of_a_results_file(tmp_path):
     png = tmp_path / "ratio.png"
     assert main(["--summary", str(src), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+
+
+def test_gate_distributions_of_the_gates_table():
+    """bench/workloads/gates.json: trained-model decays (-exp(A_log) softplus(a + dt_bias):
+    weak, many heads near -1e-2 a token), the same formed in the kernel, and no gate."""
+    from linattn.cli.bench.inputs import _gate
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda s: torch.randn(*s, generator=gen)   # noqa: E731
+    rand = lambda s: torch.rand(*s, generator=gen)     # noqa: E731
+    g = _gate({"gates": "trained"}, (2, 512, 8), randn, rand)
+    assert g.shape == (2, 512, 8) and (g < 0).all()
+    med = g.median(dim=1).values.abs()           # per (sequence, head)
+    assert 1e-4 < float(med.min()) and float(med.max()) < 1.0 and float(med.median()) < 0.2
+    gk = _gate({"gates": "trained"}, (1, 64, 4, 16), randn, rand)
+    assert gk.shape == (1, 64, 4, 16) and (gk < 0).all()
+    assert (_gate({"gates": "none"}, (1, 8, 2), randn, rand) == 0).all()
+    synthetic = _gate({}, (1, 4096, 4), randn, rand)
+    assert -0.2 < float(synthetic.mean()) < -0.08
+    with pytest.raises(ValueError, match="gates"):
+        _gate({"gates": "strong"}, (1, 8, 2), randn, rand)
+    rows = load_rows("bench/workloads/gates.json")
+    assert len(rows) == 24 and {r.op for r in rows} == {"GDNFwd", "KDAFwd"}
+    for r in rows:
+        x = build_inputs(dataclasses.replace(r, tensors={n: {**t, "shape": [1, 70] + t["shape"][2:]}
+                                                          if n in ("q", "k", "v", "g", "beta") else t
+                                                          for n, t in r.tensors.items()
+                                                          if not n.startswith("cu_")},
+                                             options={k: v for k, v in r.options.items() if k != "seq_lens"}),
+                         "cpu", 1)
+        if r.workload.endswith("-raw"):
+            assert r.options["use_gate_in_kernel"] and x["dt_bias"].numel() in (x["v"].shape[2], x["g"].numel() // 70)
