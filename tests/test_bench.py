@@ -331,7 +331,32 @@ def test_warm_rows_calls_each_impl_once_per_row(tmp_path):
     rows = [r for r in tiny_rows() if r.op.endswith("RecurrentFwd")]
     res = run_mod.warm_rows(rows, ["linattn", "torch"], processes=2, device="cpu")
     assert res["rows"] == len(rows) == res["of"] and res["errors"] == []
-    assert res["processes"] == 2 and res["groups"] == 2
+    assert res["processes"] == 2 and not res["cut_at_deadline"]
+
+
+def test_warm_jobs_spread_the_child_implementations_row_by_row():
+    """fla's rows stay in their autotuning groups; the seed release (a compile per shape)
+    is warmed one row a job, spread over the processes."""
+    rows = select(ROWS, ops=["GDNFwd"], dtypes=["bf16"])
+    shares = run_mod.warm_jobs(rows, ["linattn", "fla", "seed", "flashinfer"], processes=8)
+    assert len(shares) == 8
+    fla_jobs = [rs for s in shares for rs, names in s if names == ["fla"]]
+    seed_jobs = [rs for s in shares for rs, names in s if names == ["seed", "flashinfer"]]
+    assert len(fla_jobs) == len(run_mod.warm_groups(rows)) and all(len(rs) == 1 for rs in seed_jobs)
+    assert sorted(r.key for rs in seed_jobs for r in rs) == sorted(r.key for r in rows)
+    per = [sum(len(rs) for rs, names in s if "seed" in names) for s in shares]
+    assert max(per) - min(per) <= 3          # the seed's compiles are spread evenly
+    assert run_mod.warm_jobs(rows, ["linattn", "fla"], 4) and all(
+        names == ["fla"] for s in run_mod.warm_jobs(rows, ["linattn", "fla"], 4) for _, names in s)
+
+
+def test_row_estimate_ignores_a_first_row_of_compiles():
+    est = run_mod.row_estimate
+    assert est({}, "GDNFwd") == 0.0
+    assert est({"GDNFwd": [45.0]}, "GDNFwd") == 0.0                     # one row: no estimate
+    assert est({"GDNFwd": [45.0, 2.0]}, "GDNFwd") == 2.0
+    assert est({"GDNFwd": [45.0, 2.0, 3.0, 2.5]}, "GDNFwd") == 2.5
+    assert est({"GDNFwd": [45.0, 2.0, 3.0], "KDAFwd": [30.0]}, "KDAFwd") == 3.0   # all rows
 
 
 def test_plot_of_a_results_file(tmp_path):
