@@ -196,3 +196,80 @@ def test_training_gradients_match_torch_path(hf, hopper, cpu_ops, name):
     for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.fixture
+def fla_layers():
+    pytest.importorskip("transformers")
+    return pytest.importorskip("fla.layers")
+
+
+def test_apply_linattn_to_fla_rebinds_and_undoes(fla_layers):
+    import fla.layers.gated_deltanet as gdn
+    import fla.layers.kda as kda
+    import fla.ops.gated_delta_rule as ops
+    with integrations.apply_linattn_to_fla() as patch:
+        assert gdn.chunk_gated_delta_rule is linattn.chunk_gated_delta_rule
+        assert kda.fused_recurrent_kda is linattn.fused_recurrent_kda
+        for name in ("gated_deltanet.chunk_gated_delta_rule", "kda.chunk_kda", "gla.chunk_gla",
+                     "delta_net.chunk_delta_rule", "linear_attn.chunk_linear_attn",
+                     "multiscale_retention.parallel_retention"):
+            assert f"fla.layers.{name}" in patch.names
+        assert integrations.apply_linattn_to_fla().names == []     # already routed
+    assert gdn.chunk_gated_delta_rule is ops.chunk_gated_delta_rule
+    assert patch.replaced == []
+    only = integrations.apply_linattn_to_fla(["chunk_kda"])
+    assert only.names == ["fla.layers.kda.chunk_kda"]
+    only.undo()
+
+
+def test_apply_linattn_to_fla_refuses_unknown_names(fla_layers):
+    with pytest.raises(ValueError, match=r"functions=\['fused_chunk_gla'\]: linattn "
+                                         r"implements fla's chunk_delta_rule"):
+        integrations.apply_linattn_to_fla(["chunk_kda", "fused_chunk_gla"])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _layer(name):
+    """One fla layer of the model ``name`` (no short convolution: its kernel is Triton's)."""
+    import fla.layers as L
+    common = dict(hidden_size=64, num_heads=2, use_short_conv=False, layer_idx=0)
+    if name == "fla_gdn":
+        return L.GatedDeltaNet(**common, head_dim=32, num_v_heads=4, expand_v=1.0)
+    if name == "fla_kda":
+        return L.KimiDeltaAttention(**common, head_dim=32)
+    return L.GatedLinearAttention(**{**common, "use_short_conv": False}, expand_k=1.0)
+
+
+@pytest.mark.parametrize("mode, T", [("chunk", 70), ("fused_recurrent", 1)])
+@pytest.mark.parametrize("name", M.FLA)
+def test_fla_layer_calls_linattn_with_fla_arguments(fla_layers, cpu_ops, monkeypatch, name,
+                                                    mode, T):
+    """The patched layer's call reaches linattn with fla's arguments, and linattn runs
+    them (fp64 reference kernels): fla's v-first state comes back [B, HV, V, K]. The layer
+    stops there (its output norm is a Triton kernel)."""
+    from fla.models.utils import Cache
+    layer = _layer(name).eval()
+    family = M.FAMILY[name]
+    fn = f"{'chunk' if mode == 'chunk' else 'fused_recurrent'}_{family}"
+    got = {}
+
+    def stop(*args, **kwargs):
+        got["kw"], got["out"] = kwargs, getattr(linattn, fn)(*args, **kwargs)
+        raise _Stop
+    with integrations.apply_linattn_to_fla():
+        module = sys.modules[type(layer).__module__]
+        monkeypatch.setattr(module, fn, functools.wraps(getattr(module, fn))(stop))
+        x = torch.randn(2, T, 64, generator=torch.Generator().manual_seed(3))
+        with pytest.raises(_Stop), torch.no_grad():       # fla: T <= 64 -> fused_recurrent
+            layer(x, past_key_values=Cache(), use_cache=True)
+    o, state = got["out"]
+    kw = got["kw"]
+    assert kw["state_v_first"] is True and o.shape[:2] == (2, T) and torch.isfinite(o).all()
+    assert kw["output_final_state"] and state.shape == (2, kw["v"].shape[2], kw["v"].shape[3],
+                                                        kw["q"].shape[3])
+    if family != "gla":
+        assert kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"] and kw["A_log"] is not None
