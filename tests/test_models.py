@@ -273,3 +273,21 @@ def test_fla_layer_calls_linattn_with_fla_arguments(fla_layers, cpu_ops, monkeyp
                                                         kw["q"].shape[3])
     if family != "gla":
         assert kw["use_qk_l2norm_in_kernel"] and kw["use_gate_in_kernel"] and kw["A_log"] is not None
+
+
+def test_models_bench_sorts_kernels_and_prints_rows(fla_layers):
+    """bench/models_bench.py's pieces that need no GPU: which kernels are linear attention
+    (linattn's generated stages, fla.ops' Triton kernels) and the summary table."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import models_bench as B
+    import fla.ops.gated_delta_rule  # noqa: F401
+    assert B.linattn_kernel("chunk_walk_kernel") and B.linattn_kernel("recurrent_kernel")
+    assert not B.linattn_kernel("ampere_bf16_s16816gemm") and not B.fla_kernel("chunk_walk")
+    assert B.fla_kernel("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
+    assert not B.fla_kernel("rms_norm_fwd_kernel") and set(B.MODELS) == set(M.HF + M.FLA)
+    row = dict(model="qwen3_5", task="train", impls={
+        "linattn": dict(ms=10.0, attn_ms=2.0, ok=True), "fla": dict(ms=12.5, attn_ms=4.0, ok=True)})
+    bad = dict(model="fla_gla", task="generate", impls={"error": "RuntimeError: x"})
+    lines = B.table([row, bad]).splitlines()
+    assert "1.25x" in lines[1] and lines[1].endswith("True") and "ERROR RuntimeError" in lines[2]
