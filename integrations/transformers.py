@@ -111,6 +111,8 @@ class LinattnRepository:
     def __str__(self):
         return f"linattn (installed), layer `{self.layer_name}`"
 
+    __repr__ = __str__
+
 
 def kernel_mapping() -> dict:
     """{slot: {Device(cuda, Hopper): {mode: LinattnRepository}}} for every slot of
@@ -133,9 +135,9 @@ def routed(model) -> dict:
     for path, module in model.named_modules():
         for fn in getattr(module, "_kernel_funcs", {}).values():
             name = getattr(type(fn), "kernel_layer_name", None)
-            if name in LAYERS:
-                repo = fn.__dict__.get("_kernel_repo")
-                out[f"{path}.{name}"] = isinstance(repo, LinattnRepository)
+            if name in LAYERS:      # kernelize binds the layer's forward to the slot
+                bound = getattr(fn.__dict__.get("forward"), "__func__", None)
+                out[f"{path}.{name}"] = bound is LAYERS[name].forward
     return out
 
 
