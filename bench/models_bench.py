@@ -209,6 +209,15 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=HERE).stdout.strip()
+    except OSError:          # no git (the GPU machine gets the files, not the repository)
+        out = ""
+    return out or "unknown"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -217,9 +226,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0, help="start no model after this")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
-    commit = os.environ.get("LINATTN_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-        cwd=HERE).stdout.strip() or "unknown"
+    commit = os.environ.get("LINATTN_COMMIT") or _git_commit()
     doc = {"gpu": gpu, "commit": commit, "rows": []}
 
     def emit(row):
