@@ -12,7 +12,9 @@
 # release's packages) and .gpu/fi_bundle.tar.xz (../shared/gpu/flashinfer). BUDGET (s,
 # default 480), WARM (processes compiling fla / the release / torch.compile first,
 # default 12), IMPLS, VERIFY=1 (the timer's self-check and the copy bandwidth), ALL (the
-# merged file's name, default all) tune it.
+# merged file's name, default all) tune it; WARM_ONLY=1 compiles every implementation's
+# kernels for the selected rows and times nothing (the whole table's compiles take about
+# 8 minutes on 15 processes: the seed release compiles every shape anew, ~15 s a row).
 set -u
 name=$1; shift
 T=/tmp/table; mkdir -p "$T" "${OUT:-/tmp/out}"
@@ -28,6 +30,13 @@ ALL=$T/${ALL:-all}.json     # the merged file of this table (ALL=gates for anoth
 [ -f "$ALL" ] && args+=(--skip-timed "$ALL")
 [ "${VERIFY:-0}" = 1 ] && args+=(--verify-timer)
 t0=$SECONDS
+if [ "${WARM_ONLY:-0}" = 1 ]; then   # compile every implementation's kernels for the rows, time nothing
+  timeout -k 20 $((BUDGET + 60)) python3 -m linattn.cli.bench --warm-only --warm "${WARM:-15}" \
+    --impl "${IMPLS:-linattn,fla,seed,flashinfer,torch-compile}" --seed-path "$SEED_PATH" \
+    --flashinfer-path /tmp/fisite --budget-s "$BUDGET" "$@" > "$T/$name.log" 2>&1
+  echo "$name (warm only): rc=$? in $((SECONDS - t0)) s" | tee -a "$T/parts.txt"
+  tail -c 1500 "$T/$name.log"; exit 0
+fi
 timeout -k 20 $((BUDGET + 90)) python3 -m linattn.cli.bench "${args[@]}" "$@" > "$T/$name.log" 2>&1
 echo "$name: rc=$? in $((SECONDS - t0)) s" | tee -a "$T/parts.txt"
 python3 - "$T/$name.json" "$ALL" <<'PY'

@@ -8,7 +8,7 @@ import sys
 
 from . import remote, report
 from .impls import IMPLS, applies
-from .run import run, warm_rows
+from .run import precompile_rows, run, warm_rows
 from .workloads import TRAIN_OPS, load_rows, select, train_rows
 
 
@@ -51,7 +51,8 @@ def parse_args(argv=None):
                         "configs, torch.compile) for all rows in P parallel processes; the "
                         "timed run then finds them compiled")
     p.add_argument("--warm-only", action="store_true",
-                   help="with --warm: compile and exit (no reference, no check, no timing)")
+                   help="with --warm: compile (linattn's kernels too) and exit (no reference, no "
+                        "check, no timing); a later run on the same machine finds them compiled")
     p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
     return p.parse_args(argv)
 
@@ -109,8 +110,11 @@ def main(argv=None) -> int:
     for impl, path in (("seed", a.seed_path), ("flashinfer", a.flashinfer_path)):
         if path:    # the child processes (and warm processes) read it from the environment
             os.environ[remote.BACKENDS[impl][1][0]] = path
-    if a.warm_only:
+    if a.warm_only:     # the compiles of every implementation, linattn's too, and exit
         res = warm_rows(rows, impls, a.warm or 1, a.device, budget_s=a.budget_s)
+        if "linattn" in impls and a.device.startswith("cuda"):
+            res["precompile"] = precompile_rows(rows, a.device)
+        remote.close_all()
         print(json.dumps(res, indent=1))
         return 1 if res["errors"] else 0
     doc = run(rows, impls, out_path=a.out, device=a.device, time_it=not a.check_only,
