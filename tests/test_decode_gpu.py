@@ -106,7 +106,7 @@ CASES += [
     case("gdn", B=3, T=1, H=16, HV=32, tuning=dict(_S32, items=4, ahead=2)),
     case("gdn", lens=[3, 0, 1, 12], H=1, HV=2, K=64, V=64, dtype="float16", opts="all",
          index="int64", tuning=dict(block_v=16, threads=64, vec=4, warps_k=1, items=3, ahead=2)),
-    case("kda", B=3, T=2, H=4, HV=4, opts=("l2norm_qk",), tuning=dict(_S64, items=3, ahead=2)),
+    case("kda", B=5, T=2, H=4, HV=4, opts=("l2norm_qk",), tuning=dict(_S64, items=3, ahead=2)),
     case("kda", B=7, T=1, H=8, HV=8, opts=("l2norm_qk", "gate_in_kernel"),
          tuning=dict(_S64, ctas_per_sm=3)),
     case("deltanet", B=4, T=1, H=8, HV=8, state="bfloat16", f32_gb=False, scale=1.0,
