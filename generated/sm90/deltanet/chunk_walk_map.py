@@ -128,7 +128,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
-                T.set_max_nreg(regs[0], 1)
+                T.set_max_nreg(regs[0], int(regs[0] > 128))
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = T.if_then_else(i == col0 + j, T.float32(1), T.float32(0))  # M: I
                 for c in T.serial(n_chunks):
@@ -148,7 +148,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     seg_map[seg, hv, i, col0 + j] = S[i, j]
 
             elif tx < 2 * WG:                               # WY step
-                T.set_max_nreg(regs[1], 1)
+                T.set_max_nreg(regs[1], int(regs[1] > 128))
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
@@ -169,10 +169,10 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     T.barrier_arrive(v_full)
 
             elif tx < 3 * WG:                               # output
-                T.set_max_nreg(regs[2], 0)
+                T.set_max_nreg(regs[2], int(regs[2] > 128))
 
             else:                                           # loads
-                T.set_max_nreg(regs[3], 0)
+                T.set_max_nreg(regs[3], int(regs[3] > 128))
                 if tx < 3 * WG + 32:
                     for c in T.serial(n_chunks):
                         s = c % 2
