@@ -132,7 +132,7 @@ class Walk:
                 for hv in range(self.HV):
                     warm, acc, formed = L, 0.0, True
                     for j in range(L):
-                        if self.spec.has_gate and formed:
+                        if self.spec.has_gate and formed and p.get("warm_up", True):
                             acc += float(chunk_norm[hv, c0 + L - 1 - j])
                             if acc <= bound:
                                 warm, formed = j + 1, False
@@ -308,6 +308,15 @@ def test_walk_pipeline_matches_reference(monkeypatch, name, options, kw, exact, 
         assert mapped.all()
     elif exact == "some" and L >= 2:     # (GDN's gates: ~ -8 a chunk, 2 chunks reach e^-16)
         assert not mapped.all()
+
+
+def test_exact_maps_form_every_map(monkeypatch):
+    """Probe config exact_maps: the split's maps exact under strong gates too (the cost of
+    the weakest gates on the same inputs), still matching the reference."""
+    o, ht, ref, seen, stages, _ = _run(monkeypatch, "gdn", Options(), LENS,
+                                       {"segments": 2, "exact_maps": 1})
+    assert "chunk_walk_map" in stages and seen["exact"].bool().all()
+    assert _rel(o, ref["o"]) < 2e-3 and _rel(ht, ref["final_state"]) < 1e-6
 
 
 @pytest.mark.parametrize("name,options", [

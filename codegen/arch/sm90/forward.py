@@ -49,6 +49,12 @@ MAP_STEP_FRACTION = 0.75
 #: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
 #: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
 MAP_WARM_CHUNKS = 2
+#: the split's segment length chosen for exact maps under a gate too (M formed, B over the
+#: whole segment: trained models' weak heads, -1e-3 .. -1e-2 a token, never warm up), so a
+#: weak gate costs what the plan expected and a strong one less; False: chosen for the
+#: warm-up (the benchmark rows' gates, ~ -8 a chunk). Not yet measured either way (probe
+#: config exact_maps=1 forces exact maps on the same inputs)
+SPLIT_PLANS_EXACT = False
 #: the combine's time per segment of a sequence (us) at value block 16 with B prefetched:
 #: a copy of B, plus M S (a K x K x 16 tf32 product) where the map was formed (run s7-2:
 #: 0.9 - 1.0 us a segment under a real gate, prefill-4k / q35-2b-16384, launch included;
@@ -112,9 +118,11 @@ def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
 
-def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False) -> float:
+def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False,
+                 exact: bool = False) -> float:
     """Modelled time of the walk (and the split's map + combine when L) at value block bv
-    (fused: chunk_walk_fused, which reads no A_b; its inverse assumed hidden)."""
+    (fused: chunk_walk_fused, which reads no A_b; its inverse assumed hidden; exact: the
+    maps exact under a gate too)."""
     step = _step_us(p, bv)
     segs = segment_chunks(p.seq_chunks, L)
     heads = p.HV * (p.V // bv)
@@ -124,7 +132,7 @@ def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False) -> flo
     if not L or all(len(seq) == 1 for seq in segs):
         return walk
     mapped = [c for seq in segs for c in seq[:-1]]
-    gated = p.gate == "scalar"
+    gated = p.gate == "scalar" and not exact
     warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if gated else (lambda c: c)
     cols = (p.V if gated else p.K + p.V) // bv
     maps = makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
@@ -154,7 +162,8 @@ def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
         for L in lengths:
             if n_segments(p.seq_chunks, L) * p.HV > hw.MAX_GRID_YZ:    # (gridDim.y)
                 continue
-            t = walk_time_us(p, bv, L, fused)
+            t = walk_time_us(p, bv, L, fused,
+                             exact=SPLIT_PLANS_EXACT or bool(config.get("exact_maps")))
             if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
                 best = (bv, L, t)
     return best
@@ -179,13 +188,13 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k", "inverse_in_walk")
+               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
-    (CONFIG_KEYS: the walk's block_v, segment length and inverse_in_walk, the other
-    pipelines' fused, the per-key prepare's key_diag / key_block_k)."""
+    (CONFIG_KEYS: the walk's block_v, segment length, inverse_in_walk and exact_maps,
+    the other pipelines' fused, the per-key prepare's key_diag / key_block_k)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:
@@ -252,9 +261,10 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
         mbind = {a: t for a, t in dict(qk, **gate).items() if a != "q"}
         if p.gate != "scalar":
             mbind["chunk_norm"] = "gate_none"
+        warm_up = {} if not config.get("exact_maps") else {"warm_up": False}
         launches.append(launch("chunk_walk_map", dict(H=p.H, HV=p.HV, K=p.K, V=p.V,
-                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS),
-                               **mbind))
+                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS,
+                                                      **warm_up), **mbind))
         launches.append(launch("chunk_segment_combine", dict(
             HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
             has_initial_state=p.has_initial_state, output_final_state=False,
