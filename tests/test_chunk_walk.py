@@ -30,6 +30,30 @@ def _step(kk, vv, Ab, gc, S):
     return Vd, gc[-1].exp() * S + ((gc[-1] - gc).exp()[:, None] * kk).T @ Vd
 
 
+def _wy(spec, p, kk, b, gg, A_log, dt_bias):
+    """A chunk's (gate cumsum gc [rows], X = (I + L)^-1) in fp64 from its keys and raw beta
+    and gate rows, as chunk_kkt_inverse (and chunk_walk_fused) form them."""
+    rows = kk.shape[0]
+    if p["beta_sigmoid"]:
+        b = b.sigmoid() * (2 if p["allow_neg_eigval"] else 1)
+    gc = torch.zeros(rows, dtype=F64)
+    if spec.has_gate:
+        if p["gate_in_kernel"]:
+            gg = -A_log.to(F64).exp() * F.softplus(gg + dt_bias.to(F64))
+        gc = gg.cumsum(0)
+    G = (gc[:, None] - gc[None, :]).exp()
+    M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
+    return gc, b, torch.linalg.inv(M)
+
+
+def _start(p, h0, n, hv, K, V):
+    """Sequence n's state entering its first chunk (K-first, fp64)."""
+    if not p["has_initial_state"]:
+        return torch.zeros(K, V, dtype=F64)
+    S = h0[n, hv].to(F64)
+    return S.T if p["state_v_first"] else S
+
+
 class Walk:
     """The fakes' shared state: the sizes, chunk_kkt_inverse's outputs in fp64 (the later
     fakes read these after checking that the buffers hold them rounded: the buffers'
@@ -70,20 +94,13 @@ class Walk:
                         if hv % self.group == 0:
                             kn[t0:t0 + rows, hk] = kk.to(kn.dtype)
                             qn[t0:t0 + rows, hk] = qq.to(qn.dtype)
-                    b = beta[t0:t0 + rows, hv].to(F64)
-                    if p["beta_sigmoid"]:
-                        b = b.sigmoid() * (2 if p["allow_neg_eigval"] else 1)
+                    gg = g[t0:t0 + rows, hv].to(F64) if self.spec.has_gate else None
+                    gr, b, X = _wy(self.spec, p, kk, beta[t0:t0 + rows, hv].to(F64), gg,
+                                   A_log[hv], dt_bias[hv])
                     gc = torch.zeros(C, dtype=F64)
                     if self.spec.has_gate:
-                        gg = g[t0:t0 + rows, hv].to(F64)
-                        if p["gate_in_kernel"]:
-                            gg = -A_log[hv].to(F64).exp() * F.softplus(gg + dt_bias[hv].to(F64))
-                        gc[:rows] = gg.cumsum(0)
-                        gc[rows:] = gc[rows - 1]
+                        gc[:rows], gc[rows:] = gr, gr[-1]
                         g_cum[hv, ci * C:(ci + 1) * C] = gc.to(g_cum.dtype)
-                    G = (gc[:rows, None] - gc[None, :rows]).exp()
-                    M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
-                    X = torch.linalg.inv(M)
                     Ab = X * b[None, :]
                     self.f64["a"][t0:t0 + rows, hv, :rows] = Ab
                     A[t0:t0 + rows, hv, :rows] = Ab.to(A.dtype)
@@ -101,10 +118,7 @@ class Walk:
             for n in range(len(cu) - 1):
                 for hv in range(self.HV):
                     hk = hv // self.group
-                    S = torch.zeros(self.K, self.V, dtype=F64)
-                    if p["has_initial_state"]:
-                        S = h0[n, hv].to(F64)
-                        S = S.T if v_first else S
+                    S = _start(p, h0, n, hv, self.K, self.V)
                     for ci, t0 in enumerate(range(cu[n], cu[n + 1], C)):
                         rows = min(C, cu[n + 1] - t0)
                         gc = self.gate(g_cum, hv, c0s[n] + ci, rows)
@@ -181,28 +195,15 @@ class Walk:
             for n in range(len(cu) - 1):
                 for hv in range(self.HV):
                     hk = hv // self.group
-                    S = torch.zeros(self.K, self.V, dtype=F64)
-                    if p["has_initial_state"]:
-                        S = h0[n, hv].to(F64)
-                        S = S.T if v_first else S
+                    S = _start(p, h0, n, hv, self.K, self.V)
                     for t0 in range(cu[n], cu[n + 1], C):
-                        rows = min(C, cu[n + 1] - t0)
-                        rs = slice(t0, t0 + rows)
+                        rs = slice(t0, min(t0 + C, cu[n + 1]))
                         qq, kk = q[rs, hk].to(F64), k[rs, hk].to(F64)
-                        b = beta[rs, hv].to(F64)
-                        if p["beta_sigmoid"]:
-                            b = b.sigmoid() * (2 if p["allow_neg_eigval"] else 1)
-                        gc = torch.zeros(rows, dtype=F64)
-                        if self.spec.has_gate:
-                            gg = g[rs, hv].to(F64)
-                            if p["gate_in_kernel"]:
-                                gg = -A_log[hv].to(F64).exp() * F.softplus(gg + dt_bias[hv].to(F64))
-                            gc = gg.cumsum(0)
-                        G = (gc[:, None] - gc[None, :]).exp()
-                        M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
-                        Ab = torch.linalg.inv(M) * b[None, :]
-                        Vd, S_next = _step(kk, v[rs, hv].to(F64), Ab, gc, S)
-                        P = (qq @ kk.T).tril() * G
+                        gg = g[rs, hv].to(F64) if self.spec.has_gate else None
+                        gc, b, X = _wy(self.spec, p, kk, beta[rs, hv].to(F64), gg, A_log[hv],
+                                       dt_bias[hv])
+                        Vd, S_next = _step(kk, v[rs, hv].to(F64), X * b[None, :], gc, S)
+                        P = (qq @ kk.T).tril() * (gc[:, None] - gc[None, :]).exp()
                         oo = scale * (gc.exp()[:, None] * (qq @ S) + P @ Vd)
                         o[rs, hv] = oo.to(o.dtype)
                         S = S_next
