@@ -54,9 +54,10 @@ def test_stage_renders(name, stage):
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
-    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save")
+    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save", "chunk_walk_fused")  # (beta's sigmoid)
     first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_prepare_states") + kkt
-    cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
+    cumsum = ("T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan,
+              or "gsum = gsum + " in text)                        # the fused walk's)
     assert cumsum == (first and spec.has_gate)
     if not spec.has_gate and stage not in kkt:
         assert "T.exp" not in text and "exp2" not in text
