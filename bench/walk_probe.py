@@ -3,7 +3,8 @@ reference at full size and device time (per call and per kernel), for the arch's
 choice and for explicit plan configs (codegen/arch/sm90/forward.py CONFIG_KEYS).
 
     python3 bench/walk_probe.py [--only NAME ...] [--configs default segments=8
-        block_v=64,segments=16 ...] [--iters 20] [--out walk_probe.json]
+        block_v=64,segments=16 inverse_in_walk=1 exact_maps=1 ...] [--iters 20]
+        [--out walk_probe.json]
 
 Workloads and inputs: bench/chunk_probe.py's make_inputs; the names below.
 """
@@ -30,6 +31,7 @@ CASES = {
     "prefill-4k": ("gdn", 1, 4096, 16, 16, 128, 128, (), None, False),
     "q35-2b-16384": ("gdn", 1, 16384, 16, 16, 128, 128, (), None, False),
     "q35-397b-tp8-16384": ("gdn", 1, 16384, 2, 8, 128, 128, (), None, False),
+    "q35-397b-tp8-8192": ("gdn", 1, 8192, 2, 8, 128, 128, (), None, False),
     "q35-397b-tp1-65536": ("gdn", 1, 65536, 16, 64, 128, 128, (), None, False),
     "q35-2b-8x8192": ("gdn", 1, None, 16, 16, 128, 128, (), [8192] * 8, False),
     "q35-397b-tp4-8x1024": ("gdn", 1, None, 4, 16, 128, 128, (), [1024] * 8, False),
@@ -41,6 +43,16 @@ CASES = {
     "deltanet-8k-k64": ("deltanet", 2, 8192, 4, 4, 64, 64, (), None, False),
     "deltanet-prefill-4k": ("deltanet", 1, 4096, 16, 16, 128, 128, (), None, False),
     "symmetric-1024-7168": ("gdn", 1, None, 32, 32, 128, 128, (), [1024, 7168], False),
+    # trained models' gates (-e^A_log softplus(g + dt_bias), A_log ~ log U[1, 16], dt ~
+    # [1e-3, 1e-1]: -1e-3 .. -1e-1 a token, make_inputs' gate_in_kernel inputs): the split's
+    # maps mostly exact (the benchmark rows' gates warm up in ~2 chunks)
+    "prefill-4k-trained": ("gdn", 1, 4096, 16, 16, 128, 128, ("gate_in_kernel",), None, False),
+    "q35-2b-16384-trained": ("gdn", 1, 16384, 16, 16, 128, 128, ("gate_in_kernel",), None,
+                             False),
+    "q35-397b-tp8-8192-trained": ("gdn", 1, 8192, 2, 8, 128, 128, ("gate_in_kernel",), None,
+                                  False),
+    "q35-2b-8x8192-trained": ("gdn", 1, None, 16, 16, 128, 128, ("gate_in_kernel",),
+                              [8192] * 8, False),
     # the per-key gate (KDA, GLA): the table's shapes
     "kda-tp1-4096": ("kda", 1, 4096, 32, 32, 128, 128, ("l2norm_qk",), None, False),
     "kda-tp2-16384": ("kda", 1, 16384, 16, 16, 128, 128, ("l2norm_qk",), None, False),

@@ -59,6 +59,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
               doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_walk_fused", "chunk_walk.py.jinja", "fwd",
+              doc="the walk with the WY inverse formed inside by a fourth warpgroup, a "
+                  "chunk ahead (the whole chunked forward in one kernel)",
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_walk_map", "chunk_walk.py.jinja", "fwd",
               doc="sequence split, per segment: its affine map [M | B] (M only where needed)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),

@@ -54,9 +54,10 @@ def test_stage_renders(name, stage):
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
-    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save")
+    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save", "chunk_walk_fused")  # (beta's sigmoid)
     first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_prepare_states") + kkt
-    cumsum = "T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan)
+    cumsum = ("T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan,
+              or "gsum = gsum + " in text)                        # the fused walk's)
     assert cumsum == (first and spec.has_gate)
     if not spec.has_gate and stage not in kkt:
         assert "T.exp" not in text and "exp2" not in text
@@ -89,7 +90,8 @@ def test_generated_stages_are_what_the_plans_launch():
     for name in SUPPORTED:
         spec, used = _spec(name), set()
         for opts in (Options(), Options(l2norm_qk=True)):
-            for config in ({}, {"fused": True}, {"fused": False}, {"segments": 2}):
+            for config in ({}, {"fused": True}, {"fused": False}, {"segments": 2},
+                           {"inverse_in_walk": 1}):
                 for states in ({}, {"return_states": True}, {"save_states": True},
                                {"return_states": True, "states_only": True}):
                     try:
@@ -422,22 +424,34 @@ LAUNCH_CASES = [
     ("delta_scalar", dict(B=1, T=0, H=1, HV=2, K=64, V=64), Options(), True, True,
      [130, 0, 300]),
 ]
-CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}]
+def _walks(spec) -> bool:
+    return spec.rule.value == "delta" and spec.gate is not Gate.KEY
+
+
+CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1}]
+
+
+def _config_applies(c, cfg) -> bool:
+    spec = _spec(c[0])
+    if "segments" in cfg:
+        return not (spec.has_beta and spec.gate is Gate.KEY)
+    if "inverse_in_walk" in cfg:            # (the walk's, without l2norm_qk)
+        return _walks(spec) and not c[2].l2norm_qk
+    return True
+
+
 LAUNCH_PARAMS = [
     pytest.param(*c, cfg, id=f"{c[0]}-{i}-" + ("-".join(f"{k}{v}" for k, v in cfg.items())
                                             or "default"))
-    for i, c in enumerate(LAUNCH_CASES) for cfg in CONFIGS
-    if "segments" not in cfg or not (_spec(c[0]).has_beta and _spec(c[0]).gate is Gate.KEY)]
-
-
-def _walks(spec) -> bool:
-    return spec.rule.value == "delta" and spec.gate is not Gate.KEY
+    for i, c in enumerate(LAUNCH_CASES) for cfg in CONFIGS if _config_applies(c, cfg)]
 
 
 def expected_stages(spec, options, plan_name):
     """The stages a plan of that name runs for spec, in order."""
     if plan_name == "walk":
         return ["chunk_kkt_inverse", "chunk_walk"]
+    if plan_name == "walk-fused":
+        return ["chunk_walk_fused"]
     if plan_name == "walk-split":
         return ["chunk_kkt_inverse", "chunk_walk_map", "chunk_segment_combine", "chunk_walk"]
     if plan_name.endswith("-split"):        # the additive rule's: summaries first
@@ -462,6 +476,8 @@ def expected_stages(spec, options, plan_name):
 def expected_plan(spec, problem, config):
     """The plan name the arch must pick (codegen/arch/sm90: forward.py and stages.py)."""
     if _walks(spec) and "fused" not in config and not problem.return_states:
+        if config.get("inverse_in_walk"):
+            return "walk-fused"
         _, L, _ = sm90_forward.walk_choice(problem, config)
         return "walk-split" if L and max(problem.seq_chunks) > L else "walk"
     if _walks(spec) or problem.return_states and spec.rule.value == "delta":

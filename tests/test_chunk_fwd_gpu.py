@@ -110,6 +110,7 @@ CASES = [
 #: the delta rule's walk under explicit plans: value blocks, the sequence split (the
 #: warm-up with real gates, the maps with weak gates, no gate and expanding keys)
 WALK_LENS = [1, 130, 0, 64, 700, 1000]
+FUSED = {"inverse_in_walk": 1}
 WALK_CASES = [
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=cfg)
     for cfg in ({"block_v": 32}, {"block_v": 64}, {"block_v": 128}, {"segments": 2},
@@ -128,6 +129,21 @@ WALK_CASES = [
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config={"segments": 4}),
     # the other pipelines forced where the walk would run
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config={"fused": False}),
+] + [
+    # the WY inverse inside the walk (chunk_walk_fused): value blocks, weak gates, no
+    # gate, every option it takes (l2norm_qk stays on chunk_kkt_inverse), awkward
+    # lengths, GVA, no initial / final state
+    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(FUSED, block_v=bv))
+    for bv in (128, 32)
+] + [
+    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=FUSED, gate_scale=1e-2),
+    case("deltanet", 1, None, 2, 2, 64, 64, lens=WALK_LENS, config=FUSED),
+    case("deltanet", 3, 65, 2, 2, 128, 128, dtype="float16", config=FUSED),
+    case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
+         opts=("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "state_v_first"),
+         config=dict(FUSED, block_v=64)),
+    case("gdn", 1, None, 1, 8, 64, 64, lens=WALK_LENS, init=False, config=FUSED),
+    case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=FUSED),
 ]
 
 

@@ -30,6 +30,30 @@ def _step(kk, vv, Ab, gc, S):
     return Vd, gc[-1].exp() * S + ((gc[-1] - gc).exp()[:, None] * kk).T @ Vd
 
 
+def _wy(spec, p, kk, b, gg, A_log, dt_bias):
+    """A chunk's (gate cumsum gc [rows], X = (I + L)^-1) in fp64 from its keys and raw beta
+    and gate rows, as chunk_kkt_inverse (and chunk_walk_fused) form them."""
+    rows = kk.shape[0]
+    if p["beta_sigmoid"]:
+        b = b.sigmoid() * (2 if p["allow_neg_eigval"] else 1)
+    gc = torch.zeros(rows, dtype=F64)
+    if spec.has_gate:
+        if p["gate_in_kernel"]:
+            gg = -A_log.to(F64).exp() * F.softplus(gg + dt_bias.to(F64))
+        gc = gg.cumsum(0)
+    G = (gc[:, None] - gc[None, :]).exp()
+    M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
+    return gc, b, torch.linalg.inv(M)
+
+
+def _start(p, h0, n, hv, K, V):
+    """Sequence n's state entering its first chunk (K-first, fp64)."""
+    if not p["has_initial_state"]:
+        return torch.zeros(K, V, dtype=F64)
+    S = h0[n, hv].to(F64)
+    return S.T if p["state_v_first"] else S
+
+
 class Walk:
     """The fakes' shared state: the sizes, chunk_kkt_inverse's outputs in fp64 (the later
     fakes read these after checking that the buffers hold them rounded: the buffers'
@@ -70,20 +94,13 @@ class Walk:
                         if hv % self.group == 0:
                             kn[t0:t0 + rows, hk] = kk.to(kn.dtype)
                             qn[t0:t0 + rows, hk] = qq.to(qn.dtype)
-                    b = beta[t0:t0 + rows, hv].to(F64)
-                    if p["beta_sigmoid"]:
-                        b = b.sigmoid() * (2 if p["allow_neg_eigval"] else 1)
+                    gg = g[t0:t0 + rows, hv].to(F64) if self.spec.has_gate else None
+                    gr, b, X = _wy(self.spec, p, kk, beta[t0:t0 + rows, hv].to(F64), gg,
+                                   A_log[hv], dt_bias[hv])
                     gc = torch.zeros(C, dtype=F64)
                     if self.spec.has_gate:
-                        gg = g[t0:t0 + rows, hv].to(F64)
-                        if p["gate_in_kernel"]:
-                            gg = -A_log[hv].to(F64).exp() * F.softplus(gg + dt_bias[hv].to(F64))
-                        gc[:rows] = gg.cumsum(0)
-                        gc[rows:] = gc[rows - 1]
+                        gc[:rows], gc[rows:] = gr, gr[-1]
                         g_cum[hv, ci * C:(ci + 1) * C] = gc.to(g_cum.dtype)
-                    G = (gc[:rows, None] - gc[None, :rows]).exp()
-                    M = torch.eye(rows, dtype=F64) + (b[:, None] * (kk @ kk.T) * G).tril(-1)
-                    X = torch.linalg.inv(M)
                     Ab = X * b[None, :]
                     self.f64["a"][t0:t0 + rows, hv, :rows] = Ab
                     A[t0:t0 + rows, hv, :rows] = Ab.to(A.dtype)
@@ -101,10 +118,7 @@ class Walk:
             for n in range(len(cu) - 1):
                 for hv in range(self.HV):
                     hk = hv // self.group
-                    S = torch.zeros(self.K, self.V, dtype=F64)
-                    if p["has_initial_state"]:
-                        S = h0[n, hv].to(F64)
-                        S = S.T if v_first else S
+                    S = _start(p, h0, n, hv, self.K, self.V)
                     for ci, t0 in enumerate(range(cu[n], cu[n + 1], C)):
                         rows = min(C, cu[n + 1] - t0)
                         gc = self.gate(g_cum, hv, c0s[n] + ci, rows)
@@ -132,7 +146,7 @@ class Walk:
                 for hv in range(self.HV):
                     warm, acc, formed = L, 0.0, True
                     for j in range(L):
-                        if self.spec.has_gate and formed:
+                        if self.spec.has_gate and formed and p.get("warm_up", True):
                             acc += float(chunk_norm[hv, c0 + L - 1 - j])
                             if acc <= bound:
                                 warm, formed = j + 1, False
@@ -171,9 +185,35 @@ class Walk:
             self.seen["starts"] = starts.clone()
         return run
 
+    def walk_fused(self, p):
+        """chunk_walk_fused: each chunk's gate cumsum and A_b from the raw g, beta (as
+        chunk_kkt_inverse forms them), then the walk's step, in fp64."""
+        v_first = p["state_v_first"]
+
+        def run(q, k, v, g, beta, A_log, dt_bias, cu, h0, final_row, ht, o, scale):
+            cu = cu.tolist()
+            for n in range(len(cu) - 1):
+                for hv in range(self.HV):
+                    hk = hv // self.group
+                    S = _start(p, h0, n, hv, self.K, self.V)
+                    for t0 in range(cu[n], cu[n + 1], C):
+                        rs = slice(t0, min(t0 + C, cu[n + 1]))
+                        qq, kk = q[rs, hk].to(F64), k[rs, hk].to(F64)
+                        gg = g[rs, hv].to(F64) if self.spec.has_gate else None
+                        gc, b, X = _wy(self.spec, p, kk, beta[rs, hv].to(F64), gg, A_log[hv],
+                                       dt_bias[hv])
+                        Vd, S_next = _step(kk, v[rs, hv].to(F64), X * b[None, :], gc, S)
+                        P = (qq @ kk.T).tril() * (gc[:, None] - gc[None, :]).exp()
+                        oo = scale * (gc.exp()[:, None] * (qq @ S) + P @ Vd)
+                        o[rs, hv] = oo.to(o.dtype)
+                        S = S_next
+                    if p["output_final_state"] and final_row[n] >= 0:
+                        ht[final_row[n], hv] = (S.T if v_first else S).to(ht.dtype)
+        return run
+
     def body(self, spec, stage, params):
         return {"chunk_kkt_inverse": self.kkt, "chunk_kkt_inverse_save": self.kkt,
-                "chunk_walk": self.walk,
+                "chunk_walk": self.walk, "chunk_walk_fused": self.walk_fused,
                 "chunk_walk_map": self.walk_map,
                 "chunk_segment_combine": self.combine}[stage](params)
 
@@ -271,6 +311,15 @@ def test_walk_pipeline_matches_reference(monkeypatch, name, options, kw, exact, 
         assert not mapped.all()
 
 
+def test_exact_maps_form_every_map(monkeypatch):
+    """Probe config exact_maps: the split's maps exact under strong gates too (the cost of
+    the weakest gates on the same inputs), still matching the reference."""
+    o, ht, ref, seen, stages, _ = _run(monkeypatch, "gdn", Options(), LENS,
+                                       {"segments": 2, "exact_maps": 1})
+    assert "chunk_walk_map" in stages and seen["exact"].bool().all()
+    assert _rel(o, ref["o"]) < 2e-3 and _rel(ht, ref["final_state"]) < 1e-6
+
+
 @pytest.mark.parametrize("name,options", [
     ("gdn", Options()), ("deltanet", Options(l2norm_qk=True, state_v_first=True))],
     ids=["gdn", "deltanet-options"])
@@ -300,6 +349,64 @@ def test_walk_saves_every_chunks_state(monkeypatch, name, options, config):
         row, c = row + -(-n // C), c + max(-(-n // C), 1)   # (an empty sequence: a ref row)
 
 
+@pytest.mark.parametrize("name,options,kw", [
+    ("gdn", Options(), {}),
+    ("gdn", Options(), dict(gate_scale=1e-2)),
+    ("deltanet", Options(), {}),
+    ("gdn", Options(beta_sigmoid=True, allow_neg_eigval=True, gate_in_kernel=True,
+                    state_v_first=True), {}),
+    ("deltanet", Options(state_v_first=True), {}),
+], ids=["gdn", "gdn-weak", "deltanet", "gdn-options", "deltanet-options"])
+@pytest.mark.parametrize("config", [{"inverse_in_walk": 1},
+                                    {"inverse_in_walk": 1, "block_v": 16}],
+                         ids=["fused", "fused-b16"])
+def test_fused_walk_matches_reference(monkeypatch, name, options, kw, config):
+    """walk-fused (inverse_in_walk): chunk_walk_fused alone, reading the raw q, k, v, g,
+    beta (and A_log, dt_bias) the call gives, matches the fp64 reference."""
+    o, ht, ref, _, stages, _ = _run(monkeypatch, name, options, LENS, config, **kw)
+    assert stages == ["chunk_walk_fused"]
+    assert _rel(o, ref["o"]) < 2e-3
+    assert _rel(ht, ref["final_state"]) < 1e-6
+
+
+@pytest.mark.parametrize("options,config,save", [
+    (Options(l2norm_qk=True), {"inverse_in_walk": 1}, False),
+    (Options(), {"inverse_in_walk": 1, "segments": 2}, False),
+    (Options(), {"inverse_in_walk": 1}, True),
+], ids=["l2norm", "split", "save_states"])
+def test_fused_walk_refuses_what_it_does_not_form(options, config, save):
+    from linattn.dsl import SpecError
+    with pytest.raises(SpecError, match="inverse_in_walk"):
+        chunk.forward_plan(get_spec("gdn"), options, H=2, HV=4, K=64, V=32, dtype="bfloat16",
+                           seq_chunks=(8, 8), Ttot=1024, output_final_state=True,
+                           config=config, save_states=save)
+
+
+@pytest.mark.parametrize("lens,HV,fused", [
+    ((8192,) * 8, 16, True),        # q35-2b-8x8192: 128 chains, one wave
+    ((1024,) * 8, 16, True),        # q35-397b-tp4-8x1024
+    ((4096,), 16, False),           # prefill-4k: 16 chains, split
+    ((1024,) * 8, 8, False),        # tp8-8x1024: 64 chains < 0.75 x 132
+])
+def test_inverse_in_walk_rule(monkeypatch, lens, HV, fused):
+    """INVERSE_IN_WALK (data in the arch module): where its default is on, the walk forms
+    the inverse itself when the chains fill min_fill of the SMs; off (now), never unasked."""
+    from linattn.codegen.arch.sm90 import forward
+    args = dict(H=HV, HV=HV, K=128, V=128, dtype="bfloat16", seq_chunks=tuple(n // C for n in lens),
+                Ttot=sum(lens), output_final_state=True)
+    chunk._plan.cache_clear()
+    assert chunk.forward_plan(get_spec("gdn"), Options(), **args).name != "walk-fused"
+    monkeypatch.setitem(forward.INVERSE_IN_WALK, "default", True)
+    chunk._plan.cache_clear()
+    try:
+        plan = chunk.forward_plan(get_spec("gdn"), Options(), **args)
+        assert (plan.name == "walk-fused") == fused, str(plan)
+        l2 = chunk.forward_plan(get_spec("gdn"), Options(l2norm_qk=True), **args)
+        assert l2.name != "walk-fused"
+    finally:
+        chunk._plan.cache_clear()
+
+
 def test_split_tables_give_every_sequence_a_segment():
     t = chunk._tables((0, 1, 71, 71, 76, 476), C, "cpu", 2)
     assert t["seg_cu"].tolist() == [0, 1, 71, 71, 76, 204, 332, 460, 476]
@@ -309,12 +416,15 @@ def test_split_tables_give_every_sequence_a_segment():
     assert t["seg_c0"].tolist()[:5] == [0, 1, 3, 3, 4]
 
 
-def test_walk_plan_is_printable_and_named():
+@pytest.mark.parametrize("config", [{}, {"inverse_in_walk": 1}], ids=["model", "fused"])
+def test_walk_plan_is_printable_and_named(config):
     spec = get_spec("gdn")
     plan = chunk.forward_plan(spec, Options(), H=16, HV=16, K=128, V=128, dtype="bfloat16",
-                              seq_chunks=(64,), Ttot=4096, output_final_state=True)
+                              seq_chunks=(64,), Ttot=4096, output_final_state=True,
+                              config=config)
     text = str(plan)
-    assert plan.name in ("walk", "walk-split") and "chunk_walk" in text and "because" in text
+    assert plan.name in ("walk", "walk-split", "walk-fused") and "chunk_walk" in text
+    assert "because" in text
     for la in plan.launches:     # every kernel argument names a provided tensor or a buffer
         mod = chunk.stage_module(spec, la.stage)
         names = runtime.arg_names(mod.build(**la.kwargs))

@@ -123,6 +123,9 @@ PLAN_CASES = [
     # V not a multiple of 32: the per-key prepare's u panels (16 wide failed on sm_90a)
     ("kda", dict(H=8, HV=8, K=128, V=48, seq_chunks=(16,)), {}),
     ("kda", dict(H=4, HV=4, K=64, V=208, seq_chunks=(8,), save_states=True), {}),
+    # the WY inverse inside the walk (q35-2b-8x8192's chains; DeltaNet's at block 32)
+    ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(4,) * 8), {"inverse_in_walk": 1}),
+    ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(8, 8)), {"inverse_in_walk": 1}),
 ]
 
 
@@ -141,8 +144,8 @@ def test_plan_launches_compile(name, sizes, config):
                            Ttot=64 * sum(sizes["seq_chunks"]), output_final_state=True,
                            config=config, **sizes)
     print(p)
-    assert p.name in ("walk", "walk-split", "fused", "three-stage", "fused-split",
-                      "three-stage-split")
+    assert p.name in ("walk", "walk-split", "walk-fused", "fused", "three-stage",
+                      "fused-split", "three-stage-split")
     for la in p.launches:
         rec = compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH)
         _check(rec)

@@ -6,6 +6,10 @@ Pipelines (codegen/pipeline.py has the Plan structure):
               l2-normalised q, k), then chunk_walk (state, WY step and output per chunk in
               one kernel of four warpgroups; with save_states it also stores each chunk's
               16-bit state into h)
+  walk-fused  the walk with the WY inverse formed inside (chunk_walk_fused: a fourth warpgroup
+              forms each chunk's A_b and gate cumsum a chunk ahead of the walk): one kernel,
+              no A_b / g_cum round trip through memory. For many chains (the batched rows),
+              sequences unsplit (INVERSE_IN_WALK, not yet the default: unmeasured)
   walk-split  the same when (sequences x value heads x value blocks) leave SMs idle: each
               sequence cut into segments of L chunks; chunk_walk_map forms each segment's
               affine map (only what its start still reaches, see that template), then
@@ -45,6 +49,12 @@ MAP_STEP_FRACTION = 0.75
 #: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
 #: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
 MAP_WARM_CHUNKS = 2
+#: the split's segment length chosen for exact maps under a gate too (M formed, B over the
+#: whole segment: trained models' weak heads, -1e-3 .. -1e-2 a token, never warm up), so a
+#: weak gate costs what the plan expected and a strong one less; False: chosen for the
+#: warm-up (the benchmark rows' gates, ~ -8 a chunk). Not yet measured either way (probe
+#: config exact_maps=1 forces exact maps on the same inputs)
+SPLIT_PLANS_EXACT = False
 #: the combine's time per segment of a sequence (us) at value block 16 with B prefetched:
 #: a copy of B, plus M S (a K x K x 16 tf32 product) where the map was formed (run s7-2:
 #: 0.9 - 1.0 us a segment under a real gate, prefill-4k / q35-2b-16384, launch included;
@@ -67,6 +77,19 @@ MAX_SEGMENT = 256
 #: register budgets of the walk's warpgroups (state, WY, output, loads): ptxas, no spills
 WALK_REGS = (168, 160, 160, 24)
 MAP_REGS = (184, 176, 24, 24)
+#: ... of chunk_walk_fused (state, WY, output, inverse + loads): ptxas at K = V = 128, bf16,
+#: block 128, GDN and DeltaNet: the inverse group spills one register (8 bytes) at 120 (16 at
+#: 112, 96 at 96), the state group none at 160, the WY none at 112, the output none at 120
+#: (DeltaNet's spilled 48 bytes at 112)
+FUSED_REGS = (160, 112, 120, 120)
+#: the WY inverse inside the walk (walk-fused) where the chains fill the SMs: chains x
+#: value blocks >= min_fill x SMs, sequences unsplit (the seed release's one-kernel rule:
+#: sequences x heads >= 0.75 x SMs at K = V = 128). Each chunk's inverse (~2 us of the
+#: fourth warpgroup) then runs beside the walk a chunk ahead, instead of chunk_kkt_inverse
+#: before it (275 us of q35-2b-8x8192's 605, run s6-5). Not the default until measured:
+#: `walk_probe --configs default inverse_in_walk=1`. l2norm_qk (the normalised q, k the
+#: walk reads) and save_states (the training forward keeps A) stay on chunk_kkt_inverse.
+INVERSE_IN_WALK = dict(default=False, min_fill=0.75)
 
 
 def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
@@ -76,28 +99,40 @@ def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
     return stages + tiles + 4 * 1024
 
 
-def walk_blocks(p: ForwardProblem) -> tuple:
-    """The value blocks chunk_walk can run at for p (fitting shared memory), largest first."""
+def fused_walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
+    """... of chunk_walk_fused: chunk_walk's and the inverse group's (L in f32, its 16 x 16
+    and 16 x chunk transposes, beta and the raw gate)."""
+    return (walk_smem(K, BV, itemsize, chunk) + 4 * (chunk * chunk + 16 * 16 + 16 * chunk
+                                                     + 2 * chunk))
+
+
+def walk_blocks(p: ForwardProblem, fused: bool = False) -> tuple:
+    """The value blocks chunk_walk (chunk_walk_fused) can run at for p (fitting shared
+    memory), largest first."""
+    smem = fused_walk_smem if fused else walk_smem
     return tuple(bv for bv in (128, 64, 32, 16)
-                 if p.V % bv == 0 and p.K % 64 == 0 and walk_smem(p.K, bv) <= SMEM_BYTES)
+                 if p.V % bv == 0 and p.K % 64 == 0 and smem(p.K, bv) <= SMEM_BYTES)
 
 
 def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
 
-def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
-    """Modelled time of the walk (and the split's map + combine when L) at value block bv."""
+def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False,
+                 exact: bool = False) -> float:
+    """Modelled time of the walk (and the split's map + combine when L) at value block bv
+    (fused: chunk_walk_fused, which reads no A_b; its inverse assumed hidden; exact: the
+    maps exact under a gate too)."""
     step = _step_us(p, bv)
     segs = segment_chunks(p.seq_chunks, L)
     heads = p.HV * (p.V // bv)
     walk = makespan(tuple(c * step for seq in segs for c in seq for _ in range(heads)))
-    bytes_ = p.Ttot * (2 * p.H * p.K + p.HV * (2 * p.V + p.chunk_size)) * 2
+    bytes_ = p.Ttot * (2 * p.H * p.K + p.HV * (2 * p.V + (0 if fused else p.chunk_size))) * 2
     walk = max(walk, bytes_ / WALK_BYTES_PER_US)
     if not L or all(len(seq) == 1 for seq in segs):
         return walk
     mapped = [c for seq in segs for c in seq[:-1]]
-    gated = p.gate == "scalar"
+    gated = p.gate == "scalar" and not exact
     warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if gated else (lambda c: c)
     cols = (p.V if gated else p.K + p.V) // bv
     maps = makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
@@ -107,27 +142,28 @@ def walk_time_us(p: ForwardProblem, bv: int, L: int) -> float:
     return walk + maps + combine + 2 * LAUNCH_US
 
 
-def walk_choice(p: ForwardProblem, config: dict) -> tuple:
+def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
     """(value block, segment length or 0, modelled us): the cheapest by walk_time_us, or
     config's block_v / segments where given. Segments are only tried for sequences
-    longer than a segment."""
+    longer than a segment (never with the inverse in the walk: fused)."""
     longest = max(p.seq_chunks, default=0)
-    if "block_v" in config and config["block_v"] not in walk_blocks(p):
+    if "block_v" in config and config["block_v"] not in walk_blocks(p, fused):
         raise ValueError(f"plan config block_v={config['block_v']}: the walk runs at value "
-                         f"blocks {walk_blocks(p)} at K={p.K}, V={p.V}")
+                         f"blocks {walk_blocks(p, fused)} at K={p.K}, V={p.V}")
     if "segments" in config and not (isinstance(config["segments"], int)
                                      and config["segments"] >= 0):
         raise ValueError(f"plan config segments={config['segments']!r}: a segment length "
                          "in chunks (0: no split)")
-    blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p)
-    lengths = ([config["segments"]] if "segments" in config
+    blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p, fused)
+    lengths = ([config["segments"]] if "segments" in config else (0,) if fused
                else (0,) + tuple(L for L in reversed(SEGMENT_CHUNKS) if L < longest))
     best = None
     for bv in blocks:
         for L in lengths:
             if n_segments(p.seq_chunks, L) * p.HV > hw.MAX_GRID_YZ:    # (gridDim.y)
                 continue
-            t = walk_time_us(p, bv, L)
+            t = walk_time_us(p, bv, L, fused,
+                             exact=SPLIT_PLANS_EXACT or bool(config.get("exact_maps")))
             if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
                 best = (bv, L, t)
     return best
@@ -152,13 +188,13 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k")
+               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
-    (CONFIG_KEYS: the walk's block_v and segment length, the other pipelines' fused, the
-    per-key prepare's key_diag / key_block_k)."""
+    (CONFIG_KEYS: the walk's block_v, segment length, inverse_in_walk and exact_maps,
+    the other pipelines' fused, the per-key prepare's key_diag / key_block_k)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:
@@ -171,7 +207,27 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     return stage_plan(p, config)
 
 
+def inverse_in_walk(p: ForwardProblem, config: dict) -> bool:
+    """Whether the walk forms the WY inverse itself (walk-fused): config's inverse_in_walk,
+    else INVERSE_IN_WALK's rule where its default is on: (sequence, value head) chains x
+    value blocks (at the largest block chunk_walk_fused takes) >= min_fill x SMs."""
+    blocks = walk_blocks(p, fused=True)
+    why = ("l2norm_qk (the walk reads the normalised q, k)" if p.l2norm_qk
+           else "save_states (the training forward keeps A)" if p.save_states
+           else "a split sequence (the maps read A_b)" if config.get("segments")
+           else f"no value block fits its shared memory at K={p.K}" if not blocks else "")
+    if "inverse_in_walk" in config:
+        if config["inverse_in_walk"] and why:
+            raise ValueError(f"plan config inverse_in_walk: not with {why}")
+        return bool(config["inverse_in_walk"])
+    fill = p.N * p.HV * (p.V // blocks[0]) if blocks else 0
+    return (INVERSE_IN_WALK["default"] and not why
+            and fill >= INVERSE_IN_WALK["min_fill"] * hw.NUM_SMS)
+
+
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
+    if inverse_in_walk(p, config):
+        return _fused_walk_plan(p, config)
     choice = walk_choice(p, config)
     if choice is None:
         raise ValueError(f"no walk configuration fits {dict(config)} (segments x value heads "
@@ -205,9 +261,10 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
         mbind = {a: t for a, t in dict(qk, **gate).items() if a != "q"}
         if p.gate != "scalar":
             mbind["chunk_norm"] = "gate_none"
+        warm_up = {} if not config.get("exact_maps") else {"warm_up": False}
         launches.append(launch("chunk_walk_map", dict(H=p.H, HV=p.HV, K=p.K, V=p.V,
-                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS),
-                               **mbind))
+                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS,
+                                                      **warm_up), **mbind))
         launches.append(launch("chunk_segment_combine", dict(
             HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
             has_initial_state=p.has_initial_state, output_final_state=False,
@@ -219,3 +276,23 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     launches.append(launch("chunk_walk", walk, **walk_bind))
     return Plan("walk-split" if split else "walk", NAME, tuple(launches), tuple(buffers),
                 L if split else 0, tuple(reasons), saved=saved_names(p))
+
+
+def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
+    """walk-fused: chunk_walk_fused alone, reading q, k, v, g, beta as the call gives them."""
+    choice = walk_choice(p, config, fused=True)
+    if choice is None:
+        raise ValueError(f"no fused walk configuration fits {dict(config)}")
+    bv, _, t = choice
+    walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype,
+                g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
+                beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
+                allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
+                state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
+                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS)
+    reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
+               f"walk, block {bv}, one CTA per sequence"
+               + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "
+                                                       f"models {t:.0f} us)")]
+    return Plan("walk-fused", NAME, (launch("chunk_walk_fused", walk),), (), 0,
+                tuple(reasons), saved=saved_names(p))

@@ -150,7 +150,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
-                T.set_max_nreg(regs[0], 1)
+                T.set_max_nreg(regs[0], int(regs[0] > 128))
                 if has_initial_state:
                     for i, j in T.Parallel(K, BV):
                         if state_v_first:
@@ -183,7 +183,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                                 ht[final_row[n], hv, i, v0 + j] = S[i, j]
 
             elif tx < 2 * WG:                               # WY step
-                T.set_max_nreg(regs[1], 1)
+                T.set_max_nreg(regs[1], int(regs[1] > 128))
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
@@ -202,7 +202,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     T.barrier_arrive(v_full)
 
             elif tx < 3 * WG:                               # output
-                T.set_max_nreg(regs[2], 1)
+                T.set_max_nreg(regs[2], int(regs[2] > 128))
                 for c in T.serial(n_chunks):
                     s = c % 2
                     t0 = bos + c * BT
@@ -230,7 +230,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                                 o[t0 + i, hv, v0 + j] = o_s[i, j]
 
             else:                                           # loads
-                T.set_max_nreg(regs[3], 0)
+                T.set_max_nreg(regs[3], int(regs[3] > 128))
                 if tx < 3 * WG + 32:
                     for c in T.serial(n_chunks):
                         s = c % 2

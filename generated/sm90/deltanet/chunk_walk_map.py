@@ -50,7 +50,7 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
+def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True):
     """prim_func for chunk_walk_map.
 
     Tensors (Ttot tokens, NT chunks, NS segments, NM of them mapped; dynamic):
@@ -60,7 +60,9 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
       .., whole chunks only, at most MAX_SEGMENT), map_seg [NM] int32 (the segments to map)
       -> seg_map [NS, HV, K, K + V] f32 ([M | B] of the mapped segments), exact [NS, HV]
       int32 (1 where M was formed)
-    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles).
+    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles),
+    warm_up (False: every map exact, M formed and B walked over the whole segment whatever
+    the gates: the cost of the weakest gates, for probes).
     """
     BT = CHUNK
     BV = block_v
@@ -128,7 +130,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
-                T.set_max_nreg(regs[0], 1)
+                T.set_max_nreg(regs[0], int(regs[0] > 128))
                 for i, j in T.Parallel(K, BV):
                     S[i, j] = T.if_then_else(i == col0 + j, T.float32(1), T.float32(0))  # M: I
                 for c in T.serial(n_chunks):
@@ -148,7 +150,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     seg_map[seg, hv, i, col0 + j] = S[i, j]
 
             elif tx < 2 * WG:                               # WY step
-                T.set_max_nreg(regs[1], 1)
+                T.set_max_nreg(regs[1], int(regs[1] > 128))
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
@@ -169,10 +171,10 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     T.barrier_arrive(v_full)
 
             elif tx < 3 * WG:                               # output
-                T.set_max_nreg(regs[2], 0)
+                T.set_max_nreg(regs[2], int(regs[2] > 128))
 
             else:                                           # loads
-                T.set_max_nreg(regs[3], 0)
+                T.set_max_nreg(regs[3], int(regs[3] > 128))
                 if tx < 3 * WG + 32:
                     for c in T.serial(n_chunks):
                         s = c % 2

@@ -114,6 +114,9 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
     NV = K // (VEC * LPR)               # pieces per lane and row
     RPP = threads // LPR                # rows per pass
     PASSES = BT // RPP
+    # passes whose loads are issued together (<= 32 registers of pieces a thread)
+    LOAD_BATCH = max(1, min(PASSES, 8 // NV))
+    assert PASSES % LOAD_BATCH == 0, (PASSES, LOAD_BATCH)
     XOR = tuple(LPR >> (s + 1) for s in range(LPR.bit_length() - 1))   # LPR/2, ..., 1
     LEVELS = tuple((d, tuple(range(d, NB))) for d in range(1, NB))   # (d, its warps)
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -121,36 +124,46 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
     @T.macro
     def row_pass(x, xn, x_s, n_s, rows, t0, hk, tx, write):
         """Rows of x [t0:t0 + BT, hk, :] (masked past rows): |x_i|^2 into n_s (x_s given),
-        x_i (normalised with l2norm_qk) into x_s, written to xn when `write`."""
+        x_i (normalised with l2norm_qk) into x_s, written to xn when `write`.
+        The loads of LOAD_BATCH passes are issued together before any is used: one global
+        round trip a batch (a load consumed inside its own pass serialised the passes' round
+        trips, ~7 of them a CTA at K = 128)."""
+        xb = T.alloc_local((LOAD_BATCH * NV * VEC,), dtype)
         xv = T.alloc_local((NV * VEC,), dtype)
         ss = T.alloc_var(f32)
         lr = tx % LPR
-        for p in T.unroll(PASSES):
-            i = p * RPP + tx // LPR
-            ss = T.float32(0)
-            for v in T.unroll(NV):
-                for e in T.vectorized(VEC):
-                    xv[v * VEC + e] = T.if_then_else(
-                        i < rows, x[t0 + i, hk, (v * LPR + lr) * VEC + e], T.cast(0, dtype))
-            for v in T.unroll(NV * VEC):
-                ss = ss + T.cast(xv[v], f32) * T.cast(xv[v], f32)
-            for s in XOR:
-                ss = ss + T.shfl_xor(ss, s)
-            r = T.rsqrt(ss + L2NORM_EPS) if l2norm_qk else T.float32(1)
-            if l2norm_qk:
-                for v in T.unroll(NV * VEC):
-                    xv[v] = T.cast(T.cast(xv[v], f32) * r, dtype)
-            if x_s is not None:
-                if lr == 0:
-                    n_s[i] = ss * r * r
+        for pb in T.unroll(PASSES // LOAD_BATCH):
+            for pl in T.unroll(LOAD_BATCH):
+                i = (pb * LOAD_BATCH + pl) * RPP + tx // LPR
                 for v in T.unroll(NV):
                     for e in T.vectorized(VEC):
-                        x_s[i, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
-            if write:
-                if i < rows:
+                        xb[(pl * NV + v) * VEC + e] = T.if_then_else(
+                            i < rows, x[t0 + i, hk, (v * LPR + lr) * VEC + e], T.cast(0, dtype))
+            for pl in T.unroll(LOAD_BATCH):
+                p = pb * LOAD_BATCH + pl
+                i = p * RPP + tx // LPR
+                ss = T.float32(0)
+                for v in T.unroll(NV * VEC):
+                    xv[v] = xb[pl * NV * VEC + v]
+                for v in T.unroll(NV * VEC):
+                    ss = ss + T.cast(xv[v], f32) * T.cast(xv[v], f32)
+                for s in XOR:
+                    ss = ss + T.shfl_xor(ss, s)
+                r = T.rsqrt(ss + L2NORM_EPS) if l2norm_qk else T.float32(1)
+                if l2norm_qk:
+                    for v in T.unroll(NV * VEC):
+                        xv[v] = T.cast(T.cast(xv[v], f32) * r, dtype)
+                if x_s is not None:
+                    if lr == 0:
+                        n_s[i] = ss * r * r
                     for v in T.unroll(NV):
                         for e in T.vectorized(VEC):
-                            xn[t0 + i, hk, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
+                            x_s[i, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
+                if write:
+                    if i < rows:
+                        for v in T.unroll(NV):
+                            for e in T.vectorized(VEC):
+                                xn[t0 + i, hk, (v * LPR + lr) * VEC + e] = xv[v * VEC + e]
 
     @T.prim_func
     def chunk_kkt_inverse(
