@@ -65,10 +65,23 @@ def test_bad_decay_is_one_line_spec_error(kw, msg):
     assert "\n" not in str(e.value)
 
 
-def test_positive_decay_refused_at_the_call():
-    spec = OpSpec(name="grow", rule="additive", gate="scalar", decay="0.1 * h")
-    with pytest.raises(SpecError, match="<= 0 at every head"):
-        spec.head_decay(2)
+@pytest.mark.parametrize("decay, where, msg", [
+    ("0.5", "h=0, H=1", "got 0.5"),                # exp(0.5) > 1: the state grows
+    ("0.1 * h", "h=1, H=2", "got 0.1"),            # decays at head 0, grows from head 1
+    ("log(1 - h / 4)", "h=4, H=5", "undefined"),   # log of 0 past four heads
+])
+def test_growing_decay_refused_when_the_spec_is_made(decay, where, msg):
+    """A fixed decay must be a log decay <= 0 (factor exp(decay) <= 1) at every head:
+    refused by OpSpec itself, before any file is generated or a call is made."""
+    with pytest.raises(SpecError, match=msg) as e:
+        OpSpec(name="grow", rule="additive", gate="scalar", decay=decay)
+    text = str(e.value)
+    assert "\n" not in text and where in text and repr(decay) in text
+
+
+def test_fixed_decay_at_every_head():
+    spec = OpSpec(name="slow", rule="additive", gate="scalar", decay="-1 / (h + 2)")
+    assert spec.head_decay(3) == pytest.approx([-1 / 2, -1 / 3, -1 / 4])
 
 
 @pytest.mark.parametrize("fn", ["chunk_retention", "fused_recurrent_retention"])
