@@ -88,3 +88,12 @@ def test_main_exits_non_zero_on_user_error(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing T, H, K" in err[0]
+
+
+def test_retention_is_a_listed_op():
+    """chunk_retention's spec is a shipped family: listed, generated, checked in."""
+    res = CliRunner().invoke(cli, ["--list"])
+    assert res.exit_code == 0 and "retention  (retention_additive_scalar_c64" in res.output
+    res = CliRunner().invoke(cli, ["--op", "retention", "--check"])
+    assert res.exit_code == 0 and res.output.startswith("ok: "), res.output
+

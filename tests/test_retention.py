@@ -1,35 +1,20 @@
 """A decay fixed by the spec (OpSpec.decay): RetNet's retention as fla's chunk_retention /
 fused_recurrent_retention, on CPU with the kernel replaced by the fp64 reference
-(tests/_cpu_ops.py; retention is not a registered op, so library._impl is swapped as in
-tests/test_value_gate.py). The kernels are simple GLA's scalar-gate kernels (g formed from
-the spec), GPU-checked there."""
+(tests/_cpu_ops.py: retention is a registered op, whose torch.library ops get CPU
+kernels there). The kernels are simple GLA's scalar-gate kernels (g formed from the
+spec), GPU-checked there."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import _cpu_ops
 import linattn
 from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
 from linattn.dsl import OpSpec, SpecError
 from linattn.dsl import torch_reference as tr
 from linattn.ops import build as build_mod
 from linattn.ops import retention
-
-
-@pytest.fixture
-def ref_kernels(cpu_ops, monkeypatch):
-    from linattn.ops import library
-
-    def impl(spec, path):
-        def kernel(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale, final, opts,
-                   *pool):
-            return _cpu_ops._reference(spec, path, q, k, v, g, beta, A_log, dt_bias, h0,
-                                       cu, scale, final, opts, *pool)
-        return kernel
-    monkeypatch.setattr(library, "_impl", impl)
-    return cpu_ops
 
 
 def _inputs(B=2, T=37, H=3, K=32, V=48, seed=0):
@@ -85,10 +70,10 @@ def test_fixed_decay_at_every_head():
 
 
 @pytest.mark.parametrize("fn", ["chunk_retention", "fused_recurrent_retention"])
-def test_retention_matches_reference(ref_kernels, fn):
+def test_retention_matches_reference(cpu_ops, fn):
     q, k, v, h0 = _inputs()
     o, ht = getattr(linattn, fn)(q, k, v, initial_state=h0, output_final_state=True)
-    path = ref_kernels[-1]
+    path = cpu_ops[-1]
     assert path[0] == "retention"
     want_o, want_ht = tr.recurrent_forward(retention.SPEC, q, k, v, _retnet_g(2, 37, 3),
                                            initial_state=h0)
@@ -97,7 +82,7 @@ def test_retention_matches_reference(ref_kernels, fn):
     assert torch.allclose(ht.double(), want_ht, atol=1e-6)
 
 
-def test_retention_varlen_and_gate_refused(ref_kernels):
+def test_retention_varlen_and_gate_refused(cpu_ops):
     q, k, v, _ = _inputs(B=1, T=9)
     cu = torch.tensor([0, 4, 9])
     o, ht = linattn.chunk_retention(q, k, v, output_final_state=True, cu_seqlens=cu)
