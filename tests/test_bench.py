@@ -319,17 +319,3 @@ def test_warm_rows_calls_each_impl_once_per_row(tmp_path):
     res = run_mod.warm_rows(rows, ["linattn", "torch"], processes=2, device="cpu")
     assert res["rows"] == len(rows) == res["of"] and res["errors"] == []
     assert res["processes"] == 2 and res["groups"] == 2
-
-
-def test_plot_of_a_results_file(tmp_path):
-    """--summary JSON --plot PNG draws the ratio per row from a results file (skipped
-    without matplotlib, which the benchmark does not require)."""
-    pytest.importorskip("matplotlib")
-    from linattn.cli.bench.cli import main
-    rows = [fake_record(r, 1.0, f) for r, f in zip(select(ROWS, ops=["GDNFwd"], limit=3),
-                                                    (2.0, 0.5, 1.0))]
-    src = tmp_path / "r.json"
-    src.write_text(json.dumps({"rows": rows}))
-    png = tmp_path / "ratio.png"
-    assert main(["--summary", str(src), "--plot", str(png)]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
