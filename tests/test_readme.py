@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -40,6 +42,22 @@ def test_gpu_example_is_python_calling_public_functions():
     for name in re.findall(r"linattn\.(\w+)\(", code):
         assert callable(getattr(linattn, name)), name
     assert len(code.strip().splitlines()) <= 12
+
+
+def test_gpu_example_calls_are_accepted(cpu_ops):
+    """The GPU example as written, on the CPU at small sizes: the public functions with
+    their kernels replaced by the fp64 references (tests/_cpu_ops.py), so what is checked
+    is the calls' form (positional order, keywords) and the shapes they return."""
+    (code,) = python_blocks(section("Use it on a GPU"))
+    sizes = "B, T, H, K, V = 2, 4096, 16, 128, 128"
+    assert sizes in code and code.count('device="cuda"') >= 3
+    code = code.replace(sizes, "B, T, H, K, V = 2, 70, 2, 32, 16").replace('"cuda"', '"cpu"')
+    ns = {"__name__": "readme_gpu_example"}
+    exec(compile(code, "README.md (Use it on a GPU)", "exec"), ns)
+    assert [r[0] for r in cpu_ops] == ["gdn", "gdn"]            # the prefill, the decode
+    assert tuple(ns["o"].shape) == (2, 70, 2, 16) and tuple(ns["o1"].shape) == (2, 1, 2, 16)
+    assert tuple(ns["ht"].shape) == tuple(ns["ht1"].shape) == (2, 2, 32, 16)
+    assert not ns["ht1"].equal(ns["ht"])                         # one more token went in
 
 
 def test_api_table_names_exist():
