@@ -8,7 +8,12 @@ union per call, L2 flushed before each call, median). Every kernel the run needs
 compiled first in parallel processes (runtime.recording / runtime.precompile). One
 failing row or config never stops the rest; the JSON is rewritten after every row.
 
+The floor of a row with a state: an elementwise f32 copy moving the row's state bytes
+(read + written), timed by the same timer in the same run; each time prints as the
+fraction of that copy's bandwidth (copy_ms / ms).
+
     python3 bench/decode_probe.py [--sweep] [--rows GLOB] [--budget-s 240]
+        [--configs "items=4,ahead=1" "ctas_per_sm=3" ...]
     (JSON to --out, default $OUT_DIR or $OUT /decode_probe.json)
 """
 from __future__ import annotations
@@ -33,7 +38,6 @@ from linattn.ops import runtime
 from linattn.ops.recurrent import tuning_override
 from probe_lib import parse_knobs
 
-COPY_BW = 4.27e12
 # rows swept over the tuning knobs (globs on "op/workload/dtype"): small, mid, large
 SWEEP_ROWS = ("DeltaNetRecurrentFwd/serving-b1-h8/*", "DeltaNetRecurrentFwd/serving-b8-h64/*",
               "GLARecurrentFwd/serving-b8-h64/*", "GDNFwd/decode-b1/bf16", "GDNFwd/decode-b8/bf16",
@@ -102,6 +106,21 @@ def state_bytes(row):
     return 2 * n       # read + written
 
 
+_COPY_MS = {}
+
+
+def copy_ms(nbytes, budget_ms):
+    """Device time of an elementwise f32 copy moving nbytes (half read, half written)."""
+    n = nbytes // 8
+    if n not in _COPY_MS:
+        src = torch.randn(n, device="cuda")
+        dst = torch.empty_like(src)
+        # (an elementwise kernel: a same-dtype copy_ is a memcpy, which the timer skips)
+        _COPY_MS[n] = device_time(lambda: torch.mul(src, 1.0, out=dst), budget_ms=budget_ms)["ms"]
+        del src, dst
+    return _COPY_MS[n]
+
+
 def precompile_all(rows, sweep, limit):
     jobs = []
     for row in rows:
@@ -134,6 +153,8 @@ def precompile_all(rows, sweep, limit):
 def probe_row(row, sweep, limit, budget_ms, with_fla):
     rec = {"key": key(row), "state_bytes": state_bytes(row), "seed_ms": row.seed.get("ours_ms"),
            "seed_alternatives": row.seed.get("alternatives"), "configs": []}
+    if rec["state_bytes"]:
+        rec["copy_ms"] = copy_ms(rec["state_bytes"], budget_ms)
     x = build_inputs(row, "cuda", 0)
     ref = reference_outputs(row, x)
     fn, outputs = impl_mod.make("linattn", row, x)
@@ -146,7 +167,7 @@ def probe_row(row, sweep, limit, budget_ms, with_fla):
                 t = device_time(lambda: call_with(fn, cfg), budget_ms=budget_ms)
                 c.update(ms=t["ms"], p10=t["p10"], p90=t["p90"], kernels=t["kernels"])
                 if rec["state_bytes"]:
-                    c["frac_copy_bw"] = rec["state_bytes"] / (t["ms"] * 1e-3) / COPY_BW
+                    c["frac_copy_bw"] = rec["copy_ms"] / t["ms"]
         except Exception as e:
             c["error"] = f"{type(e).__name__}: {e}"[:400]
             if any(f in str(e) for f in ("illegal memory", "launch failure", "misaligned")):
@@ -158,6 +179,8 @@ def probe_row(row, sweep, limit, budget_ms, with_fla):
             ffn, fout = impl_mod.make("fla", row, x)
             ok, errs, msg = check(fout(ffn()), ref, row.dtype)
             rec["fla"] = {"ok": ok, "ms": device_time(ffn, budget_ms=budget_ms)["ms"]}
+            if rec["state_bytes"]:
+                rec["fla"]["frac_copy_bw"] = rec["copy_ms"] / rec["fla"]["ms"]
         except Exception as e:
             rec["fla"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return rec
@@ -172,13 +195,19 @@ def summary_line(rec):
     alts = rec.get("seed_alternatives") or {}
     target = min([v for v in [seed, *alts.values()] if v] or [float("nan")])
     fmt = lambda v: f"{v * 1e3:7.2f}" if isinstance(v, (int, float)) else "      -"  # noqa: E731
-    bw = table.get("frac_copy_bw")
-    line = f"{rec['key']:52s} table {fmt(table.get('ms'))} us"
-    line += f" ({bw:4.0%} bw)" if bw else " " * 10
-    line += f" best {fmt(best['ms'] if best else None)} us fla {fmt(fla)} target {fmt(target)}"
+    pct = lambda c: f" ({c['frac_copy_bw']:4.0%} copy)" if c.get("frac_copy_bw") else " " * 12  # noqa: E731
+    line = f"{rec['key']:52s} table {fmt(table.get('ms'))} us" + pct(table)
+    line += f" best {fmt(best['ms'] if best else None)} us" + (pct(best) if best else " " * 12)
+    line += f" fla {fmt(fla)} target {fmt(target)}"
+    if rec.get("copy_ms"):
+        line += f" copy {fmt(rec['copy_ms'])}"
     if best and best["tuning"] != "table":
         t = best["tuning"]
         line += "  [" + " ".join(f"{k}={v}" for k, v in t.items()) + "]"
+    for c in rec["configs"][1:]:        # every config: its time and share of the copy's bandwidth
+        if "ms" in c and isinstance(c["tuning"], dict):
+            knobs = ",".join(f"{k}={v}" for k, v in c["tuning"].items())
+            line += f"\n    {knobs:60s} {fmt(c['ms'])} us{pct(c)}"
     bad = [c for c in rec["configs"] if not c.get("ok", True) or "error" in c]
     if bad:
         line += f"  {len(bad)} FAILED: {(bad[0].get('error') or bad[0].get('msg'))[:120]}"

@@ -29,6 +29,7 @@ from decode_probe import CANDIDATES  # noqa: E402
 
 import linattn  # noqa: E402
 from linattn.codegen.arch.sm90 import recurrent_layout_ok  # noqa: E402
+from linattn.ops import runtime  # noqa: E402
 from linattn.ops.recurrent import tuning_override  # noqa: E402
 
 #: (name, pool slots P, sequences N, tokens T, heads HV, K = V)
@@ -105,6 +106,25 @@ def sweep(x, idx, acc, pool, p_fla, o_fla, D, rel, candidates=CANDIDATES, check_
     return out
 
 
+def precompile(cases, knobs):
+    """Every kernel the cases need (ours at the table and at each knob dict) compiled first
+    in parallel processes (runtime.precompile), so no case waits on a compile."""
+    jobs = []
+    for name, P, N, T, HV, D in cases:
+        x, idx, acc, pool = make(P, N, T, HV, D)
+        for c in [None] + list(knobs):
+            with runtime.recording() as req, tuning_override(**(c or {})):
+                try:
+                    ours(x, idx, acc, pool.clone())
+                except Exception:       # KernelRequested (noted), or a refused config
+                    pass
+            jobs += req
+    errs = runtime.precompile(jobs)
+    print(f"precompiled {len(jobs)} requests, {len(errs)} errors", flush=True)
+    for e in errs[:10]:
+        print("  compile error:", e)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -115,9 +135,9 @@ def main():
     args = ap.parse_args()
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
     results = []
-    for name, P, N, T, HV, D in CASES:
-        if args.only and name not in args.only:
-            continue
+    cases = [c for c in CASES if not args.only or c[0] in args.only]
+    precompile(cases, [parse_knobs(k) for k in args.knobs or ()])
+    for name, P, N, T, HV, D in cases:
         x, idx, acc, pool = make(P, N, T, HV, D)
         p_ours, p_fla = pool.clone(), pool.clone()
         o1, _ = ours(x, idx, acc, p_ours)
@@ -143,10 +163,12 @@ def main():
         results.append(rec)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print("\ncase              ours_ms   fla_ms  x fla  copy_ms  err_o    err_pool")
+    print("\ncase              ours_ms   fla_ms  x fla  copy_ms  ours/fla % of copy  err_o    "
+          "err_pool")
     for r in results:
         print(f"{r['case']:16s} {r['ours_ms']:8.4f} {r['fla_ms']:8.4f} {r['speedup']:5.2f} "
-              f"{r['copy_ms']:8.4f} "
+              f"{r['copy_ms']:8.4f}  {r['copy_ms'] / r['ours_ms']:4.0%} / "
+              f"{r['copy_ms'] / r['fla_ms']:4.0%}  "
               f"{r['err_o_vs_fla']:9.2e} {r['err_pool_vs_fla']:9.2e}")
         for who in ("ours", "fla"):
             print(f"   {who} kernels: " + ", ".join(f"{k} {v * 1e3:.1f} us"
@@ -155,7 +177,8 @@ def main():
             print(f"   {c['block_v']:3d} {c['threads']:4d} {c['vec']} {c['warps_k']}  {c['ms']:.4f}")
         for c in r.get("variants", []):
             knobs = {k: v for k, v in c.items() if k not in ("err", "ms", "error")}
-            print(f"   {knobs}  {c.get('ms') or c.get('error')}  err {c.get('err')}")
+            share = f" ({r['copy_ms'] / c['ms']:4.0%} of copy)" if c.get("ms") else ""
+            print(f"   {knobs}  {c.get('ms') or c.get('error')}{share}  err {c.get('err')}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "stage": stage,
         "arch": arch,
         "target": arch_mod.TARGET,
+        "smem_per_sm": arch_mod.SMEM_PER_SM,
         "rule": spec.rule.value,
         "gate": spec.gate.value,
         "is_delta": spec.rule.value == "delta",

@@ -247,9 +247,11 @@ def test_bound_labels_match_seed_page():
     assert all(a for a, r in zip(agree, ROWS) if r.op != "GDNFwd")
 
 
-def test_families_fla_vs_seed_and_summary(tmp_path):
-    """GDN rows fall in the issue's families; fla here / the seed's fla column per op;
-    the summary prints every part, also through linattn-bench --summary."""
+def test_families_and_summary(tmp_path):
+    """GDN rows fall in the issue's families; the summary prints the per-op geomeans
+    against each alternative and the best, states the ratio's direction, lists the rows
+    where linattn is behind and counts entries from other runs and stale commits, also
+    through linattn-bench --summary."""
     from linattn.cli.bench.cli import main
     gdn = select(ROWS, ops=["GDNFwd"])
     fams = {report.family({"op": r.op, "workload": r.workload, "dtype": r.dtype}) for r in gdn}
@@ -262,17 +264,28 @@ def test_families_fla_vs_seed_and_summary(tmp_path):
     assert report.family({"op": "GDNFwd", "workload": "q35-397b-tp4-8x1024",
                           "dtype": "bf16"}) == "varlen"
     r1, r2 = select(ROWS, ops=["GDNFwd"], workload="prefill-4k")[:2]
-    a = fake_record(r1, 0.1, 0.5 * r1.seed["alternatives"]["fla"])
-    b = fake_record(r2, 0.1, 2.0 * r2.seed["alternatives"]["fla"])
-    v = report.fla_vs_seed([a, b])["GDNFwd"]
-    assert v["n"] == 2 and v["geomean"] == pytest.approx(1.0)
-    assert v["min"] == pytest.approx(0.5) and v["max"] == pytest.approx(2.0)
+    a = fake_record(r1, 0.1, 0.2)
+    b = fake_record(r2, 0.1, 0.05)
+    a["impls"]["seed"] = {"ms": 0.08, "ok": True, "run": "r2"}
+    b["impls"]["flashinfer"] = {"ms": 0.2, "ok": False, "run": "r1"}    # wrong: not counted
+    for rec, row in ((a, r1), (b, r2)):
+        rec["impls"]["linattn"].update(run="r1", commit="c-new" if rec is a else "c-old")
+        rec["impls"]["fla"]["run"] = "r1"
+        report.summarize(rec, row)
     f = report.families([a, b])["prefill"]
-    assert f["rows"] == 2 and f["timed"] == 2
-    assert f["vs_fla"] == pytest.approx((0.5 * r1.seed["alternatives"]["fla"] / 0.1 *
-                                          2.0 * r2.seed["alternatives"]["fla"] / 0.1) ** 0.5)
-    text = report.summary([a, b])
-    assert "fla here / seed's fla column" in text and "| prefill | 2 | 2 |" in text
+    assert f["rows"] == 2 and f["timed"] == 2 and f["vs_fla"] == pytest.approx(1.0)
+    v = report.versus([a, b])["GDNFwd"]
+    assert v["fla"] == (pytest.approx(1.0), 2) and v["seed"] == (pytest.approx(0.8), 1)
+    assert v["flashinfer"] == (None, 0)
+    assert v["best"][0] == pytest.approx((0.8 * 0.5) ** 0.5)
+    assert [(w, d) for _, w, d, _ in v["behind"]] == [(r2.workload, r2.dtype), (r1.workload, r1.dtype)]
+    p = report.provenance([a, b], generated_matches=lambda c: c == "c-new")
+    assert p == {"other_run": 1, "stale": 1, "unknown": 0, "stale_commits": ["c-old"]}
+    text = report.summary([a, b], generated_matches=lambda c: True)
+    assert "other / linattn" in text and "> 1: linattn is faster" in text
+    assert "| GDNFwd | 2 | 2 | 1.000 (2) | 0.800 (1) | - |" in text
+    assert "Rows where linattn is behind the best alternative: 2" in text
+    assert "| prefill | 2 | 2 |" in text and "1 entries from another run" in text
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"rows": [a, b]}))
     assert main(["--summary", str(path)]) == 0
@@ -318,4 +331,60 @@ def test_warm_rows_calls_each_impl_once_per_row(tmp_path):
     rows = [r for r in tiny_rows() if r.op.endswith("RecurrentFwd")]
     res = run_mod.warm_rows(rows, ["linattn", "torch"], processes=2, device="cpu")
     assert res["rows"] == len(rows) == res["of"] and res["errors"] == []
-    assert res["processes"] == 2 and res["groups"] == 2
+    assert res["processes"] == 2 and not res["cut_at_deadline"]
+
+
+def test_warm_jobs_spread_the_child_implementations_row_by_row():
+    """fla's rows stay in their autotuning groups; the seed release (a compile per shape)
+    is warmed one row a job, spread over the processes."""
+    rows = select(ROWS, ops=["GDNFwd"], dtypes=["bf16"])
+    shares = run_mod.warm_jobs(rows, ["linattn", "fla", "seed", "flashinfer"], processes=8)
+    assert len(shares) == 8
+    fla_jobs = [rs for s in shares for rs, names in s if names == ["fla"]]
+    seed_jobs = [rs for s in shares for rs, names in s if names == ["seed", "flashinfer"]]
+    assert len(fla_jobs) == len(run_mod.warm_groups(rows)) and all(len(rs) == 1 for rs in seed_jobs)
+    assert sorted(r.key for rs in seed_jobs for r in rs) == sorted(r.key for r in rows)
+    per = [sum(len(rs) for rs, names in s if "seed" in names) for s in shares]
+    assert max(per) - min(per) <= 3          # the seed's compiles are spread evenly
+    assert run_mod.warm_jobs(rows, ["linattn", "fla"], 4) and all(
+        names == ["fla"] for s in run_mod.warm_jobs(rows, ["linattn", "fla"], 4) for _, names in s)
+
+
+def test_row_estimate_ignores_a_first_row_of_compiles():
+    est = run_mod.row_estimate
+    assert est({}, "GDNFwd") == 0.0
+    assert est({"GDNFwd": [45.0]}, "GDNFwd") == 0.0                     # one row: no estimate
+    assert est({"GDNFwd": [45.0, 2.0]}, "GDNFwd") == 2.0
+    assert est({"GDNFwd": [45.0, 2.0, 3.0, 2.5]}, "GDNFwd") == 2.5
+    assert est({"GDNFwd": [45.0, 2.0, 3.0], "KDAFwd": [30.0]}, "KDAFwd") == 3.0   # all rows
+
+
+def test_gate_distributions_of_the_gates_table():
+    """bench/workloads/gates.json: trained-model decays (-exp(A_log) softplus(a + dt_bias):
+    weak, many heads near -1e-2 a token), the same formed in the kernel, and no gate."""
+    from linattn.cli.bench.inputs import _gate
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda s: torch.randn(*s, generator=gen)   # noqa: E731
+    rand = lambda s: torch.rand(*s, generator=gen)     # noqa: E731
+    g = _gate({"gates": "trained"}, (2, 512, 8), randn, rand)
+    assert g.shape == (2, 512, 8) and (g < 0).all()
+    med = g.median(dim=1).values.abs()           # per (sequence, head)
+    assert 1e-4 < float(med.min()) and float(med.max()) < 1.0 and float(med.median()) < 0.2
+    gk = _gate({"gates": "trained"}, (1, 64, 4, 16), randn, rand)
+    assert gk.shape == (1, 64, 4, 16) and (gk < 0).all()
+    assert (_gate({"gates": "none"}, (1, 8, 2), randn, rand) == 0).all()
+    synthetic = _gate({}, (1, 4096, 4), randn, rand)
+    assert -0.2 < float(synthetic.mean()) < -0.08
+    with pytest.raises(ValueError, match="gates"):
+        _gate({"gates": "strong"}, (1, 8, 2), randn, rand)
+    rows = load_rows("bench/workloads/gates.json")
+    assert len(rows) == 24 and {r.op for r in rows} == {"GDNFwd", "KDAFwd"}
+    for r in rows:
+        x = build_inputs(dataclasses.replace(r, tensors={n: {**t, "shape": [1, 70] + t["shape"][2:]}
+                                                          if n in ("q", "k", "v", "g", "beta") else t
+                                                          for n, t in r.tensors.items()
+                                                          if not n.startswith("cu_")},
+                                             options={k: v for k, v in r.options.items() if k != "seq_lens"}),
+                         "cpu", 1)
+        if r.workload.endswith("-raw"):
+            assert r.options["use_gate_in_kernel"] and x["dt_bias"].numel() in (x["v"].shape[2], x["g"].numel() // 70)

@@ -54,13 +54,38 @@ def _inputs(name, N, T, varlen, seed=0):
 @pytest.mark.parametrize("S, T, accepted, varlen, pool_dtype, idx_dtype, inplace", CASES)
 def test_pool_decode_matches_the_loop_reference(name, S, T, accepted, varlen, pool_dtype,
                                                 idx_dtype, inplace, request):
+    _check_pool(name, S, T, accepted, varlen, pool_dtype, idx_dtype, inplace,
+                "padding" in request.node.callspec.id)
+
+
+#: the stream and the resident-CTA cap (codegen/arch/sm90 DECODE_FULL_GRID) on a pool: the
+#: slots of a CTA's items read once at its start, padding items never loaded
+STREAM_KNOBS = [
+    pytest.param(dict(block_v=32, threads=128, vec=4, warps_k=4, items=4, ahead=1), id="s32-i4-a1"),
+    pytest.param(dict(block_v=64, threads=128, vec=4, warps_k=1, items=3, ahead=2), id="s64-i3-a2"),
+]
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+@pytest.mark.parametrize("S, T, accepted, varlen, pool_dtype, idx_dtype, inplace",
+                         [c for c in CASES if c.id in ("2d-spec-varlen", "1d-padding")])
+@pytest.mark.parametrize("knobs", STREAM_KNOBS)
+def test_pool_decode_stream_matches_the_loop_reference(name, S, T, accepted, varlen, pool_dtype,
+                                                       idx_dtype, inplace, knobs, request):
+    from linattn.ops.recurrent import tuning_override
+    with tuning_override(**knobs):
+        _check_pool(name, S, T, accepted, varlen, pool_dtype, idx_dtype, inplace,
+                    "padding" in request.node.callspec.id)
+
+
+def _check_pool(name, S, T, accepted, varlen, pool_dtype, idx_dtype, inplace, padding):
     N, P = (len(varlen) if varlen else 5), 40
     x, HV = _inputs(name, N, T, varlen)
     gen = torch.Generator().manual_seed(1)
     perm = torch.randperm(P, generator=gen)[:N * S].view(N, S) if S > 1 else \
         torch.randperm(P, generator=gen)[:N]
     slots = perm.clone()
-    if "padding" in request.node.callspec.id:
+    if padding:
         slots[1], slots[3] = -1, P + 7          # padding: that sequence is skipped
     named = {int(s) for s in slots.flatten() if 0 <= s < P}
     pool = torch.randn(P, HV, 128, 128, device="cuda").to(pool_dtype)

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from . import report
+from . import remote, report
 from .impls import IMPLS, applies
-from .run import run, warm_rows
+from .run import precompile_rows, run, warm_rows
 from .workloads import TRAIN_OPS, load_rows, select, train_rows
 
 
@@ -19,8 +20,14 @@ def parse_args(argv=None):
     p.add_argument("--workload", help="glob(s) on the workload label, comma-separated")
     p.add_argument("--dtype", help="comma-separated: bf16,f16")
     p.add_argument("--limit", type=int)
-    p.add_argument("--impl", default="linattn,fla,torch,torch-compile,flashinfer",
+    p.add_argument("--impl", default="linattn,fla,seed,flashinfer,torch,torch-compile",
                    help=f"comma-separated, from {','.join(IMPLS)}")
+    p.add_argument("--seed-path", help="package path (PYTHONPATH) holding tileops 0.1.0 and its "
+                   "TileLang 0.1.12 for --impl seed (default: $LINATTN_SEED_PATH or $SEED_PATH)")
+    p.add_argument("--flashinfer-path", help="package path holding flashinfer for --impl "
+                   "flashinfer (default: $LINATTN_FLASHINFER_PATH)")
+    p.add_argument("--run-id", help="the run every entry names (default: date, host, process); "
+                   "pass one id to several invocations on one machine at one commit")
     p.add_argument("--out", help="results JSON (rewritten after every row)")
     p.add_argument("--merge", metavar="INTO", help="merge rows by (op, workload, dtype) into this JSON")
     p.add_argument("--plot", metavar="PNG", help="the picture: per op, other / linattn time per "
@@ -33,8 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--verify-timer", action="store_true", help="run the timer's self-check first")
     p.add_argument("--list", action="store_true", help="list the selected rows and exit")
     p.add_argument("--summary", metavar="JSON",
-                   help="print the summary of a results JSON (per-op geomeans, fla here vs "
-                        "the seed's fla column, GDN families) and exit; no GPU needed")
+                   help="print the summary of a results JSON (per op: geomean of each "
+                        "alternative's time / linattn's, the rows where linattn is behind, "
+                        "entries from other runs or stale kernels) and exit; no GPU needed")
     p.add_argument("--skip-timed", metavar="JSON",
                    help="skip rows whose every --impl already has a time in this results JSON "
                         "(resume a run cut by its budget)")
@@ -43,7 +51,8 @@ def parse_args(argv=None):
                         "configs, torch.compile) for all rows in P parallel processes; the "
                         "timed run then finds them compiled")
     p.add_argument("--warm-only", action="store_true",
-                   help="with --warm: compile and exit (no reference, no check, no timing)")
+                   help="with --warm: compile (linattn's kernels too) and exit (no reference, no "
+                        "check, no timing); a later run on the same machine finds them compiled")
     p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
     return p.parse_args(argv)
 
@@ -96,13 +105,20 @@ def main(argv=None) -> int:
     if bad:
         print(f"unknown --impl {bad}; valid: {', '.join(IMPLS)}", file=sys.stderr)
         return 2
-    if a.warm_only:
+    for impl, path in (("seed", a.seed_path), ("flashinfer", a.flashinfer_path)):
+        if path:    # the child processes (and warm processes) read it from the environment
+            os.environ[remote.BACKENDS[impl][1][0]] = path
+    if a.warm_only:     # the compiles of every implementation, linattn's too, and exit
         res = warm_rows(rows, impls, a.warm or 1, a.device, budget_s=a.budget_s)
+        if "linattn" in impls and a.device.startswith("cuda"):
+            res["precompile"] = precompile_rows(rows, a.device)
+        remote.close_all()
         print(json.dumps(res, indent=1))
         return 1 if res["errors"] else 0
     doc = run(rows, impls, out_path=a.out, device=a.device, time_it=not a.check_only,
               timer_budget_ms=a.row_budget_ms, budget_s=a.budget_s, verify_timer=a.verify_timer,
-              warm_processes=a.warm)
+              warm_processes=a.warm, run_id=a.run_id)
+    remote.close_all()
     text = report.table(doc["rows"])
     print(text)
     if doc.get("skipped_for_budget"):

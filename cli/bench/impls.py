@@ -7,7 +7,9 @@ its result to the reference's names and layouts (outside timing).
     fla            fla.ops, same arguments; DeltaNet chunk/recurrent ops with scale=1.0
     torch          the eager fp32 reference of the two recurrent ops
     torch-compile  torch.compile(fullgraph=True) of it
-    flashinfer     GDN prefill only, when importable (the seed's conversions, timed)
+    seed           TileOPs' release (tileops 0.1.0, the seed system's own kernels), every
+                   op it has, in a child process on its own TileLang (remote.py)
+    flashinfer     flashinfer's GDN prefill and decode, native calls, in a child process
 
 Training rows (GDNTrain, ...): linattn and fla only, through train.make (train.py).
 """
@@ -20,7 +22,8 @@ import torch
 from ...dsl import torch_reference as tr
 from .gaps import NotApplicable, NotImplementedImpl  # noqa: F401 (impls.<gap> for run.py)
 
-IMPLS = ("linattn", "fla", "torch", "torch-compile", "flashinfer")
+IMPLS = ("linattn", "fla", "seed", "flashinfer", "torch", "torch-compile")
+REMOTE = ("seed", "flashinfer")      # implementations run in a child process (remote.py)
 CONTRACT_FN = {"DeltaNetChunkFwd": "deltanet_chunk_fwd", "DeltaNetChunkBwd": "deltanet_chunk_bwd",
                "DeltaNetRecurrentFwd": "deltanet_recurrent_fwd", "GLAChunkFwd": "gla_chunk_fwd",
                "GLAChunkBwd": "gla_chunk_bwd", "GLARecurrentFwd": "gla_recurrent_fwd"}
@@ -36,22 +39,26 @@ FLAGS = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eig
 def applies(impl: str, row) -> bool:
     """Whether the implementation covers the row's op at all (else make raises
     NotApplicable): the torch ones the two recurrent ops, flashinfer GDNFwd, linattn and
-    fla the training rows."""
+    fla the training rows, seed every other row."""
     if row.is_train:
         return impl in ("linattn", "fla")
     if impl in ("torch", "torch-compile"):
         return row.op in TORCH_OPS
     if impl == "flashinfer":
         return row.op == "GDNFwd"
-    return True
+    return True     # linattn, fla, seed: every op of the table
 
 
 def make(impl: str, row, x: dict):
     if row.is_train:
         from . import train
         return train.make(impl, row, x)
-    maker = {"linattn": _linattn, "fla": _fla, "torch": _torch, "torch-compile": _torch_compile,
-             "flashinfer": _flashinfer}.get(impl)
+    if impl in REMOTE:
+        if not applies(impl, row):
+            raise NotApplicable(row.op)
+        from . import remote
+        return remote.make(impl, row, x)
+    maker = {"linattn": _linattn, "fla": _fla, "torch": _torch, "torch-compile": _torch_compile}.get(impl)
     if maker is None:
         raise ValueError(f"unknown implementation {impl!r}; valid: {', '.join(IMPLS)}")
     return maker(row, x)
@@ -232,33 +239,3 @@ def _torch_compile(row, x):
     _eager_step(row)  # NotApplicable for other ops
     step, args = _compiled(row.op, row.options.get("scale")), _step_args(row, x)
     return (lambda: step(*args)), _names(("o", "state"))
-
-
-def _flashinfer(row, x):
-    if row.op != "GDNFwd":
-        raise NotApplicable(row.op)
-    try:
-        from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_gdn
-    except ImportError as e:
-        raise NotImplementedImpl(f"flashinfer not importable ({type(e).__name__}); the seed's column stands")
-    o = row.options
-    if row.is_decode or o.get("use_gate_in_kernel") or o.get("allow_neg_eigval") or o.get("use_beta_sigmoid_in_kernel"):
-        raise NotImplementedImpl("flashinfer prefill call covers plain-gate prefill rows only here")
-    B, T, H, K = x["q"].shape
-    cu = x.get("cu_seqlens")
-    if cu is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=x["q"].device, dtype=torch.int64)
-    v_first = bool(o.get("state_v_first"))
-    h0 = x.get("initial_state")
-    scale = o.get("scale")
-
-    def fn():   # the seed's conversions, all inside the timed call
-        q, k = x["q"].flatten(0, 1), x["k"].flatten(0, 1)
-        if o.get("use_qk_l2norm_in_kernel"):
-            q, k = tr.l2norm(q.float()).to(q.dtype), tr.l2norm(k.float()).to(k.dtype)
-        s0 = None if h0 is None else (h0 if v_first else h0.transpose(-1, -2).contiguous())
-        out, ht = fi_gdn(q, k, x["v"].flatten(0, 1), g=x["g"].flatten(0, 1).float().exp(),
-                         beta=x["beta"].flatten(0, 1).float(), scale=scale, initial_state=s0,
-                         output_final_state=True, cu_seqlens=cu)
-        return out.view(B, T, *out.shape[1:]), (ht if v_first else ht.transpose(-1, -2).contiguous())
-    return fn, _names(("o", "final_state"))

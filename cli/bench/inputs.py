@@ -7,7 +7,9 @@
     beta        sigmoid(randn) in (0, 1); raw randn with use_beta_sigmoid_in_kernel
     g, gk       logsigmoid(randn + 2): natural-log decays, mean about -0.13; raw randn
                 with use_gate_in_kernel, plus A_log = log U(1, 16) and
-                dt_bias = softplus^-1(dt), dt = exp U(log 1e-3, log 1e-1) (Mamba's init)
+                dt_bias = softplus^-1(dt), dt = exp U(log 1e-3, log 1e-1) (Mamba's init);
+                options["gates"] = "trained": such a model's decays computed outside the
+                kernel (-1e-3 .. -1e-1 a token), "none": g = 0 (see _gate)
     states      0.1 randn (f32, or the row dtype for the recurrent ops); dht 0.1 randn
     cu_seqlens  cumsum of options["seq_lens"] (B == 1, packed T), int64, plus a CPU copy
     S, Aw, Au, w, u (DeltaNetChunkBwd) and h (GLAChunkBwd): from the fp64 torch reference
@@ -40,6 +42,34 @@ DELTA_OPS = ("DeltaNetChunkFwd", "DeltaNetChunkBwd", "DeltaNetRecurrentFwd", "De
 DERIVED = ("S", "Aw", "Au", "w", "u", "h")
 
 
+def _dt_bias(u):
+    """softplus^-1(dt), dt = exp U(log 1e-3, log 1e-1) (Mamba's init) from u ~ U(0, 1)."""
+    step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * u)
+    return step + torch.log(-torch.expm1(-step))
+
+
+def _gate(o: dict, shape, randn, rand):
+    """A log decay per token (and key channel): the raw input with use_gate_in_kernel;
+    else by options["gates"]: "trained" (a trained model's -exp(A_log) softplus(a +
+    dt_bias), A_log = log U(1, 16) per head, dt_bias as above per head (and channel), a ~
+    N(0, 1): -1e-3 .. -1e-1 a token), "none" (no decay at all: g = 0), or the table's
+    synthetic logsigmoid(N(2, 1)) (mean about -0.13)."""
+    if o.get("use_gate_in_kernel"):
+        return randn(shape)
+    mode = o.get("gates", "synthetic")
+    if mode == "none":
+        return torch.zeros(shape, device=randn((1,)).device)
+    if mode == "trained":
+        heads, per = shape[2], (shape[3] if len(shape) == 4 else 1)
+        A = 1 + 15 * rand((heads, 1))
+        bias = _dt_bias(rand((heads, per)))
+        a = randn((*shape[:3], per))
+        return (-A * F.softplus(a + bias)).reshape(shape)
+    if mode != "synthetic":
+        raise ValueError(f"options['gates'] must be 'synthetic', 'trained' or 'none', got {mode!r}")
+    return F.logsigmoid(randn(shape) + 2)
+
+
 def tensor_dtype(row, name):
     return DTYPES[row.tensors[name]["dtype"] or row.dtype]
 
@@ -70,12 +100,11 @@ def build_inputs(row, device="cuda", seed: int = 0) -> dict:
         elif name == "beta":
             x = randn(shape) if o.get("use_beta_sigmoid_in_kernel") else torch.sigmoid(randn(shape))
         elif name in ("g", "gk"):
-            x = randn(shape) if o.get("use_gate_in_kernel") else F.logsigmoid(randn(shape) + 2)
+            x = _gate(o, shape, randn, rand)
         elif name == "A_log":
             x = torch.log(1 + 15 * rand(shape))
         elif name == "dt_bias":
-            step = torch.exp(math.log(1e-3) + (math.log(1e-1) - math.log(1e-3)) * rand(shape))
-            x = step + torch.log(-torch.expm1(-step))
+            x = _dt_bias(rand(shape))
         elif name in ("state", "initial_state", "dht"):
             x = 0.1 * randn(shape)
         else:

@@ -16,8 +16,6 @@ from . import roofline
 from .workloads import ALL_OPS, TRAIN_OPS
 
 OURS = "linattn"
-#: how every ratio of the summary and the table reads
-RATIO_READS = "ratio = other's time / linattn's time; > 1 means linattn is faster"
 
 
 def summarize(rec: dict, row) -> dict:
@@ -67,28 +65,6 @@ def geomeans(records) -> dict:
                    "ratio": geomean([r.get("ratio") for r in rs]),
                    "ratio_with_seed_columns": geomean([r.get("ratio_with_seed_columns") for r in rs]),
                    "vs_seed": geomean([r.get("vs_seed") for r in rs])}
-    return out
-
-
-def _spread(xs) -> dict:
-    xs = [x for x in xs if x is not None and x > 0]
-    return {"n": len(xs), "geomean": geomean(xs), "min": min(xs) if xs else None,
-            "max": max(xs) if xs else None}
-
-
-def fla_vs_seed(records) -> dict:
-    """Per op: fla's device time here / the seed table's fla column (geomean and spread
-    over the rows where fla was timed and checked correct)."""
-    out = {}
-    for op in ALL_OPS:
-        xs = []
-        for r in records:
-            fla = r["impls"].get("fla") or {}
-            col = (r.get("seed") or {}).get("alternatives", {}).get("fla")
-            if r["op"] == op and fla.get("ok") and fla.get("ms") and col:
-                xs.append(fla["ms"] / col)
-        if xs:
-            out[op] = _spread(xs)
     return out
 
 
@@ -146,23 +122,97 @@ def families(records, op="GDNFwd") -> dict:
             for name, f in sorted(out.items())}
 
 
-def summary(records) -> str:
-    """Markdown: per-op geomeans, fla here vs the seed's fla column, GDN families."""
-    lines = [RATIO_READS, "","| op | rows | ours timed | vs best alt. | vs seed |", "|---|---|---|---|---|"]
-    for op, v in geomeans(records).items():
-        lines.append(f"| {op} | {v['rows']} | {v['rows'] - v['gaps']} | "
-                     f"{_f(v['ratio'], '{:.3f}')} | {_f(v['vs_seed'], '{:.3f}')} |")
-    lines += ["", "| op | rows with fla | fla here / seed's fla column: geomean | min | max |",
-              "|---|---|---|---|---|"]
-    for op, v in fla_vs_seed(records).items():
-        lines.append(f"| {op} | {v['n']} | {_f(v['geomean'], '{:.3f}')} | "
-                     f"{_f(v['min'], '{:.3f}')} | {_f(v['max'], '{:.3f}')} |")
-    lines += ["", "| GDNFwd family | rows | timed | vs fla | vs best alt. (incl. seed columns) "
-              "| vs seed |", "|---|---|---|---|---|---|"]
+#: the alternatives the summary names one by one ("seed": TileOPs' release, run here)
+ALTS = ("fla", "seed", "flashinfer")
+DIRECTION = ("Ratios read other / linattn: an alternative's device time over linattn's on the "
+             "same row (> 1: linattn is faster), geomean over the rows where both were timed "
+             "and correct; 'best' is the fastest alternative timed on each row.")
+
+
+def _ms(rec, name):
+    e = (rec.get("impls") or {}).get(name) or {}
+    return e["ms"] if e.get("ok") and e.get("ms") else None
+
+
+def versus(records) -> dict:
+    """Per op: rows, linattn timed, (geomean, rows) of each of ALTS / linattn and of the
+    row's best alternative / linattn, and the rows where linattn is behind that best."""
+    out = {}
+    for op in ALL_OPS:
+        rs = [r for r in records if r["op"] == op]
+        if not rs:
+            continue
+        v = {"rows": len(rs), "timed": sum(1 for r in rs if _ms(r, OURS))}
+        for alt in ALTS:
+            xs = [_ms(r, alt) / _ms(r, OURS) for r in rs if _ms(r, OURS) and _ms(r, alt)]
+            v[alt] = (geomean(xs), len(xs))
+        best = [r for r in rs if r.get("ratio")]
+        v["best"] = (geomean([r["ratio"] for r in best]), len(best))
+        v["behind"] = sorted((r["ratio"], r["workload"], r["dtype"], r.get("best_alt"))
+                             for r in best if r["ratio"] < 1)
+        v["vs_page"] = geomean([r.get("vs_seed") for r in rs])
+        out[op] = v
+    return out
+
+
+def provenance(records, generated_matches=None) -> dict:
+    """Entries whose run differs from their row's linattn entry, and linattn entries at a
+    commit whose generated kernels differ from HEAD's (generated_matches(commit) -> bool or
+    None where unknown; default: git diff in the checkout)."""
+    check = generated_matches or _generated_matches
+    other_run, stale, unknown, commits = 0, 0, 0, {}
+    for r in records:
+        ours = (r.get("impls") or {}).get(OURS) or {}
+        for name, e in (r.get("impls") or {}).items():
+            if name != OURS and e and e.get("run") != ours.get("run"):
+                other_run += 1
+        c = ours.get("commit")
+        if c not in commits:
+            commits[c] = check(c) if c else None
+        stale += commits[c] is False
+        unknown += commits[c] is None
+    return {"other_run": other_run, "stale": stale, "unknown": unknown,
+            "stale_commits": sorted(c for c, ok in commits.items() if ok is False)}
+
+
+def _generated_matches(commit):
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", "generated"],
+                           cwd=os.path.join(here, "..", ".."), capture_output=True, timeout=30)
+    except Exception:
+        return None
+    return {0: True, 1: False}.get(r.returncode)
+
+
+def summary(records, generated_matches=None) -> str:
+    """Markdown: per op the geomeans against fla, TileOPs' release ("seed"), flashinfer and
+    the best of them, the rows where linattn is behind, the entries' provenance, the GDN
+    families; the TileOPs page's published figures only as a reference column."""
+    lines = [DIRECTION, "", "| op | rows | linattn timed | vs fla | vs seed release | vs flashinfer "
+             "| vs best | rows behind best | vs TileOPs page (published, reference) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    vs = versus(records)
+    for op, v in vs.items():
+        cells = [_f(v[a][0], "{:.3f}") + (f" ({v[a][1]})" if v[a][1] else "") for a in ALTS + ("best",)]
+        lines.append(f"| {op} | {v['rows']} | {v['timed']} | " + " | ".join(cells)
+                     + f" | {len(v['behind'])} | {_f(v['vs_page'], '{:.3f}')} |")
+    behind = [(op, *b) for op, v in vs.items() for b in v["behind"]]
+    lines += ["", f"Rows where linattn is behind the best alternative: {len(behind)}"]
+    if behind:
+        lines += ["", "| op | workload | dtype | best / linattn | best |", "|---|---|---|---|---|"]
+        lines += [f"| {op} | {w} | {d} | {x:.3f} | {b} |" for op, x, w, d, b in behind]
+    p = provenance(records, generated_matches)
+    lines += ["", f"Provenance: {p['other_run']} entries from another run than their row's linattn "
+              f"entry; {p['stale']} linattn entries at a commit whose generated/ differs from "
+              f"HEAD's{' (' + ', '.join(p['stale_commits']) + ')' if p['stale_commits'] else ''}; "
+              f"{p['unknown']} unknown."]
+    lines += ["", "| GDNFwd family | rows | timed | vs fla | vs best alt. | vs TileOPs page |",
+              "|---|---|---|---|---|---|"]
     for name, v in families(records).items():
         lines.append(f"| {name} | {v['rows']} | {v['timed']} | {_f(v['vs_fla'], '{:.3f}')} | "
-                     f"{_f(v['ratio_with_seed_columns'], '{:.3f}')} | "
-                     f"{_f(v['vs_seed'], '{:.3f}')} |")
+                     f"{_f(v['ratio'], '{:.3f}')} | {_f(v['vs_seed'], '{:.3f}')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,7 +222,7 @@ def _f(x, fmt="{:.4g}"):
 
 def table(records) -> str:
     """Markdown table in the seed page's form, one section per op."""
-    lines = [RATIO_READS]
+    lines = [DIRECTION]
     for op in ALL_OPS:
         rs = [r for r in records if r["op"] == op]
         if not rs:

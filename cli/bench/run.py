@@ -19,7 +19,9 @@ FATAL = ("illegal memory access", "unspecified launch failure", "device-side ass
          "misaligned address", "illegal instruction")
 
 
-def header(device: str) -> dict:
+def header(device: str, run_id: str | None = None) -> dict:
+    """The run's stamp: GPU, clocks, commit, date, run id (every entry carries run, commit
+    and gpu: calls on one machine at one commit share a run id when the caller passes it)."""
     import datetime
     import torch
     doc = {"gpu": None, "commit": None, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -30,6 +32,7 @@ def header(device: str) -> dict:
                             "--format=csv,noheader")
     # the GPU machine gets the working tree without .git: the caller passes the commit
     doc["commit"] = os.environ.get("LINATTN_COMMIT") or _sh("git rev-parse --short HEAD")
+    doc["run"] = run_id or f"{doc['date'][:19]}-{os.uname().nodename}-{os.getpid()}"
     try:
         import fla
         doc["fla"] = getattr(fla, "__version__", "?")
@@ -45,8 +48,10 @@ def _sh(cmd):
         return None
 
 
-def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0, seed=None) -> dict:
-    """One row -> its record (never raises; errors land in notes)."""
+def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0, seed=None,
+            stamp=None) -> dict:
+    """One row -> its record (never raises; errors land in notes). stamp (run, commit,
+    gpu) goes into every implementation's entry."""
     import torch
     seed = zlib.crc32("/".join(row.key).encode()) if seed is None else seed
     rec = {"op": row.op, "workload": row.workload, "dtype": row.dtype, "seed": row.seed,
@@ -65,7 +70,8 @@ def run_row(row, impl_names, device="cuda", time_it=True, timer_budget_ms=100.0,
     _slow_phase(row, "inputs and reference", rec["reference_s"])
     for name in impl_names:
         t1 = time.monotonic()
-        rec["impls"].update(_run_impl(name, row, x, ref, device, time_it, timer_budget_ms))
+        for n, e in _run_impl(name, row, x, ref, device, time_it, timer_budget_ms).items():
+            rec["impls"][n] = {**(stamp or {}), **e}
         _slow_phase(row, f"{name} (first call, check, timing)", time.monotonic() - t1)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -104,22 +110,37 @@ def _run_impl(name, row, x, ref, device, time_it, timer_budget_ms) -> dict:
         if ok and row.is_train and device.startswith("cuda"):
             res.update(train.peak_memory(fn))
         if ok and time_it:
-            t = __import__("linattn.cli.bench.timer", fromlist=["device_time"]).device_time(
-                fn, budget_ms=timer_budget_ms)
+            # an implementation in a child process times itself there (remote.RemoteCall)
+            timed = getattr(fn, "device_time", None) or (lambda budget_ms: __import__(
+                "linattn.cli.bench.timer", fromlist=["device_time"]).device_time(fn, budget_ms=budget_ms))
+            t = timed(budget_ms=timer_budget_ms)
             res.update(ms=t["ms"], p10=t["p10"], p90=t["p90"], calls=t["calls"], kernels=t["kernels"])
     except impl_mod.NotImplementedImpl as e:     # refused when called (a training row's gap)
         res.update(ok=False, ms=None, note=f"not implemented: {e}"[:500])
     except Exception as e:
         res.update(ok=False, ms=None, note=f"{type(e).__name__}: {e}"[:500])
-        if any(s in str(e) for s in FATAL):
-            res["fatal"] = True
+        if any(s in str(e) for s in FATAL) and not getattr(fn, "in_child", False):
+            res["fatal"] = True     # this process's CUDA context is broken (a child's is not)
     finally:
+        _close(fn, res)
         if device.startswith("cuda"):
             try:
                 torch.cuda.synchronize()
             except Exception as e:
                 res.update(ok=False, fatal=True, note=(res["note"] + f" | sync: {e}")[:500])
     return {name: res}
+
+
+def _close(fn, res) -> None:
+    """Free a child process's side of the call (remote.RemoteCall.close); a child that
+    died there is noted, the next row starts a new one."""
+    close = getattr(fn, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception as e:
+        res["note"] = (res.get("note", "") + f" | close: {type(e).__name__}: {e}")[:500]
 
 
 def precompile_rows(rows, device="cuda", rounds=None) -> dict:
@@ -193,24 +214,31 @@ def _per_token_shape(row, name):
 
 
 def _warm_worker(args):
-    """One process of warm_rows: call each implementation once per row (no reference, no
-    timing), so its kernels are compiled into the shared on-disk caches."""
-    rows, impl_names, device, deadline = args
+    """One process of warm_rows: call each implementation once per row of its jobs (no
+    reference, no timing), so its kernels are compiled into the shared on-disk caches;
+    jobs are (rows, implementation names), first rows of every job first."""
+    jobs, device, deadline = args
     import torch
+    order = [(rs[0], names) for rs, names in jobs] + [(r, names) for rs, names in jobs for r in rs[1:]]
     out = []
-    for row in rows:
+    for row, names in order:
         if time.time() > deadline:
             break
         t0 = time.monotonic()
         err = None
         try:
             x = build_inputs(row, device, 0)
-            for name in impl_names:
+            for name in names:
                 try:
                     fn, _ = impl_mod.make(name, row, x)
                 except (impl_mod.NotApplicable, impl_mod.NotImplementedImpl):
                     continue
-                fn()
+                try:
+                    fn()
+                except impl_mod.NotImplementedImpl:    # refused when called: the run reports it
+                    pass
+                finally:
+                    _close(fn, {})
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
             del x
@@ -222,42 +250,58 @@ def _warm_worker(args):
     return out
 
 
+def warm_jobs(rows, impl_names, processes: int) -> list:
+    """Per process, the (rows, impls) it warms: fla / torch.compile rows grouped by their
+    autotuning key (warm_groups: one process per group, its first row first), the child
+    processes' implementations (the seed release compiles every shape anew, ~15 s a row)
+    one row at a time; each job onto the share with the least estimated work."""
+    local = [n for n in impl_names if n != "linattn" and n not in impl_mod.REMOTE]
+    remote = [n for n in impl_names if n in impl_mod.REMOTE]
+    jobs = [(g, local, 30 + len(g)) for g in warm_groups(rows)] if local else []
+    jobs += [([r], remote, 15 * len(remote)) for r in rows] if remote else []
+    jobs.sort(key=lambda j: -j[2])
+    shares = [[] for _ in range(max(1, min(processes, len(jobs))))]
+    for j in jobs:                   # largest first onto the lightest share
+        min(shares, key=lambda s: sum(x[2] for x in s)).append(j)
+    return [[(rs, names) for rs, names, _ in s] for s in shares if s]
+
+
 def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) -> dict:
     """Compile the kernels of other implementations (fla's Triton autotuning configs,
-    torch.compile's graphs) for all rows in `processes` parallel processes before the timed
-    run: compiling is CPU work, and one process compiles one config at a time. The
-    autotuning picks themselves are made again in the timed run, on an idle GPU (Triton
-    finds the compiled configs in its cache then)."""
+    torch.compile's graphs, the seed release's per-shape kernels) for all rows in
+    `processes` parallel processes before the timed run: compiling is CPU work, and one
+    process compiles one config at a time. The autotuning picks themselves are made again
+    in the timed run, on an idle GPU (Triton finds the compiled configs in its cache then).
+    At the deadline (budget_s) the processes are stopped, whatever they are compiling."""
     import multiprocessing as mp
     t0 = time.monotonic()
-    names = [n for n in impl_names if n != "linattn"]
-    groups = sorted(warm_groups(rows), key=len, reverse=True)
-    # a group costs its first row's compiling (tens of seconds) plus ~1 s per row after
-    shares = [[] for _ in range(max(1, min(processes, len(groups))))]
-    for g in groups:                 # largest first onto the lightest share
-        min(shares, key=lambda s: sum(30 + len(x) for x in s)).append(g)
-    # each process takes its groups' first rows first: cut by the budget, every group
-    # has had its kernels compiled once
-    jobs = [[g[0] for g in s] + [r for g in s for r in g[1:]] for s in shares]
+    shares = warm_jobs(rows, impl_names, processes)
     deadline = time.time() + (budget_s if budget_s else 1e9)
     keep = os.environ.get("TRITON_CACHE_AUTOTUNING")
     # the workers inherit it when spawned: picks made on a shared GPU are not kept
     os.environ["TRITON_CACHE_AUTOTUNING"] = "0"
+    cut = False
     try:
-        with mp.get_context("spawn").Pool(len(jobs)) as pool:
-            done = [r for part in pool.map(_warm_worker, [(j, names, device, deadline) for j in jobs])
-                    for r in part]
+        with mp.get_context("spawn").Pool(len(shares)) as pool:
+            pending = pool.map_async(_warm_worker, [(s, device, deadline) for s in shares])
+            try:
+                done = [r for part in pending.get(timeout=max(1.0, deadline - time.time()))
+                        for r in part]
+            except mp.TimeoutError:
+                cut, done = True, []
+                pool.terminate()
     finally:
         if keep is None:
             os.environ.pop("TRITON_CACHE_AUTOTUNING")
         else:
             os.environ["TRITON_CACHE_AUTOTUNING"] = keep
     errors = [d for d in done if d[2]]
-    res = {"rows": len(done), "of": len(rows), "groups": len(groups), "processes": len(shares),
+    res = {"rows": len(done), "of": len(rows), "processes": len(shares), "cut_at_deadline": cut,
            "s": round(time.monotonic() - t0, 1), "slowest": sorted(done, key=lambda d: -d[1])[:8],
            "errors": errors[:20]}
-    print(f"warmed {names} on {len(done)} of {len(rows)} rows ({len(groups)} groups) in {res['s']} s with "
-          f"{len(shares)} processes, {len(errors)} errors", flush=True)
+    print(f"warmed {[n for n in impl_names if n != 'linattn']} on {len(done)} of {len(rows)} rows in "
+          f"{res['s']} s with {len(shares)} processes{' (cut at the deadline)' if cut else ''}, "
+          f"{len(errors)} errors", flush=True)
     return res
 
 
@@ -273,11 +317,23 @@ def progress(items, desc):
           flush=True)
 
 
+def row_estimate(spent: dict, op: str) -> float:
+    """What the next row of op should take (s), from the rows run so far: the lower median
+    of the op's rows (of all rows while the op has fewer than two), since a first row
+    carries its compiles and autotuning and is no estimate of the next."""
+    import statistics
+    xs = spent.get(op, [])
+    if len(xs) < 2:
+        xs = [t for ts in spent.values() for t in ts]
+    return statistics.median_low(xs) if len(xs) >= 2 else 0.0
+
+
 def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budget_ms=100.0,
-        budget_s=None, verify_timer=False, min_left_s=20.0, warm_processes=0) -> dict:
+        budget_s=None, verify_timer=False, min_left_s=20.0, warm_processes=0, run_id=None) -> dict:
     """Run rows; returns the results document (also written to out_path after every row)."""
     t0 = time.monotonic()
-    doc = header(device)
+    doc = header(device, run_id)
+    stamp = {k: doc[k] for k in ("run", "commit", "gpu")}
     doc["impls"] = list(impl_names)
     if verify_timer:
         from .timer import verify_timer as vt
@@ -286,23 +342,23 @@ def run(rows, impl_names, out_path=None, device="cuda", time_it=True, timer_budg
         except Exception as e:
             doc["timer_check"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         print("timer check:", doc["timer_check"], flush=True)
+        doc["copy_tbps"] = doc["timer_check"].get("copy_tbps")
     if warm_processes and set(impl_names) - {"linattn"}:
         doc["warm"] = warm_rows(rows, impl_names, warm_processes, device,
                                 budget_s=budget_s / 2 if budget_s else None)
     if "linattn" in impl_names and device.startswith("cuda"):
         doc["precompile"] = precompile_rows(rows, device)
     doc["rows"] = []
-    # a row is skipped when the time left is under 1.5x the last row of its op (the first
-    # row of an op carries its compiles and fla's autotuning, so it is not the estimate)
-    skipped, last = [], {}
+    skipped, spent = [], {}
     for row in progress(rows, "bench"):
         left = budget_s - (time.monotonic() - t0) if budget_s else None
-        if left is not None and left < max(min_left_s, 1.5 * last.get(row.op, 0.0)):
+        if left is not None and left < max(min_left_s, 1.5 * row_estimate(spent, row.op)):
             skipped.append(list(row.key))
             continue
         t1 = time.monotonic()
-        rec = report.summarize(run_row(row, impl_names, device, time_it, timer_budget_ms), row)
-        last[row.op] = time.monotonic() - t1
+        rec = report.summarize(run_row(row, impl_names, device, time_it, timer_budget_ms,
+                                             stamp=stamp), row)
+        spent.setdefault(row.op, []).append(time.monotonic() - t1)
         doc["rows"].append(rec)
         doc["skipped_for_budget"] = skipped
         if out_path:

@@ -12,7 +12,7 @@ from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: F401
 from .stages import chunk_head_limits  # noqa: F401  (the chunked forward's head dims)
 from .backward import additive_backward_plan, backward_dims, save_states  # noqa: F401  (the additive rule's backward)
 from .backward import dh_config  # noqa: F401  (the delta rule's backward)
-from .hardware import CAPABILITIES, NAME, NUM_SMS, TARGET  # noqa: F401
+from .hardware import CAPABILITIES, NAME, NUM_SMS, SMEM_PER_SM, TARGET  # noqa: F401
 from .stages import STATE_K_MULTIPLE
 
 
@@ -44,6 +44,34 @@ def recurrent_layout_ok(K: int, V: int, block_v: int, threads: int, vec: int, wa
         return False
     lanes_v = block_v // (vec * (warps // warps_k))
     return pow2(lanes_v) and lanes_v <= 32 and K % ((32 // lanes_v) * warps_k) == 0
+
+
+#: Decode at a full grid (f32 states, the block-64 tile's grids below): rules measured in
+#: session 32's experiment (bench/LOG.md "Session 32"), off (None) until the GPU has timed
+#: them against the direct kernel; the data the rule would set, with the experiment's reason.
+#: - "ctas_per_sm": resident CTAs an SM (each CTA claims 1 / (n + 1) of the SM's shared
+#:   memory): 3 keeps 96 KB of state reads in flight an SM, as KDA's 144-register tile does
+#:   (run s31-1: kda-tp1-decode-b128 / b256 at 4.16 TB/s marginal against GDN's 3.96 at 4
+#:   CTAs an SM with the same bytes) and flashinfer's big-batch kernel (6 CTAs of 16 KB).
+#: - "stream": a CTA walks `items` consecutive tiles (one state at block 32, items 4, K = V
+#:   = 128) through a shared-memory ring, the next tile's load in flight while it computes
+#:   and stores the current one; a pool's slots read once a CTA instead of once a tile.
+DECODE_FULL_GRID = {
+    "ctas_per_sm": None,    # candidate: 3
+    "stream": None,         # candidate: {"block_v": 32, "threads": 128, "vec": 4,
+                            #             "warps_k": 4, "items": 4, "ahead": 1}
+}
+
+
+def _full_grid(tile: dict, K: int, V: int, v_first: bool) -> dict:
+    """The block-64 tile of a full grid, with DECODE_FULL_GRID's rules where they are on."""
+    stream = DECODE_FULL_GRID["stream"]
+    if stream and recurrent_layout_ok(K, V, stream["block_v"], stream["threads"],
+                                      stream["vec"], stream["warps_k"], v_first):
+        tile = dict(stream)
+    if DECODE_FULL_GRID["ctas_per_sm"]:
+        tile["ctas_per_sm"] = DECODE_FULL_GRID["ctas_per_sm"]
+    return tile
 
 
 def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
@@ -93,7 +121,7 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     if (item == 4 and not v_first and n is not None and K <= 128 and V % 64 == 0
             and n * HV * (V // 64) >= min_ctas * NUM_SMS
             and recurrent_layout_ok(K, V, 64, 128, 4, 1, False)):
-        return {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
+        return _full_grid({"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}, K, V, v_first)
     per_thread = 64 if block_v == 64 and item == 2 else 32
     threads = max(32, min(256, K * block_v // per_thread))
     threads = 1 << (threads.bit_length() - 1)      # (K = 96, 160, 192: 64, 128 threads)

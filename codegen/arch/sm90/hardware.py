@@ -11,6 +11,7 @@ CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
 NUM_SMS = 132                   # H100 SXM / H200
 MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
+SMEM_PER_SM = 228 * 1024        # shared memory of one SM (its CTAs' claims, 1 KB each more)
 
 
 @functools.lru_cache(maxsize=1024)
