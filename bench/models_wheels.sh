@@ -23,7 +23,7 @@ dst="$root/.whl"
 PINS=(transformers==5.25.0 kernels==0.19.1 huggingface_hub==2.4.0 safetensors==0.8.0
       tokenizers==0.23.3 regex==2026.12.2 pyyaml==6.0.4 tqdm==4.70.1 httpx2==2.17.0
       httpcore2==2.17.0 h11==0.16.0 idna==3.21 truststore==0.10.5 tomlkit==0.15.3
-      flash-linear-attention==0.6.0)
+      flash-linear-attention==0.6.0 pytest-xdist==3.8.0 execnet==2.1.2)   # xdist: gpu_session's -n
 KEEP_MODELS="auto qwen3_next qwen3_5 olmo_hybrid kimi_linear llama"
 mkdir -p "$dst"
 rm -f "$dst"/transformers-*.whl

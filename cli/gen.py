@@ -75,7 +75,24 @@ def _list(ops, arch) -> None:
             click.echo(f"  {variant:6s} {', '.join(s.name for s in stages) or '-'}")
 
 
-@click.command(name="linattn-gen", context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineErrors(click.Command):
+    """click's command, a user error printed as one line ``Error: ...`` (the argument and
+    what is accepted, no usage block, no traceback), exit status 2."""
+
+    def main(self, args=None, prog_name=None, **kwargs):
+        kwargs.pop("standalone_mode", None)
+        try:
+            return super().main(args, prog_name, standalone_mode=False, **kwargs)
+        except click.ClickException as e:
+            click.echo(f"Error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+
+
+@click.command(name="linattn-gen", cls=_OneLineErrors,
+               context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--op", "op_names", multiple=True, metavar="NAME",
               help="op to generate (repeatable), or 'all' (default: all)")
 @click.option("--spec", "spec_refs", multiple=True, metavar="FILE.py:NAME|module:NAME",
@@ -152,13 +169,20 @@ def cli(op_names, spec_refs, arch, variant, check_only, list_only, out_dir, comp
 
 
 _PLAN_INTS = ("B", "T", "H", "HV", "K", "V")
+_PLAN_DTYPES = {"bf16": "bfloat16", "f16": "float16"}
+_PLAN_STATES = ("h0", "ht")
 
 
-def _plan(spec, arch: str, text: str):
-    """The arch's forward plan for the sizes in ``text`` (--plan)."""
+def _plan_error(text: str, why: str):
+    return click.BadParameter(f"{text!r}: {why}", param_hint="'--plan'")
+
+
+def _parse_plan(text: str, arch: str) -> tuple:
+    """--plan's text -> (sizes, lens, dtype, config, flags); one-line errors naming the
+    token that is wrong or the sizes that are missing, and what is accepted."""
     from ..codegen.arch import get_arch
-    from ..dsl import Options
-    from ..ops import chunk
+    from ..dsl import OPTION_NAMES
+    config_keys = get_arch(arch).CONFIG_KEYS
     kv, flags = {}, set()
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, eq, value = item.partition("=")
@@ -166,29 +190,43 @@ def _plan(spec, arch: str, text: str):
             kv[key] = value
         else:
             flags.add(key)
+    keys = (*_PLAN_INTS, "lens", "dtype", *config_keys)
+    bad = [k for k in kv if k not in keys] + sorted(flags - set(OPTION_NAMES) - set(_PLAN_STATES))
+    if bad:
+        raise _plan_error(text, f"unknown {bad[0]!r}; accepted: {', '.join(keys)} as key=value, "
+                          f"flags {', '.join((*OPTION_NAMES, *_PLAN_STATES))} "
+                          "(a dtype is dtype=bf16 or dtype=f16)")
+    missing = [k for k in ("T", "H", "K") if k not in kv and not (k == "T" and "lens" in kv)]
+    if missing:
+        raise _plan_error(text, f"missing {', '.join(missing)} (a plan needs T or lens, H, K)")
+    if kv.get("dtype", "bf16") not in _PLAN_DTYPES:
+        raise _plan_error(text, f"dtype {kv['dtype']!r}; accepted: {', '.join(_PLAN_DTYPES)}")
     try:
-        n = {k: int(kv.pop(k)) for k in _PLAN_INTS if k in kv}
-        lens = [int(x) for x in kv.pop("lens").split(":")] if "lens" in kv else None
-        dtype = {"bf16": "bfloat16", "f16": "float16"}.get(kv.get("dtype", "bf16"), kv.get("dtype"))
-        kv.pop("dtype", None)
-        config = {k: (kv.pop(k) == "true" if k == "fused" else int(kv.pop(k)))
-                  for k in get_arch(arch).CONFIG_KEYS if k in kv}
-        options = Options(**{f: True for f in flags - {"h0", "ht"}})
-    except (ValueError, TypeError, KeyError) as e:
-        raise click.BadParameter(f"{text!r}: {e}", param_hint="'--plan'")
-    if kv or not {"T", "H", "K"} <= set(n) | ({"T"} if lens else set()):
-        raise click.BadParameter(f"{text!r}: needs T (or lens), H, K; unknown {sorted(kv)}",
-                                 param_hint="'--plan'")
+        n = {k: int(kv[k]) for k in _PLAN_INTS if k in kv}
+        lens = [int(x) for x in kv["lens"].split(":")] if "lens" in kv else None
+        config = {k: (kv[k] == "true" if k == "fused" else int(kv[k]))
+                  for k in config_keys if k in kv}
+    except ValueError as e:
+        raise _plan_error(text, f"{e} (sizes are integers, lens=1024:7168, fused=true)")
+    return n, lens, _PLAN_DTYPES[kv.get("dtype", "bf16")], config, flags
+
+
+def _plan(spec, arch: str, text: str):
+    """The arch's forward plan for the sizes in ``text`` (--plan)."""
+    from ..dsl import Options
+    from ..ops import chunk
+    n, lens, dtype, config, flags = _parse_plan(text, arch)
     B, C = n.get("B", 1), spec.chunk_size
     lens = lens or [n["T"]] * B
     try:
+        options = Options(**{f: True for f in flags - set(_PLAN_STATES)})
         return chunk.forward_plan(
-            spec, options, arch, config, H=n["H"], HV=n.get("HV", n["H"]), K=n["K"],
-            V=n.get("V", n["K"]), dtype=dtype, seq_chunks=tuple(-(-t // C) for t in lens),
-            Ttot=sum(lens), beta_dtype=dtype, has_initial_state="h0" in flags,
-            output_final_state="ht" in flags)
-    except SpecError as e:
-        raise click.UsageError(str(e))
+            spec, options, arch, config,
+            H=n["H"], HV=n.get("HV", n["H"]), K=n["K"], V=n.get("V", n["K"]), dtype=dtype,
+            seq_chunks=tuple(-(-t // C) for t in lens), Ttot=sum(lens), beta_dtype=dtype,
+            has_initial_state="h0" in flags, output_final_state="ht" in flags)
+    except (SpecError, ValueError) as e:
+        raise click.UsageError(f"--plan {text!r}: {e}")
 
 
 def main(argv=None):

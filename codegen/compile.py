@@ -7,7 +7,9 @@ module's ``EXAMPLES`` (``linattn-gen --compile``).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import re
 import subprocess
 import tempfile
@@ -170,16 +172,31 @@ def dynamic_smem_bytes(module, params: dict, arch: str = "sm90"):
 def compile_tree(specs, arch: str, variant: str | None, out_dir: Path, echo=print) -> list[dict]:
     """Compile every stage of ``specs`` under ``out_dir`` for each module's EXAMPLES."""
     results = []
-    for spec in specs:
-        for stage in plan(spec, variant, arch):
-            path = Path(out_dir) / arch / spec.name / f"{stage.name}.py"
-            module = load_module(path)
-            for problem in module.EXAMPLES:
-                rec = compile_stage(module, problem, arch)
-                rec["op"] = spec.name
-                results.append(rec)
-                echo(format_record(rec))
+    with quiet_tilelang():
+        for spec in specs:
+            for stage in plan(spec, variant, arch):
+                path = Path(out_dir) / arch / spec.name / f"{stage.name}.py"
+                module = load_module(path)
+                for problem in module.EXAMPLES:
+                    rec = compile_stage(module, problem, arch)
+                    rec["op"] = spec.name
+                    results.append(rec)
+                    echo(format_record(rec))
     return results
+
+
+@contextlib.contextmanager
+def quiet_tilelang(level=logging.WARNING):
+    """TileLang's logger (INFO since its import: two lines a compile) at ``level`` for a
+    while, so that a report's lines are not interleaved with its chatter."""
+    import tilelang  # noqa: F401  (its import sets its logger's level; set ours after it)
+    logger = logging.getLogger("tilelang")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def format_record(rec: dict) -> str:

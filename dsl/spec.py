@@ -179,7 +179,7 @@ class OpSpec:
             raise SpecError(f"default_scale must be 'rsqrt_k' or a positive number, "
                             f"got {self.default_scale!r}")
         if self.decay:
-            _decay_expr(self)
+            _check_decay(self, _decay_expr(self))
         object.__setattr__(self, "_content_hash", self._compute_hash())
 
     # -- derived facts -------------------------------------------------------------------
@@ -222,13 +222,7 @@ class OpSpec:
         """The fixed per-step log decay of each of HV value heads (spec ``decay``)."""
         if not self.decay:
             raise SpecError(f"{self.name} fixes no decay (its gate is a call input)")
-        f = _decay_expr(self)
-        out = [float(f(h, HV)) for h in range(HV)]
-        bad = [(h, x) for h, x in enumerate(out) if not (x <= 0.0 and x > float("-inf"))]
-        if bad:
-            raise SpecError(f"{self.name}: decay {self.decay!r} must be a finite log decay "
-                            f"<= 0 at every head, got {bad[0][1]} at h={bad[0][0]}, H={HV}")
-        return out
+        return _head_decays(self, _decay_expr(self), HV)
 
     def gate_shape(self, B: int, T: int, HV: int, K: int, V: int = None) -> tuple:
         """Shape of g for this spec ((), for no gate): [B, T, HV] plus the gate's channel
@@ -285,6 +279,36 @@ def _decay_expr(spec: "OpSpec"):
     if extra:
         raise SpecError(f"{spec.name}: decay may use h and H only, got {extra}")
     return sympy.lambdify((h, H), expr, "math")
+
+
+#: head counts a fixed decay is checked at when its spec is made (every head of each)
+DECAY_CHECK_HEADS = range(1, 65)
+
+
+def _check_decay(spec: "OpSpec", f) -> None:
+    """SpecError unless the decay is a finite log decay <= 0 at every head h < H of every H
+    in DECAY_CHECK_HEADS: a per-step factor exp(decay) <= 1 (a larger one grows the state
+    without bound; the log's sign is the rule, as for g)."""
+    for H in DECAY_CHECK_HEADS:
+        _head_decays(spec, f, H)
+
+
+def _head_decays(spec: "OpSpec", f, H: int) -> list:
+    """f(h, H) for h < H as floats; SpecError at the first head that is not a finite log
+    decay <= 0 (or where the expression is undefined)."""
+    out = []
+    for h in range(H):
+        try:
+            x = float(f(h, H))
+        except (ArithmeticError, ValueError, TypeError) as e:
+            raise SpecError(f"{spec.name}: decay {spec.decay!r} is undefined at h={h}, H={H} "
+                            f"({type(e).__name__}: {e})") from None
+        if not (x <= 0.0 and x > float("-inf")):
+            raise SpecError(f"{spec.name}: decay {spec.decay!r} must be a finite log decay "
+                            f"<= 0 (a per-step factor exp(decay) <= 1; a larger one grows "
+                            f"the state), got {x} at h={h}, H={H}")
+        out.append(x)
+    return out
 
 
 def _coerce(enum_cls, value, what):

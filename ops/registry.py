@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..dsl import OpSpec, SpecError
 
-FAMILY_MODULES = ("deltanet", "gdn", "kda", "gla", "simple_gla", "linear_attn")
+FAMILY_MODULES = ("deltanet", "gdn", "kda", "gla", "simple_gla", "linear_attn", "retention")
 
 
 def specs() -> dict[str, OpSpec]:

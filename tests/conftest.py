@@ -1,5 +1,8 @@
 """Shared test machinery.
 
+* the default run is the fast suite: tests marked ``compile`` (sm_90a compiles) or
+  ``slow`` (long reference sweeps) are deselected unless also marked ``representative``;
+  ``pytest --exhaustive`` runs everything (CI runs both).
 * ``gpu`` marker: such tests skip cleanly where CUDA is not available.
 * NaN poisoning: in every ``gpu`` test, fresh floating-point allocations made through
   torch.empty / empty_like / empty_strided / new_empty are filled with NaN, so an output
@@ -13,6 +16,7 @@ import json
 import os
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,13 +30,103 @@ def _cuda_available() -> bool:
         return False
 
 
+#: markers of the exhaustive suite's tests, deselected by default (``--exhaustive`` runs
+#: them; a test marked ``representative`` too stays in the default run)
+EXHAUSTIVE = ("compile", "slow")
+
+#: the long reference sweeps (seconds a case on two cores), marked ``slow`` here in one
+#: place: test -> the parameter ids the default run keeps (one or two representatives);
+#: () marks every case. A case added to a listed sweep goes to the exhaustive suite.
+SLOW_SWEEPS = {
+    "test_additive_bwd.py::test_training_matches_fp64_autograd":
+        ("gla-v-first-saved-walk", "scalar-GVA2-varlen-recomputed-scan"),
+    "test_additive_bwd.py::test_value_gate_trains_through_its_twin": ("gv-T63-v-first",),
+    "test_additive_bwd.py::test_family_functions_train": (),
+    "test_additive_bwd.py::test_contract_matches_reference":
+        ("walk-1-63-3-32-64-False", "scan-2-64-1-64-32-True"),
+    "test_autograd.py::test_gradients_match_fp64_autograd": ("B1-T65-h0-dht",),
+    "test_autograd.py::test_gdn_gradients_match_fp64_autograd": ("T64-GVA2-gik",),
+    "test_autograd.py::test_gdn_bf16_gate_gradient_through_rounding_emulators": (),
+    "test_chunk_bwd.py::test_backward_plumbing_and_stage_math": ("1-3-63-64-128",),
+    "test_chunk_prepare_split.py::test_prepare_math_against_fp64_reference": ("deltanet-3",),
+    "test_chunk_walk.py::test_walk_pipeline_matches_reference":
+        ("model-gdn", "L2-deltanet-options", "L1-gdn-weak"),
+    "test_chunk_walk.py::test_walk_saves_every_chunks_state": ("model-gdn",),
+    "test_chunk_additive.py::test_split_matches_reference": ("additive_scalar-segments2",),
+    "test_chunk_additive.py::test_split_is_exact": ("2-tile1-additive_none",),
+    "test_chunk_additive.py::test_split_states_match_reference":
+        ("kv-gla-config2", "vfirst-gla-config2"),
+    "test_chunk_additive.py::test_gpu_step_cases_bind": (),
+    "test_chunk_fused.py::test_pipeline_matches_reference":
+        ("additive_none-plain-fused", "gla-state_v_first-3stage", "kda-plain-3stage"),
+    "test_chunk_fused.py::test_delta_three_stage_matches_reference": ("gdn-plain",),
+    "test_chunk_fused.py::test_delta_three_stage_at_narrow_heads": ("64-48",),
+    "test_distributed.py::test_gloo_processes_match_single_process": (),
+    "test_distributed.py::test_gloo_processes_gradients_match_single_process": ("gla-2-gloo",),
+    "test_value_gate_chunk.py::test_pipeline_matches_reference": ("l2norm_qk-H2-HV4-K128-V32",),
+    "test_value_gate_chunk.py::test_states_match_reference": ("kv",),
+    "test_dropin.py::test_additive_keys_past_256_train_in_key_blocks": (),
+    "test_kda_bwd.py::test_training_matches_fp64_autograd": ("lower-bound",),
+    "test_kda_bwd.py::test_token_first_rebuild_stages_match_reference": ("whole-GVA2",),
+    "test_kda_bwd.py::test_stages_token_first_match_reference": ("cu0-1-2-64-64-dtype0",),
+    "test_symbolic.py::test_full_differentiation_matches_steps": ("delta_scalar",),
+    "test_symbolic.py::test_symbolic_varlen_and_dims": ("delta_scalar-K3-V2-HV2",),
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="also run the exhaustive tests: every sm_90a compile (marker "
+                          "'compile') and the long reference sweeps (marker 'slow'); "
+                          "without it they are deselected but for one representative each")
+
+
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_sweeps(items)
+    _deselect_exhaustive(config, items)
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _mark_slow_sweeps(items):
+    """Mark SLOW_SWEEPS's cases ``slow`` but for the representatives each keeps."""
+    for item in items:
+        test, _, param = item.nodeid.partition("[")
+        keep = SLOW_SWEEPS.get(test.split("/")[-1])
+        if keep is not None and param.rstrip("]") not in keep:
+            item.add_marker(pytest.mark.slow)
+
+
+def _deselect_exhaustive(config, items):
+    """The default run (fast): tests marked compile / slow are deselected unless marked
+    representative, --exhaustive is given, a -m expression selects by marker itself, or
+    the test was named on the command line (path::test)."""
+    if config.getoption("exhaustive") or config.getoption("markexpr"):
+        return
+    named = _named_tests(config)
+    drop = [it for it in items if any(m in it.keywords for m in EXHAUSTIVE)
+            and "representative" not in it.keywords
+            and not any(it.nodeid == n or it.nodeid.startswith((n + "[", n + "::"))
+                        for n in named)]
+    if drop:
+        dropped = set(map(id, drop))
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if id(it) not in dropped]
+
+
+def _named_tests(config) -> list:
+    """Node ids (relative to the root) of the tests named on the command line."""
+    out = []
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if sep:
+            rel = Path(path).resolve().relative_to(config.rootpath).as_posix()
+            out.append(f"{rel}::{rest}")
+    return out
 
 
 def _poisoned(fn):

@@ -359,20 +359,6 @@ def test_row_estimate_ignores_a_first_row_of_compiles():
     assert est({"GDNFwd": [45.0, 2.0, 3.0], "KDAFwd": [30.0]}, "KDAFwd") == 3.0   # all rows
 
 
-def test_plot_of_a_results_file(tmp_path):
-    """--summary JSON --plot PNG draws the ratio per row from a results file (skipped
-    without matplotlib, which the benchmark does not require)."""
-    pytest.importorskip("matplotlib")
-    from linattn.cli.bench.cli import main
-    rows = [fake_record(r, 1.0, f) for r, f in zip(select(ROWS, ops=["GDNFwd"], limit=3),
-                                                    (2.0, 0.5, 1.0))]
-    src = tmp_path / "r.json"
-    src.write_text(json.dumps({"rows": rows}))
-    png = tmp_path / "ratio.png"
-    assert main(["--summary", str(src), "--plot", str(png)]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
-
-
 def test_gate_distributions_of_the_gates_table():
     """bench/workloads/gates.json: trained-model decays (-exp(A_log) softplus(a + dt_bias):
     weak, many heads near -1e-2 a token), the same formed in the kernel, and no gate."""

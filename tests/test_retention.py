@@ -1,35 +1,20 @@
 """A decay fixed by the spec (OpSpec.decay): RetNet's retention as fla's chunk_retention /
 fused_recurrent_retention, on CPU with the kernel replaced by the fp64 reference
-(tests/_cpu_ops.py; retention is not a registered op, so library._impl is swapped as in
-tests/test_value_gate.py). The kernels are simple GLA's scalar-gate kernels (g formed from
-the spec), GPU-checked there."""
+(tests/_cpu_ops.py: retention is a registered op, whose torch.library ops get CPU
+kernels there). The kernels are simple GLA's scalar-gate kernels (g formed from the
+spec), GPU-checked there."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import _cpu_ops
 import linattn
 from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
 from linattn.dsl import OpSpec, SpecError
 from linattn.dsl import torch_reference as tr
 from linattn.ops import build as build_mod
 from linattn.ops import retention
-
-
-@pytest.fixture
-def ref_kernels(cpu_ops, monkeypatch):
-    from linattn.ops import library
-
-    def impl(spec, path):
-        def kernel(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale, final, opts,
-                   *pool):
-            return _cpu_ops._reference(spec, path, q, k, v, g, beta, A_log, dt_bias, h0,
-                                       cu, scale, final, opts, *pool)
-        return kernel
-    monkeypatch.setattr(library, "_impl", impl)
-    return cpu_ops
 
 
 def _inputs(B=2, T=37, H=3, K=32, V=48, seed=0):
@@ -65,17 +50,30 @@ def test_bad_decay_is_one_line_spec_error(kw, msg):
     assert "\n" not in str(e.value)
 
 
-def test_positive_decay_refused_at_the_call():
-    spec = OpSpec(name="grow", rule="additive", gate="scalar", decay="0.1 * h")
-    with pytest.raises(SpecError, match="<= 0 at every head"):
-        spec.head_decay(2)
+@pytest.mark.parametrize("decay, where, msg", [
+    ("0.5", "h=0, H=1", "got 0.5"),                # exp(0.5) > 1: the state grows
+    ("0.1 * h", "h=1, H=2", "got 0.1"),            # decays at head 0, grows from head 1
+    ("log(1 - h / 4)", "h=4, H=5", "undefined"),   # log of 0 past four heads
+])
+def test_growing_decay_refused_when_the_spec_is_made(decay, where, msg):
+    """A fixed decay must be a log decay <= 0 (factor exp(decay) <= 1) at every head:
+    refused by OpSpec itself, before any file is generated or a call is made."""
+    with pytest.raises(SpecError, match=msg) as e:
+        OpSpec(name="grow", rule="additive", gate="scalar", decay=decay)
+    text = str(e.value)
+    assert "\n" not in text and where in text and repr(decay) in text
+
+
+def test_fixed_decay_at_every_head():
+    spec = OpSpec(name="slow", rule="additive", gate="scalar", decay="-1 / (h + 2)")
+    assert spec.head_decay(3) == pytest.approx([-1 / 2, -1 / 3, -1 / 4])
 
 
 @pytest.mark.parametrize("fn", ["chunk_retention", "fused_recurrent_retention"])
-def test_retention_matches_reference(ref_kernels, fn):
+def test_retention_matches_reference(cpu_ops, fn):
     q, k, v, h0 = _inputs()
     o, ht = getattr(linattn, fn)(q, k, v, initial_state=h0, output_final_state=True)
-    path = ref_kernels[-1]
+    path = cpu_ops[-1]
     assert path[0] == "retention"
     want_o, want_ht = tr.recurrent_forward(retention.SPEC, q, k, v, _retnet_g(2, 37, 3),
                                            initial_state=h0)
@@ -84,7 +82,7 @@ def test_retention_matches_reference(ref_kernels, fn):
     assert torch.allclose(ht.double(), want_ht, atol=1e-6)
 
 
-def test_retention_varlen_and_gate_refused(ref_kernels):
+def test_retention_varlen_and_gate_refused(cpu_ops):
     q, k, v, _ = _inputs(B=1, T=9)
     cu = torch.tensor([0, 4, 9])
     o, ht = linattn.chunk_retention(q, k, v, output_final_state=True, cu_seqlens=cu)

@@ -8,13 +8,15 @@ from linattn.ops import get_spec, specs
 
 def test_families_are_registered_with_their_maths():
     table = specs()
-    assert sorted(table) == ["deltanet", "gdn", "gla", "kda", "linear_attn", "simple_gla"]
+    assert sorted(table) == ["deltanet", "gdn", "gla", "kda", "linear_attn", "retention",
+                             "simple_gla"]
     assert (table["deltanet"].rule, table["deltanet"].gate) == (Rule.DELTA, Gate.NONE)
     assert (table["gdn"].rule, table["gdn"].gate) == (Rule.DELTA, Gate.SCALAR)
     assert (table["kda"].rule, table["kda"].gate) == (Rule.DELTA, Gate.KEY)
     assert (table["gla"].rule, table["gla"].gate) == (Rule.ADDITIVE, Gate.KEY)
     assert (table["simple_gla"].rule, table["simple_gla"].gate) == (Rule.ADDITIVE, Gate.SCALAR)
     assert (table["linear_attn"].rule, table["linear_attn"].gate) == (Rule.ADDITIVE, Gate.NONE)
+    assert (table["retention"].gate, table["retention"].gate_is_input) == (Gate.SCALAR, False)
 
 
 def test_six_rule_gate_combinations_are_expressible():

@@ -7,7 +7,7 @@
 
 Modules: workloads (table + filters), inputs (realistic tensors), reference (fp64 torch
 references + check), impls (linattn / fla / torch / torch-compile / flashinfer calls),
-timer (CUPTI device time), roofline (FLOPs, bytes, SOL), report (table, JSON, merge, plot),
+timer (CUPTI device time), roofline (FLOPs, bytes, SOL), report (table, JSON, merge), plot (the picture),
 run (the loop), train (the training rows' step, reference gradients and peak memory).
 """
 from .cli import main  # noqa: F401

@@ -30,8 +30,8 @@ def parse_args(argv=None):
                    "pass one id to several invocations on one machine at one commit")
     p.add_argument("--out", help="results JSON (rewritten after every row)")
     p.add_argument("--merge", metavar="INTO", help="merge rows by (op, workload, dtype) into this JSON")
-    p.add_argument("--plot", metavar="PNG", help="ratio plot (needs matplotlib); with --summary: "
-                   "of that results JSON")
+    p.add_argument("--plot", metavar="PNG", help="the picture: per op, other / linattn time per "
+                   "row (needs matplotlib: the 'bench' extra); with --summary: of that results JSON")
     p.add_argument("--table-md", metavar="MD", help="also write the markdown table here")
     p.add_argument("--budget-s", type=float, default=None, help="total time budget; rows left are skipped")
     p.add_argument("--row-budget-ms", type=float, default=100.0, help="timer budget per implementation")
@@ -87,11 +87,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.summary:
         with open(a.summary) as f:
-            rows = json.load(f)["rows"]
-        print(report.summary(rows), end="")
-        if a.plot and not report.plot(rows, a.plot):
-            print("no plot (matplotlib missing or no ratios)")
-        return 0
+            doc = json.load(f)
+        print(report.summary(doc["rows"]), end="")
+        return draw(doc, a.plot) if a.plot else 0
     rows = select_rows(a)
     if a.skip_timed:
         with open(a.skip_timed) as f:
@@ -130,8 +128,19 @@ def main(argv=None) -> int:
             f.write(text)
     if a.merge:
         report.merge_into(a.merge, doc, load_rows(a.workloads_json) if a.workloads_json else None)
-    if a.plot and not report.plot(doc["rows"], a.plot):
-        print("no plot (matplotlib missing or no ratios)")
     if doc.get("timer_check"):
         print("timer check:", json.dumps(doc["timer_check"]))
+    return draw(doc, a.plot) if a.plot else 0
+
+
+def draw(doc: dict, path: str) -> int:
+    """--plot: the picture of a results document (cli/bench/plot.py); 0, or 1 with one
+    line on stderr saying why there is none (matplotlib missing, nothing timed)."""
+    from . import plot
+    try:
+        drawn = plot.write(doc["rows"], path, gpu=doc.get("gpu"))
+    except plot.PlotUnavailable as e:
+        print(f"linattn-bench: no picture: {e}", file=sys.stderr)
+        return 1
+    print(f"picture: {path} ({len(drawn)} ops)")
     return 0

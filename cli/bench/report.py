@@ -1,5 +1,5 @@
 """Results: per-row summary (ratio, TFLOP/s, SOL, bound, vs the seed), the table in the
-seed page's form, per-op geomeans, JSON merge and the ratio plot.
+seed page's form, per-op geomeans and JSON merge (the picture: plot.py).
 
 JSON: {"gpu", "commit", "date", "clocks", "timer_check", "rows": [{op, workload, dtype,
 seed: {ours_ms, ratio, alternatives, tflops, sol_pct, bound}, impls: {name: {"ms":
@@ -222,7 +222,7 @@ def _f(x, fmt="{:.4g}"):
 
 def table(records) -> str:
     """Markdown table in the seed page's form, one section per op."""
-    lines = []
+    lines = [DIRECTION]
     for op in ALL_OPS:
         rs = [r for r in records if r["op"] == op]
         if not rs:
@@ -337,28 +337,3 @@ def merge_into(path: str, doc: dict, workloads: list | None = None) -> dict:
 
 #: header fields of one run that a merged table does not carry
 RUN_ONLY = ("rows", "skipped_for_budget", "wall_s", "precompile")
-
-
-def plot(records, path: str) -> bool:
-    """Ratio (best alternative / ours) per workload, one bar each; False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rs = [r for r in records if r.get("ratio")]
-    if not rs:
-        return False
-    fig, ax = plt.subplots(figsize=(max(6, 0.18 * len(rs)), 4))
-    ax.bar(range(len(rs)), [r["ratio"] for r in rs],
-           color=["tab:green" if r["ratio"] >= 1 else "tab:red" for r in rs])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(rs)))
-    ax.set_xticklabels([f"{r['op']}:{r['workload']}:{r['dtype']}" for r in rs], rotation=90, fontsize=5)
-    ax.set_ylabel("best alternative / ours")
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return True

@@ -306,15 +306,15 @@ def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) ->
 
 
 def progress(items, desc):
-    try:
-        from tqdm import tqdm
-        return tqdm(items, desc=desc, mininterval=5)
-    except ImportError:
-        def plain():
-            for i, it in enumerate(items):
-                print(f"[{i + 1}/{len(items)}] {it.op} {it.workload} {it.dtype}", flush=True)
-                yield it
-        return plain()
+    """Yield the rows, printing before each one line: rows done / total, time elapsed, the
+    row it starts (plain lines: a GPU run's log is a file, not a terminal)."""
+    t0 = time.monotonic()
+    for i, it in enumerate(items):
+        print(f"{desc}: {i}/{len(items)} rows done, {time.monotonic() - t0:.0f} s elapsed; "
+              f"next {it.op} {it.workload} {it.dtype}", flush=True)
+        yield it
+    print(f"{desc}: {len(items)}/{len(items)} rows done, {time.monotonic() - t0:.0f} s elapsed",
+          flush=True)
 
 
 def row_estimate(spent: dict, op: str) -> float:
