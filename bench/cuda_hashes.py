@@ -228,11 +228,13 @@ def lower_one(item):
     from tilelang import tvm
     from linattn.ops import runtime
     spec_dict, name, stage, params = item
-    spec = OpSpec(**spec_dict)
-    mod = runtime.stage_module(spec, stage, ARCH)
-    target = tvm.target.Target(get_arch(ARCH).TARGET)
-    with target, tvm.transform.PassContext(config=mod.pass_configs(**params) or {}):
-        src = tilelang.lower(mod.build(**params), target=target).kernel_source
+    try:
+        mod = runtime.stage_module(OpSpec(**spec_dict), stage, ARCH)
+        target = tvm.target.Target(get_arch(ARCH).TARGET)
+        with target, tvm.transform.PassContext(config=mod.pass_configs(**params) or {}):
+            src = tilelang.lower(mod.build(**params), target=target).kernel_source
+    except Exception as e:      # (recorded: an error is a result to compare too)
+        src = f"error {type(e).__name__}: {e}"
     return _key(name, stage, params), hashlib.sha1(src.encode()).hexdigest()
 
 
@@ -247,8 +249,12 @@ def hash_configs(cfg_path: str, out_path: str, base_texts: str | None) -> None:
         rows = [r for r in rows if f"{r[0]}/{r[1]}" in changed]
     print(len(rows), "configs to lower", flush=True)
     items = [(data["specs"][n], n, st, p) for n, st, p in rows]
+    res = {}
     with mp.get_context("spawn").Pool(int(os.environ.get("HASH_WORKERS", "2"))) as pool:
-        res = dict(pool.imap_unordered(lower_one, items, chunksize=4))
+        for key, digest in pool.imap_unordered(lower_one, items, chunksize=4):
+            res[key] = digest
+            if len(res) % 100 == 0:
+                print(len(res), "lowered", flush=True)
     json.dump(res, open(out_path, "w"), indent=0, sort_keys=True)
     print("hashed", len(res), "->", out_path)
 
