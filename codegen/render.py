@@ -1,7 +1,8 @@
 """Render stages to module text, write the generated/ tree, check it is current.
 
 Rendering is deterministic (no time stamps, sorted iteration). Jinja carries only the
-structure fixed by the spec (rule, gate); per-call options stay trace-time Python ``if``s
+structure fixed by the spec: its rule and gate, each a member whose macros the stage
+templates compose (codegen/members.py); per-call options stay trace-time Python ``if``s
 inside the generated ``build()``.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jinja2
 from ..dsl import OpSpec
 from ..dsl.preprocess import L2NORM_EPS
 from .arch import get_arch
+from .members import Put, member
 from .plan import Stage, plan
 
 GENERATOR_VERSION = "0.1.0"
@@ -38,6 +40,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         autoescape=False,
+        extensions=[Put],
     )
 
 
@@ -75,8 +78,8 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "arch": arch,
         "target": arch_mod.TARGET,
         "smem_per_sm": arch_mod.SMEM_PER_SM,
-        "rule": spec.rule.value,
-        "gate": spec.gate.value,
+        "rule": member(environment(), "rules", spec.rule.maths),
+        "gate": member(environment(), "gates", spec.gate.maths),
         "is_delta": spec.rule.value == "delta",
         "has_gate": spec.gate.value != "none",
         "gate_scalar": spec.gate.value == "scalar",

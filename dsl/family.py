@@ -50,8 +50,9 @@ class RuleMaths:
         """The chunked form's written values of a chunk from its factors w, u."""
         raise NotImplementedError
 
-    def input_shapes(self, B: int, T: int, HV: int) -> dict:
-        return {name: (B, T, HV) for name in self.inputs}
+    def input_dims(self, B="B", T="T", HV="HV") -> list:
+        """(name, shape) of each input (symbolic by default: ("B", "T", "HV"))."""
+        return [(name, (B, T, HV)) for name in self.inputs]
 
 
 class AdditiveRule(RuleMaths):
@@ -102,12 +103,20 @@ class GateMaths:
     "V" its columns), the shape of its log decay g, how it decays a state. The base
     decays the rows by a per-key-channel g (the key gate); the others override.
 
-    name:        the gate's name (Gate's value; its macros' file, gates/<name>.py.jinja)
-    takes_input: whether a call passes g
+    name:          the gate's name (Gate's value; its macros' file, gates/<name>.py.jinja)
+    inputs:        its per-token inputs (g, natural-log decays of :meth:`shape`)
+    kernel_params: the parameters of its activation inside the kernel (gate_in_kernel:
+                   g <- -exp(A_log) softplus(g + dt_bias))
     """
     name = ""
     channels = ""
-    takes_input = True
+    inputs: tuple = ("g",)
+    kernel_params: tuple = ("A_log", "dt_bias")
+
+    @property
+    def takes_input(self) -> bool:
+        """Whether a call passes g."""
+        return bool(self.inputs)
 
     def n_channels(self, K: int, V: int) -> int:
         """Decays per value head and token (1 for one per head)."""
@@ -118,6 +127,10 @@ class GateMaths:
         if not self.takes_input:
             return ()
         return (B, T, HV) + ((self.n_channels(K, V),) if self.channels else ())
+
+    def input_dims(self, B="B", T="T", HV="HV", K="K", V="V") -> list:
+        """(name, shape) of each input (symbolic by default: g ("B", "T", "HV", "K"))."""
+        return [(name, self.shape(B, T, HV, K, V)) for name in self.inputs]
 
     def per_channel(self, g):
         """g with its channel axis ([.., 1] for one decay per head)."""
@@ -149,7 +162,8 @@ class GateMaths:
 class NoGate(GateMaths):
     """S_a = S."""
     name = "none"
-    takes_input = False
+    inputs = ()
+    kernel_params = ()
 
     def decay(self, S, d):
         return S
