@@ -173,7 +173,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
     h0 = _initial_states(dims, options, initial_state)
     chunks, NC = chunk_table(dims, C)
-    delta = spec.rule.maths.wy
+    delta = spec.rule.maths.reads_state
     o = np.zeros((B, T, HV, V))
     g_cum_all = np.zeros((B, T, HV, V if spec.gate.per_value else K))
     A_all = np.zeros((B, T, HV, C)) if delta else None

@@ -55,7 +55,7 @@ def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
     exp_g = np.exp(g_cum)
     g_last = g_cum[:, -1, :]
     k_dec = k * np.exp(g_last[:, None, :] - g_cum)
-    delta = rule.maths.wy                  # (the WY form's backward: the delta rule's)
+    delta = rule.maths.reads_state                  # (the WY form's backward: the delta rule's)
     A = w = u = None
     if delta:
         A, w, u = wy_representation(rule, k, v, beta, g_cum, E)
@@ -134,7 +134,7 @@ def chunked_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
         g_cum = gate_cumsum(gc)
         S = final[c.n].copy()
         w = u = None
-        if spec.rule.maths.wy:
+        if spec.rule.maths.reads_state:
             _, w, u = wy_representation(spec.rule, kc, vc, bc, g_cum, pair_decays(g_cum))
         entering.append(S)
         final[c.n] = advance_state(kc, g_cum, S, new_values(spec.rule, vc, w, u, S))

@@ -23,11 +23,14 @@ class RuleMaths:
 
     name:   the rule's name (Rule's value; its macros' file, rules/<name>.py.jinja)
     inputs: per-token inputs beyond q, k, v, each [B, T, HV] (the delta rule's beta)
-    wy:     whether the chunked form carries WY factors A, w, u (:meth:`chunk_factors`)
+    reads_state: whether the write reads the state (S_a^T k): the chunked form then
+            carries WY factors A, w, u (:meth:`chunk_factors`) and its state pass walks all
+            of K at once; a rule that reads none has a diagonal transition (the state's
+            rows independent: key blocks, and sequence segments summed exactly)
     """
     name = ""
     inputs: tuple = ()
-    wy = False
+    reads_state = False
 
     def write(self, v, beta, read):
         """The value written, from v, beta (shaped to broadcast over v's value axis) and
@@ -76,7 +79,7 @@ class DeltaRule(RuleMaths):
     """S = S_a + k (beta (v - S_a^T k))^T (DeltaNet, GDN, KDA)."""
     name = "delta"
     inputs = ("beta",)
-    wy = True
+    reads_state = True
 
     def write(self, v, beta, read):
         return beta * (v - read())
@@ -104,12 +107,15 @@ class GateMaths:
     decays the rows by a per-key-channel g (the key gate); the others override.
 
     name:          the gate's name (Gate's value; its macros' file, gates/<name>.py.jinja)
+    axis:          the state axis whose channels decay apart ("K" rows, "V" columns; the
+                   gates of one decay a head store theirs per row)
     inputs:        its per-token inputs (g, natural-log decays of :meth:`shape`)
     kernel_params: the parameters of its activation inside the kernel (gate_in_kernel:
                    g <- -exp(A_log) softplus(g + dt_bias))
     """
     name = ""
     channels = ""
+    axis = "K"
     inputs: tuple = ("g",)
     kernel_params: tuple = ("A_log", "dt_bias")
 
@@ -199,6 +205,7 @@ class ValueGate(GateMaths):
     """S_a = S diag(exp(g)), one per value channel: g [.., HV, V] (fla's gv)."""
     name = "value"
     channels = "V"
+    axis = "V"
 
     def decay(self, S, d):
         return S * d[..., None, :]
