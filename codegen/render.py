@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ class RenderError(RuntimeError):
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -42,6 +43,8 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
         extensions=[Put],
     )
+    env.filters["dedent"] = textwrap.dedent     # (a shared piece inside a member's macro)
+    return env
 
 
 _ENV = None
