@@ -124,6 +124,13 @@ class GateMaths:
         """Whether a call passes g."""
         return bool(self.inputs)
 
+    @property
+    def per_key(self) -> bool:
+        """Whether each key channel decays apart: the chunked form then gates q and k per
+        channel in its prepare (q e^G, k e^(G_l - G), the causal A_qk) and sums the
+        intra-chunk pairs per channel."""
+        return self.channels == "K"
+
     def n_channels(self, K: int, V: int) -> int:
         """Decays per value head and token (1 for one per head)."""
         return {"K": K, "V": V}.get(self.channels, 1)
