@@ -43,22 +43,22 @@ class Member:
 
 def member(env: jinja2.Environment, kind: str, maths) -> Member:
     """The member ``maths`` (a dsl RuleMaths / GateMaths) of ``kind`` ("rules" or
-    "gates") with its macros and, behind them, those of the files it extends."""
-    modules, path = [], f"{kind}/{maths.name}.py.jinja"
-    while path:
-        modules.append(_module(env, path))
-        path = getattr(modules[-1], "extends", "")
-    return Member(maths, tuple(modules))
+    "gates") with its macros and, behind them, those of the files it extends. A file's
+    macros see the member as ``this``: a piece shared in an extended file may call a
+    hook the member's own file fills (``{% put this.hook() %}``)."""
+    key = (id(env), kind, maths.name)
+    if key not in _MEMBERS:
+        m = Member(maths, ())
+        modules, path = [], f"{kind}/{maths.name}.py.jinja"
+        while path:
+            modules.append(env.get_template(path).make_module({"this": m}))
+            path = getattr(modules[-1], "extends", "")
+        m._modules = tuple(modules)
+        _MEMBERS[key] = m
+    return _MEMBERS[key]
 
 
-_MODULES: dict = {}
-
-
-def _module(env: jinja2.Environment, path: str):
-    key = (id(env), path)
-    if key not in _MODULES:
-        _MODULES[key] = env.get_template(path).make_module()
-    return _MODULES[key]
+_MEMBERS: dict = {}
 
 
 class Put(Extension):
