@@ -73,7 +73,8 @@ def _regenerate(spec: OpSpec, arch: str, shipped: bool) -> str:
 
 
 def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
-    """What a template sees: the spec's structure as plain values (no per-call options)."""
+    """What a template sees: the spec's rule and gate as members (their macros and facts,
+    codegen/members.py) and its structure as plain values (no per-call options)."""
     arch_mod = get_arch(arch)
     return {
         "spec": spec,
@@ -83,11 +84,6 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "smem_per_sm": arch_mod.SMEM_PER_SM,
         "rule": member(environment(), "rules", spec.rule.maths),
         "gate": member(environment(), "gates", spec.gate.maths),
-        "is_delta": spec.rule.value == "delta",
-        "has_gate": spec.gate.value != "none",
-        "gate_scalar": spec.gate.value == "scalar",
-        "gate_key": spec.gate.value == "key",
-        "gate_value": spec.gate.per_value,
         "gva": spec.gva,
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,
