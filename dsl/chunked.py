@@ -115,7 +115,7 @@ def decayed_dot(a, b, E):
 def wy_representation(rule, k, v, beta, g_cum, E):
     """Stage 2, the rule's factors of the chunk (dsl/family.py chunk_factors): the delta
     rule's A [HV, L, L], w [HV, L, K], u [HV, L, V]; None for the additive rule."""
-    return rule.maths.chunk_factors(k, v, beta, decayed_dot(k, k, E), g_cum)
+    return rule.maths.chunk_factors(k, v, beta, g_cum, lambda a, b: decayed_dot(a, b, E))
 
 
 def new_values(rule, v, w, u, S):

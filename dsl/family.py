@@ -19,7 +19,9 @@ from __future__ import annotations
 
 
 class RuleMaths:
-    """An update rule: S = S_a + k write^T with write = :meth:`write`.
+    """An update rule: S = S_a + k write^T with write = :meth:`write`, in the generalized
+    delta form S = (I - k e^T) S_a + k u^T: e the erase vector (:meth:`erase`, none for a
+    rule that reads no state), u the written value (:meth:`written`), write = u - S_a^T e.
 
     name:   the rule's name (Rule's value; its macros' file, rules/<name>.py.jinja)
     inputs: per-token inputs beyond q, k, v, each [B, T, HV] (the delta rule's beta)
@@ -32,6 +34,15 @@ class RuleMaths:
     inputs: tuple = ()
     reads_state = False
 
+    def erase(self, k, beta):
+        """The erase vector e (S_a^T e is what the write takes off), None for none; beta
+        shaped to broadcast over k's key axis."""
+        return None
+
+    def written(self, v, beta):
+        """The written value u before the erase (beta shaped to broadcast over v)."""
+        return v
+
     def write(self, v, beta, read):
         """The value written, from v, beta (shaped to broadcast over v's value axis) and
         read(), which gives S_a^T k (numpy, torch and sympy callers alike)."""
@@ -42,11 +53,11 @@ class RuleMaths:
         of S_a^T k where the rule reads the state) from dwrite, read = S_a^T k."""
         raise NotImplementedError
 
-    def chunk_factors(self, k, v, beta, kk, g_cum):
+    def chunk_factors(self, k, v, beta, g_cum, dot):
         """The chunked form's factors of one chunk (all heads): (A, w, u), or None for a
-        rule that reads no state. k [HV, L, K], v [HV, L, V], beta [HV, L], kk [HV, L, L]
-        the gated k k^T (kk_ij = sum_c k_ic k_jc e^(g_cum_ic - g_cum_jc)), g_cum [HV, L,
-        Kg] the in-chunk cumulative log decay."""
+        rule that reads no state. k [HV, L, K], v [HV, L, V], beta [HV, L], g_cum [HV, L,
+        Kg] the in-chunk cumulative log decay, dot(a, b) the gated a b^T of two [HV, L, K]
+        tiles (sum_c a_ic b_jc e^(g_cum_ic - g_cum_jc))."""
         raise NotImplementedError
 
     def new_values(self, v, w, u, S):
@@ -68,7 +79,7 @@ class AdditiveRule(RuleMaths):
     def write_vjp(self, v, beta, read, dwrite):
         return dwrite, None, None
 
-    def chunk_factors(self, k, v, beta, kk, g_cum):
+    def chunk_factors(self, k, v, beta, g_cum, dot):
         return None
 
     def new_values(self, v, w, u, S):
@@ -81,21 +92,26 @@ class DeltaRule(RuleMaths):
     inputs = ("beta",)
     reads_state = True
 
+    def erase(self, k, beta):
+        return beta * k
+
+    def written(self, v, beta):
+        return beta * v
+
     def write(self, v, beta, read):
-        return beta * (v - read())
+        return beta * (v - read())          # (= written(v) - S_a^T erase(k))
 
     def write_vjp(self, v, beta, read, dwrite):
         return beta * dwrite, (dwrite * (v - read)).sum(axis=-1), -beta * dwrite
 
-    def chunk_factors(self, k, v, beta, kk, g_cum):
-        """The WY form: A = (I + strict_tril(beta kk))^-1, w = A (beta k e^g_cum),
-        u = A (beta v)."""
+    def chunk_factors(self, k, v, beta, g_cum, dot):
+        """The WY form of (I - k e^T): A = (I + strict_tril(dot(e, k)))^-1, w = A (e e^g_cum),
+        u = A written(v)."""
         import numpy as np
-        L = k.shape[1]
-        A = np.linalg.inv(np.eye(L) + beta[:, :, None] * (kk * np.tril(np.ones((L, L)), -1)))
-        w = A @ (beta[:, :, None] * k * np.exp(g_cum))
-        u = A @ (beta[:, :, None] * v)
-        return A, w, u
+        L, b = k.shape[1], beta[:, :, None]
+        e = self.erase(k, b)
+        A = np.linalg.inv(np.eye(L) + dot(e, k) * np.tril(np.ones((L, L)), -1))
+        return A, A @ (e * np.exp(g_cum)), A @ self.written(v, b)
 
     def new_values(self, v, w, u, S):
         return u - w @ S

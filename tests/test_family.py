@@ -70,6 +70,8 @@ def test_rule_write_and_its_vjp(rule):
     beta = RNG.uniform(0.1, 1.0, (HV, 1)) if "beta" in rule.maths.inputs else None
     w = rule.maths.write(v, beta, lambda: r)
     np.testing.assert_allclose(w, v if beta is None else beta * (v - r), rtol=1e-15)
+    if beta is not None:            # write = written(v) - S_a^T erase(k), S_a^T k = r
+        np.testing.assert_allclose(w, rule.maths.written(v, beta) - beta * r, rtol=1e-12)
     dw = RNG.standard_normal((HV, V))
     dv, dbeta, dr = rule.maths.write_vjp(v, beta, r, dw)
     eps = 1e-6
@@ -93,13 +95,18 @@ def test_delta_chunk_factors_invert_the_wy_system():
     L = 6
     k, v = RNG.standard_normal((HV, L, K)), RNG.standard_normal((HV, L, V))
     beta, g = RNG.uniform(0.1, 1.0, (HV, L)), -RNG.uniform(0, 0.3, (HV, L, 1)).cumsum(1)
-    kk = k @ np.swapaxes(k, 1, 2) * np.exp(g - np.swapaxes(g, 1, 2))
-    A, w, u = Rule.DELTA.maths.chunk_factors(k, v, beta, kk, g)
+    dot = lambda a, b: a @ np.swapaxes(b, 1, 2) * np.exp(g - np.swapaxes(g, 1, 2))  # noqa: E731
+    kk = dot(k, k)
+    A, w, u = Rule.DELTA.maths.chunk_factors(k, v, beta, g, dot)
     M = np.eye(L) + beta[:, :, None] * np.tril(kk, -1)
     np.testing.assert_allclose(A @ M, np.broadcast_to(np.eye(L), A.shape), atol=1e-12)
     np.testing.assert_allclose(w, A @ (beta[:, :, None] * k * np.exp(g)), rtol=1e-12)
     np.testing.assert_allclose(u, A @ (beta[:, :, None] * v), rtol=1e-12)
     S = RNG.standard_normal((HV, K, V))
     np.testing.assert_allclose(Rule.DELTA.maths.new_values(v, w, u, S), u - w @ S)
-    assert Rule.ADDITIVE.maths.chunk_factors(k, v, beta, kk, g) is None
+    b = beta[:, :, None]            # the generalized delta form's vectors
+    np.testing.assert_allclose(Rule.DELTA.maths.erase(k, b), b * k)
+    np.testing.assert_allclose(Rule.DELTA.maths.written(v, b), b * v)
+    assert Rule.ADDITIVE.maths.erase(k, b) is None and Rule.ADDITIVE.maths.written(v, b) is v
+    assert Rule.ADDITIVE.maths.chunk_factors(k, v, beta, g, dot) is None
     assert Rule.ADDITIVE.maths.new_values(v, None, None, S) is v
