@@ -5,21 +5,24 @@ templates/gates/<name>.py.jinja).
 
 A stage template composes the pieces instead of testing flags::
 
-    {% put gate.chunk_decay_state("S", KT) %}     (the chunk's decay of the state tile)
-    w: T.Tensor(({{ rule.w_rows }}, HV, K), dtype),
+    {% put gate.chunk_decay(KT, diagonal, summary) %}   (the chunk's decay of the state tile)
+    w: T.Tensor(({{ rule.w_rows() }}, HV, K), dtype),   (an inline piece)
+    {% if gate.per_key %}                               (a fact: a form of the algorithm)
 
 ``{% put X %}`` writes X's lines indented as the tag stands, nothing when X is empty
 (:class:`Put`). A member's file defines what differs from the member it extends (its
 ``{% set extends = "gates/....py.jinja" %}``); a macro it lacks comes from there, and so
 on up to its kind's root, the none gate or the additive rule, whose files list every
 hook (most of a none gate's are empty: no gate adds nothing there). So a new gate or
-rule is its dsl object and one file of macros.
+rule is its dsl object and one file of macros (and the lines that name it outside the
+templates: docs/design.md).
 """
 from __future__ import annotations
 
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
+
 
 class Member:
     """A rule or gate for the templates: ``member.hook(...)`` is its macro (or the root's),
