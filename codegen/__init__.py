@@ -3,7 +3,9 @@
 Pipeline::
 
     plan(spec, variant, arch)      codegen/plan.py    ordered Stage list (a data table)
-    render_stage(spec, stage, arch) codegen/render.py  jinja2 template -> module text
+    render_stage(spec, stage, arch) codegen/render.py  jinja2 template -> module text (the
+                                                       stage template composing the rule's
+                                                       and gate's macros, codegen/members.py)
     render_op / write / check                           whole generated/ tree, idempotent
 
 Per-arch tuning lives in codegen/arch/<arch>.py (target dict, tile tables); the problem

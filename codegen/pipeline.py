@@ -82,20 +82,27 @@ class ForwardProblem:
 @dataclass(frozen=True)
 class Buffer:
     """A tensor the plan allocates: shape (ints), dtype ("float32", "int32", or "input":
-    the dtype of q)."""
+    the dtype of q); at: the stage it is allocated just before ("": before the first, so
+    that a buffer lives only from its first writer on; a launch's ``release`` ends it);
+    output: one of the call's results, taken as given where the caller binds its own."""
     name: str
     shape: tuple
     dtype: str = "float32"
+    at: str = ""
+    output: bool = False
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One generated stage: its build() params (problem and tuning) as sorted pairs, and
-    the kernel arguments that read a plan tensor of another name."""
+    """One generated stage: its build() params (problem and tuning) as sorted pairs, the
+    kernel arguments that read a plan tensor of another name, and the tensors (buffers or
+    the call's inputs) no later stage reads, released after it (their memory serves the
+    later stages)."""
     stage: str
     params: tuple
     bind: tuple = ()
     note: str = ""
+    release: tuple = ()
 
     @property
     def kwargs(self) -> dict:
@@ -105,8 +112,9 @@ class Launch:
         return dict(self.bind).get(arg, arg)
 
 
-def launch(stage: str, params: dict, note: str = "", **bind) -> Launch:
-    return Launch(stage, tuple(sorted(params.items())), tuple(sorted(bind.items())), note)
+def launch(stage: str, params: dict, note: str = "", release: tuple = (), **bind) -> Launch:
+    return Launch(stage, tuple(sorted(params.items())), tuple(sorted(bind.items())), note,
+                  tuple(release))
 
 
 @dataclass(frozen=True)
@@ -135,11 +143,37 @@ class Plan:
             lines.append(f"  {la.stage}: {tune}" + (f"  # {la.note}" if la.note else ""))
             if la.bind:
                 lines.append("      " + ", ".join(f"{a} <- {t}" for a, t in la.bind))
+            if la.release:
+                lines.append(f"      then released: {', '.join(la.release)}")
         for b in self.buffers:
-            lines.append(f"  buffer {b.name} {list(b.shape)} {b.dtype}")
+            lines.append(f"  buffer {b.name} {list(b.shape)} {b.dtype}"
+                         + (f" from {b.at}" if b.at else "") + (" (output)" if b.output else ""))
         if self.saved:
             lines.append(f"  saved for the backward: {', '.join(self.saved)}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DeltaBackwardProblem:
+    """One chunked backward of the delta rule (every gate), its four stages over
+    token-first packed tensors, as the arch rules see it. chains: sequences x value heads
+    (the reverse dh pass's grid); use_dht / store_dh0: the final state's gradient is given
+    / the initial state's is wanted; state_dtype: the forward's states' where they are not
+    the input dtype (the DeltaNetChunkBwd contract's f32); dh: a probe's num_stages /
+    block_v of the dh pass, as (key, value) pairs."""
+    gate: str                     # "none" | "scalar" | "key"
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str
+    chains: int = 1
+    Ttot: int = 0
+    NT: int = 0
+    use_dht: bool = False
+    store_dh0: bool = False
+    state_dtype: str = ""
+    dh: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """Render stages to module text, write the generated/ tree, check it is current.
 
 Rendering is deterministic (no time stamps, sorted iteration). Jinja carries only the
-structure fixed by the spec (rule, gate); per-call options stay trace-time Python ``if``s
+structure fixed by the spec: its rule and gate, each a member whose macros the stage
+templates compose (codegen/members.py); per-call options stay trace-time Python ``if``s
 inside the generated ``build()``.
 """
 from __future__ import annotations
 
 import ast
 import os
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import jinja2
 from ..dsl import OpSpec
 from ..dsl.preprocess import L2NORM_EPS
 from .arch import get_arch
+from .members import Put, member
 from .plan import Stage, plan
 
 GENERATOR_VERSION = "0.1.0"
@@ -31,14 +34,17 @@ class RenderError(RuntimeError):
 
 
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
         autoescape=False,
+        extensions=[Put],
     )
+    env.filters["dedent"] = textwrap.dedent     # (a shared piece inside a member's macro)
+    return env
 
 
 _ENV = None
@@ -67,7 +73,8 @@ def _regenerate(spec: OpSpec, arch: str, shipped: bool) -> str:
 
 
 def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
-    """What a template sees: the spec's structure as plain values (no per-call options)."""
+    """What a template sees: the spec's rule and gate as members (their macros and facts,
+    codegen/members.py) and its structure as plain values (no per-call options)."""
     arch_mod = get_arch(arch)
     return {
         "spec": spec,
@@ -75,13 +82,8 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "arch": arch,
         "target": arch_mod.TARGET,
         "smem_per_sm": arch_mod.SMEM_PER_SM,
-        "rule": spec.rule.value,
-        "gate": spec.gate.value,
-        "is_delta": spec.rule.value == "delta",
-        "has_gate": spec.gate.value != "none",
-        "gate_scalar": spec.gate.value == "scalar",
-        "gate_key": spec.gate.value == "key",
-        "gate_value": spec.gate.per_value,
+        "rule": member(environment(), "rules", spec.rule.maths),
+        "gate": member(environment(), "gates", spec.gate.maths),
         "gva": spec.gva,
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,

@@ -33,7 +33,7 @@ import numpy as np
 
 from .preprocess import check_call, prepare, state_from_k_first
 from .recurrent import _initial_states
-from .spec import OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, SpecError
 
 
 class Chunk(NamedTuple):
@@ -112,20 +112,15 @@ def decayed_dot(a, b, E):
     return np.einsum("hik,hjk,hijk->hij", a, b, E)
 
 
-def wy_representation(k, v, beta, g_cum, E):
-    """Stage 2 (delta rule): A [HV, L, L], w [HV, L, K], u [HV, L, V]."""
-    L = k.shape[1]
-    strict = np.tril(np.ones((L, L)), -1)
-    kk = decayed_dot(k, k, E) * strict
-    A = np.linalg.inv(np.eye(L) + beta[:, :, None] * kk)
-    w = A @ (beta[:, :, None] * k * np.exp(g_cum))
-    u = A @ (beta[:, :, None] * v)
-    return A, w, u
+def wy_representation(rule, k, v, beta, g_cum, E):
+    """Stage 2, the rule's factors of the chunk (dsl/family.py chunk_factors): the delta
+    rule's A [HV, L, L], w [HV, L, K], u [HV, L, V]; None for the additive rule."""
+    return rule.maths.chunk_factors(k, v, beta, g_cum, lambda a, b: decayed_dot(a, b, E))
 
 
 def new_values(rule, v, w, u, S):
     """Stage 3a: the values the chunk writes into the state, [HV, L, V]."""
-    return u - w @ S if rule is Rule.DELTA else v
+    return rule.maths.new_values(v, w, u, S)
 
 
 def advance_state(k, g_cum, S, v_new, gv_cum=None):
@@ -178,7 +173,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     B, T, HV, K, V = dims.B, dims.T, dims.HV, dims.K, dims.V
     h0 = _initial_states(dims, options, initial_state)
     chunks, NC = chunk_table(dims, C)
-    delta = spec.rule is Rule.DELTA
+    delta = spec.rule.maths.reads_state
     o = np.zeros((B, T, HV, V))
     g_cum_all = np.zeros((B, T, HV, V if spec.gate.per_value else K))
     A_all = np.zeros((B, T, HV, C)) if delta else None
@@ -196,7 +191,7 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
         E = pair_decays(g_cum)
         w = u = None
         if delta:
-            A, w, u = wy_representation(kc, vc, bc, g_cum, E)
+            A, w, u = wy_representation(spec.rule, kc, vc, bc, g_cum, E)
             scatter_rows(A_all[..., :c.end - c.start], c, A)
             scatter_rows(w_all, c, w)
             scatter_rows(u_all, c, u)

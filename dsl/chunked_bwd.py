@@ -29,7 +29,7 @@ from .chunked import (advance_state, check_chunk_size, chunk_inputs, chunk_table
 from .preprocess import (Prepared, check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first)
 from .recurrent import _initial_states
-from .spec import OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, SpecError
 
 
 def _pair_grads(dM, a, b, E):
@@ -55,10 +55,10 @@ def chunk_backward(rule, q, k, v, beta, g, S, do, dS_out):
     exp_g = np.exp(g_cum)
     g_last = g_cum[:, -1, :]
     k_dec = k * np.exp(g_last[:, None, :] - g_cum)
-    delta = rule is Rule.DELTA
+    delta = rule.maths.reads_state                  # (the WY form's backward: the delta rule's)
     A = w = u = None
     if delta:
-        A, w, u = wy_representation(k, v, beta, g_cum, E)
+        A, w, u = wy_representation(rule, k, v, beta, g_cum, E)
     v_new = new_values(rule, v, w, u, S)
     St = np.swapaxes(S, 1, 2)
     # 1. output and state update
@@ -134,8 +134,8 @@ def chunked_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
         g_cum = gate_cumsum(gc)
         S = final[c.n].copy()
         w = u = None
-        if spec.rule is Rule.DELTA:
-            _, w, u = wy_representation(kc, vc, bc, g_cum, pair_decays(g_cum))
+        if spec.rule.maths.reads_state:
+            _, w, u = wy_representation(spec.rule, kc, vc, bc, g_cum, pair_decays(g_cum))
         entering.append(S)
         final[c.n] = advance_state(kc, g_cum, S, new_values(spec.rule, vc, w, u, S))
     # 1.-4. reverse pass, last chunk first (chunks of a sequence are contiguous)

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .spec import Gate, OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, SpecError
 
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
@@ -215,12 +215,11 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
             a = np.exp(np.asarray(A_log, dtype=np.float64))
             a = a[:, None] if spec.gate.channels else a
             g_act = -a * softplus(x)
-        if spec.gate.per_value:
-            gv_eff = g_act
-        else:
-            g_eff += g_act[..., None] if spec.gate is Gate.SCALAR else g_act
+        rows, gv_eff = spec.gate.maths.key_decay(g_act), spec.gate.maths.value_decay(g_act)
+        if rows is not None:
+            g_eff += rows
     beta_eff = None
-    if spec.rule is Rule.DELTA:
+    if spec.has_beta:
         beta_eff = np.asarray(beta, dtype=np.float64)
         if options.beta_sigmoid:
             beta_eff = sigmoid(beta_eff) * (2.0 if options.allow_neg_eigval else 1.0)
@@ -245,8 +244,7 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
     out = dict(dq=dq, dk=dk, dv=np.array(grads.v, dtype=np.float64), dg=None, dbeta=None,
                dA_log=None, ddt_bias=None)
     if spec.has_gate:
-        dg = (grads.g.sum(axis=-1) if spec.gate is Gate.SCALAR else
-              np.array(grads.gv if spec.gate.per_value else grads.g))
+        dg = np.array(spec.gate.maths.dg_of(grads.g, grads.gv))
         if options.gate_in_kernel:
             x = np.asarray(g, dtype=np.float64) + _dt_bias_table(spec, HV, K, dt_bias, V)
             a = np.exp(np.asarray(A_log, dtype=np.float64))
@@ -258,7 +256,7 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
             if dt_bias is not None:
                 out["ddt_bias"] = dg.sum(axis=(0, 1)).reshape(np.shape(dt_bias))
         out["dg"] = dg
-    if spec.rule is Rule.DELTA:
+    if spec.has_beta:
         dbeta = np.array(grads.beta, dtype=np.float64)
         if options.beta_sigmoid:
             sg = sigmoid(beta)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .preprocess import (check_call, prepare, prepare_vjp, state_from_k_first,
                          state_to_k_first, Prepared)
-from .spec import OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, SpecError
 
 
 def _initial_states(dims, options, initial_state):
@@ -27,6 +27,11 @@ def _initial_states(dims, options, initial_state):
     if initial_state is None:
         return np.zeros((dims.N, dims.HV, dims.K, dims.V))
     return np.array(state_to_k_first(options, initial_state), dtype=np.float64)
+
+
+def _beta_at(eff, b, t):
+    """Token t's beta [HV, 1] (broadcast over V), None for a rule without beta."""
+    return None if eff.beta is None else eff.beta[b, t][:, None]
 
 
 def _run_tokens(spec, eff, dims, h0, keep_states=False):
@@ -44,8 +49,8 @@ def _run_tokens(spec, eff, dims, h0, keep_states=False):
             S = np.exp(g)[:, :, None] * S
             if eff.gv is not None:
                 S = S * np.exp(eff.gv[seg.b, t])[:, None, :]
-            if spec.rule is Rule.DELTA:
-                v = eff.beta[seg.b, t][:, None] * (v - np.einsum("hkv,hk->hv", S, k))
+            v = spec.rule.maths.write(v, _beta_at(eff, seg.b, t),
+                                      lambda: np.einsum("hkv,hk->hv", S, k))
             S = S + k[:, :, None] * v[:, None, :]
             o[seg.b, t] = np.einsum("hkv,hk->hv", S, q)
         final[seg.n] = S
@@ -97,12 +102,9 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
             b = seg.b
             qt, kt, vt, gt = (x[b, t] for x in (eff.q, eff.k, eff.v, eff.g))
             S_a = np.exp(gt)[:, :, None] * before[b, t]        # decayed state
-            if spec.rule is Rule.DELTA:
-                bt = eff.beta[b, t][:, None]
-                resid = vt - np.einsum("hkv,hk->hv", S_a, kt)
-                v_in = bt * resid
-            else:
-                v_in = vt
+            bt, rule = _beta_at(eff, b, t), spec.rule.maths
+            read = np.einsum("hkv,hk->hv", S_a, kt)             # S_a^T k
+            v_in = rule.write(vt, bt, lambda: read)
             S = S_a + kt[:, :, None] * v_in[:, None, :]
             # o_t = S^T q
             grads.q[b, t] = np.einsum("hkv,hv->hk", S, do[b, t])
@@ -111,14 +113,12 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
             dk = np.einsum("hkv,hv->hk", dS, v_in)
             dv_in = np.einsum("hkv,hk->hv", dS, kt)
             dS_a = dS
-            if spec.rule is Rule.DELTA:
-                grads.v[b, t] = bt * dv_in
-                grads.beta[b, t] = np.sum(dv_in * resid, axis=-1)
-                dr = -bt * dv_in                             # r = S_a^T k
+            grads.v[b, t], dbeta, dr = rule.write_vjp(vt, bt, read, dv_in)
+            if dbeta is not None:
+                grads.beta[b, t] = dbeta
+            if dr is not None:                                # the rule read r = S_a^T k
                 dS_a = dS_a + kt[:, :, None] * dr[:, None, :]
                 dk = dk + np.einsum("hkv,hv->hk", S_a, dr)
-            else:
-                grads.v[b, t] = dv_in
             grads.k[b, t] = dk
             # S_a = diag(exp(g)) S_prev
             grads.g[b, t] = np.sum(S_a * dS_a, axis=-1)
@@ -156,7 +156,7 @@ def random_inputs(spec: OpSpec, options: Options, B, T, H, HV, K, V, rng, cu_seq
     out = dict(q=q, k=k, v=rng.standard_normal((B, T, HV, V)), g=None, beta=None,
                A_log=None, dt_bias=None, initial_state=None,
                cu_seqlens=None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64))
-    if spec.rule is Rule.DELTA:
+    if spec.has_beta:
         logits = rng.standard_normal((B, T, HV))
         out["beta"] = logits if options.beta_sigmoid else 1.0 / (1.0 + np.exp(-logits))
     if spec.has_gate:

@@ -25,6 +25,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from .family import GATES, RULES, GateMaths, RuleMaths
+
 
 class SpecError(ValueError):
     """A spec, option set or shape that cannot describe a valid operator."""
@@ -33,6 +35,11 @@ class SpecError(ValueError):
 class Rule(str, enum.Enum):
     ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
+
+    @property
+    def maths(self) -> RuleMaths:
+        """The rule's object (dsl/family.py): its inputs and the value it writes."""
+        return RULES[self.value]
 
 
 class Gate(str, enum.Enum):
@@ -46,9 +53,14 @@ class Gate(str, enum.Enum):
     VALUE = "value"     # one log decay per value channel: g [.., HV, V] (fla's gv)
 
     @property
+    def maths(self) -> GateMaths:
+        """The gate's object (dsl/family.py): its channels, g's shape, its decay."""
+        return GATES[self.value]
+
+    @property
     def channels(self) -> str:
         """The state axis g runs along: "" (one decay per head, or no gate), "K" or "V"."""
-        return {"key": "K", "value": "V"}.get(self.value, "")
+        return self.maths.channels
 
     @property
     def per_key(self) -> bool:
@@ -60,7 +72,7 @@ class Gate(str, enum.Enum):
 
     def n_channels(self, K: int, V: int) -> int:
         """Decays per value head and token (1 for the scalar gate)."""
-        return {"K": K, "V": V}.get(self.channels, 1)
+        return self.maths.n_channels(K, V)
 
 
 class StateLayout(str, enum.Enum):
@@ -185,11 +197,11 @@ class OpSpec:
     # -- derived facts -------------------------------------------------------------------
     @property
     def has_beta(self) -> bool:
-        return self.rule is Rule.DELTA
+        return "beta" in self.rule.maths.inputs
 
     @property
     def has_gate(self) -> bool:
-        return self.gate is not Gate.NONE
+        return self.gate.maths.takes_input
 
     def scale_for(self, K: int, scale=None) -> float:
         """The scale a call uses: the given one, else the spec's default."""
@@ -227,11 +239,9 @@ class OpSpec:
     def gate_shape(self, B: int, T: int, HV: int, K: int, V: int = None) -> tuple:
         """Shape of g for this spec ((), for no gate): [B, T, HV] plus the gate's channel
         axis (K for the key gate, V for the value gate; V is then required)."""
-        if not self.has_gate:
-            return ()
         if self.gate.per_value and V is None:
             raise SpecError(f"{self.name}: a value gate's shape needs V")
-        return (B, T, HV) + {"K": (K,), "V": (V,)}.get(self.gate.channels, ())
+        return self.gate.maths.shape(B, T, HV, K, V)
 
     # -- identity ------------------------------------------------------------------------
     def as_dict(self) -> dict:

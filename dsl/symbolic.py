@@ -28,7 +28,7 @@ import numpy as np
 import sympy as sp
 
 from .preprocess import check_call, state_from_k_first, state_to_k_first
-from .spec import Gate, OpSpec, Options, Rule, SpecError
+from .spec import OpSpec, Options, SpecError
 
 MAX_DIM, MAX_T_FULL = 3, 3
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")        # one row per token
@@ -47,17 +47,17 @@ def _input_symbols(spec, H, HV, K, V, prefix=""):
     """Symbols of one token's raw inputs and of the shared gate parameters."""
     tok = dict(q=_sym_array(prefix + "q", (H, K)), k=_sym_array(prefix + "k", (H, K)),
                v=_sym_array(prefix + "v", (HV, V)))
-    if spec.gate is not Gate.NONE:
+    if spec.has_gate:
         tok["g"] = _sym_array(prefix + "g", (HV, spec.gate.n_channels(K, V))
                               if spec.gate.channels else (HV,))
-    if spec.rule is Rule.DELTA:
+    if spec.has_beta:
         tok["beta"] = _sym_array(prefix + "b", (HV,))
     return tok
 
 
 def _shared_symbols(spec, options, HV, K, V, has_dt_bias):
     shared = {}
-    if spec.gate is not Gate.NONE and options.gate_in_kernel:
+    if spec.has_gate and options.gate_in_kernel:
         shared["A_log"] = _sym_array("A", (HV,))
         if has_dt_bias:
             shared["dt_bias"] = _sym_array("dt", (HV * spec.gate.n_channels(K, V),))
@@ -87,7 +87,7 @@ def _token_update(spec, options, scale, S, tok, shared):
         q = sp.Matrix([scale * e for e in q])
         k = sp.Matrix(k)
         v = sp.Matrix(list(tok["v"][hv]))
-        if spec.gate is not Gate.NONE:             # decays rows (K) or columns (V)
+        if spec.has_gate:                          # decays rows (K) or columns (V)
             n = V if spec.gate.per_value else K
             raw = list(tok["g"][hv]) if spec.gate.channels else [tok["g"][hv]] * n
             if options.gate_in_kernel:
@@ -98,14 +98,15 @@ def _token_update(spec, options, scale, S, tok, shared):
                 raw = [-sp.exp(shared["A_log"][hv]) * _softplus(raw[c] + bias[c])
                        for c in range(n)]
             D = sp.diag(*[sp.exp(x) for x in raw])
-            S_hv = S[hv] * D if spec.gate.per_value else D * S[hv]
+            S_hv = spec.gate.maths.decay_matrix(S[hv], D)
         else:
             S_hv = S[hv]
-        if spec.rule is Rule.DELTA:
+        beta = None
+        if spec.has_beta:
             beta = tok["beta"][hv]
             if options.beta_sigmoid:
                 beta = (2 if options.allow_neg_eigval else 1) / (1 + sp.exp(-beta))
-            v = beta * (v - S_hv.T * k)
+        v = spec.rule.maths.write(v, beta, lambda: S_hv.T * k)
         S_hv = S_hv + k * v.T
         new_S.append(S_hv)
         outs.append(list(S_hv.T * q))

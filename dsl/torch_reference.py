@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .preprocess import L2NORM_EPS
-from .spec import Gate, OpSpec, Options, Rule
+from .spec import OpSpec, Options
 
 F64 = torch.float64
 
@@ -70,16 +70,13 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
     if group > 1:
         q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     g_log = None
-    if spec.gate is not Gate.NONE:
+    if spec.has_gate:
+        g_log = spec.gate.maths.per_channel(g)          # [.., 1 (one decay a head) or channels]
         if options.gate_in_kernel:
             a = torch.exp(_f64(A_log)).view(HV, 1)
             bias = _f64(dt_bias).view(HV, -1)
-            x = (g if spec.gate.channels else g.unsqueeze(-1)) + bias
-            g = -a * softplus_fla(x)
-            g_log = g
-        else:
-            g_log = g if spec.gate.channels else g.unsqueeze(-1)
-    if spec.rule is Rule.DELTA:
+            g_log = -a * softplus_fla(g_log + bias)
+    if spec.has_beta:
         if options.beta_sigmoid:
             beta = torch.sigmoid(beta) * (2.0 if options.allow_neg_eigval else 1.0)
     else:
@@ -239,10 +236,10 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
                       options.state_v_first, ke.device)
         for t in range(t0, t1):
             if ge is not None:                 # decay rows (key / scalar) or columns
-                S = torch.exp(ge[bs, t]).unsqueeze(-2 if spec.gate.per_value else -1) * S
+                S = spec.gate.maths.decay(S, torch.exp(ge[bs, t]))
             kt, vt = ke[bs, t], ve[bs, t]
-            if be is not None:
-                vt = be[bs, t].unsqueeze(-1) * (vt - torch.einsum("bhkv,bhk->bhv", S, kt))
+            bt = None if be is None else be[bs, t].unsqueeze(-1)
+            vt = spec.rule.maths.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S, kt))
             S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2)
             o[bs, t] = torch.einsum("bhkv,bhk->bhv", S, qe[bs, t])
         finals.append(S)

@@ -204,14 +204,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
              ht=torch.empty(NT + N, HV, K, V, dtype=q.dtype, device=q.device))
     if Ttot == 0:
         return x["ht"].copy_(h0 if h0 is not None else 0.0)
-    launches = plan.launches
-    runtime.announce(spec, plan.arch, {la.stage: la.kwargs for la in launches})
-    for b in plan.buffers:
-        x[b.name] = torch.empty(b.shape, dtype=q.dtype if b.dtype == "input"
-                                else getattr(torch, b.dtype), device=q.device)
-    for la in launches:
-        runtime.launch_kernel(spec, plan.arch, la.stage, la.kwargs, x, la.tensor)
-    return x["ht"]
+    return runtime.run_plan(spec, plan, x)["ht"]
 
 
 def _check(name, x, shape, dtype=None):

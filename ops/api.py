@@ -4,7 +4,8 @@ A public call (``chunk_*`` -> :func:`forward`, ``fused_recurrent_*`` -> :func:`r
 runs in three steps:
 
 1. ``validate.check_call``: every argument, in fla's terms, before any device work (the
-   device check last);
+   device check last); the call's one check (the torch.library ops run the unchecked
+   ``chunk.run_chunk_forward`` / ``recurrent.run_recurrent``);
 2. :func:`choose_path` picks the kernels:
 
    * ``"recurrent"``, the fused recurrent (decode) kernel: T == 1 without cu_seqlens,
@@ -16,7 +17,9 @@ runs in three steps:
 
 3. :func:`kernel_inputs` puts the arguments in the form the kernels take (A_log /
    dt_bias as f32 [HV] / [HV * K], zeros for a missing dt_bias, gates and beta in f32 or
-   q's dtype, KDA's lower-bounded gate applied, states in f32), and the call goes through
+   q's dtype, KDA's lower-bounded gate applied, states in f32), zero-padded once to the
+   head dims of the path's kernels (the chunked ones' K: the arch's chunk_k), and the
+   call goes through
    the torch.library op of its spec and path (ops/library.py), so torch.compile and CUDA
    graphs see one opaque op.
 
@@ -124,6 +127,9 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None)
     if path == "recurrent":
         padded = padded_dims(chk.dims, options.state_v_first)
+    else:               # the chunked kernels' K (the arch's chunk_k): the call's one padding
+        from .chunk import kernel_k
+        padded = padded._replace(K=kernel_k(spec, padded.K, x["q"].device))
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     from . import library
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
@@ -143,19 +149,19 @@ def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
     chunk; the per-key gate's A and aqk too). Checks and kernel inputs as :func:`forward`; called
     inside the autograd Function, not through a torch.library op (as the additive rule's
     training forward)."""
-    from .chunk import chunk_forward
+    from .chunk import run_chunk_forward
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                  initial_state=initial_state)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=validate.host_checks(), sizes=_head_dims, **extra)
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
-    return chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                         scale=spec.scale_for(chk.dims.K, scale),
-                         initial_state=x["initial_state"],
-                         output_final_state=bool(output_final_state), options=opts,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                         A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True)
+    return run_chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                             scale=spec.scale_for(chk.dims.K, scale),
+                             initial_state=x["initial_state"],
+                             output_final_state=bool(output_final_state), options=opts,
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                             A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True)
 
 
 def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=None,

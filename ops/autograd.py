@@ -275,7 +275,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
                                     device=dev),
              dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),
              dh0=f32(N, HV, K, V) if initial_state is not None else f32(1, HV, K, V))
-    chunk_bwd.run_stages(call.spec, params, x, key=call.keyed)
+    chunk_bwd.run_stages(call.spec, params, x)
     dq, dk = chunk_bwd.key_grads(x, qf, kf, q_scale, params, call.spec)
     shape = lambda y: _tokens(y, B, T)  # noqa: E731
     return (shape(dq), shape(dk), shape(x["dv"]), shape(x["dbeta"]),

@@ -188,7 +188,7 @@ def _check_device(name, t):
 
 def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
                   A_log, dt_bias):
-    """B's shared checks (ops/validate.py); returns (dims, N)."""
+    """The chunked forward's checks of a direct call (ops/validate.py); returns (dims, N)."""
     from . import validate as val
     dims = val.check_qkv(spec, q, k, v, dtypes=val.CHUNK_DTYPES)
     _, v_max = get_arch(DEFAULT_ARCH).chunk_head_limits(spec.rule.value, spec.gate.value)
@@ -232,19 +232,36 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     read it; the per-key gate's delta rule also A (the WY inverse) and aqk [Ttot, HV, 64]
     (input dtype). Inputs are never modified.
     config: forces plan choices (probes and tests; see codegen.arch.<arch> CONFIG_KEYS).
+    Checks every argument (ops/validate.py), then :func:`run_chunk_forward`.
     """
     check_supported(spec)
     spec.check_options(options)
-    (B, T, H, HV, K, V), N = _check_inputs(spec, options, q, k, v, g, beta, initial_state,
-                                           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+    _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                  A_log, dt_bias)
+    return run_chunk_forward(spec, q, k, v, g, beta, scale, initial_state, output_final_state,
+                             options, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                             return_states, config, save_states)
+
+
+def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
+                      initial_state=None, output_final_state=False,
+                      options: Options = Options(), cu_seqlens=None, cu_seqlens_cpu=None,
+                      A_log=None, dt_bias=None, return_states=False, config=None,
+                      save_states=False):
+    """:func:`chunk_forward` on arguments already checked (its own checks, or the public
+    call's ops/validate.py check_call: torch.library's chunk op, the training forward), so
+    that a call is checked once."""
+    (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     arch = runtime.device_arch(q.device) if q.is_cuda else DEFAULT_ARCH
     Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
     if Kk != K:     # the kernels' K: zero channels up to it, the states cut back
         q, k, g, initial_state, dt_bias = _pad_k(spec, Kk, q, k, g, initial_state, dt_bias,
                                                  options.state_v_first)
-        out = chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale), initial_state,
-                            output_final_state, options, cu_seqlens, cu_seqlens_cpu, A_log,
-                            dt_bias, return_states, config, save_states)
+        out = run_chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale),
+                                initial_state, output_final_state, options, cu_seqlens,
+                                cu_seqlens_cpu, A_log, dt_bias, return_states, config,
+                                save_states)
         v_first = [options.state_v_first] * (1 + return_states)
         cut = tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
         if save_states:
@@ -286,6 +303,14 @@ def chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         last = x["chunk_offsets"][1:].long() + torch.arange(N, device=q.device)
         final = states.index_select(0, last)
     return (o, final, states) + saved
+
+
+def kernel_k(spec: OpSpec, K: int, device) -> int:
+    """The head dim K the chunked kernels run a call of head dim K at on ``device`` (the
+    arch's chunk_k): the public call pads to it once (ops/api.py); :func:`run_chunk_forward`
+    pads a direct call's."""
+    arch = runtime.device_arch(device) if str(device).startswith("cuda") else DEFAULT_ARCH
+    return get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
 
 
 def _pad_k(spec, Kk, q, k, g, initial_state, dt_bias, v_first):

@@ -38,11 +38,12 @@ u) over the chunked forward's stages (:func:`contract_plan`).
 from __future__ import annotations
 
 from ..codegen.arch import get_arch
+from ..codegen.pipeline import DeltaBackwardProblem
 from ..dsl import Options, SpecError
 from . import chunk, runtime
 
-#: the backward's stages, in order
-STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+#: the backward's stages, in order (the arch's plan, delta_backward_plan)
+STAGES = get_arch("sm90").DELTA_STAGES
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
 #: kept
 REBUILD = "chunk_bwd_key_rebuild"
@@ -76,23 +77,18 @@ def compiled_stage(stage: str, spec=None, **params):
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
                  state_dtype=None, dh=None) -> dict:
-    """stage name -> build() params of the four backward stages (the rebuild of w, u
-    before them: :func:`rebuild_params`): H key heads, HV value heads (default H);
-    chains: the dh pass's sequences x value heads (more value blocks for few chains);
-    use_dht / store_dh0: the dh pass starts from the final state's gradient / writes the
-    initial state's; gated: a gated spec's (the stages' gated forms read the spec, the
-    params are the same); state_dtype: the states' dtype where it is not the input dtype
-    (the contract's f32); dh: the dh pass's num_stages / block_v where a probe sets them
-    (default: the arch's dh_config)."""
-    from ..codegen.arch import get_arch
-    common = dict(H=H, HV=HV or H, K=K, V=V, dtype=dtype)
-    dh = dict(common, **{**get_arch(ARCH).dh_config(V, chains), **(dh or {})},
-              **({"use_dht": True} if use_dht else {}),
-              **({"store_dh0": True} if store_dh0 else {}))
-    return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh,
-            "chunk_bwd_dqkw": dict(common, **({"state_dtype": state_dtype}
-                                              if state_dtype else {})),
-            "chunk_bwd_wy": common}
+    """stage name -> build() params of the four backward stages (the arch's
+    delta_backward_params; the rebuild of w, u before them: :func:`rebuild_params`): H key
+    heads, HV value heads (default H); chains: the dh pass's sequences x value heads (more
+    value blocks for few chains); use_dht / store_dh0: the dh pass starts from the final
+    state's gradient / writes the initial state's; a gated spec's stages take the same
+    params (their gated forms read the spec); state_dtype: the states' dtype where it is
+    not the input dtype (the contract's f32); dh: the dh pass's num_stages / block_v where
+    a probe sets them (default: the arch's dh_config)."""
+    return get_arch(ARCH).delta_backward_params(DeltaBackwardProblem(
+        gate="none", H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
+        use_dht=use_dht, store_dh0=store_dh0, state_dtype=state_dtype or "",
+        dh=tuple(sorted((dh or {}).items()))))
 
 
 def precompile(param_sets, workers=None, spec=None) -> list:
@@ -103,51 +99,21 @@ def precompile(param_sets, workers=None, spec=None) -> list:
                                for ps in param_sets for stage, params in ps.items()], workers)
 
 
-#: kernel argument -> the tensor of run_stages' dict it reads
-_BIND = {"du": "dv2", "dh_out": "dh"}
-
-
-def run_stages(spec, params: dict, x: dict, key: bool = False) -> dict:
-    """Launch the four stages on the token-first packed tensors of x (by the kernels'
-    argument names: q, k [Ttot, H, K]; v, do [Ttot, HV, V]; beta [Ttot, HV]; w, u, A (or
-    the per-key rebuild's aqk, qg, kg, g_last, w, u, A); g_cum (gated); S, state_row;
-    the chunk tables; dht, dh0 [N or 1, HV, K, V] f32). Allocates each intermediate when
-    its stage needs it and drops it (and the recomputed tensors) after its last reader,
-    so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per value head),
-    dv, dbeta and, gated, dg to x (where x holds no such output already: then the stages
-    write into it); returns x."""
-    import torch
-    launch = lambda st: runtime.launch_kernel(spec, ARCH, st, params[st], x,  # noqa: E731
-                                              lambda n: _BIND.get(n, n))
-    v, gated = x["v"], "g_cum" in x
-    NT, HV = x["chunk_bos"].numel(), v.shape[1]
-    K = x["k"].shape[-1]
-    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=v.device)  # noqa: E731
-    x["dv_local"] = torch.empty_like(v)
-    launch("chunk_bwd_dv_local")
-    x.pop("aqk", None)
-    x["dv2"] = torch.empty_like(v)
-    x["dh"] = torch.empty(NT, HV, K, v.shape[2], dtype=v.dtype, device=v.device)
-    launch("chunk_bwd_dh")
-    for name in ("dv_local", "qg", "kg", "g_last"):
-        x.pop(name, None)
-    Ttot, gshape = v.shape[0], ((v.shape[0], HV, K) if key else (v.shape[0], HV))
-    x.setdefault("dq", v.new_empty(Ttot, HV, K))
-    x.update(dk_part=f32(Ttot, HV, K), dw=v.new_empty(Ttot, HV, K))
-    if gated or key:
-        x["dg_part"] = f32(*gshape)
-    launch("chunk_bwd_dqkw")
-    for name in ("dh", "w", "u"):       # dk, dv (the last stage's) take their memory
-        x.pop(name)
-    x.setdefault("dk", v.new_empty(Ttot, HV, K))
-    x.setdefault("dv", torch.empty_like(v))
-    x.setdefault("dbeta", x["beta"].new_empty(Ttot, HV))
-    if gated or key:
-        x.setdefault("dg", f32(*gshape))
-    launch("chunk_bwd_wy")
-    for name in ("A", "dw", "dv2", "dk_part", "dg_part"):
-        x.pop(name, None)
-    return x
+def run_stages(spec, params: dict, x: dict) -> dict:
+    """Run the four stages at ``params`` (:func:`stage_params`) as the arch's plan
+    (delta_backward_plan, runtime.run_plan) on the token-first packed tensors of x (by the
+    kernels' argument names: q, k [Ttot, H, K]; v, do [Ttot, HV, V]; beta [Ttot, HV]; w,
+    u, A (or the per-key rebuild's aqk, qg, kg, g_last, w, u, A); g_cum (spec's gate); S,
+    state_row; the chunk tables; dht, dh0 [N or 1, HV, K, V] f32). Each intermediate is
+    allocated when its stage needs it and dropped (with the recomputed tensors) after its
+    last reader, so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per
+    value head), dv, dbeta and, gated, dg to x (where x holds no such output already: then
+    the stages write into it); returns x."""
+    p = params["chunk_bwd_dv_local"]
+    plan = get_arch(ARCH).delta_backward_plan(DeltaBackwardProblem(
+        gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
+        Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel()), params)
+    return runtime.run_plan(spec, plan, x)
 
 
 def one_head(*xs):
@@ -464,7 +430,7 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
     the chunk tables (ops.chunk._tables), varlen as it comes (a chunk shorter than 64
     rows: its rows only). q is taken unscaled (aqk and qg are formed from it): the scale
     goes into do (o = scale f(q)), and :func:`key_grads` then takes scale 1.
-    Returns the dict run_stages(key=True) takes: q, k (l2-normalised with the params'
+    Returns the dict run_stages takes: q, k (l2-normalised with the params'
     l2norm_qk, else the inputs themselves), A, aqk, qg, kg, w [Ttot, HV, K], u
     [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
     in-chunk cumulative log gate per key channel, the chunk's rows)."""

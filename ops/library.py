@@ -49,29 +49,31 @@ def _final_or_empty(ht, q):
 
 
 def _impl(spec: OpSpec, path: str):
-    """The op's real implementation: the kernel entry point of its path."""
+    """The op's real implementation: the kernel entry point of its path, on arguments the
+    public call checked (ops/validate.py check_call): the unchecked run_* functions."""
     def chunk(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
               scale, output_final_state, options):
-        from .chunk import chunk_forward
-        o, ht = chunk_forward(spec, q, k, v, g, beta, scale=scale,
-                              initial_state=initial_state,
-                              output_final_state=output_final_state,
-                              options=options_from_key(options), cu_seqlens=cu_seqlens,
-                              cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
+        from .chunk import run_chunk_forward
+        o, ht = run_chunk_forward(spec, q, k, v, g, beta, scale=scale,
+                                  initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  options=options_from_key(options), cu_seqlens=cu_seqlens,
+                                  cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+                                  dt_bias=dt_bias)
         return o, _final_or_empty(ht, q)
 
     def recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                   cu_seqlens_cpu, scale, output_final_state, options, ssm_state_indices,
                   num_accepted_tokens):
-        from .recurrent import fused_recurrent
-        o, ht = fused_recurrent(spec, q, k, v, g, beta, scale=scale,
-                                initial_state=initial_state,
-                                output_final_state=output_final_state or path == "inplace",
-                                options=options_from_key(options), cu_seqlens=cu_seqlens,
-                                cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-                                ssm_state_indices=ssm_state_indices,
-                                num_accepted_tokens=num_accepted_tokens,
-                                inplace_final_state=path == "inplace")
+        from .recurrent import run_recurrent
+        o, ht = run_recurrent(spec, q, k, v, g, beta, scale=scale,
+                              initial_state=initial_state,
+                              output_final_state=output_final_state or path == "inplace",
+                              options=options_from_key(options), cu_seqlens=cu_seqlens,
+                              A_log=A_log, dt_bias=dt_bias,
+                              ssm_state_indices=ssm_state_indices,
+                              num_accepted_tokens=num_accepted_tokens,
+                              inplace_final_state=path == "inplace")
         return o if path == "inplace" else (o, _final_or_empty(ht, q))
     return chunk if path == "chunk" else recurrent
 

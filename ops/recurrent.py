@@ -67,14 +67,33 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              warps_k: see codegen/arch/sm90/__init__.py), for probes and sweeps
 
     Returns (o [B, T, HV, V] in q's dtype, final_state in the initial state's layout and
-    ``state_dtype`` when output_final_state, else None).
+    ``state_dtype`` when output_final_state, else None). Checks every argument, then
+    :func:`run_recurrent`.
     """
+    _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
+           dt_bias, state_dtype, scale, ssm_state_indices=ssm_state_indices,
+           num_accepted_tokens=num_accepted_tokens, inplace=bool(inplace_final_state))
+    return run_recurrent(spec, q, k, v, g, beta, scale, initial_state, output_final_state,
+                         options, cu_seqlens, A_log, dt_bias, state_dtype, tuning,
+                         ssm_state_indices, num_accepted_tokens, inplace_final_state)
+
+
+def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                  output_final_state=False, options: Options = Options(), cu_seqlens=None,
+                  A_log=None, dt_bias=None, state_dtype=None, tuning=None,
+                  ssm_state_indices=None, num_accepted_tokens=None,
+                  inplace_final_state=False):
+    """:func:`fused_recurrent` on arguments already checked (its own checks, or the public
+    call's ops/validate.py check_call: torch.library's recurrent ops), so that a call is
+    checked once."""
     import torch
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                 inplace=bool(inplace_final_state))
-    dims, N, state_dtype, scale = _check(spec, options, q, k, v, g, beta, initial_state,
-                                         cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                                         state_dtype, scale, **pool)
+    (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
+    dims = validate.Dims(B, T, H, HV, K, V)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    state_dtype = _state_dtype(state_dtype, initial_state, pool["inplace"])
+    scale = spec.scale_for(K, scale)
     in_pool = ssm_state_indices is not None
     o = torch.empty(dims.B, dims.T, dims.HV, dims.V, dtype=q.dtype, device=q.device)
     ht = initial_state if inplace_final_state else (
@@ -138,9 +157,7 @@ def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
     N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q,
                                   values=validate.host_checks())
     states = (torch.float32, torch.float16, torch.bfloat16)
-    if inplace and initial_state is not None:
-        state_dtype = initial_state.dtype
-    state_dtype = torch.float32 if state_dtype is None else state_dtype
+    state_dtype = _state_dtype(state_dtype, initial_state, inplace)
     if state_dtype not in states:
         raise validate.error(f"state_dtype must be float32, float16 or bfloat16, "
                              f"got {state_dtype}")
@@ -160,6 +177,14 @@ def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
     scale = spec.scale_for(dims.K, scale)
     validate.check_cuda("q", q)
     return dims, N, state_dtype, scale
+
+
+def _state_dtype(state_dtype, initial_state, inplace: bool):
+    """The final state's dtype: an in-place state's own, else state_dtype (f32 by default)."""
+    import torch
+    if inplace and initial_state is not None:
+        return initial_state.dtype
+    return torch.float32 if state_dtype is None else state_dtype
 
 
 def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output_final_state,

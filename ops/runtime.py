@@ -176,17 +176,25 @@ def launch_kernel(spec: OpSpec, arch: str, stage: str, params: dict, tensors: di
 
 
 def run_plan(spec: OpSpec, plan, tensors: dict) -> dict:
-    """Run a codegen.pipeline.Plan: allocate its buffers (dtype "input" = q's) next to the
-    call's ``tensors`` (inputs, outputs, tables, by name) and launch its stages in order.
-    Returns the tensors, buffers included."""
+    """Run a codegen.pipeline.Plan: allocate its buffers (dtype "input" = q's; each just
+    before its stage ``at``, an output only where the caller bound none) next to the
+    call's ``tensors`` (inputs, outputs, tables, by name), launch its stages in order,
+    dropping what each launch releases. Returns the tensors, buffers included."""
     import torch
     q = tensors["q"]
     announce(spec, plan.arch, {la.stage: la.kwargs for la in plan.launches})
-    for b in plan.buffers:
-        dt = q.dtype if b.dtype == "input" else getattr(torch, b.dtype)
-        tensors[b.name] = torch.empty(b.shape, dtype=dt, device=q.device)
+
+    def allocate(at: str):
+        for b in plan.buffers:
+            if b.at == at and not (b.output and b.name in tensors):
+                dt = q.dtype if b.dtype == "input" else getattr(torch, b.dtype)
+                tensors[b.name] = torch.empty(b.shape, dtype=dt, device=q.device)
+    allocate("")
     for la in plan.launches:
+        allocate(la.stage)
         launch_kernel(spec, plan.arch, la.stage, la.kwargs, tensors, la.tensor)
+        for name in la.release:
+            tensors.pop(name, None)
     return tensors
 
 

@@ -128,6 +128,42 @@ def test_train_params():
     assert p["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar", "key"])
+def test_backward_runs_as_a_plan(monkeypatch, gate):
+    """run_stages runs the arch's delta_backward_plan through runtime.run_plan, the
+    forward's path: its four stages in order at stage_params' params, dv2 and dh bound to
+    du and dh_out; each intermediate present from its stage to its last reader only (the
+    recompute's tensors dropped after theirs), dg_part / dg with a gate; outputs the
+    caller binds are written in place, the others allocated."""
+    Ttot, NT, H, HV, K, V = 130, 3, 2, 4, 64, 64
+    params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype="bfloat16", chains=8)
+    seen = []
+
+    def launch(spec, arch, stage, p, tensors, bind=lambda n: n):
+        assert p == params[stage]
+        seen.append((stage, set(tensors), bind("du"), bind("dh_out")))
+    monkeypatch.setattr(runtime, "launch_kernel", launch)
+    e = lambda *s: torch.empty(*s, dtype=torch.bfloat16)  # noqa: E731
+    dq = e(Ttot, HV, K)
+    x = dict(q=e(Ttot, H, K), k=e(Ttot, H, K), v=e(Ttot, HV, V), beta=e(Ttot, HV),
+             chunk_bos=torch.zeros(NT, dtype=torch.int32), w=e(Ttot, HV, K),
+             u=e(Ttot, HV, V), A=e(Ttot, HV, C), aqk=e(Ttot, HV, C), dq=dq)
+    chunk_bwd.run_stages(all_rule_gate_specs()[3 + ["none", "scalar", "key"].index(gate)],
+                         params, x)
+    assert [s[0] for s in seen] == list(chunk_bwd.STAGES)
+    (_, dvl, _, _), (_, dh, _, dh_out), (_, dqkw, _, _), (_, wy, du, _) = seen
+    assert (dh_out, du) == ("dh", "dv2")
+    assert "aqk" in dvl and "dv_local" in dvl and "dv2" not in dvl
+    assert {"dv_local", "dv2", "dh"} <= dh and "aqk" not in dh and "dk_part" not in dh
+    assert {"dh", "w", "u", "dk_part", "dw"} <= dqkw and "dv_local" not in dqkw
+    assert {"dv2", "dk_part", "dw", "dk", "dv", "dbeta"} <= wy and not {"dh", "w", "u"} & wy
+    assert ("dg_part" in dqkw, "dg" in wy) == (gate != "none",) * 2
+    assert not {"A", "dw", "dv2", "dk_part", "dg_part"} & set(x) and x["dq"] is dq
+    assert x["dk"].shape == (Ttot, HV, K) and x["dbeta"].shape == (Ttot, HV)
+    if gate != "none":
+        assert x["dg"].shape == ((Ttot, HV, K) if gate == "key" else (Ttot, HV))
+
+
 def test_dh_value_block_fills_gpu():
     assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", chains=8)[
         "chunk_bwd_dh"]["block_v"] == 16

@@ -129,3 +129,53 @@ def test_cli_list():
     for op in OPS:
         assert f"{op}  (" in res.output
     assert "decode recurrent" in res.output
+
+
+# -- the members' macros (codegen/members.py) ---------------------------------------------
+
+def _macros(path):
+    """Names of the macros a template file defines."""
+    import re
+    return set(re.findall(r"{% macro (\w+)\(", path.read_text()))
+
+
+def test_put_indents_as_the_tag_and_leaves_no_trace_when_empty():
+    import jinja2
+    from linattn.codegen.members import Put
+    env = jinja2.Environment(loader=jinja2.DictLoader({"t": (
+        "{% macro two() %}\na = 1\nif a:\n    b = 2\n{% endmacro %}\n"
+        "{% macro empty() %}{% endmacro %}\n"
+        "def f():\n    {% put two() %}\n        {% put empty() %}\n    return 0\n")}),
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, extensions=[Put])
+    assert env.get_template("t").render() == (
+        "def f():\n    a = 1\n    if a:\n        b = 2\n    return 0\n")
+
+
+@pytest.mark.parametrize("kind, root", [("gates", "none"), ("rules", "additive")])
+def test_member_files_fill_only_their_roots_hooks(kind, root):
+    """Every macro of a member's file (and of the files it extends) is a hook its root's
+    file declares: a misspelt hook would be dead code the stages never call."""
+    from linattn.codegen.render import TEMPLATE_DIR
+    hooks = _macros(TEMPLATE_DIR / kind / f"{root}.py.jinja")
+    assert hooks
+    for path in sorted((TEMPLATE_DIR / kind).glob("*.py.jinja")):
+        assert _macros(path) <= hooks, (path.name, _macros(path) - hooks)
+
+
+def test_member_lookup_follows_extends_then_the_maths():
+    """A hook comes from the member's own file, else the files it extends (the scalar gate's
+    param_tensors from gates/_input, its input_shapes its own, the none gate's empty);
+    a fact from its dsl object; {{ member }} is its name."""
+    from linattn.codegen.members import member
+    from linattn.codegen.render import environment
+    from linattn.dsl import Gate, Rule
+    env = environment()
+    scalar, none = member(env, "gates", Gate.SCALAR.maths), member(env, "gates", Gate.NONE.maths)
+    assert "g_shape = (B, Tlen, HV)" in str(scalar.input_shapes())
+    assert "A_log: T.Tensor" in str(scalar.param_tensors())
+    assert str(none.param_tensors()) == "" and str(none.input_shapes()) == ""
+    assert scalar.inputs == ("g",) and none.inputs == () and str(scalar) == "scalar"
+    delta = member(env, "rules", Rule.DELTA.maths)
+    assert "beta_dtype" in str(delta.dtype_params()) and delta.inputs == ("beta",)
+    with pytest.raises(AttributeError):
+        delta.no_such_hook

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import linattn
 from linattn.dsl import Options, SpecError
 from linattn.dsl import torch_reference as tr
-from linattn.ops import api, library, validate
+from linattn.ops import api, chunk, library, validate
 from linattn.ops.registry import get_spec, specs
 
 from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
@@ -493,7 +493,8 @@ def test_head_dims_off_the_kernel_multiples_run_zero_padded(cpu_ops, monkeypatch
     """K, V that no kernel takes as they are (K not a multiple of 16, or V of 8; with
     value-first states in the recurrent kernel, K not a power of two) run zero-padded: outputs and final states equal the fp64 reference at
     the call's own dims (gates in the kernel with per-channel dt_bias, initial states
-    either layout, GVA)."""
+    either layout, GVA). The call pads once: a chunked call straight to the chunked
+    kernels' K (the arch's chunk_k, a multiple of 64)."""
     ran = _padded_runs(monkeypatch)
     spec = get_spec(fam)
     HV = 2 if spec.rule.value == "additive" or gate is None else 4
@@ -521,6 +522,9 @@ def test_head_dims_off_the_kernel_multiples_run_zero_padded(cpu_ops, monkeypatch
     Kp, Vp = -(-K // 16) * 16, (V if K % 16 == 0 and V % 8 == 0 else -(-V // 16) * 16)
     if v_first and (fn.startswith("fused") or T == 1):   # (value-first recurrent: 2^n)
         Kp = 1 << (Kp - 1).bit_length()
+    if not (fn.startswith("fused") or T == 1):           # (the chunked kernels' K)
+        Kp = chunk.kernel_k(spec, Kp, "cpu")
+        assert Kp % 64 == 0
     assert ran == [(Kp, Vp)], ran
     ro, rht = tr.recurrent_forward(spec, *ref_args, **ref_kw)
     assert o.shape == ro.shape and ht.shape == h0.shape

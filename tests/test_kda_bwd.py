@@ -1,5 +1,5 @@
 """CPU tests of KDA's chunked backward (the delta rule with a per-key gate; ops/chunk_bwd.py
-key_rebuild_packed, run_stages(key=True), key_grads; ops/autograd.py packed_backward):
+key_rebuild_packed, run_stages, key_grads; ops/autograd.py packed_backward):
 the plan lists the stages, they render with the arguments the host passes, they compile
 for sm_90a without spills, the token-first rebuild, the stages and chunk_bwd_key_grads
 on packed varlen inputs match dsl/delta_key_bwd.py, and training through linattn.chunk_kda
@@ -307,7 +307,7 @@ def install_key_fakes(monkeypatch):
     ((0, 128, 192, 320), 1, 2, 64, 64, torch.float16),
     ((0, 64, 256), 2, 4, 128, 64, torch.bfloat16)])
 def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, dtype):
-    """The four stages on token-first packed varlen inputs with GVA (run_stages, key=True:
+    """The four stages on token-first packed varlen inputs with GVA (run_stages, the per-key gate:
     q, k [Ttot, H, K] read at key head h // (HV / H); each sequence's dh pass by
     cu_seqlens / chunk_offsets; chunk t's state S[state_row[t]], the rows shuffled) after
     the rebuild at the same heads, against dsl/delta_key_backward in fp64 (dq, dk summed
@@ -346,7 +346,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     x.update(do=do, state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
     params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
                                     use_dht=True, store_dh0=True)
-    chunk_bwd.run_stages(SPEC, params, x, key=True)
+    chunk_bwd.run_stages(SPEC, params, x)
     assert names == list(STAGES)
     want = ref.delta_key_backward(SPEC, *(t.to(F64)[None].numpy() for t in (q, k, v, g, beta)),
                                   do=do.to(F64)[None].numpy(), dht=dht.double().numpy(),
@@ -376,7 +376,7 @@ def test_token_first_rebuild_stages_match_reference(monkeypatch, rng, cu, H, HV,
                                                     l2norm, dtype):
     """The per-key gate's token-first backward from the call's packed varlen tensors:
     key_rebuild_packed (from the A, A_qk the forward keeps: w, u, qg, kg, g_last, g_cum
-    and, with l2norm, the l2-normalised q, k), run_stages(key=True) (chunk t's state S[state_row[t]], the
+    and, with l2norm, the l2-normalised q, k), run_stages (chunk t's state S[state_row[t]], the
     rows shuffled), then chunk_bwd_key_grads (dq, dk summed over each key head's value
     heads, through the l2norm's backward; the scale folded into do, so dq's factor is 1),
     against dsl/delta_key_backward in fp64 with the same scale and l2norm. Sequences of
@@ -430,7 +430,7 @@ def test_token_first_rebuild_stages_match_reference(monkeypatch, rng, cu, H, HV,
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32)  # noqa: E731
     x.update(tables, v=v, beta=beta, do=(do.to(F64) * scale).to(dtype),
              state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
-    chunk_bwd.run_stages(SPEC, params, x, key=True)
+    chunk_bwd.run_stages(SPEC, params, x)
     dq, dk = chunk_bwd.key_grads(x, q, k, 1.0, params, SPEC)
     assert names == [*STAGES, KEY_GRADS]
     want = ref.delta_key_backward(SPEC, *(t.to(F64)[None].numpy() for t in (q, k, v, g, beta)),

@@ -307,3 +307,27 @@ def test_decode_tuning_v_first_swept_row():
     assert sm90.tuning("recurrent", problem, {"N": 17}) == {
         "block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
     assert sm90.tuning("recurrent", problem, {"N": 256})["block_v"] == 32    # many CTAs
+
+
+@pytest.mark.parametrize("path", ["chunk", "recurrent"])
+def test_the_ops_run_what_the_public_call_checked(monkeypatch, path):
+    """A public call is checked once (ops/api.py's check_call): the torch.library ops'
+    implementations (ops/library.py) run chunk.run_chunk_forward / recurrent.run_recurrent,
+    which check nothing again (the direct entry points' checks, chunk._check_inputs and
+    recurrent._check, are never reached); a call with no tokens returns its empty o and
+    the initial states as final states."""
+    from linattn.ops import chunk, library
+
+    def refuse(*a, **kw):
+        raise AssertionError("a second check")
+    monkeypatch.setattr(chunk, "_check_inputs", refuse)
+    monkeypatch.setattr(rec_mod, "_check", refuse)
+    spec = get_spec("gdn")
+    B, T, H, HV, K, V = 2, 0, 2, 4, 64, 64
+    q, k = (torch.zeros(B, T, H, K, dtype=torch.bfloat16) for _ in "qk")
+    v = torch.zeros(B, T, HV, V, dtype=torch.bfloat16)
+    g, beta = torch.zeros(B, T, HV), torch.zeros(B, T, HV, dtype=torch.bfloat16)
+    h0 = torch.randn(B, HV, K, V)
+    args = (q, k, v, g, beta, None, None, h0, None, None, 0.125, True, "plain")
+    o, ht = library._impl(spec, path)(*args, *(() if path == "chunk" else (None, None)))
+    assert o.shape == (B, T, HV, V) and torch.equal(ht, h0)

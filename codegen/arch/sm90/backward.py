@@ -22,7 +22,7 @@ then
 """
 from __future__ import annotations
 
-from ...pipeline import AdditiveBackwardProblem, Buffer, Plan, launch
+from ...pipeline import AdditiveBackwardProblem, Buffer, DeltaBackwardProblem, Plan, launch
 from . import hardware as hw
 from .hardware import NAME, NUM_SMS
 
@@ -80,6 +80,53 @@ def dh_config(V: int, chains: int) -> dict:
     heads): its pipeline depth and value block (the state pass's rule)."""
     from .stages import state_block_v
     return {"num_stages": DH_NUM_STAGES, "block_v": state_block_v(V, chains)}
+
+
+#: the delta rule's backward stages, in order
+DELTA_STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
+
+
+def delta_backward_params(p: DeltaBackwardProblem) -> dict:
+    """stage -> build() params of the delta rule's four backward stages: the dh pass with
+    p's flags and dh_config's tuning (or a probe's p.dh), dqkw with the states' dtype."""
+    common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    dh = dict(common, **{**dh_config(p.V, p.chains), **dict(p.dh)},
+              **({"use_dht": True} if p.use_dht else {}),
+              **({"store_dh0": True} if p.store_dh0 else {}))
+    return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh,
+            "chunk_bwd_dqkw": dict(common, **({"state_dtype": p.state_dtype}
+                                              if p.state_dtype else {})),
+            "chunk_bwd_wy": common}
+
+
+def delta_backward_plan(p: DeltaBackwardProblem, params: dict | None = None) -> Plan:
+    """The delta rule's four backward stages over p's Ttot tokens and NT chunks (params:
+    the stages' own, else delta_backward_params). Each intermediate is allocated just
+    before its first stage and released after its last reader, with what the recompute
+    gave that no later stage reads (aqk, qg, kg, g_last, w, u, A): dv_local, dv2 (the
+    gradient of v_new: the dh pass's output, the WY stage's du), dh (the gradient of each
+    chunk's leaving state), dk_part, dw and, gated, dg_part; the outputs dq, dk, dv, dbeta
+    (and dg) where the caller binds none."""
+    params = params or delta_backward_params(p)
+    T_, HV, K, V = p.Ttot, p.HV, p.K, p.V
+    dg = ((T_, HV, K) if p.gate == "key" else (T_, HV)) if p.gate != "none" else None
+    out = lambda n, shape, dt="input": Buffer(n, shape, dt, "chunk_bwd_wy", True)  # noqa: E731
+    bufs = [Buffer("dv_local", (T_, HV, V), "input", "chunk_bwd_dv_local"),
+            Buffer("dv2", (T_, HV, V), "input", "chunk_bwd_dh"),
+            Buffer("dh", (p.NT, HV, K, V), "input", "chunk_bwd_dh"),
+            Buffer("dq", (T_, HV, K), "input", "chunk_bwd_dqkw", True),
+            Buffer("dk_part", (T_, HV, K), "float32", "chunk_bwd_dqkw"),
+            Buffer("dw", (T_, HV, K), "input", "chunk_bwd_dqkw")]
+    bufs += [Buffer("dg_part", dg, "float32", "chunk_bwd_dqkw")] if dg else []
+    bufs += [out("dk", (T_, HV, K)), out("dv", (T_, HV, V)), out("dbeta", (T_, HV))]
+    bufs += [out("dg", dg, "float32")] if dg else []
+    stage = lambda s, **kw: launch(s, params[s], **kw)  # noqa: E731
+    launches = (stage("chunk_bwd_dv_local", release=("aqk",)),
+                stage("chunk_bwd_dh", dh_out="dh", release=("dv_local", "qg", "kg", "g_last")),
+                stage("chunk_bwd_dqkw", release=("dh", "w", "u")),
+                stage("chunk_bwd_wy", du="dv2",
+                      release=("A", "dw", "dv2", "dk_part", "dg_part")))
+    return Plan("delta-backward", NAME, launches, tuple(bufs))
 
 
 def value_block(V: int, most: int = 64) -> int:

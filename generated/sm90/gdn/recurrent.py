@@ -405,8 +405,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                         g_t = T.cast(g[i_b, tok, i_hv], acc)
                         if gate_in_kernel:
                             x = g_t + dt_bias[i_hv]
-                            g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x,
-                                                                       T.log1p(T.exp(x)))
+                            g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
                         decay = T.exp(g_t)
                         b_t = T.cast(beta[i_b, tok, i_hv], acc)
                         if beta_sigmoid:

@@ -402,8 +402,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                         for i in T.Parallel(K):
                             if gate_in_kernel:
                                 x = T.cast(g[i_b, tok, i_hv, i], acc) + dt_bias[i_hv * K + i]
-                                decay_k[i] = T.exp(-T.exp(A_log[i_hv]) *
-                                                   T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
+                                decay_k[i] = T.exp(-T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
                             else:
                                 decay_k[i] = T.exp(T.cast(g[i_b, tok, i_hv, i], acc))
                         if l2norm_qk:
