@@ -57,7 +57,7 @@ DQKVG_STATE_STAGES = 2
 DQKVG_BLOCK_K = 64
 DQKVG_BLOCK_V = 32
 DQKVG_WIDE_BLOCK_V = 64
-SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
+SM_SMEM_BYTES = hw.SMEM_PER_SM      # shared memory of one SM (a CTA reserves 1 KB more)
 #: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
 #: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
 #: how many SMs share the streaming of X and dh (2 x 4 bytes a state element a chunk), so

@@ -1,0 +1,37 @@
+"""Ampere / Ada's hardware facts (sm_80: A100; the same code serves sm_86 and sm_89, the
+capabilities 8.x) and the placement model the plans' cost rules share: CTAs of one
+kernel, one per SM, each starting as an SM frees up.
+
+The numbers are the A100's (108 SMs, 164 KB of shared memory an SM, 163 KB a CTA). An
+RTX 30xx / A6000 (8.6) or L40S / RTX 4090 (8.9) has 99 KB a CTA: a plan's kernel needing
+more fails to launch there (none of the default plans measured so far, see the compile
+report of tests/test_compile_sm80.py); their own numbers are a module like this one.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+
+NAME = "sm80"
+TARGET = {"kind": "cuda", "arch": "sm_80"}
+CAPABILITIES = ((8,),)          # every 8.x device (matched as (major,) prefix): 8.0, 8.6, 8.9
+NUM_SMS = 108                   # A100
+MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
+SMEM_BYTES = 163 * 1024         # dynamic shared memory a CTA may use (A100)
+SMEM_PER_SM = 164 * 1024        # shared memory of one SM (its CTAs' claims, 1 KB each more)
+#: beyond mma.sync / cp.async: nothing (no wgmma, TMA, setmaxnreg or warpgroup roles); the
+#: stages requiring them (the delta rule's walk) are not generated, their templates' pieces
+#: take this arch's form (templates/arch/sm80.py.jinja)
+FEATURES = frozenset()
+
+
+@functools.lru_cache(maxsize=1024)
+def makespan(durations: tuple, sms: int = NUM_SMS) -> float:
+    """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
+    free = [0.0] * sms
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        heapq.heappush(free, t)
+        end = max(end, t)
+    return end
