@@ -43,8 +43,8 @@ def test_plan_bad_names():
     spec = specs()["gdn"]
     with pytest.raises(SpecError, match="valid variants: fwd, bwd, decode"):
         plan(spec, "prefill")
-    with pytest.raises(SpecError, match="valid arches: sm90"):
-        plan(spec, None, "sm80")
+    with pytest.raises(SpecError, match="valid arches: sm90, sm80"):
+        plan(spec, None, "sm70")
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=SPEC_IDS)
@@ -113,7 +113,7 @@ def test_render_op_variant_subset():
 
 @pytest.mark.parametrize("argv, message", [
     (["--op", "nope", "--check"], ["unknown op 'nope'; valid ops: all, deltanet, gdn, gla, kda"]),
-    (["--arch", "sm80", "--check"], ["--arch", "'sm80'", "'sm90'"]),
+    (["--arch", "sm70", "--check"], ["--arch", "'sm70'", "'sm90'", "'sm80'"]),
     (["--variant", "prefill", "--check"], ["--variant", "'prefill'", "'fwd', 'bwd', 'decode'"]),
 ])
 def test_cli_bad_names(argv, message):
