@@ -79,6 +79,7 @@ class _ArchFacts:
     def __init__(self, arch_mod):
         self.name = arch_mod.NAME
         self.features = arch_mod.FEATURES
+        self.max_pipeline_stages = getattr(arch_mod.hardware, "MAX_PIPELINE_STAGES", None)
 
 
 def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:

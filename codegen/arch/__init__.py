@@ -32,11 +32,15 @@ def get_arch(name: str):
     return _LOADED[name]
 
 
+def describe() -> str:
+    """The arches as an error message names them: "Hopper, sm90; Ampere / Ada, sm80"."""
+    return "; ".join(f"{get_arch(n).hardware.LABEL}, {n}" for n in ARCHES)
+
+
 def arch_for_capability(major: int, minor: int) -> str:
     """The arch name serving a CUDA device of compute capability (major, minor)."""
     for name in ARCHES:
         if (major,) in get_arch(name).CAPABILITIES or (major, minor) in get_arch(name).CAPABILITIES:
             return name
     raise SpecError(f"no linattn kernels for compute capability {major}.{minor}; "
-                    f"supported arches: {', '.join(ARCHES)} (sm90 = Hopper, capability 9.x; "
-                    "sm80 = Ampere / Ada, 8.x)")
+                    f"supported arches: {describe()} (capabilities 9.x, 8.x)")

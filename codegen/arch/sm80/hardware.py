@@ -13,6 +13,7 @@ import functools
 import heapq
 
 NAME = "sm80"
+LABEL = "Ampere / Ada"
 TARGET = {"kind": "cuda", "arch": "sm_80"}
 CAPABILITIES = ((8,),)          # every 8.x device (matched as (major,) prefix): 8.0, 8.6, 8.9
 NUM_SMS = 108                   # A100
@@ -23,6 +24,15 @@ SMEM_PER_SM = 164 * 1024        # shared memory of one SM (its CTAs' claims, 1 K
 #: stages requiring them (the delta rule's walk) are not generated, their templates' pieces
 #: take this arch's form (templates/arch/sm80.py.jinja)
 FEATURES = frozenset()
+#: the deepest T.Pipelined loop of dynamic length the templates emit
+#: (templates/arch/sm80.py.jinja pipeline_stages): TileLang 0.1.15 lowers such a cp.async
+#: pipeline of 2+ stages with several copies into cp.async.wait_group(7 - c * 4), a wait
+#: count depending on the loop index ("Downcast from tirx.Sub to ir.IntImm failed" at
+#: sm_80 codegen: chunk_state, chunk_state_summary / _output, chunk_bwd_dstate_walk /
+#: _scan). 1: a step's loads, then its compute, no prefetch (the plans' num_stages stay
+#: sm90's, the kernels take the smaller). Loops of static length (chunk_bwd_dqkvg's value
+#: blocks) and chunk_bwd_dh's (its copies compile at 2) keep theirs.
+MAX_PIPELINE_STAGES = 1
 
 
 @functools.lru_cache(maxsize=1024)

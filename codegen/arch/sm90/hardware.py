@@ -6,6 +6,7 @@ import functools
 import heapq
 
 NAME = "sm90"
+LABEL = "Hopper"
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
 NUM_SMS = 132                   # H100 SXM / H200

@@ -84,7 +84,7 @@ def build(HV, K, V, use_dht=False, store_dh0=False, block_k=16, block_v=32, thre
                 T.copy(dht[n, hv, k0:k0 + BK, v0:v0 + BV], dh)
             else:
                 T.clear(dh)
-            for r in T.Pipelined(nc, num_stages=num_stages):
+            for r in T.Pipelined(nc, num_stages=min(num_stages, 1)):
                 c = nc - 1 - r
                 T.copy(dstate[c0 + n + c, hv, k0:k0 + BK, v0:v0 + BV], x_s)
                 T.copy(decay[c0 + c, hv, k0:k0 + BK], a_s[0:BK])

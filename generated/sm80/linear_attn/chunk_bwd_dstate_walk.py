@@ -98,7 +98,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_k=64, block_
                     u[i, j] = u[i, j] / scale
             else:
                 T.clear(u)
-            for r in T.Pipelined(nc, num_stages=num_stages):
+            for r in T.Pipelined(nc, num_stages=min(num_stages, 1)):
                 c = nc - 1 - r
                 t0 = bos + c * BT
                 T.copy(q[t0:t0 + BT, hv // group, k0:k0 + BK], q_s)

@@ -158,7 +158,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     for i, j in T.Parallel(BK, BV):
                         S[i, j] = S[i, j] + seg_state[s, hv, ik * BK + i, iv * BV + j]
 
-            for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=num_stages):
+            for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=min(num_stages, 1)):
                 t0 = bos + c * BT
                 rows = T.min(BT, seqlen - c * BT)
                 # whole-tile copies (TMA / cp.async, prefetched by the pipeline). Rows past

@@ -248,7 +248,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             # = diag(e^{G_l}) h_in + kd^T v, and v dh^T is dk's state term (not read)
             for i, j in T.Parallel(BT, BK):
                 p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, kdk_col, dim=0)
+            p_f_cs = T.alloc_shared((BT, BK), f32)     # (column sum, see templates/arch/sm80)
+            T.copy(p_f, p_f_cs)
+            for j in T.Parallel(BK):
+                kdk_col[j] = T.float32(0)
+                for i in T.serial(BT):
+                    kdk_col[j] = kdk_col[j] + p_f_cs[i, j]
             for j in T.Parallel(BK):
                 dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1]) + kdk_col[j]
 

@@ -98,7 +98,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
             T.clear(S)
             G[0] = T.float32(0)
 
-            for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=num_stages):
+            for c in T.Pipelined(T.ceildiv(seqlen, BT), num_stages=min(num_stages, 1)):
                 t0 = bos + c * BT
                 rows = T.min(BT, seqlen - c * BT)
                 # whole-tile copies (TMA / cp.async, prefetched by the pipeline). Rows past

@@ -101,7 +101,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_k=64, block_
                     u[i, j] = u[i, j] / scale
             else:
                 T.clear(u)
-            for r in T.Pipelined(nc, num_stages=num_stages):
+            for r in T.Pipelined(nc, num_stages=min(num_stages, 1)):
                 c = nc - 1 - r
                 t0 = bos + c * BT
                 T.copy(qg[(c0 + c) * BT:(c0 + c + 1) * BT, hv, k0:k0 + BK], q_s)
