@@ -102,10 +102,12 @@ def tma_misaligned(src: str, values=range(8)) -> list:
     return found
 
 
-def ptxas_usage(kernel, arch: str = DEFAULT_ARCH) -> dict:
-    """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v)."""
+def ptxas_usage(kernel, arch: str = DEFAULT_ARCH, sm: str | None = None) -> dict:
+    """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v);
+    sm: the ptxas target (default the arch's TARGET; an arch's code serving several,
+    hardware.COMPILE_TARGETS, is checked for each)."""
     from tilelang.contrib import nvcc as tl_nvcc
-    sm = get_arch(arch).TARGET["arch"]
+    sm = sm or get_arch(arch).TARGET["arch"]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.cu"
         src.write_text(kernel.get_kernel_source())
@@ -136,8 +138,10 @@ def ptxas_usage(kernel, arch: str = DEFAULT_ARCH) -> dict:
     return usage
 
 
-def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool = True) -> dict:
-    """Compile one configuration; a dict with timing, resources or the error."""
+def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool = True,
+                  sms: tuple = ()) -> dict:
+    """Compile one configuration; a dict with timing, resources or the error. sms: more
+    ptxas targets for the same CUDA source (their resources under rec["by_sm"])."""
     params = full_params(module, problem, arch)
     rec = {"op_key": module.SPEC_KEY, "spec_hash": module.SPEC_HASH, "stage": module.STAGE,
            "arch": arch, "params": params}
@@ -152,6 +156,8 @@ def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool =
         rec.update(ptxas_usage(kernel, arch))
         if rec.get("dynamic_smem"):
             rec["dynamic_smem_bytes"] = dynamic_smem_bytes(module, params, arch)
+        if sms:
+            rec["by_sm"] = {sm: ptxas_usage(kernel, arch, sm) for sm in sms}
     return rec
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__path__.append(str(Path(__file__).resolve().parent.parent / "sm90"))   # noqa: F821  (sm90's modules as this arch's)
+__path__.append(str(Path(__file__).parent.parent / "sm90"))   # noqa: F821  (sm90's modules as this arch's)
 
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: E402,F401
 from .stages import chunk_head_limits  # noqa: E402,F401

@@ -16,6 +16,8 @@ NAME = "sm80"
 LABEL = "Ampere / Ada"
 TARGET = {"kind": "cuda", "arch": "sm_80"}
 CAPABILITIES = ((8,),)          # every 8.x device (matched as (major,) prefix): 8.0, 8.6, 8.9
+#: the SMs its code runs on (the sm_80 cubin; CI compiles the CUDA for each with ptxas)
+COMPILE_TARGETS = ("sm_80", "sm_86", "sm_89")
 NUM_SMS = 108                   # A100
 MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 SMEM_BYTES = 163 * 1024         # dynamic shared memory a CTA may use (A100)

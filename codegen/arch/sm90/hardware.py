@@ -9,6 +9,7 @@ NAME = "sm90"
 LABEL = "Hopper"
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 CAPABILITIES = ((9,),)          # every 9.x device (matched as (major,) prefix)
+COMPILE_TARGETS = ("sm_90a",)   # the SMs its code runs on
 NUM_SMS = 132                   # H100 SXM / H200
 MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
