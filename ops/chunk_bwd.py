@@ -127,6 +127,18 @@ def one_head_tables(B, H, L, device) -> dict:
     return chunk._tables(tuple(range(0, B * H * L + 1, L)), CHUNK, device, 0)
 
 
+def state_rows(NT: int, NC: int, device):
+    """Chunk t's row of the forward's states, int32 on the device, cached (no kernel a
+    call): t + t // NC where each sequence's NC chunk states are followed by its final one
+    (the contract's S [B, H, NC+1, K, V]), t with NC = 0 (training's h [NT, HV, K, V])."""
+    import numpy as np
+
+    def build():
+        t = np.arange(NT)
+        return chunk._to_device(dict(state_row=t + (t // NC if NC else 0)), device)
+    return chunk._cached(("state_row", NT, NC, str(device)), build)["state_row"]
+
+
 def _check(name, x, shape, dtype=None):
     if tuple(x.shape) != tuple(shape):
         raise SpecError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
@@ -200,12 +212,12 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
     spec, dev = default_spec(), q.device
     params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh)
     runtime.announce(spec, ARCH, params)     # recording(): every stage at once
-    n = torch.arange(B * H * NC, dtype=torch.int32, device=dev)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     qf, kf, vf, dof, wf, uf, Af = one_head(q, k, v, do, w, u, Aw)
     x = dict(one_head_tables(B, H, L, dev), q=qf, k=kf, v=vf, do=dof, w=wf, u=uf, A=Af,
              beta=beta.contiguous().view(-1, 1), S=S.contiguous().view(-1, 1, K, V),
-             state_row=n + n // NC, dht=f32(1, 1, K, V), dh0=f32(1, 1, K, V),
+             state_row=state_rows(B * H * NC, NC, dev), dht=f32(1, 1, K, V),
+             dh0=f32(1, 1, K, V),
              **{name: out.view(-1, 1, *out.shape[3:])
                 for name, out in zip(("dq", "dk", "dv", "dbeta"), outs)})
     run_stages(spec, params, x)
