@@ -5,7 +5,8 @@ deltanet_chunk_bwd, the kernels of ops/chunk_bwd.py) against the fp64 torch refe
 Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do normal):
   test_backward   the backward on the reference forward's outputs (rounded to the
                   input dtype, S f32) vs the fp64 gradients: the backward's own error
-                  (also with the dh pass's tuning variants)
+                  (also with the dh pass's tuning variants, and in the folded form:
+                  chunk_backward(fold=True), the arch's FOLD_STAGES)
   test_forward    our forward's (o, S, Aw, w, u) vs the fp64 forward
   test_fwd_bwd    our forward then our backward vs the fp64 gradients
 ||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
@@ -50,6 +51,8 @@ CASES += [
 #: the reverse dh pass's tuning variants (num_stages, block_v), checked on a few cases
 DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16) at H=4
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
+#: the folded form (a probe's config until measured): every case
+FOLD_CASES = CASES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,6 +68,10 @@ def precompiled():
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
         fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims, L=p["L"]).items()]
         bwd.append(chunk_bwd.backward_params(**dims))
+    for c in FOLD_CASES:
+        p = c.values[0]
+        bwd.append(chunk_bwd.backward_params(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"],
+                                             B=p["B"], fold=True))
     for c in DH_VARIANT_CASES:
         p = c.values[0]
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
@@ -120,15 +127,21 @@ def test_backward_dh_variants(p, num_stages, block_v, rng):
                     dh_num_stages=num_stages, dh_block_v=block_v)
 
 
-def _check_backward(p, rng, dh=None, **extra):
-    """The contract backward (chunk_backward with the dh pass's variant dh, if given)."""
+@pytest.mark.parametrize("p", FOLD_CASES)
+def test_backward_fold(p, rng):
+    _check_backward(p, rng, fold=True, folded=True)
+
+
+def _check_backward(p, rng, dh=None, fold=False, **extra):
+    """The contract backward (chunk_backward with the dh pass's variant dh, if given; the
+    folded form with fold)."""
     from linattn.ops.chunk_bwd import chunk_backward
     (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
     dt = q.dtype
     _, S, Aw, Au, w, u = fwd
     args = [do, q, k, v, beta, S.float(), Aw.to(dt), Au.to(dt), w.to(dt), u.to(dt)]
     saved = [a.clone() for a in args]
-    out = chunk_backward(*args, dh=dh)
+    out = chunk_backward(*args, dh=dh, fold=fold)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):
