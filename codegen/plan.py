@@ -137,6 +137,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="folded form, per chunk: dv2 = dv_local + k dh, v_new, dq, dk (output + "
                   "state terms), dw = -dv2 S^T",
               rules=frozenset({"delta"}), gates=frozenset({"none"})),
+        Stage("chunk_bwd_fold_tail", "chunk_bwd_fold_tail.py.jinja", "bwd",
+              doc="folded form, fused tail, per chunk: chunk_bwd_fold_dqkw and chunk_bwd_wy "
+                  "in one kernel (du, dw, dk's first terms in the CTA)",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
         Stage("chunk_bwd_key_grads", "chunk_bwd_key_grads.py.jinja", "bwd",
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "
                   "l2norm backward)",

@@ -44,7 +44,7 @@ from . import chunk, runtime
 
 #: the backward's stages, in order (the arch's plan, delta_backward_plan)
 STAGES = get_arch("sm90").DELTA_STAGES
-#: the folded form's (no gate; a probe's config until measured: stage_params' fold)
+#: the folded forms' by name (no gate; a probe's config until measured: stage_params' fold)
 FOLD_STAGES = get_arch("sm90").FOLD_STAGES
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
 #: kept
@@ -78,7 +78,7 @@ def compiled_stage(stage: str, spec=None, **params):
 
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
-                 state_dtype=None, dh=None, fold=False) -> dict:
+                 state_dtype=None, dh=None, fold="") -> dict:
     """stage name -> build() params of the four backward stages (the arch's
     delta_backward_params; the rebuild of w, u before them: :func:`rebuild_params`): H key
     heads, HV value heads (default H); chains: the dh pass's sequences x value heads (more
@@ -86,8 +86,8 @@ def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=
     state's gradient / writes the initial state's; a gated spec's stages take the same
     params (their gated forms read the spec); state_dtype: the states' dtype where it is
     not the input dtype (the contract's f32); dh: the dh pass's num_stages / block_v where
-    a probe sets them (default: the arch's dh_config); fold: the folded form's stages
-    (the arch's FOLD_STAGES, no gate)."""
+    a probe sets them (default: the arch's dh_config); fold: a folded form's stages
+    ("split" or "fused": the arch's FOLD_STAGES, no gate)."""
     return get_arch(ARCH).delta_backward_params(DeltaBackwardProblem(
         gate="none", H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
         use_dht=use_dht, store_dh0=store_dh0, state_dtype=state_dtype or "",
@@ -112,8 +112,8 @@ def run_stages(spec, params: dict, x: dict) -> dict:
     last reader, so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per
     value head), dv, dbeta and, gated, dg to x (where x holds no such output already: then
     the stages write into it); returns x."""
-    fold = FOLD_STAGES[0] in params
-    p = params[FOLD_STAGES[0] if fold else STAGES[0]]
+    fold = next((f for f, stages in FOLD_STAGES.items() if stages[2] in params), "")
+    p = params[FOLD_STAGES[fold][0] if fold else STAGES[0]]
     plan = get_arch(ARCH).delta_backward_plan(DeltaBackwardProblem(
         gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
         Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel(), fold=fold), params)
@@ -181,14 +181,14 @@ def _dims(q, k, v, beta, forward=False):
     return B, H, L, K, V
 
 
-def backward_params(*, H, K, V, dtype, B=1, dh=None, fold=False) -> dict:
+def backward_params(*, H, K, V, dtype, B=1, dh=None, fold="") -> dict:
     """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
     sequences, the forward's f32 states (dh, fold: as :func:`stage_params`)."""
     return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32",
                         dh=dh, fold=fold)
 
 
-def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=False):
+def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     """DeltaNetChunkBwd: the exact gradients of the chunked forward's o under sum(o * do).
 
     Head-first: do [B, H, L, DV]; q, k, w [B, H, L, DK]; v, u [B, H, L, DV]; beta

@@ -40,8 +40,8 @@ def test_plan_lists_backward_stages():
     token-first tensors, then chunk_bwd_key_grads; the per-key gate's plan rebuilds by
     its own prepare first (chunk_bwd.key_rebuild_packed)."""
     want = [chunk_bwd.ROWS, *PACKED_STAGES]
-    # no gate: the folded form's first three stages too (chunk_bwd.FOLD_STAGES)
-    fold = [*want[:-1], *chunk_bwd.FOLD_STAGES[:3], want[-1]]
+    # no gate: the folded forms' stages too (chunk_bwd.FOLD_STAGES)
+    fold = [*want[:-1], *chunk_bwd.FOLD_STAGES["split"][:3], "chunk_bwd_fold_tail", want[-1]]
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == fold
     assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
     key = [chunk_bwd.REBUILD, *PACKED_STAGES]
@@ -54,7 +54,8 @@ def test_plan_lists_backward_stages():
 
 @pytest.mark.parametrize("family,stage", [(f, s) for f in ("deltanet", "gdn")
                                           for s in PACKED_STAGES] +
-                         [("deltanet", s) for s in chunk_bwd.FOLD_STAGES[:3]])
+                         [("deltanet", s) for s in chunk_bwd.FOLD_STAGES["split"][:3]] +
+                         [("deltanet", "chunk_bwd_fold_tail")])
 def test_stage_renders(family, stage):
     from linattn.ops.runtime import arg_names, stage_module
     spec = get_spec(family)
@@ -381,10 +382,22 @@ def _fold_dqkw(p, q, k, w, u, do, dv_local, S, state_row, dh, dq, dk_part, dw, d
     _dqkw(p, q, k, w, u, do, dv2, S, state_row, dh, dq, dk_part, dw, chunk_bos, chunk_len)
 
 
+def _fold_tail(p, q, k, w, u, v, beta, A, do, dv_local, S, state_row, dh, dq, dk, dv,
+               dbeta, chunk_bos, chunk_len):
+    """The fused tail: _fold_dqkw then _wy, du, dw rounded as the split form's memory
+    (the kernel keeps them 16-bit in shared memory) and dk_part f32."""
+    Ttot, HV, K = dq.shape
+    dk_part = torch.empty(Ttot, HV, K, dtype=torch.float32)
+    dw, dv2 = torch.empty(Ttot, HV, K, dtype=dq.dtype), torch.empty_like(dv)
+    _fold_dqkw(p, q, k, w, u, do, dv_local, S, state_row, dh, dq, dk_part, dw, dv2,
+               chunk_bos, chunk_len)
+    _wy(p, k, v, beta, A, dw, dv2, dk_part, dk, dv, dbeta, chunk_bos, chunk_len)
+
+
 EMULATE = {"chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
            "chunk_bwd_wy": _wy, "chunk_bwd_key_grads": _key_grads,
            "chunk_bwd_fold_local": _fold_local, "chunk_bwd_fold_walk": _fold_walk,
-           "chunk_bwd_fold_dqkw": _fold_dqkw}
+           "chunk_bwd_fold_dqkw": _fold_dqkw, "chunk_bwd_fold_tail": _fold_tail}
 
 
 def install_fakes(monkeypatch):
@@ -426,7 +439,7 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("fold", ["", "split", "fused"])
 @pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
                                        (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
 def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V, fold):
@@ -438,9 +451,9 @@ def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V, fol
     o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     S = S.float()
     Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
-    grads = (chunk_bwd.chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, fold=True) if fold
+    grads = (chunk_bwd.chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, fold=fold) if fold
              else contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u))
-    assert fake_backward == list(chunk_bwd.FOLD_STAGES if fold else chunk_bwd.STAGES)
+    assert fake_backward == list(chunk_bwd.FOLD_STAGES[fold] if fold else chunk_bwd.STAGES)
     refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
     for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
         assert g.shape == like.shape and g.dtype == dtype, name
