@@ -100,9 +100,13 @@ class ChunkDeltaRuleFunction:
         """g, A_log, dt_bias: the gate's inputs (call.spec gated). The Function runs the
         states key-first ([N, HV, K, V]: a state_v_first call's transposed in and out) at
         head dims in HEAD_DIMS (others zero-padded, :func:`pad_dims`, o and the final
-        state sliced back), each by differentiable torch ops around it."""
+        state sliced back), each by differentiable torch ops around it. q, k, v are made
+        contiguous here, once: the Function keeps these for its backward (a model's views,
+        e.g. Qwen3.5's split of its convolution's [B, C, T] output, were copied by the
+        forward's kernel inputs and again by the backward)."""
         if cls._fn is None:
             cls._fn = _make_function()
+        q, k, v = (x.contiguous() for x in (q, k, v))
         if call.state_v_first and initial_state is not None:
             initial_state = initial_state.transpose(-1, -2).contiguous()
         K, V = q.shape[-1], v.shape[-1]
