@@ -21,6 +21,13 @@ The stages (grid):
     chunk_bwd_wy        (NT, HV)        back through A, w, u: dk (complete), dv, dbeta and,
                                         gated, dg (the reverse cumulative sum in the kernel)
 
+The folded forms (no gate; chunk_backward's / stage_params' ``fold``, a probe's config
+until measured: the arch's FOLD_STAGES): the dh pass's step is affine in dh, so its
+dh-free parts (dh_local = q^T do - w^T dv_local, the operator -(w^T k)) are formed per
+chunk by chunk_bwd_fold_local and the pass is one product a chunk (chunk_bwd_fold_walk);
+dv2 = dv_local + k dh is formed per chunk after it, by chunk_bwd_fold_dqkw ("split", then
+chunk_bwd_wy) or by chunk_bwd_fold_tail ("fused": dqkw and wy in one kernel).
+
 The none / scalar gate's training forward keeps the WY inverse A itself
 (chunk_kkt_inverse_save); the backward forms the rest from it (:func:`rebuild`: the gate's
 in-chunk cumulative sum and the l2-normalised q, k by chunk_bwd_kkt_rebuild, the row pass
@@ -198,7 +205,8 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     state (the contract's forward). Returns (dq, dk, dv, dbeta) shaped like q, k, v,
     beta in the input dtype (fp32 accumulation inside). Inputs are never modified. The
     stages run on the (b, h) one-head sequences (:func:`one_head`): chunk t of sequence
-    n reads S's row n (NC + 1) + t.
+    n reads S's row n (NC + 1) + t. dh: the dh pass's tuning (a probe's); fold: a folded
+    form ("split" or "fused", a probe's until measured; "" the four stages).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
