@@ -18,7 +18,7 @@
 # Expectations: the helper's report (bench/LOG.md, session 33). Everything is checked
 # against fp64 before it is timed.
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn && export PYTHONPATH=/tmp/lp:$PYTHONPATH
 T="timeout -k 10"
 ROWS="train-2k-bf16 train-4k-bf16 train-8k-bf16 train-16k-bf16 deltanet-1.3b-train-bf16"
@@ -37,7 +37,7 @@ cp "$OUT/chunk_bwd_probe.json" "$OUT/probe_bwd.json" 2>/dev/null
   --iters 20 --sweep-on '' --no-fla --only $ROWS > "$OUT/probe_bwd_main.log" 2>&1)
 cp "$OUT/chunk_bwd_probe.json" "$OUT/probe_bwd_main.json" 2>/dev/null
 ln -sfn "$PWD" /tmp/lp/linattn
-$T 90 python3 bench/train_probe.py --ops GDNTrain --workload 'qwen3-next-4k' --iters 5 \
+$T 110 python3 bench/train_probe.py --ops GDNTrain --workload 'qwen3-next-4k' --iters 5 \
   --impls linattn > "$OUT/train_gdn.log" 2>&1
 cp "$OUT/train_probe.json" "$OUT/train_gdn.json" 2>/dev/null
 tail -n 30 "$OUT"/fold_tests.log; tail -n 60 "$OUT"/probe_bwd*.log; tail -n 8 "$OUT"/train_gdn.log
