@@ -410,3 +410,11 @@ def test_times_on_different_gpus_are_not_compared():
     v = report.versus([rec])["GDNFwd"]
     assert v["seed"] == (None, 0) and v["fla"] == (2.0, 1)
     assert report.comparable({"gpu": h100}, {}) and not report.comparable({"gpu": h100}, {"gpu": h200})
+
+
+def test_the_copy_check_knows_the_gpu():
+    assert timer.copy_plausible("NVIDIA H200", 4.27)
+    assert timer.copy_plausible("NVIDIA H100 80GB HBM3", 3.05)          # run s33-1
+    assert not timer.copy_plausible("NVIDIA H100 80GB HBM3", 4.27)      # faster than its HBM
+    assert not timer.copy_plausible("NVIDIA H200", 3.05)
+    assert timer.copy_plausible("NVIDIA A100", 1.5) is None             # not judged
