@@ -35,6 +35,11 @@ FEATURES = frozenset()
 #: sm90's, the kernels take the smaller). Loops of static length (chunk_bwd_dqkvg's value
 #: blocks) and chunk_bwd_dh's (its copies compile at 2) keep theirs.
 MAX_PIPELINE_STAGES = 1
+#: the delta backward's stage knobs beyond the templates' defaults (backward.py
+#: delta_backward_params): chunk_bwd_wy in two warpgroups' threads, its mma.sync
+#: fragments at 128 threads spilled (sm_80 ptxas, K = V = 128 bf16: 255 registers, 8 bytes
+#: spilled; 256 threads: 234, none)
+DELTA_BACKWARD_TUNING = {"chunk_bwd_wy": {"threads": 256}}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -115,7 +115,7 @@ def delta_backward_params(p: DeltaBackwardProblem) -> dict:
         first, walk, *tail = FOLD_STAGES[p.fold]
         return {first: common, walk: dh, tail[0]: dqkw, **({tail[1]: common} if tail[1:] else {})}
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": dqkw,
-            "chunk_bwd_wy": common}
+            "chunk_bwd_wy": dict(common, **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_wy", {}))}
 
 
 def delta_backward_plan(p: DeltaBackwardProblem, params: dict | None = None) -> Plan:

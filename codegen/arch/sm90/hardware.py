@@ -18,6 +18,9 @@ SMEM_PER_SM = 228 * 1024        # shared memory of one SM (its CTAs' claims, 1 K
 #: Stage.requires, the templates' arch member templates/arch/<NAME>.py.jinja): warpgroup
 #: MMAs, TMA copies, setmaxnreg and warpgroup roles (warp specialization)
 FEATURES = frozenset({"wgmma", "tma", "setmaxnreg", "warpgroups"})
+#: the delta backward's stage knobs beyond the templates' defaults (backward.py
+#: delta_backward_params): none on sm90
+DELTA_BACKWARD_TUNING: dict = {}
 
 
 @functools.lru_cache(maxsize=1024)

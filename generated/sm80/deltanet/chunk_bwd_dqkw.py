@@ -95,7 +95,6 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             # shared memory at K = V = 128: two CTAs an SM, one loading while the other
             # computes): S with w, do, dv2 first (v_new, dq's state term, dw), then dh
             # with q, k in their place (ds and the pair terms, dk)
-            T.annotate_min_blocks_per_sm(2)     # (registers capped to 128 a thread)
             w_s = T.alloc_shared((BT, K), dtype)
             do_s = T.alloc_shared((BT, V), dtype)
             dv_s = T.alloc_shared((BT, V), dtype)

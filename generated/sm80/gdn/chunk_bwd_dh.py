@@ -157,7 +157,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
             else:
                 do_t = T.alloc_shared((BT, BV), dtype)
                 dvl_t = T.alloc_shared((BT, BV), dtype)
-                for r in T.Pipelined(nc, num_stages=num_stages):
+                for r in T.Pipelined(nc, num_stages=min(num_stages, 1)):
                     c = c_first + nc - 1 - r
                     t0 = bos + (nc - 1 - r) * BT
                     nrow = T.min(BT, eos - t0)
