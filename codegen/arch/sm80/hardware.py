@@ -40,6 +40,10 @@ MAX_PIPELINE_STAGES = 1
 #: fragments at 128 threads spilled (sm_80 ptxas, K = V = 128 bf16: 255 registers, 8 bytes
 #: spilled; 256 threads: 234, none)
 DELTA_BACKWARD_TUNING = {"chunk_bwd_wy": {"threads": 256}}
+#: the additive rule's fused state + output pass: its largest state tile (elements); its
+#: mma.sync fragments at 128 x 64 spilled (sm_80 ptxas, GLA K = V = 128 bf16: 255
+#: registers, 16 bytes; 128 x 32: 234, none)
+FUSED_MAX_TILE = 128 * 32
 
 
 @functools.lru_cache(maxsize=1024)

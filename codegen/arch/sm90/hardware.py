@@ -21,6 +21,9 @@ FEATURES = frozenset({"wgmma", "tma", "setmaxnreg", "warpgroups"})
 #: the delta backward's stage knobs beyond the templates' defaults (backward.py
 #: delta_backward_params): none on sm90
 DELTA_BACKWARD_TUNING: dict = {}
+#: the additive rule's fused state + output pass: its largest state tile (elements), where
+#: tighter than additive.MAX_TILE (None: that)
+FUSED_MAX_TILE = None
 
 
 @functools.lru_cache(maxsize=1024)
