@@ -39,11 +39,15 @@ MAX_PIPELINE_STAGES = 1
 #: delta_backward_params): chunk_bwd_wy in two warpgroups' threads, its mma.sync
 #: fragments at 128 threads spilled (sm_80 ptxas, K = V = 128 bf16: 255 registers, 8 bytes
 #: spilled; 256 threads: 234, none)
-DELTA_BACKWARD_TUNING = {"chunk_bwd_wy": {"threads": 256}}
+DELTA_BACKWARD_TUNING = {"chunk_bwd_wy": {"threads": 256}, "chunk_bwd_dh": {"threads": 256}}
+#: (chunk_bwd_dh too: GDN's at 128 threads spilled 16 bytes at 255 registers; 256: 180, none)
 #: the additive rule's fused state + output pass: its largest state tile (elements); its
 #: mma.sync fragments at 128 x 64 spilled (sm_80 ptxas, GLA K = V = 128 bf16: 255
 #: registers, 16 bytes; 128 x 32: 234, none)
 FUSED_MAX_TILE = 128 * 32
+#: chunk_bwd_dqkvg two CTAs an SM (its registers capped at 128): not on sm80, where its
+#: mma.sync fragments spilled under the cap (linear attention K = V = 128: 8 bytes)
+DQKVG_TWO_CTAS = False
 
 
 @functools.lru_cache(maxsize=1024)

@@ -24,6 +24,8 @@ DELTA_BACKWARD_TUNING: dict = {}
 #: the additive rule's fused state + output pass: its largest state tile (elements), where
 #: tighter than additive.MAX_TILE (None: that)
 FUSED_MAX_TILE = None
+#: chunk_bwd_dqkvg two CTAs an SM (128 registers) where their shared memory fits
+DQKVG_TWO_CTAS = True
 
 
 @functools.lru_cache(maxsize=1024)
