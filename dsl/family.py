@@ -33,6 +33,17 @@ class RuleMaths:
     name = ""
     inputs: tuple = ()
     reads_state = False
+    #: per-token inputs shaped as k ([B, T, H, K], key heads; l2-normalised with
+    #: l2norm_qk as q and k are): Comba's erase key p
+    key_inputs: tuple = ()
+    #: whether the write reads the decayed state S_a (else the state before the gate's
+    #: decay, S_{t-1}: Comba's S_t = e^g S_{t-1} + k (beta (v - S_{t-1}^T p))^T)
+    reads_decayed = True
+
+    def read_key(self, k, extra: dict):
+        """The key the write reads the state through (k; Comba's p), from k and the
+        rule's key inputs (``extra``: name -> the effective tensor)."""
+        return k
 
     def erase(self, k, beta):
         """The erase vector e (S_a^T e is what the write takes off), None for none; beta
@@ -246,5 +257,19 @@ class ValueGate(GateMaths):
         return dg_value
 
 
-RULES = {r.name: r for r in (AdditiveRule(), DeltaRule())}
+class CombaRule(DeltaRule):
+    """S = e^g S + k (beta (v - S^T p))^T (Comba; fla's chunk_comba): the delta rule whose
+    erase key p differs from the write key k, reading the state before the token's decay
+    (S the state after token t - 1). In the generalized form, the erase vector of S_a is
+    beta e^-g p; the chunked factors read S through p with the exclusive decay:
+    A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
+    name = "comba"
+    key_inputs = ("p",)
+    reads_decayed = False
+
+    def read_key(self, k, extra: dict):
+        return extra["p"]
+
+
+RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule())}
 GATES = {g.name: g for g in (NoGate(), ScalarGate(), KeyGate(), ValueGate())}

@@ -43,6 +43,7 @@ class Prepared(NamedTuple):
     g: np.ndarray
     beta: Optional[np.ndarray]
     gv: Optional[np.ndarray] = None
+    p: Optional[np.ndarray] = None      # the rule's erase key (Comba's p) [B, T, HV, K]
 
 
 class Segment(NamedTuple):
@@ -74,7 +75,8 @@ def _shape(x, name, want):
 
 
 def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
-               initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None) -> Dims:
+               initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
+               p=None) -> Dims:
     """Validate one call's inputs against the spec; return its :class:`Dims`.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g spec.gate_shape; beta [B, T, HV] (delta only);
@@ -104,6 +106,12 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
         _shape(beta, "beta", (B, T, HV))
     elif beta is not None:
         raise SpecError(f"{spec.name} uses the additive rule: beta must be None")
+    if spec.rule.maths.key_inputs:
+        if p is None:
+            raise SpecError(f"{spec.name} uses the {spec.rule.value} rule: p is required")
+        _shape(p, "p", q.shape)
+    elif p is not None:
+        raise SpecError(f"{spec.name} uses the {spec.rule.value} rule: p must be None")
     if options.gate_in_kernel:
         if A_log is None:
             raise SpecError("gate_in_kernel needs A_log [HV]")
@@ -196,7 +204,7 @@ def fold_heads(dx, H):
 # -- the forward map and its VJP -------------------------------------------------------------
 
 def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=None,
-            A_log=None, dt_bias=None) -> Prepared:
+            A_log=None, dt_bias=None, p=None) -> Prepared:
     """Raw inputs -> :class:`Prepared` (fp64; q carries the scale; g always [B,T,HV,K];
     gv [B,T,HV,V] with a value gate, else None)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -223,11 +231,15 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
         beta_eff = np.asarray(beta, dtype=np.float64)
         if options.beta_sigmoid:
             beta_eff = sigmoid(beta_eff) * (2.0 if options.allow_neg_eigval else 1.0)
-    return Prepared(q_eff, k_eff, v, g_eff, beta_eff, gv_eff)
+    p_eff = None
+    if p is not None:               # the rule's erase key: as k (l2norm, key heads)
+        p = np.asarray(p, dtype=np.float64)
+        p_eff = expand_heads(l2norm(p) if options.l2norm_qk else p, HV)
+    return Prepared(q_eff, k_eff, v, g_eff, beta_eff, gv_eff, p_eff)
 
 
 def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, dt_bias,
-                grads: Prepared) -> dict:
+                grads: Prepared, p=None) -> dict:
     """Gradients of the effective inputs (a :class:`Prepared`) -> raw-input gradients.
 
     Returns dict(dq [B,T,H,K], dk [B,T,H,K], dv [B,T,HV,V], dg (g's shape or None),
@@ -262,4 +274,7 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
             sg = sigmoid(beta)
             dbeta = dbeta * (2.0 if options.allow_neg_eigval else 1.0) * sg * (1.0 - sg)
         out["dbeta"] = dbeta
+    if p is not None:               # (grads.p: the erase key's, at the value heads)
+        dp = fold_heads(grads.p, H)
+        out["dp"] = l2norm_vjp(np.asarray(p, dtype=np.float64), dp) if options.l2norm_qk else dp
     return out

@@ -35,6 +35,7 @@ class SpecError(ValueError):
 class Rule(str, enum.Enum):
     ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
+    COMBA = "comba"         # S = e^g S + k (beta (v - S^T p))^T, S before the decay (Comba)
 
     @property
     def maths(self) -> RuleMaths:
@@ -179,6 +180,9 @@ class OpSpec:
             raise SpecError(f"chunk_size must be 16, 32 or 64, got {self.chunk_size}")
         if self.gate is Gate.NONE and "gate_in_kernel" in self.supports:
             raise SpecError(f"{self.name}: gate_in_kernel needs a gate (gate is 'none')")
+        if self.rule is Rule.COMBA and self.gate not in (Gate.NONE, Gate.SCALAR):
+            raise SpecError(f"{self.name}: the comba rule takes gate 'none' or 'scalar' "
+                            f"(fla's chunk_comba), got {self.gate.value!r}")
         if self.rule is Rule.DELTA and self.gate.per_value:
             raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
                             "rule supports gate 'none', 'scalar' or 'key'")
@@ -338,7 +342,7 @@ def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
     value gate (additive only) is :func:`value_gate_spec`.
     """
     out = []
-    for rule in Rule:
+    for rule in (Rule.ADDITIVE, Rule.DELTA):
         for gate in (Gate.NONE, Gate.SCALAR, Gate.KEY):
             sup = {"l2norm_qk", "state_v_first"}
             if rule is Rule.DELTA:
@@ -375,3 +379,16 @@ def key_twin(spec: OpSpec) -> OpSpec:
                   chunk_size=spec.chunk_size, supports=frozenset({"state_v_first"}),
                   gva=False, doc=f"{spec.name}'s transposed state, for its backward "
                   "(dsl.spec.key_twin).")
+
+
+def comba_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The comba rule with no and with a scalar gate, with every option its maths allows;
+    the tests' counterpart of all_rule_gate_specs for Comba."""
+    out = []
+    for gate in (Gate.NONE, Gate.SCALAR):
+        sup = {"l2norm_qk", "state_v_first", "beta_sigmoid", "allow_neg_eigval"}
+        if gate is not Gate.NONE:
+            sup |= {"gate_in_kernel"}
+        out.append(OpSpec(name=f"comba_{gate.value}", rule=Rule.COMBA, gate=gate,
+                          chunk_size=chunk_size, supports=frozenset(sup)))
+    return out

@@ -84,6 +84,16 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
     return q, k, v, g_log, beta
 
 
+def prepare_key(options: Options, p, HV: int):
+    """A rule's key input (Comba's p [B, T, H, K]) as the recurrence reads it: fp64,
+    l2-normalised with l2norm_qk (as k), key heads expanded to HV; None passes through."""
+    if p is None:
+        return None
+    p = _f64(p)
+    p = l2norm(p) if options.l2norm_qk else p
+    return p.repeat_interleave(HV // p.shape[2], dim=2)
+
+
 def _segments(B, T, cu_seqlens):
     """(batch slice, t0, t1) per independent run of tokens; one per sequence if varlen."""
     if cu_seqlens is None:
@@ -101,9 +111,10 @@ def _state_in(initial_state, n0, n1, b, HV, K, V, v_first, device):
     return s.transpose(-1, -2) if v_first else s
 
 
-def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
+def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False, p=None):
     """One run of tokens, all fp64, [b, L, HV, D] (g [b, L, HV, 1 or K], or [b, L, HV, V]
-    with value_gate (additive rule only); beta [b, L, HV]).
+    with value_gate (additive rule only); beta [b, L, HV]; p [b, L, HV, K], Comba's erase
+    key: the write reads the state before each token's decay through p).
 
     Returns o [b,L,HV,V], final S [b,HV,K,V] and the intermediates (head-major chunks).
     """
@@ -129,13 +140,17 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
     A = w = None
     if beta is not None:
         bc = chunks(beta.unsqueeze(-1))
-        Akk = ((bc * kc * torch.exp(gc - ref)) @ k_inv.transpose(-1, -2))
+        ec, gr = kc, gc                         # the erase key and its decay (inclusive)
+        if p is not None:                       # Comba: p, the decay before the token's own
+            ec = chunks(p)
+            gr = gc if g is None else gc - chunks(g)
+        Akk = ((bc * ec * torch.exp(gr - ref)) @ k_inv.transpose(-1, -2))
         Akk = Akk.masked_fill(~causal.tril(-1), 0)                 # strictly lower
         eye = torch.eye(C, dtype=F64, device=k.device)
         A = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False,
                                           unitriangular=True)
         u = A @ (bc * vc)
-        w = A @ (bc * torch.exp(gc) * kc)
+        w = A @ (bc * torch.exp(gr) * ec)
     else:
         u = vc
     hs, vnews = [], []
@@ -169,7 +184,7 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
 
 def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
                     scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
-                    chunk_size=None, intermediates=False, piece_tokens=None):
+                    chunk_size=None, intermediates=False, piece_tokens=None, p=None):
     """fp64 chunked forward of any spec; differentiable (autograd) in every input.
 
     piece_tokens: without intermediates, each sequence is processed in pieces of this
@@ -202,7 +217,8 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
             sl = lambda x: None if x is None else x[bs, p0:p1]  # noqa: E731
             qe, ke, ve, ge, be = prepare(spec, options, sl(q), sl(k), sl(v), sl(g), sl(beta),
                                          scale, A_log, dt_bias)
-            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C, spec.gate.per_value)
+            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C, spec.gate.per_value,
+                                         prepare_key(options, sl(p), ve.shape[2]))
             outs.append(o)
             inters.append(inter)
         finals.append(S)
@@ -220,14 +236,17 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
 
 
 def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
-                      scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None):
-    """fp64 token-by-token recurrence (decay, then delta/additive update, then output).
+                      scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
+                      p=None):
+    """fp64 token-by-token recurrence (decay, then delta/additive update, then output;
+    Comba's write reads the state before the decay, through p).
 
     Same arguments and returns as :func:`chunked_forward` (without intermediates).
     """
     qe, ke, ve, ge, be = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     B, T, HV, K = ke.shape
     V = ve.shape[-1]
+    pe, rule = prepare_key(options, p, HV), spec.rule.maths
     o = torch.zeros(B, T, HV, V, dtype=F64, device=ke.device)
     finals = []
     for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens)):
@@ -235,11 +254,14 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
         S = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
                       options.state_v_first, ke.device)
         for t in range(t0, t1):
+            S_prev = S
             if ge is not None:                 # decay rows (key / scalar) or columns
                 S = spec.gate.maths.decay(S, torch.exp(ge[bs, t]))
             kt, vt = ke[bs, t], ve[bs, t]
             bt = None if be is None else be[bs, t].unsqueeze(-1)
-            vt = spec.rule.maths.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S, kt))
+            S_read = S if rule.reads_decayed else S_prev
+            rk = rule.read_key(kt, {"p": None if pe is None else pe[bs, t]})
+            vt = rule.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S_read, rk))
             S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2)
             o[bs, t] = torch.einsum("bhkv,bhk->bhv", S, qe[bs, t])
         finals.append(S)
@@ -250,7 +272,7 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
 def pool_recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, pool,
                            ssm_state_indices, num_accepted_tokens=None, inplace=False,
                            options: Options = Options(), scale=None, cu_seqlens=None,
-                           A_log=None, dt_bias=None):
+                           A_log=None, dt_bias=None, p=None):
     """Decode on a state pool (fla's continuous batching), as a loop over sequences and
     tokens of :func:`recurrent_forward`: sequence n starts from pool slot
     ssm_state_indices[n] ([N]) or [n, c] ([N, S]; c = num_accepted_tokens[n] - 1, else
@@ -278,7 +300,7 @@ def pool_recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, pool,
             one = lambda x: None if x is None else x[bs, t:t + 1]  # noqa: E731
             o_t, S = recurrent_forward(spec, one(q), one(k), one(v), one(g), one(beta),
                                        options=options, scale=scale, initial_state=S,
-                                       A_log=A_log, dt_bias=dt_bias)
+                                       A_log=A_log, dt_bias=dt_bias, p=one(p))
             o[bs, t:t + 1] = o_t
             w = int(idx[n, t - t0]) if idx.dim() == 2 and t - t0 < idx.shape[1] else -1
             if inplace and idx.dim() == 2 and 0 <= w < pool.shape[0]:
