@@ -34,3 +34,4 @@ from linattn.ops.simple_gla import (chunk_simple_gla, fused_chunk_simple_gla,  #
 from linattn.ops import library as _library
 
 _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py
+from linattn.ops.comba import chunk_comba, fused_recurrent_comba  # noqa: F401,E402

@@ -270,6 +270,9 @@ class CombaRule(DeltaRule):
     def read_key(self, k, extra: dict):
         return extra["p"]
 
+    def input_dims(self, B="B", T="T", HV="HV", H="H", K="K") -> list:
+        return super().input_dims(B, T, HV) + [(n, (B, T, H, K)) for n in self.key_inputs]
+
 
 RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule())}
 GATES = {g.name: g for g in (NoGate(), ScalarGate(), KeyGate(), ValueGate())}
