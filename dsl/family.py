@@ -33,17 +33,28 @@ class RuleMaths:
     name = ""
     inputs: tuple = ()
     reads_state = False
-    #: per-token inputs shaped as k ([B, T, H, K], key heads; l2-normalised with
-    #: l2norm_qk as q and k are): Comba's erase key p
-    key_inputs: tuple = ()
+    #: per-token vector inputs beyond q, k, v (by name; their axes: :attr:`vector_axes`):
+    #: Comba's erase key p, GDN-2's erase gate b and write gate w
+    vector_inputs: tuple = ()
+    #: name -> (heads, channels) of a vector input: ("H", "K") a key of its own ([B, T, H,
+    #: K], key heads, l2-normalised with l2norm_qk as q and k are, read in q's dtype);
+    #: ("HV", "K") / ("HV", "V") a gate per value head and key / value channel (f32)
+    vector_axes: dict = {}
     #: whether the write reads the decayed state S_a (else the state before the gate's
     #: decay, S_{t-1}: Comba's S_t = e^g S_{t-1} + k (beta (v - S_{t-1}^T p))^T)
     reads_decayed = True
+    #: the input that scales the write (write's second argument): "beta", GDN-2's "w"
+    #: (per value channel), "" for none
+    scale_input = ""
 
-    def read_key(self, k, extra: dict):
-        """The key the write reads the state through (k; Comba's p), from k and the
-        rule's key inputs (``extra``: name -> the effective tensor)."""
+    def read_key(self, k, x: dict):
+        """The key the write reads the state through (k; Comba's p; GDN-2's b . k), from
+        k and the token's vector inputs (``x``: name -> the effective tensor)."""
         return k
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        """(dk, {name: d input}) from the gradient of :meth:`read_key`'s key."""
+        return dkey, {}
 
     def erase(self, k, beta):
         """The erase vector e (S_a^T e is what the write takes off), None for none; beta
@@ -75,9 +86,13 @@ class RuleMaths:
         """The chunked form's written values of a chunk from its factors w, u."""
         raise NotImplementedError
 
-    def input_dims(self, B="B", T="T", HV="HV") -> list:
-        """(name, shape) of each input (symbolic by default: ("B", "T", "HV"))."""
-        return [(name, (B, T, HV)) for name in self.inputs]
+    def input_dims(self, B="B", T="T", HV="HV", H="H", K="K", V="V") -> list:
+        """(name, shape) of each input (symbolic by default: ("B", "T", "HV")), the vector
+        inputs after the per-token ones."""
+        size = {"H": H, "HV": HV, "K": K, "V": V}
+        return [(name, (B, T, HV)) for name in self.inputs] + [
+            (name, (B, T) + tuple(size[a] for a in self.vector_axes[name]))
+            for name in self.vector_inputs]
 
 
 class AdditiveRule(RuleMaths):
@@ -102,6 +117,7 @@ class DeltaRule(RuleMaths):
     name = "delta"
     inputs = ("beta",)
     reads_state = True
+    scale_input = "beta"
 
     def erase(self, k, beta):
         return beta * k
@@ -264,15 +280,48 @@ class CombaRule(DeltaRule):
     beta e^-g p; the chunked factors read S through p with the exclusive decay:
     A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
     name = "comba"
-    key_inputs = ("p",)
+    vector_inputs = ("p",)
+    vector_axes = {"p": ("H", "K")}
     reads_decayed = False
 
-    def read_key(self, k, extra: dict):
-        return extra["p"]
+    def read_key(self, k, x: dict):
+        return x["p"]
 
-    def input_dims(self, B="B", T="T", HV="HV", H="H", K="K") -> list:
-        return super().input_dims(B, T, HV) + [(n, (B, T, H, K)) for n in self.key_inputs]
+    def read_key_vjp(self, k, x: dict, dkey):
+        return 0.0, {"p": dkey}
 
 
-RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule())}
+class Gdn2Rule(DeltaRule):
+    """S = (I - k (b . k)^T) S_a + k (w . v)^T (GDN-2; fla's chunk_gdn2): the erase gate b
+    per key channel, the write gate w per value channel, both per value head and token
+    ([B, T, HV, K], [B, T, HV, V]); no beta (b = w = beta is KDA). The erase vector is
+    b . k, the written value w . v; the chunked factors A = (I + strict_tril((b . k)_i
+    .k_j e^(G_i - G_j)))^-1 (b inside the pair sums, per channel), w = A ((b . k) e^G),
+    u = A (w . v)."""
+    name = "gdn2"
+    inputs = ()
+    vector_inputs = ("b", "w")
+    vector_axes = {"b": ("HV", "K"), "w": ("HV", "V")}
+    scale_input = "w"
+
+    def erase(self, k, beta):
+        raise NotImplementedError("gdn2: the erase vector is b . k (read_key)")
+
+    def read_key(self, k, x: dict):
+        return x["b"] * k
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        return x["b"] * dkey, {"b": k * dkey}
+
+    def write(self, v, w, read):
+        return w * v - read()
+
+    def write_vjp(self, v, w, read, dwrite):
+        return w * dwrite, dwrite * v, -dwrite
+
+    def chunk_factors(self, k, v, beta, g_cum, dot):
+        raise NotImplementedError("gdn2: the chunked references are torch_reference's")
+
+
+RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule(), Gdn2Rule())}
 GATES = {g.name: g for g in (NoGate(), ScalarGate(), KeyGate(), ValueGate())}

@@ -36,6 +36,7 @@ class Rule(str, enum.Enum):
     ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
     COMBA = "comba"         # S = e^g S + k (beta (v - S^T p))^T, S before the decay (Comba)
+    GDN2 = "gdn2"           # S = (I - k (b . k)^T) S_a + k (w . v)^T   (GDN-2)
 
     @property
     def maths(self) -> RuleMaths:
@@ -183,6 +184,11 @@ class OpSpec:
         if self.rule is Rule.COMBA and self.gate not in (Gate.NONE, Gate.SCALAR):
             raise SpecError(f"{self.name}: the comba rule takes gate 'none' or 'scalar' "
                             f"(fla's chunk_comba), got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and self.gate is not Gate.KEY:
+            raise SpecError(f"{self.name}: the gdn2 rule takes gate 'key' (fla's chunk_gdn2), "
+                            f"got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
+            raise SpecError(f"{self.name}: the gdn2 rule has no beta (its gates are b and w)")
         if self.rule is Rule.DELTA and self.gate.per_value:
             raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
                             "rule supports gate 'none', 'scalar' or 'key'")
@@ -392,3 +398,9 @@ def comba_specs(chunk_size: int = 64) -> list[OpSpec]:
         out.append(OpSpec(name=f"comba_{gate.value}", rule=Rule.COMBA, gate=gate,
                           chunk_size=chunk_size, supports=frozenset(sup)))
     return out
+
+
+def gdn2_spec(chunk_size: int = 64) -> OpSpec:
+    """The gdn2 rule with the per-key gate and every option its maths allows."""
+    return OpSpec(name="gdn2_key", rule=Rule.GDN2, gate=Gate.KEY, chunk_size=chunk_size,
+                  supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))

@@ -98,9 +98,11 @@ def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
     out = dict(x, **dict(zip(names, pad_heads(
         spec.gate.channels, options.state_v_first, dims.K, dims.V, padded.K, padded.V,
         *(x[n] for n in names)))))
-    if x.get("rule_inputs"):         # the rule's key-shaped inputs: in K, as k
+    if x.get("rule_inputs"):         # the rule's vector inputs: in K or V (zeros)
         import torch.nn.functional as F
-        out["rule_inputs"] = {n: F.pad(t, (0, padded.K - dims.K))
+        axes = spec.rule.maths.vector_axes
+        out["rule_inputs"] = {n: F.pad(t, (0, padded.K - dims.K) if axes[n][1] == "K" else
+                                       (0, padded.V - dims.V))
                               for n, t in x["rule_inputs"].items()}
     return out
 
@@ -324,8 +326,10 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
         h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
     x = dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
              beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0)
-    if rule_inputs:     # the rule's key-shaped inputs (Comba's p): in q's dtype, as k
-        x["rule_inputs"] = {n: t.to(common).contiguous() for n, t in rule_inputs.items()}
+    if rule_inputs:     # the rule's vector inputs: a key (Comba's p) in q's dtype, gates f32
+        axes = spec.rule.maths.vector_axes
+        x["rule_inputs"] = {n: t.to(common if axes[n][0] == "H" else torch.float32)
+                            .contiguous() for n, t in rule_inputs.items()}
     return x, options
 
 

@@ -25,7 +25,7 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? A_log, 
          "Tensor? dt_bias, Tensor{h0} initial_state, Tensor? cu_seqlens, "
          "Tensor? cu_seqlens_cpu, float scale, bool output_final_state, str options")
 _POOL = ", Tensor? ssm_state_indices, Tensor? num_accepted_tokens"
-#: the rule's key-shaped inputs (Comba's p), in the rule's key_inputs order; None: none
+#: the rule's key-shaped inputs (Comba's p), in the rule's vector_inputs order; None: none
 _RULE = ", Tensor[]? rule_inputs=None"
 SCHEMAS = {
     "chunk": f"({_ARGS.format(h0='?')}{_RULE}) -> (Tensor, Tensor)",
@@ -133,7 +133,7 @@ def run(spec: OpSpec, path: str, q, k, v, g, beta, A_log, dt_bias, initial_state
     if path != "chunk":
         args += (ssm_state_indices, num_accepted_tokens)
     if rule_inputs:         # (as a list, in the rule's order: the schema's Tensor[])
-        args += ([rule_inputs[n] for n in spec.rule.maths.key_inputs],)
+        args += ([rule_inputs[n] for n in spec.rule.maths.vector_inputs],)
     entry = _OPS.get((spec.name, path))
     fn = entry[1] if entry is not None and entry[0] == spec.hash else _impl(spec, path)
     out = fn(*args)
@@ -141,5 +141,5 @@ def run(spec: OpSpec, path: str, q, k, v, g, beta, A_log, dt_bias, initial_state
 
 
 def rule_dict(spec: OpSpec, rule_inputs) -> dict:
-    """The op's rule_inputs list (or None) as name -> tensor (the rule's key_inputs)."""
-    return dict(zip(spec.rule.maths.key_inputs, rule_inputs or ()))
+    """The op's rule_inputs list (or None) as name -> tensor (the rule's vector_inputs)."""
+    return dict(zip(spec.rule.maths.vector_inputs, rule_inputs or ()))

@@ -398,17 +398,23 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
 
 
 def check_rule_inputs(spec: OpSpec, dims: Dims, rule_inputs, q=None, contiguous=True):
-    """The rule's key-shaped inputs (``rule_inputs``: name -> tensor; Comba's p
-    [B, T, H, K], q's dtypes; with ``q`` its dtype and device exactly): each one the rule
-    takes given, none other."""
-    rule_inputs = dict(rule_inputs or {})
-    for name in spec.rule.maths.key_inputs:
+    """The rule's vector inputs (``rule_inputs``: name -> tensor; dsl rule.input_dims:
+    Comba's p [B, T, H, K] in q's dtypes, GDN-2's b [B, T, HV, K] and w [B, T, HV, V] in
+    any float dtype; with ``q`` a key-like one in q's dtype and each on q's device): each
+    one the rule takes given, none other."""
+    rule, rule_inputs = spec.rule.maths, dict(rule_inputs or {})
+    for name, shape in rule.input_dims(*dims[:2], dims.HV, dims.H, dims.K, dims.V):
+        if name not in rule.vector_inputs:
+            continue
         x = rule_inputs.pop(name, None)
         if x is None:
-            raise error(f"{spec.name} needs {name} of shape [{dims.B}, {dims.T}, {dims.H}, "
-                        f"{dims.K}] (the {spec.rule.value} rule's erase key)")
-        check_tensor(name, x, like=q, dtypes=[q.dtype] if q is not None else INPUT_DTYPES,
-                     shape=(dims.B, dims.T, dims.H, dims.K), contiguous=contiguous)
-    if rule_inputs:
+            raise error(f"{spec.name} needs {name} of shape [{', '.join(map(str, shape))}] "
+                        f"(the {spec.rule.value} rule's)")
+        key = rule.vector_axes[name][0] == "H"
+        dtypes = ([q.dtype] if q is not None else INPUT_DTYPES) if key else (
+            ["float32"] if q is not None else FLOAT_DTYPES)
+        check_tensor(name, x, like=q, dtypes=dtypes, shape=shape, contiguous=contiguous)
+    extra = sorted(n for n, x in rule_inputs.items() if x is not None)
+    if extra:
         raise error(f"{spec.name} uses the {spec.rule.value} rule, which takes no "
-                    f"{', '.join(sorted(rule_inputs))}")
+                    f"{', '.join(extra)}")
