@@ -35,3 +35,4 @@ from linattn.ops import library as _library
 
 _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py
 from linattn.ops.comba import chunk_comba, fused_recurrent_comba  # noqa: F401,E402
+from linattn.ops.gdn2 import chunk_gdn2, fused_recurrent_gdn2  # noqa: F401,E402
