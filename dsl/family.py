@@ -56,6 +56,19 @@ class RuleMaths:
         """(dk, {name: d input}) from the gradient of :meth:`read_key`'s key."""
         return dkey, {}
 
+    #: whether the rule writes its read back along a key of its own (:meth:`lift_key`)
+    lifts = False
+
+    def lift_key(self, k, x: dict):
+        """The key the read r = S_read^T read_key is written back along, as a second
+        rank-one term S += lift r^T (DPLR's b: S = D S + b (a^T S) + k v^T), or None where
+        the read enters :meth:`write` (the delta forms: k (scale (v - r))^T)."""
+        return None
+
+    def lift_key_vjp(self, k, x: dict, dlift):
+        """(dk, {name: d input}) from the gradient of :meth:`lift_key`'s key."""
+        return dlift, {}
+
     def erase(self, k, beta):
         """The erase vector e (S_a^T e is what the write takes off), None for none; beta
         shaped to broadcast over k's key axis."""
@@ -323,5 +336,45 @@ class Gdn2Rule(DeltaRule):
         raise NotImplementedError("gdn2: the chunked references are torch_reference's")
 
 
-RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule(), Gdn2Rule())}
+class DplrRule(RuleMaths):
+    """S = D S + b (a^T S) + k v^T, D the gate's decay, both reads of the state before
+    it (DPLR: fla's dplr_delta_rule, S_t = S_t (D_t + a_t b_t^T) + v_t k_t^T in its
+    value-first words; IPLR without a gate; RWKV-7's r, w, k, v, a, b): a and b keys of
+    their own per key head ([B, T, H, K]); the written value v itself; the read r = S^T a
+    written back along b (:meth:`lift_key`). Its chunked form carries two WY factors (the
+    issue's plan); the references here are the token recurrences."""
+    name = "dplr"
+    vector_inputs = ("a", "b")
+    vector_axes = {"a": ("H", "K"), "b": ("H", "K")}
+    reads_state = True
+    reads_decayed = False
+    lifts = True
+
+    def read_key(self, k, x: dict):
+        return x["a"]
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        return 0.0, {"a": dkey}
+
+    def lift_key(self, k, x: dict):
+        return x["b"]
+
+    def lift_key_vjp(self, k, x: dict, dlift):
+        return 0.0, {"b": dlift}
+
+    def write(self, v, beta, read):
+        return v
+
+    def write_vjp(self, v, beta, read, dwrite):
+        return dwrite, None, None
+
+    def chunk_factors(self, k, v, beta, g_cum, dot):
+        raise NotImplementedError("dplr: the chunked references are not written yet")
+
+    def new_values(self, v, w, u, S):
+        raise NotImplementedError("dplr: the chunked references are not written yet")
+
+
+RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule(), Gdn2Rule(),
+                             DplrRule())}
 GATES = {g.name: g for g in (NoGate(), ScalarGate(), KeyGate(), ValueGate())}

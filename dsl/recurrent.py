@@ -68,6 +68,9 @@ def _run_tokens(spec, eff, dims, h0, keep_states=False):
             if eff.gv is not None:
                 S = S * np.exp(eff.gv[seg.b, t])[:, None, :]
             S_read, rk = (S if rule.reads_decayed else S_prev), _read_key(rule, eff, seg.b, t)
+            lift = rule.lift_key(k, _x_at(eff, seg.b, t))
+            if lift is not None:                # DPLR: the read back along b, first
+                S = S + lift[:, :, None] * np.einsum("hkv,hk->hv", S_read, rk)[:, None, :]
             v = rule.write(v, _scale_at(rule, eff, seg.b, t),
                            lambda: np.einsum("hkv,hk->hv", S_read, rk))
             S = S + k[:, :, None] * v[:, None, :]
@@ -130,7 +133,11 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
             rk = _read_key(rule, eff, b, t)
             read = np.einsum("hkv,hk->hv", S_read, rk)          # S_a^T k (Comba: S^T p)
             v_in = rule.write(vt, bt, lambda: read)
+            xt = _x_at(eff, b, t)
+            lift = rule.lift_key(kt, xt)
             S = S_a + kt[:, :, None] * v_in[:, None, :]
+            if lift is not None:
+                S = S + lift[:, :, None] * read[:, None, :]
             # o_t = S^T q
             grads.q[b, t] = np.einsum("hkv,hv->hk", S, do[b, t])
             dS = dS + qt[:, :, None] * do[b, t][:, None, :]
@@ -139,6 +146,12 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
             dv_in = np.einsum("hkv,hk->hv", dS, kt)
             dS_a, dS_read = dS, 0.0
             grads.v[b, t], dbeta, dr = rule.write_vjp(vt, bt, read, dv_in)
+            if lift is not None:                              # S += lift r^T
+                dr = (0.0 if dr is None else dr) + np.einsum("hkv,hk->hv", dS, lift)
+                dk_lift, dx = rule.lift_key_vjp(kt, xt, np.einsum("hkv,hv->hk", dS, read))
+                dk = dk + dk_lift
+                for n, d in dx.items():
+                    grads.x[n][b, t] += d
             if dbeta is not None:                             # (beta's, or GDN-2's w's)
                 (grads.beta if rule.scale_input == "beta" else
                  grads.x[rule.scale_input])[b, t] = dbeta

@@ -37,6 +37,7 @@ class Rule(str, enum.Enum):
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
     COMBA = "comba"         # S = e^g S + k (beta (v - S^T p))^T, S before the decay (Comba)
     GDN2 = "gdn2"           # S = (I - k (b . k)^T) S_a + k (w . v)^T   (GDN-2)
+    DPLR = "dplr"           # S = D S + b (a^T S) + k v^T   (DPLR, IPLR, RWKV-7)
 
     @property
     def maths(self) -> RuleMaths:
@@ -189,6 +190,12 @@ class OpSpec:
                             f"got {self.gate.value!r}")
         if self.rule is Rule.GDN2 and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
             raise SpecError(f"{self.name}: the gdn2 rule has no beta (its gates are b and w)")
+        if self.rule is Rule.DPLR and (self.gate not in (Gate.NONE, Gate.KEY) or (
+                {"beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "l2norm_qk"}
+                & self.supports)):
+            raise SpecError(f"{self.name}: the dplr rule takes gate 'none' (IPLR) or 'key' "
+                            f"(DPLR) and options state_v_first only (fla's), got gate "
+                            f"{self.gate.value!r}, options {sorted(self.supports)}")
         if self.rule is Rule.DELTA and self.gate.per_value:
             raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
                             "rule supports gate 'none', 'scalar' or 'key'")
@@ -404,3 +411,9 @@ def gdn2_spec(chunk_size: int = 64) -> OpSpec:
     """The gdn2 rule with the per-key gate and every option its maths allows."""
     return OpSpec(name="gdn2_key", rule=Rule.GDN2, gate=Gate.KEY, chunk_size=chunk_size,
                   supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))
+
+
+def dplr_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The dplr rule without a gate (IPLR) and with the per-key gate (DPLR, RWKV-7)."""
+    return [OpSpec(name=f"dplr_{g.value}", rule=Rule.DPLR, gate=g, chunk_size=chunk_size,
+                   supports=frozenset({"state_v_first"})) for g in (Gate.NONE, Gate.KEY)]

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .preprocess import L2NORM_EPS
-from .spec import OpSpec, Options
+from .spec import OpSpec, Options, SpecError
 
 F64 = torch.float64
 
@@ -206,6 +206,9 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     g_cum ([B,T,HV,*] token rows; A is None for the additive rule).
     """
     C = chunk_size or spec.chunk_size
+    if spec.rule.maths.lifts:
+        raise SpecError(f"{spec.name}: the {spec.rule.value} rule has no chunked reference "
+                        "yet (its two WY factors); use recurrent_forward")
     B, T, _, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     # without intermediates, long runs go in pieces of whole chunks (the state carried
@@ -274,6 +277,10 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
                 "", "beta") else xt[rule.scale_input]
             S_read = S if rule.reads_decayed else S_prev
             rk = rule.read_key(kt, xt)
+            lift = rule.lift_key(kt, xt)
+            if lift is not None:               # DPLR: the read written back along b
+                S = S + lift.unsqueeze(-1) * torch.einsum("bhkv,bhk->bhv", S_read,
+                                                          rk).unsqueeze(-2)
             vt = rule.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S_read, rk))
             S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2)
             o[bs, t] = torch.einsum("bhkv,bhk->bhv", S, qe[bs, t])
