@@ -13,6 +13,9 @@ Recurrence denoted by a spec, per token t and value head h (S in R^{K x V}, K-fi
            value:  S <- S @ diag(exp(g[t, h, :]))          (g: [.., HV, V]; fla's gv)
     rule   additive: S <- S + k v^T
            delta:    S <- S + k (beta (v - S^T k))^T
+           comba:    S <- exp(g) S_prev + k (beta (v - S_prev^T p))^T   (S_prev before the gate)
+           gdn2:     S <- S + k (w . v - S^T (b . k))^T
+           dplr:     S <- D S_prev + b (a^T S_prev) + k v^T                (D the gate's decay)
     output o = S^T (scale * q)
 
 With ``state_v_first`` the state is stored transposed ([.., V, K]); the maths is the same.

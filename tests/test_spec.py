@@ -8,8 +8,10 @@ from linattn.ops import get_spec, specs
 
 def test_families_are_registered_with_their_maths():
     table = specs()
-    assert sorted(table) == ["comba", "deltanet", "gdn", "gdn2", "gla", "kda", "linear_attn",
-                             "retention", "simple_gla"]
+    assert sorted(table) == ["comba", "deltanet", "dplr", "gdn", "gdn2", "gla", "iplr", "kda",
+                             "linear_attn", "retention", "simple_gla"]
+    assert (table["dplr"].rule, table["dplr"].gate) == (Rule.DPLR, Gate.KEY)
+    assert (table["iplr"].rule, table["iplr"].gate) == (Rule.DPLR, Gate.NONE)
     assert (table["comba"].rule, table["comba"].gate) == (Rule.COMBA, Gate.SCALAR)
     assert (table["gdn2"].rule, table["gdn2"].gate) == (Rule.GDN2, Gate.KEY)
     assert (table["deltanet"].rule, table["deltanet"].gate) == (Rule.DELTA, Gate.NONE)
@@ -30,7 +32,7 @@ def test_six_rule_gate_combinations_are_expressible():
 
 
 def test_unknown_op_lists_valid_ones():
-    with pytest.raises(SpecError, match="valid ops: .*deltanet, gdn, .*gla, kda"):
+    with pytest.raises(SpecError, match="valid ops: .*deltanet, .*gdn, .*gla, .*kda"):
         get_spec("mamba")
 
 
