@@ -59,6 +59,12 @@ class RuleMaths:
     #: whether the rule writes its read back along a key of its own (:meth:`lift_key`)
     lifts = False
 
+    @property
+    def dtype_inputs(self) -> tuple:
+        """The vector inputs the kernels read in their own dtype (f32 or q's; the gates
+        per value head, GDN-2's b and w), as g and beta: a ``{name}_dtype`` each."""
+        return tuple(n for n in self.vector_inputs if self.vector_axes[n][0] == "HV")
+
     def lift_key(self, k, x: dict):
         """The key the read r = S_read^T read_key is written back along, as a second
         rank-one term S += lift r^T (DPLR's b: S = D S + b (a^T S) + k v^T), or None where

@@ -326,10 +326,10 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
         h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
     x = dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
              beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0)
-    if rule_inputs:     # the rule's vector inputs: a key (Comba's p) in q's dtype, gates f32
+    if rule_inputs:     # the rule's vector inputs: a key (p) in q's dtype, gates f32 or q's
         axes = spec.rule.maths.vector_axes
-        x["rule_inputs"] = {n: t.to(common if axes[n][0] == "H" else torch.float32)
-                            .contiguous() for n, t in rule_inputs.items()}
+        x["rule_inputs"] = {n: t.to(common).contiguous() if axes[n][0] == "H" else f32(t)
+                            for n, t in rule_inputs.items()}
     return x, options
 
 

@@ -110,7 +110,7 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                      else torch.zeros_like(ht))
         return o, ht
     problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
-                       output_final_state, cu_seqlens, **pool)
+                       output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs)
     arch = runtime.device_arch(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
                                            **problem, **(tuning or _OVERRIDE))
@@ -196,7 +196,7 @@ def _state_dtype(state_dtype, initial_state, inplace: bool):
 
 def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output_final_state,
              cu_seqlens, ssm_state_indices=None, num_accepted_tokens=None,
-             inplace=False) -> dict:
+             inplace=False, rule_inputs=None) -> dict:
     """The build() keywords describing one call (sizes, dtypes, flags)."""
     problem = dict(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V,
                    dtype=runtime.dtype_name(q.dtype),
@@ -221,4 +221,6 @@ def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output
         problem["g_dtype"] = runtime.dtype_name(g.dtype)
     if spec.has_beta:
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
+    for name in spec.rule.maths.dtype_inputs:      # (GDN-2's b, w)
+        problem[f"{name}_dtype"] = runtime.dtype_name(rule_inputs[name].dtype)
     return problem

@@ -412,7 +412,7 @@ def check_rule_inputs(spec: OpSpec, dims: Dims, rule_inputs, q=None, contiguous=
                         f"(the {spec.rule.value} rule's)")
         key = rule.vector_axes[name][0] == "H"
         dtypes = ([q.dtype] if q is not None else INPUT_DTYPES) if key else (
-            ["float32"] if q is not None else FLOAT_DTYPES)
+            ["float32", q.dtype] if q is not None else FLOAT_DTYPES)
         check_tensor(name, x, like=q, dtypes=dtypes, shape=shape, contiguous=contiguous)
     extra = sorted(n for n, x in rule_inputs.items() if x is not None)
     if extra:

@@ -47,7 +47,7 @@ ARCH = "sm90"
 SUPPORTS = frozenset(['gate_in_kernel', 'l2norm_qk', 'state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 SMEM_PER_SM = 233472    # shared memory of one SM (bytes): ctas_per_sm's claim
-PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype",
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype", "b_dtype", "w_dtype",
                 "l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "state_v_first", "has_initial_state", "output_final_state", "varlen",
                 "index_dtype", "h0_dtype", "state_pool", "slots_per_token", "accepted_tokens",
@@ -194,6 +194,7 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first):
 
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           g_dtype="float32",
+          b_dtype=None, w_dtype=None,
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
@@ -219,6 +220,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         raise ValueError("state_pool needs has_initial_state (h0 is the pool)")
     if inplace and not (has_initial_state and h0_dtype == state_dtype):
         raise ValueError("inplace needs has_initial_state and h0_dtype == state_dtype")
+    b_dtype = b_dtype or dtype
+    w_dtype = w_dtype or dtype
     acc = "float32"
     BV = block_v
     tmap = thread_map(K, block_v, threads, vec, warps_k, state_v_first)
@@ -304,8 +307,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         k: T.Tensor((B, Tlen, H, K), dtype),
         v: T.Tensor((B, Tlen, HV, V), dtype),
         g: T.Tensor(g_shape, g_dtype),
-        b: T.Tensor((B, Tlen, HV, K), "float32"),
-        w: T.Tensor((B, Tlen, HV, V), "float32"),
+        b: T.Tensor((B, Tlen, HV, K), b_dtype),
+        w: T.Tensor((B, Tlen, HV, V), w_dtype),
         A_log: T.Tensor(A_log_shape, "float32"),
         dt_bias: T.Tensor(dt_bias_shape, "float32"),
         h0: T.Tensor(h0_shape, h0_dtype),
@@ -411,9 +414,9 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                             else:
                                 decay_k[i] = T.exp(T.cast(g[i_b, tok, i_hv, i], acc))
                         for i in T.Parallel(K):
-                            bf[i] = b[i_b, tok, i_hv, i]
+                            bf[i] = T.cast(b[i_b, tok, i_hv, i], acc)
                         for j in T.Parallel(BV):
-                            wf[j] = w[i_b, tok, i_hv, v0 + j]
+                            wf[j] = T.cast(w[i_b, tok, i_hv, v0 + j], acc)
                         if l2norm_qk:
                             for i in T.Parallel(K):
                                 sq[i] = qf[i] * qf[i]
