@@ -93,3 +93,19 @@ def test_comba_gates_and_inputs():
         R.recurrent_forward(spec, **dict(x, p=None))
     with pytest.raises(SpecError, match="p must have shape"):
         R.recurrent_forward(spec, **dict(x, p=x["p"][:, :3]))
+
+
+@pytest.mark.parametrize("rule", ["comba", "gdn2", "dplr"])
+def test_references_without_the_rule_refuse_it(rule):
+    """The numpy chunked forward / backward and the symbolic reference take the additive
+    and delta rules; the new rules' are the recurrences and torch's chunked form."""
+    from linattn.dsl import chunked, chunked_bwd, symbolic
+    gate = {"comba": "scalar", "gdn2": "key", "dplr": "key"}[rule]
+    spec = OpSpec(name="x", rule=rule, gate=gate)
+    x = R.random_inputs(spec, Options(), 1, 3, 1, 1, 4, 4, np.random.default_rng(0))
+    q, k, v, g = (x[n] for n in "qkvg")
+    for fn in (lambda: chunked.chunked_forward(spec, q, k, v, g, x["beta"]),
+               lambda: chunked_bwd.chunked_backward(spec, q, k, v, g, x["beta"], do=v),
+               lambda: symbolic.symbolic_reference(spec, q, k, v, g, x["beta"])):
+        with pytest.raises(SpecError, match=f"{rule} rule"):
+            fn()

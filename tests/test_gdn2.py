@@ -107,3 +107,18 @@ def test_gates_read_in_their_dtype():
     problem = recurrent._problem(SPEC, Options(), dims, q, x["g"], None, None, torch.float32,
                                  False, None, rule_inputs=x["rule_inputs"])
     assert (problem["b_dtype"], problem["w_dtype"]) == ("bfloat16", "float32")
+
+
+def test_fake_impl_takes_the_rule_inputs():
+    """The op's meta implementation with the rule's vector inputs (torch.compile's view):
+    o [B, T, HV, V] in q's dtype, the final state f32."""
+    from linattn.ops import library
+    op = torch.ops.linattn.fused_recurrent_gdn2
+    m = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    B, T, H, HV, K, V = 2, 3, 2, 4, 32, 16
+    o, ht = op(m(B, T, H, K), m(B, T, H, K), m(B, T, HV, V), m(B, T, HV, K), None, None,
+               None, None, None, None, 0.5, True, "plain", None, None,
+               [m(B, T, HV, K), m(B, T, HV, V)])
+    assert o.shape == (B, T, HV, V) and o.dtype == torch.bfloat16
+    assert ht.shape == (B, HV, K, V) and ht.dtype == torch.float32
+    assert library.rule_dict(SPEC, [1, 2]) == {"b": 1, "w": 2}
