@@ -5,8 +5,7 @@ from . import api
 
 SPEC = OpSpec(
     name="comba", rule="comba", gate="scalar", chunk_size=64,
-    supports=frozenset({"l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
-                        "state_v_first"}),
+    supports=frozenset({"l2norm_qk", "state_v_first"}),     # (fla's comba options)
     doc="Comba: S <- exp(g) S + k (beta (v - S^T p))^T (S before the decay); "
         "o = S^T (scale q).",
 )

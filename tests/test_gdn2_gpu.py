@@ -22,7 +22,8 @@ TOL = {"bfloat16": 1e-2, "float16": 5e-3, "float32": 1e-4}
 
 
 def _rel(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    a, b = (x.double().cpu().numpy() if isinstance(x, torch.Tensor)
+            else np.asarray(x, dtype=np.float64) for x in (a, b))
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
