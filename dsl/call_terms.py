@@ -1,0 +1,117 @@
+"""The terms a spec may add around its recurrence (OpSpec ``step``, ``value_scale``,
+``skip``, ``output_gate``; dsl/spec.py), and the fp64 references of such specs.
+
+Per token t and value head h (Mamba-2's SSD when all are on):
+
+    step         dt = clamp(softplus?(dt_raw + dt_bias), dt_limit)       [B, T, HV]
+                 g  = A dt                                              (the scalar gate)
+    value_scale  v' = dt v                                              (the value written)
+    recurrence   S <- exp(g) S + k v'^T;  o = S^T (scale q)             (the spec's rule)
+    skip         o <- o + D v                                           (D [HV] or [HV, V])
+    output_gate  o <- o * silu(z)                                       (z [B, T, HV, V])
+
+The functions are torch, differentiable, and compute in the dtype they are given: the
+references below call them in fp64, the ops layer (ops/mamba2.py) in float32 around the
+generated kernels. Key heads may be shared by groups of value heads (the spec's GVA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .spec import OpSpec, Options
+
+F64 = torch.float64
+
+
+def softplus(x):
+    """Mamba's (and fla's) softplus: x above 20, else log1p(exp(x))."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
+
+
+def step(dt, dt_bias=None, dt_softplus=False, dt_limit=None):
+    """dt [B, T, HV] -> clamp(softplus?(dt + dt_bias), dt_limit) (no clamp for None)."""
+    if dt_bias is not None:
+        dt = dt + dt_bias.reshape(-1)
+    if dt_softplus:
+        dt = softplus(dt)
+    if dt_limit is not None:
+        dt = torch.clamp(dt, min=float(dt_limit[0]), max=float(dt_limit[1]))
+    return dt
+
+
+def gate_and_value(spec: OpSpec, v, dt, A, dt_bias=None, dt_softplus=False, dt_limit=None):
+    """(v written [B, T, HV, V], g [B, T, HV]) of a spec with step 'dt': g = A dt and, with
+    value_scale 'dt', v scaled by dt; computed in v's dtype (dt, A converted to it)."""
+    s = step(dt.to(v.dtype), None if dt_bias is None else dt_bias.to(v.dtype),
+             dt_softplus, dt_limit)
+    g = s * A.to(v.dtype).reshape(-1)
+    if spec.value_scale == "dt":
+        v = v * s.unsqueeze(-1)
+    return v, g
+
+
+def epilogue(spec: OpSpec, o, v, D=None, z=None):
+    """o + D v (skip, D [HV] or [HV, V]; None: no term), then o * silu(z) (output_gate;
+    None: no gate); in o's dtype."""
+    if spec.skip and D is not None:
+        HV, V = v.shape[2], v.shape[3]
+        Dv = D.to(o.dtype).reshape(HV, -1).expand(HV, V)
+        o = o + v.to(o.dtype) * Dv
+    if spec.output_gate == "silu" and z is not None:
+        o = o * F.silu(z.to(o.dtype))
+    return o
+
+
+def reference(spec: OpSpec, q, k, v, *, dt=None, A=None, dt_bias=None, dt_softplus=False,
+              dt_limit=None, D=None, z=None, g=None, scale=None, initial_state=None,
+              cu_seqlens=None, options: Options = Options(), recurrent=False):
+    """fp64 forward of a spec with call terms: the step, gate and value scale, the spec's
+    recurrence (dsl/torch_reference.py, chunked or token by token), then the skip and
+    output gate. q, k [B, T, H, K]; v [B, T, HV, V]; dt [B, T, HV]; A, dt_bias [HV];
+    states [N, HV, K, V] ([N, HV, V, K] with state_v_first). Differentiable.
+    Returns (o [B, T, HV, V] fp64, final state fp64)."""
+    from . import torch_reference as tr
+    q, k, v = (x.to(F64) for x in (q, k, v))
+    ve = v
+    if spec.step == "dt":
+        ve, g = gate_and_value(spec, v, dt, A, dt_bias, dt_softplus, dt_limit)
+    run = tr.recurrent_forward if recurrent else tr.chunked_forward
+    o, ht = run(spec, q, k, ve, g, options=options, scale=scale,
+                initial_state=initial_state, cu_seqlens=cu_seqlens)
+    return epilogue(spec, o, v, D, z), ht
+
+
+def naive_reference(spec: OpSpec, q, k, v, *, dt, A, dt_bias=None, dt_softplus=False,
+                    dt_limit=None, D=None, z=None, scale=1.0, initial_state=None):
+    """Mamba-2's recurrence written out step by step in fp64, for the tests: per batch
+    row, token and head, h <- exp(A dt) h + (dt x) B^T in Mamba's layout h [V, K]
+    (headdim x dstate), y = h C + D x, y * silu(z); heads h share key head h // (HV / H).
+    No varlen. Returns (y [B, T, HV, V], final h [B, HV, V, K])."""
+    Bn, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    grp = HV // H
+    q, k, v, dt, A = (x.to(F64) for x in (q, k, v, dt, A))
+    hs = (torch.zeros(Bn, HV, V, K, dtype=F64) if initial_state is None
+          else initial_state.to(F64).clone())
+    y = torch.zeros(Bn, T, HV, V, dtype=F64)
+    for b in range(Bn):
+        for t in range(T):
+            for h in range(HV):
+                d = dt[b, t, h] + (0.0 if dt_bias is None else float(dt_bias[h]))
+                if dt_softplus:
+                    d = d if d > 20 else torch.log1p(torch.exp(d))
+                if dt_limit is not None:
+                    d = min(max(float(d), dt_limit[0]), dt_limit[1])
+                d = torch.as_tensor(d, dtype=F64)
+                hk = h // grp
+                hs[b, h] = (torch.exp(A[h] * d) * hs[b, h]
+                            + torch.outer(d * v[b, t, h], k[b, t, hk]))
+                out = hs[b, h] @ (scale * q[b, t, hk])
+                if D is not None:
+                    out = out + D.to(F64).reshape(HV, -1)[h] * v[b, t, h]
+                if z is not None:
+                    zz = z[b, t, h].to(F64)
+                    out = out * zz * torch.sigmoid(zz)
+                y[b, t, h] = out
+    return y, hs
