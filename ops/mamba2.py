@@ -76,8 +76,7 @@ def check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_id
                               contiguous=False)
     validate.check_cu_seqlens(cu_seqlens, Bn, T, values=validate.host_checks())
     validate.check_head_dims(K, V)
-    validate.check_cuda("x", x)
-    validate.check_devices(x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+    validate.check_devices_as("x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                            initial_states=initial_states, seq_idx=seq_idx,
                            cu_seqlens=cu_seqlens)
     return HV, G
@@ -107,10 +106,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     Returns out [B, T, nheads, headdim] in x's dtype, then final_states f32 with
     return_final_states, then varlen_states [N, nheads, headdim, dstate] f32 with
     return_varlen_states. Differentiable in every tensor (ops/additive_bwd.py)."""
-    check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-               cu_seqlens, dt_limit)
     if return_varlen_states and cu_seqlens is None:
         raise validate.error("return_varlen_states=True needs cu_seqlens")
+    check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+               cu_seqlens, dt_limit)
     import torch
     cu = _boundaries(x, seq_idx, cu_seqlens)
     h0 = initial_states
@@ -201,8 +200,7 @@ def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx):
     if idx is not None:
         validate.check_tensor("state_batch_indices", idx, dtypes=validate.INDEX_DTYPES,
                               shape=(b,), contiguous=False)
-    validate.check_cuda("x", x)
-    validate.check_devices(x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+    validate.check_devices_as("x", x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                            state_batch_indices=idx)
     q, k = C.to(x.dtype).unsqueeze(1), B.to(x.dtype).unsqueeze(1)
     return q, k, A[:, 0, 0], dt[:, :, 0].unsqueeze(1)
