@@ -16,21 +16,18 @@ generated kernels. Key heads may be shared by groups of value heads (the spec's 
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
 from .spec import OpSpec, Options
-
-F64 = torch.float64
 
 
 def softplus(x):
     """Mamba's (and fla's) softplus: x above 20, else log1p(exp(x))."""
+    import torch
     return torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
 
 
 def step(dt, dt_bias=None, dt_softplus=False, dt_limit=None):
     """dt [B, T, HV] -> clamp(softplus?(dt + dt_bias), dt_limit) (no clamp for None)."""
+    import torch
     if dt_bias is not None:
         dt = dt + dt_bias.reshape(-1)
     if dt_softplus:
@@ -54,6 +51,7 @@ def gate_and_value(spec: OpSpec, v, dt, A, dt_bias=None, dt_softplus=False, dt_l
 def epilogue(spec: OpSpec, o, v, D=None, z=None):
     """o + D v (skip, D [HV] or [HV, V]; None: no term), then o * silu(z) (output_gate;
     None: no gate); in o's dtype."""
+    import torch.nn.functional as F
     if spec.skip and D is not None:
         HV, V = v.shape[2], v.shape[3]
         Dv = D.to(o.dtype).reshape(HV, -1).expand(HV, V)
@@ -72,6 +70,7 @@ def reference(spec: OpSpec, q, k, v, *, dt=None, A=None, dt_bias=None, dt_softpl
     states [N, HV, K, V] ([N, HV, V, K] with state_v_first). Differentiable.
     Returns (o [B, T, HV, V] fp64, final state fp64)."""
     from . import torch_reference as tr
+    F64 = tr.F64
     q, k, v = (x.to(F64) for x in (q, k, v))
     ve = v
     if spec.step == "dt":
@@ -88,6 +87,8 @@ def naive_reference(spec: OpSpec, q, k, v, *, dt, A, dt_bias=None, dt_softplus=F
     row, token and head, h <- exp(A dt) h + (dt x) B^T in Mamba's layout h [V, K]
     (headdim x dstate), y = h C + D x, y * silu(z); heads h share key head h // (HV / H).
     No varlen. Returns (y [B, T, HV, V], final h [B, HV, V, K])."""
+    import torch
+    F64 = torch.float64
     Bn, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     grp = HV // H
@@ -115,3 +116,29 @@ def naive_reference(spec: OpSpec, q, k, v, *, dt, A, dt_bias=None, dt_softplus=F
                     out = out * zz * torch.sigmoid(zz)
                 y[b, t, h] = out
     return y, hs
+
+
+class TermsMaths:
+    """The call terms as a member of the generated kernels (codegen/members.py; pieces in
+    codegen/templates/terms/<name>.py.jinja): "none" (a spec without call terms: every
+    hook empty) or "step" (any of step, value_scale, skip, output_gate: the kernel takes
+    their tensors and forms each term a call turns on, by trace-time flags).
+
+    kernel_params: the kernel's tensors of the terms, after the gate's: step_A [HV] (A),
+    step_bias [HV] (dt_bias), step_limit [2] (dt_limit's lo, hi), skip_D [HV, V] (D),
+    gate_z [B, T, HV, V] (z); placeholders (1,) where a call does not use them. With the
+    step the gate's tensor g carries the raw dt."""
+
+    def __init__(self, name: str, kernel_params: tuple = ()):
+        self.name = name
+        self.kernel_params = kernel_params
+
+
+TERMS = {"none": TermsMaths("none"),
+         "step": TermsMaths("step", ("step_A", "step_bias", "step_limit", "skip_D", "gate_z"))}
+
+
+def terms_of(spec: OpSpec) -> TermsMaths:
+    """The spec's call-terms member: "step" when it has any call term, else "none"."""
+    on = spec.step or spec.value_scale or spec.skip or spec.output_gate
+    return TERMS["step" if on else "none"]

@@ -149,23 +149,50 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            dt_softplus=False, state_batch_indices=None):
     """mamba_ssm's selective_state_update, Mamba-2's form: state [batch, nheads, headdim,
     dstate] (f16 / bf16 / f32, updated in place; or a pool [P, ...] read and written at
-    state_batch_indices [batch]); x, z [batch, nheads, headdim]; dt [batch, nheads,
-    headdim] and A [nheads, headdim, dstate], dt_bias [nheads, headdim] tied (stride 0)
-    along headdim / dstate; B, C [batch, ngroups, dstate]; D [nheads] or [nheads,
-    headdim]. Returns out [batch, nheads, headdim] in x's dtype."""
-    q, k, A1, dt1 = _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
-    bias = None if dt_bias is None else dt_bias[:, 0]
-    v, g = call_terms.gate_and_value(SPEC, x.float().unsqueeze(1), dt1, A1, bias, dt_softplus)
-    o, _ = api.recurrent(SPEC, q, k, v.to(x.dtype), g, None, scale=1.0, initial_state=state,
-                         options=_OPTS, ssm_state_indices=state_batch_indices,
-                         inplace_final_state=True)
-    return call_terms.epilogue(SPEC, o.float(), x.unsqueeze(1), D, None if z is None
-                               else z.unsqueeze(1))[:, 0].to(x.dtype)
+    state_batch_indices [batch], a slot outside [0, P) skipped, its out zeros); x, z
+    [batch, nheads, headdim]; dt [batch, nheads, headdim] and A [nheads, headdim, dstate],
+    dt_bias [nheads, headdim] tied (stride 0) along headdim / dstate; B, C [batch,
+    ngroups, dstate]; D [nheads] or [nheads, headdim]. Returns out [batch, nheads,
+    headdim] in x's dtype. One kernel: the step, the decay, the value scale, the skip term
+    and the output gate are formed in the recurrent kernel (the spec's call terms)."""
+    q, k, v, g, terms = _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias,
+                                       state_batch_indices, dt_softplus)
+    o, _ = _decode_kernel(SPEC, q, k, v, g, None, scale=1.0, initial_state=state,
+                          options=_OPTS, ssm_state_indices=state_batch_indices,
+                          inplace_final_state=True, terms=terms)
+    return o[:, 0]
 
 
-def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx):
-    """selective_state_update's arguments checked (before device work) and as the spec's:
-    (q, k [batch, 1, ngroups, dstate], A [nheads], dt [batch, 1, nheads])."""
+def _decode_kernel(*args, **kwargs):
+    """The recurrent kernel (ops/recurrent.py run_recurrent; the tests replace it on the
+    CPU)."""
+    from .recurrent import run_recurrent
+    return run_recurrent(*args, **kwargs)
+
+
+def decode_terms(x, A, D, z, dt_bias, dt_softplus):
+    """The call terms the decode kernel forms, as run_recurrent's ``terms``: the step from
+    the raw dt (g) with dt_bias and softplus, the decay exp(A dt), the value scale, D x,
+    silu(z); A, dt_bias [nheads] f32, D [nheads, headdim] f32, z [batch, 1, nheads,
+    headdim] in x's dtype."""
+    HV, V = x.shape[1], x.shape[2]
+    flags = dict(step_dt=True, step_bias_on=dt_bias is not None,
+                 step_softplus=bool(dt_softplus), value_scale=True, skip=D is not None,
+                 output_gate=z is not None)
+    tensors = {"step_A": A.float().contiguous()}
+    if dt_bias is not None:
+        tensors["step_bias"] = dt_bias.float().contiguous()
+    if D is not None:
+        tensors["skip_D"] = D.float().reshape(HV, -1).expand(HV, V).contiguous()
+    if z is not None:
+        tensors["gate_z"] = z.to(x.dtype).unsqueeze(1).contiguous()
+    return {"flags": flags, "tensors": tensors}
+
+
+def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx, dt_softplus):
+    """selective_state_update's arguments checked (before device work) and as the
+    kernel's: (q, k [batch, 1, ngroups, dstate], v [batch, 1, nheads, headdim] (x),
+    g [batch, 1, nheads] f32 (the raw dt), terms)."""
     validate.check_tensor("x", x, dtypes=validate.INPUT_DTYPES, contiguous=False)
     if x.dim() != 3:
         raise validate.shape_error("x", x.shape, "[batch, nheads, headdim]")
@@ -192,6 +219,10 @@ def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx):
     _tied("dt", dt, (2,))
     _tied("A", A, (1, 2))
     _tied("dt_bias", dt_bias, (1,))
+    if K not in (16, 32, 64, 128, 256) or V % 8 or V > 512:
+        raise validate.error(f"selective_state_update needs dstate in 16, 32, 64, 128, 256 "
+                             f"and headdim a multiple of 8 up to 512, got dstate={K}, "
+                             f"headdim={V}")
     validate.check_tensor("state", state, dtypes=validate.INPUT_DTYPES)
     if state.dim() != 4 or tuple(state.shape[1:]) != (HV, V, K) or (
             idx is None and state.shape[0] != b):
@@ -202,5 +233,7 @@ def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx):
                               shape=(b,), contiguous=False)
     validate.check_devices_as("x", x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                            state_batch_indices=idx)
-    q, k = C.to(x.dtype).unsqueeze(1), B.to(x.dtype).unsqueeze(1)
-    return q, k, A[:, 0, 0], dt[:, :, 0].unsqueeze(1)
+    q, k, v = (t.to(x.dtype).unsqueeze(1).contiguous() for t in (C, B, x))
+    g = dt[:, :, 0].float().unsqueeze(1).contiguous()
+    bias = None if dt_bias is None else dt_bias[:, 0]
+    return q, k, v, g, decode_terms(x, A[:, 0, 0], D, z, bias, dt_softplus)

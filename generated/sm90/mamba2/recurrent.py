@@ -12,6 +12,9 @@ once. Per token t (S in R^{K x V}, K-first maths whatever the storage layout):
     S <- exp(g_t) S                           g_t: one log decay per value head
     S <- S + k_t v_t^T                        additive rule
     o_t = S^T (scale q_t)
+    call terms (flags): dt = clamp(softplus?(g_t + dt_bias), lo, hi),     (step_dt)
+        S <- exp(A dt) S (the decay), v_t <- dt v_t                       (value_scale)
+        o_t <- (o_t + D x_t) * silu(z_t)                                  (skip, output_gate)
 
 Shapes (B, T, N dynamic: one compile serves every batch and length):
     q, k [B, T, H, K]; v, o [B, T, HV, V]; g [B, T, HV]
@@ -51,7 +54,9 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype",
                 "l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "state_v_first", "has_initial_state", "output_final_state", "varlen",
                 "index_dtype", "h0_dtype", "state_pool", "slots_per_token", "accepted_tokens",
-                "inplace", "slot_dtype")
+                "inplace", "slot_dtype",
+                "step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale",
+                "skip", "output_gate")
 EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="bfloat16", state_dtype="float32"),
     dict(H=2, HV=8, K=128, V=128, dtype="float16", state_dtype="float32",
@@ -65,12 +70,20 @@ EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="float32", state_dtype="float32",
          h0_dtype="bfloat16", has_initial_state=True, output_final_state=True,
          state_pool=True),
+    dict(H=8, HV=128, K=128, V=64, dtype="bfloat16", state_dtype="float32",
+         state_v_first=True, has_initial_state=True, state_pool=True, inplace=True,
+         step_dt=True, step_bias_on=True, step_softplus=True, step_clamp=True,
+         value_scale=True, skip=True, output_gate=True),
+    dict(H=1, HV=8, K=64, V=64, dtype="bfloat16", state_dtype="float32",
+         state_v_first=True, has_initial_state=True, output_final_state=True, varlen=True,
+         step_dt=True, value_scale=True, skip=True),
 ]
 
 
 def args(**params):
     """Names of the kernel's arguments, in order (scale is a float scalar)."""
     names = ["q", "k", "v", "g", "A_log", "dt_bias"]
+    names += ["step_A", "step_bias", "step_limit", "skip_D", "gate_z"]
     return names + ["h0", "cu_seqlens", "slots", "accepted", "scale", "o", "ht"]
 
 
@@ -194,6 +207,8 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first):
 
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           g_dtype="float32",
+          step_dt=False, step_bias_on=False, step_softplus=False, step_clamp=False,
+          value_scale=False, skip=False, output_gate=False,
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
@@ -240,6 +255,12 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     g_shape = (B, Tlen, HV)
     dt_bias_shape = (HV,) if gate_in_kernel else (1,)
     A_log_shape = (HV,) if gate_in_kernel else (1,)
+    step_A_shape = (HV,) if step_dt else (1,)
+    step_bias_shape = (HV,) if step_bias_on else (1,)
+    step_limit_shape = (2,) if step_clamp else (1,)
+    skip_D_shape = (HV, V) if skip else (1,)
+    gate_z_shape = (B, Tlen, HV, V) if output_gate else (1,)
+    gate_z_dtype = dtype if output_gate else "float32"
 
     # one CTA per (sequence, head, value block), a state's value blocks on adjacent CTAs:
     # the CTAs running together read and write whole states, not a strip of each of many
@@ -306,6 +327,11 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         g: T.Tensor(g_shape, g_dtype),
         A_log: T.Tensor(A_log_shape, "float32"),
         dt_bias: T.Tensor(dt_bias_shape, "float32"),
+        step_A: T.Tensor(step_A_shape, "float32"),
+        step_bias: T.Tensor(step_bias_shape, "float32"),
+        step_limit: T.Tensor(step_limit_shape, "float32"),
+        skip_D: T.Tensor(skip_D_shape, "float32"),
+        gate_z: T.Tensor(gate_z_shape, gate_z_dtype),
         h0: T.Tensor(h0_shape, h0_dtype),
         cu_seqlens: T.Tensor(cu_shape, index_dtype),
         slots: T.Tensor(slots_shape, slot_dtype),
@@ -322,6 +348,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             vf = T.alloc_fragment((BV,), acc)
             of = T.alloc_fragment((BV,), acc)
             vin = T.alloc_fragment((BV,), acc)           # the token's v
+            xin = T.alloc_fragment((BV,), acc)           # the token's raw v (the skip term's x)
             sq = T.alloc_fragment((K,), acc)             # l2norm only
             q_ss = T.alloc_fragment((1,), acc)           # sum q^2, sum k^2
             k_ss = T.alloc_fragment((1,), acc)
@@ -403,6 +430,21 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                             x = g_t + dt_bias[i_hv]
                             g_t = -T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x)))
                         decay = T.exp(g_t)
+                        if skip:
+                            for j in T.Parallel(BV):
+                                xin[j] = vin[j]
+                        if step_dt:
+                            dt_t = T.cast(g[i_b, tok, i_hv], acc)
+                            if step_bias_on:
+                                dt_t = dt_t + step_bias[i_hv]
+                            if step_softplus:
+                                dt_t = T.if_then_else(dt_t > 20.0, dt_t, T.log1p(T.exp(dt_t)))
+                            if step_clamp:
+                                dt_t = T.min(T.max(dt_t, step_limit[0]), step_limit[1])
+                            decay = T.exp(step_A[i_hv] * dt_t)
+                            if value_scale:
+                                for j in T.Parallel(BV):
+                                    vin[j] = vin[j] * dt_t
                         if l2norm_qk:
                             for i in T.Parallel(K):
                                 sq[i] = qf[i] * qf[i]
@@ -424,6 +466,13 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                             S[i, j] = S[i, j] + kf[i] * vf[j]
                             SX[i, j] = S[i, j] * qf[i]
                         T.reduce_sum(SX, of, dim=0, batch=red_batch)       # o = S^T (scale q)
+                        if skip:
+                            for j in T.Parallel(BV):
+                                of[j] = of[j] + skip_D[i_hv, v0 + j] * xin[j]
+                        if output_gate:
+                            for j in T.Parallel(BV):
+                                of[j] = of[j] * T.cast(gate_z[i_b, tok, i_hv, v0 + j], acc) / (
+                                    1.0 + T.exp(-T.cast(gate_z[i_b, tok, i_hv, v0 + j], acc)))
                         for j in T.Parallel(BV):
                             o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
                         if inplace and slots_per_token:     # the state after token t: slot [n, t]
