@@ -37,14 +37,18 @@ def step(dt, dt_bias=None, dt_softplus=False, dt_limit=None):
     return dt
 
 
-def gate_and_value(spec: OpSpec, v, dt, A, dt_bias=None, dt_softplus=False, dt_limit=None):
-    """(v written [B, T, HV, V], g [B, T, HV]) of a spec with step 'dt': g = A dt and, with
-    value_scale 'dt', v scaled by dt; computed in v's dtype (dt, A converted to it)."""
-    s = step(dt.to(v.dtype), None if dt_bias is None else dt_bias.to(v.dtype),
+def gate_and_value(spec: OpSpec, v, dt, A, dt_bias=None, dt_softplus=False, dt_limit=None,
+                   dtype=None):
+    """(v written [B, T, HV, V] in v's dtype, g [B, T, HV] in ``dtype``) of a spec with
+    step 'dt': g = A dt and, with value_scale 'dt', v scaled by dt; the step and the
+    product computed in ``dtype`` (default v's; the ops pass float32 with 16-bit v: one
+    pass over v, rounded once)."""
+    dtype = dtype or v.dtype
+    s = step(dt.to(dtype), None if dt_bias is None else dt_bias.to(dtype),
              dt_softplus, dt_limit)
-    g = s * A.to(v.dtype).reshape(-1)
+    g = s * A.to(dtype).reshape(-1)
     if spec.value_scale == "dt":
-        v = v * s.unsqueeze(-1)
+        v = (v * s.unsqueeze(-1)).to(v.dtype)
     return v, g
 
 

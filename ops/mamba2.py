@@ -116,8 +116,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if cu is not None and h0 is not None:       # the first sequence starts from it
         rest = h0.new_zeros((cu.shape[0] - 2,) + tuple(h0.shape[1:]))
         h0 = torch.cat([h0, rest], 0)
-    v, g = call_terms.gate_and_value(SPEC, x.float(), dt, A, dt_bias, dt_softplus, dt_limit)
-    q, k, v = C.to(x.dtype), B.to(x.dtype), v.to(x.dtype)
+    v, g = call_terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit,
+                                     dtype=torch.float32)
+    q, k = C.to(x.dtype), B.to(x.dtype)
     o, ht = _run(q, k, v, g, h0, True, cu)
     y = call_terms.epilogue(SPEC, o.float(), x, D, z).to(x.dtype)
     out = (y,)
