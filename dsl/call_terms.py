@@ -54,15 +54,16 @@ def gate_and_value(spec: OpSpec, v, dt, A, dt_bias=None, dt_softplus=False, dt_l
 
 def epilogue(spec: OpSpec, o, v, D=None, z=None):
     """o + D v (skip, D [HV] or [HV, V]; None: no term), then o * silu(z) (output_gate;
-    None: no gate); in o's dtype."""
+    None: no gate), computed in o's dtype promoted to at least float32 (16-bit o, v, z are
+    read as they are: one pass each, no widened copies)."""
+    import torch
     import torch.nn.functional as F
+    acc = torch.promote_types(o.dtype, torch.float32)
     if spec.skip and D is not None:
-        HV, V = v.shape[2], v.shape[3]
-        Dv = D.to(o.dtype).reshape(HV, -1).expand(HV, V)
-        o = o + v.to(o.dtype) * Dv
+        o = torch.addcmul(o, v, D.to(acc).reshape(v.shape[2], -1))
     if spec.output_gate == "silu" and z is not None:
-        o = o * F.silu(z.to(o.dtype))
-    return o
+        o = o * F.silu(z.to(acc) if acc == torch.float64 else z)
+    return o.to(acc)
 
 
 def reference(spec: OpSpec, q, k, v, *, dt=None, A=None, dt_bias=None, dt_softplus=False,

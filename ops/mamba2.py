@@ -120,7 +120,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                                      dtype=torch.float32)
     q, k = C.to(x.dtype), B.to(x.dtype)
     o, ht = _run(q, k, v, g, h0, True, cu)
-    y = call_terms.epilogue(SPEC, o.float(), x, D, z).to(x.dtype)
+    y = call_terms.epilogue(SPEC, o, x, D, z).to(x.dtype)
     out = (y,)
     if return_final_states:
         out += (ht[-1:] if cu is not None else ht,)
