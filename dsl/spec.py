@@ -156,8 +156,9 @@ class OpSpec:
                  RetNet's "log(1 - 2**(-5 - h))"; g is then not a call input, every token
                  of head h decays by exp(decay(h, H)) (:meth:`head_decay`); it may also
                  use ``layer`` and ``layers`` (the call's layer index and layer count: a
-                 decay fixed per head and layer, lightning attention's) and ``slope(h, H)``
-                 (ALiBi's head slopes, :func:`alibi_slope`)
+                 decay fixed per head and layer, lightning attention's "-8 * h / H * (1 -
+                 layer / layers)") and ``slope(h, H)`` (ALiBi's head slopes,
+                 :func:`alibi_slope`: MiniMax's and the lightning-attention paper's form)
     step:        "dt": the call passes a step dt [B, T, HV] and the kernel forms
                  dt <- clamp(softplus?(dt + dt_bias), dt_limit) and the scalar gate
                  g = A dt (A [HV] <= 0) from it (Mamba-2's discretization)
@@ -355,7 +356,7 @@ def _check_decay(spec: "OpSpec", f) -> None:
 
 
 #: layer counts (every layer of each) and head counts a layer-dependent decay is checked at
-DECAY_CHECK_LAYERS = (2, 3, 24)
+DECAY_CHECK_LAYERS = (1, 2, 3, 24)
 DECAY_CHECK_LAYER_HEADS = (1, 6, 8, 12, 64)
 
 

@@ -1,17 +1,16 @@
 """Lightning attention: the additive rule with a decay fixed per head and layer, fla's
-chunk_lightning_attn / fused_recurrent_lightning_attn. The spec's ``decay`` names the
-layer: head h of H decays by exp(-slope(h, H) (1 - layer / (layers - 1) + 1e-5)) per
-token (ALiBi's slopes, dsl.spec.alibi_slope), so a call passes layer_idx and num_layers
-and no gate; its kernels are the scalar gate's."""
+chunk_lightning_attn / fused_recurrent_lightning_attn (fla 0.6). The spec's ``decay``
+names the layer: head h of H decays by exp(-8 h / H (1 - layer / layers)) per token, as
+fla's g_gamma, so a call passes layer_idx and num_layers and no gate; its kernels are the
+scalar gate's."""
 from ..dsl import OpSpec
 from . import api, validate
 
 SPEC = OpSpec(
     name="lightning", rule="additive", gate="scalar", chunk_size=64,
     supports=frozenset({"state_v_first"}), gva=False,
-    decay="-slope(h, H) * (1 - layer / (layers - 1) + 1e-5)",
-    doc="Lightning attention: S <- exp(-s_h (1 - l / (L - 1) + 1e-5)) S + k v^T; "
-        "o = S^T (scale q).",
+    decay="-8 * h / H * (1 - layer / layers)",
+    doc="Lightning attention: S <- exp(-8 h / H (1 - l / L)) S + k v^T; o = S^T (scale q).",
 )
 
 
@@ -22,9 +21,8 @@ def layer_gate(q, v, layer_idx, num_layers):
     for name, x in (("layer_idx", layer_idx), ("num_layers", num_layers)):
         if isinstance(x, bool) or not isinstance(x, int):
             raise validate.error(f"{name} must be an int, got {type(x).__name__}")
-    if num_layers < 2:
-        raise validate.error(f"num_layers must be >= 2 (the decay divides by num_layers - "
-                             f"1), got {num_layers}")
+    if num_layers < 1:
+        raise validate.error(f"num_layers must be >= 1, got {num_layers}")
     if not 0 <= layer_idx < num_layers:
         raise validate.error(f"layer_idx must be in [0, num_layers) = [0, {num_layers}), "
                              f"got {layer_idx}")
@@ -40,7 +38,7 @@ def chunk_lightning_attn(q, k, v, layer_idx, num_layers, scale=None, initial_sta
                          output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
                          **kwargs):
     """fla's chunk_lightning_attn: q, k, v [B, T, H, K / V] (f16 / bf16; f32 runs the
-    recurrent kernel), layer_idx in [0, num_layers), num_layers >= 2; initial_state
+    recurrent kernel), layer_idx in [0, num_layers); initial_state
     [N, H, K, V] (read as f32). Returns (o [B, T, H, V], final_state f32 or None).
     Differentiable in q, k, v and initial_state (ops/additive_bwd.py)."""
     g = layer_gate(q, v, layer_idx, num_layers)

@@ -78,12 +78,21 @@ def test_alibi_slopes_are_lightnings(H):
     assert [alibi_slope(h, H) for h in range(H)] == pytest.approx(_fla_slopes(H), rel=1e-12)
 
 
-@pytest.mark.parametrize("layer, layers", [(0, 2), (1, 2), (3, 24), (23, 24)])
+@pytest.mark.parametrize("layer, layers", [(0, 1), (0, 2), (1, 2), (3, 24), (23, 24)])
 def test_lightning_decay_is_fla_s(layer, layers):
+    """fla 0.6's chunk_lightning_attn: g_gamma = -(8 / H (1 - layer_idx / L)) arange(H)."""
     H = 8
-    want = [-s * (1 - layer / (layers - 1) + 1e-5) for s in _fla_slopes(H)]
-    assert lightning.SPEC.head_decay(H, layer, layers) == pytest.approx(want, rel=1e-12)
+    want = [-(8 / H * (1 - layer / layers)) * h for h in range(H)]
+    assert lightning.SPEC.head_decay(H, layer, layers) == pytest.approx(want, rel=1e-12,
+                                                                        abs=1e-15)
     assert lightning.SPEC.layer_decay and not linattn.ops.retention.SPEC.layer_decay
+
+
+def test_alibi_slope_decays_are_expressible():
+    spec = OpSpec(name="minimax", rule="additive", gate="scalar",
+                  decay="-slope(h, H) * (1 - layer / layers + 1e-5)")
+    want = [-s * (1 - 3 / 24 + 1e-5) for s in _fla_slopes(8)]
+    assert spec.head_decay(8, 3, 24) == pytest.approx(want, rel=1e-12)
 
 
 def test_layer_decay_needs_the_layer_and_is_checked_at_every_layer():
@@ -337,7 +346,7 @@ def test_selective_state_update_argument_errors(over, match):
 
 
 @pytest.mark.parametrize("layer_idx, num_layers, match", [
-    (0, 1, r"^num_layers must be >= 2"), (3, 3, r"^layer_idx must be in"),
+    (0, 0, r"^num_layers must be >= 1"), (3, 3, r"^layer_idx must be in"),
     (-1, 4, r"^layer_idx must be in"), (1.0, 4, r"^layer_idx must be an int"),
 ])
 def test_lightning_argument_errors(layer_idx, num_layers, match):
