@@ -316,7 +316,8 @@ def _decay_expr(spec: "OpSpec"):
     allowed = (h, H, layer, layers)
     extra = sorted(str(x) for x in getattr(expr, "free_symbols", ()) if x not in allowed)
     if extra:
-        raise SpecError(f"{spec.name}: decay may use h, H, layer and layers only, got {extra}")
+        raise SpecError(f"{spec.name}: decay may use h and H only (and layer, layers: a "
+                        f"decay by layer), got {extra}")
     return sympy.lambdify(allowed, expr, "math")
 
 
