@@ -91,36 +91,42 @@ def naive_reference(spec: OpSpec, q, k, v, *, dt, A, dt_bias=None, dt_softplus=F
     """Mamba-2's recurrence written out step by step in fp64, for the tests: per batch
     row, token and head, h <- exp(A dt) h + (dt x) B^T in Mamba's layout h [V, K]
     (headdim x dstate), y = h C + D x, y * silu(z); heads h share key head h // (HV / H).
-    No varlen. Returns (y [B, T, HV, V], final h [B, HV, V, K])."""
+    No varlen; differentiable (no in-place writes). Returns (y [B, T, HV, V], final h
+    [B, HV, V, K])."""
     import torch
     F64 = torch.float64
     Bn, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     grp = HV // H
     q, k, v, dt, A = (x.to(F64) for x in (q, k, v, dt, A))
-    hs = (torch.zeros(Bn, HV, V, K, dtype=F64) if initial_state is None
-          else initial_state.to(F64).clone())
-    y = torch.zeros(Bn, T, HV, V, dtype=F64)
+    Dm = None if D is None else D.to(F64).reshape(HV, -1)
+    ys, finals = [], []
     for b in range(Bn):
+        hs = [torch.zeros(V, K, dtype=F64) if initial_state is None
+              else initial_state[b, h].to(F64) for h in range(HV)]
+        rows = []
         for t in range(T):
+            outs = []
             for h in range(HV):
-                d = dt[b, t, h] + (0.0 if dt_bias is None else float(dt_bias[h]))
+                d = dt[b, t, h] + (0.0 if dt_bias is None else dt_bias[h].to(F64))
                 if dt_softplus:
-                    d = d if d > 20 else torch.log1p(torch.exp(d))
+                    d = torch.where(d > 20, d, torch.log1p(torch.exp(torch.clamp(d, max=20.0))))
                 if dt_limit is not None:
-                    d = min(max(float(d), dt_limit[0]), dt_limit[1])
-                d = torch.as_tensor(d, dtype=F64)
+                    d = torch.clamp(d, min=float(dt_limit[0]), max=float(dt_limit[1]))
                 hk = h // grp
-                hs[b, h] = (torch.exp(A[h] * d) * hs[b, h]
-                            + torch.outer(d * v[b, t, h], k[b, t, hk]))
-                out = hs[b, h] @ (scale * q[b, t, hk])
-                if D is not None:
-                    out = out + D.to(F64).reshape(HV, -1)[h] * v[b, t, h]
+                hs[h] = (torch.exp(A[h] * d) * hs[h]
+                         + torch.outer(d * v[b, t, h], k[b, t, hk]))
+                out = hs[h] @ (scale * q[b, t, hk])
+                if Dm is not None:
+                    out = out + Dm[h] * v[b, t, h]
                 if z is not None:
                     zz = z[b, t, h].to(F64)
                     out = out * zz * torch.sigmoid(zz)
-                y[b, t, h] = out
-    return y, hs
+                outs.append(out)
+            rows.append(torch.stack(outs))
+        ys.append(torch.stack(rows))
+        finals.append(torch.stack(hs))
+    return torch.stack(ys), torch.stack(finals)
 
 
 class TermsMaths:

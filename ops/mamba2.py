@@ -42,7 +42,7 @@ def check_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_id
                cu_seqlens, dt_limit):
     """Every argument of mamba_chunk_scan_combined, before any device work (one-line
     SpecErrors naming the argument). Returns (nheads, ngroups)."""
-    validate.check_tensor("x", x, dtypes=validate.CHUNK_DTYPES, contiguous=False)
+    validate.check_tensor("x", x, dtypes=validate.INPUT_DTYPES, contiguous=False)
     if x.dim() != 4:
         raise validate.shape_error("x", x.shape, "[B, T, nheads, headdim]")
     Bn, T, HV, V = x.shape
@@ -97,7 +97,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               initial_states=None, seq_idx=None, cu_seqlens=None,
                               dt_softplus=False, dt_limit=(0.0, _INF),
                               return_final_states=False, return_varlen_states=False):
-    """mamba_ssm's mamba_chunk_scan_combined: x [B, T, nheads, headdim] (f16 / bf16);
+    """mamba_ssm's mamba_chunk_scan_combined: x [B, T, nheads, headdim] (f16 / bf16; f32
+    runs the recurrent kernel, and trains exactly in torch: ops/exact_train.py);
     dt [B, T, nheads]; A [nheads]; B, C [B, T, ngroups, dstate]; D [nheads] or
     [nheads, headdim]; z like x; dt_bias [nheads]; initial_states [B, nheads, headdim,
     dstate]; seq_idx [B, T] int (batch 1; the state resets where it changes) and / or

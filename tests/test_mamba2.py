@@ -291,6 +291,7 @@ def _scan_args(**over):
 @pytest.mark.parametrize("over, match", [
     (dict(x=torch.zeros(2, 37, 4, dtype=BF)), r"^x .*shape"),
     (dict(x=torch.zeros(2, 37, 4, 8, dtype=torch.int32)), r"^x "),
+    (dict(x=torch.zeros(2, 37, 4, 8, dtype=torch.float64)), r"^x "),
     (dict(dt=torch.zeros(2, 37, 3)), r"^dt "),
     (dict(A=torch.zeros(3)), r"^A "),
     (dict(B=torch.zeros(2, 37, 2, 8)), r"^C |^B "),
@@ -367,3 +368,30 @@ def test_public_signatures_are_mamba_ssm_s_and_fla_s():
     assert names(linattn.chunk_lightning_attn)[:8] == [
         "q", "k", "v", "layer_idx", "num_layers", "scale", "initial_state",
         "output_final_state"]
+
+
+def test_chunk_scan_combined_gradients_of_every_input(cpu_ops):
+    """A float32 call trains through the wrapper (the step, value scale, skip and gate by
+    autograd around the additive training; float32: ops/exact_train.py) with the
+    gradients of Mamba-2's recurrence written out step by step."""
+    p = ssd_inputs(Bn=1, T=20, G=2, dtype=F32)
+    p["h0"] = p["h0"].float()
+    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+    mine = {n: p[n].float().clone().requires_grad_(True) for n in names}
+    ref = {n: p[n].double().clone().requires_grad_(True) for n in names}
+    lim = (0.05, 1.5)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        mine["x"], mine["dt"], mine["A"], mine["B"], mine["C"], 64, D=mine["D"],
+        z=mine["z"], dt_bias=mine["dt_bias"], initial_states=mine["h0"], dt_softplus=True,
+        dt_limit=lim, return_final_states=True)
+    wy, wh = call_terms.naive_reference(
+        mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
+        dt_bias=ref["dt_bias"], dt_softplus=True, dt_limit=lim, D=ref["D"], z=ref["z"],
+        initial_state=ref["h0"])
+    gen = torch.Generator().manual_seed(5)
+    dy, dh = torch.randn(y.shape, generator=gen), torch.randn(hT.shape, generator=gen)
+    got = torch.autograd.grad((y, hT), [mine[n] for n in names], (dy, dh))
+    want = torch.autograd.grad((wy, wh), [ref[n] for n in names], (dy.double(), dh.double()))
+    torch.testing.assert_close(y.double(), wy, rtol=1e-4, atol=1e-4)
+    for n, a, b in zip(names, got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-4, msg=n)
