@@ -395,3 +395,25 @@ def test_chunk_scan_combined_gradients_of_every_input(cpu_ops):
     torch.testing.assert_close(y.double(), wy, rtol=1e-4, atol=1e-4)
     for n, a, b in zip(names, got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_lightning_gradients(cpu_ops, recurrent):
+    """float32 lightning trains through the wrapper (exact in torch) with the gradients of
+    the plain recurrence under fla's decay."""
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(1, 13, 4, 16, generator=gen) for _ in range(3)]
+    h0 = torch.randn(1, 4, 16, 16, generator=gen) * 0.1
+    mine = [t.clone().requires_grad_(True) for t in xs + [h0]]
+    ref = [t.double().requires_grad_(True) for t in xs + [h0]]
+    fn = (linattn.fused_recurrent_lightning_attn if recurrent
+          else linattn.chunk_lightning_attn)
+    o, ht = fn(*mine[:3], 1, 3, initial_state=mine[3], output_final_state=True)
+    g = torch.tensor(lightning.SPEC.head_decay(4, 1, 3), dtype=F64).view(1, 1, 4)
+    plain = OpSpec(name="plain", rule="additive", gate="scalar")
+    wo, wh = call_terms.reference(plain, *ref[:3], g=g.expand(1, 13, 4),
+                                  initial_state=ref[3], recurrent=True)
+    got = torch.autograd.grad((o, ht), mine, (torch.ones_like(o), torch.ones_like(ht)))
+    want = torch.autograd.grad((wo, wh), ref, (torch.ones_like(wo), torch.ones_like(wh)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
