@@ -394,3 +394,13 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
                   cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
                   num_accepted_tokens=num_accepted_tokens)
     return Checked(dims, N)
+
+
+def check_devices_as(name: str, x, **tensors) -> None:
+    """check_devices with the leading tensor named ``name`` instead of q (mamba_ssm's x)."""
+    try:
+        check_devices(x, **tensors)
+    except SpecError as e:
+        msg = str(e)
+        msg = name + msg[1:] if msg.startswith("q is on") else msg
+        raise SpecError(msg.replace("(q is on", f"({name} is on")) from None

@@ -8,8 +8,11 @@ from linattn.ops import get_spec, specs
 
 def test_families_are_registered_with_their_maths():
     table = specs()
-    assert sorted(table) == ["deltanet", "gdn", "gla", "kda", "linear_attn", "retention",
-                             "simple_gla"]
+    assert {"deltanet", "gdn", "gla", "kda", "linear_attn", "retention", "simple_gla",
+            "mamba2", "lightning"} <= set(table)
+    assert (table["mamba2"].rule, table["mamba2"].gate, table["mamba2"].step) == \
+        (Rule.ADDITIVE, Gate.SCALAR, "dt")
+    assert (table["lightning"].gate, table["lightning"].layer_decay) == (Gate.SCALAR, True)
     assert (table["deltanet"].rule, table["deltanet"].gate) == (Rule.DELTA, Gate.NONE)
     assert (table["gdn"].rule, table["gdn"].gate) == (Rule.DELTA, Gate.SCALAR)
     assert (table["kda"].rule, table["kda"].gate) == (Rule.DELTA, Gate.KEY)
