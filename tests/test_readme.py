@@ -88,7 +88,7 @@ def test_commands_are_the_installed_ones_and_ci_runs_the_test_command():
 
 
 def test_no_lab_provenance_and_short():
-    assert len(README.splitlines()) <= 215
+    assert len(README.splitlines()) <= 200
     assert not re.search(r"\bs[0-9]{1,2}-[0-9]\b|[Ss]ession [0-9]+|\brun s[0-9]", README)
     assert "seed" not in README.lower()          # the reference system is named: TileOPs
     speed = README[README.index("## Speed"):]
