@@ -31,6 +31,9 @@ from linattn.ops.retention import (chunk_retention, fused_chunk_retention,  # no
                                   fused_recurrent_retention, parallel_retention)
 from linattn.ops.simple_gla import (chunk_simple_gla, fused_chunk_simple_gla,  # noqa: F401
                                    fused_recurrent_simple_gla, parallel_simple_gla)
+from linattn.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update  # noqa: F401
+from linattn.ops.lightning import (chunk_lightning_attn,  # noqa: F401
+                                  fused_recurrent_lightning_attn)
 from linattn.ops import library as _library
 
 _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py

@@ -11,10 +11,16 @@ L2 flushed before each call, median over calls; each kernel's median too.
 
     python3 bench/chunk_bwd_probe.py [--iters 20] [--only train-4k-bf16 ...]
         [--sweep-on train-16k-f16] [--budget-s 0] [--precompile]
+        [--configs default split fused] [--no-fla]
     (--sweep-on: also time our backward there at each dh-pass variant (pipeline depth x
     value block); '' for none. --precompile: compile in parallel processes first; by
     default kernels compile on first use, cheap when the GPU tests ran before with the
-    same TILELANG_CACHE_DIR. One line per workload is printed as soon as it is measured.)
+    same TILELANG_CACHE_DIR. One line per workload is printed as soon as it is measured.
+    --configs: our backward timed at each named config, "default" (the plan's), "split" or
+    "fused" (chunk_backward(fold=...): the arch's FOLD_STAGES), each with its kernels and its
+    largest relative difference from the first config's gradients; the first config's
+    figures are the ours_bwd ones. Only "default" is passed to an older package (an A/B
+    baseline tree). --no-fla: ours only.)
     (JSON to $OUT_DIR or $OUT /chunk_bwd_probe.json when set)
 """
 from __future__ import annotations
@@ -99,6 +105,10 @@ def line(r):
     for op in ("fwd", "bwd"):
         if f"fla_{op}_kernels_ms" in r:
             text += f"\n   fla {op}: {_short(r[f'fla_{op}_kernels_ms'])}"
+    for cfg, x in r.get("configs", {}).items():
+        text += (f"\n   bwd {cfg:8s} ERROR {x['error']}" if "error" in x else
+                 f"\n   bwd {cfg:8s} {x['ms']:.4f} ms, {x['n_kernels']} kernels, diff "
+                 f"{x['diff']:.1e}: {_short(x['kernels_ms'])}")
     for var, x in r.get("dh_sweep", {}).items():
         text += f"\n   dh {var:12s} " + (x if isinstance(x, str) else
                                           f"bwd {x['ms']:.4f} ms, dh {x['dh_ms']:.4f} ms, "
@@ -106,7 +116,14 @@ def line(r):
     return text
 
 
-def probe(name, iters, sweep=False):
+def _config(name) -> dict:
+    """chunk_backward's keywords for a --configs name."""
+    if name not in ("default", "split", "fused"):
+        raise SystemExit(f"unknown config {name!r}: default, split or fused")
+    return {} if name == "default" else {"fold": name}
+
+
+def probe(name, iters, sweep=False, configs=("default",), fla=True):
     B, H, L, D, dtn = WORKLOADS[name]
     dt = DTYPES[dtn]
     q, k, v, beta, do = inputs(B, H, L, D, dt)
@@ -114,13 +131,25 @@ def probe(name, iters, sweep=False):
     fwd_flops, bwd_flops = 2 * B * H * L * D * D, 4 * B * H * L * D * D
     outs = contracts.deltanet_chunk_fwd(q, k, v, beta)
     ours_fwd = lambda: contracts.deltanet_chunk_fwd(q, k, v, beta)  # noqa: E731
-    ours_bwd = lambda dh=None: chunk_bwd.chunk_backward(do, q, k, v, beta, *outs[1:],  # noqa: E731
-                                                         dh=dh)
-    ours_bwd()
+    kw0 = _config(configs[0])
+    ours_bwd = lambda dh=None, kw=kw0: chunk_bwd.chunk_backward(  # noqa: E731
+        do, q, k, v, beta, *outs[1:], dh=dh, **kw)
+    ref = ours_bwd()
     for op, fn, flops in (("fwd", ours_fwd, fwd_flops), ("bwd", ours_bwd, bwd_flops)):
         ms, per, n = device_times(fn, iters=iters)
         res[f"ours_{op}_ms"], res[f"ours_{op}_kernels_ms"], res[f"ours_{op}_n_kernels"] = ms, per, n
         res[f"ours_{op}_tflops"] = flops / ms * 1e-9
+    res["configs"] = {}
+    for cfg in configs:
+        kw = _config(cfg)
+        try:
+            got = ours_bwd(kw=kw)
+            err = max(float((a.float() - b.float()).norm() / b.float().norm())
+                      for a, b in zip(got, ref))
+            ms, per, n = device_times(lambda: ours_bwd(kw=kw), iters=iters)
+            res["configs"][cfg] = dict(ms=ms, kernels_ms=per, n_kernels=n, diff=err)
+        except Exception as e:  # one config failing: report, time the others
+            res["configs"][cfg] = dict(error=f"{type(e).__name__}: {e}"[:300])
     if sweep:
         ref = ours_bwd()
         res["dh_sweep"] = {}
@@ -134,6 +163,8 @@ def probe(name, iters, sweep=False):
                 res["dh_sweep"][f"stages{ns}-bv{bv}"] = dict(ms=ms, dh_ms=dh_ms, diff=err)
             except Exception as e:
                 res["dh_sweep"][f"stages{ns}-bv{bv}"] = f"{type(e).__name__}: {e}"[:200]
+    if not fla:
+        return res
     try:
         f_fwd, f_bwd, how = fla_calls(q, k, v, beta, do)
         res["fla_bwd_via"] = how
@@ -154,6 +185,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new workload after this many seconds (0: no limit)")
     ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--configs", nargs="*", default=["default"])
+    ap.add_argument("--no-fla", action="store_true")
     args = ap.parse_args()
     names = args.only or list(WORKLOADS)
     t0 = time.time()
@@ -163,7 +196,7 @@ def main():
             B, H, L, D, dtn = WORKLOADS[n]
             dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
             fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims, L=L).items()]
-            bwd.append(chunk_bwd.backward_params(**dims))
+            bwd += [chunk_bwd.backward_params(**dims, **_config(c)) for c in args.configs]
             if n == args.sweep_on:
                 bwd += [chunk_bwd.backward_params(**dims, dh=_dh(ns, bv)) for ns, bv in SWEEP]
         errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
@@ -175,7 +208,8 @@ def main():
             print(f"{name}: skipped (--budget-s)", flush=True)
             continue
         try:
-            r = probe(name, args.iters, name == args.sweep_on)
+            r = probe(name, args.iters, name == args.sweep_on, tuple(args.configs),
+                      not args.no_fla)
         except Exception as e:
             traceback.print_exc()
             r = {"workload": name, "error": f"{type(e).__name__}: {e}"[:500]}

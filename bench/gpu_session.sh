@@ -46,7 +46,7 @@ for s in $STEPS; do
              --junitxml="$R/chunk.xml" ;;
     dprobe) run_step dprobe "${DPROBE_S:-240}" python3 bench/decode_probe.py --sweep ${DPROBE_ARGS:-} \
              --budget-s $(( ${DPROBE_S:-240} - 60 )) --out "$R/decode_probe.json" ;;
-    # CBWD_K narrows it (e.g. "test_forward" with LINATTN_TEST_PRECOMPILE=forward)
+    # CBWD_K narrows it (e.g. "test_forward"; the module precompiles what it selects)
     cbwd) run_step cbwd "${CBWD_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
              -rfE --durations=8 tests/test_chunk_bwd_gpu.py -k "${CBWD_K:-}" \
              --junitxml="$R/chunk_bwd.xml" ;;

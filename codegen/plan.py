@@ -129,6 +129,22 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_wy", "chunk_bwd_wy.py.jinja", "bwd",
               doc="per chunk: back through A, w, u: dk += WY terms, dv, dbeta",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+        Stage("chunk_bwd_fold_local", "chunk_bwd_fold_local.py.jinja", "bwd",
+              doc="folded form, per chunk: dv_local, and the reverse pass's dh-free parts "
+                  "dh_local = q^T do - w^T dv_local, nwk = -(w^T k)",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
+        Stage("chunk_bwd_fold_walk", "chunk_bwd_fold_walk.py.jinja", "bwd",
+              doc="folded form, reverse sequential pass: dh += dh_local + nwk dh, one "
+                  "product a chunk",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
+        Stage("chunk_bwd_fold_dqkw", "chunk_bwd_fold_dqkw.py.jinja", "bwd",
+              doc="folded form, per chunk: dv2 = dv_local + k dh, v_new, dq, dk (output + "
+                  "state terms), dw = -dv2 S^T",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
+        Stage("chunk_bwd_fold_tail", "chunk_bwd_fold_tail.py.jinja", "bwd",
+              doc="folded form, fused tail, per chunk: chunk_bwd_fold_dqkw and chunk_bwd_wy "
+                  "in one kernel (du, dw, dk's first terms in the CTA)",
+              rules=frozenset({"delta"}), gates=frozenset({"none"})),
         Stage("chunk_bwd_key_grads", "chunk_bwd_key_grads.py.jinja", "bwd",
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "
                   "l2norm backward)",

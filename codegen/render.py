@@ -19,6 +19,7 @@ from ..dsl import OpSpec
 from ..dsl.preprocess import L2NORM_EPS
 from .arch import get_arch
 from .members import Put, member
+from ..dsl.call_terms import terms_of
 from .plan import Stage, plan
 
 GENERATOR_VERSION = "0.1.0"
@@ -84,6 +85,7 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "smem_per_sm": arch_mod.SMEM_PER_SM,
         "rule": member(environment(), "rules", spec.rule.maths),
         "gate": member(environment(), "gates", spec.gate.maths),
+        "terms": member(environment(), "terms", terms_of(spec)),
         "gva": spec.gva,
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,

@@ -316,9 +316,13 @@ class ChunkAdditiveFunction:
 
     @classmethod
     def apply(cls, call, q, k, v, g, initial_state):
+        """q, k, v, g made contiguous here, once (differentiable copies where they are
+        views): the Function keeps them for its backward, which would copy them again."""
         if cls._fn is None:
             cls._fn = _make_function()
-        return cls._fn.apply(call, q, k, v, g, initial_state)
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        return cls._fn.apply(call, q, k, v, None if g is None else g.contiguous(),
+                             initial_state)
 
 
 def _make_function():

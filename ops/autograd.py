@@ -100,9 +100,13 @@ class ChunkDeltaRuleFunction:
         """g, A_log, dt_bias: the gate's inputs (call.spec gated). The Function runs the
         states key-first ([N, HV, K, V]: a state_v_first call's transposed in and out) at
         head dims in HEAD_DIMS (others zero-padded, :func:`pad_dims`, o and the final
-        state sliced back), each by differentiable torch ops around it."""
+        state sliced back), each by differentiable torch ops around it. q, k, v are made
+        contiguous here, once: the Function keeps these for its backward (a model's views,
+        e.g. Qwen3.5's split of its convolution's [B, C, T] output, were copied by the
+        forward's kernel inputs and again by the backward)."""
         if cls._fn is None:
             cls._fn = _make_function()
+        q, k, v = (x.contiguous() for x in (q, k, v))
         if call.state_v_first and initial_state is not None:
             initial_state = initial_state.transpose(-1, -2).contiguous()
         K, V = q.shape[-1], v.shape[-1]
@@ -258,7 +262,8 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
                 b_in.new_zeros(B, T, HV), None if g_in is None else torch.zeros_like(g_in),
                 dh0)
     flat = lambda x: x.reshape(Ttot, *x.shape[2:])[:n].contiguous()  # noqa: E731
-    f32 = lambda *s: torch.zeros(*s, dtype=torch.float32, device=dev)  # noqa: E731
+    # (dht's placeholder is never read, dh0 written whole where stored: no fill kernel)
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""), chains=N * HV,
                  l2norm=call.l2norm_qk, use_dht=dht is not None,
                  store_dh0=initial_state is not None, spec=call.spec)
@@ -271,8 +276,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
                             flat(g_in) if gated else None,
                             flat(torch.zeros_like(v) if do is None else do), kept)
     x.update(tables, v=vf, beta=bf, S=h,
-             state_row=torch.arange(tables["chunk_bos"].numel(), dtype=torch.int32,
-                                    device=dev),
+             state_row=chunk_bwd.state_rows(tables["chunk_bos"].numel(), 0, dev),
              dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),
              dh0=f32(N, HV, K, V) if initial_state is not None else f32(1, HV, K, V))
     chunk_bwd.run_stages(call.spec, params, x)

@@ -21,6 +21,13 @@ The stages (grid):
     chunk_bwd_wy        (NT, HV)        back through A, w, u: dk (complete), dv, dbeta and,
                                         gated, dg (the reverse cumulative sum in the kernel)
 
+The folded forms (no gate; chunk_backward's / stage_params' ``fold``, a probe's config
+until measured: the arch's FOLD_STAGES): the dh pass's step is affine in dh, so its
+dh-free parts (dh_local = q^T do - w^T dv_local, the operator -(w^T k)) are formed per
+chunk by chunk_bwd_fold_local and the pass is one product a chunk (chunk_bwd_fold_walk);
+dv2 = dv_local + k dh is formed per chunk after it, by chunk_bwd_fold_dqkw ("split", then
+chunk_bwd_wy) or by chunk_bwd_fold_tail ("fused": dqkw and wy in one kernel).
+
 The none / scalar gate's training forward keeps the WY inverse A itself
 (chunk_kkt_inverse_save); the backward forms the rest from it (:func:`rebuild`: the gate's
 in-chunk cumulative sum and the l2-normalised q, k by chunk_bwd_kkt_rebuild, the row pass
@@ -44,6 +51,8 @@ from . import chunk, runtime
 
 #: the backward's stages, in order (the arch's plan, delta_backward_plan)
 STAGES = get_arch("sm90").DELTA_STAGES
+#: the folded forms' by name (no gate; a probe's config until measured: stage_params' fold)
+FOLD_STAGES = get_arch("sm90").FOLD_STAGES
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
 #: kept
 REBUILD = "chunk_bwd_key_rebuild"
@@ -76,7 +85,7 @@ def compiled_stage(stage: str, spec=None, **params):
 
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
-                 state_dtype=None, dh=None) -> dict:
+                 state_dtype=None, dh=None, fold="") -> dict:
     """stage name -> build() params of the four backward stages (the arch's
     delta_backward_params; the rebuild of w, u before them: :func:`rebuild_params`): H key
     heads, HV value heads (default H); chains: the dh pass's sequences x value heads (more
@@ -84,11 +93,12 @@ def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=
     state's gradient / writes the initial state's; a gated spec's stages take the same
     params (their gated forms read the spec); state_dtype: the states' dtype where it is
     not the input dtype (the contract's f32); dh: the dh pass's num_stages / block_v where
-    a probe sets them (default: the arch's dh_config)."""
+    a probe sets them (default: the arch's dh_config); fold: a folded form's stages
+    ("split" or "fused": the arch's FOLD_STAGES, no gate)."""
     return get_arch(ARCH).delta_backward_params(DeltaBackwardProblem(
         gate="none", H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
         use_dht=use_dht, store_dh0=store_dh0, state_dtype=state_dtype or "",
-        dh=tuple(sorted((dh or {}).items()))))
+        dh=tuple(sorted((dh or {}).items())), fold=fold))
 
 
 def precompile(param_sets, workers=None, spec=None) -> list:
@@ -109,10 +119,11 @@ def run_stages(spec, params: dict, x: dict) -> dict:
     last reader, so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per
     value head), dv, dbeta and, gated, dg to x (where x holds no such output already: then
     the stages write into it); returns x."""
-    p = params["chunk_bwd_dv_local"]
+    fold = next((f for f, stages in FOLD_STAGES.items() if stages[2] in params), "")
+    p = params[FOLD_STAGES[fold][0] if fold else STAGES[0]]
     plan = get_arch(ARCH).delta_backward_plan(DeltaBackwardProblem(
         gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
-        Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel()), params)
+        Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel(), fold=fold), params)
     return runtime.run_plan(spec, plan, x)
 
 
@@ -125,6 +136,18 @@ def one_head(*xs):
 def one_head_tables(B, H, L, device) -> dict:
     """The chunk tables of B * H one-head sequences of L tokens (head-first [B, H, L])."""
     return chunk._tables(tuple(range(0, B * H * L + 1, L)), CHUNK, device, 0)
+
+
+def state_rows(NT: int, NC: int, device):
+    """Chunk t's row of the forward's states, int32 on the device, cached (no kernel a
+    call): t + t // NC where each sequence's NC chunk states are followed by its final one
+    (the contract's S [B, H, NC+1, K, V]), t with NC = 0 (training's h [NT, HV, K, V])."""
+    import numpy as np
+
+    def build():
+        t = np.arange(NT)
+        return chunk._to_device(dict(state_row=t + (t // NC if NC else 0)), device)
+    return chunk._cached(("state_row", NT, NC, str(device)), build)["state_row"]
 
 
 def _check(name, x, shape, dtype=None):
@@ -165,14 +188,14 @@ def _dims(q, k, v, beta, forward=False):
     return B, H, L, K, V
 
 
-def backward_params(*, H, K, V, dtype, B=1, dh=None) -> dict:
+def backward_params(*, H, K, V, dtype, B=1, dh=None, fold="") -> dict:
     """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
-    sequences, the forward's f32 states (dh: as :func:`stage_params`)."""
+    sequences, the forward's f32 states (dh, fold: as :func:`stage_params`)."""
     return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32",
-                        dh=dh)
+                        dh=dh, fold=fold)
 
 
-def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
+def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     """DeltaNetChunkBwd: the exact gradients of the chunked forward's o under sum(o * do).
 
     Head-first: do [B, H, L, DV]; q, k, w [B, H, L, DK]; v, u [B, H, L, DV]; beta
@@ -182,7 +205,8 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
     state (the contract's forward). Returns (dq, dk, dv, dbeta) shaped like q, k, v,
     beta in the input dtype (fp32 accumulation inside). Inputs are never modified. The
     stages run on the (b, h) one-head sequences (:func:`one_head`): chunk t of sequence
-    n reads S's row n (NC + 1) + t.
+    n reads S's row n (NC + 1) + t. dh: the dh pass's tuning (a probe's); fold: a folded
+    form ("split" or "fused", a probe's until measured; "" the four stages).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -198,14 +222,15 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
     if B * H * L == 0:
         return tuple(outs)
     spec, dev = default_spec(), q.device
-    params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh)
+    params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh,
+                             fold=fold)
     runtime.announce(spec, ARCH, params)     # recording(): every stage at once
-    n = torch.arange(B * H * NC, dtype=torch.int32, device=dev)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     qf, kf, vf, dof, wf, uf, Af = one_head(q, k, v, do, w, u, Aw)
     x = dict(one_head_tables(B, H, L, dev), q=qf, k=kf, v=vf, do=dof, w=wf, u=uf, A=Af,
              beta=beta.contiguous().view(-1, 1), S=S.contiguous().view(-1, 1, K, V),
-             state_row=n + n // NC, dht=f32(1, 1, K, V), dh0=f32(1, 1, K, V),
+             state_row=state_rows(B * H * NC, NC, dev), dht=f32(1, 1, K, V),
+             dh0=f32(1, 1, K, V),
              **{name: out.view(-1, 1, *out.shape[3:])
                 for name, out in zip(("dq", "dk", "dv", "dbeta"), outs)})
     run_stages(spec, params, x)

@@ -79,17 +79,19 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     return run_recurrent(spec, q, k, v, g, beta, scale, initial_state, output_final_state,
                          options, cu_seqlens, A_log, dt_bias, state_dtype, tuning,
                          ssm_state_indices, num_accepted_tokens, inplace_final_state,
-                         rule_inputs)
+                         rule_inputs=rule_inputs)
 
 
 def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                   output_final_state=False, options: Options = Options(), cu_seqlens=None,
                   A_log=None, dt_bias=None, state_dtype=None, tuning=None,
                   ssm_state_indices=None, num_accepted_tokens=None,
-                  inplace_final_state=False, rule_inputs=None):
+                  inplace_final_state=False, terms=None, rule_inputs=None):
     """:func:`fused_recurrent` on arguments already checked (its own checks, or the public
     call's ops/validate.py check_call: torch.library's recurrent ops), so that a call is
-    checked once."""
+    checked once. ``terms``: a spec's call terms formed in the kernel (dsl/call_terms.py;
+    ops/mamba2.py): {"flags": build() keywords, "tensors": the kernel's tensors by name};
+    the terms' tensors a call leaves out are placeholders."""
     import torch
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                 inplace=bool(inplace_final_state))
@@ -111,6 +113,7 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
         return o, ht
     problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
                        output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs)
+    problem.update((terms or {}).get("flags", {}))
     arch = runtime.device_arch(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
                                            **problem, **(tuning or _OVERRIDE))
@@ -128,7 +131,9 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     tensors.update(rule_inputs or {})
     if not options.gate_in_kernel:
         tensors["A_log"] = tensors["dt_bias"] = stand_in(torch.float32)
-    kernel(*[tensors[name] for name in module.args(**problem)])
+    tensors.update((terms or {}).get("tensors", {}))
+    kernel(*[tensors[name] if name in tensors else stand_in(torch.float32)
+             for name in module.args(**problem)])
     return o, ht
 
 

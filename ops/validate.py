@@ -397,6 +397,16 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
     return Checked(dims, N)
 
 
+def check_devices_as(name: str, x, **tensors) -> None:
+    """check_devices with the leading tensor named ``name`` instead of q (mamba_ssm's x)."""
+    try:
+        check_devices(x, **tensors)
+    except SpecError as e:
+        msg = str(e)
+        msg = name + msg[1:] if msg.startswith("q is on") else msg
+        raise SpecError(msg.replace("(q is on", f"({name} is on")) from None
+
+
 def check_rule_inputs(spec: OpSpec, dims: Dims, rule_inputs, q=None, contiguous=True):
     """The rule's vector inputs (``rule_inputs``: name -> tensor; dsl rule.input_dims:
     Comba's p [B, T, H, K] in q's dtypes, GDN-2's b [B, T, HV, K] and w [B, T, HV, V] in

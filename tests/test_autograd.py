@@ -172,6 +172,28 @@ def test_only_o_used_and_inputs_without_grad(fake_kernels, rng):
     assert _rel(v.grad, refs[2].grad) < 2e-2
 
 
+def test_views_are_copied_once(fake_kernels, monkeypatch, rng):
+    """q, k, v views (a model's split of one projection, as Qwen3.5's) reach the Function
+    contiguous, so its saved tensors need no copy in the backward; gradients unchanged."""
+    xs, do, _ = _inputs(rng, 1, 70, 2, 64, 64, torch.float16, 1, False)
+    q, k, v, beta, _ = xs
+    joint = torch.cat([q, k, v], dim=-1).transpose(1, 2).contiguous().transpose(1, 2)
+    joint.requires_grad_()
+    qv, kv, vv = joint.split([64, 64, 64], dim=-1)
+    assert not qv.is_contiguous()
+    seen = []
+    forward = autograd.run_forward
+    monkeypatch.setattr(autograd, "run_forward", lambda call, q, k, v, *a: seen.append(
+        all(x.is_contiguous() for x in (q, k, v))) or forward(call, q, k, v, *a))
+    o, _ = linattn.chunk_delta_rule(qv, kv, vv, beta)
+    (o.float() * do.float()).sum().backward()
+    assert seen == [True]
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o2, _ = linattn.chunk_delta_rule(*leaves, beta)
+    (o2.float() * do.float()).sum().backward()
+    assert torch.equal(joint.grad, torch.cat([x.grad for x in leaves], dim=-1))
+
+
 def test_no_grad_takes_the_plain_forward(fake_kernels, monkeypatch, rng):
     seen = []
     monkeypatch.setattr(linattn.ops.api, "forward", lambda *a, **kw: seen.append(1) or (1, 2))

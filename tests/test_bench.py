@@ -334,20 +334,30 @@ def test_warm_rows_calls_each_impl_once_per_row(tmp_path):
     assert res["processes"] == 2 and not res["cut_at_deadline"]
 
 
-def test_warm_jobs_spread_the_child_implementations_row_by_row():
-    """fla's rows stay in their autotuning groups; the seed release (a compile per shape)
-    is warmed one row a job, spread over the processes."""
+def test_warm_jobs_in_the_timed_runs_order():
+    """fla's rows stay in their autotuning groups (one job a group); the seed release (a
+    compile per shape) is one row a job; jobs come in the order the timed run reaches their
+    first row, so a warm step cut at its deadline has compiled the rows timed first."""
     rows = select(ROWS, ops=["GDNFwd"], dtypes=["bf16"])
-    shares = run_mod.warm_jobs(rows, ["linattn", "fla", "seed", "flashinfer"], processes=8)
-    assert len(shares) == 8
-    fla_jobs = [rs for s in shares for rs, names in s if names == ["fla"]]
-    seed_jobs = [rs for s in shares for rs, names in s if names == ["seed", "flashinfer"]]
+    jobs = run_mod.warm_jobs(rows, ["linattn", "fla", "seed", "flashinfer"])
+    fla_jobs = [rs for rs, names in jobs if names == ["fla"]]
+    seed_jobs = [rs for rs, names in jobs if names == ["seed", "flashinfer"]]
     assert len(fla_jobs) == len(run_mod.warm_groups(rows)) and all(len(rs) == 1 for rs in seed_jobs)
-    assert sorted(r.key for rs in seed_jobs for r in rs) == sorted(r.key for r in rows)
-    per = [sum(len(rs) for rs, names in s if "seed" in names) for s in shares]
-    assert max(per) - min(per) <= 3          # the seed's compiles are spread evenly
-    assert run_mod.warm_jobs(rows, ["linattn", "fla"], 4) and all(
-        names == ["fla"] for s in run_mod.warm_jobs(rows, ["linattn", "fla"], 4) for _, names in s)
+    assert [rs[0].key for rs in seed_jobs] == [r.key for r in rows]
+    pos = {r.key: i for i, r in enumerate(rows)}
+    firsts = [pos[rs[0].key] for rs, _ in jobs]
+    assert firsts == sorted(firsts)
+    assert all(names == ["fla"] for _, names in run_mod.warm_jobs(rows, ["linattn", "fla"]))
+
+
+def test_shard_interleaves_and_rejects_bad_specs():
+    from linattn.cli.bench.cli import shard
+    rows = list(range(10))
+    parts = [shard(rows, f"{i}/3") for i in range(3)]
+    assert sorted(sum(parts, [])) == rows and parts[1] == [1, 4, 7]
+    for bad in ("3/3", "x/2", "1", "-1/2"):
+        with pytest.raises(SystemExit, match="--shard takes I/N"):
+            shard(rows, bad)
 
 
 def test_row_estimate_ignores_a_first_row_of_compiles():
@@ -388,3 +398,23 @@ def test_gate_distributions_of_the_gates_table():
                          "cpu", 1)
         if r.workload.endswith("-raw"):
             assert r.options["use_gate_in_kernel"] and x["dt_bias"].numel() in (x["v"].shape[2], x["g"].numel() // 70)
+
+
+def test_times_on_different_gpus_are_not_compared():
+    """A row merged from runs on two GPU models gets no ratio between them."""
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    rec = {"op": "GDNFwd", "workload": "w", "dtype": "bf16",
+           "impls": {"linattn": {"ms": 1.0, "ok": True, "gpu": h200},
+                     "seed": {"ms": 0.5, "ok": True, "gpu": h100},
+                     "fla": {"ms": 2.0, "ok": True, "gpu": h200}}}
+    v = report.versus([rec])["GDNFwd"]
+    assert v["seed"] == (None, 0) and v["fla"] == (2.0, 1)
+    assert report.comparable({"gpu": h100}, {}) and not report.comparable({"gpu": h100}, {"gpu": h200})
+
+
+def test_the_copy_check_knows_the_gpu():
+    assert timer.copy_plausible("NVIDIA H200", 4.27)
+    assert timer.copy_plausible("NVIDIA H100 80GB HBM3", 3.05)          # run s33-1
+    assert not timer.copy_plausible("NVIDIA H100 80GB HBM3", 4.27)      # faster than its HBM
+    assert not timer.copy_plausible("NVIDIA H200", 3.05)
+    assert timer.copy_plausible("NVIDIA A100", 1.5) is None             # not judged

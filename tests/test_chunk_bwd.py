@@ -40,18 +40,22 @@ def test_plan_lists_backward_stages():
     token-first tensors, then chunk_bwd_key_grads; the per-key gate's plan rebuilds by
     its own prepare first (chunk_bwd.key_rebuild_packed)."""
     want = [chunk_bwd.ROWS, *PACKED_STAGES]
-    assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == want
+    # no gate: the folded forms' stages too (chunk_bwd.FOLD_STAGES)
+    fold = [*want[:-1], *chunk_bwd.FOLD_STAGES["split"][:3], "chunk_bwd_fold_tail", want[-1]]
+    assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == fold
     assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
     key = [chunk_bwd.REBUILD, *PACKED_STAGES]
     for spec in all_rule_gate_specs():
         names = [s.name for s in plan(spec, "bwd")]
         if spec.rule.value == "delta":          # (the additive rule's: test_additive_bwd.py)
-            assert names == {"delta_none": want, "delta_scalar": want,
+            assert names == {"delta_none": fold, "delta_scalar": want,
                              "delta_key": key}[spec.name]      # (key: test_kda_bwd.py)
 
 
 @pytest.mark.parametrize("family,stage", [(f, s) for f in ("deltanet", "gdn")
-                                          for s in PACKED_STAGES])
+                                          for s in PACKED_STAGES] +
+                         [("deltanet", s) for s in chunk_bwd.FOLD_STAGES["split"][:3]] +
+                         [("deltanet", "chunk_bwd_fold_tail")])
 def test_stage_renders(family, stage):
     from linattn.ops.runtime import arg_names, stage_module
     spec = get_spec(family)
@@ -337,8 +341,63 @@ def _key_grads(p, dq, dk, q, k, scale, dq_out, dk_out):
         out.copy_(dy.to(out.dtype))
 
 
+def _fold_local(p, q, k, w, do, dv_local, dh_local, nwk, chunk_bos, chunk_len):
+    """The folded form's first stage (no gate): dv_local = tril_incl(q k^T)^T do;
+    dh_local[c] = q^T do - w^T dv_local (dv_local rounded: its GEMM operand, f32 out);
+    nwk[c] = -(w^T k) (rounded)."""
+    dt, HV = q.dtype, do.shape[1]
+    for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
+        qc, kc, wc, doc = (_tile(x, t0, n, HV) for x in (q, k, w, do))
+        P = _lp(torch.tril(qc @ kc.transpose(-1, -2)), dt)
+        dvl = _lp(P.transpose(-1, -2) @ doc, dt)
+        _untile(dv_local, t0, n, dvl)
+        dh_local[c] = (qc.transpose(-1, -2) @ doc - wc.transpose(-1, -2) @ dvl).to(
+            dh_local.dtype)
+        nwk[c] = (-(wc.transpose(-1, -2) @ kc)).to(nwk.dtype)
+
+
+def _fold_walk(p, nwk, dh_local, dh_out, dht, dh0, chunk_offsets):
+    """Per sequence, its chunks last first, dh from dht[n] (use_dht) or 0: dh_out[c] = dh;
+    dh = dh + dh_local[c] + nwk[c] dh (dh rounded: the product's operand); dh0[n] = dh
+    (store_dh0)."""
+    dt = nwk.dtype
+    for s in range(chunk_offsets.numel() - 1):
+        dh = dht[s].to(F64) if p.get("use_dht") else torch.zeros(dh_out.shape[1:], dtype=F64)
+        for c in reversed(range(chunk_offsets[s].item(), chunk_offsets[s + 1].item())):
+            dh_out[c] = dh.to(dh_out.dtype)
+            dh = dh + dh_local[c].to(F64) + nwk[c].to(F64) @ _lp(dh, dt)
+        if p.get("store_dh0"):
+            dh0[s] = dh.to(dh0.dtype)
+
+
+def _fold_dqkw(p, q, k, w, u, do, dv_local, S, state_row, dh, dq, dk_part, dw, dv2,
+               chunk_bos, chunk_len):
+    """The folded form's dqkw: dv2 = dv_local + k dh[c] (rounded, then dw's operand), and
+    _dqkw's gradients (no gate)."""
+    dt, HV = q.dtype, do.shape[1]
+    rows = state_row.tolist()
+    for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
+        kc, dvl = _tile(k, t0, n, HV), _tile(dv_local, t0, n, HV)
+        _untile(dv2, t0, n, _lp(dvl + kc @ _lp(dh[c].to(F64), dt), dt))
+    _dqkw(p, q, k, w, u, do, dv2, S, state_row, dh, dq, dk_part, dw, chunk_bos, chunk_len)
+
+
+def _fold_tail(p, q, k, w, u, v, beta, A, do, dv_local, S, state_row, dh, dq, dk, dv,
+               dbeta, chunk_bos, chunk_len):
+    """The fused tail: _fold_dqkw then _wy, du, dw rounded as the split form's memory
+    (the kernel keeps them 16-bit in shared memory) and dk_part f32."""
+    Ttot, HV, K = dq.shape
+    dk_part = torch.empty(Ttot, HV, K, dtype=torch.float32)
+    dw, dv2 = torch.empty(Ttot, HV, K, dtype=dq.dtype), torch.empty_like(dv)
+    _fold_dqkw(p, q, k, w, u, do, dv_local, S, state_row, dh, dq, dk_part, dw, dv2,
+               chunk_bos, chunk_len)
+    _wy(p, k, v, beta, A, dw, dv2, dk_part, dk, dv, dbeta, chunk_bos, chunk_len)
+
+
 EMULATE = {"chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
-           "chunk_bwd_wy": _wy, "chunk_bwd_key_grads": _key_grads}
+           "chunk_bwd_wy": _wy, "chunk_bwd_key_grads": _key_grads,
+           "chunk_bwd_fold_local": _fold_local, "chunk_bwd_fold_walk": _fold_walk,
+           "chunk_bwd_fold_dqkw": _fold_dqkw, "chunk_bwd_fold_tail": _fold_tail}
 
 
 def install_fakes(monkeypatch):
@@ -380,18 +439,21 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
 
 
+@pytest.mark.parametrize("fold", ["", "split", "fused"])
 @pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
                                        (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
-def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V):
-    """DeltaNetChunkBwd: the four stages on the (b, h) one-head sequences (the contract's
-    f32 S read through state_row) against autograd of the fp64 reference."""
+def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V, fold):
+    """DeltaNetChunkBwd: the four stages (or the folded form's) on the (b, h) one-head
+    sequences (the contract's f32 S read through state_row) against autograd of the fp64
+    reference."""
     dtype = torch.float16
     q, k, v, beta, do = _contract_inputs(rng, B, H, L, K, V, dtype)
     o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     S = S.float()
     Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
-    grads = contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
-    assert fake_backward == list(chunk_bwd.STAGES)
+    grads = (chunk_bwd.chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, fold=fold) if fold
+             else contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u))
+    assert fake_backward == list(chunk_bwd.FOLD_STAGES[fold] if fold else chunk_bwd.STAGES)
     refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
     for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
         assert g.shape == like.shape and g.dtype == dtype, name

@@ -5,7 +5,8 @@ deltanet_chunk_bwd, the kernels of ops/chunk_bwd.py) against the fp64 torch refe
 Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do normal):
   test_backward   the backward on the reference forward's outputs (rounded to the
                   input dtype, S f32) vs the fp64 gradients: the backward's own error
-                  (also with the dh pass's tuning variants)
+                  (also with the dh pass's tuning variants, and in the folded forms:
+                  chunk_backward(fold="split" / "fused"), the arch's FOLD_STAGES)
   test_forward    our forward's (o, S, Aw, w, u) vs the fp64 forward
   test_fwd_bwd    our forward then our backward vs the fp64 gradients
 ||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
@@ -16,7 +17,6 @@ set (each case's errors, pass/fail).
 Run: python3 -m pytest -q tests/test_chunk_bwd_gpu.py   (skips without a GPU)
 """
 import math
-import os
 import time
 
 import pytest
@@ -50,29 +50,37 @@ CASES += [
 #: the reverse dh pass's tuning variants (num_stages, block_v), checked on a few cases
 DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16) at H=4
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
+#: the folded forms (a probe's config until measured): every case
+FOLDS = ("split", "fused")
+FOLD_CASES = CASES
 
 
 @pytest.fixture(scope="module", autouse=True)
-def precompiled():
-    """Compile every kernel first (parallel processes, TileLang's disk cache); write the
-    JSON summary at the end."""
+def precompiled(request):
+    """Compile the kernels the selected tests run first (parallel processes, TileLang's
+    disk cache); write the JSON summary at the end."""
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
     t0 = time.time()
     fwd, bwd = [], []
-    for c in CASES:
-        p = c.values[0]
+    for item in request.session.items:
+        if item.module is not request.module or not hasattr(item, "callspec"):
+            continue
+        p, name = item.callspec.params["p"], item.originalname
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
-        fwd += [(SPEC, s, pr) for s, pr in chunk_bwd.forward_params(**dims, L=p["L"]).items()]
-        bwd.append(chunk_bwd.backward_params(**dims))
-    for c in DH_VARIANT_CASES:
-        p = c.values[0]
-        dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
-        bwd += [chunk_bwd.backward_params(**dims, dh={"num_stages": ns, "block_v": bv})
-                for ns, bv in DH_VARIANTS]
-    # LINATTN_TEST_PRECOMPILE=forward: only the contract forward's kernels (`-k test_forward`)
-    forward_only = os.environ.get("LINATTN_TEST_PRECOMPILE") == "forward"
-    errors = chunk.precompile(fwd) + ([] if forward_only else chunk_bwd.precompile(bwd))
+        if name in ("test_forward", "test_fwd_bwd"):
+            fwd += [(SPEC, s, pr) for s, pr in
+                    chunk_bwd.forward_params(**dims, L=p["L"]).items()]
+        if name == "test_forward":
+            continue
+        extra = {}
+        if name == "test_backward_dh_variants":
+            extra = dict(dh={"num_stages": item.callspec.params["num_stages"],
+                             "block_v": item.callspec.params["block_v"]})
+        elif name == "test_backward_fold":
+            extra = dict(fold=item.callspec.params["fold"])
+        bwd.append(chunk_bwd.backward_params(**dims, **extra))
+    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)
@@ -120,15 +128,22 @@ def test_backward_dh_variants(p, num_stages, block_v, rng):
                     dh_num_stages=num_stages, dh_block_v=block_v)
 
 
-def _check_backward(p, rng, dh=None, **extra):
-    """The contract backward (chunk_backward with the dh pass's variant dh, if given)."""
+@pytest.mark.parametrize("fold", FOLDS)
+@pytest.mark.parametrize("p", FOLD_CASES)
+def test_backward_fold(p, fold, rng):
+    _check_backward(p, rng, fold=fold, folded=fold)
+
+
+def _check_backward(p, rng, dh=None, fold="", **extra):
+    """The contract backward (chunk_backward with the dh pass's variant dh, if given; the
+    folded form with fold)."""
     from linattn.ops.chunk_bwd import chunk_backward
     (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
     dt = q.dtype
     _, S, Aw, Au, w, u = fwd
     args = [do, q, k, v, beta, S.float(), Aw.to(dt), Au.to(dt), w.to(dt), u.to(dt)]
     saved = [a.clone() for a in args]
-    out = chunk_backward(*args, dh=dh)
+    out = chunk_backward(*args, dh=dh, fold=fold)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):

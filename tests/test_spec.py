@@ -8,8 +8,12 @@ from linattn.ops import get_spec, specs
 
 def test_families_are_registered_with_their_maths():
     table = specs()
-    assert sorted(table) == ["comba", "deltanet", "dplr", "gdn", "gdn2", "gla", "iplr", "kda",
-                             "linear_attn", "retention", "simple_gla"]
+    assert {"deltanet", "gdn", "gla", "kda", "linear_attn", "retention", "simple_gla",
+            "mamba2", "lightning"} <= set(table)
+    assert (table["mamba2"].rule, table["mamba2"].gate, table["mamba2"].step) == \
+        (Rule.ADDITIVE, Gate.SCALAR, "dt")
+    assert (table["lightning"].gate, table["lightning"].layer_decay) == (Gate.SCALAR, True)
+    assert {"comba", "dplr", "gdn2", "iplr"} <= set(table)
     assert (table["dplr"].rule, table["dplr"].gate) == (Rule.DPLR, Gate.KEY)
     assert (table["iplr"].rule, table["iplr"].gate) == (Rule.DPLR, Gate.NONE)
     assert (table["comba"].rule, table["comba"].gate) == (Rule.COMBA, Gate.SCALAR)

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from . import remote, report
 from .impls import IMPLS, applies
@@ -54,6 +55,8 @@ def parse_args(argv=None):
                    help="with --warm: compile (linattn's kernels too) and exit (no reference, no "
                         "check, no timing); a later run on the same machine finds them compiled")
     p.add_argument("--workloads-json", help="another workload table (default: the packaged one)")
+    p.add_argument("--shard", metavar="I/N", help="run every N-th selected row from the I-th "
+                   "(0 <= I < N): one process a GPU of a multi-GPU machine (bench/table_run.sh)")
     return p.parse_args(argv)
 
 
@@ -83,6 +86,17 @@ def select_rows(a) -> list:
                   dtypes=a.dtype.split(",") if a.dtype else None, limit=a.limit)
 
 
+def shard(rows: list, spec: str) -> list:
+    """Every N-th row from the I-th, for --shard I/N (interleaved: each shard gets a share
+    of every op and size)."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--shard takes I/N with 0 <= I < N, got {spec!r}") from None
+    return rows[i::n]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.summary:
@@ -95,6 +109,8 @@ def main(argv=None) -> int:
         with open(a.skip_timed) as f:
             done = timed_rows(json.load(f), [s.strip() for s in a.impl.split(",") if s.strip()])
         rows = [r for r in rows if tuple(r.key) not in done]
+    if a.shard:
+        rows = shard(rows, a.shard)
     if a.list:
         for r in rows:
             print(r.op, r.workload, r.dtype)
@@ -108,10 +124,11 @@ def main(argv=None) -> int:
     for impl, path in (("seed", a.seed_path), ("flashinfer", a.flashinfer_path)):
         if path:    # the child processes (and warm processes) read it from the environment
             os.environ[remote.BACKENDS[impl][1][0]] = path
-    if a.warm_only:     # the compiles of every implementation, linattn's too, and exit
-        res = warm_rows(rows, impls, a.warm or 1, a.device, budget_s=a.budget_s)
-        if "linattn" in impls and a.device.startswith("cuda"):
-            res["precompile"] = precompile_rows(rows, a.device)
+    if a.warm_only:     # linattn's compiles, then the others' within what is left, and exit
+        t0 = time.monotonic()
+        pre = precompile_rows(rows, a.device) if "linattn" in impls and a.device.startswith("cuda") else None
+        left = a.budget_s - (time.monotonic() - t0) if a.budget_s else None
+        res = {**warm_rows(rows, impls, a.warm or 1, a.device, budget_s=left), "precompile": pre}
         remote.close_all()
         print(json.dumps(res, indent=1))
         return 1 if res["errors"] else 0

@@ -18,12 +18,20 @@ from .workloads import ALL_OPS, TRAIN_OPS
 OURS = "linattn"
 
 
+def comparable(entry: dict, ours: dict | None) -> bool:
+    """Whether an alternative's time may be set against linattn's on a row: not where the
+    two entries name different GPUs (rows merged from runs on an H100 and an H200)."""
+    a, b = (entry or {}).get("gpu"), (ours or {}).get("gpu")
+    return not (a and b and a != b)
+
+
 def summarize(rec: dict, row) -> dict:
     """Fill the derived figures of one row's record in place (and return it)."""
     impls = rec["impls"]
     ms = lambda n: impls.get(n, {}).get("ms") if impls.get(n, {}).get("ok") else None  # noqa: E731
     ours = ms(OURS)
-    alts = {n: ms(n) for n in impls if n != OURS and ms(n) is not None}
+    alts = {n: ms(n) for n in impls if n != OURS and ms(n) is not None
+            and comparable(impls[n], impls.get(OURS))}
     flops, nbytes = roofline.counts(row)
     rec.update(flops=flops, bytes=nbytes, ours_ms=ours, best_alt=None, best_alt_ms=None, ratio=None,
                ratio_with_seed_columns=None, tflops=None, sol_pct=None, bound=None, vs_seed=None)
@@ -144,7 +152,8 @@ def versus(records) -> dict:
             continue
         v = {"rows": len(rs), "timed": sum(1 for r in rs if _ms(r, OURS))}
         for alt in ALTS:
-            xs = [_ms(r, alt) / _ms(r, OURS) for r in rs if _ms(r, OURS) and _ms(r, alt)]
+            xs = [_ms(r, alt) / _ms(r, OURS) for r in rs if _ms(r, OURS) and _ms(r, alt)
+                  and comparable(r["impls"][alt], r["impls"][OURS])]
             v[alt] = (geomean(xs), len(xs))
         best = [r for r in rs if r.get("ratio")]
         v["best"] = (geomean([r["ratio"] for r in best]), len(best))

@@ -214,14 +214,13 @@ def _per_token_shape(row, name):
 
 
 def _warm_worker(args):
-    """One process of warm_rows: call each implementation once per row of its jobs (no
-    reference, no timing), so its kernels are compiled into the shared on-disk caches;
-    jobs are (rows, implementation names), first rows of every job first."""
-    jobs, device, deadline = args
+    """One job of warm_rows: call each implementation once per row of the job (no
+    reference, no timing), so its kernels are compiled into the shared on-disk caches.
+    Returns (row key, seconds, error) per row."""
+    rows, names, device, deadline = args
     import torch
-    order = [(rs[0], names) for rs, names in jobs] + [(r, names) for rs, names in jobs for r in rs[1:]]
     out = []
-    for row, names in order:
+    for row in rows:
         if time.time() > deadline:
             break
         t0 = time.monotonic()
@@ -229,18 +228,7 @@ def _warm_worker(args):
         try:
             x = build_inputs(row, device, 0)
             for name in names:
-                try:
-                    fn, _ = impl_mod.make(name, row, x)
-                except (impl_mod.NotApplicable, impl_mod.NotImplementedImpl):
-                    continue
-                try:
-                    fn()
-                except impl_mod.NotImplementedImpl:    # refused when called: the run reports it
-                    pass
-                finally:
-                    _close(fn, {})
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
+                _warm_call(name, row, x, device)
             del x
         except Exception as e:
             err = f"{type(e).__name__}: {e}"[:200]
@@ -250,45 +238,62 @@ def _warm_worker(args):
     return out
 
 
-def warm_jobs(rows, impl_names, processes: int) -> list:
-    """Per process, the (rows, impls) it warms: fla / torch.compile rows grouped by their
-    autotuning key (warm_groups: one process per group, its first row first), the child
+def _warm_call(name, row, x, device) -> None:
+    """One implementation's first call on a row (refusals are the timed run's to report)."""
+    import torch
+    try:
+        fn, _ = impl_mod.make(name, row, x)
+    except (impl_mod.NotApplicable, impl_mod.NotImplementedImpl):
+        return
+    try:
+        fn()
+    except impl_mod.NotImplementedImpl:
+        pass
+    finally:
+        _close(fn, {})
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def warm_jobs(rows, impl_names) -> list:
+    """The warm step's jobs, (rows, implementation names), in the order the timed run
+    reaches their first row, so a warm step cut at its deadline has compiled the rows the
+    run starts with: fla / torch.compile rows grouped by their autotuning key (warm_groups:
+    one job a group, so two processes never compile the same configs at once), the child
     processes' implementations (the seed release compiles every shape anew, ~15 s a row)
-    one row at a time; each job onto the share with the least estimated work."""
+    one row a job."""
     local = [n for n in impl_names if n != "linattn" and n not in impl_mod.REMOTE]
     remote = [n for n in impl_names if n in impl_mod.REMOTE]
-    jobs = [(g, local, 30 + len(g)) for g in warm_groups(rows)] if local else []
-    jobs += [([r], remote, 15 * len(remote)) for r in rows] if remote else []
-    jobs.sort(key=lambda j: -j[2])
-    shares = [[] for _ in range(max(1, min(processes, len(jobs))))]
-    for j in jobs:                   # largest first onto the lightest share
-        min(shares, key=lambda s: sum(x[2] for x in s)).append(j)
-    return [[(rs, names) for rs, names, _ in s] for s in shares if s]
+    jobs = [(g, local) for g in warm_groups(rows)] if local else []
+    jobs += [([r], remote) for r in rows] if remote else []
+    order = {r.key: i for i, r in enumerate(rows)}
+    return sorted(jobs, key=lambda j: order[j[0][0].key])
 
 
 def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) -> dict:
     """Compile the kernels of other implementations (fla's Triton autotuning configs,
     torch.compile's graphs, the seed release's per-shape kernels) for all rows in
     `processes` parallel processes before the timed run: compiling is CPU work, and one
-    process compiles one config at a time. The autotuning picks themselves are made again
-    in the timed run, on an idle GPU (Triton finds the compiled configs in its cache then).
-    At the deadline (budget_s) the processes are stopped, whatever they are compiling."""
+    process compiles one config at a time. Jobs are handed out as processes free up, in
+    the timed run's order; the rows finished by the deadline (budget_s) are reported and
+    the processes are then stopped, whatever they are compiling. The autotuning picks are
+    made again in the timed run, on an idle GPU (Triton finds the configs in its cache)."""
     import multiprocessing as mp
     t0 = time.monotonic()
-    shares = warm_jobs(rows, impl_names, processes)
+    jobs = warm_jobs(rows, impl_names)
     deadline = time.time() + (budget_s if budget_s else 1e9)
     keep = os.environ.get("TRITON_CACHE_AUTOTUNING")
     # the workers inherit it when spawned: picks made on a shared GPU are not kept
     os.environ["TRITON_CACHE_AUTOTUNING"] = "0"
-    cut = False
+    done, cut, n = [], False, max(1, min(processes, len(jobs)))
     try:
-        with mp.get_context("spawn").Pool(len(shares)) as pool:
-            pending = pool.map_async(_warm_worker, [(s, device, deadline) for s in shares])
+        with mp.get_context("spawn").Pool(n) as pool:
+            it = pool.imap_unordered(_warm_worker, [(rs, names, device, deadline) for rs, names in jobs])
             try:
-                done = [r for part in pending.get(timeout=max(1.0, deadline - time.time()))
-                        for r in part]
+                for _ in jobs:
+                    done += it.next(timeout=max(1.0, deadline - time.time()))
             except mp.TimeoutError:
-                cut, done = True, []
+                cut = True
                 pool.terminate()
     finally:
         if keep is None:
@@ -296,11 +301,11 @@ def warm_rows(rows, impl_names, processes: int, device="cuda", budget_s=None) ->
         else:
             os.environ["TRITON_CACHE_AUTOTUNING"] = keep
     errors = [d for d in done if d[2]]
-    res = {"rows": len(done), "of": len(rows), "processes": len(shares), "cut_at_deadline": cut,
+    res = {"rows": len(done), "of": sum(len(rs) for rs, _ in jobs), "processes": n, "cut_at_deadline": cut,
            "s": round(time.monotonic() - t0, 1), "slowest": sorted(done, key=lambda d: -d[1])[:8],
            "errors": errors[:20]}
-    print(f"warmed {[n for n in impl_names if n != 'linattn']} on {len(done)} of {len(rows)} rows in "
-          f"{res['s']} s with {len(shares)} processes{' (cut at the deadline)' if cut else ''}, "
+    print(f"warmed {[n for n in impl_names if n != 'linattn']}: {len(done)} of {res['of']} row jobs in "
+          f"{res['s']} s with {n} processes{' (cut at the deadline)' if cut else ''}, "
           f"{len(errors)} errors", flush=True)
     return res
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: F401  (the chunked forward's plan)
 from .stages import chunk_head_limits  # noqa: F401  (the chunked forward's head dims)
 from .backward import additive_backward_plan, backward_dims, save_states  # noqa: F401  (the additive rule's backward)
-from .backward import DELTA_STAGES, delta_backward_params, delta_backward_plan, dh_config  # noqa: F401  (the delta rule's backward)
+from .backward import (DELTA_STAGES, FOLD_STAGES, delta_backward_params,  # noqa: F401
+                       delta_backward_plan, dh_config)  # (the delta rule's backward)
 from .hardware import CAPABILITIES, NAME, NUM_SMS, SMEM_PER_SM, TARGET  # noqa: F401
 from .stages import STATE_K_MULTIPLE
 
