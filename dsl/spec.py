@@ -13,6 +13,9 @@ Recurrence denoted by a spec, per token t and value head h (S in R^{K x V}, K-fi
            value:  S <- S @ diag(exp(g[t, h, :]))          (g: [.., HV, V]; fla's gv)
     rule   additive: S <- S + k v^T
            delta:    S <- S + k (beta (v - S^T k))^T
+           comba:    S <- exp(g) S_prev + k (beta (v - S_prev^T p))^T   (S_prev before the gate)
+           gdn2:     S <- S + k (w . v - S^T (b . k))^T
+           dplr:     S <- D S_prev + b (a^T S_prev) + k v^T                (D the gate's decay)
     output o = S^T (scale * q)
 
 With ``state_v_first`` the state is stored transposed ([.., V, K]); the maths is the same.
@@ -35,6 +38,9 @@ class SpecError(ValueError):
 class Rule(str, enum.Enum):
     ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
+    COMBA = "comba"         # S = e^g S + k (beta (v - S^T p))^T, S before the decay (Comba)
+    GDN2 = "gdn2"           # S = (I - k (b . k)^T) S_a + k (w . v)^T   (GDN-2)
+    DPLR = "dplr"           # S = D S + b (a^T S) + k v^T   (DPLR, IPLR, RWKV-7)
 
     @property
     def maths(self) -> RuleMaths:
@@ -193,6 +199,20 @@ class OpSpec:
             raise SpecError(f"chunk_size must be 16, 32 or 64, got {self.chunk_size}")
         if self.gate is Gate.NONE and "gate_in_kernel" in self.supports:
             raise SpecError(f"{self.name}: gate_in_kernel needs a gate (gate is 'none')")
+        if self.rule is Rule.COMBA and self.gate not in (Gate.NONE, Gate.SCALAR):
+            raise SpecError(f"{self.name}: the comba rule takes gate 'none' or 'scalar' "
+                            f"(fla's chunk_comba), got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and self.gate is not Gate.KEY:
+            raise SpecError(f"{self.name}: the gdn2 rule takes gate 'key' (fla's chunk_gdn2), "
+                            f"got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
+            raise SpecError(f"{self.name}: the gdn2 rule has no beta (its gates are b and w)")
+        if self.rule is Rule.DPLR and (self.gate not in (Gate.NONE, Gate.KEY) or (
+                {"beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "l2norm_qk"}
+                & self.supports)):
+            raise SpecError(f"{self.name}: the dplr rule takes gate 'none' (IPLR) or 'key' "
+                            f"(DPLR) and options state_v_first only (fla's), got gate "
+                            f"{self.gate.value!r}, options {sorted(self.supports)}")
         if self.rule is Rule.DELTA and self.gate.per_value:
             raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
                             "rule supports gate 'none', 'scalar' or 'key'")
@@ -397,7 +417,7 @@ def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
     value gate (additive only) is :func:`value_gate_spec`.
     """
     out = []
-    for rule in Rule:
+    for rule in (Rule.ADDITIVE, Rule.DELTA):
         for gate in (Gate.NONE, Gate.SCALAR, Gate.KEY):
             sup = {"l2norm_qk", "state_v_first"}
             if rule is Rule.DELTA:
@@ -464,3 +484,28 @@ def _check_call_terms(spec: "OpSpec") -> None:
     if (spec.step or spec.skip or spec.output_gate) and spec.rule is not Rule.ADDITIVE:
         raise SpecError(f"{spec.name}: step, skip and output_gate need the additive rule "
                         f"(rule is {spec.rule.value!r})")
+
+
+def comba_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The comba rule with no and with a scalar gate, with every option its maths allows;
+    the tests' counterpart of all_rule_gate_specs for Comba."""
+    out = []
+    for gate in (Gate.NONE, Gate.SCALAR):
+        sup = {"l2norm_qk", "state_v_first", "beta_sigmoid", "allow_neg_eigval"}
+        if gate is not Gate.NONE:
+            sup |= {"gate_in_kernel"}
+        out.append(OpSpec(name=f"comba_{gate.value}", rule=Rule.COMBA, gate=gate,
+                          chunk_size=chunk_size, supports=frozenset(sup)))
+    return out
+
+
+def gdn2_spec(chunk_size: int = 64) -> OpSpec:
+    """The gdn2 rule with the per-key gate and every option its maths allows."""
+    return OpSpec(name="gdn2_key", rule=Rule.GDN2, gate=Gate.KEY, chunk_size=chunk_size,
+                  supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))
+
+
+def dplr_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The dplr rule without a gate (IPLR) and with the per-key gate (DPLR, RWKV-7)."""
+    return [OpSpec(name=f"dplr_{g.value}", rule=Rule.DPLR, gate=g, chunk_size=chunk_size,
+                   supports=frozenset({"state_v_first"})) for g in (Gate.NONE, Gate.KEY)]
