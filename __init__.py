@@ -31,6 +31,14 @@ from linattn.ops.retention import (chunk_retention, fused_chunk_retention,  # no
                                   fused_recurrent_retention, parallel_retention)
 from linattn.ops.simple_gla import (chunk_simple_gla, fused_chunk_simple_gla,  # noqa: F401
                                    fused_recurrent_simple_gla, parallel_simple_gla)
+from linattn.ops.mamba2 import mamba_chunk_scan_combined, selective_state_update  # noqa: F401
+from linattn.ops.lightning import (chunk_lightning_attn,  # noqa: F401
+                                  fused_recurrent_lightning_attn)
 from linattn.ops import library as _library
 
 _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py
+from linattn.ops.comba import chunk_comba, fused_recurrent_comba  # noqa: F401,E402
+from linattn.ops.gdn2 import chunk_gdn2, fused_recurrent_gdn2  # noqa: F401,E402
+from linattn.ops.dplr import (chunk_dplr_delta_rule, chunk_rwkv7,  # noqa: F401,E402
+                              fused_recurrent_dplr_delta_rule, fused_recurrent_rwkv7)
+from linattn.ops.iplr import chunk_iplr_delta_rule, fused_recurrent_iplr_delta_rule  # noqa: F401,E402

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from ..dsl import Gate, OpSpec, Rule, SpecError
 
 VARIANTS = ("fwd", "bwd", "decode")
-ALL_RULES = frozenset(r.value for r in Rule)
+#: the rules a stage implements by default (the additive and delta rules; a rule whose
+#: chunked stages are not written yet, comba, names the stages it has: the decode stage)
+ALL_RULES = frozenset({"additive", "delta"})
+#: the rules the recurrent (decode) stage implements
+DECODE_RULES = frozenset(r.value for r in Rule)
 ALL_GATES = frozenset(g.value for g in Gate)
 #: a stage's gates by default: the value gate (per value channel) has the decode stage
 #: and the additive rule's three-stage chunked forward, which name it
@@ -175,7 +179,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
     "decode": (
         Stage("recurrent", "recurrent.py.jinja", "decode",
               doc="token-by-token recurrence, state on chip (decode, small T, varlen)",
-              gates=ALL_GATES),
+              rules=DECODE_RULES, gates=ALL_GATES),
     ),
 }
 

@@ -19,6 +19,7 @@ from ..dsl import OpSpec
 from ..dsl.preprocess import L2NORM_EPS
 from .arch import DEFAULT_ARCH, get_arch
 from .members import Put, member
+from ..dsl.call_terms import terms_of
 from .plan import Stage, plan
 
 GENERATOR_VERSION = "0.1.0"
@@ -95,6 +96,7 @@ def template_context(spec: OpSpec, stage: Stage, arch: str) -> dict:
         "isa": member(environment(), "arch", _ArchFacts(arch_mod)),
         "rule": member(environment(), "rules", spec.rule.maths),
         "gate": member(environment(), "gates", spec.gate.maths),
+        "terms": member(environment(), "terms", terms_of(spec)),
         "gva": spec.gva,
         "supports": sorted(spec.supports),
         "default_scale": spec.default_scale,

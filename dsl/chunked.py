@@ -82,6 +82,10 @@ def scatter_rows(dst, c: Chunk, x):
 def check_chunk_size(spec: OpSpec, chunk_size) -> int:
     """The chunk size to use: the spec's by default. The kernels use 16, 32 or 64; the
     references accept any positive size (tiny chunks make multi-chunk tests cheap)."""
+    if spec.rule.maths.vector_inputs:
+        raise SpecError(f"{spec.name}: the {spec.rule.value} rule's references are "
+                        "dsl.recurrent and dsl.torch_reference (this module's take the "
+                        "additive and delta rules)")
     C = spec.chunk_size if chunk_size is None else chunk_size
     if not isinstance(C, (int, np.integer)) or C < 1:
         raise SpecError(f"chunk_size must be a positive integer, got {chunk_size!r}")

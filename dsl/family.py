@@ -33,6 +33,47 @@ class RuleMaths:
     name = ""
     inputs: tuple = ()
     reads_state = False
+    #: per-token vector inputs beyond q, k, v (by name; their axes: :attr:`vector_axes`):
+    #: Comba's erase key p, GDN-2's erase gate b and write gate w
+    vector_inputs: tuple = ()
+    #: name -> (heads, channels) of a vector input: ("H", "K") a key of its own ([B, T, H,
+    #: K], key heads, l2-normalised with l2norm_qk as q and k are, read in q's dtype);
+    #: ("HV", "K") / ("HV", "V") a gate per value head and key / value channel (f32)
+    vector_axes: dict = {}
+    #: whether the write reads the decayed state S_a (else the state before the gate's
+    #: decay, S_{t-1}: Comba's S_t = e^g S_{t-1} + k (beta (v - S_{t-1}^T p))^T)
+    reads_decayed = True
+    #: the input that scales the write (write's second argument): "beta", GDN-2's "w"
+    #: (per value channel), "" for none
+    scale_input = ""
+
+    def read_key(self, k, x: dict):
+        """The key the write reads the state through (k; Comba's p; GDN-2's b . k), from
+        k and the token's vector inputs (``x``: name -> the effective tensor)."""
+        return k
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        """(dk, {name: d input}) from the gradient of :meth:`read_key`'s key."""
+        return dkey, {}
+
+    #: whether the rule writes its read back along a key of its own (:meth:`lift_key`)
+    lifts = False
+
+    @property
+    def dtype_inputs(self) -> tuple:
+        """The vector inputs the kernels read in their own dtype (f32 or q's; the gates
+        per value head, GDN-2's b and w), as g and beta: a ``{name}_dtype`` each."""
+        return tuple(n for n in self.vector_inputs if self.vector_axes[n][0] == "HV")
+
+    def lift_key(self, k, x: dict):
+        """The key the read r = S_read^T read_key is written back along, as a second
+        rank-one term S += lift r^T (DPLR's b: S = D S + b (a^T S) + k v^T), or None where
+        the read enters :meth:`write` (the delta forms: k (scale (v - r))^T)."""
+        return None
+
+    def lift_key_vjp(self, k, x: dict, dlift):
+        """(dk, {name: d input}) from the gradient of :meth:`lift_key`'s key."""
+        return dlift, {}
 
     def erase(self, k, beta):
         """The erase vector e (S_a^T e is what the write takes off), None for none; beta
@@ -64,9 +105,13 @@ class RuleMaths:
         """The chunked form's written values of a chunk from its factors w, u."""
         raise NotImplementedError
 
-    def input_dims(self, B="B", T="T", HV="HV") -> list:
-        """(name, shape) of each input (symbolic by default: ("B", "T", "HV"))."""
-        return [(name, (B, T, HV)) for name in self.inputs]
+    def input_dims(self, B="B", T="T", HV="HV", H="H", K="K", V="V") -> list:
+        """(name, shape) of each input (symbolic by default: ("B", "T", "HV")), the vector
+        inputs after the per-token ones."""
+        size = {"H": H, "HV": HV, "K": K, "V": V}
+        return [(name, (B, T, HV)) for name in self.inputs] + [
+            (name, (B, T) + tuple(size[a] for a in self.vector_axes[name]))
+            for name in self.vector_inputs]
 
 
 class AdditiveRule(RuleMaths):
@@ -91,6 +136,7 @@ class DeltaRule(RuleMaths):
     name = "delta"
     inputs = ("beta",)
     reads_state = True
+    scale_input = "beta"
 
     def erase(self, k, beta):
         return beta * k
@@ -246,5 +292,95 @@ class ValueGate(GateMaths):
         return dg_value
 
 
-RULES = {r.name: r for r in (AdditiveRule(), DeltaRule())}
+class CombaRule(DeltaRule):
+    """S = e^g S + k (beta (v - S^T p))^T (Comba; fla's chunk_comba): the delta rule whose
+    erase key p differs from the write key k, reading the state before the token's decay
+    (S the state after token t - 1). In the generalized form, the erase vector of S_a is
+    beta e^-g p; the chunked factors read S through p with the exclusive decay:
+    A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
+    name = "comba"
+    vector_inputs = ("p",)
+    vector_axes = {"p": ("H", "K")}
+    reads_decayed = False
+
+    def read_key(self, k, x: dict):
+        return x["p"]
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        return 0.0, {"p": dkey}
+
+
+class Gdn2Rule(DeltaRule):
+    """S = (I - k (b . k)^T) S_a + k (w . v)^T (GDN-2; fla's chunk_gdn2): the erase gate b
+    per key channel, the write gate w per value channel, both per value head and token
+    ([B, T, HV, K], [B, T, HV, V]); no beta (b = w = beta is KDA). The erase vector is
+    b . k, the written value w . v; the chunked factors A = (I + strict_tril((b . k)_i
+    .k_j e^(G_i - G_j)))^-1 (b inside the pair sums, per channel), w = A ((b . k) e^G),
+    u = A (w . v)."""
+    name = "gdn2"
+    inputs = ()
+    vector_inputs = ("b", "w")
+    vector_axes = {"b": ("HV", "K"), "w": ("HV", "V")}
+    scale_input = "w"
+
+    def erase(self, k, beta):
+        raise NotImplementedError("gdn2: the erase vector is b . k (read_key)")
+
+    def read_key(self, k, x: dict):
+        return x["b"] * k
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        return x["b"] * dkey, {"b": k * dkey}
+
+    def write(self, v, w, read):
+        return w * v - read()
+
+    def write_vjp(self, v, w, read, dwrite):
+        return w * dwrite, dwrite * v, -dwrite
+
+    def chunk_factors(self, k, v, beta, g_cum, dot):
+        raise NotImplementedError("gdn2: the chunked references are torch_reference's")
+
+
+class DplrRule(RuleMaths):
+    """S = D S + b (a^T S) + k v^T, D the gate's decay, both reads of the state before
+    it (DPLR: fla's dplr_delta_rule, S_t = S_t (D_t + a_t b_t^T) + v_t k_t^T in its
+    value-first words; IPLR without a gate; RWKV-7's r, w, k, v, a, b): a and b keys of
+    their own per key head ([B, T, H, K]); the written value v itself; the read r = S^T a
+    written back along b (:meth:`lift_key`). Its chunked form carries two WY factors (the
+    issue's plan); the references here are the token recurrences."""
+    name = "dplr"
+    vector_inputs = ("a", "b")
+    vector_axes = {"a": ("H", "K"), "b": ("H", "K")}
+    reads_state = True
+    reads_decayed = False
+    lifts = True
+
+    def read_key(self, k, x: dict):
+        return x["a"]
+
+    def read_key_vjp(self, k, x: dict, dkey):
+        return 0.0, {"a": dkey}
+
+    def lift_key(self, k, x: dict):
+        return x["b"]
+
+    def lift_key_vjp(self, k, x: dict, dlift):
+        return 0.0, {"b": dlift}
+
+    def write(self, v, beta, read):
+        return v
+
+    def write_vjp(self, v, beta, read, dwrite):
+        return dwrite, None, None
+
+    def chunk_factors(self, k, v, beta, g_cum, dot):
+        raise NotImplementedError("dplr: the chunked references are not written yet")
+
+    def new_values(self, v, w, u, S):
+        raise NotImplementedError("dplr: the chunked references are not written yet")
+
+
+RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule(), Gdn2Rule(),
+                             DplrRule())}
 GATES = {g.name: g for g in (NoGate(), ScalarGate(), KeyGate(), ValueGate())}

@@ -43,6 +43,8 @@ class Prepared(NamedTuple):
     g: np.ndarray
     beta: Optional[np.ndarray]
     gv: Optional[np.ndarray] = None
+    x: Optional[dict] = None            # the rule's vector inputs (rule.vector_inputs) at
+                                        # the value heads: Comba's p [B, T, HV, K], GDN-2's b, w
 
 
 class Segment(NamedTuple):
@@ -74,7 +76,8 @@ def _shape(x, name, want):
 
 
 def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
-               initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None) -> Dims:
+               initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
+               rule_inputs=None) -> Dims:
     """Validate one call's inputs against the spec; return its :class:`Dims`.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g spec.gate_shape; beta [B, T, HV] (delta only);
@@ -104,6 +107,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
         _shape(beta, "beta", (B, T, HV))
     elif beta is not None:
         raise SpecError(f"{spec.name} uses the additive rule: beta must be None")
+    check_rule_inputs(spec, rule_inputs, B, T, H, HV, K, V)
     if options.gate_in_kernel:
         if A_log is None:
             raise SpecError("gate_in_kernel needs A_log [HV]")
@@ -129,6 +133,21 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None,
         want = (N, HV, V, K) if options.state_v_first else (N, HV, K, V)
         _shape(initial_state, "initial_state", want)
     return Dims(B, T, H, HV, K, V, N, segments)
+
+
+def check_rule_inputs(spec: OpSpec, rule_inputs, B, T, H, HV, K, V) -> None:
+    """The rule's vector inputs (name -> array; Comba's p, GDN-2's b, w): each given, of
+    its shape (rule.input_dims), none other."""
+    rule_inputs = {n: x for n, x in (rule_inputs or {}).items() if x is not None}
+    for name, shape in spec.rule.maths.input_dims(B, T, HV, H, K, V):
+        if name in spec.rule.maths.vector_inputs:
+            if name not in rule_inputs:
+                raise SpecError(f"{spec.name} uses the {spec.rule.value} rule: {name} is "
+                                "required")
+            _shape(rule_inputs.pop(name), name, shape)
+    if rule_inputs:
+        raise SpecError(f"{spec.name} uses the {spec.rule.value} rule, which takes no "
+                        f"{', '.join(sorted(rule_inputs))}")
 
 
 # -- state layout ---------------------------------------------------------------------------
@@ -196,7 +215,7 @@ def fold_heads(dx, H):
 # -- the forward map and its VJP -------------------------------------------------------------
 
 def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=None,
-            A_log=None, dt_bias=None) -> Prepared:
+            A_log=None, dt_bias=None, rule_inputs=None) -> Prepared:
     """Raw inputs -> :class:`Prepared` (fp64; q carries the scale; g always [B,T,HV,K];
     gv [B,T,HV,V] with a value gate, else None)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -223,11 +242,19 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
         beta_eff = np.asarray(beta, dtype=np.float64)
         if options.beta_sigmoid:
             beta_eff = sigmoid(beta_eff) * (2.0 if options.allow_neg_eigval else 1.0)
-    return Prepared(q_eff, k_eff, v, g_eff, beta_eff, gv_eff)
+    x_eff = None
+    if spec.rule.maths.vector_inputs:   # a key of its own as k (l2norm, key heads)
+        x_eff = {}
+        for name in spec.rule.maths.vector_inputs:
+            a = np.asarray(rule_inputs[name], dtype=np.float64)
+            if spec.rule.maths.vector_axes[name][0] == "H":
+                a = expand_heads(l2norm(a) if options.l2norm_qk else a, HV)
+            x_eff[name] = a
+    return Prepared(q_eff, k_eff, v, g_eff, beta_eff, gv_eff, x_eff)
 
 
 def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, dt_bias,
-                grads: Prepared) -> dict:
+                grads: Prepared, rule_inputs=None) -> dict:
     """Gradients of the effective inputs (a :class:`Prepared`) -> raw-input gradients.
 
     Returns dict(dq [B,T,H,K], dk [B,T,H,K], dv [B,T,HV,V], dg (g's shape or None),
@@ -262,4 +289,11 @@ def prepare_vjp(spec: OpSpec, options: Options, q, k, v, g, beta, scale, A_log, 
             sg = sigmoid(beta)
             dbeta = dbeta * (2.0 if options.allow_neg_eigval else 1.0) * sg * (1.0 - sg)
         out["dbeta"] = dbeta
+    for name in spec.rule.maths.vector_inputs:      # (grads.x: at the value heads)
+        d = grads.x[name]
+        if spec.rule.maths.vector_axes[name][0] == "H":
+            d = fold_heads(d, H)
+            if options.l2norm_qk:
+                d = l2norm_vjp(np.asarray(rule_inputs[name], dtype=np.float64), d)
+        out["d" + name] = d
     return out

@@ -34,6 +34,23 @@ def _beta_at(eff, b, t):
     return None if eff.beta is None else eff.beta[b, t][:, None]
 
 
+def _x_at(eff, b, t):
+    """Token t's vector inputs of the rule, name -> [HV, K or V]."""
+    return {n: a[b, t] for n, a in (eff.x or {}).items()}
+
+
+def _scale_at(rule, eff, b, t):
+    """The input that scales token t's write (beta [HV, 1], GDN-2's w [HV, V]) or None."""
+    if rule.scale_input == "beta":
+        return _beta_at(eff, b, t)
+    return eff.x[rule.scale_input][b, t] if rule.scale_input else None
+
+
+def _read_key(rule, eff, b, t):
+    """Token t's key the rule's write reads the state through [HV, K] (k; Comba's p)."""
+    return rule.read_key(eff.k[b, t], _x_at(eff, b, t))
+
+
 def _run_tokens(spec, eff, dims, h0, keep_states=False):
     """Run the recurrence. Returns o [B,T,HV,V], final [N,HV,K,V] and, if asked, the
     state before each token's update, [B, T, HV, K, V] (for the backward)."""
@@ -46,11 +63,16 @@ def _run_tokens(spec, eff, dims, h0, keep_states=False):
             if keep_states:
                 before[seg.b, t] = S
             q, k, v, g = (x[seg.b, t] for x in (eff.q, eff.k, eff.v, eff.g))
+            rule, S_prev = spec.rule.maths, S
             S = np.exp(g)[:, :, None] * S
             if eff.gv is not None:
                 S = S * np.exp(eff.gv[seg.b, t])[:, None, :]
-            v = spec.rule.maths.write(v, _beta_at(eff, seg.b, t),
-                                      lambda: np.einsum("hkv,hk->hv", S, k))
+            S_read, rk = (S if rule.reads_decayed else S_prev), _read_key(rule, eff, seg.b, t)
+            lift = rule.lift_key(k, _x_at(eff, seg.b, t))
+            if lift is not None:                # DPLR: the read back along b, first
+                S = S + lift[:, :, None] * np.einsum("hkv,hk->hv", S_read, rk)[:, None, :]
+            v = rule.write(v, _scale_at(rule, eff, seg.b, t),
+                           lambda: np.einsum("hkv,hk->hv", S_read, rk))
             S = S + k[:, :, None] * v[:, None, :]
             o[seg.b, t] = np.einsum("hkv,hk->hv", S, q)
         final[seg.n] = S
@@ -59,7 +81,7 @@ def _run_tokens(spec, eff, dims, h0, keep_states=False):
 
 def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
                       scale=None, initial_state=None, cu_seqlens=None, A_log=None,
-                      dt_bias=None):
+                      dt_bias=None, **rule_inputs):
     """Token-by-token forward in fp64.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV] / [B, T, HV, K] / [B, T, HV, V]
@@ -68,15 +90,16 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
     cu_seqlens [N+1] (then B == 1). Returns (o [B, T, HV, V], final_state in the
     initial state's layout, [N, HV, K, V] or [N, HV, V, K]).
     """
-    dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-    eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
+    dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                      rule_inputs)
+    eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias, rule_inputs)
     o, final, _ = _run_tokens(spec, eff, dims, _initial_states(dims, options, initial_state))
     return o, state_from_k_first(options, final)
 
 
 def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None,
                        options: Options = Options(), scale=None, initial_state=None,
-                       cu_seqlens=None, A_log=None, dt_bias=None) -> dict:
+                       cu_seqlens=None, A_log=None, dt_bias=None, **rule_inputs) -> dict:
     """Reverse-mode through the token loop: gradients of L = sum(o*do) + sum(ht*dht).
 
     do [B, T, HV, V]; dht like the final state (None = zero). Returns dict(dq, dk, dv, dg,
@@ -87,14 +110,16 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
     if spec.gate.per_value:
         raise SpecError(f"{spec.name}: recurrent_backward takes gates 'none', 'scalar' and "
                         "'key'; gate 'value''s is dsl.additive_bwd.additive_backward")
-    dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
-    eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
+    dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+                      rule_inputs)
+    eff = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias, rule_inputs)
     h0 = _initial_states(dims, options, initial_state)
     _, _, before = _run_tokens(spec, eff, dims, h0, keep_states=True)
     do = np.asarray(do, dtype=np.float64)
     dS_final = np.zeros_like(h0) if dht is None else state_to_k_first(options, dht)
     grads = Prepared(*(np.zeros_like(x) for x in eff[:4]),
-                     None if eff.beta is None else np.zeros_like(eff.beta))
+                     None if eff.beta is None else np.zeros_like(eff.beta),
+                     x={n: np.zeros_like(a) for n, a in (eff.x or {}).items()})
     dh0 = np.zeros_like(h0)
     for seg in dims.segments:
         dS = dS_final[seg.n].copy()                            # grad of the state after t
@@ -102,29 +127,51 @@ def recurrent_backward(spec: OpSpec, q, k, v, g=None, beta=None, *, do, dht=None
             b = seg.b
             qt, kt, vt, gt = (x[b, t] for x in (eff.q, eff.k, eff.v, eff.g))
             S_a = np.exp(gt)[:, :, None] * before[b, t]        # decayed state
-            bt, rule = _beta_at(eff, b, t), spec.rule.maths
-            read = np.einsum("hkv,hk->hv", S_a, kt)             # S_a^T k
+            rule = spec.rule.maths
+            bt = _scale_at(rule, eff, b, t)
+            S_read = S_a if rule.reads_decayed else before[b, t]
+            rk = _read_key(rule, eff, b, t)
+            read = np.einsum("hkv,hk->hv", S_read, rk)          # S_a^T k (Comba: S^T p)
             v_in = rule.write(vt, bt, lambda: read)
+            xt = _x_at(eff, b, t)
+            lift = rule.lift_key(kt, xt)
             S = S_a + kt[:, :, None] * v_in[:, None, :]
+            if lift is not None:
+                S = S + lift[:, :, None] * read[:, None, :]
             # o_t = S^T q
             grads.q[b, t] = np.einsum("hkv,hv->hk", S, do[b, t])
             dS = dS + qt[:, :, None] * do[b, t][:, None, :]
             # S = S_a + k v_in^T
             dk = np.einsum("hkv,hv->hk", dS, v_in)
             dv_in = np.einsum("hkv,hk->hv", dS, kt)
-            dS_a = dS
+            dS_a, dS_read = dS, 0.0
             grads.v[b, t], dbeta, dr = rule.write_vjp(vt, bt, read, dv_in)
-            if dbeta is not None:
-                grads.beta[b, t] = dbeta
-            if dr is not None:                                # the rule read r = S_a^T k
-                dS_a = dS_a + kt[:, :, None] * dr[:, None, :]
-                dk = dk + np.einsum("hkv,hv->hk", S_a, dr)
+            if lift is not None:                              # S += lift r^T
+                dr = (0.0 if dr is None else dr) + np.einsum("hkv,hk->hv", dS, lift)
+                dk_lift, dx = rule.lift_key_vjp(kt, xt, np.einsum("hkv,hv->hk", dS, read))
+                dk = dk + dk_lift
+                for n, d in dx.items():
+                    grads.x[n][b, t] += d
+            if dbeta is not None:                             # (beta's, or GDN-2's w's)
+                (grads.beta if rule.scale_input == "beta" else
+                 grads.x[rule.scale_input])[b, t] = dbeta
+            if dr is not None:                                # the rule read r = S_read^T rk
+                drk = np.einsum("hkv,hv->hk", S_read, dr)
+                if rule.reads_decayed:
+                    dS_a = dS_a + rk[:, :, None] * dr[:, None, :]
+                else:                                         # (the state before the decay)
+                    dS_read = rk[:, :, None] * dr[:, None, :]
+                dk_read, dx = rule.read_key_vjp(kt, _x_at(eff, b, t), drk)
+                dk = dk + dk_read
+                for n, d in dx.items():
+                    grads.x[n][b, t] += d
             grads.k[b, t] = dk
             # S_a = diag(exp(g)) S_prev
             grads.g[b, t] = np.sum(S_a * dS_a, axis=-1)
-            dS = np.exp(gt)[:, :, None] * dS_a
+            dS = np.exp(gt)[:, :, None] * dS_a + dS_read
         dh0[seg.n] = dS
-    out = prepare_vjp(spec, options, q, k, v, g, beta, scale, A_log, dt_bias, grads)
+    out = prepare_vjp(spec, options, q, k, v, g, beta, scale, A_log, dt_bias, grads,
+                      rule_inputs)
     out["dh0"] = None if initial_state is None else state_from_k_first(options, dh0)
     return out
 
@@ -156,6 +203,16 @@ def random_inputs(spec: OpSpec, options: Options, B, T, H, HV, K, V, rng, cu_seq
     out = dict(q=q, k=k, v=rng.standard_normal((B, T, HV, V)), g=None, beta=None,
                A_log=None, dt_bias=None, initial_state=None,
                cu_seqlens=None if cu_seqlens is None else np.asarray(cu_seqlens, dtype=np.int64))
+    rule = spec.rule.maths
+    for name, shape in rule.input_dims(B, T, HV, H, K, V):
+        if name not in rule.vector_inputs:
+            continue
+        if rule.vector_axes[name][0] == "H":    # a key of its own (l2-normalised as k)
+            p = rng.standard_normal(shape)
+            out[name] = p if options.l2norm_qk else p / np.linalg.norm(p, axis=-1,
+                                                                       keepdims=True)
+        else:                                   # a gate in (0, 1) (GDN-2's b, w)
+            out[name] = 1.0 / (1.0 + np.exp(-rng.standard_normal(shape)))
     if spec.has_beta:
         logits = rng.standard_normal((B, T, HV))
         out["beta"] = logits if options.beta_sigmoid else 1.0 / (1.0 + np.exp(-logits))

@@ -13,6 +13,9 @@ Recurrence denoted by a spec, per token t and value head h (S in R^{K x V}, K-fi
            value:  S <- S @ diag(exp(g[t, h, :]))          (g: [.., HV, V]; fla's gv)
     rule   additive: S <- S + k v^T
            delta:    S <- S + k (beta (v - S^T k))^T
+           comba:    S <- exp(g) S_prev + k (beta (v - S_prev^T p))^T   (S_prev before the gate)
+           gdn2:     S <- S + k (w . v - S^T (b . k))^T
+           dplr:     S <- D S_prev + b (a^T S_prev) + k v^T                (D the gate's decay)
     output o = S^T (scale * q)
 
 With ``state_v_first`` the state is stored transposed ([.., V, K]); the maths is the same.
@@ -35,6 +38,9 @@ class SpecError(ValueError):
 class Rule(str, enum.Enum):
     ADDITIVE = "additive"   # S += k v^T            (GLA, linear attention)
     DELTA = "delta"         # S += k (beta (v - S^T k))^T   (DeltaNet, GDN, KDA)
+    COMBA = "comba"         # S = e^g S + k (beta (v - S^T p))^T, S before the decay (Comba)
+    GDN2 = "gdn2"           # S = (I - k (b . k)^T) S_a + k (w . v)^T   (GDN-2)
+    DPLR = "dplr"           # S = D S + b (a^T S) + k v^T   (DPLR, IPLR, RWKV-7)
 
     @property
     def maths(self) -> RuleMaths:
@@ -154,7 +160,17 @@ class OpSpec:
     decay:       a log decay per value head fixed by the spec (gate "scalar" only): an
                  expression in h (the value head, 0-based) and H (the value heads), e.g.
                  RetNet's "log(1 - 2**(-5 - h))"; g is then not a call input, every token
-                 of head h decays by exp(decay(h, H)) (:meth:`head_decay`)
+                 of head h decays by exp(decay(h, H)) (:meth:`head_decay`); it may also
+                 use ``layer`` and ``layers`` (the call's layer index and layer count: a
+                 decay fixed per head and layer, lightning attention's "-8 * h / H * (1 -
+                 layer / layers)") and ``slope(h, H)`` (ALiBi's head slopes,
+                 :func:`alibi_slope`: MiniMax's and the lightning-attention paper's form)
+    step:        "dt": the call passes a step dt [B, T, HV] and the kernel forms
+                 dt <- clamp(softplus?(dt + dt_bias), dt_limit) and the scalar gate
+                 g = A dt (A [HV] <= 0) from it (Mamba-2's discretization)
+    value_scale: "dt": the value written is scaled per token by that step, v <- dt v
+    skip:        o <- o + D v (the raw value; D [HV] or [HV, V]): a skip term
+    output_gate: "silu": o <- o * silu(z), z [B, T, HV, V] (after the skip term)
     """
     name: str
     rule: Rule
@@ -165,6 +181,10 @@ class OpSpec:
     default_scale: object = "rsqrt_k"
     doc: str = ""
     decay: str = ""
+    step: str = ""
+    value_scale: str = ""
+    skip: bool = False
+    output_gate: str = ""
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -179,6 +199,20 @@ class OpSpec:
             raise SpecError(f"chunk_size must be 16, 32 or 64, got {self.chunk_size}")
         if self.gate is Gate.NONE and "gate_in_kernel" in self.supports:
             raise SpecError(f"{self.name}: gate_in_kernel needs a gate (gate is 'none')")
+        if self.rule is Rule.COMBA and self.gate not in (Gate.NONE, Gate.SCALAR):
+            raise SpecError(f"{self.name}: the comba rule takes gate 'none' or 'scalar' "
+                            f"(fla's chunk_comba), got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and self.gate is not Gate.KEY:
+            raise SpecError(f"{self.name}: the gdn2 rule takes gate 'key' (fla's chunk_gdn2), "
+                            f"got {self.gate.value!r}")
+        if self.rule is Rule.GDN2 and ({"beta_sigmoid", "allow_neg_eigval"} & self.supports):
+            raise SpecError(f"{self.name}: the gdn2 rule has no beta (its gates are b and w)")
+        if self.rule is Rule.DPLR and (self.gate not in (Gate.NONE, Gate.KEY) or (
+                {"beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "l2norm_qk"}
+                & self.supports)):
+            raise SpecError(f"{self.name}: the dplr rule takes gate 'none' (IPLR) or 'key' "
+                            f"(DPLR) and options state_v_first only (fla's), got gate "
+                            f"{self.gate.value!r}, options {sorted(self.supports)}")
         if self.rule is Rule.DELTA and self.gate.per_value:
             raise SpecError(f"{self.name}: gate 'value' needs the additive rule; the delta "
                             "rule supports gate 'none', 'scalar' or 'key'")
@@ -192,6 +226,7 @@ class OpSpec:
                             f"got {self.default_scale!r}")
         if self.decay:
             _check_decay(self, _decay_expr(self))
+        _check_call_terms(self)
         object.__setattr__(self, "_content_hash", self._compute_hash())
 
     # -- derived facts -------------------------------------------------------------------
@@ -230,11 +265,20 @@ class OpSpec:
         """Whether a call passes g (a gate, and not one the spec fixes by ``decay``)."""
         return self.has_gate and not self.decay
 
-    def head_decay(self, HV: int) -> list:
-        """The fixed per-step log decay of each of HV value heads (spec ``decay``)."""
+    def head_decay(self, HV: int, layer: int = None, layers: int = None) -> list:
+        """The fixed per-step log decay of each of HV value heads (spec ``decay``; a decay
+        that depends on the layer needs ``layer`` and ``layers``)."""
         if not self.decay:
             raise SpecError(f"{self.name} fixes no decay (its gate is a call input)")
-        return _head_decays(self, _decay_expr(self), HV)
+        if self.layer_decay and (layer is None or layers is None):
+            raise SpecError(f"{self.name}: its decay depends on the layer: give layer and "
+                            "layers")
+        return _head_decays(self, _decay_expr(self), HV, layer, layers)
+
+    @property
+    def layer_decay(self) -> bool:
+        """Whether the spec's fixed decay depends on the layer (uses layer / layers)."""
+        return bool(self.decay) and bool(_decay_layer_symbols(self.decay))
 
     def gate_shape(self, B: int, T: int, HV: int, K: int, V: int = None) -> tuple:
         """Shape of g for this spec ((), for no gate): [B, T, HV] plus the gate's channel
@@ -248,7 +292,8 @@ class OpSpec:
         out = {"name": self.name, "rule": self.rule.value, "gate": self.gate.value,
                "chunk_size": self.chunk_size, "supports": sorted(self.supports),
                "gva": self.gva, "default_scale": self.default_scale}
-        return dict(out, decay=self.decay) if self.decay else out
+        out = dict(out, decay=self.decay) if self.decay else out
+        return dict(out, **_call_terms(self))
 
     @property
     def key(self) -> str:
@@ -279,16 +324,38 @@ def _decay_expr(spec: "OpSpec"):
         raise SpecError(f"{spec.name}: decay fixes a scalar gate: it needs gate 'scalar' "
                         f"without gate_in_kernel, got gate {spec.gate.value!r}")
     import sympy
-    h, H = sympy.symbols("h H")
+    from sympy.utilities.lambdify import implemented_function
+    h, H, layer, layers = sympy.symbols("h H layer layers")
+    slope = implemented_function("slope", lambda hh, HH: alibi_slope(int(hh), int(HH)))
     try:
-        expr = sympy.sympify(spec.decay, locals={"h": h, "H": H})
+        expr = sympy.sympify(spec.decay, locals={"h": h, "H": H, "layer": layer,
+                                                 "layers": layers, "slope": slope})
     except (sympy.SympifyError, SyntaxError, TypeError) as e:
         raise SpecError(f"{spec.name}: decay {spec.decay!r} is not an expression: "
                         f"{type(e).__name__}") from None
-    extra = sorted(str(x) for x in getattr(expr, "free_symbols", ()) if x not in (h, H))
+    allowed = (h, H, layer, layers)
+    extra = sorted(str(x) for x in getattr(expr, "free_symbols", ()) if x not in allowed)
     if extra:
-        raise SpecError(f"{spec.name}: decay may use h and H only, got {extra}")
-    return sympy.lambdify((h, H), expr, "math")
+        raise SpecError(f"{spec.name}: decay may use h and H only (and layer, layers: a "
+                        f"decay by layer), got {extra}")
+    return sympy.lambdify(allowed, expr, "math")
+
+
+def _decay_layer_symbols(decay: str) -> set:
+    """The layer symbols (layer, layers) a decay expression names."""
+    import re
+    return set(re.findall(r"\b(layers?)\b", decay)) if isinstance(decay, str) else set()
+
+
+def alibi_slope(h: int, H: int) -> float:
+    """ALiBi's slope of head h of H (lightning attention's decay rate before its layer
+    factor): 2^(-8 (h + 1) / H) for H a power of two; otherwise the slopes of the power of
+    two P below H, then every other slope of 2P."""
+    import math
+    P = 1 << (H.bit_length() - 1)
+    if P == H:
+        return 2.0 ** (-8.0 * (h + 1) / H)
+    return alibi_slope(h, P) if h < P else alibi_slope(2 * (h - P), 2 * P)
 
 
 #: head counts a fixed decay is checked at when its spec is made (every head of each)
@@ -299,24 +366,36 @@ def _check_decay(spec: "OpSpec", f) -> None:
     """SpecError unless the decay is a finite log decay <= 0 at every head h < H of every H
     in DECAY_CHECK_HEADS: a per-step factor exp(decay) <= 1 (a larger one grows the state
     without bound; the log's sign is the rule, as for g)."""
-    for H in DECAY_CHECK_HEADS:
-        _head_decays(spec, f, H)
+    if not _decay_layer_symbols(spec.decay):
+        for H in DECAY_CHECK_HEADS:
+            _head_decays(spec, f, H)
+        return
+    for layers in DECAY_CHECK_LAYERS:
+        for layer in range(layers):
+            for H in DECAY_CHECK_LAYER_HEADS:
+                _head_decays(spec, f, H, layer, layers)
 
 
-def _head_decays(spec: "OpSpec", f, H: int) -> list:
+#: layer counts (every layer of each) and head counts a layer-dependent decay is checked at
+DECAY_CHECK_LAYERS = (1, 2, 3, 24)
+DECAY_CHECK_LAYER_HEADS = (1, 6, 8, 12, 64)
+
+
+def _head_decays(spec: "OpSpec", f, H: int, layer=None, layers=None) -> list:
     """f(h, H) for h < H as floats; SpecError at the first head that is not a finite log
     decay <= 0 (or where the expression is undefined)."""
     out = []
+    at = "" if layers is None else f", layer={layer}, layers={layers}"
     for h in range(H):
         try:
-            x = float(f(h, H))
+            x = float(f(h, H, layer, layers))
         except (ArithmeticError, ValueError, TypeError) as e:
-            raise SpecError(f"{spec.name}: decay {spec.decay!r} is undefined at h={h}, H={H} "
-                            f"({type(e).__name__}: {e})") from None
+            raise SpecError(f"{spec.name}: decay {spec.decay!r} is undefined at h={h}, "
+                            f"H={H}{at} ({type(e).__name__}: {e})") from None
         if not (x <= 0.0 and x > float("-inf")):
             raise SpecError(f"{spec.name}: decay {spec.decay!r} must be a finite log decay "
                             f"<= 0 (a per-step factor exp(decay) <= 1; a larger one grows "
-                            f"the state), got {x} at h={h}, H={H}")
+                            f"the state), got {x} at h={h}, H={H}{at}")
         out.append(x)
     return out
 
@@ -338,7 +417,7 @@ def all_rule_gate_specs(chunk_size: int = 64) -> list[OpSpec]:
     value gate (additive only) is :func:`value_gate_spec`.
     """
     out = []
-    for rule in Rule:
+    for rule in (Rule.ADDITIVE, Rule.DELTA):
         for gate in (Gate.NONE, Gate.SCALAR, Gate.KEY):
             sup = {"l2norm_qk", "state_v_first"}
             if rule is Rule.DELTA:
@@ -375,3 +454,58 @@ def key_twin(spec: OpSpec) -> OpSpec:
                   chunk_size=spec.chunk_size, supports=frozenset({"state_v_first"}),
                   gva=False, doc=f"{spec.name}'s transposed state, for its backward "
                   "(dsl.spec.key_twin).")
+
+
+#: the call-level terms a spec may add around its recurrence (OpSpec fields -> allowed values)
+CALL_TERMS = {"step": ("", "dt"), "value_scale": ("", "dt"), "skip": (False, True),
+              "output_gate": ("", "silu")}
+
+
+def _call_terms(spec: "OpSpec") -> dict:
+    """The spec's call-level terms that differ from the defaults (its identity's part)."""
+    return {n: getattr(spec, n) for n, allowed in CALL_TERMS.items()
+            if getattr(spec, n) != allowed[0]}
+
+
+def _check_call_terms(spec: "OpSpec") -> None:
+    """SpecError unless step, value_scale, skip and output_gate are valid for the spec: the
+    step forms a scalar gate (the additive rule; no g, decay or gate_in_kernel beside it),
+    the value scale needs the step; skip and output_gate need the additive rule."""
+    for n, allowed in CALL_TERMS.items():
+        if getattr(spec, n) not in allowed or type(getattr(spec, n)) is not type(allowed[0]):
+            raise SpecError(f"{spec.name}: {n} must be one of {list(allowed)}, got "
+                            f"{getattr(spec, n)!r}")
+    if spec.step and (spec.gate is not Gate.SCALAR or spec.decay
+                      or "gate_in_kernel" in spec.supports):
+        raise SpecError(f"{spec.name}: step 'dt' forms the scalar gate g = A dt: it needs "
+                        "gate 'scalar' without decay or gate_in_kernel")
+    if spec.value_scale and not spec.step:
+        raise SpecError(f"{spec.name}: value_scale 'dt' scales by the step: it needs step 'dt'")
+    if (spec.step or spec.skip or spec.output_gate) and spec.rule is not Rule.ADDITIVE:
+        raise SpecError(f"{spec.name}: step, skip and output_gate need the additive rule "
+                        f"(rule is {spec.rule.value!r})")
+
+
+def comba_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The comba rule with no and with a scalar gate, with every option its maths allows;
+    the tests' counterpart of all_rule_gate_specs for Comba."""
+    out = []
+    for gate in (Gate.NONE, Gate.SCALAR):
+        sup = {"l2norm_qk", "state_v_first", "beta_sigmoid", "allow_neg_eigval"}
+        if gate is not Gate.NONE:
+            sup |= {"gate_in_kernel"}
+        out.append(OpSpec(name=f"comba_{gate.value}", rule=Rule.COMBA, gate=gate,
+                          chunk_size=chunk_size, supports=frozenset(sup)))
+    return out
+
+
+def gdn2_spec(chunk_size: int = 64) -> OpSpec:
+    """The gdn2 rule with the per-key gate and every option its maths allows."""
+    return OpSpec(name="gdn2_key", rule=Rule.GDN2, gate=Gate.KEY, chunk_size=chunk_size,
+                  supports=frozenset({"l2norm_qk", "state_v_first", "gate_in_kernel"}))
+
+
+def dplr_specs(chunk_size: int = 64) -> list[OpSpec]:
+    """The dplr rule without a gate (IPLR) and with the per-key gate (DPLR, RWKV-7)."""
+    return [OpSpec(name=f"dplr_{g.value}", rule=Rule.DPLR, gate=g, chunk_size=chunk_size,
+                   supports=frozenset({"state_v_first"})) for g in (Gate.NONE, Gate.KEY)]

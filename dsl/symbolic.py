@@ -239,6 +239,10 @@ def symbolic_reference(spec: OpSpec, q, k, v, g=None, beta=None, *, do=None, dht
     """
     if method not in ("steps", "full"):
         raise SpecError(f"method must be 'steps' or 'full', got {method!r}")
+    if spec.rule.maths.vector_inputs:
+        raise SpecError(f"{spec.name}: the symbolic reference takes the additive and delta "
+                        f"rules; the {spec.rule.value} rule's are dsl.recurrent and "
+                        "dsl.torch_reference")
     dims = check_call(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias)
     if max(dims.K, dims.V) > MAX_DIM:
         raise SpecError(f"symbolic reference is for tiny sizes (K, V <= {MAX_DIM}), "

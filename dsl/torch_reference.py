@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .preprocess import L2NORM_EPS
-from .spec import OpSpec, Options
+from .spec import OpSpec, Options, SpecError
 
 F64 = torch.float64
 
@@ -84,6 +84,19 @@ def prepare(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, scale=No
     return q, k, v, g_log, beta
 
 
+def prepare_rule_inputs(spec: OpSpec, options: Options, rule_inputs: dict, HV: int) -> dict:
+    """The rule's vector inputs (Comba's p [B, T, H, K], GDN-2's b [B, T, HV, K] and w
+    [B, T, HV, V]) as the recurrence reads them: fp64; a key of its own (heads "H")
+    l2-normalised with l2norm_qk (as k) and expanded to HV heads."""
+    out = {}
+    for name in spec.rule.maths.vector_inputs:
+        x = _f64(rule_inputs[name])
+        if spec.rule.maths.vector_axes[name][0] == "H":
+            x = (l2norm(x) if options.l2norm_qk else x).repeat_interleave(HV // x.shape[2], 2)
+        out[name] = x
+    return out
+
+
 def _segments(B, T, cu_seqlens):
     """(batch slice, t0, t1) per independent run of tokens; one per sequence if varlen."""
     if cu_seqlens is None:
@@ -101,9 +114,12 @@ def _state_in(initial_state, n0, n1, b, HV, K, V, v_first, device):
     return s.transpose(-1, -2) if v_first else s
 
 
-def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
+def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False, rule=None, x=None):
     """One run of tokens, all fp64, [b, L, HV, D] (g [b, L, HV, 1 or K], or [b, L, HV, V]
-    with value_gate (additive rule only); beta [b, L, HV]).
+    with value_gate (additive rule only); beta [b, L, HV]; ``rule`` (dsl/family.py) and
+    its vector inputs ``x`` (name -> [b, L, HV, D]) give the erase vector (beta k; Comba's
+    beta p read before each token's decay; GDN-2's b . k) and the written value (beta v;
+    GDN-2's w . v)).
 
     Returns o [b,L,HV,V], final S [b,HV,K,V] and the intermediates (head-major chunks).
     """
@@ -127,15 +143,22 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
     k_last = kc * torch.exp(gl - gc)
     q_dec = qc * torch.exp(gc)
     A = w = None
-    if beta is not None:
-        bc = chunks(beta.unsqueeze(-1))
-        Akk = ((bc * kc * torch.exp(gc - ref)) @ k_inv.transpose(-1, -2))
+    if rule is not None and rule.reads_state:
+        xc = {n: chunks(a) for n, a in (x or {}).items()}
+        # the write's scale (beta [.., 1], GDN-2's w [.., V]; ones for none)
+        bc = (chunks(beta.unsqueeze(-1)) if rule.scale_input == "beta"
+              else xc[rule.scale_input] if rule.scale_input else torch.ones_like(vc[..., :1]))
+        ec = rule.read_key(kc, xc)              # the erase key, and its decay: inclusive,
+        gr = gc if rule.reads_decayed or g is None else gc - chunks(g)   # or exclusive
+        if rule.scale_input == "beta":
+            ec = bc * ec
+        Akk = ((ec * torch.exp(gr - ref)) @ k_inv.transpose(-1, -2))
         Akk = Akk.masked_fill(~causal.tril(-1), 0)                 # strictly lower
         eye = torch.eye(C, dtype=F64, device=k.device)
         A = torch.linalg.solve_triangular(eye + Akk, eye.expand_as(Akk), upper=False,
                                           unitriangular=True)
         u = A @ (bc * vc)
-        w = A @ (bc * torch.exp(gc) * kc)
+        w = A @ (torch.exp(gr) * ec)
     else:
         u = vc
     hs, vnews = [], []
@@ -169,7 +192,8 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False):
 
 def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
                     scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
-                    chunk_size=None, intermediates=False, piece_tokens=None):
+                    chunk_size=None, intermediates=False, piece_tokens=None,
+                    **rule_inputs):
     """fp64 chunked forward of any spec; differentiable (autograd) in every input.
 
     piece_tokens: without intermediates, each sequence is processed in pieces of this
@@ -182,6 +206,9 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     g_cum ([B,T,HV,*] token rows; A is None for the additive rule).
     """
     C = chunk_size or spec.chunk_size
+    if spec.rule.maths.lifts:
+        raise SpecError(f"{spec.name}: the {spec.rule.value} rule has no chunked reference "
+                        "yet (its two WY factors); use recurrent_forward")
     B, T, _, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     # without intermediates, long runs go in pieces of whole chunks (the state carried
@@ -202,7 +229,10 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
             sl = lambda x: None if x is None else x[bs, p0:p1]  # noqa: E731
             qe, ke, ve, ge, be = prepare(spec, options, sl(q), sl(k), sl(v), sl(g), sl(beta),
                                          scale, A_log, dt_bias)
-            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C, spec.gate.per_value)
+            xs = {n: sl(a) for n, a in rule_inputs.items()}
+            o, S, inter = _chunk_segment(qe, ke, ve, ge, be, S, C, spec.gate.per_value,
+                                         spec.rule.maths,
+                                         prepare_rule_inputs(spec, options, xs, ve.shape[2]))
             outs.append(o)
             inters.append(inter)
         finals.append(S)
@@ -220,14 +250,17 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
 
 
 def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Options = Options(),
-                      scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None):
-    """fp64 token-by-token recurrence (decay, then delta/additive update, then output).
+                      scale=None, initial_state=None, cu_seqlens=None, A_log=None, dt_bias=None,
+                      **rule_inputs):
+    """fp64 token-by-token recurrence (decay, then delta/additive update, then output;
+    Comba's write reads the state before the decay, through p).
 
     Same arguments and returns as :func:`chunked_forward` (without intermediates).
     """
     qe, ke, ve, ge, be = prepare(spec, options, q, k, v, g, beta, scale, A_log, dt_bias)
     B, T, HV, K = ke.shape
     V = ve.shape[-1]
+    xe, rule = prepare_rule_inputs(spec, options, rule_inputs, HV), spec.rule.maths
     o = torch.zeros(B, T, HV, V, dtype=F64, device=ke.device)
     finals = []
     for n, (bs, t0, t1) in enumerate(_segments(B, T, cu_seqlens)):
@@ -235,11 +268,20 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
         S = _state_in(initial_state, n0, n1, bs.stop - bs.start, HV, K, V,
                       options.state_v_first, ke.device)
         for t in range(t0, t1):
+            S_prev = S
             if ge is not None:                 # decay rows (key / scalar) or columns
                 S = spec.gate.maths.decay(S, torch.exp(ge[bs, t]))
             kt, vt = ke[bs, t], ve[bs, t]
-            bt = None if be is None else be[bs, t].unsqueeze(-1)
-            vt = spec.rule.maths.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S, kt))
+            xt = {n: a[bs, t] for n, a in xe.items()}
+            bt = (None if be is None else be[bs, t].unsqueeze(-1)) if rule.scale_input in (
+                "", "beta") else xt[rule.scale_input]
+            S_read = S if rule.reads_decayed else S_prev
+            rk = rule.read_key(kt, xt)
+            lift = rule.lift_key(kt, xt)
+            if lift is not None:               # DPLR: the read written back along b
+                S = S + lift.unsqueeze(-1) * torch.einsum("bhkv,bhk->bhv", S_read,
+                                                          rk).unsqueeze(-2)
+            vt = rule.write(vt, bt, lambda: torch.einsum("bhkv,bhk->bhv", S_read, rk))
             S = S + kt.unsqueeze(-1) * vt.unsqueeze(-2)
             o[bs, t] = torch.einsum("bhkv,bhk->bhv", S, qe[bs, t])
         finals.append(S)
@@ -250,7 +292,7 @@ def recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Opti
 def pool_recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, pool,
                            ssm_state_indices, num_accepted_tokens=None, inplace=False,
                            options: Options = Options(), scale=None, cu_seqlens=None,
-                           A_log=None, dt_bias=None):
+                           A_log=None, dt_bias=None, **rule_inputs):
     """Decode on a state pool (fla's continuous batching), as a loop over sequences and
     tokens of :func:`recurrent_forward`: sequence n starts from pool slot
     ssm_state_indices[n] ([N]) or [n, c] ([N, S]; c = num_accepted_tokens[n] - 1, else
@@ -278,7 +320,8 @@ def pool_recurrent_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, pool,
             one = lambda x: None if x is None else x[bs, t:t + 1]  # noqa: E731
             o_t, S = recurrent_forward(spec, one(q), one(k), one(v), one(g), one(beta),
                                        options=options, scale=scale, initial_state=S,
-                                       A_log=A_log, dt_bias=dt_bias)
+                                       A_log=A_log, dt_bias=dt_bias,
+                                       **{n: one(a) for n, a in rule_inputs.items()})
             o[bs, t:t + 1] = o_t
             w = int(idx[n, t - t0]) if idx.dim() == 2 and t - t0 < idx.shape[1] else -1
             if inplace and idx.dim() == 2 and 0 <= w < pool.shape[0]:

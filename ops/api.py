@@ -91,24 +91,33 @@ def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
     """kernel_inputs' x zero-padded from head dims ``dims`` to ``padded``
     (padding.pad_heads); the call's outputs are the padded run's, sliced (padding.unpad)."""
     names = ("q", "k", "v", "g", "dt_bias", "initial_state")
-    return dict(x, **dict(zip(names, pad_heads(
+    out = dict(x, **dict(zip(names, pad_heads(
         spec.gate.channels, options.state_v_first, dims.K, dims.V, padded.K, padded.V,
         *(x[n] for n in names)))))
+    if x.get("rule_inputs"):         # the rule's vector inputs: in K or V (zeros)
+        import torch.nn.functional as F
+        axes = spec.rule.maths.vector_axes
+        out["rule_inputs"] = {n: F.pad(t, (0, padded.K - dims.K) if axes[n][1] == "K" else
+                                       (0, padded.V - dims.V))
+                              for n, t in x["rule_inputs"].items()}
+    return out
 
 
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             output_final_state=False, options: Options = Options(), cu_seqlens=None,
-            cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None, g_gamma=None):
+            cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None, g_gamma=None,
+            rule_inputs=None):
     """(o, final_state or None) of a chunk_* call of ``spec``; shapes as the family's
     functions (ops/<family>.py). Not differentiable: raises when autograd would record it
     (DeltaNet's chunk_delta_rule routes such calls to ops/autograd.py first)."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
+                         *(rule_inputs or {}).values())
     wide = split.wide_keys(spec, options, q)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
-                              values=validate.host_checks(),
+                              values=validate.host_checks(), rule_inputs=rule_inputs,
                               sizes=None if wide else _head_dims, **extra)
     if wide:
         def block(q, k, g, initial_state, scale):
@@ -118,7 +127,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                            g_gamma=g_gamma)
         return split.by_key_blocks(spec, block, q, k, g, initial_state, scale,
                                    options.state_v_first)
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
+                            rule_inputs=rule_inputs)
     padded = padded_dims(chk.dims)
     path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None,
                        runtime.arch_of(x["q"].device))
@@ -131,7 +141,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     from . import library
     o, ht = library.run(spec, path, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                         x["dt_bias"], x["initial_state"], cu_seqlens, cu_seqlens_cpu,
-                        spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts)
+                        spec.scale_for(chk.dims.K, scale), bool(output_final_state), opts,
+                        rule_inputs=x.get("rule_inputs"))
     return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o.to(q.dtype),
                  ht if output_final_state else None)
 
@@ -199,7 +210,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
               output_final_state=False, options: Options = Options(), cu_seqlens=None,
               cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None,
               g_gamma=None, beta_ones=False, ssm_state_indices=None,
-              num_accepted_tokens=None, inplace_final_state=False):
+              num_accepted_tokens=None, inplace_final_state=False, rule_inputs=None):
     """(o, final_state or None) of a fused_recurrent_* call: the recurrent kernel for any
     T; ``beta_ones``: a missing beta means ones (fla's fused_recurrent delta rules). With
     ``ssm_state_indices`` initial_state is a pool of states [P, HV, K, V] (ops/recurrent.py);
@@ -208,13 +219,14 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
+                         *(rule_inputs or {}).values())
     wide = (split.wide_keys(spec, options, q) and ssm_state_indices is None
             and not inplace_final_state)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
-                              values=validate.host_checks(),
+                              values=validate.host_checks(), rule_inputs=rule_inputs,
                               sizes=None if wide else _head_dims, **extra, **pool)
     if wide:
         def block(q, k, g, initial_state, scale):
@@ -229,7 +241,8 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
         raise validate.error(f"a state pool (ssm_state_indices / inplace_final_state) needs "
                              f"K a multiple of 16 (with state_v_first a power of two) and V "
                              f"of 8, got K={chk.dims.K}, V={chk.dims.V}")
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
+                            rule_inputs=rule_inputs)
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
     from . import library
@@ -237,7 +250,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                         x["A_log"], x["dt_bias"], x["initial_state"], cu_seqlens,
                         cu_seqlens_cpu, spec.scale_for(chk.dims.K, scale),
                         bool(output_final_state), opts, inplace=bool(inplace_final_state),
-                        **pool)
+                        rule_inputs=x.get("rule_inputs"), **pool)
     if inplace_final_state:
         return o.to(q.dtype), initial_state
     return unpad(opts.state_v_first, chk.dims.K, chk.dims.V, o.to(q.dtype),
@@ -271,7 +284,8 @@ def ones_beta(q, v):
 
 
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
-                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None):
+                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None,
+                  rule_inputs=None):
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
     (after check_call): contiguous (an in-place state is already), gates and beta in f32
     or q's dtype (ones for a missing beta), simple
@@ -308,8 +322,13 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
     h0 = initial_state
     if h0 is not None:       # (an in-place state passed the checks contiguous, not f64)
         h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
-    return dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
-                beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0), options
+    x = dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
+             beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0)
+    if rule_inputs:     # the rule's vector inputs: a key (p) in q's dtype, gates f32 or q's
+        axes = spec.rule.maths.vector_axes
+        x["rule_inputs"] = {n: t.to(common).contiguous() if axes[n][0] == "H" else f32(t)
+                            for n, t in rule_inputs.items()}
+    return x, options
 
 
 def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,

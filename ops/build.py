@@ -72,6 +72,10 @@ def build(spec: OpSpec) -> Ops:
     """
     if not isinstance(spec, OpSpec):
         raise SpecError(f"build() takes an OpSpec, got {type(spec).__name__}")
+    if spec.rule.maths.vector_inputs:
+        raise SpecError(f"build() takes the additive and delta rules; the {spec.rule.value} "
+                        f"rule's functions are linattn's chunk_{spec.rule.value} and "
+                        f"fused_recurrent_{spec.rule.value}")
     return Ops(spec=spec, chunk=_function(spec, recurrent=False),
                fused_recurrent=_function(spec, recurrent=True),
                has_backward=has_backward(spec))
@@ -82,7 +86,7 @@ def has_backward(spec: OpSpec) -> bool:
     the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
     any gate (the value gate through its key-gated twin), at DeltaNet's chunk size."""
     from . import deltanet
-    return spec.chunk_size == deltanet.SPEC.chunk_size
+    return spec.chunk_size == deltanet.SPEC.chunk_size and not spec.rule.maths.vector_inputs
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:

@@ -25,10 +25,12 @@ _ARGS = ("Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? A_log, 
          "Tensor? dt_bias, Tensor{h0} initial_state, Tensor? cu_seqlens, "
          "Tensor? cu_seqlens_cpu, float scale, bool output_final_state, str options")
 _POOL = ", Tensor? ssm_state_indices, Tensor? num_accepted_tokens"
+#: the rule's key-shaped inputs (Comba's p), in the rule's vector_inputs order; None: none
+_RULE = ", Tensor[]? rule_inputs=None"
 SCHEMAS = {
-    "chunk": f"({_ARGS.format(h0='?')}) -> (Tensor, Tensor)",
-    "recurrent": f"({_ARGS.format(h0='?')}{_POOL}) -> (Tensor, Tensor)",
-    "inplace": f"({_ARGS.format(h0='(a!)')}{_POOL}) -> Tensor",
+    "chunk": f"({_ARGS.format(h0='?')}{_RULE}) -> (Tensor, Tensor)",
+    "recurrent": f"({_ARGS.format(h0='?')}{_POOL}{_RULE}) -> (Tensor, Tensor)",
+    "inplace": f"({_ARGS.format(h0='(a!)')}{_POOL}{_RULE}) -> Tensor",
 }
 _OPS: dict = {}      # (spec name, path) -> (spec hash, op)
 
@@ -52,7 +54,7 @@ def _impl(spec: OpSpec, path: str):
     """The op's real implementation: the kernel entry point of its path, on arguments the
     public call checked (ops/validate.py check_call): the unchecked run_* functions."""
     def chunk(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
-              scale, output_final_state, options):
+              scale, output_final_state, options, rule_inputs=None):
         from .chunk import run_chunk_forward
         o, ht = run_chunk_forward(spec, q, k, v, g, beta, scale=scale,
                                   initial_state=initial_state,
@@ -64,7 +66,7 @@ def _impl(spec: OpSpec, path: str):
 
     def recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                   cu_seqlens_cpu, scale, output_final_state, options, ssm_state_indices,
-                  num_accepted_tokens):
+                  num_accepted_tokens, rule_inputs=None):
         from .recurrent import run_recurrent
         o, ht = run_recurrent(spec, q, k, v, g, beta, scale=scale,
                               initial_state=initial_state,
@@ -73,7 +75,8 @@ def _impl(spec: OpSpec, path: str):
                               A_log=A_log, dt_bias=dt_bias,
                               ssm_state_indices=ssm_state_indices,
                               num_accepted_tokens=num_accepted_tokens,
-                              inplace_final_state=path == "inplace")
+                              inplace_final_state=path == "inplace",
+                              rule_inputs=rule_dict(spec, rule_inputs))
         return o if path == "inplace" else (o, _final_or_empty(ht, q))
     return chunk if path == "chunk" else recurrent
 
@@ -85,7 +88,7 @@ def _fake(spec: OpSpec, path: str):
 
     def fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
              scale, output_final_state, options, ssm_state_indices=None,
-             num_accepted_tokens=None):
+             num_accepted_tokens=None, rule_inputs=None):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         o = q.new_empty(B, T, HV, V)
@@ -121,7 +124,7 @@ def register_all() -> None:
 
 def run(spec: OpSpec, path: str, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
         cu_seqlens_cpu, scale: float, output_final_state: bool, options: Options, *,
-        ssm_state_indices=None, num_accepted_tokens=None, inplace=False):
+        ssm_state_indices=None, num_accepted_tokens=None, inplace=False, rule_inputs=None):
     """Run one kernel path of ``spec`` through its op: (o, final state or an empty tensor).
     ``path``: "chunk" or "recurrent" (with ``inplace``: the in-place op, final = h0)."""
     path = "inplace" if inplace else path
@@ -129,7 +132,14 @@ def run(spec: OpSpec, path: str, q, k, v, g, beta, A_log, dt_bias, initial_state
             float(scale), bool(output_final_state), options.key())
     if path != "chunk":
         args += (ssm_state_indices, num_accepted_tokens)
+    if rule_inputs:         # (as a list, in the rule's order: the schema's Tensor[])
+        args += ([rule_inputs[n] for n in spec.rule.maths.vector_inputs],)
     entry = _OPS.get((spec.name, path))
     fn = entry[1] if entry is not None and entry[0] == spec.hash else _impl(spec, path)
     out = fn(*args)
     return (out, initial_state) if path == "inplace" else out
+
+
+def rule_dict(spec: OpSpec, rule_inputs) -> dict:
+    """The op's rule_inputs list (or None) as name -> tensor (the rule's vector_inputs)."""
+    return dict(zip(spec.rule.maths.vector_inputs, rule_inputs or ()))

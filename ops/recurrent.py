@@ -34,7 +34,7 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
                     output_final_state=False, options: Options = Options(), cu_seqlens=None,
                     A_log=None, dt_bias=None, state_dtype=None, cu_seqlens_cpu=None,
                     tuning=None, ssm_state_indices=None, num_accepted_tokens=None,
-                    inplace_final_state=False):
+                    inplace_final_state=False, rule_inputs=None):
     """Recurrent forward of ``spec``; inputs are never modified (but for the in-place
     state: see inplace_final_state).
 
@@ -44,6 +44,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              gate), natural-log decay
              (raw, before the activation, with options.gate_in_kernel); f32 or q's dtype
     beta:    [B, T, HV] (delta rule); f32 or q's dtype
+    rule_inputs: the rule's key-shaped inputs, name -> [B, T, H, K] in q's dtype (the
+             comba rule's erase key p)
     scale:   multiplies q (default spec.default_scale, K ** -0.5)
     initial_state: [N, HV, K, V] ([N, HV, V, K] with options.state_v_first), f32, f16
              or bf16 (read as f32); N = B, or len(cu_seqlens) - 1 with varlen; with
@@ -72,20 +74,24 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
     """
     _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
            dt_bias, state_dtype, scale, ssm_state_indices=ssm_state_indices,
-           num_accepted_tokens=num_accepted_tokens, inplace=bool(inplace_final_state))
+           num_accepted_tokens=num_accepted_tokens, inplace=bool(inplace_final_state),
+           rule_inputs=rule_inputs)
     return run_recurrent(spec, q, k, v, g, beta, scale, initial_state, output_final_state,
                          options, cu_seqlens, A_log, dt_bias, state_dtype, tuning,
-                         ssm_state_indices, num_accepted_tokens, inplace_final_state)
+                         ssm_state_indices, num_accepted_tokens, inplace_final_state,
+                         rule_inputs=rule_inputs)
 
 
 def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                   output_final_state=False, options: Options = Options(), cu_seqlens=None,
                   A_log=None, dt_bias=None, state_dtype=None, tuning=None,
                   ssm_state_indices=None, num_accepted_tokens=None,
-                  inplace_final_state=False):
+                  inplace_final_state=False, terms=None, rule_inputs=None):
     """:func:`fused_recurrent` on arguments already checked (its own checks, or the public
     call's ops/validate.py check_call: torch.library's recurrent ops), so that a call is
-    checked once."""
+    checked once. ``terms``: a spec's call terms formed in the kernel (dsl/call_terms.py;
+    ops/mamba2.py): {"flags": build() keywords, "tensors": the kernel's tensors by name};
+    the terms' tensors a call leaves out are placeholders."""
     import torch
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
                 inplace=bool(inplace_final_state))
@@ -106,7 +112,8 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                      else torch.zeros_like(ht))
         return o, ht
     problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
-                       output_final_state, cu_seqlens, **pool)
+                       output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs)
+    problem.update((terms or {}).get("flags", {}))
     arch = runtime.device_arch(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
                                            **problem, **(tuning or _OVERRIDE))
@@ -121,9 +128,12 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                      else stand_in(slot_dtype)),
         "scale": scale, "o": o, "ht": ht if ht is not None else stand_in(state_dtype),
     }
+    tensors.update(rule_inputs or {})
     if not options.gate_in_kernel:
         tensors["A_log"] = tensors["dt_bias"] = stand_in(torch.float32)
-    kernel(*[tensors[name] for name in module.args(**problem)])
+    tensors.update((terms or {}).get("tensors", {}))
+    kernel(*[tensors[name] if name in tensors else stand_in(torch.float32)
+             for name in module.args(**problem)])
     return o, ht
 
 
@@ -145,14 +155,16 @@ def _start_states(initial_state, N, ssm_state_indices=None, num_accepted_tokens=
 
 def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
            A_log, dt_bias, state_dtype, scale, ssm_state_indices=None,
-           num_accepted_tokens=None, inplace=False):
+           num_accepted_tokens=None, inplace=False, rule_inputs=None):
     """The kernel's checks (device last): (dims, N, state_dtype, scale)."""
     import torch
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias,
+                         *(rule_inputs or {}).values())
     spec.check_options(options)
     dims = validate.check_qkv(spec, q, k, v)
     validate.check_gate(spec, g, dims, q)
     validate.check_beta(spec, beta, dims, q)
+    validate.check_rule_inputs(spec, dims, rule_inputs, q)
     validate.check_gate_params(spec, options, A_log, dt_bias, dims, q)
     N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q,
                                   values=validate.host_checks())
@@ -189,7 +201,7 @@ def _state_dtype(state_dtype, initial_state, inplace: bool):
 
 def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output_final_state,
              cu_seqlens, ssm_state_indices=None, num_accepted_tokens=None,
-             inplace=False) -> dict:
+             inplace=False, rule_inputs=None) -> dict:
     """The build() keywords describing one call (sizes, dtypes, flags)."""
     problem = dict(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V,
                    dtype=runtime.dtype_name(q.dtype),
@@ -214,4 +226,6 @@ def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output
         problem["g_dtype"] = runtime.dtype_name(g.dtype)
     if spec.has_beta:
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
+    for name in spec.rule.maths.dtype_inputs:      # (GDN-2's b, w)
+        problem[f"{name}_dtype"] = runtime.dtype_name(rule_inputs[name].dtype)
     return problem

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ..dsl import OpSpec, SpecError
 
-FAMILY_MODULES = ("deltanet", "gdn", "kda", "gla", "simple_gla", "linear_attn", "retention")
+FAMILY_MODULES = ("deltanet", "gdn", "kda", "gla", "simple_gla", "linear_attn", "retention",
+                  "mamba2", "lightning", "comba", "gdn2", "dplr", "iplr")
 
 
 def specs() -> dict[str, OpSpec]:

@@ -358,7 +358,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
                dt_bias=None, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
                lower_bound=None, ssm_state_indices=None, num_accepted_tokens=None,
                inplace_final_state=False, scale=None, g_gamma=None, beta_optional=False,
-               values=True, sizes=None) -> Checked:
+               values=True, sizes=None, rule_inputs=None) -> Checked:
     """Every argument of one public call, in fla's terms, before any device work; the
     device check comes last (a bad g on the CPU reports g). As fla's input_guard, any
     strides are accepted (api.kernel_inputs makes copies), except for a state updated in
@@ -378,6 +378,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
     if beta is not None or not beta_optional:
         check_beta(spec, beta, dims, dtypes=FLOAT_DTYPES[:3], contiguous=False)
     check_fla_gate_params(spec, options, A_log, dt_bias, dims, lower_bound)
+    check_rule_inputs(spec, dims, rule_inputs, contiguous=False)
     N = check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, values=values)
     check_pool(ssm_state_indices, num_accepted_tokens, initial_state, inplace_final_state, N)
     pool = ssm_state_indices is not None
@@ -392,5 +393,38 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
                   A_log=A_log if used else None,
                   dt_bias=dt_bias if used else None, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-                  num_accepted_tokens=num_accepted_tokens)
+                  num_accepted_tokens=num_accepted_tokens, **(rule_inputs or {}))
     return Checked(dims, N)
+
+
+def check_devices_as(name: str, x, **tensors) -> None:
+    """check_devices with the leading tensor named ``name`` instead of q (mamba_ssm's x)."""
+    try:
+        check_devices(x, **tensors)
+    except SpecError as e:
+        msg = str(e)
+        msg = name + msg[1:] if msg.startswith("q is on") else msg
+        raise SpecError(msg.replace("(q is on", f"({name} is on")) from None
+
+
+def check_rule_inputs(spec: OpSpec, dims: Dims, rule_inputs, q=None, contiguous=True):
+    """The rule's vector inputs (``rule_inputs``: name -> tensor; dsl rule.input_dims:
+    Comba's p [B, T, H, K] in q's dtypes, GDN-2's b [B, T, HV, K] and w [B, T, HV, V] in
+    any float dtype; with ``q`` a key-like one in q's dtype and each on q's device): each
+    one the rule takes given, none other."""
+    rule, rule_inputs = spec.rule.maths, dict(rule_inputs or {})
+    for name, shape in rule.input_dims(*dims[:2], dims.HV, dims.H, dims.K, dims.V):
+        if name not in rule.vector_inputs:
+            continue
+        x = rule_inputs.pop(name, None)
+        if x is None:
+            raise error(f"{spec.name} needs {name} of shape [{', '.join(map(str, shape))}] "
+                        f"(the {spec.rule.value} rule's)")
+        key = rule.vector_axes[name][0] == "H"
+        dtypes = ([q.dtype] if q is not None else INPUT_DTYPES) if key else (
+            ["float32", q.dtype] if q is not None else FLOAT_DTYPES)
+        check_tensor(name, x, like=q, dtypes=dtypes, shape=shape, contiguous=contiguous)
+    extra = sorted(n for n, x in rule_inputs.items() if x is not None)
+    if extra:
+        raise error(f"{spec.name} uses the {spec.rule.value} rule, which takes no "
+                    f"{', '.join(extra)}")

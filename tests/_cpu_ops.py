@@ -16,12 +16,13 @@ _REGISTERED = []
 
 
 def _reference(spec, path, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-               scale, output_final_state, options, slots=None, accepted=None):
+               scale, output_final_state, options, slots=None, accepted=None,
+               rule_inputs=None):
     opts = library.options_from_key(options)
     for name, t in dict(q=q, k=k, v=v, g=g, beta=beta, h0=initial_state, slots=slots).items():
         assert t is None or t.is_contiguous(), name
     common = dict(options=opts, scale=scale, cu_seqlens=cu_seqlens, A_log=A_log,
-                  dt_bias=dt_bias)
+                  dt_bias=dt_bias, **library.rule_dict(spec, rule_inputs))
     if slots is None:
         o, ht = tr.recurrent_forward(spec, q, k, v, g, beta, initial_state=initial_state,
                                      **common)
@@ -46,6 +47,8 @@ def _cpu_kernel(spec, path):
         if not _CPU["on"]:
             return real(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                         cu_seqlens_cpu, scale, output_final_state, options, *pool)
+        if path == "chunk" and pool:        # (the chunk op's one optional: rule_inputs)
+            pool = (None, None) + tuple(pool)
         return _reference(spec, path, q, k, v, g, beta, A_log, dt_bias, initial_state,
                           cu_seqlens, scale, output_final_state, options, *pool)
     return kernel

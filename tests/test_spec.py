@@ -8,8 +8,16 @@ from linattn.ops import get_spec, specs
 
 def test_families_are_registered_with_their_maths():
     table = specs()
-    assert sorted(table) == ["deltanet", "gdn", "gla", "kda", "linear_attn", "retention",
-                             "simple_gla"]
+    assert {"deltanet", "gdn", "gla", "kda", "linear_attn", "retention", "simple_gla",
+            "mamba2", "lightning"} <= set(table)
+    assert (table["mamba2"].rule, table["mamba2"].gate, table["mamba2"].step) == \
+        (Rule.ADDITIVE, Gate.SCALAR, "dt")
+    assert (table["lightning"].gate, table["lightning"].layer_decay) == (Gate.SCALAR, True)
+    assert {"comba", "dplr", "gdn2", "iplr"} <= set(table)
+    assert (table["dplr"].rule, table["dplr"].gate) == (Rule.DPLR, Gate.KEY)
+    assert (table["iplr"].rule, table["iplr"].gate) == (Rule.DPLR, Gate.NONE)
+    assert (table["comba"].rule, table["comba"].gate) == (Rule.COMBA, Gate.SCALAR)
+    assert (table["gdn2"].rule, table["gdn2"].gate) == (Rule.GDN2, Gate.KEY)
     assert (table["deltanet"].rule, table["deltanet"].gate) == (Rule.DELTA, Gate.NONE)
     assert (table["gdn"].rule, table["gdn"].gate) == (Rule.DELTA, Gate.SCALAR)
     assert (table["kda"].rule, table["kda"].gate) == (Rule.DELTA, Gate.KEY)
@@ -21,13 +29,14 @@ def test_families_are_registered_with_their_maths():
 
 def test_six_rule_gate_combinations_are_expressible():
     combos = {(s.rule, s.gate) for s in all_rule_gate_specs()}
-    assert combos == {(r, g) for r in Rule for g in Gate if g is not Gate.VALUE}
+    assert combos == {(r, g) for r in (Rule.ADDITIVE, Rule.DELTA) for g in Gate
+                      if g is not Gate.VALUE}
     assert len({s.hash for s in all_rule_gate_specs()}) == 6
     assert (value_gate_spec().rule, value_gate_spec().gate) == (Rule.ADDITIVE, Gate.VALUE)
 
 
 def test_unknown_op_lists_valid_ones():
-    with pytest.raises(SpecError, match="deltanet, gdn, gla, kda"):
+    with pytest.raises(SpecError, match="valid ops: .*deltanet, .*gdn, .*gla, .*kda"):
         get_spec("mamba")
 
 

@@ -1,0 +1,95 @@
+"""DPLR (fla's generalized delta rule, diagonal plus low rank): S <- diag(exp(gk)) S +
+b (a^T S) + k v^T, a, b keys of their own; RWKV-7's functions are its own with q = r,
+gk = w (fla's chunk_rwkv7 / fused_recurrent_rwkv7)."""
+from ..dsl import OpSpec
+from . import api
+
+SPEC = OpSpec(
+    name="dplr", rule="dplr", gate="key", chunk_size=64, supports=frozenset(),
+    doc="DPLR: S <- diag(exp(gk)) S + b (a^T S) + k v^T (S before the decay); "
+        "o = S^T (scale q).",
+)
+
+
+def _check_bound(lower_bound) -> None:
+    """fla's lower_bound for DPLR: the caller's promise lower_bound <= gk < 0, which
+    changes no result here; a number or None."""
+    if lower_bound is not None and (isinstance(lower_bound, bool)
+                                    or not isinstance(lower_bound, (int, float))):
+        raise api.validate.error(f"lower_bound must be a number or None, got "
+                                 f"{api.validate.describe(lower_bound)}")
+
+
+def run(spec, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens,
+        cu_seqlens_cpu, kwargs, chunk_sizes):
+    """The recurrent kernel of a DPLR-form spec (DPLR, IPLR) for a public call: fla's
+    keywords checked (``chunk_sizes``: a chunk_* call's allowed chunk_size, None for a
+    fused_recurrent_* one); inference only (inputs that need gradients raise)."""
+    if chunk_sizes is not None and kwargs.get("chunk_size") is None:
+        kwargs.pop("chunk_size", None)           # (fla's default: 16)
+    opts = api.fla_options(kwargs=kwargs, chunk_sizes=chunk_sizes)
+    return api.recurrent(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                         rule_inputs={"a": a, "b": b})
+
+
+def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
+                          output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                          safe_gate=False, chunk_size=None, disable_recompute=False,
+                          cp_context=None, lower_bound=None, **kwargs):
+    """fla's chunk_dplr_delta_rule: S_t = diag(exp(gk_t)) S_{t-1} + b_t (a_t^T S_{t-1})
+    + k_t v_t^T, o_t = S_t^T (scale q_t) (fla's S_t = S_t (D_t + a_t b_t^T) + v_t k_t^T,
+    its state value-first).
+
+    q, k, a, b [B, T, H, K]; v [B, T, HV, V] (HV % H == 0), f16 / bf16 / f32; gk
+    [B, T, HV, K] natural-log decay per key channel, any float dtype. initial_state
+    [N, HV, K, V], read as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). safe_gate,
+    disable_recompute and lower_bound (a promise on gk) change nothing; chunk_size 16,
+    32 or 64 (None: fla's 16). Returns (o [B, T, HV, V] in q's dtype, final_state f32 or
+    None).
+
+    Runs the recurrent kernel (the chunked kernels of the dplr rule are not generated
+    yet), for any T; not differentiable yet (inputs that need gradients raise).
+    """
+    _check_bound(lower_bound)
+    kw = dict(kwargs, chunk_size=chunk_size, cp_context=cp_context,
+              disable_recompute=disable_recompute)
+    return run(SPEC, q, k, v, a, b, gk, scale, initial_state, output_final_state,
+               cu_seqlens, cu_seqlens_cpu, kw, (16, 32, 64))
+
+
+def fused_recurrent_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
+                                    output_final_state=False, reverse=False,
+                                    cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+    """fla's fused_recurrent_dplr_delta_rule: as chunk_dplr_delta_rule, token by token
+    (``reverse=True`` is not supported)."""
+    return run(SPEC, q, k, v, a, b, gk, scale, initial_state, output_final_state,
+               cu_seqlens, cu_seqlens_cpu, dict(kwargs, reverse=reverse), None)
+
+
+def chunk_rwkv7(r, w, k, v, a, b, scale=1.0, initial_state=None, output_final_state=False,
+                cu_seqlens=None, cu_seqlens_cpu=None, safe_gate=False, chunk_size=None,
+                disable_recompute=False, cp_context=None, lower_bound=None, **kwargs):
+    """fla's chunk_rwkv7: chunk_dplr_delta_rule with q = r and gk = w (the log decay
+    [B, T, H, K]); scale defaults to 1.0 (fla's)."""
+    if "head_first" in kwargs:
+        raise api.validate.error("head_first has been removed: inputs are [B, T, H, ...]")
+    return chunk_dplr_delta_rule(r, k, v, a, b, w, scale=scale, initial_state=initial_state,
+                                 output_final_state=output_final_state,
+                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                 safe_gate=safe_gate, chunk_size=chunk_size,
+                                 disable_recompute=disable_recompute, cp_context=cp_context,
+                                 lower_bound=lower_bound, **kwargs)
+
+
+def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
+                          output_final_state=True, cu_seqlens=None, **kwargs):
+    """fla's fused_recurrent_rwkv7: fused_recurrent_dplr_delta_rule with q = r, gk = w;
+    scale None is K ** -0.5 and output_final_state defaults to True (fla's)."""
+    if "head_first" in kwargs:
+        raise api.validate.error("head_first has been removed: inputs are [B, T, H, ...]")
+    return fused_recurrent_dplr_delta_rule(r, k, v, a, b, w, scale=scale,
+                                           initial_state=initial_state,
+                                           output_final_state=output_final_state,
+                                           cu_seqlens=cu_seqlens, **kwargs)

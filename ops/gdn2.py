@@ -1,0 +1,71 @@
+"""GDN-2 (Gated DeltaNet 2): the delta rule with a per-key-channel erase gate b and a
+per-value-channel write gate w, and KDA's per-key decay (fla's chunk_gdn2 /
+fused_recurrent_gdn2)."""
+from ..dsl import OpSpec
+from . import api
+
+SPEC = OpSpec(
+    name="gdn2", rule="gdn2", gate="key", chunk_size=64,
+    supports=frozenset({"l2norm_qk", "gate_in_kernel", "state_v_first"}),
+    doc="GDN-2: S <- (I - k (b . k)^T) diag(exp(g)) S + k (w . v)^T; o = S^T (scale q).",
+)
+
+
+def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, cu_seqlens=None,
+               cu_seqlens_cpu=None, safe_gate=False, lower_bound=None,
+               disable_recompute=False, return_intermediate_states=False,
+               state_v_first=False, A_log=None, dt_bias=None, **kwargs):
+    """fla's chunk_gdn2: S_t = (I - k_t (b_t . k_t)^T) diag(exp(g_t)) S_{t-1} +
+    k_t (w_t . v_t)^T, o_t = S_t^T (scale q_t).
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV % H == 0), f16 / bf16 / f32; g [B, T, HV, K]
+    natural-log decay per key channel (raw with use_gate_in_kernel: -exp(A_log) *
+    softplus(g + dt_bias), or with ``lower_bound`` lower_bound * sigmoid(exp(A_log) *
+    (g + dt_bias)), A_log optional then); b [B, T, HV, K] the erase gate, w [B, T, HV, V]
+    the write gate, any float dtype (read as f32). initial_state [N, HV, K, V] ([N, HV,
+    V, K] with state_v_first), read as f32; N = B, or len(cu_seqlens) - 1 (then B == 1).
+    safe_gate (fla's rules checked) and disable_recompute change nothing in a forward;
+    chunk_size: 64 (fla's only value). Returns (o [B, T, HV, V] in q's dtype,
+    final_state f32 or None).
+
+    Runs the recurrent kernel (the chunked kernels of the gdn2 rule are not generated
+    yet), for any T; not differentiable yet (inputs that need gradients raise);
+    return_intermediate_states is not supported.
+    """
+    from .kda import check_safe_gate
+    check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                           state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,))
+    if return_intermediate_states:
+        raise api.validate.error("chunk_gdn2: return_intermediate_states=True is not "
+                                 "supported by linattn yet (no chunked gdn2 kernels)")
+    return api.recurrent(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+                         dt_bias=dt_bias, lower_bound=lower_bound,
+                         rule_inputs={"b": b, "w": w})
+
+
+def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None,
+                         initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                         lower_bound=None, state_v_first=False, cu_seqlens=None,
+                         cu_seqlens_cpu=None, ssm_state_indices=None,
+                         num_accepted_tokens=None, inplace_final_state=False, **kwargs):
+    """fla's fused_recurrent_gdn2: the token-by-token kernel for any T. Shapes as
+    chunk_gdn2; the state pool arguments (``ssm_state_indices``, ``num_accepted_tokens``,
+    ``inplace_final_state``) as fused_recurrent_gated_delta_rule's. Not differentiable
+    (fla's is inference-only)."""
+    from .kda import check_safe_gate
+    check_safe_gate(False, lower_bound, use_gate_in_kernel)
+    opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                           state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=None)
+    return api.recurrent(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, options=opts,
+                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+                         dt_bias=dt_bias, lower_bound=lower_bound,
+                         ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens,
+                         inplace_final_state=inplace_final_state,
+                         rule_inputs={"b": b, "w": w})

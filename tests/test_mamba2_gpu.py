@@ -1,0 +1,213 @@
+"""GPU checks of Mamba-2 (SSD) and lightning attention (issue 48) against the fp64
+references of their specs (dsl/call_terms.py) on fresh random inputs, every new float
+allocation NaN-poisoned (conftest), and against mamba_ssm's / fla's own functions where
+those import (else those tests skip): mamba_chunk_scan_combined's forward and gradients
+(every input), varlen (seq_idx, cu_seqlens with return_varlen_states), initial states, z,
+D, dt_limit, ngroups 1 and 8, dstate 64 / 128 / 256; selective_state_update (the decode
+kernel with the call terms inside it), state pools; chunk_lightning_attn /
+fused_recurrent_lightning_attn forward and gradients.
+
+Run: python3 -m pytest -q -m gpu tests/test_mamba2_gpu.py
+"""
+import math
+
+import pytest
+
+import linattn
+from linattn.dsl import Options
+from linattn.dsl import call_terms
+from linattn.ops import lightning, mamba2
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.gpu
+
+BF = torch.bfloat16
+V_FIRST = Options(state_v_first=True)
+INF = float("inf")
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def inputs(Bn, T, HV, G, K, V=64, seed=0, h0=True):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    return dict(
+        x=r(Bn, T, HV, V).to(BF), dt=r(Bn, T, HV) - 2.0,
+        A=-torch.rand(HV, device="cuda", generator=gen) * 4 - 0.5,
+        B=(r(Bn, T, G, K) / math.sqrt(K)).to(BF), C=(r(Bn, T, G, K) / math.sqrt(K)).to(BF),
+        D=r(HV), z=r(Bn, T, HV, V).to(BF), dt_bias=r(HV) * 0.5,
+        h0=(0.1 * r(Bn, HV, V, K)) if h0 else None)
+
+
+def want_scan(p, cu=None, dt_limit=(0.0, INF), terms=True, first_h0=True):
+    """The fp64 reference of mamba_chunk_scan_combined (varlen: the first sequence from
+    the initial state, the others from zero)."""
+    kw = dict(dt=p["dt"].double(), A=p["A"].double(), dt_bias=p["dt_bias"].double(),
+              dt_softplus=True, dt_limit=dt_limit, options=V_FIRST)
+    if terms:
+        kw.update(D=p["D"].double(), z=p["z"].double())
+    h0 = p["h0"]
+    if cu is not None and h0 is not None:
+        h0 = torch.cat([h0, h0.new_zeros((len(cu) - 2,) + tuple(h0.shape[1:]))], 0)
+    cu_t = None if cu is None else torch.tensor(cu, device="cuda")
+    return call_terms.reference(mamba2.SPEC, p["C"], p["B"], p["x"],
+                                initial_state=None if h0 is None else h0.double(),
+                                cu_seqlens=cu_t, **kw)
+
+
+@pytest.mark.parametrize("Bn, T, HV, G, K, terms, lim", [
+    (2, 1000, 8, 1, 64, True, (0.0, INF)),
+    (1, 4096, 32, 8, 128, True, (0.01, 0.5)),
+    (2, 700, 16, 8, 256, False, (0.0, INF)),
+    (1, 63, 128, 8, 128, True, (0.0, INF)),         # Nemotron-H's heads, short
+])
+def test_chunk_scan_combined_forward(Bn, T, HV, G, K, terms, lim):
+    p = inputs(Bn, T, HV, G, K)
+    kw = dict(D=p["D"], z=p["z"]) if terms else {}
+    y, hT = linattn.mamba_chunk_scan_combined(
+        p["x"], p["dt"], p["A"], p["B"], p["C"], 256, dt_bias=p["dt_bias"],
+        initial_states=p["h0"], dt_softplus=True, dt_limit=lim, return_final_states=True,
+        **kw)
+    wy, wh = want_scan(p, dt_limit=lim, terms=terms)
+    assert y.dtype == BF and rel(y, wy) < 1e-2 and rel(hT, wh) < 1e-2, (rel(y, wy), rel(hT, wh))
+
+
+@pytest.mark.parametrize("by", ["seq_idx", "cu_seqlens"])
+def test_chunk_scan_combined_varlen(by):
+    lens = [1, 300, 0, 65, 1500]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    p = inputs(1, cu[-1], 16, 8, 128)
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32)
+                         for i, n in enumerate(lens)]).view(1, -1).cuda()
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    arg = dict(seq_idx=seq_idx, cu_seqlens=cu_t, return_varlen_states=True) \
+        if by == "cu_seqlens" else dict(seq_idx=seq_idx)
+    out = linattn.mamba_chunk_scan_combined(
+        p["x"], p["dt"], p["A"], p["B"], p["C"], 256, D=p["D"], z=p["z"],
+        dt_bias=p["dt_bias"], initial_states=p["h0"], dt_softplus=True,
+        return_final_states=True, **arg)
+    wy, wh = want_scan(p, cu)
+    assert rel(out[0], wy) < 1e-2 and rel(out[1], wh[-1:]) < 1e-2
+    if by == "cu_seqlens":
+        assert rel(out[2], wh) < 1e-2
+
+
+@pytest.mark.parametrize("G", [1, 8])
+def test_chunk_scan_combined_gradients(G):
+    p = inputs(1, 500, 16, G, 128)
+    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+    leaves = {n: p[n].detach().clone().requires_grad_(True) for n in names}
+    y, hT = linattn.mamba_chunk_scan_combined(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 256,
+        D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"],
+        initial_states=leaves["h0"], dt_softplus=True, dt_limit=(0.0, 1.0),
+        return_final_states=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dy, dh = torch.randn(y.shape, device="cuda", generator=gen), torch.randn(
+        hT.shape, device="cuda", generator=gen)
+    got = torch.autograd.grad((y, hT), [leaves[n] for n in names], (dy.to(BF), dh))
+    ref = {n: p[n].detach().double().requires_grad_(True) for n in names}
+    wy, wh = call_terms.reference(mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"],
+                                  A=ref["A"], dt_bias=ref["dt_bias"], dt_softplus=True,
+                                  dt_limit=(0.0, 1.0), D=ref["D"], z=ref["z"],
+                                  initial_state=ref["h0"], options=V_FIRST)
+    want = torch.autograd.grad((wy, wh), [ref[n] for n in names],
+                               (dy.to(BF).double(), dh.double()))
+    for n, a, b in zip(names, got, want):
+        assert rel(a, b) < 2e-2, (n, rel(a, b))
+
+
+@pytest.mark.parametrize("b, HV, G, K, pool, state_dtype", [
+    (1, 128, 8, 128, False, torch.float32),
+    (64, 128, 8, 128, True, torch.float32),
+    (256, 32, 1, 64, False, BF),
+    (7, 16, 8, 256, True, torch.float32),
+])
+def test_selective_state_update(b, HV, G, K, pool, state_dtype):
+    V = 64
+    p = inputs(b, 1, HV, G, K)
+    x, z, B, C = p["x"][:, 0], p["z"][:, 0], p["B"][:, 0], p["C"][:, 0]
+    dt = p["dt"][:, 0, :, None].expand(b, HV, V)
+    A = p["A"].view(HV, 1, 1).expand(HV, V, K)
+    dt_bias = p["dt_bias"].view(HV, 1).expand(HV, V)
+    h0 = p["h0"].to(state_dtype)
+    idx = None
+    state = h0.clone()
+    if pool:
+        state = torch.cat([torch.randn_like(h0), h0.flip(0)], 0).contiguous()
+        idx = torch.arange(2 * b - 1, b - 1, -1, dtype=torch.int32, device="cuda")
+    before = state.clone()
+    y = linattn.selective_state_update(state, x, dt, A, B, C, D=p["D"], z=z,
+                                       dt_bias=dt_bias, dt_softplus=True,
+                                       state_batch_indices=idx)
+    wy, wh = call_terms.reference(
+        mamba2.SPEC, p["C"], p["B"], p["x"], dt=p["dt"].double(), A=p["A"].double(),
+        dt_bias=p["dt_bias"].double(), dt_softplus=True, D=p["D"].double(),
+        z=p["z"].double(), initial_state=h0.double(), options=V_FIRST, recurrent=True)
+    rows = idx.long() if pool else torch.arange(b, device="cuda")
+    assert rel(y, wy[:, 0]) < 1e-2 and rel(state[rows], wh) < 1e-2
+    if pool:
+        assert torch.equal(state[:b], before[:b])
+
+
+def test_against_mamba_ssm():
+    """mamba_ssm's own Triton functions on the same inputs (skips where not importable)."""
+    ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
+    ssu = pytest.importorskip("mamba_ssm.ops.triton.selective_state_update")
+    for G in (1, 8):
+        p = inputs(2, 2048, 32, G, 128)
+        kw = dict(D=p["D"], z=p["z"], dt_bias=p["dt_bias"], initial_states=p["h0"],
+                  dt_softplus=True, dt_limit=(0.0, 2.0), return_final_states=True)
+        y, hT = linattn.mamba_chunk_scan_combined(p["x"], p["dt"], p["A"], p["B"], p["C"],
+                                                  256, **kw)
+        my, mh = ssd.mamba_chunk_scan_combined(p["x"], p["dt"], p["A"], p["B"], p["C"],
+                                               256, **kw)
+        assert rel(y, my) < 2e-2 and rel(hT, mh) < 2e-2
+    b, HV, V, K = 16, 32, 64, 128
+    p = inputs(b, 1, HV, 8, K)
+    args = (p["x"][:, 0], p["dt"][:, 0, :, None].expand(b, HV, V),
+            p["A"].view(HV, 1, 1).expand(HV, V, K), p["B"][:, 0], p["C"][:, 0])
+    kw = dict(D=p["D"], z=p["z"][:, 0], dt_bias=p["dt_bias"].view(HV, 1).expand(HV, V),
+              dt_softplus=True)
+    s1, s2 = p["h0"].clone(), p["h0"].clone()
+    y1 = linattn.selective_state_update(s1, *args, **kw)
+    y2 = ssu.selective_state_update(s2, *args, **kw)
+    assert rel(y1, y2) < 2e-2 and rel(s1, s2) < 1e-3
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_lightning_forward_and_gradients(recurrent):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 700, 8, 128, device="cuda", generator=gen).to(BF) * 0.3
+               for _ in range(3))
+    h0 = 0.1 * torch.randn(2, 8, 128, 128, device="cuda", generator=gen)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, h0)]
+    fn = (linattn.fused_recurrent_lightning_attn if recurrent
+          else linattn.chunk_lightning_attn)
+    o, ht = fn(*leaves[:3], 5, 24, initial_state=leaves[3], output_final_state=True)
+    g = torch.tensor(lightning.SPEC.head_decay(8, 5, 24), dtype=torch.float64,
+                     device="cuda").view(1, 1, 8).expand(2, 700, 8)
+    refs = [t.detach().double().requires_grad_(True) for t in (q, k, v, h0)]
+    wo, wh = call_terms.reference(lightning.SPEC, *refs[:3], g=g, initial_state=refs[3])
+    assert rel(o, wo) < 1e-2 and rel(ht, wh) < 1e-2
+    do = torch.randn_like(wo)
+    got = torch.autograd.grad((o, ht), leaves, (do.to(BF), torch.ones_like(ht)))
+    want = torch.autograd.grad((wo, wh), refs, (do, torch.ones_like(wh)))
+    for a, b in zip(got, want):
+        assert rel(a, b) < 2e-2
+
+
+def test_lightning_against_fla():
+    fla = pytest.importorskip("fla.ops.lightning_attn")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(1, 1000, 8, 64, device="cuda", generator=gen).to(BF) * 0.3
+               for _ in range(3))
+    for layer in (0, 7, 11):
+        o, ht = linattn.chunk_lightning_attn(q, k, v, layer, 12, output_final_state=True)
+        fo, fh = fla.chunk_lightning_attn(q, k, v, layer, 12, output_final_state=True)
+        assert rel(o, fo) < 2e-2 and rel(ht, fh) < 2e-2
