@@ -43,7 +43,8 @@ DELTA_BACKWARD_TUNING = {"chunk_bwd_wy": {"threads": 256}, "chunk_bwd_dh": {"thr
 #: (chunk_bwd_dh too: GDN's at 128 threads spilled 16 bytes at 255 registers; 256: 180, none)
 #: the additive rule's fused state + output pass: its largest state tile (elements); its
 #: mma.sync fragments at 128 x 64 spilled (sm_80 ptxas, GLA K = V = 128 bf16: 255
-#: registers, 16 bytes; 128 x 32: 234, none)
+#: registers, 16 bytes; 128 x 32: 234, none); the delta rule's (KDA) fused pass spilled
+#: 64 bytes at 128 x 32: above this tile it takes the three-stage pipeline (stages.py)
 FUSED_MAX_TILE = 128 * 32
 #: chunk_bwd_dqkvg two CTAs an SM (its registers capped at 128): not on sm80, where its
 #: mma.sync fragments spilled under the cap (linear attention K = V = 128: 8 bytes)
