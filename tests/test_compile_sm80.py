@@ -28,6 +28,11 @@ SEQS = (64, 64)                 # chunks of each sequence: 2 x 4096 tokens
 #: issue 50's families (the generalized delta rules have decode kernels only so far; Mamba-2
 #: and lightning attention run the additive rule's stages, compiled here for GLA's gates)
 FAMILIES = ("deltanet", "gdn", "kda", "gla", "simple_gla", "linear_attn", "retention")
+#: known: KDA's per-key backward stages at K = V = 128 take more shared memory than an
+#: A100 CTA may (163 KB; Hopper's 227 KB take them, so the GPU tests run them there): their
+#: sm80 tiles are not written yet
+OVER_SMEM = {"chunk_bwd_dqkw": "176.5 KB of shared memory > 163 KB (A100)",
+             "chunk_bwd_wy": "168.2 KB of shared memory > 163 KB (A100)"}
 
 
 def _forward(spec) -> dict:
@@ -76,6 +81,8 @@ def _cases():
         for part, fn in (("fwd", _forward), ("bwd", _backward), ("decode", _decode)):
             for stage, params in fn(spec).items():
                 rep = (pytest.mark.representative,) if (name, stage) == ("gdn", "chunk_wu") else ()
+                if (name, part) == ("kda", "bwd") and stage in OVER_SMEM:
+                    rep += (pytest.mark.xfail(strict=True, reason=OVER_SMEM[stage]),)
                 cases.append(pytest.param(name, stage, params, id=f"{name}-{part}-{stage}",
                                           marks=rep))
     return cases
