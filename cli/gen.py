@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from ..codegen.plan import VARIANTS, plan
-from ..codegen.arch import ARCHES
+from ..codegen.arch import ARCHES, DEFAULT_ARCH
 from ..codegen.render import DEFAULT_OUT, check, render_tree, write
 from ..dsl import SpecError
 from ..ops.runtime import gen_dir
@@ -99,7 +99,7 @@ class _OneLineErrors(click.Command):
               help="an OpSpec of your own instead of --op (repeatable); default --out: "
                    "the runtime's per-user folder ($LINATTN_GEN_DIR or "
                    "~/.cache/linattn/generated)")
-@click.option("--arch", default="sm90", show_default=True, type=click.Choice(ARCHES),
+@click.option("--arch", default=DEFAULT_ARCH, show_default=True, type=click.Choice(ARCHES),
               help="target architecture")
 @click.option("--variant", default=None, type=click.Choice(VARIANTS),
               help="only this variant's stages (default: all variants)")

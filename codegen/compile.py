@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .arch import get_arch
+from .arch import DEFAULT_ARCH, get_arch
 from .plan import plan
 
 _PTXAS = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?", re.S)
@@ -37,7 +37,7 @@ def full_params(module, problem: dict, arch: str) -> dict:
     return {**get_arch(arch).tuning(module.STAGE, problem), **problem}
 
 
-def compile_kernel(module, params: dict, arch: str = "sm90"):
+def compile_kernel(module, params: dict, arch: str = DEFAULT_ARCH):
     """tilelang.compile of module.build(**params) for the arch's target."""
     import tilelang
     func = module.build(**params)
@@ -102,10 +102,12 @@ def tma_misaligned(src: str, values=range(8)) -> list:
     return found
 
 
-def ptxas_usage(kernel, arch: str = "sm90") -> dict:
-    """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v)."""
+def ptxas_usage(kernel, arch: str = DEFAULT_ARCH, sm: str | None = None) -> dict:
+    """Registers, static shared memory and spill bytes of a compiled kernel (ptxas -v);
+    sm: the ptxas target (default the arch's TARGET; an arch's code serving several,
+    hardware.COMPILE_TARGETS, is checked for each)."""
     from tilelang.contrib import nvcc as tl_nvcc
-    sm = get_arch(arch).TARGET["arch"]
+    sm = sm or get_arch(arch).TARGET["arch"]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.cu"
         src.write_text(kernel.get_kernel_source())
@@ -136,8 +138,10 @@ def ptxas_usage(kernel, arch: str = "sm90") -> dict:
     return usage
 
 
-def compile_stage(module, problem: dict, arch: str = "sm90", usage: bool = True) -> dict:
-    """Compile one configuration; a dict with timing, resources or the error."""
+def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool = True,
+                  sms: tuple = ()) -> dict:
+    """Compile one configuration; a dict with timing, resources or the error. sms: more
+    ptxas targets for the same CUDA source (their resources under rec["by_sm"])."""
     params = full_params(module, problem, arch)
     rec = {"op_key": module.SPEC_KEY, "spec_hash": module.SPEC_HASH, "stage": module.STAGE,
            "arch": arch, "params": params}
@@ -152,10 +156,12 @@ def compile_stage(module, problem: dict, arch: str = "sm90", usage: bool = True)
         rec.update(ptxas_usage(kernel, arch))
         if rec.get("dynamic_smem"):
             rec["dynamic_smem_bytes"] = dynamic_smem_bytes(module, params, arch)
+        if sms:
+            rec["by_sm"] = {sm: ptxas_usage(kernel, arch, sm) for sm in sms}
     return rec
 
 
-def dynamic_smem_bytes(module, params: dict, arch: str = "sm90"):
+def dynamic_smem_bytes(module, params: dict, arch: str = DEFAULT_ARCH):
     """Dynamic shared memory of a stage's kernel, from TileLang's lowered device module
     (lowers again, under the module's pass configs: about 2 s; the compiled kernel does
     not keep it when cached)."""

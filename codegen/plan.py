@@ -24,6 +24,9 @@ ALL_GATES = frozenset(g.value for g in Gate)
 #: and the additive rule's three-stage chunked forward, which name it
 DEFAULT_GATES = frozenset({"none", "scalar", "key"})
 WITH_VALUE = DEFAULT_GATES | {"value"}
+#: the delta rule's walk and its sequence split: warpgroup roles (one CTA of four
+#: warpgroups with setmaxnreg budgets, TMA loads by a producer warp)
+WALK = frozenset({"warpgroups"})
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Stage:
     rules, gates: the rule / gate values the template implements (others are skipped;
               gates default to none / scalar / key)
     skip:     "rule/gate" pairs inside rules x gates that no pipeline runs it for
+    requires: the arch features its template needs (codegen/arch hardware.FEATURES: the
+              walk's warpgroup roles); an arch without them does not generate it
     """
     name: str
     template: str
@@ -45,6 +50,7 @@ class Stage:
     rules: frozenset = ALL_RULES
     gates: frozenset = DEFAULT_GATES
     skip: frozenset = frozenset()
+    requires: frozenset = frozenset()
 
     def applies_to(self, spec: OpSpec) -> bool:
         return (spec.rule.value in self.rules and spec.gate.value in self.gates
@@ -62,17 +68,21 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
               doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
+              requires=WALK),
         Stage("chunk_walk_fused", "chunk_walk.py.jinja", "fwd",
               doc="the walk with the WY inverse formed inside by a fourth warpgroup, a "
                   "chunk ahead (the whole chunked forward in one kernel)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
+              requires=WALK),
         Stage("chunk_walk_map", "chunk_walk.py.jinja", "fwd",
               doc="sequence split, per segment: its affine map [M | B] (M only where needed)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
+              requires=WALK),
         Stage("chunk_segment_combine", "chunk_segment_combine.py.jinja", "fwd",
               doc="sequence split: chain segment maps into the segments' start states",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
+              requires=WALK),
         Stage("chunk_wu", "chunk_wu.py.jinja", "fwd",
               doc="per chunk: w = A_b e^g k, u = A_b v (the per-chunk-state pipeline, the contracts)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
@@ -174,14 +184,17 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
 }
 
 
-def plan(spec: OpSpec, variant: str | None = None, arch: str = "sm90") -> list[Stage]:
-    """The ordered stages generated for ``spec`` (all variants when ``variant`` is None)."""
-    from .arch import get_arch
-    get_arch(arch)  # validates the name
+def plan(spec: OpSpec, variant: str | None = None, arch: str | None = None) -> list[Stage]:
+    """The ordered stages generated for ``spec`` on ``arch`` (codegen.arch.DEFAULT_ARCH when
+    None; all variants when ``variant`` is None): those whose template's requirements the
+    arch has (Stage.requires)."""
+    from .arch import DEFAULT_ARCH, get_arch
+    features = get_arch(arch or DEFAULT_ARCH).FEATURES     # (validates the name)
     if variant is not None and variant not in STAGE_TABLE:
         raise SpecError(f"unknown variant {variant!r}; valid variants: {', '.join(VARIANTS)}")
     variants = VARIANTS if variant is None else (variant,)
-    stages = [s for v in variants for s in STAGE_TABLE[v] if s.applies_to(spec)]
+    stages = [s for v in variants for s in STAGE_TABLE[v]
+              if s.applies_to(spec) and s.requires <= features]
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise SpecError(f"duplicate stage names in plan for {spec.name}: {names}")

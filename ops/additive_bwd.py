@@ -4,7 +4,7 @@ chunk_linear_attn.
 
 The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
 [B * T, H, D]; a varlen batch is B == 1 with cu_seqlens, no padding): the arch's plan
-(codegen/arch/sm90/backward.py) runs
+(codegen/arch/<arch>/backward.py) runs
 
     chunk_bwd_dstate_local   X = scale (q e^G)^T do per chunk, into dstate
     chunk_bwd_dstate_scan    dh leaving each chunk = decay (.) dh leaving the next + X
@@ -19,7 +19,7 @@ rows. Host table: state_row [NT], the row of the state entering chunk c.
 
 Training (:class:`AdditiveCall`, :func:`train`): the forward saves its inputs (q, k, v,
 g, initial_state: references, no copies) and, where the arch's rule says so
-(codegen/arch/sm90/backward.py save_states: K V <= 64 x 64), the states entering its
+(codegen/arch/<arch>/backward.py save_states: K V <= 64 x 64), the states entering its
 chunks, which the three-stage forward writes in f32 anyway; otherwise the backward
 recomputes them (the forward plan of the states alone, K-first: ForwardProblem.
 states_only). Then the backward stages.
@@ -42,12 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codegen.arch import get_arch
+from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
 from . import chunk, exact_train, padding, runtime, split, validate
 
-ARCH = "sm90"
 CHUNK = 64
 #: head dims the backward is generated and checked for (the chunked kernels' multiples
 #: of 16, as the additive forward's; above K = 128 dqkvg runs in key blocks)
@@ -64,17 +63,17 @@ def state_rows(cu: tuple, device):
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(problem: AdditiveBackwardProblem, config: tuple):
+def _plan(problem: AdditiveBackwardProblem, config: tuple, arch: str):
     try:
-        return get_arch(ARCH).additive_backward_plan(problem, config)
+        return get_arch(arch).additive_backward_plan(problem, config)
     except ValueError as e:
         raise SpecError(str(e)) from None
 
 
-def backward_plan(problem: AdditiveBackwardProblem, config=None):
+def backward_plan(problem: AdditiveBackwardProblem, config=None, arch: str = DEFAULT_ARCH):
     """The arch's plan (codegen.pipeline.Plan) of a backward; config: a dict forcing
     choices (a probe's variant, e.g. {"scan_stages": 2})."""
-    return _plan(problem, tuple(sorted((config or {}).items())))
+    return _plan(problem, tuple(sorted((config or {}).items())), arch)
 
 
 def _name(dtype) -> str:
@@ -101,7 +100,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
-    if get_arch(ARCH).backward_dims(K, V) != (K, V):
+    arch = runtime.arch_of(q.device)
+    if get_arch(arch).backward_dims(K, V) != (K, V):
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
                                 want_dh0=want_dh0, grad_dtype=grad_dtype, config=config)
     group = HV // H
@@ -113,7 +113,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0,
         state_dtype=_name(states.dtype))
-    plan = backward_plan(problem, config)
+    plan = backward_plan(problem, config, arch)
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -146,7 +146,7 @@ def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
     the states' real rows or the real gradients), the gradients cut back to K, V."""
     import torch.nn.functional as F
     K, V = q.shape[-1], v.shape[-1]
-    Kb, Vb = get_arch(ARCH).backward_dims(K, V)
+    Kb, Vb = get_arch(runtime.arch_of(q.device)).backward_dims(K, V)
     q, k, g, _, _ = chunk._pad_k(spec, Kb, q, k, g, None, None, False)
     v, do = F.pad(v, (0, Vb - V)), F.pad(do, (0, Vb - V))
     grow = (0, Vb - V, 0, Kb - K)               # [.., K, V]: zero rows and columns
@@ -183,7 +183,8 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
-    Kk = get_arch(ARCH).chunk_k(spec.rule.value, spec.gate.value, K)
+    arch = runtime.arch_of(q.device)
+    Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
     if Kk != K:     # the state pass's K: zero channels, cut back (as ops.chunk does)
         q, k, g, h0, _ = chunk._pad_k(spec, Kk, q, k, g, h0, None, False)
         return recompute_states(spec, q, k, v, g, h0, cu, scale)[:, :, :K].contiguous()
@@ -198,7 +199,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
         spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
         seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
         output_final_state=True, return_states=True, states_only=True)
-    plan = chunk._plan(ARCH, problem, chunk._config({"fused": False}))
+    plan = chunk._plan(arch, problem, chunk._config({"fused": False}))
     x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
              h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
              ht=torch.empty(NT + N, HV, K, V, dtype=q.dtype, device=q.device))
@@ -488,7 +489,8 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
                         output_final_state=bool(output_final_state),
                         state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu,
-                        save_states=get_arch(ARCH).save_states(q.shape[-1], v.shape[-1])
+                        save_states=get_arch(runtime.arch_of(q.device)).save_states(
+                            q.shape[-1], v.shape[-1])
                         and not spec.gate.per_value)    # (its twin's forward writes them)
     return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
                                                                 initial_state))

@@ -31,20 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..codegen.arch import get_arch
+from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
-from . import gates, split, validate
+from . import gates, runtime, split, validate
 from .padding import pad_heads, round_up, unpad
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
 _CHUNKED: dict = {}
 
-
-#: spec chunk sizes the chunked kernels run at (the arch's; others take the recurrent kernel)
-CHUNK_SIZES = get_arch("sm90").CHUNK_SIZES
-#: (rule, gate) -> the chunked kernels' (K max, V max) (the arch's)
-CHUNK_HEAD_LIMITS = get_arch("sm90").chunk_head_limits
 
 
 def has_chunked_forward(spec: OpSpec) -> bool:
@@ -54,21 +49,22 @@ def has_chunked_forward(spec: OpSpec) -> bool:
     return hit
 
 
-def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype) -> bool:
+def chunk_supports(spec: OpSpec, dims: validate.Dims, dtype, arch: str = DEFAULT_ARCH) -> bool:
     """Whether the chunked kernels take this call (dtype, head dims as the arch's
     chunk_head_limits say, the spec's chunk size; see ops/chunk.py); the others take the
     recurrent kernel."""
-    k_max, v_max = CHUNK_HEAD_LIMITS(spec.rule.value, spec.gate.value)
+    k_max, v_max = get_arch(arch).chunk_head_limits(spec.rule.value, spec.gate.value)
     return (validate._name(dtype) in validate.CHUNK_DTYPES and has_chunked_forward(spec)
-            and spec.chunk_size in CHUNK_SIZES
+            and spec.chunk_size in get_arch(arch).CHUNK_SIZES
             and dims.K % 16 == 0 and 16 <= dims.K <= k_max
             and dims.V % 16 == 0 and 16 <= dims.V <= v_max)
 
 
-def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool) -> str:
-    """"chunk" or "recurrent" for a chunk_* call (see the module docstring)."""
+def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool,
+                arch: str = DEFAULT_ARCH) -> str:
+    """"chunk" or "recurrent" for a chunk_* call on ``arch`` (see the module docstring)."""
     decode = dims.T == 1 and not varlen
-    return "chunk" if not decode and chunk_supports(spec, dims, dtype) else "recurrent"
+    return "chunk" if not decode and chunk_supports(spec, dims, dtype, arch) else "recurrent"
 
 
 def _head_dims(dims) -> None:
@@ -134,7 +130,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
                             rule_inputs=rule_inputs)
     padded = padded_dims(chk.dims)
-    path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None)
+    path = choose_path(spec, padded, x["q"].dtype, cu_seqlens is not None,
+                       runtime.arch_of(x["q"].device))
     if path == "recurrent":
         padded = padded_dims(chk.dims, options.state_v_first)
     else:               # the chunked kernels' K (the arch's chunk_k): the call's one padding
@@ -193,9 +190,10 @@ def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=
                              f"{validate.describe(chunk_size)}")
     if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, v)):
         K, V = q.shape[3], v.shape[3]      # (the chunked forward pads K itself)
+        arch = runtime.arch_of(q.device)
         if not chunk_supports(spec, validate.Dims(*q.shape[:3], v.shape[2],
-                                                  round_up(K, 16), V), q.dtype):
-            k_max, v_max = CHUNK_HEAD_LIMITS(spec.rule.value, spec.gate.value)
+                                                  round_up(K, 16), V), q.dtype, arch):
+            k_max, v_max = get_arch(arch).chunk_head_limits(spec.rule.value, spec.gate.value)
             raise validate.error(
                 f"return_intermediate_states=True runs the chunked kernels: float16 / "
                 f"bfloat16, K up to {k_max}, V a multiple of 16 up to {v_max}; got "

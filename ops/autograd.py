@@ -252,6 +252,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
     Ttot, dt, dev = B * T, q.dtype, q.device
+    arch = runtime.arch_of(dev)
     cu = call.cu if call.cu is not None else tuple(T * b for b in range(B + 1))
     N, gated, n = len(cu) - 1, g_in is not None, cu[-1]   # tokens past cu[-1]: in no sequence
     if n == 0:              # no token: the final state is the initial one
@@ -267,9 +268,9 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=str(dt).replace("torch.", ""), chains=N * HV,
                  l2norm=call.l2norm_qk, use_dht=dht is not None,
                  store_dh0=initial_state is not None, spec=call.spec)
-    params = (chunk_bwd.key_train_params(**sizes) if call.keyed
-              else chunk_bwd.train_params(**sizes))
-    runtime.announce(call.spec, chunk_bwd.ARCH, params)      # recording(): all at once
+    params = (chunk_bwd.key_train_params(**sizes, arch=arch) if call.keyed
+              else chunk_bwd.train_params(**sizes, arch=arch))
+    runtime.announce(call.spec, arch, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
     x, q_scale = _rebuild(call, params, tables, qf, kf, vf, bf,

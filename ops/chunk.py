@@ -8,7 +8,7 @@ tokens laid end to end, exactly like a varlen batch with cu_seqlens = [0, T, 2T,
 Host-side tables (built from cu_seqlens_cpu when given, so no device sync) map each of
 the NT chunks to its first token and valid length, each sequence to its chunks, and, for
 a plan that splits sequences, each segment to its tokens and chunks. The plans
-(codegen/arch/sm90/forward.py, stages.py): the delta rule's walk (optionally split),
+(codegen/arch/<arch>/forward.py, stages.py): the delta rule's walk (optionally split),
 and the fused or three-stage prepare / state / output pipelines for the rest.
 
 Supported: every rule x gate (DeltaNet, GDN, KDA, GLA and the other combinations); K, V
@@ -24,13 +24,12 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..codegen.arch import get_arch
+from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import ForwardProblem
 from ..dsl import Gate, OpSpec, Options, SpecError
 from . import runtime
 from .chunk_split import build_segment_tables
 
-DEFAULT_ARCH = "sm90"
 SUPPORTED_GATES = (Gate.NONE, Gate.SCALAR, Gate.KEY, Gate.VALUE)
 
 
@@ -191,7 +190,8 @@ def _check_inputs(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu
     """The chunked forward's checks of a direct call (ops/validate.py); returns (dims, N)."""
     from . import validate as val
     dims = val.check_qkv(spec, q, k, v, dtypes=val.CHUNK_DTYPES)
-    _, v_max = get_arch(DEFAULT_ARCH).chunk_head_limits(spec.rule.value, spec.gate.value)
+    _, v_max = get_arch(runtime.arch_of(q.device)).chunk_head_limits(spec.rule.value,
+                                                                       spec.gate.value)
     val.check_head_dims(dims.K, dims.V, k_multiple=16, k_max=256, v_multiple=16, v_max=v_max,
                         what="the chunked forward")
     val.check_gate(spec, g, dims, q)
@@ -253,7 +253,7 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
     that a call is checked once."""
     (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    arch = runtime.device_arch(q.device) if q.is_cuda else DEFAULT_ARCH
+    arch = runtime.arch_of(q.device)
     Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
     if Kk != K:     # the kernels' K: zero channels up to it, the states cut back
         q, k, g, initial_state, dt_bias = _pad_k(spec, Kk, q, k, g, initial_state, dt_bias,
@@ -309,7 +309,7 @@ def kernel_k(spec: OpSpec, K: int, device) -> int:
     """The head dim K the chunked kernels run a call of head dim K at on ``device`` (the
     arch's chunk_k): the public call pads to it once (ops/api.py); :func:`run_chunk_forward`
     pads a direct call's."""
-    arch = runtime.device_arch(device) if str(device).startswith("cuda") else DEFAULT_ARCH
+    arch = runtime.arch_of(device)
     return get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
 
 

@@ -44,22 +44,21 @@ u) over the chunked forward's stages (:func:`contract_plan`).
 """
 from __future__ import annotations
 
-from ..codegen.arch import get_arch
+from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import DeltaBackwardProblem
 from ..dsl import Options, SpecError
 from . import chunk, runtime
 
 #: the backward's stages, in order (the arch's plan, delta_backward_plan)
-STAGES = get_arch("sm90").DELTA_STAGES
+STAGES = get_arch(DEFAULT_ARCH).DELTA_STAGES
 #: the folded forms' by name (no gate; a probe's config until measured: stage_params' fold)
-FOLD_STAGES = get_arch("sm90").FOLD_STAGES
+FOLD_STAGES = get_arch(DEFAULT_ARCH).FOLD_STAGES
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
 #: kept
 REBUILD = "chunk_bwd_key_rebuild"
 #: the none / scalar gate's: the gate cumsum and qn, kn (run where the call has a gate or
 #: l2norm), then chunk_wu forms w, u from the kept A
 ROWS = "chunk_bwd_kkt_rebuild"
-ARCH = "sm90"
 CHUNK = 64
 
 def is_gated(spec) -> bool:
@@ -79,13 +78,13 @@ def default_spec():
     return get_spec("deltanet")
 
 
-def compiled_stage(stage: str, spec=None, **params):
+def compiled_stage(stage: str, spec=None, arch: str = DEFAULT_ARCH, **params):
     """The compiled kernel of backward ``stage`` at ``params`` (memoised by ops.runtime)."""
-    return runtime.compile_stage(spec or default_spec(), stage, ARCH, params)
+    return runtime.compile_stage(spec or default_spec(), stage, arch, params)
 
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
-                 state_dtype=None, dh=None, fold="") -> dict:
+                 state_dtype=None, dh=None, fold="", arch: str = DEFAULT_ARCH) -> dict:
     """stage name -> build() params of the four backward stages (the arch's
     delta_backward_params; the rebuild of w, u before them: :func:`rebuild_params`): H key
     heads, HV value heads (default H); chains: the dh pass's sequences x value heads (more
@@ -95,17 +94,17 @@ def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=
     not the input dtype (the contract's f32); dh: the dh pass's num_stages / block_v where
     a probe sets them (default: the arch's dh_config); fold: a folded form's stages
     ("split" or "fused": the arch's FOLD_STAGES, no gate)."""
-    return get_arch(ARCH).delta_backward_params(DeltaBackwardProblem(
+    return get_arch(arch).delta_backward_params(DeltaBackwardProblem(
         gate="none", H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
         use_dht=use_dht, store_dh0=store_dh0, state_dtype=state_dtype or "",
         dh=tuple(sorted((dh or {}).items())), fold=fold))
 
 
-def precompile(param_sets, workers=None, spec=None) -> list:
+def precompile(param_sets, workers=None, spec=None, arch: str = DEFAULT_ARCH) -> list:
     """Compile every stage of each stage_params() dict in parallel processes
     (runtime.precompile; spec: the gated family's for its stages). Returns error strings
     (empty when all compiled)."""
-    return runtime.precompile([(spec or default_spec(), stage, ARCH, params)
+    return runtime.precompile([(spec or default_spec(), stage, arch, params)
                                for ps in param_sets for stage, params in ps.items()], workers)
 
 
@@ -121,7 +120,7 @@ def run_stages(spec, params: dict, x: dict) -> dict:
     the stages write into it); returns x."""
     fold = next((f for f, stages in FOLD_STAGES.items() if stages[2] in params), "")
     p = params[FOLD_STAGES[fold][0] if fold else STAGES[0]]
-    plan = get_arch(ARCH).delta_backward_plan(DeltaBackwardProblem(
+    plan = get_arch(runtime.arch_of(x["v"].device)).delta_backward_plan(DeltaBackwardProblem(
         gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
         Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel(), fold=fold), params)
     return runtime.run_plan(spec, plan, x)
@@ -180,7 +179,7 @@ def _dims(q, k, v, beta, forward=False):
                         f"got DK={K}, DV={V}")
     # the forward's output stage puts the B * H * NC chunks on gridDim.y, which CUDA
     # limits (the backward's stages put sequences and chunks on gridDim.x)
-    limit = get_arch(ARCH).hardware.MAX_GRID_YZ
+    limit = get_arch(runtime.arch_of(q.device)).hardware.MAX_GRID_YZ
     if forward and B * H * -(-L // CHUNK) > limit:
         raise SpecError(f"B * H = {B * H} sequences of {-(-L // CHUNK)} chunks: the chunked "
                         f"DeltaNet contract's forward supports up to {limit} chunks in all "
@@ -188,11 +187,12 @@ def _dims(q, k, v, beta, forward=False):
     return B, H, L, K, V
 
 
-def backward_params(*, H, K, V, dtype, B=1, dh=None, fold="") -> dict:
+def backward_params(*, H, K, V, dtype, B=1, dh=None, fold="",
+                    arch: str = DEFAULT_ARCH) -> dict:
     """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
     sequences, the forward's f32 states (dh, fold: as :func:`stage_params`)."""
     return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32",
-                        dh=dh, fold=fold)
+                        dh=dh, fold=fold, arch=arch)
 
 
 def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
@@ -222,9 +222,10 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     if B * H * L == 0:
         return tuple(outs)
     spec, dev = default_spec(), q.device
+    arch = runtime.arch_of(dev)
     params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh,
-                             fold=fold)
-    runtime.announce(spec, ARCH, params)     # recording(): every stage at once
+                             fold=fold, arch=arch)
+    runtime.announce(spec, arch, params)     # recording(): every stage at once
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     qf, kf, vf, dof, wf, uf, Af = one_head(q, k, v, do, w, u, Aw)
     x = dict(one_head_tables(B, H, L, dev), q=qf, k=kf, v=vf, do=dof, w=wf, u=uf, A=Af,
@@ -245,36 +246,37 @@ def _gated_spec():
 
 # -- the contract's forward over the chunked forward's stages ------------------------------
 
-def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, spec=None):
+def contract_plan(*, K, V, dtype, B=1, H=1, L=64, has_initial_state=False, spec=None,
+                  arch: str = DEFAULT_ARCH):
     """The arch's three-stage plan for B * H one-head sequences of L tokens (head-first
     [B, H, L, D] is token-first [B*H*L, 1, D] with one sequence per (b, h)): the
     DeltaNetChunkFwd contract (every chunk's state in f32 and the final one); its prepare
     is also the backward's recompute of A, w, u (and, for the per-key gate, the rest of
     what the prepare writes)."""
     NC = -(-L // CHUNK)
-    return chunk.forward_plan(spec or default_spec(), Options(), H=1, HV=1, K=K, V=V,
+    return chunk.forward_plan(spec or default_spec(), Options(), arch, H=1, HV=1, K=K, V=V,
                               dtype=dtype, beta_dtype=dtype, seq_chunks=(NC,) * (B * H),
                               Ttot=B * H * L, has_initial_state=has_initial_state,
                               output_final_state=True, return_states=True,
                               config={"fused": False})
 
 
-def wy_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
+def wy_params(*, H, K, V, dtype, B=1, L=64, spec=None, arch: str = DEFAULT_ARCH) -> dict:
     """The plan's prepare stages for head-first A, w, u (spec's, default DeltaNet's; the
     scalar gate's take g): chunk_kkt_inverse writing A itself, chunk_wu applying beta
     (a_beta=False); the chunks on the grid's first index (one head: heads_fastest off)."""
     params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                                             spec=spec))
+                                             spec=spec, arch=arch))
     one = dict(heads_fastest=False, a_beta=False)
     return {"chunk_kkt_inverse": dict(params["chunk_kkt_inverse"], **one),
             "chunk_wu": dict(params["chunk_wu"], **one, beta_dtype=dtype)}
 
 
-def forward_params(*, H, K, V, dtype, B=1, L=64) -> dict:
+def forward_params(*, H, K, V, dtype, B=1, L=64, arch: str = DEFAULT_ARCH) -> dict:
     """Stage params the contract's forward runs (for chunk.precompile): the prepare
     (wy_params), then chunk_state (every chunk's state in f32), chunk_output."""
-    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L))
-    return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L),
+    params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L, arch=arch))
+    return {**wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L, arch=arch),
             **{s: params[s] for s in ("chunk_state", "chunk_output")}}
 
 
@@ -291,9 +293,10 @@ def compute_wy(k, v, beta, A, w, u, tables, wy=None, g=None, spec=None):
     Ttot = B * H * L
     dtype = str(k.dtype).replace("torch.", "")
     spec = spec or default_spec()
+    arch = runtime.arch_of(k.device)
     if wy is None:
-        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L, spec=spec)
-    runtime.announce(spec, ARCH, wy)
+        wy = wy_params(H=H, K=K, V=V, dtype=dtype, B=B, L=L, spec=spec, arch=arch)
+    runtime.announce(spec, arch, wy)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=k.device)  # noqa: E731
     NT = tables["chunk_bos"].numel()
     kf = k.contiguous().view(Ttot, 1, K)
@@ -304,7 +307,7 @@ def compute_wy(k, v, beta, A, w, u, tables, wy=None, g=None, spec=None):
              A_log=f32(1), dt_bias=f32(1), A=A.view(Ttot, 1, CHUNK),
              chunk_norm=f32(1, NT), w=w.view(Ttot, 1, K), u=u.view(Ttot, 1, V))
     for stage in ("chunk_kkt_inverse", "chunk_wu"):
-        runtime.launch_kernel(spec, ARCH, stage, wy[stage], x)
+        runtime.launch_kernel(spec, arch, stage, wy[stage], x)
 
 
 def chunk_forward_intermediates(q, k, v, beta):
@@ -327,9 +330,10 @@ def chunk_forward_intermediates(q, k, v, beta):
         return (e(B, H, L, V), S, e(B, H, L, CHUNK), e(B, H, L, CHUNK), e(B, H, L, K),
                 e(B, H, L, V))
     N, Ttot = B * H, B * H * L
-    spec = default_spec()
-    params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, L=L)
-    runtime.announce(spec, ARCH, params)                        # recording(): all at once
+    spec, arch = default_spec(), runtime.arch_of(dev)
+    params = forward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, L=L,
+                            arch=arch)
+    runtime.announce(spec, arch, params)                        # recording(): all at once
     tables = one_head_tables(B, H, L, dev)
     A = torch.empty(B, H, L, CHUNK, dtype=dt, device=dev)
     w = torch.empty(B, H, L, K, dtype=dt, device=dev)
@@ -347,29 +351,31 @@ def chunk_forward_intermediates(q, k, v, beta):
              v_new=torch.empty(Ttot, 1, V, dtype=dt, device=dev),
              ht=S.view(N * (NC + 1), 1, K, V), o=o.view(Ttot, 1, V), scale=1.0)
     for stage in ("chunk_state", "chunk_output"):
-        runtime.launch_kernel(spec, ARCH, stage, params[stage], x)
+        runtime.launch_kernel(spec, arch, stage, params[stage], x)
     return o, S, A, A, w, u
 
 
-def rebuild_params(*, H, HV, K, V, dtype, l2norm=False, spec=None) -> dict:
+def rebuild_params(*, H, HV, K, V, dtype, l2norm=False, spec=None,
+                   arch: str = DEFAULT_ARCH) -> dict:
     """The backward's rebuild from the kept A on token-first packed inputs (H key heads,
     HV value heads): ROWS at chunk_kkt_inverse's params (qn, kn with l2norm; the scalar
     gate's g_cum; not run for neither), then chunk_wu applying beta (a_beta=False)."""
-    base = wy_params(H=1, K=K, V=V, dtype=dtype, spec=spec)
+    base = wy_params(H=1, K=K, V=V, dtype=dtype, spec=spec, arch=arch)
     rows = {ROWS: dict(base["chunk_kkt_inverse"], H=H, HV=HV, l2norm_qk=bool(l2norm))}
     return {**(rows if l2norm or is_gated(spec) else {}),
             "chunk_wu": dict(base["chunk_wu"], H=H, HV=HV)}
 
 
 def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
-                 store_dh0=False, spec=None) -> dict:
+                 store_dh0=False, spec=None, arch: str = DEFAULT_ARCH) -> dict:
     """Every kernel the none / scalar gate's training backward runs (ops/autograd.py
     packed_backward), stage name -> build() params: the rebuild (:func:`rebuild_params`),
     the four stages (:func:`stage_params`; chains: sequences x value heads) and
     chunk_bwd_key_grads."""
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
-    return dict(rebuild_params(**sizes, l2norm=l2norm, spec=spec),
-                **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
+    return dict(rebuild_params(**sizes, l2norm=l2norm, spec=spec, arch=arch),
+                **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
+                               arch=arch),
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
@@ -394,8 +400,8 @@ def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
              g_cum=f32(Ttot, HV) if g is None else f32(HV, NT * CHUNK),
              A=A, w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
     if ROWS in params:
-        runtime.launch_kernel(spec, ARCH, ROWS, params[ROWS], x)
-    runtime.launch_kernel(spec, ARCH, "chunk_wu", params["chunk_wu"], x,
+        runtime.launch_kernel(spec, runtime.arch_of(k.device), ROWS, params[ROWS], x)
+    runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_wu", params["chunk_wu"], x,
                           lambda n: "kn" if n == "k" else n)
     out = dict(q=x["qn"], k=x["kn"], A=x["A"], w=x["w"], u=x["u"])
     if g is not None:
@@ -411,18 +417,19 @@ def key_grads(x: dict, q, k, scale, params: dict, spec=None):
     import torch
     y = dict(x, q=q, k=k, scale=float(scale), dq_out=torch.empty_like(q),
              dk_out=torch.empty_like(k))
-    runtime.launch_kernel(spec, ARCH, "chunk_bwd_key_grads", params["chunk_bwd_key_grads"], y)
+    runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_bwd_key_grads", params["chunk_bwd_key_grads"], y)
     return y["dq_out"], y["dk_out"]
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
 
-def key_rebuild_params(*, H, K, V, dtype, B=1, L=64, spec=None) -> dict:
+def key_rebuild_params(*, H, K, V, dtype, B=1, L=64, spec=None,
+                       arch: str = DEFAULT_ARCH) -> dict:
     """{REBUILD: the forward's per-key prepare params (the arch's plan; the rebuild renders
     the same template reading A)} for B * H one-head sequences of L."""
     spec = spec or _key_spec()
     params = chunk.plan_params(contract_plan(K=K, V=V, dtype=dtype, B=B, H=H, L=L,
-                                             spec=spec))
+                                             spec=spec, arch=arch))
     return {REBUILD: params["chunk_prepare"]}
 
 
@@ -432,16 +439,17 @@ def _key_spec():
 
 
 def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
-                     store_dh0=False, spec=None) -> dict:
+                     store_dh0=False, spec=None, arch: str = DEFAULT_ARCH) -> dict:
     """Every kernel the per-key gate's token-first training backward runs, stage name ->
     build() params: the rebuild (REBUILD: the forward's per-key prepare at the arch
     plan's params, :func:`key_rebuild_params`, with H key heads, HV value heads and the
     call's l2norm_qk), the four stages in their gated form (:func:`stage_params`; chains:
     sequences x value heads) and chunk_bwd_key_grads (as :func:`train_params`)."""
-    rec = key_rebuild_params(H=1, K=K, V=V, dtype=dtype, spec=spec)[REBUILD]
+    rec = key_rebuild_params(H=1, K=K, V=V, dtype=dtype, spec=spec, arch=arch)[REBUILD]
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     return {REBUILD: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
-            **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0),
+            **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
+                           arch=arch),
             "chunk_bwd_key_grads": dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm))}
 
 
@@ -472,7 +480,7 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
              g_cum=f32(Ttot, HV, K),
              qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k)
     if NT:
-        runtime.launch_kernel(spec or _key_spec(), ARCH, REBUILD, p, x)
+        runtime.launch_kernel(spec or _key_spec(), runtime.arch_of(k.device), REBUILD, p, x)
     out = dict(q=x["qn"], k=x["kn"], aqk=aqk)
     out.update((n, x[n]) for n in ("A", "qg", "kg", "g_last", "w", "u", "g_cum"))
     return out

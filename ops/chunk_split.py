@@ -1,4 +1,4 @@
-"""The segment tables of the sequence split (codegen/arch/sm90/forward.py's walk-split).
+"""The segment tables of the sequence split (codegen/arch/<arch>/forward.py's walk-split).
 
 The state pass is sequential per (sequence, value head, value block): with few sequences x
 heads most SMs idle. Per chunk the update is affine, S' = A_t S + B_t, so each sequence

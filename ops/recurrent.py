@@ -66,7 +66,7 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              slot [n] ([N]) or, after each token t, slot [n, t] ([N, S]); returns
              initial_state as the final state. Slots not named are never touched.
     tuning:  optional override of the arch table's knobs (block_v, threads, vec,
-             warps_k: see codegen/arch/sm90/__init__.py), for probes and sweeps
+             warps_k: see codegen/arch/<arch>/decode.py), for probes and sweeps
 
     Returns (o [B, T, HV, V] in q's dtype, final_state in the initial state's layout and
     ``state_dtype`` when output_final_state, else None). Checks every argument, then

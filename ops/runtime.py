@@ -1,6 +1,6 @@
 """Load generated stages, compile them with TileLang on first use, memoise the kernels.
 
-    arch = device_arch(q.device)                       # "sm90" on Hopper
+    arch = device_arch(q.device)                       # its compute capability's
     kernel = get_kernel(spec, "recurrent", arch, H=4, HV=8, K=128, ...)
     kernel(*tensors)
 
@@ -24,7 +24,7 @@ import os
 import threading
 from pathlib import Path
 
-from ..codegen.arch import arch_for_capability, get_arch
+from ..codegen.arch import DEFAULT_ARCH, arch_for_capability, describe, get_arch
 from ..dsl import OpSpec, SpecError
 
 _KERNELS: dict = {}
@@ -42,11 +42,13 @@ def device_error(name: str, device, q_device=None) -> SpecError:
     """The one wording of the device error (ops/validate.py raises it too)."""
     where = f" (q is on {q_device})" if q_device is not None else ""
     return SpecError(f"{name} is on {device}{where}; linattn runs on one CUDA device "
-                     "(Hopper, sm90): put every input on it")
+                     f"({describe()}): put every input on it")
 
 
 def device_arch(device) -> str:
-    """Arch name for a CUDA device ("sm90" for capability 9.x); clear error otherwise."""
+    """Arch name for a CUDA device (codegen.arch.arch_for_capability, once per device);
+    clear error otherwise. A test may force a device's arch by setting its entry of
+    _ARCH_BY_DEVICE (tests/conftest.py force_arch)."""
     import torch
     device = torch.device(device)
     if device.type != "cuda":
@@ -56,6 +58,12 @@ def device_arch(device) -> str:
         major, minor = torch.cuda.get_device_capability(index)
         _ARCH_BY_DEVICE[index] = arch_for_capability(major, minor)
     return _ARCH_BY_DEVICE[index]
+
+
+def arch_of(device) -> str:
+    """The arch a call plans for: its CUDA device's (device_arch), else (CPU-side planning)
+    codegen.arch.DEFAULT_ARCH."""
+    return device_arch(device) if str(device).startswith("cuda") else DEFAULT_ARCH
 
 
 def gen_dir() -> Path:

@@ -126,7 +126,7 @@ def check_cuda(name: str, x):
 
 
 def check_devices(q, **tensors) -> None:
-    """The last check of a call: q on a CUDA device linattn has kernels for (sm90), and
+    """The last check of a call: q on a CUDA device linattn has kernels for (codegen.arch.ARCHES), and
     every other tensor given (None: skipped; cu_seqlens_cpu is not passed) on q's device."""
     check_cuda("q", q)
     for name, t in tensors.items():

@@ -80,6 +80,10 @@ def pytest_addoption(parser):
                      help="also run the exhaustive tests: every sm_90a compile (marker "
                           "'compile') and the long reference sweeps (marker 'slow'); "
                           "without it they are deselected but for one representative each")
+    parser.addoption("--arch", default=None,
+                     help="GPU tests: plan every call for this arch (codegen.arch.ARCHES) "
+                          "instead of the device's, e.g. --arch sm80 on Hopper (the sm80 "
+                          "kernels' compute_80 PTX runs there); see force_arch")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -163,6 +167,39 @@ def fresh_plans():
     chunk._plan.cache_clear()
     yield
     chunk._plan.cache_clear()
+
+
+def _force(name: str, setitem) -> None:
+    """Every CUDA device's entry of ops.runtime's arch table set to ``name``."""
+    import torch
+    from linattn.codegen.arch import get_arch
+    from linattn.ops import runtime
+    get_arch(name)                              # (a clear error for an unknown name)
+    for index in range(torch.cuda.device_count()):
+        setitem(runtime._ARCH_BY_DEVICE, index, name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forced_arch(request):
+    """--arch NAME: the whole session's calls planned for NAME (every GPU test through that
+    arch's kernels); the device's own arch without it."""
+    name = request.config.getoption("--arch")
+    if not name or not _cuda_available():
+        yield name
+        return
+    mp = pytest.MonkeyPatch()
+    _force(name, mp.setitem)
+    yield name
+    mp.undo()
+
+
+@pytest.fixture
+def force_arch(monkeypatch):
+    """``force_arch("sm80")``: this test's calls planned for that arch on every CUDA device,
+    whatever its compute capability (ops.runtime resolves a call's arch from its device
+    once per device; the test sets that table's entries, undone after the test). The
+    product has no such knob: a call's arch is its device's."""
+    return lambda name: _force(name, monkeypatch.setitem)
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from _kernel_check import fake_compiles
 from test_chunk import by_name
 from test_chunk_fused import PipelineMath
 
+from linattn.codegen.arch import DEFAULT_ARCH
 from linattn.codegen.arch import get_arch
 from linattn.codegen.arch.sm90 import backward as sm90_backward
 from linattn.codegen.plan import plan
@@ -509,7 +510,7 @@ def test_contract_plan_and_params():
     assert list(params) == list(chunk_bwd.STAGES)
     assert params["chunk_bwd_dqkw"]["state_dtype"] == "float32"
     for stage, p in params.items():
-        runtime.stage_module(spec, stage, chunk_bwd.ARCH).build(**p)
+        runtime.stage_module(spec, stage, DEFAULT_ARCH).build(**p)
 
 
 def test_compute_wy_matches_reference(fake_backward, rng):

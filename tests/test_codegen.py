@@ -43,8 +43,8 @@ def test_plan_bad_names():
     spec = specs()["gdn"]
     with pytest.raises(SpecError, match="valid variants: fwd, bwd, decode"):
         plan(spec, "prefill")
-    with pytest.raises(SpecError, match="valid arches: sm90"):
-        plan(spec, None, "sm80")
+    with pytest.raises(SpecError, match="valid arches: sm90, sm80"):
+        plan(spec, None, "sm70")
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=SPEC_IDS)
@@ -78,10 +78,23 @@ def test_structure_follows_rule_and_gate():
     assert len(set(text.values())) == len(SIX)
 
 
-def test_generated_tree_is_current():
-    res = CliRunner().invoke(cli, ["--op", "all", "--check"])
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_generated_tree_is_current(arch):
+    res = CliRunner().invoke(cli, ["--op", "all", "--arch", arch, "--check"])
     assert res.exit_code == 0, res.output
     assert "ok:" in res.output
+
+
+def test_sm80_tree_has_no_hopper_constructs():
+    """generated/sm80: no wgmma, TMA, setmaxnreg or warpgroup-role kernel (the walk)."""
+    root = DEFAULT_OUT / "sm80"
+    texts = {p: p.read_text() for p in root.rglob("*.py")}
+    assert len(texts) > 50
+    for path, text in texts.items():
+        for word in ("T.wgmma_gemm(", "T.wait_wgmma(", "T.tma_", "set_max_nreg(",
+                     "annotate_producer"):
+            assert word not in text, (path, word)
+    assert not list(root.rglob("chunk_walk*.py"))
 
 
 def test_check_reports_stale_missing_extra(tmp_path):
@@ -114,7 +127,7 @@ def test_render_op_variant_subset():
 @pytest.mark.parametrize("argv, message", [
     (["--op", "nope", "--check"], ["unknown op 'nope'; valid ops: all, ", "deltanet, ", "gdn, ",
                                         "gla, ", "kda, "]),
-    (["--arch", "sm80", "--check"], ["--arch", "'sm80'", "'sm90'"]),
+    (["--arch", "sm70", "--check"], ["--arch", "'sm70'", "'sm90'", "'sm80'"]),
     (["--variant", "prefill", "--check"], ["--variant", "'prefill'", "'fwd', 'bwd', 'decode'"]),
 ])
 def test_cli_bad_names(argv, message):

@@ -23,7 +23,7 @@ PUBLIC = ["chunk_delta_rule", "fused_recurrent_delta_rule", "chunk_gated_delta_r
           "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda", "chunk_gla",
           "fused_recurrent_gla", "chunk_simple_gla", "fused_recurrent_simple_gla",
           "chunk_linear_attn", "fused_recurrent_linear_attn"]
-DEVICE_ERROR = r"q is on cpu; linattn runs on one CUDA device \(Hopper, sm90\)"
+DEVICE_ERROR = r"q is on cpu; linattn runs on one CUDA device \(Hopper, sm90; Ampere / Ada, sm80\)"
 
 
 def inputs(B=2, T=5, H=2, HV=4, K=32, V=16, dtype=BF, gate="scalar", seed=0):

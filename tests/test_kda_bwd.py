@@ -22,6 +22,7 @@ from test_autograd import v_first_matches_k_first
 from test_chunk_bwd import _key_grads
 
 import linattn
+from linattn.codegen.arch import DEFAULT_ARCH
 from linattn.codegen.plan import plan
 from linattn.dsl import Options, SpecError
 from linattn.dsl import delta_key_bwd as ref
@@ -332,7 +333,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
              qg=v.new_empty(Tt, HV, K), kg=v.new_empty(Tt, HV, K),
              g_last=f32(NT, HV, K), w=v.new_empty(Tt, HV, K), u=v.new_empty(Tt, HV, V),
              g_cum=f32(Tt, HV, K), qn=q, kn=k, **kept)
-    runtime.launch_kernel(SPEC, chunk_bwd.ARCH, chunk_bwd.REBUILD, rp, x)
+    runtime.launch_kernel(SPEC, DEFAULT_ARCH, chunk_bwd.REBUILD, rp, x)
     del x["g"]
     x["g_cum"] = g.view(NT, C, HV, K).cumsum(1).view(Tt, HV, K)
     h = tref.chunked_forward(SPEC, *(t.to(F64)[None] for t in (q, k, v, g)),

@@ -2,8 +2,9 @@
 (tile sizes, threads) per stage.
 
 Each arch package defines ``NAME``, ``TARGET`` (TileLang target dict), ``CAPABILITIES``
-(CUDA compute capabilities it serves, as (major, minor) prefixes), a ``hardware``
-module (SMs, grid and shared-memory limits), ``forward_plan(problem, config)`` (a
+(CUDA compute capabilities it serves, as (major, minor) prefixes), ``FEATURES`` (what it has beyond mma.sync / cp.async: "wgmma",
+"tma", "setmaxnreg", "warpgroups"), a ``hardware`` module (SMs, grid and shared-memory
+limits), ``forward_plan(problem, config)`` (a
 codegen.pipeline.Plan) with the ``CONFIG_KEYS`` a config may set, and
 ``tuning(stage, problem) -> dict`` (tuning knobs for a stage's build(); ``{}`` means the
 template's defaults).
@@ -14,17 +15,26 @@ import importlib
 
 from ...dsl import SpecError  # noqa: F401  (re-exported for callers)
 
-ARCHES = ("sm90",)
+#: the arches, the default first: where no device is known (CPU-side planning, the CLI,
+#: rendering) the arch is DEFAULT_ARCH; a call on a GPU takes its device's
+#: (arch_for_capability)
+ARCHES = ("sm90", "sm80")
+DEFAULT_ARCH = ARCHES[0]
 _LOADED: dict = {}      # name -> module (a dict lookup once loaded: torch.compile traces it)
 
 
 def get_arch(name: str):
-    """The arch module for ``name`` ("sm90"), with a clear error for unknown names."""
+    """The arch module for ``name`` ("sm90", "sm80"), with a clear error for unknown names."""
     if name not in ARCHES:
         raise SpecError(f"unknown arch {name!r}; valid arches: {', '.join(ARCHES)}")
     if name not in _LOADED:
         _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
     return _LOADED[name]
+
+
+def describe() -> str:
+    """The arches as an error message names them: "Hopper, sm90; Ampere / Ada, sm80"."""
+    return "; ".join(f"{get_arch(n).hardware.LABEL}, {n}" for n in ARCHES)
 
 
 def arch_for_capability(major: int, minor: int) -> str:
@@ -33,4 +43,4 @@ def arch_for_capability(major: int, minor: int) -> str:
         if (major,) in get_arch(name).CAPABILITIES or (major, minor) in get_arch(name).CAPABILITIES:
             return name
     raise SpecError(f"no linattn kernels for compute capability {major}.{minor}; "
-                    f"supported arches: {', '.join(ARCHES)} (sm90 = Hopper, capability 9.x)")
+                    f"supported arches: {describe()} (capabilities 9.x, 8.x)")

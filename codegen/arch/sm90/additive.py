@@ -107,7 +107,8 @@ def tiles(K: int, V: int, fused: bool) -> list:
     """(block_k, block_v) the state pass runs at: blocks dividing K and V, within MAX_TILE
     elements; the fused output takes block_k = K."""
     ks = [K] if fused else [b for b in BLOCKS_K if K % b == 0] or [K]
-    return [(bk, bv) for bk in ks for bv in BLOCKS_V if V % bv == 0 and bk * bv <= MAX_TILE]
+    most = min(MAX_TILE, hw.FUSED_MAX_TILE or MAX_TILE) if fused else MAX_TILE
+    return [(bk, bv) for bk in ks for bv in BLOCKS_V if V % bv == 0 and bk * bv <= most]
 
 
 def output_us(p, block_v: int) -> float:

@@ -57,7 +57,7 @@ DQKVG_STATE_STAGES = 2
 DQKVG_BLOCK_K = 64
 DQKVG_BLOCK_V = 32
 DQKVG_WIDE_BLOCK_V = 64
-SM_SMEM_BYTES = 228 * 1024          # shared memory of one SM (a CTA reserves 1 KB more)
+SM_SMEM_BYTES = hw.SMEM_PER_SM      # shared memory of one SM (a CTA reserves 1 KB more)
 #: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
 #: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
 #: how many SMs share the streaming of X and dh (2 x 4 bytes a state element a chunk), so
@@ -107,7 +107,8 @@ def delta_backward_params(p: DeltaBackwardProblem) -> dict:
                          f"{sorted(FOLD_STAGES)}, generated for the delta rule without a "
                          f"gate (here {p.gate!r})")
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
-    dh = dict(common, **{**dh_config(p.V, p.chains), **dict(p.dh)},
+    dh = dict(common, **{**dh_config(p.V, p.chains),
+                         **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_dh", {}), **dict(p.dh)},
               **({"use_dht": True} if p.use_dht else {}),
               **({"store_dh0": True} if p.store_dh0 else {}))
     dqkw = dict(common, **({"state_dtype": p.state_dtype} if p.state_dtype else {}))
@@ -115,7 +116,7 @@ def delta_backward_params(p: DeltaBackwardProblem) -> dict:
         first, walk, *tail = FOLD_STAGES[p.fold]
         return {first: common, walk: dh, tail[0]: dqkw, **({tail[1]: common} if tail[1:] else {})}
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": dqkw,
-            "chunk_bwd_wy": common}
+            "chunk_bwd_wy": dict(common, **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_wy", {}))}
 
 
 def delta_backward_plan(p: DeltaBackwardProblem, params: dict | None = None) -> Plan:
@@ -297,7 +298,8 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk))
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
-    two = 2 * (dqkvg_smem(p, dbv, dbk) + 1024) <= SM_SMEM_BYTES and dbk <= 64
+    two = (hw.DQKVG_TWO_CTAS and 2 * (dqkvg_smem(p, dbv, dbk) + 1024) <= SM_SMEM_BYTES
+           and dbk <= 64)
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
                  **({"state_stages": config["dqkvg_state_stages"]}

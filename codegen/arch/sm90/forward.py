@@ -175,7 +175,10 @@ def walks(rule: str, gate: str) -> bool:
 
 
 def walk_applies(p: ForwardProblem) -> bool:
-    return walks(p.rule, p.gate) and not p.return_states and bool(walk_blocks(p))
+    """The walk plans p: its family, no per-chunk states, a value block that fits, and an
+    arch with warpgroup roles (hardware.FEATURES; elsewhere the three-stage pipeline)."""
+    return ("warpgroups" in hw.FEATURES and walks(p.rule, p.gate) and not p.return_states
+            and bool(walk_blocks(p)))
 
 
 #: the spec chunk sizes the chunked forward runs at: the kernels are GPU-checked at 64 only

@@ -268,8 +268,10 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         choice = additive.choose(p, config, output_block_v(p.V, p.gate), forms)
     else:
         fused = (fuse_output(p.N * p.HV, p.dtype, p.K) or many) if len(forms) > 1 else forms[0]
-        choice = additive.StateChoice(0, p.K, state_block_v(p.V, p.N * p.HV, p.seq_chunks),
-                                      fused)
+        bv = state_block_v(p.V, p.N * p.HV, p.seq_chunks)
+        if fused and not many and len(forms) > 1 and p.K * bv > (hw.FUSED_MAX_TILE or p.K * bv):
+            fused = False           # (the arch's fused state pass takes smaller tiles)
+        choice = additive.StateChoice(0, p.K, bv, fused)
     order = {} if many else {"heads_fastest": True}
     launches, bufs, bind = _prepare(p, order, config)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
