@@ -9,8 +9,7 @@ report of tests/test_compile_sm80.py); their own numbers are a module like this 
 """
 from __future__ import annotations
 
-import functools
-import heapq
+from .. import placement
 
 NAME = "sm80"
 LABEL = "Ampere / Ada"
@@ -51,13 +50,6 @@ FUSED_MAX_TILE = 128 * 32
 DQKVG_TWO_CTAS = False
 
 
-@functools.lru_cache(maxsize=1024)
 def makespan(durations: tuple, sms: int = NUM_SMS) -> float:
     """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
-    free = [0.0] * sms
-    end = 0.0
-    for d in durations:
-        t = heapq.heappop(free) + d
-        heapq.heappush(free, t)
-        end = max(end, t)
-    return end
+    return placement.makespan(durations, sms)

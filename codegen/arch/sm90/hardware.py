@@ -2,8 +2,7 @@
 cost rules share: CTAs of one kernel, one per SM, each starting as an SM frees up."""
 from __future__ import annotations
 
-import functools
-import heapq
+from .. import placement
 
 NAME = "sm90"
 LABEL = "Hopper"
@@ -28,13 +27,6 @@ FUSED_MAX_TILE = None
 DQKVG_TWO_CTAS = True
 
 
-@functools.lru_cache(maxsize=1024)
 def makespan(durations: tuple, sms: int = NUM_SMS) -> float:
     """Finish time of CTAs (durations, in launch order) placed one per SM as SMs free up."""
-    free = [0.0] * sms
-    end = 0.0
-    for d in durations:
-        t = heapq.heappop(free) + d
-        heapq.heappush(free, t)
-        end = max(end, t)
-    return end
+    return placement.makespan(durations, sms)
