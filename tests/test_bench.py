@@ -209,7 +209,10 @@ def test_summary_table_and_merge(tmp_path):
     r3 = select(ROWS, ops=["KDAFwd"])[0]
     merged = report.merge_into(path, {"gpu": "x", "commit": "c2", "rows": [a2, fake_record(r3, 1.0, 1.1)]})
     keys = [(r["op"], r["workload"], r["dtype"]) for r in merged["rows"]]
-    assert len(keys) == len(set(keys)) == 3 and merged["commit"] == "c2"
+    assert len(keys) == len(set(keys)) == 3
+    # a doc re-timing part of the file: its header under "runs", the file's kept (its GPU,
+    # copy bandwidth belong to the rows it timed)
+    assert merged["commit"] == "c1" and merged["runs"][-1]["commit"] == "c2"
     again = json.load(open(path))
     assert [r["ours_ms"] for r in again["rows"] if r["workload"] == r1.workload and r["dtype"] == r1.dtype] == [0.05]
     # each row keeps the commit it was measured at
@@ -229,6 +232,9 @@ def test_summary_table_and_merge(tmp_path):
         path, {"gpu": "x", "commit": "c4", "impls": ["fla"], "skipped_for_budget": ["r"],
                "rows": []})
     assert json.load(open(path))["impls"] == ["fla"]
+    whole = report.merge_into(str(tmp_path / "w.json"), {"gpu": "x", "commit": "w1", "rows": [a, b]})
+    whole = report.merge_into(str(tmp_path / "w.json"), {"gpu": "y", "commit": "w2", "rows": [a2, b]})
+    assert whole["commit"] == "w2" and whole["gpu"] == "y" and "runs" not in whole
     # a row outside the packaged tables (--workloads-json) gets its figures from the rows given
     out = dataclasses.replace(r1, workload="outside-row", seed={})
     report.merge_into(path, {"gpu": "x", "commit": "c5", "rows": [fake_record(out, 0.1, 0.3)]}, [out])

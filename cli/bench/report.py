@@ -306,7 +306,8 @@ def merge_into(path: str, doc: dict, workloads: list | None = None) -> dict:
     file's entry of that name, the others stay, and the row's derived figures (ratio,
     TFLOP/s, ...) are computed again from the merged set. Every implementation entry carries
     the commit / date it was measured at (a row's own stamp wins over doc's). Header
-    fields come from doc. workloads: the rows the figures are computed from where they are
+    fields (GPU, copy bandwidth, timer check) come from doc where it re-timed every row of
+    the file; a partial doc's header is kept under "runs" and the file's stays. workloads: the rows the figures are computed from where they are
     not the packaged tables' (a --workloads-json table)."""
     old = {"rows": []}
     if os.path.exists(path):
@@ -337,9 +338,13 @@ def merge_into(path: str, doc: dict, workloads: list | None = None) -> dict:
     # geomeans; what one run alone measured (its budget skips, wall time, compile count)
     # stays in that run's own JSON
     impls = list(dict.fromkeys([*old.get("impls", []), *doc.get("impls", [])]))
+    head = {k: v for k, v in doc.items() if k not in RUN_ONLY and k != "runs"}
+    whole = {key(r) for r in doc["rows"]} >= {key(r) for r in old.get("rows", [])}
+    runs = [*old.get("runs", []), *([] if whole else [head])]
     merged = {**{k: v for k, v in old.items() if k not in RUN_ONLY},
-              **{k: v for k, v in doc.items() if k not in RUN_ONLY},
-              "impls": impls, "geomeans": geomeans(merged_rows), "rows": merged_rows}
+              **(head if whole else {}),
+              "impls": impls, "geomeans": geomeans(merged_rows), "rows": merged_rows,
+              **({"runs": runs} if runs else {})}
     write_json(merged, path)
     return merged
 
