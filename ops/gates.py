@@ -56,3 +56,21 @@ def fused_kda_gate(g, A_log=None, dt_bias=None, lower_bound=None, output_dtype=N
     _check("fused_kda_gate", g, A_log, dt_bias, True)
     return activate(g, A_log, dt_bias, lower_bound, per_channel=True).to(
         output_dtype or torch.float32)
+
+
+def check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel) -> None:
+    """fla's rules for KDA's safe gate: with use_gate_in_kernel, safe_gate needs a
+    lower_bound in [-5, 0). safe_gate itself changes no result here (linattn's per-key
+    chunk stages only ever exponentiate non-positive numbers); lower_bound changes the
+    gate activation when use_gate_in_kernel (see api.kernel_inputs), else nothing."""
+    if lower_bound is not None and (isinstance(lower_bound, bool)
+                                    or not isinstance(lower_bound, (int, float))):
+        raise validate.error(f"lower_bound must be a number or None, got "
+                                 f"{validate.describe(lower_bound)}")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise validate.error("safe_gate=True with use_gate_in_kernel=True needs "
+                                     "lower_bound (a float in [-5, 0), e.g. -5)")
+        if not -5 <= lower_bound < 0:
+            raise validate.error(f"lower_bound must be in the safe range [-5, 0), "
+                                     f"got {lower_bound}")

@@ -3,6 +3,7 @@ per-value-channel write gate w, and KDA's per-key decay (fla's chunk_gdn2 /
 fused_recurrent_gdn2)."""
 from ..dsl import OpSpec
 from . import api
+from .gates import check_safe_gate
 
 SPEC = OpSpec(
     name="gdn2", rule="gdn2", gate="key", chunk_size=64,
@@ -33,7 +34,6 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     yet), for any T; not differentiable yet (inputs that need gradients raise);
     return_intermediate_states is not supported.
     """
-    from .kda import check_safe_gate
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                            state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,))
@@ -57,7 +57,6 @@ def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None,
     chunk_gdn2; the state pool arguments (``ssm_state_indices``, ``num_accepted_tokens``,
     ``inplace_final_state``) as fused_recurrent_gated_delta_rule's. Not differentiable
     (fla's is inference-only)."""
-    from .kda import check_safe_gate
     check_safe_gate(False, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                            state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=None)

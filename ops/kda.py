@@ -1,6 +1,7 @@
 """Kimi Delta Attention: the delta rule with a log decay per key channel."""
 from ..dsl import OpSpec
 from . import api
+from .gates import check_safe_gate
 
 SPEC = OpSpec(
     name="kda", rule="delta", gate="key", chunk_size=64,
@@ -8,24 +9,6 @@ SPEC = OpSpec(
                         "state_v_first"}),
     doc="KDA: S <- diag(exp(g)) S; S <- S + k (beta (v - S^T k))^T; o = S^T (scale q).",
 )
-
-
-def check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel) -> None:
-    """fla's rules for KDA's safe gate: with use_gate_in_kernel, safe_gate needs a
-    lower_bound in [-5, 0). safe_gate itself changes no result here (linattn's per-key
-    chunk stages only ever exponentiate non-positive numbers); lower_bound changes the
-    gate activation when use_gate_in_kernel (see api.kernel_inputs), else nothing."""
-    if lower_bound is not None and (isinstance(lower_bound, bool)
-                                    or not isinstance(lower_bound, (int, float))):
-        raise api.validate.error(f"lower_bound must be a number or None, got "
-                                 f"{api.validate.describe(lower_bound)}")
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise api.validate.error("safe_gate=True with use_gate_in_kernel=True needs "
-                                     "lower_bound (a float in [-5, 0), e.g. -5)")
-        if not -5 <= lower_bound < 0:
-            raise api.validate.error(f"lower_bound must be in the safe range [-5, 0), "
-                                     f"got {lower_bound}")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
