@@ -19,19 +19,14 @@ from __future__ import annotations
 from .spec import OpSpec, Options
 
 
-def softplus(x):
-    """Mamba's (and fla's) softplus: x above 20, else log1p(exp(x))."""
-    import torch
-    return torch.where(x > 20, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
-
-
 def step(dt, dt_bias=None, dt_softplus=False, dt_limit=None):
     """dt [B, T, HV] -> clamp(softplus?(dt + dt_bias), dt_limit) (no clamp for None)."""
     import torch
+    from .torch_reference import softplus_fla     # Mamba's softplus is fla's
     if dt_bias is not None:
         dt = dt + dt_bias.reshape(-1)
     if dt_softplus:
-        dt = softplus(dt)
+        dt = softplus_fla(dt)
     if dt_limit is not None:
         dt = torch.clamp(dt, min=float(dt_limit[0]), max=float(dt_limit[1]))
     return dt

@@ -13,6 +13,7 @@ import linattn
 from linattn.dsl import OpSpec, Options, SpecError
 from linattn.dsl import call_terms
 from linattn.dsl.spec import alibi_slope
+from linattn.dsl.torch_reference import softplus_fla
 from linattn.ops import lightning, mamba2
 
 F64, BF, F32 = torch.float64, torch.bfloat16, torch.float32
@@ -215,7 +216,7 @@ def _kernel_model(spec, q, k, v, g, beta, *, scale, initial_state, options,
     if f["step_bias_on"]:
         dt = dt + t["step_bias"].double()
     if f["step_softplus"]:
-        dt = call_terms.softplus(dt)
+        dt = softplus_fla(dt)
     if f.get("step_clamp"):
         dt = dt.clamp(float(t["step_limit"][0]), float(t["step_limit"][1]))
     vv = v.double() * dt.unsqueeze(-1) if f["value_scale"] else v.double()
