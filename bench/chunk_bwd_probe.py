@@ -11,16 +11,17 @@ L2 flushed before each call, median over calls; each kernel's median too.
 
     python3 bench/chunk_bwd_probe.py [--iters 20] [--only train-4k-bf16 ...]
         [--sweep-on train-16k-f16] [--budget-s 0] [--precompile]
-        [--configs default split fused] [--no-fla]
+        [--configs default] [--no-fla]
     (--sweep-on: also time our backward there at each dh-pass variant (pipeline depth x
     value block); '' for none. --precompile: compile in parallel processes first; by
     default kernels compile on first use, cheap when the GPU tests ran before with the
     same TILELANG_CACHE_DIR. One line per workload is printed as soon as it is measured.
-    --configs: our backward timed at each named config, "default" (the plan's), "split" or
-    "fused" (chunk_backward(fold=...): the arch's FOLD_STAGES), each with its kernels and its
-    largest relative difference from the first config's gradients; the first config's
-    figures are the ours_bwd ones. Only "default" is passed to an older package (an A/B
-    baseline tree). --no-fla: ours only.)
+    --configs: our backward timed at each named config, "default" (the plan's; an
+    experiment adds its name to CONFIGS), each with its kernels and its largest relative
+    difference from the first config's gradients; the first config's figures are the
+    ours_bwd ones. Only "default" is passed to an older package (an A/B baseline tree).
+    The folded forms "split" / "fused" were configs here until run s34-1 (bench/LOG.md).
+    --no-fla: ours only.)
     (JSON to $OUT_DIR or $OUT /chunk_bwd_probe.json when set)
 """
 from __future__ import annotations
@@ -116,11 +117,15 @@ def line(r):
     return text
 
 
+#: --configs name -> chunk_backward's keywords (an experiment's config goes here)
+CONFIGS = {"default": {}}
+
+
 def _config(name) -> dict:
     """chunk_backward's keywords for a --configs name."""
-    if name not in ("default", "split", "fused"):
-        raise SystemExit(f"unknown config {name!r}: default, split or fused")
-    return {} if name == "default" else {"fold": name}
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: one of {sorted(CONFIGS)}")
+    return CONFIGS[name]
 
 
 def probe(name, iters, sweep=False, configs=("default",), fla=True):

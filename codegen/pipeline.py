@@ -160,8 +160,8 @@ class DeltaBackwardProblem:
     (the reverse dh pass's grid); use_dht / store_dh0: the final state's gradient is given
     / the initial state's is wanted; state_dtype: the forward's states' where they are not
     the input dtype (the DeltaNetChunkBwd contract's f32); dh: a probe's num_stages /
-    block_v of the dh pass, as (key, value) pairs; fold: a folded form's name (no gate;
-    the arch's FOLD_STAGES), "" the four stages."""
+    block_v of the dh pass, as (key, value) pairs. Without a gate the arch runs its
+    folded form (delta_stages)."""
     gate: str                     # "none" | "scalar" | "key"
     H: int
     HV: int
@@ -175,7 +175,6 @@ class DeltaBackwardProblem:
     store_dh0: bool = False
     state_dtype: str = ""
     dh: tuple = ()
-    fold: str = ""
 
 
 @dataclass(frozen=True)

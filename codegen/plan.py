@@ -129,16 +129,16 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_bwd_dv_local", "chunk_bwd_dv_local.py.jinja", "bwd",
               doc="per chunk (token-first packed): dv_local = (tril_incl(q k^T) E)^T do",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_dh", "chunk_bwd_dh.py.jinja", "bwd",
               doc="reverse sequential pass: dh per chunk, dv2 = dv_local + k dh",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_dqkw", "chunk_bwd_dqkw.py.jinja", "bwd",
               doc="per chunk: v_new, dq, dk (output + state terms), dw = -dv2 S^T",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_wy", "chunk_bwd_wy.py.jinja", "bwd",
               doc="per chunk: back through A, w, u: dk += WY terms, dv, dbeta",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_fold_local", "chunk_bwd_fold_local.py.jinja", "bwd",
               doc="folded form, per chunk: dv_local, and the reverse pass's dh-free parts "
                   "dh_local = q^T do - w^T dv_local, nwk = -(w^T k)",
@@ -147,13 +147,9 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="folded form, reverse sequential pass: dh += dh_local + nwk dh, one "
                   "product a chunk",
               rules=frozenset({"delta"}), gates=frozenset({"none"})),
-        Stage("chunk_bwd_fold_dqkw", "chunk_bwd_fold_dqkw.py.jinja", "bwd",
-              doc="folded form, per chunk: dv2 = dv_local + k dh, v_new, dq, dk (output + "
-                  "state terms), dw = -dv2 S^T",
-              rules=frozenset({"delta"}), gates=frozenset({"none"})),
         Stage("chunk_bwd_fold_tail", "chunk_bwd_fold_tail.py.jinja", "bwd",
-              doc="folded form, fused tail, per chunk: chunk_bwd_fold_dqkw and chunk_bwd_wy "
-                  "in one kernel (du, dw, dk's first terms in the CTA)",
+              doc="folded form, per chunk: dv2 = dv_local + k dh, v_new, dq, dk, dw, then back "
+                  "through A, w, u: dv, dbeta (du, dw, dk's first terms in the CTA)",
               rules=frozenset({"delta"}), gates=frozenset({"none"})),
         Stage("chunk_bwd_key_grads", "chunk_bwd_key_grads.py.jinja", "bwd",
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "

@@ -1,4 +1,4 @@
-"""The chunked delta-rule backward: four generated stages over token-first packed tensors.
+"""The chunked delta-rule backward: generated stages over token-first packed tensors.
 
 Every tensor the stages read or write is token-first and packed, [Ttot, heads, D], cut
 into chunks by the forward's tables (ops.chunk._tables: chunk_bos / chunk_len per chunk,
@@ -10,7 +10,7 @@ cu_seqlens / chunk_offsets per sequence), so one set of kernels serves
   - the DeltaNetChunkBwd contract: head-first [B, H, L, D] is token-first [B H L, 1, D]
     with one one-head sequence per (b, h) (:func:`one_head`).
 
-The stages (grid):
+The stages of the scalar and the per-key gate (grid):
     chunk_bwd_dv_local  (NT, HV)        dv_local = tril_incl(q k^T)^T do (gated forms: the
                                         decays; per-key: the recompute's A_qk^T do)
     chunk_bwd_dh        (N HV, V/BV)    the reverse sequential pass per sequence: dh per
@@ -21,12 +21,11 @@ The stages (grid):
     chunk_bwd_wy        (NT, HV)        back through A, w, u: dk (complete), dv, dbeta and,
                                         gated, dg (the reverse cumulative sum in the kernel)
 
-The folded forms (no gate; chunk_backward's / stage_params' ``fold``, a probe's config
-until measured: the arch's FOLD_STAGES): the dh pass's step is affine in dh, so its
-dh-free parts (dh_local = q^T do - w^T dv_local, the operator -(w^T k)) are formed per
-chunk by chunk_bwd_fold_local and the pass is one product a chunk (chunk_bwd_fold_walk);
-dv2 = dv_local + k dh is formed per chunk after it, by chunk_bwd_fold_dqkw ("split", then
-chunk_bwd_wy) or by chunk_bwd_fold_tail ("fused": dqkw and wy in one kernel).
+Without a gate, the folded form (the arch's FOLD_STAGES): the dh pass's step is affine in
+dh, so its dh-free parts (dh_local = q^T do - w^T dv_local, the operator -(w^T k)) are
+formed per chunk by chunk_bwd_fold_local and the pass is one product a chunk
+(chunk_bwd_fold_walk); dv2 = dv_local + k dh and every output are formed per chunk after
+it by chunk_bwd_fold_tail (dqkw and wy in one kernel).
 
 The none / scalar gate's training forward keeps the WY inverse A itself
 (chunk_kkt_inverse_save); the backward forms the rest from it (:func:`rebuild`: the gate's
@@ -49,9 +48,9 @@ from ..codegen.pipeline import DeltaBackwardProblem
 from ..dsl import Options, SpecError
 from . import chunk, runtime
 
-#: the backward's stages, in order (the arch's plan, delta_backward_plan)
+#: the gated backward's stages, in order (the arch's plan, delta_backward_plan)
 STAGES = get_arch(DEFAULT_ARCH).DELTA_STAGES
-#: the folded forms' by name (no gate; a probe's config until measured: stage_params' fold)
+#: without a gate: the folded form's
 FOLD_STAGES = get_arch(DEFAULT_ARCH).FOLD_STAGES
 #: the per-key gate's rebuild of w, u, qg, kg, G from the WY inverse A its training forward
 #: kept
@@ -84,20 +83,20 @@ def compiled_stage(stage: str, spec=None, arch: str = DEFAULT_ARCH, **params):
 
 
 def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=False,
-                 state_dtype=None, dh=None, fold="", arch: str = DEFAULT_ARCH) -> dict:
-    """stage name -> build() params of the four backward stages (the arch's
+                 state_dtype=None, dh=None, gate="none", arch: str = DEFAULT_ARCH) -> dict:
+    """stage name -> build() params of the backward stages (the arch's
     delta_backward_params; the rebuild of w, u before them: :func:`rebuild_params`): H key
     heads, HV value heads (default H); chains: the dh pass's sequences x value heads (more
     value blocks for few chains); use_dht / store_dh0: the dh pass starts from the final
     state's gradient / writes the initial state's; a gated spec's stages take the same
     params (their gated forms read the spec); state_dtype: the states' dtype where it is
     not the input dtype (the contract's f32); dh: the dh pass's num_stages / block_v where
-    a probe sets them (default: the arch's dh_config); fold: a folded form's stages
-    ("split" or "fused": the arch's FOLD_STAGES, no gate)."""
+    a probe sets them (default: the arch's dh_config); gate: the spec's (none: the folded
+    form's stages, the arch's delta_stages)."""
     return get_arch(arch).delta_backward_params(DeltaBackwardProblem(
-        gate="none", H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
+        gate=gate, H=H, HV=HV or H, K=K, V=V, dtype=dtype, chains=chains,
         use_dht=use_dht, store_dh0=store_dh0, state_dtype=state_dtype or "",
-        dh=tuple(sorted((dh or {}).items())), fold=fold))
+        dh=tuple(sorted((dh or {}).items()))))
 
 
 def precompile(param_sets, workers=None, spec=None, arch: str = DEFAULT_ARCH) -> list:
@@ -109,7 +108,7 @@ def precompile(param_sets, workers=None, spec=None, arch: str = DEFAULT_ARCH) ->
 
 
 def run_stages(spec, params: dict, x: dict) -> dict:
-    """Run the four stages at ``params`` (:func:`stage_params`) as the arch's plan
+    """Run the backward stages at ``params`` (:func:`stage_params`) as the arch's plan
     (delta_backward_plan, runtime.run_plan) on the token-first packed tensors of x (by the
     kernels' argument names: q, k [Ttot, H, K]; v, do [Ttot, HV, V]; beta [Ttot, HV]; w,
     u, A (or the per-key rebuild's aqk, qg, kg, g_last, w, u, A); g_cum (spec's gate); S,
@@ -118,11 +117,11 @@ def run_stages(spec, params: dict, x: dict) -> dict:
     last reader, so their memory serves the later stages. Adds dq, dk [Ttot, HV, K] (per
     value head), dv, dbeta and, gated, dg to x (where x holds no such output already: then
     the stages write into it); returns x."""
-    fold = next((f for f, stages in FOLD_STAGES.items() if stages[2] in params), "")
-    p = params[FOLD_STAGES[fold][0] if fold else STAGES[0]]
-    plan = get_arch(runtime.arch_of(x["v"].device)).delta_backward_plan(DeltaBackwardProblem(
+    arch = get_arch(runtime.arch_of(x["v"].device))
+    p = params[arch.delta_stages(spec.gate.value)[0]]
+    plan = arch.delta_backward_plan(DeltaBackwardProblem(
         gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
-        Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel(), fold=fold), params)
+        Ttot=x["v"].shape[0], NT=x["chunk_bos"].numel()), params)
     return runtime.run_plan(spec, plan, x)
 
 
@@ -187,15 +186,14 @@ def _dims(q, k, v, beta, forward=False):
     return B, H, L, K, V
 
 
-def backward_params(*, H, K, V, dtype, B=1, dh=None, fold="",
-                    arch: str = DEFAULT_ARCH) -> dict:
+def backward_params(*, H, K, V, dtype, B=1, dh=None, arch: str = DEFAULT_ARCH) -> dict:
     """The contract backward's stage params (:func:`chunk_backward`): the B * H one-head
-    sequences, the forward's f32 states (dh, fold: as :func:`stage_params`)."""
+    sequences, the forward's f32 states (dh: as :func:`stage_params`)."""
     return stage_params(H=1, K=K, V=V, dtype=dtype, chains=B * H, state_dtype="float32",
-                        dh=dh, fold=fold, arch=arch)
+                        dh=dh, arch=arch)
 
 
-def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
+def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None):
     """DeltaNetChunkBwd: the exact gradients of the chunked forward's o under sum(o * do).
 
     Head-first: do [B, H, L, DV]; q, k, w [B, H, L, DK]; v, u [B, H, L, DV]; beta
@@ -205,8 +203,7 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     state (the contract's forward). Returns (dq, dk, dv, dbeta) shaped like q, k, v,
     beta in the input dtype (fp32 accumulation inside). Inputs are never modified. The
     stages run on the (b, h) one-head sequences (:func:`one_head`): chunk t of sequence
-    n reads S's row n (NC + 1) + t. dh: the dh pass's tuning (a probe's); fold: a folded
-    form ("split" or "fused", a probe's until measured; "" the four stages).
+    n reads S's row n (NC + 1) + t. dh: the dh pass's tuning (a probe's).
     """
     import torch
     B, H, L, K, V = _dims(q, k, v, beta)
@@ -224,7 +221,7 @@ def chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, dh=None, fold=""):
     spec, dev = default_spec(), q.device
     arch = runtime.arch_of(dev)
     params = backward_params(H=H, K=K, V=V, dtype=str(dt).replace("torch.", ""), B=B, dh=dh,
-                             fold=fold, arch=arch)
+                             arch=arch)
     runtime.announce(spec, arch, params)     # recording(): every stage at once
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
     qf, kf, vf, dof, wf, uf, Af = one_head(q, k, v, do, w, u, Aw)
@@ -370,12 +367,12 @@ def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                  store_dh0=False, spec=None, arch: str = DEFAULT_ARCH) -> dict:
     """Every kernel the none / scalar gate's training backward runs (ops/autograd.py
     packed_backward), stage name -> build() params: the rebuild (:func:`rebuild_params`),
-    the four stages (:func:`stage_params`; chains: sequences x value heads) and
+    the spec's gate's stages (:func:`stage_params`; chains: sequences x value heads) and
     chunk_bwd_key_grads."""
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     return dict(rebuild_params(**sizes, l2norm=l2norm, spec=spec, arch=arch),
                 **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
-                               arch=arch),
+                               gate=(spec or default_spec()).gate.value, arch=arch),
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
@@ -449,7 +446,7 @@ def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
     sizes = dict(H=H, HV=HV, K=K, V=V, dtype=dtype)
     return {REBUILD: dict(rec, H=H, HV=HV, l2norm_qk=bool(l2norm)),
             **stage_params(**sizes, chains=chains, use_dht=use_dht, store_dh0=store_dh0,
-                           arch=arch),
+                           gate="key", arch=arch),
             "chunk_bwd_key_grads": dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm))}
 
 

@@ -79,10 +79,12 @@ CASES = [   # B, T, H, K, V, cu_seqlens, initial state, dht, l2norm, scale
 
 
 #: what a DeltaNet / Gated DeltaNet backward launches: the rebuild of w, u (and of qn, kn,
-#: g_cum where the call has l2norm or a gate) from the A its forward kept, the four stages,
-#: the key heads' dq, dk (chunk_bwd_key_grads)
-PACKED_STAGES = ["chunk_wu", *chunk_bwd.STAGES, "chunk_bwd_key_grads"]
+#: g_cum where the call has l2norm or a gate) from the A its forward kept, the stages
+#: (DeltaNet: the folded form's; GDN: the four gated ones), the key heads' dq, dk
+#: (chunk_bwd_key_grads)
+PACKED_STAGES = ["chunk_wu", *chunk_bwd.FOLD_STAGES, "chunk_bwd_key_grads"]
 ROWS_STAGES = [chunk_bwd.ROWS, *PACKED_STAGES]
+GATED_STAGES = [chunk_bwd.ROWS, "chunk_wu", *chunk_bwd.STAGES, "chunk_bwd_key_grads"]
 
 
 @pytest.mark.parametrize("B,T,H,K,V,cu,h0,use_dht,l2norm,scale", CASES)
@@ -380,7 +382,7 @@ def test_gdn_gradients_match_fp64_autograd(fake_kernels, rng, B, T, H, HV, K, V,
                                            use_gate_in_kernel=gik, cu_seqlens=cu_t)
     loss = (o.float() * do.float()).sum() + ((ht * dht).sum() if use_dht else 0)
     loss.backward()
-    assert fake_kernels == ROWS_STAGES
+    assert fake_kernels == GATED_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in leaves.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=None if cu is None else
                                      torch.tensor(cu),
@@ -440,7 +442,7 @@ def test_gdn_bf16_gate_gradient_through_rounding_emulators(fake_kernels, rng):
     grads = dict(zip(names, autograd.gated_backward(
         call, x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], x["A_log"],
         x["dt_bias"], do, dht, kept.pop("h"), kept)))
-    assert fake_kernels == ROWS_STAGES
+    assert fake_kernels == GATED_STAGES
     refs = {n: t.detach().to(F64).requires_grad_() for n, t in x.items()}
     o_r, ht_r = tref.chunked_forward(gdn.SPEC, **refs, cu_seqlens=torch.tensor(cu),
                                      options=Options(l2norm_qk=True, gate_in_kernel=True))

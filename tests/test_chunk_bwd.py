@@ -41,8 +41,8 @@ def test_plan_lists_backward_stages():
     token-first tensors, then chunk_bwd_key_grads; the per-key gate's plan rebuilds by
     its own prepare first (chunk_bwd.key_rebuild_packed)."""
     want = [chunk_bwd.ROWS, *PACKED_STAGES]
-    # no gate: the folded forms' stages too (chunk_bwd.FOLD_STAGES)
-    fold = [*want[:-1], *chunk_bwd.FOLD_STAGES["split"][:3], "chunk_bwd_fold_tail", want[-1]]
+    # no gate: the folded form's stages instead of the four (chunk_bwd.FOLD_STAGES)
+    fold = [chunk_bwd.ROWS, *chunk_bwd.FOLD_STAGES, want[-1]]
     assert [s.name for s in plan(get_spec("deltanet"), "bwd")] == fold
     assert [s.name for s in plan(get_spec("gdn"), "bwd")] == want
     key = [chunk_bwd.REBUILD, *PACKED_STAGES]
@@ -53,10 +53,9 @@ def test_plan_lists_backward_stages():
                              "delta_key": key}[spec.name]      # (key: test_kda_bwd.py)
 
 
-@pytest.mark.parametrize("family,stage", [(f, s) for f in ("deltanet", "gdn")
-                                          for s in PACKED_STAGES] +
-                         [("deltanet", s) for s in chunk_bwd.FOLD_STAGES["split"][:3]] +
-                         [("deltanet", "chunk_bwd_fold_tail")])
+@pytest.mark.parametrize("family,stage", [("gdn", s) for s in PACKED_STAGES] +
+                         [("deltanet", s) for s in (*chunk_bwd.FOLD_STAGES,
+                                                    "chunk_bwd_key_grads")])
 def test_stage_renders(family, stage):
     from linattn.ops.runtime import arg_names, stage_module
     spec = get_spec(family)
@@ -70,8 +69,9 @@ def test_stage_renders(family, stage):
 @pytest.mark.compile
 @pytest.mark.parametrize("block_v,num_stages", [(16, 0), (32, 0), (16, 1), (32, 2)])
 def test_dh_pass_compiles_value_blocks_and_pipelines(block_v, num_stages):
-    src = chunk_bwd.compiled_stage("chunk_bwd_dh", H=2, HV=4, K=64, V=64, dtype="bfloat16",
-                                   block_v=block_v, num_stages=num_stages).get_kernel_source()
+    src = chunk_bwd.compiled_stage("chunk_bwd_dh", get_spec("gdn"), H=2, HV=4, K=64, V=64,
+                                   dtype="bfloat16", block_v=block_v,
+                                   num_stages=num_stages).get_kernel_source()
     assert "wgmma" in src or "mma" in src
     assert ("mbarrier" in src) == (num_stages > 0)   # > 0: warp-specialised TMA pipeline
 
@@ -87,9 +87,17 @@ def test_key_grads_compiles(l2norm):
 def test_stage_params():
     """stage_params: every stage at H key heads and HV value heads (default H); the dh
     pass's flags, its tuning from the arch (dh_config) unless a probe passes dh, the
-    contract's f32 states."""
+    contract's f32 states; without a gate the folded form's stages, the walk taking the
+    dh pass's flags and tuning, the tail the states' dtype."""
+    n = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="float16", chains=8,
+                               use_dht=True, store_dh0=True, state_dtype="float32")
+    local, walk, tail = chunk_bwd.FOLD_STAGES
+    assert list(n) == list(chunk_bwd.FOLD_STAGES)
+    assert n[walk]["use_dht"] and n[walk]["store_dh0"] and "use_dht" not in n[local]
+    assert n[walk]["block_v"] == get_arch("sm90").dh_config(128, 8)["block_v"]
+    assert n[tail]["state_dtype"] == "float32"
     p = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="float16", chains=8,
-                               use_dht=True)
+                               use_dht=True, gate="scalar")
     assert list(p) == list(chunk_bwd.STAGES)
     for stage, params in p.items():
         assert {k: params[k] for k in ("H", "HV", "K", "V", "dtype")} == dict(
@@ -99,14 +107,15 @@ def test_stage_params():
     assert dh["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert "state_dtype" not in p["chunk_bwd_dqkw"]
     g = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", store_dh0=True,
-                               state_dtype="float32")
+                               state_dtype="float32", gate="key")
     assert all(params["HV"] == 3 for params in g.values())
     assert g["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in g["chunk_bwd_dh"]
     assert g["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert g["chunk_bwd_dqkw"]["state_dtype"] == "float32"
     want = get_arch("sm90").dh_config(64, 3)
     assert {n: g["chunk_bwd_dh"][n] for n in want} == want
-    x = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", dh={"block_v": 64})
+    x = chunk_bwd.stage_params(H=3, K=64, V=64, dtype="bfloat16", dh={"block_v": 64},
+                               gate="scalar")
     assert (x["chunk_bwd_dh"]["block_v"], x["chunk_bwd_dh"]["num_stages"]) == (
         64, sm90_backward.DH_NUM_STAGES)
 
@@ -126,7 +135,8 @@ def test_train_params():
                                ("gdn", False, [chunk_bwd.ROWS, "chunk_wu"])):
         q = chunk_bwd.train_params(H=2, HV=2, K=64, V=64, dtype="float16", chains=2,
                                    l2norm=l2norm, spec=get_spec(spec))
-        assert list(q)[:-len(PACKED_STAGES)] == want, (spec, l2norm)
+        stages = chunk_bwd.FOLD_STAGES if spec == "deltanet" else chunk_bwd.STAGES
+        assert list(q) == [*want, *stages, "chunk_bwd_key_grads"], (spec, l2norm)
     assert p["chunk_bwd_key_grads"]["l2norm"]
     assert all((x["H"], x["HV"]) == (2, 4) for x in p.values())
     assert p["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in p["chunk_bwd_dh"]
@@ -141,7 +151,8 @@ def test_backward_runs_as_a_plan(monkeypatch, gate):
     recompute's tensors dropped after theirs), dg_part / dg with a gate; outputs the
     caller binds are written in place, the others allocated."""
     Ttot, NT, H, HV, K, V = 130, 3, 2, 4, 64, 64
-    params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype="bfloat16", chains=8)
+    params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype="bfloat16", chains=8,
+                                    gate=gate)
     seen = []
 
     def launch(spec, arch, stage, p, tensors, bind=lambda n: n):
@@ -155,6 +166,8 @@ def test_backward_runs_as_a_plan(monkeypatch, gate):
              u=e(Ttot, HV, V), A=e(Ttot, HV, C), aqk=e(Ttot, HV, C), dq=dq)
     chunk_bwd.run_stages(all_rule_gate_specs()[3 + ["none", "scalar", "key"].index(gate)],
                          params, x)
+    if gate == "none":
+        return _check_folded_plan(seen, x, dq, Ttot, HV, K)
     assert [s[0] for s in seen] == list(chunk_bwd.STAGES)
     (_, dvl, _, _), (_, dh, _, dh_out), (_, dqkw, _, _), (_, wy, du, _) = seen
     assert (dh_out, du) == ("dh", "dv2")
@@ -162,18 +175,32 @@ def test_backward_runs_as_a_plan(monkeypatch, gate):
     assert {"dv_local", "dv2", "dh"} <= dh and "aqk" not in dh and "dk_part" not in dh
     assert {"dh", "w", "u", "dk_part", "dw"} <= dqkw and "dv_local" not in dqkw
     assert {"dv2", "dk_part", "dw", "dk", "dv", "dbeta"} <= wy and not {"dh", "w", "u"} & wy
-    assert ("dg_part" in dqkw, "dg" in wy) == (gate != "none",) * 2
+    assert "dg_part" in dqkw and "dg" in wy
     assert not {"A", "dw", "dv2", "dk_part", "dg_part"} & set(x) and x["dq"] is dq
     assert x["dk"].shape == (Ttot, HV, K) and x["dbeta"].shape == (Ttot, HV)
-    if gate != "none":
-        assert x["dg"].shape == ((Ttot, HV, K) if gate == "key" else (Ttot, HV))
+    assert x["dg"].shape == ((Ttot, HV, K) if gate == "key" else (Ttot, HV))
+
+
+def _check_folded_plan(seen, x, dq, Ttot, HV, K):
+    """Without a gate: the folded form's three stages; dv_local, dh_local and nwk from the
+    first to the walk (dropped after it), dh from the walk to the tail, every output from
+    the tail; no gradient of a gate."""
+    assert [s[0] for s in seen] == list(chunk_bwd.FOLD_STAGES)
+    (_, local, _, _), (_, walk, _, dh_out), (_, tail, _, _) = seen
+    assert dh_out == "dh" and {"dv_local", "dh_local", "nwk"} <= local
+    assert {"dh_local", "nwk", "dh"} <= walk and "dv_local" in walk
+    assert {"dh", "dv_local", "w", "u", "A", "dk", "dv", "dbeta"} <= tail
+    assert not {"dh_local", "nwk"} & tail and "dg" not in tail
+    assert not {"A", "dh", "dv_local"} & set(x) and x["dq"] is dq
+    assert x["dk"].shape == (Ttot, HV, K) and x["dbeta"].shape == (Ttot, HV)
 
 
 def test_dh_value_block_fills_gpu():
-    assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", chains=8)[
-        "chunk_bwd_dh"]["block_v"] == 16
-    assert chunk_bwd.stage_params(H=32, K=128, V=128, dtype="bfloat16", chains=256)[
-        "chunk_bwd_dh"]["block_v"] == 64
+    for gate, stage in (("scalar", "chunk_bwd_dh"), ("none", "chunk_bwd_fold_walk")):
+        assert chunk_bwd.stage_params(H=4, K=64, V=64, dtype="bfloat16", chains=8,
+                                      gate=gate)[stage]["block_v"] == 16
+        assert chunk_bwd.stage_params(H=32, K=128, V=128, dtype="bfloat16", chains=256,
+                                      gate=gate)[stage]["block_v"] == 64
 
 
 # -- fake kernels: signature checks + the stage math in fp64 ------------------------------
@@ -398,7 +425,7 @@ def _fold_tail(p, q, k, w, u, v, beta, A, do, dv_local, S, state_row, dh, dq, dk
 EMULATE = {"chunk_bwd_dv_local": _dv_local, "chunk_bwd_dh": _dh, "chunk_bwd_dqkw": _dqkw,
            "chunk_bwd_wy": _wy, "chunk_bwd_key_grads": _key_grads,
            "chunk_bwd_fold_local": _fold_local, "chunk_bwd_fold_walk": _fold_walk,
-           "chunk_bwd_fold_dqkw": _fold_dqkw, "chunk_bwd_fold_tail": _fold_tail}
+           "chunk_bwd_fold_tail": _fold_tail}
 
 
 def install_fakes(monkeypatch):
@@ -440,21 +467,18 @@ def _rel(x, ref):
     return float(torch.linalg.norm(x.to(F64) - ref) / torch.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("fold", ["", "split", "fused"])
 @pytest.mark.parametrize("B,H,L,K,V", [(2, 2, 130, 64, 64), (1, 3, 63, 64, 128),
                                        (1, 1, 65, 128, 64), (2, 1, 1, 64, 64)])
-def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V, fold):
-    """DeltaNetChunkBwd: the four stages (or the folded form's) on the (b, h) one-head
-    sequences (the contract's f32 S read through state_row) against autograd of the fp64
-    reference."""
+def test_backward_plumbing_and_stage_math(fake_backward, rng, B, H, L, K, V):
+    """DeltaNetChunkBwd: the folded form's stages on the (b, h) one-head sequences (the
+    contract's f32 S read through state_row) against autograd of the fp64 reference."""
     dtype = torch.float16
     q, k, v, beta, do = _contract_inputs(rng, B, H, L, K, V, dtype)
     o, S, Aw, Au, w, u = tref.deltanet_chunk_fwd(*(x.to(F64) for x in (q, k, v, beta)))
     S = S.float()
     Aw, Au, w, u = (x.to(dtype) for x in (Aw, Au, w, u))
-    grads = (chunk_bwd.chunk_backward(do, q, k, v, beta, S, Aw, Au, w, u, fold=fold) if fold
-             else contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u))
-    assert fake_backward == list(chunk_bwd.FOLD_STAGES[fold] if fold else chunk_bwd.STAGES)
+    grads = contracts.deltanet_chunk_bwd(do, q, k, v, beta, S, Aw, Au, w, u)
+    assert fake_backward == list(chunk_bwd.FOLD_STAGES)
     refs = tref.deltanet_chunk_bwd(do, q, k, v, beta)
     for name, g, ref, like in zip(("dq", "dk", "dv", "dbeta"), grads, refs, (q, k, v, beta)):
         assert g.shape == like.shape and g.dtype == dtype, name
@@ -507,8 +531,8 @@ def test_contract_plan_and_params():
     # sequence, the contract's f32 states)
     params = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="float16", chains=6,
                                     state_dtype="float32")
-    assert list(params) == list(chunk_bwd.STAGES)
-    assert params["chunk_bwd_dqkw"]["state_dtype"] == "float32"
+    assert list(params) == list(chunk_bwd.FOLD_STAGES)
+    assert params["chunk_bwd_fold_tail"]["state_dtype"] == "float32"
     for stage, p in params.items():
         runtime.stage_module(spec, stage, DEFAULT_ARCH).build(**p)
 
@@ -625,7 +649,7 @@ def test_gated_stages_compile(K, V, dtype, dh_stages):
     spec = get_spec("gdn")
     dh = None if dh_stages is None else {"num_stages": dh_stages}
     params = chunk_bwd.stage_params(H=2, HV=4, K=K, V=V, dtype=dtype, chains=8, use_dht=True,
-                                    store_dh0=True, dh=dh)
+                                    store_dh0=True, dh=dh, gate="scalar")
     if dh is not None:
         params = {"chunk_bwd_dh": params["chunk_bwd_dh"]}
     want = sm90_backward.DH_NUM_STAGES if dh_stages is None else dh_stages
@@ -652,19 +676,15 @@ def test_contract_backward_takes_more_than_65535_sequences(monkeypatch):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("state_dtype", [None, "float32"])
-def test_dqkw_fits_two_ctas_an_sm(state_dtype):
-    """DeltaNet's chunk_bwd_dqkw at K = V = 128 (the training states in the input dtype,
-    and the contract's f32) holds S and dh in turn, never together: its shared memory and
-    registers let two CTAs share an SM, without spills (run s23-1: DeltaNetTrain 4k
-    1.514 -> 1.429 ms)."""
-    from linattn.codegen.arch.sm90 import hardware as hw
+@pytest.mark.parametrize("K,V", [(128, 128), (64, 64), (128, 64)])
+def test_fold_stages_compile_without_spills(state_dtype, K, V):
+    """DeltaNet's backward (the folded form) at the training states' dtype and the
+    contract's f32: every stage compiles for sm_90a, within the registers, no spills."""
     from linattn.codegen.compile import compile_stage, format_record
-    params = chunk_bwd.stage_params(H=16, K=128, V=128, dtype="bfloat16",
-                                    state_dtype=state_dtype)["chunk_bwd_dqkw"]
-    rec = compile_stage(chunk.stage_module(get_spec("deltanet"), "chunk_bwd_dqkw"), params,
-                        "sm90")
-    print(format_record(rec))
-    assert "error" not in rec and "ptxas_error" not in rec, rec
-    assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
-    assert 2 * (rec["static_smem_bytes"] + rec["dynamic_smem_bytes"] + 1024) <= hw.SMEM_BYTES + 1024
-    assert 2 * rec["threads"] * rec["registers"] <= 65536, rec
+    params = chunk_bwd.stage_params(H=16, K=K, V=V, dtype="bfloat16", chains=64,
+                                    state_dtype=state_dtype, use_dht=True, store_dh0=True)
+    for stage, p in params.items():
+        rec = compile_stage(chunk.stage_module(get_spec("deltanet"), stage), p, "sm90")
+        print(format_record(rec))
+        assert "error" not in rec and "ptxas_error" not in rec, rec
+        assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec

@@ -5,8 +5,8 @@ deltanet_chunk_bwd, the kernels of ops/chunk_bwd.py) against the fp64 torch refe
 Per case (fresh random inputs; q, k l2-normalised, beta = sigmoid, v and do normal):
   test_backward   the backward on the reference forward's outputs (rounded to the
                   input dtype, S f32) vs the fp64 gradients: the backward's own error
-                  (also with the dh pass's tuning variants, and in the folded forms:
-                  chunk_backward(fold="split" / "fused"), the arch's FOLD_STAGES)
+                  (also with the reverse pass's tuning variants; no gate: the folded
+                  form, the arch's FOLD_STAGES)
   test_forward    our forward's (o, S, Aw, w, u) vs the fp64 forward
   test_fwd_bwd    our forward then our backward vs the fp64 gradients
 ||x - ref|| / ||ref|| per output: < 1e-2 bf16, < 5e-3 f16; NaN never passes (outputs
@@ -50,9 +50,6 @@ CASES += [
 #: the reverse dh pass's tuning variants (num_stages, block_v), checked on a few cases
 DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16) at H=4
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
-#: the folded forms (a probe's config until measured): every case
-FOLDS = ("split", "fused")
-FOLD_CASES = CASES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,8 +74,6 @@ def precompiled(request):
         if name == "test_backward_dh_variants":
             extra = dict(dh={"num_stages": item.callspec.params["num_stages"],
                              "block_v": item.callspec.params["block_v"]})
-        elif name == "test_backward_fold":
-            extra = dict(fold=item.callspec.params["fold"])
         bwd.append(chunk_bwd.backward_params(**dims, **extra))
     errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
@@ -128,22 +123,16 @@ def test_backward_dh_variants(p, num_stages, block_v, rng):
                     dh_num_stages=num_stages, dh_block_v=block_v)
 
 
-@pytest.mark.parametrize("fold", FOLDS)
-@pytest.mark.parametrize("p", FOLD_CASES)
-def test_backward_fold(p, fold, rng):
-    _check_backward(p, rng, fold=fold, folded=fold)
-
-
-def _check_backward(p, rng, dh=None, fold="", **extra):
-    """The contract backward (chunk_backward with the dh pass's variant dh, if given; the
-    folded form with fold)."""
+def _check_backward(p, rng, dh=None, **extra):
+    """The contract backward (chunk_backward with the reverse pass's variant dh, if
+    given)."""
     from linattn.ops.chunk_bwd import chunk_backward
     (q, k, v, beta, do), fwd, grads, seed = _inputs_and_refs(p, _seed(rng))
     dt = q.dtype
     _, S, Aw, Au, w, u = fwd
     args = [do, q, k, v, beta, S.float(), Aw.to(dt), Au.to(dt), w.to(dt), u.to(dt)]
     saved = [a.clone() for a in args]
-    out = chunk_backward(*args, dh=dh, fold=fold)
+    out = chunk_backward(*args, dh=dh)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(args, saved)), "inputs modified"
     for name, x, like in zip(("dq", "dk", "dv", "dbeta"), out, (q, k, v, beta)):

@@ -68,7 +68,8 @@ def test_rebuild_params_are_the_forward_prepare():
 def test_stage_params_are_the_one_head_gated_ones():
     """The four stages' gated params: the heads given, the gated dh pass's pipeline depth,
     dht / dh0 only where asked, the states in the input dtype (no state_dtype)."""
-    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, use_dht=True)
+    sp = chunk_bwd.stage_params(gate="key", H=1, K=64, V=128, dtype="bfloat16", chains=6,
+                                use_dht=True)
     assert list(sp) == list(chunk_bwd.STAGES)
     for stage, p in sp.items():
         assert (p["H"], p["HV"], p["K"], p["V"], p["dtype"]) == (1, 1, 64, 128, "bfloat16"), \
@@ -76,7 +77,8 @@ def test_stage_params_are_the_one_head_gated_ones():
     assert sp["chunk_bwd_dh"]["use_dht"] and "store_dh0" not in sp["chunk_bwd_dh"]
     assert sp["chunk_bwd_dh"]["num_stages"] == sm90_backward.DH_NUM_STAGES
     assert "state_dtype" not in sp["chunk_bwd_dqkw"]
-    sp = chunk_bwd.stage_params(H=1, K=64, V=128, dtype="bfloat16", chains=6, store_dh0=True)
+    sp = chunk_bwd.stage_params(gate="key", H=1, K=64, V=128, dtype="bfloat16", chains=6,
+                                store_dh0=True)
     assert sp["chunk_bwd_dh"]["store_dh0"] and "use_dht" not in sp["chunk_bwd_dh"]
 
 
@@ -96,7 +98,7 @@ def test_key_train_params(l2norm):
     assert p[chunk_bwd.REBUILD] == fwd["chunk_prepare"]
     assert p[chunk_bwd.REBUILD]["l2norm_qk"] == l2norm
     assert p[KEY_GRADS] == dict(H=2, HV=4, K=64, dtype="bfloat16", l2norm=l2norm)
-    sp = chunk_bwd.stage_params(H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
+    sp = chunk_bwd.stage_params(gate="key", H=2, HV=4, K=64, V=128, dtype="bfloat16", chains=12,
                                 use_dht=True)
     assert {s: p[s] for s in chunk_bwd.STAGES} == sp
 
@@ -110,7 +112,7 @@ def test_stages_compile_without_spills(K, V, dtype):
     thread-dependent branch."""
     from linattn.codegen.compile import compile_stage, format_record
     params = dict(chunk_bwd.key_rebuild_params(H=4, K=K, V=V, dtype=dtype, B=2, L=128),
-                  **chunk_bwd.stage_params(H=1, K=K, V=V, dtype=dtype, chains=2 * 4,
+                  **chunk_bwd.stage_params(gate="key", H=1, K=K, V=V, dtype=dtype, chains=2 * 4,
                                            use_dht=True, store_dh0=True))
     for stage, p in params.items():
         rec = compile_stage(chunk.stage_module(SPEC, stage), p, "sm90")
@@ -345,7 +347,7 @@ def test_stages_token_first_match_reference(monkeypatch, rng, cu, H, HV, K, V, d
     x["S"] = torch.empty_like(S)
     x["S"][perm] = S
     x.update(do=do, state_row=perm.to(torch.int32), dht=dht, dh0=f32(N, HV, K, V))
-    params = chunk_bwd.stage_params(H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
+    params = chunk_bwd.stage_params(gate="key", H=H, HV=HV, K=K, V=V, dtype=dt, chains=N * HV,
                                     use_dht=True, store_dh0=True)
     chunk_bwd.run_stages(SPEC, params, x)
     assert names == list(STAGES)

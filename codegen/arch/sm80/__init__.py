@@ -24,7 +24,7 @@ from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: E402
 from .stages import chunk_head_limits  # noqa: E402,F401
 from .backward import additive_backward_plan, backward_dims, save_states  # noqa: E402,F401
 from .backward import (DELTA_STAGES, FOLD_STAGES, delta_backward_params,  # noqa: E402,F401
-                       delta_backward_plan, dh_config)
+                       delta_backward_plan, delta_stages, dh_config)
 from .hardware import CAPABILITIES, FEATURES, NAME, NUM_SMS, SMEM_PER_SM, TARGET  # noqa: E402,F401
 from .decode import (DECODE_FULL_GRID, TUNING, chunk_k, recurrent_layout_ok,  # noqa: E402,F401
                      tuning)

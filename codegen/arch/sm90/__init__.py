@@ -12,7 +12,7 @@ from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: F401
 from .stages import chunk_head_limits  # noqa: F401  (the chunked forward's head dims)
 from .backward import additive_backward_plan, backward_dims, save_states  # noqa: F401  (the additive rule's backward)
 from .backward import (DELTA_STAGES, FOLD_STAGES, delta_backward_params,  # noqa: F401
-                       delta_backward_plan, dh_config)  # (the delta rule's backward)
+                       delta_backward_plan, delta_stages, dh_config)  # (the delta rule's backward)
 from .hardware import CAPABILITIES, FEATURES, NAME, NUM_SMS, SMEM_PER_SM, TARGET  # noqa: F401
 from .decode import (DECODE_FULL_GRID, TUNING, chunk_k, recurrent_layout_ok,  # noqa: F401
                      tuning)

@@ -82,66 +82,65 @@ def dh_config(V: int, chains: int) -> dict:
     return {"num_stages": DH_NUM_STAGES, "block_v": state_block_v(V, chains)}
 
 
-#: the delta rule's backward stages, in order
+#: the delta rule's backward stages, in order (the scalar and the per-key gate)
 DELTA_STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_bwd_wy")
-#: the folded forms' (no gate; p.fold, a probe's until measured): the reverse pass's
-#: dh-free parts (dh_local = q^T do - w^T dv_local, the operator -(w^T k)) formed per
-#: chunk in parallel, the pass left one K x K x block_v product a chunk (the unfolded
-#: step: three products and two round trips through shared memory); dv2 = dv_local + k dh
-#: formed per chunk by fold_dqkw ("split", then chunk_bwd_wy) or by the fused tail
-#: ("fused": fold_dqkw and wy in one kernel, dv2, dw, dk_part never in memory). Model
-#: (DeltaNetChunkBwd, H100, a chain's step: pass latency + the per-chunk stages' bytes):
-#: now 0.68 + 0.81 us, split 0.36 + 0.86, fused 0.36 + 0.64 (the release 0.36 + 0.74)
-FOLD_STAGES = {"split": ("chunk_bwd_fold_local", "chunk_bwd_fold_walk",
-                         "chunk_bwd_fold_dqkw", "chunk_bwd_wy"),
-               "fused": ("chunk_bwd_fold_local", "chunk_bwd_fold_walk",
-                         "chunk_bwd_fold_tail")}
+#: without a gate, the folded form: the reverse pass's dh-free parts (dh_local = q^T do -
+#: w^T dv_local, the operator -(w^T k)) formed per chunk in parallel by fold_local, the
+#: pass left one K x K x block_v product a chunk (fold_walk; the four stages' dh step is
+#: three products and two round trips through shared memory), and one tail a chunk
+#: (fold_tail: dv2 = dv_local + k dh, dq, dk, dw, then back through A, w, u; dv2, dw and
+#: dk's first terms never in memory). Run s34-1 (H100, DeltaNetChunkBwd bf16, ms): train-2k
+#: 0.0572 -> 0.0412, 4k 0.1094 -> 0.0770, 8k 0.2061 -> 0.1608, 16k 0.3926 -> 0.3115,
+#: deltanet-1.3b-train 0.0363 -> 0.0356; the tail split in two (fold_dqkw, then the wy
+#: stage) was 0.0481 / 0.0929 / 0.1868 / 0.3490 / 0.0410 (bench/LOG.md)
+FOLD_STAGES = ("chunk_bwd_fold_local", "chunk_bwd_fold_walk", "chunk_bwd_fold_tail")
+
+
+def delta_stages(gate: str) -> tuple:
+    """The delta rule's backward stages for ``gate``, in order."""
+    return FOLD_STAGES if gate == "none" else DELTA_STAGES
 
 
 def delta_backward_params(p: DeltaBackwardProblem) -> dict:
-    """stage -> build() params of the delta rule's four backward stages: the dh pass with
-    p's flags and dh_config's tuning (or a probe's p.dh), dqkw with the states' dtype; the
-    folded forms' (FOLD_STAGES[p.fold]) with p.fold."""
-    if p.fold and (p.gate != "none" or p.fold not in FOLD_STAGES):
-        raise ValueError(f"fold={p.fold!r}: the folded backward is one of "
-                         f"{sorted(FOLD_STAGES)}, generated for the delta rule without a "
-                         f"gate (here {p.gate!r})")
+    """stage -> build() params of the delta rule's backward stages (delta_stages): the dh
+    pass (or the folded walk) with p's flags and dh_config's tuning (or a probe's p.dh),
+    dqkw (the fold's tail) with the states' dtype."""
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     dh = dict(common, **{**dh_config(p.V, p.chains),
                          **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_dh", {}), **dict(p.dh)},
               **({"use_dht": True} if p.use_dht else {}),
               **({"store_dh0": True} if p.store_dh0 else {}))
     dqkw = dict(common, **({"state_dtype": p.state_dtype} if p.state_dtype else {}))
-    if p.fold:
-        first, walk, *tail = FOLD_STAGES[p.fold]
-        return {first: common, walk: dh, tail[0]: dqkw, **({tail[1]: common} if tail[1:] else {})}
+    if p.gate == "none":
+        first, walk, tail = FOLD_STAGES
+        return {first: common, walk: dh, tail: dqkw}
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": dqkw,
             "chunk_bwd_wy": dict(common, **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_wy", {}))}
 
 
 def delta_backward_plan(p: DeltaBackwardProblem, params: dict | None = None) -> Plan:
-    """The delta rule's four backward stages over p's Ttot tokens and NT chunks (params:
-    the stages' own, else delta_backward_params). Each intermediate is allocated just
+    """The delta rule's backward stages (delta_stages) over p's Ttot tokens and NT chunks
+    (params: the stages' own, else delta_backward_params). Each intermediate is allocated just
     before its first stage and released after its last reader, with what the recompute
     gave that no later stage reads (aqk, qg, kg, g_last, w, u, A): dv_local, dv2 (the
     gradient of v_new: the dh pass's output, the WY stage's du), dh (the gradient of each
     chunk's leaving state), dk_part, dw and, gated, dg_part; the outputs dq, dk, dv, dbeta
     (and dg) where the caller binds none."""
     params = params or delta_backward_params(p)
-    T_, HV, K, V = p.Ttot, p.HV, p.K, p.V
-    dg = ((T_, HV, K) if p.gate == "key" else (T_, HV)) if p.gate != "none" else None
-    out = lambda n, shape, dt="input": Buffer(n, shape, dt, "chunk_bwd_wy", True)  # noqa: E731
-    if p.fold:
+    if p.gate == "none":
         return _fold_plan(p, params)
+    T_, HV, K, V = p.Ttot, p.HV, p.K, p.V
+    dg = (T_, HV, K) if p.gate == "key" else (T_, HV)
+    out = lambda n, shape, dt="input": Buffer(n, shape, dt, "chunk_bwd_wy", True)  # noqa: E731
     bufs = [Buffer("dv_local", (T_, HV, V), "input", "chunk_bwd_dv_local"),
             Buffer("dv2", (T_, HV, V), "input", "chunk_bwd_dh"),
             Buffer("dh", (p.NT, HV, K, V), "input", "chunk_bwd_dh"),
             Buffer("dq", (T_, HV, K), "input", "chunk_bwd_dqkw", True),
             Buffer("dk_part", (T_, HV, K), "float32", "chunk_bwd_dqkw"),
-            Buffer("dw", (T_, HV, K), "input", "chunk_bwd_dqkw")]
-    bufs += [Buffer("dg_part", dg, "float32", "chunk_bwd_dqkw")] if dg else []
-    bufs += [out("dk", (T_, HV, K)), out("dv", (T_, HV, V)), out("dbeta", (T_, HV))]
-    bufs += [out("dg", dg, "float32")] if dg else []
+            Buffer("dw", (T_, HV, K), "input", "chunk_bwd_dqkw"),
+            Buffer("dg_part", dg, "float32", "chunk_bwd_dqkw")]
+    bufs += [out("dk", (T_, HV, K)), out("dv", (T_, HV, V)), out("dbeta", (T_, HV)),
+             out("dg", dg, "float32")]
     stage = lambda s, **kw: launch(s, params[s], **kw)  # noqa: E731
     launches = (stage("chunk_bwd_dv_local", release=("aqk",)),
                 stage("chunk_bwd_dh", dh_out="dh", release=("dv_local", "qg", "kg", "g_last")),
@@ -152,29 +151,22 @@ def delta_backward_plan(p: DeltaBackwardProblem, params: dict | None = None) -> 
 
 
 def _fold_plan(p: DeltaBackwardProblem, params: dict) -> Plan:
-    """delta_backward_plan's folded forms (FOLD_STAGES[p.fold]): dv_local, dh_local (f32)
-    and the operator nwk from the first stage, dh from the pass; "split": dv2, dq, dk_part,
-    dw from fold_dqkw, the outputs from chunk_bwd_wy; "fused": every output from the
-    fused tail."""
+    """delta_backward_plan without a gate (FOLD_STAGES): dv_local, dh_local (f32) and the
+    operator nwk from the first stage, dh from the walk, every output from the tail."""
     T_, HV, K, V, NT = p.Ttot, p.HV, p.K, p.V, p.NT
-    first, walk, tail, *wy = FOLD_STAGES[p.fold]
-    end = wy[0] if wy else tail
+    first, walk, tail = FOLD_STAGES
     bufs = (Buffer("dv_local", (T_, HV, V), "input", first),
             Buffer("dh_local", (NT, HV, K, V), "float32", first),
             Buffer("nwk", (NT, HV, K, K), "input", first),
             Buffer("dh", (NT, HV, K, V), "input", walk),
             Buffer("dq", (T_, HV, K), "input", tail, True))
-    bufs += (Buffer("dk_part", (T_, HV, K), "float32", tail),
-             Buffer("dw", (T_, HV, K), "input", tail),
-             Buffer("dv2", (T_, HV, V), "input", tail)) if wy else ()
-    bufs += tuple(Buffer(n, shape, "input", end, True) for n, shape in
+    bufs += tuple(Buffer(n, shape, "input", tail, True) for n, shape in
                   (("dk", (T_, HV, K)), ("dv", (T_, HV, V)), ("dbeta", (T_, HV))))
     stage = lambda s, **kw: launch(s, params[s], **kw)  # noqa: E731
     launches = (stage(first),
                 stage(walk, dh_out="dh", release=("dh_local", "nwk")),
-                stage(tail, release=("dh", "w", "u", "dv_local") + (() if wy else ("A",))))
-    launches += (stage(wy[0], du="dv2", release=("A", "dw", "dv2", "dk_part")),) if wy else ()
-    return Plan(f"delta-backward-fold-{p.fold}", NAME, launches, bufs)
+                stage(tail, release=("dh", "w", "u", "dv_local", "A")))
+    return Plan("delta-backward-fold", NAME, launches, bufs)
 
 
 def value_block(V: int, most: int = 64) -> int:

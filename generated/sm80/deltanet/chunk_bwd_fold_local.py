@@ -2,7 +2,7 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_bwd_fold_local  variant: bwd  arch: sm80
 # regenerate: linattn-gen --op deltanet --arch sm80
-"""Chunked backward, folded form, stage 1 of 4: everything of a chunk the reverse pass
+"""Chunked backward, folded form, stage 1 of 3: everything of a chunk the reverse pass
 needs that does not depend on the state gradient.
 
 One CTA of two warpgroups per (chunk, value head); token-first packed tensors [Ttot, heads,

@@ -2,7 +2,7 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_bwd_fold_walk  variant: bwd  arch: sm80
 # regenerate: linattn-gen --op deltanet --arch sm80
-"""Chunked backward, folded form, stage 2 of 4: the reverse sequential pass for the state
+"""Chunked backward, folded form, stage 2 of 3: the reverse sequential pass for the state
 gradient, one product a chunk.
 
 One CTA per (sequence x value head, value block); the state gradient dh (K x BV, f32)
@@ -13,12 +13,12 @@ dh <- dh + q^T do - w^T (dv_local + k dh) is affine in dh; chunk_bwd_fold_local 
 parts that do not depend on dh, so per chunk t:
 
   dh_out[t] = dh                              (gradient of the state LEAVING chunk t;
-                                               input dtype, as chunk_bwd_fold_dqkw reads it)
+                                               input dtype, as chunk_bwd_fold_tail reads it)
   dh = dh + dh_local[t] + nwk[t] dh           (gradient of the state ENTERING chunk t;
                                                nwk = -(w^T k), dh rounded to the input
                                                dtype as the product's operand)
 
-dv2 = dv_local + k dh is formed per chunk, in parallel, by chunk_bwd_fold_dqkw. The
+dv2 = dv_local + k dh is formed per chunk, in parallel, by chunk_bwd_fold_tail. The
 operator and the dh_local tile of the next chunks come by TMA (num_stages ahead). With
 store_dh0, the dh left after the sequence's first chunk is written to dh0 (f32). A flag
 switched off leaves its tensor unread / unwritten ([1, HV, K, V] placeholders do).

@@ -2,7 +2,7 @@
 # spec: deltanet_delta_none_c64  hash: 1c06aa8d079f1696  generator: linattn-gen 0.1.0
 # stage: chunk_bwd_fold_tail  variant: bwd  arch: sm90
 # regenerate: linattn-gen --op deltanet --arch sm90
-"""Chunked backward, folded form, fused tail (stages 3 and 4 of 4 in one kernel): per
+"""Chunked backward, folded form, the tail (stage 3 of 3): per
 chunk, the gradient of v_new, the gradients through the output and the state update,
 then back through the WY representation.
 
@@ -29,8 +29,8 @@ then, A = (I + strict_tril(beta_i k_i . k_j))^-1, w = A (beta k), u = A (beta v)
   dk    = dk + beta dbk + (beta dM) k + (beta dM)^T k
   dbeta = rowsum(dbv * v) + rowsum(dbk * k) + rowsum(dM * k k^T)
 
-du, dw and dk's first terms never reach memory (the split form writes dv2, dw, dk_part
-and chunk_bwd_wy reads them back). Products are tensor-core GEMMs in the input dtype with
+du, dw and dk's first terms never reach memory (the gated forms' chunk_bwd_dqkw writes
+them and chunk_bwd_wy reads them back). Products are tensor-core GEMMs in the input dtype with
 f32 accumulation.
 """
 import tilelang
