@@ -10,7 +10,7 @@ Device time as bench/probe_lib.py's device_times takes it: union of the call's k
 L2 flushed before each call, median over calls; each kernel's median too.
 
     python3 bench/chunk_bwd_probe.py [--iters 20] [--only train-4k-bf16 ...]
-        [--sweep-on train-16k-f16] [--budget-s 0] [--precompile]
+        [--sweep-on train-16k-f16 ...] [--budget-s 0] [--precompile]
         [--configs default] [--no-fla]
     (--sweep-on: also time our backward there at each dh-pass variant (pipeline depth x
     value block); '' for none. --precompile: compile in parallel processes first; by
@@ -79,14 +79,16 @@ def fla_calls(q, k, v, beta, do):
     return fwd, bwd, how
 
 
-#: dh-pass variants (num_stages, block_v) timed on --sweep-on (the GPU test compiled
-#: and checked these at H=4, K=V=64, f16, so the train-*-f16 rows find them cached)
-SWEEP = [(0, 16), (1, 16), (2, 16), (2, 32), (0, 64)]
+#: reverse-pass variants (num_stages, block_v[, value_major]) timed on --sweep-on: the
+#: walk's pipeline depth and value block; value_major: dh^T in registers, the walk's
+#: product fed from them (chunk_bwd_fold_walk's experiment)
+SWEEP = [(2, 16), (1, 16), (3, 16), (2, 32), (2, 64), (1, 64), (2, 64, True), (1, 64, True),
+         (3, 64, True)]
 
 
-def _dh(ns, bv) -> dict:
-    """The dh pass's variant as chunk_bwd's explicit config."""
-    return {"num_stages": ns, "block_v": bv}
+def _dh(ns, bv, value_major=False) -> dict:
+    """The reverse pass's variant as chunk_bwd's explicit config."""
+    return {"num_stages": ns, "block_v": bv, **({"value_major": True} if value_major else {})}
 
 
 def _short(per):
@@ -158,16 +160,17 @@ def probe(name, iters, sweep=False, configs=("default",), fla=True):
     if sweep:
         ref = ours_bwd()
         res["dh_sweep"] = {}
-        for ns, bv in SWEEP:
+        for var in SWEEP:
+            name = f"stages{var[0]}-bv{var[1]}" + ("-vmajor" if var[2:] else "")
             try:
-                got = ours_bwd(_dh(ns, bv))
+                got = ours_bwd(_dh(*var))
                 err = max(float((a.float() - b.float()).norm() / b.float().norm())
                           for a, b in zip(got, ref))
-                ms, per, _ = device_times(lambda: ours_bwd(_dh(ns, bv)), iters=iters)
-                dh_ms = sum(v for k_, v in per.items() if "chunk_bwd_dh" in k_)
-                res["dh_sweep"][f"stages{ns}-bv{bv}"] = dict(ms=ms, dh_ms=dh_ms, diff=err)
+                ms, per, _ = device_times(lambda: ours_bwd(_dh(*var)), iters=iters)
+                dh_ms = sum(v for k_, v in per.items() if "chunk_bwd_dh" in k_ or "walk" in k_)
+                res["dh_sweep"][name] = dict(ms=ms, dh_ms=dh_ms, diff=err)
             except Exception as e:
-                res["dh_sweep"][f"stages{ns}-bv{bv}"] = f"{type(e).__name__}: {e}"[:200]
+                res["dh_sweep"][name] = f"{type(e).__name__}: {e}"[:200]
     if not fla:
         return res
     try:
@@ -186,7 +189,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--sweep-on", default="train-16k-f16")
+    ap.add_argument("--sweep-on", nargs="*", default=["train-16k-f16"])
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new workload after this many seconds (0: no limit)")
     ap.add_argument("--precompile", action="store_true")
@@ -202,8 +205,8 @@ def main():
             dims = dict(H=H, K=D, V=D, dtype={"f16": "float16", "bf16": "bfloat16"}[dtn], B=B)
             fwd += [(SPEC, s, p) for s, p in chunk_bwd.forward_params(**dims, L=L).items()]
             bwd += [chunk_bwd.backward_params(**dims, **_config(c)) for c in args.configs]
-            if n == args.sweep_on:
-                bwd += [chunk_bwd.backward_params(**dims, dh=_dh(ns, bv)) for ns, bv in SWEEP]
+            if n in args.sweep_on:
+                bwd += [chunk_bwd.backward_params(**dims, dh=_dh(*var)) for var in SWEEP]
         errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
         print(f"precompiled in {time.time() - t0:.1f} s; errors: {errors or 'none'}", flush=True)
     out = os.environ.get("OUT_DIR") or os.environ.get("OUT")
@@ -213,7 +216,7 @@ def main():
             print(f"{name}: skipped (--budget-s)", flush=True)
             continue
         try:
-            r = probe(name, args.iters, name == args.sweep_on, tuple(args.configs),
+            r = probe(name, args.iters, name in args.sweep_on, tuple(args.configs),
                       not args.no_fla)
         except Exception as e:
             traceback.print_exc()
