@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from ..dsl import Gate, OpSpec, Rule, SpecError
 
 VARIANTS = ("fwd", "bwd", "decode")
-#: the rules a stage implements by default (the additive and delta rules; a rule whose
-#: chunked stages are not written yet, comba, names the stages it has: the decode stage)
-ALL_RULES = frozenset({"additive", "delta"})
+#: the rules a stage implements by default (the additive and delta rules, and GDN-2's on
+#: the per-key gate's prepare, state and output stages, which take its erase and write
+#: vectors from its macros); a stage naming its rules overrides this. A rule whose
+#: chunked stages are not written yet (comba, dplr) has the decode stage only.
+ALL_RULES = frozenset({"additive", "delta", "gdn2"})
 #: the rules the recurrent (decode) stage implements
 DECODE_RULES = frozenset(r.value for r in Rule)
 ALL_GATES = frozenset(g.value for g in Gate)

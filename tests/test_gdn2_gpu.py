@@ -100,3 +100,26 @@ def test_against_fla(fn):
     want_o, want_h = recurrent_forward(SPEC, **x)
     assert _rel(o.cpu(), want_o) <= max(1e-2, 1.5 * _rel(fo.float().cpu(), want_o))
     assert _rel(ht.cpu(), want_h) <= max(1e-2, 1.5 * _rel(fht.float().cpu(), want_h))
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, cu", [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]),
+                                       ((2, 257, 4, 4, 64, 64), None)])
+def test_chunked_kernels(monkeypatch, gate_dtype, shape, cu):
+    """chunk_gdn2 runs the chunked kernels (the per-key prepare with the erase vector b . k
+    and the written value w . v) on long and ragged sequences, b and w in f32 or bf16,
+    against the fp64 recurrence."""
+    from linattn.ops import library
+    ran, real = [], library.run
+    monkeypatch.setattr(library, "run", lambda spec, path, *a, **kw: ran.append(path) or
+                        real(spec, path, *a, **kw))
+    opts = Options(l2norm_qk=True)
+    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=5, gate_dtype=gate_dtype)
+    want_o, want_h = recurrent_forward(SPEC, options=opts, **x)
+    o, ht = linattn.chunk_gdn2(*(t[n] for n in ("q", "k", "v", "g", "b", "w")),
+                               initial_state=t["initial_state"], output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, cu_seqlens=t.get("cu_seqlens"))
+    torch.cuda.synchronize()
+    assert ran == ["chunk"]
+    assert _rel(o.cpu(), want_o) < TOL["bfloat16"]
+    assert _rel(ht.cpu(), want_h) < TOL["bfloat16"]
