@@ -88,6 +88,12 @@ class ForwardProblem:
         from ..dsl.family import RULES
         return "delta" if RULES[self.rule].reads_state else "additive"
 
+    @property
+    def erase_key(self) -> str:
+        """The rule's erase key input in place of k ("" for k itself; Comba's "p")."""
+        from ..dsl.family import RULES
+        return RULES[self.rule].erase_key
+
 
 @dataclass(frozen=True)
 class Buffer:

@@ -100,3 +100,28 @@ def test_against_fla(fn):
     want_o, want_h = recurrent_forward(SPEC, **x)
     assert _rel(o.cpu(), want_o) <= max(1e-2, 1.5 * _rel(fo.float().cpu(), want_o))
     assert _rel(ht.cpu(), want_h) <= max(1e-2, 1.5 * _rel(fht.float().cpu(), want_h))
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("shape, cu", [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]),
+                                       ((2, 257, 4, 4, 64, 64), None)])
+def test_chunked_kernels(monkeypatch, l2norm, shape, cu):
+    """chunk_comba runs the chunked kernels (the kkt inverse and w, u with p as the erase
+    key under the exclusive decay; GDN's state and output stages) on long and ragged
+    sequences, against the fp64 recurrence; beta in bf16."""
+    from linattn.ops import library
+    ran, real = [], library.run
+    monkeypatch.setattr(library, "run", lambda spec, path, *a, **kw: ran.append(path) or
+                        real(spec, path, *a, **kw))
+    opts = Options(l2norm_qk=l2norm)
+    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=7)
+    t["beta"] = t["beta"].to(torch.bfloat16)
+    x["beta"] = t["beta"].double().cpu().numpy()
+    want_o, want_h = recurrent_forward(SPEC, options=opts, **x)
+    o, ht = linattn.chunk_comba(*(t[n] for n in ("q", "k", "v", "p", "g", "beta")),
+                                initial_state=t["initial_state"], output_final_state=True,
+                                use_qk_l2norm_in_kernel=l2norm, cu_seqlens=t.get("cu_seqlens"))
+    torch.cuda.synchronize()
+    assert ran == ["chunk"]
+    assert _rel(o.cpu(), want_o) < TOL["bfloat16"]
+    assert _rel(ht.cpu(), want_h) < TOL["bfloat16"]

@@ -105,7 +105,8 @@ def prepare_buffers(p: ForwardProblem) -> list:
            Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
            Buffer("chunk_norm", (p.HV, p.NT))]
     if p.l2norm_qk:
-        out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+        names = ("qn", "kn") + ((f"{p.erase_key}n",) if p.erase_key else ())
+        out += [Buffer(n, (p.Ttot, p.H, p.K), "input") for n in names]
     if "A_inv" in saved_names(p):
         out += [Buffer("A_inv", (p.Ttot, p.HV, C), "input")]
     return out
@@ -116,6 +117,8 @@ def kkt_launch(p: ForwardProblem):
     training forward chunk_kkt_inverse_save, writing A itself into A_inv as well."""
     heads_fastest = p.NT <= hw.MAX_GRID_YZ
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
+    if p.erase_key and not p.l2norm_qk:     # (Comba's p: its normalised copy unwritten)
+        binds[f"{p.erase_key}n"] = f"{p.erase_key}_in"
     if "A_inv" in saved_names(p):
         return launch("chunk_kkt_inverse_save", _kkt(p, heads_fastest), **binds, A_out="A_inv")
     return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
@@ -214,7 +217,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     if delta:
         bufs += prepare_buffers(p)
         wu = dict(common, block_n=wu_block_n(p.K, p.V), beta_dtype=p.beta_dtype, **order)
-        return [kkt_launch(p), launch("chunk_wu", wu, k=bind["k"])], bufs, bind
+        erase = (p.erase_key + ("n" if p.l2norm_qk else "_in")) if p.erase_key else bind["k"]
+        return [kkt_launch(p), launch("chunk_wu", wu, k=erase)], bufs, bind
     gated = p.gate == "scalar"
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
     if p.l2norm_qk:
