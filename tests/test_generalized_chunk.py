@@ -107,3 +107,51 @@ def test_chunk_comba_takes_the_chunk_op(cpu_ops, l2norm):
     assert cpu_ops == [("comba", "chunk")]
     np.testing.assert_allclose(o.double().numpy(), want_o, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(ht.double().numpy(), want_h, atol=1e-6, rtol=1e-6)
+
+
+LAUNCHES = [
+    pytest.param("comba", Options(), 2, 4, 128, 128, None, id="comba-gva"),
+    pytest.param("comba", Options(l2norm_qk=True, state_v_first=True), 4, 4, 40, 64,
+                 [70, 130], id="comba-l2norm-vfirst-K40-varlen"),
+    pytest.param("gdn2", Options(), 2, 4, 128, 128, None, id="gdn2-gva"),
+    pytest.param("gdn2", Options(l2norm_qk=True, gate_in_kernel=True), 2, 2, 40, 64,
+                 [70, 130], id="gdn2-l2norm-gik-K40-varlen"),
+]
+
+
+@pytest.mark.parametrize("name, opts, H, HV, K, V, lens", LAUNCHES)
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_launch_arguments_match_kernels(monkeypatch, name, opts, H, HV, K, V, lens,
+                                        gate_dtype):
+    """The chunked forward's launches of Comba and GDN-2 (CPU, traced prim_funcs standing in
+    for the kernels: tests/_kernel_check.py): every kernel argument, the rule's p_in / pn
+    and b_in / w_in included, bound to a tensor of the dtype and shape it declares; each
+    stage of the plan launched once."""
+    from _kernel_check import fake_compiles
+    from linattn.ops import chunk
+    spec = get_spec(name)
+    fakes = fake_compiles(monkeypatch)
+    T = sum(lens) if lens else 150
+    B = 1 if lens else 2
+    cu = torch.tensor([0] + np.cumsum(lens).tolist()) if lens else None
+    bf = torch.bfloat16
+    r = lambda *s, dt=bf: torch.randn(*s).to(dt)  # noqa: E731
+    gk = K if spec.gate.per_key else None
+    g = -torch.rand(*((B, T, HV) + ((gk,) if gk else ()))).to(gate_dtype)
+    rule_inputs = ({"p": r(B, T, H, K)} if name == "comba" else
+                   {"b": torch.rand(B, T, HV, K).to(gate_dtype),
+                    "w": torch.rand(B, T, HV, V).to(gate_dtype)})
+    extra = (dict(A_log=torch.rand(HV), dt_bias=torch.rand(HV * K))
+             if opts.gate_in_kernel else {})
+    o, ht = chunk.run_chunk_forward(
+        spec, r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), g,
+        r(B, T, HV) if spec.has_beta else None, None, None, True, opts, cu, cu,
+        rule_inputs=rule_inputs, **extra)
+    assert o.shape == (B, T, HV, V)
+    assert ht.shape == ((B if cu is None else len(lens), HV) +
+                        ((V, K) if opts.state_v_first else (K, V)))
+    launched = sorted(stage for (_, stage, _), (call, _) in fakes.items() if call.checker.calls)
+    want = {"comba": ["chunk_kkt_inverse", "chunk_output", "chunk_state", "chunk_wu"],
+            "gdn2": ["chunk_prepare", "chunk_state", "chunk_output"]}[name]
+    assert launched == sorted(want) or (name == "gdn2" and launched == sorted(
+        ["chunk_prepare", "chunk_state_output"])), launched
