@@ -135,7 +135,7 @@ def precompile(rows):
                 try:
                     with torch.no_grad():
                         call(family, functions(family)[0], inputs(family, B, T))
-                except runtime.KernelRequested:
+                except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
                     pass
     errors = runtime.precompile(jobs)
     print(f"precompiled {len(jobs)} kernels; {len(errors)} errors")

@@ -90,7 +90,7 @@ def precompiled():
         for fn, (_, t, kw, _) in calls:
             try:
                 getattr(linattn, fn)(*(t[n] for n in NAMES), **kw)
-            except runtime.KernelRequested:
+            except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
                 pass
     errors = runtime.precompile(jobs)
     assert not errors, errors[:3]

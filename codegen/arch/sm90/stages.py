@@ -255,7 +255,8 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     if p.states_only and not (p.return_states and p.rule_kind == "additive"):
         raise ValueError("states_only: the additive rule's recompute of its states "
                          "(return_states) alone")
-    if p.save_states or p.states_only or (p.rule_kind == "delta" and (p.return_states or p.gate != "key")):
+    if p.save_states or p.states_only or (p.rule_kind == "delta"
+                                          and (p.return_states or p.gate != "key")):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
                                 # pass writes no per-chunk states, the additive rule's only
                                 # in f32; save_states' h is chunk_state's buffer)
