@@ -47,7 +47,9 @@ DTYPES = ["bfloat16", "float16", "float32"]
 SHAPES = [(2, 1, 2, 4, 128, 128), (1, 300, 2, 4, 64, 128), (2, 65, 4, 4, 128, 64),
           (1, 40, 1, 2, 100, 72)]
 FLAGS = [(False, False, False), (True, True, True)]
-LONG = [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]), ((2, 257, 4, 4, 64, 64), None)]
+#: the three-stage pipeline (8 chains), and the fused state + output pass (16 chains)
+LONG = [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]), ((2, 257, 4, 4, 64, 64), None),
+        ((4, 200, 2, 4, 128, 128), None)]
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
