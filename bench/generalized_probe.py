@@ -1,7 +1,7 @@
 """GPU probe of the generalized delta rule families (Comba, GDN-2, DPLR, RWKV-7, IPLR):
 linattn's chunk_* functions against fla's in the same process, per family and workload
-(prefill B1 x T4096 / T16384, training B4 x T4096; H 16, K = V = 128, bf16, fla's layer
-conventions: l2-normalised keys, gates in (0, 1), decays in fla's ranges).
+(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096; H 16, K = V = 128, bf16,
+fla's layer conventions: l2-normalised keys, gates in (0, 1), decays in fla's ranges).
 
 Each row is checked first: linattn's output on the row's inputs against the fp64
 recurrence of the family's spec over the first CHECK_TOKENS tokens (o is causal: its
@@ -38,7 +38,7 @@ from linattn.ops.registry import get_spec
 H, K, V = 16, 128, 128
 DEVICE = "cuda"
 WORKLOADS = {"prefill-4k": (1, 4096, False), "prefill-16k": (1, 16384, False),
-             "train-4k": (4, 4096, True)}
+             "prefill-b4-4k": (4, 4096, False), "train-4k": (4, 4096, True)}
 CHECK_TOKENS = 1024
 #: a row is wrong past these (relative L2 of o): vs fp64 on the prefix (or twice fla's
 #: own error there, whichever is larger), vs fla on the whole row
