@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The generalized delta rules on one GPU, one call (~5 minutes): the GPU tests of Comba and
-# GDN-2 (their chunked kernels; kernels precompiled in parallel by each module's fixture),
+# The generalized delta rules on one GPU, one call (at most 7 minutes: 210 s + 210 s caps):
+# the GPU tests of Comba and GDN-2 (their chunked kernels; kernels precompiled in parallel
+# by each module's fixture),
 # then linattn against fla side by side (bench/generalized_probe.py; its rows go to
 # $OUT/generalized_h200.json, the file bench/results/generalized_h200.json takes):
 #   source .gpu/prelude.sh && bash bench/gpu_generalized.sh
@@ -14,7 +15,7 @@ T="timeout -k 10"
 $T ${TESTS_S:-210} python3 -m pytest -q -m gpu -p no:cacheprovider -n 2 --dist loadfile -rfE \
   tests/test_comba_gpu.py tests/test_gdn2_gpu.py > "$OUT/tests_generalized.txt" 2>&1
 echo "tests rc=$?"
-$T ${PROBE_S:-150} python3 bench/generalized_probe.py --out "$OUT/generalized_h200.json" \
+$T ${PROBE_S:-210} python3 bench/generalized_probe.py --out "$OUT/generalized_h200.json" \
   > "$OUT/generalized_probe.txt" 2>&1
 echo "probe rc=$?"
 tail -n 20 "$OUT/tests_generalized.txt"; tail -n 20 "$OUT/generalized_probe.txt"
