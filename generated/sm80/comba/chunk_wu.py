@@ -5,6 +5,8 @@
 """Chunked forward of the delta rule, the per-chunk-state pipeline's second kernel: per
 chunk and value head, w = A_b (exp(g_cum) k) and u = A_b v as tensor-core GEMMs.
 
+(comba rule: the erase key p_i in place of k_i, and its row's gate the exclusive
+g_cum_i - g_i, the write reading the state before the token's decay)
 A_b = A diag(beta) [Ttot, HV, 64] comes from chunk_kkt_inverse (columns past a chunk's
 rows are 0, so rows past its end, read from the next tokens, never contribute). One CTA
 per (chunk, value head), as fla's recompute_w_u: k's and v's whole 64-row tiles are

@@ -201,7 +201,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             tot_s = T.alloc_shared((PARTS, BK), f32)       # the cumsum's part totals
             nq_s = T.alloc_shared((BT,), f32)              # l2norm's 1 / |x_i| (or 1)
             nk_s = T.alloc_shared((BT,), f32)
-            be_s = T.alloc_shared((BT, BK), f32)               # the panel's erase gate b (f32)
+            be_s = T.alloc_shared((BT, BK), f32)           # the panel's erase gate b (f32)
             if l2norm_qk:
                 sq = T.alloc_fragment((BT, BK), f32)
                 ssq = T.alloc_fragment((BT,), f32)         # sums of squares of the q, k rows

@@ -16,6 +16,8 @@ value head); ``chunk_bos[c]`` / ``chunk_len[c]`` give the first token and the va
   beta <- sigmoid(beta) (x2 with allow_neg_eigval)     (beta_sigmoid)
   A = (I + L)^-1 (f32),
   L = strict_tril(beta_i (k_i . k_j) exp(g_cum_i - g_cum_j))
+(comba rule: the erase key p_i in place of k_i, and its row's gate the exclusive
+g_cum_i - g_i, the write reading the state before the token's decay)
   A_b[i, j] = A[i, j] beta_j         (written [Ttot, HV, 64] in a_dtype; columns past the
                                       chunk's rows are 0)
   chunk_norm = sum_i (g_i + log max(1, beta_i |k_i|^2 - 1))
@@ -194,7 +196,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             b_s = T.alloc_shared((BT,), f32)
             g_s = T.alloc_shared((BT,), f32)
             d_s = T.alloc_shared((BT,), f32)               # |kn_i|^2
-            p_s = T.alloc_shared((BT, K), dtype)               # the erase key p (normalised: pn)
+            p_s = T.alloc_shared((BT, K), dtype)           # the erase key p (normalised: pn)
             x_col = T.alloc_local((SUB,), f32)
             acc = T.alloc_var(f32)
             tx = T.get_thread_binding()
