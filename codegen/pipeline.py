@@ -47,7 +47,7 @@ class ForwardProblem:
     backward's recompute; its GEMMs take them rounded so): no output stage, no per-chunk
     h of its own, and the per-key gate's prepare forms only what the state pass reads.
     """
-    rule: str                     # "delta" | "additive"
+    rule: str                     # the rule's name ("delta", "additive", "gdn2")
     gate: str                     # "none" | "scalar" | "key"
     H: int
     HV: int
@@ -69,6 +69,9 @@ class ForwardProblem:
     save_states: bool = False
     states_only: bool = False
     chunk_size: int = 64
+    #: the dtypes of the rule's vector gates as the prepare reads them (GDN-2's
+    #: (("b_dtype", "float32"), ("w_dtype", "bfloat16")))
+    rule_dtypes: tuple = ()
 
     @property
     def N(self) -> int:
@@ -77,6 +80,19 @@ class ForwardProblem:
     @property
     def NT(self) -> int:
         return sum(self.seq_chunks)
+
+    @property
+    def rule_kind(self) -> str:
+        """The pipeline the rule takes: "delta" for a rule whose write reads the state (the
+        WY factors w, u: the delta rule, GDN-2's), "additive" otherwise."""
+        from ..dsl.family import RULES
+        return "delta" if RULES[self.rule].reads_state else "additive"
+
+    @property
+    def erase_key(self) -> str:
+        """The rule's erase key input in place of k ("" for k itself; Comba's "p")."""
+        from ..dsl.family import RULES
+        return RULES[self.rule].erase_key
 
 
 @dataclass(frozen=True)

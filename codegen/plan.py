@@ -14,9 +14,13 @@ from dataclasses import dataclass
 from ..dsl import Gate, OpSpec, Rule, SpecError
 
 VARIANTS = ("fwd", "bwd", "decode")
-#: the rules a stage implements by default (the additive and delta rules; a rule whose
-#: chunked stages are not written yet, comba, names the stages it has: the decode stage)
-ALL_RULES = frozenset({"additive", "delta"})
+#: the rules a stage implements by default: the additive and delta rules, and the delta
+#: forms whose erase vector and written value come from their macros (GDN-2's on the
+#: per-key gate's prepare, Comba's on the scalar gate's kkt and w, u); a stage naming its
+#: rules overrides this. The dplr rule has the decode stage only.
+ALL_RULES = frozenset({"additive", "delta", "gdn2", "comba"})
+#: the scalar / no gate's WY stages (the kkt inverse and w, u of the three-stage pipeline)
+WY_RULES = frozenset({"delta", "comba"})
 #: the rules the recurrent (decode) stage implements
 DECODE_RULES = frozenset(r.value for r in Rule)
 ALL_GATES = frozenset(g.value for g in Gate)
@@ -61,7 +65,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
     "fwd": (
         Stage("chunk_kkt_inverse", "chunk_kkt_inverse.py.jinja", "fwd",
               doc="per chunk: gate cumsum, l2norm q, k, beta, A diag(beta), the chunk's norm bound",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=WY_RULES, gates=frozenset({"none", "scalar"})),
         Stage("chunk_kkt_inverse_save", "chunk_kkt_inverse.py.jinja", "fwd",
               doc="training: chunk_kkt_inverse writing the WY inverse A itself too (the "
                   "backward keeps it)",
@@ -85,7 +89,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               requires=WALK),
         Stage("chunk_wu", "chunk_wu.py.jinja", "fwd",
               doc="per chunk: w = A_b e^g k, u = A_b v (the per-chunk-state pipeline, the contracts)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=WY_RULES, gates=frozenset({"none", "scalar"})),
         Stage("chunk_prepare", "chunk_prepare.py.jinja", "fwd",
               doc="per chunk, additive rule: gate cumsum, l2norm k (value gate: its "
                   "decay and gated values)",
@@ -116,7 +120,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),
         Stage("chunk_state_output", "chunk_state_output.py.jinja", "fwd",
               doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)",
-              skip=frozenset({"delta/none", "delta/scalar"})),
+              skip=frozenset({"delta/none", "delta/scalar", "comba/none", "comba/scalar"})),
     ),
     "bwd": (
         Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",

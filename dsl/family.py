@@ -58,6 +58,10 @@ class RuleMaths:
 
     #: whether the rule writes its read back along a key of its own (:meth:`lift_key`)
     lifts = False
+    #: the vector input that is the erase key in place of k (Comba's "p", a key of its
+    #: own per key head; the chunked kernels read it as <name>_in, l2-normalised <name>n),
+    #: "" for none
+    erase_key = ""
 
     @property
     def dtype_inputs(self) -> tuple:
@@ -299,6 +303,7 @@ class CombaRule(DeltaRule):
     beta e^-g p; the chunked factors read S through p with the exclusive decay:
     A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
     name = "comba"
+    erase_key = "p"
     vector_inputs = ("p",)
     vector_axes = {"p": ("H", "K")}
     reads_decayed = False

@@ -106,10 +106,11 @@ def pad_inputs(spec: OpSpec, options: Options, x: dict, dims, padded) -> dict:
 def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
             output_final_state=False, options: Options = Options(), cu_seqlens=None,
             cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None, g_gamma=None,
-            rule_inputs=None):
+            rule_inputs=None, beta_ones=False):
     """(o, final_state or None) of a chunk_* call of ``spec``; shapes as the family's
-    functions (ops/<family>.py). Not differentiable: raises when autograd would record it
-    (DeltaNet's chunk_delta_rule routes such calls to ops/autograd.py first)."""
+    functions (ops/<family>.py); ``beta_ones``: a missing beta means ones (fla's Comba).
+    Not differentiable: raises when autograd would record it (DeltaNet's
+    chunk_delta_rule routes such calls to ops/autograd.py first)."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
@@ -118,7 +119,8 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=validate.host_checks(), rule_inputs=rule_inputs,
-                              sizes=None if wide else _head_dims, **extra)
+                              beta_optional=beta_ones, sizes=None if wide else _head_dims,
+                              **extra)
     if wide:
         def block(q, k, g, initial_state, scale):
             return forward(spec, q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -142,8 +142,9 @@ def _plan(arch: str, problem: ForwardProblem, config: tuple = ()):
 def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_chunks,
                     Ttot, g_dtype="float32", beta_dtype="float32", has_initial_state=False,
                     output_final_state=False, return_states=False,
-                    save_states=False, states_only=False) -> ForwardProblem:
-    """The problem the arch plans for (sizes, dtypes and flags of one call)."""
+                    save_states=False, states_only=False, rule_dtypes=()) -> ForwardProblem:
+    """The problem the arch plans for (sizes, dtypes and flags of one call; rule_dtypes:
+    the rule's vector gates' ("b_dtype", "float32") pairs)."""
     return ForwardProblem(
         rule=spec.rule.value, gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=dtype,
         g_dtype=g_dtype, beta_dtype=beta_dtype, Ttot=Ttot, seq_chunks=tuple(seq_chunks),
@@ -152,7 +153,7 @@ def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_c
         state_v_first=options.state_v_first, has_initial_state=bool(has_initial_state),
         output_final_state=bool(output_final_state), return_states=bool(return_states),
         save_states=bool(save_states), states_only=bool(states_only),
-        chunk_size=spec.chunk_size)
+        chunk_size=spec.chunk_size, rule_dtypes=tuple(rule_dtypes))
 
 
 def forward_plan(spec: OpSpec, options: Options, arch: str = DEFAULT_ARCH, config=None,
@@ -247,10 +248,11 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
                       initial_state=None, output_final_state=False,
                       options: Options = Options(), cu_seqlens=None, cu_seqlens_cpu=None,
                       A_log=None, dt_bias=None, return_states=False, config=None,
-                      save_states=False):
+                      save_states=False, rule_inputs=None):
     """:func:`chunk_forward` on arguments already checked (its own checks, or the public
     call's ops/validate.py check_call: torch.library's chunk op, the training forward), so
-    that a call is checked once."""
+    that a call is checked once. rule_inputs: the rule's vector inputs (GDN-2's b, w),
+    name -> [B, T, H or HV, K or V], as ops/api.py kernel_inputs gives them."""
     (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     arch = runtime.arch_of(q.device)
@@ -261,7 +263,7 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
         out = run_chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale),
                                 initial_state, output_final_state, options, cu_seqlens,
                                 cu_seqlens_cpu, A_log, dt_bias, return_states, config,
-                                save_states)
+                                save_states, _pad_rule_inputs(spec, Kk, rule_inputs))
         v_first = [options.state_v_first] * (1 + return_states)
         cut = tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
         if save_states:
@@ -269,6 +271,8 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
         return (out[0],) + cut
     cu = _cu_tuple(B, T, cu_seqlens, cu_seqlens_cpu)
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
+    x.update({f"{n}_in": t.reshape(B * T, *t.shape[2:]).contiguous()
+              for n, t in (rule_inputs or {}).items()})       # (the kernels' <input>_in)
     C = spec.chunk_size
     problem = forward_problem(
         spec, options, H=H, HV=HV, K=K, V=V, dtype=_dtype_name(q), Ttot=B * T,
@@ -276,7 +280,8 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
         g_dtype=_dtype_name(x["g"]), beta_dtype=_dtype_name(x["beta"]),
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state, return_states=return_states,
-        save_states=save_states)
+        save_states=save_states, rule_dtypes=tuple(
+            (f"{n}_dtype", _dtype_name(rule_inputs[n])) for n in spec.rule.maths.dtype_inputs))
     state_shape = (HV, V, K) if options.state_v_first else (HV, K, V)
     if B * T == 0:
         return _empty_result(q, B, T, HV, V, N, state_shape, initial_state,
@@ -328,6 +333,14 @@ def _pad_k(spec, Kk, q, k, g, initial_state, dt_bias, v_first):
     if initial_state is not None:
         initial_state = F.pad(initial_state, pad if v_first else (0, 0) + pad)
     return q, k, g, initial_state, dt_bias
+
+
+def _pad_rule_inputs(spec, Kk, rule_inputs):
+    """The rule's vector inputs along K (GDN-2's b) with zero channels up to Kk."""
+    import torch.nn.functional as F
+    axes = spec.rule.maths.vector_axes
+    return rule_inputs and {n: F.pad(t, (0, Kk - t.shape[-1])) if axes[n][1] == "K" else t
+                            for n, t in rule_inputs.items()}
 
 
 def _cut_k(t, K, v_first):

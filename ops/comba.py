@@ -25,15 +25,17 @@ def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None,
     a keyword), read as f32; N = B, or len(cu_seqlens) - 1 (then B == 1). Returns
     (o [B, T, HV, V] in q's dtype, final_state f32 or None).
 
-    Runs the recurrent kernel (the chunked kernels of the comba rule are not generated
-    yet), for any T; not differentiable yet (inputs that need gradients raise).
+    Runs the chunked kernels (the scalar gate's kkt inverse and w, u with p as the erase
+    key under the exclusive decay, then GDN's state and output stages) where they take
+    the call (ops/api.py choose_path), the recurrent kernel otherwise; not differentiable
+    yet (inputs that need gradients raise).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=(64,))
     p = k if p is None else p
-    return api.recurrent(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, options=opts,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                         beta_ones=True, rule_inputs={"p": p})
+    return api.forward(SPEC, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, options=opts,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                       beta_ones=True, rule_inputs={"p": p})
 
 
 def fused_recurrent_comba(q, k, p, v, g, beta=None, scale=None, initial_state=None,

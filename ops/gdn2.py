@@ -30,21 +30,22 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     chunk_size: 64 (fla's only value). Returns (o [B, T, HV, V] in q's dtype,
     final_state f32 or None).
 
-    Runs the recurrent kernel (the chunked kernels of the gdn2 rule are not generated
-    yet), for any T; not differentiable yet (inputs that need gradients raise);
-    return_intermediate_states is not supported.
+    Runs the chunked kernels (the per-key gate's prepare with b . k as the erase vector
+    and w . v as the written value, then KDA's state and output stages) where they take
+    the call (ops/api.py choose_path: T > 1, f16 / bf16, K <= 256, V a multiple of 16 up
+    to 256), the recurrent kernel otherwise; not differentiable yet (inputs that need
+    gradients raise); return_intermediate_states is not supported.
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                            state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,))
     if return_intermediate_states:
         raise api.validate.error("chunk_gdn2: return_intermediate_states=True is not "
-                                 "supported by linattn yet (no chunked gdn2 kernels)")
-    return api.recurrent(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, options=opts,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
-                         dt_bias=dt_bias, lower_bound=lower_bound,
-                         rule_inputs={"b": b, "w": w})
+                                 "supported by linattn yet")
+    return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, options=opts,
+                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+                       dt_bias=dt_bias, lower_bound=lower_bound, rule_inputs={"b": b, "w": w})
 
 
 def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None,

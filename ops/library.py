@@ -61,7 +61,7 @@ def _impl(spec: OpSpec, path: str):
                                   output_final_state=output_final_state,
                                   options=options_from_key(options), cu_seqlens=cu_seqlens,
                                   cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
-                                  dt_bias=dt_bias)
+                                  dt_bias=dt_bias, rule_inputs=rule_dict(spec, rule_inputs))
         return o, _final_or_empty(ht, q)
 
     def recurrent(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,

@@ -122,3 +122,39 @@ def test_fake_impl_takes_the_rule_inputs():
     assert o.shape == (B, T, HV, V) and o.dtype == torch.bfloat16
     assert ht.shape == (B, HV, K, V) and ht.dtype == torch.float32
     assert library.rule_dict(SPEC, [1, 2]) == {"b": 1, "w": 2}
+
+
+def test_chunk_plan_reads_the_erase_and_write_gates():
+    """GDN-2's chunked forward is the per-key gate's pipeline: its prepare takes b and w
+    (as b_in, w_in in their dtypes), the state and output stages are KDA's."""
+    from linattn.ops import chunk
+    plan = chunk.forward_plan(SPEC, Options(), "sm90", H=4, HV=8, K=128, V=128,
+                              dtype="bfloat16", Ttot=4096, seq_chunks=(64,),
+                              rule_dtypes=(("b_dtype", "float32"), ("w_dtype", "bfloat16")))
+    assert plan.stages()[0] == "chunk_prepare"
+    prep = plan.launches[0].kwargs
+    assert (prep["b_dtype"], prep["w_dtype"]) == ("float32", "bfloat16")
+    assert {b.name for b in plan.buffers} >= {"w", "u", "kg", "qg", "g_last"}
+    mod = chunk.stage_module(SPEC, "chunk_prepare")
+    src = open(mod.__file__).read()
+    assert "b_in: T.Tensor((Ttot, HV, K), b_dtype)" in src
+    assert "w_in: T.Tensor((Ttot, HV, V), w_dtype)" in src
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_path_plumbing(cpu_ops, gate_dtype):
+    """bf16 inputs take the chunk op (its CPU kernel: the fp64 reference), b and w passed
+    through it (K = 30 padded to the kernels' 64, V = 16), against the recurrence."""
+    x, t = _inputs(T=70, K=30, V=16, cu=[0, 9, 70])
+    t = {n: None if a is None else a.to(torch.bfloat16) for n, a in t.items()}
+    for n in ("g", "b", "w"):
+        t[n] = t[n].to(gate_dtype)
+    x = {n: None if a is None else a.double().numpy() for n, a in t.items()}
+    x["cu_seqlens"] = np.array([0, 9, 70])
+    want_o, want_h = recurrent_forward(SPEC, **x)
+    o, ht = linattn.chunk_gdn2(t["q"], t["k"], t["v"], t["g"], t["b"], t["w"],
+                               initial_state=t["initial_state"].float(),
+                               output_final_state=True, cu_seqlens=torch.tensor([0, 9, 70]))
+    assert cpu_ops == [("gdn2", "chunk")]
+    _close(o.double(), want_o, tol=2e-2)
+    _close(ht, want_h, tol=1e-4)

@@ -63,7 +63,7 @@ def test_sm80_plans_launch_only_its_stages(name):
                      else chunk_bwd.train_params)
             launched |= set(train(H=H, HV=H, K=128, V=128, dtype="bfloat16",
                                   chains=len(seqs) * H, l2norm=True, spec=spec, arch=ARCH))
-        else:
+        elif spec.rule.value == "additive":   # (Comba's and GDN-2's: forward only)
             bp = additive_bwd.backward_plan(AdditiveBackwardProblem(
                 gate=spec.gate.value, H=H, HV=H, K=128, V=128, dtype="bfloat16",
                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=seqs), None, ARCH)

@@ -93,7 +93,7 @@ def saved_names(p: ForwardProblem) -> tuple:
     walk reads), so the backward does not form the inverse again."""
     if not p.save_states:
         return ()
-    if p.rule != "delta":
+    if p.rule_kind != "delta":
         return ("h",)
     return ("h", "A", "aqk") if p.gate == "key" else ("h", "A_inv")
 
@@ -105,7 +105,8 @@ def prepare_buffers(p: ForwardProblem) -> list:
            Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV)),
            Buffer("chunk_norm", (p.HV, p.NT))]
     if p.l2norm_qk:
-        out += [Buffer("qn", (p.Ttot, p.H, p.K), "input"), Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+        names = ("qn", "kn") + ((f"{p.erase_key}n",) if p.erase_key else ())
+        out += [Buffer(n, (p.Ttot, p.H, p.K), "input") for n in names]
     if "A_inv" in saved_names(p):
         out += [Buffer("A_inv", (p.Ttot, p.HV, C), "input")]
     return out
@@ -116,6 +117,8 @@ def kkt_launch(p: ForwardProblem):
     training forward chunk_kkt_inverse_save, writing A itself into A_inv as well."""
     heads_fastest = p.NT <= hw.MAX_GRID_YZ
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
+    if p.erase_key and not p.l2norm_qk:     # (Comba's p: its normalised copy unwritten)
+        binds[f"{p.erase_key}n"] = f"{p.erase_key}_in"
     if "A_inv" in saved_names(p):
         return launch("chunk_kkt_inverse_save", _kkt(p, heads_fastest), **binds, A_out="A_inv")
     return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
@@ -127,7 +130,7 @@ def chunk_head_limits(rule: str, gate: str) -> tuple:
 
 
 def state_stages(p: ForwardProblem, fused: bool) -> int:
-    return 1 if fused and p.K > 128 and p.rule == "delta" else STATE_STAGES
+    return 1 if fused and p.K > 128 and p.rule_kind == "delta" else STATE_STAGES
 
 
 def wu_block_n(K: int, V: int) -> int:
@@ -174,8 +177,8 @@ def key_prepare(p: ForwardProblem, config: dict) -> dict:
     """chunk_prepare_key's tuning for p: KEY_PREPARE by rule (the additive rule's
     KEY_PREPARE_WIDE below one CTA an SM or at K > 128), or a probe's key_diag /
     key_block_k / key_threads / key_min_ctas."""
-    wide = p.rule == "additive" and (p.NT * p.HV < hw.NUM_SMS or p.K > 128)
-    base = KEY_PREPARE_WIDE if wide else KEY_PREPARE[p.rule]
+    wide = p.rule_kind == "additive" and (p.NT * p.HV < hw.NUM_SMS or p.K > 128)
+    base = KEY_PREPARE_WIDE if wide else KEY_PREPARE[p.rule_kind]
     forced = {"diag": config.get("key_diag"), "block_k": config.get("key_block_k"),
               "threads": config.get("key_threads"), "min_ctas": config.get("key_min_ctas")}
     return dict(base, **{k: v for k, v in forced.items() if v is not None})
@@ -186,10 +189,10 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     C, key = p.chunk_size, p.gate == "key"
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     flags = dict(g_dtype=p.g_dtype if p.gate != "none" else "float32",
-                 beta_dtype=p.beta_dtype if p.rule == "delta" else "float32",
+                 beta_dtype=p.beta_dtype if p.rule_kind == "delta" else "float32",
                  l2norm_qk=p.l2norm_qk, beta_sigmoid=p.beta_sigmoid,
                  allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel)
-    delta = p.rule == "delta"
+    delta = p.rule_kind == "delta"
     bufs = [Buffer("w", (p.Ttot if delta else 1, p.HV, p.K), "input")]   # (additive: unused)
     if p.gate == "value":
         return _value_prepare(p, bufs, dict(common, **flags, **order))
@@ -205,7 +208,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
         keep_a = "A" in saved_names(p)       # (training: the backward rebuilds from A, A_qk)
         bufs += [Buffer("A", (p.Ttot, p.HV, C), "input")] if keep_a else []
         prep = launch("chunk_prepare_save" if keep_a else "chunk_prepare",
-                      dict(common, **flags, **order, **key_prepare(p, config)),
+                      dict(common, **flags, **order, **key_prepare(p, config),
+                           **dict(p.rule_dtypes)),
                       **({} if delta else {"u": "v"}), **({"A_out": "A"} if keep_a else {}))
         return [prep], bufs, dict(k="kg", g_cum="g_last", u="u" if delta else "v", q="qg",
                                   aqk="aqk")
@@ -213,7 +217,8 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     if delta:
         bufs += prepare_buffers(p)
         wu = dict(common, block_n=wu_block_n(p.K, p.V), beta_dtype=p.beta_dtype, **order)
-        return [kkt_launch(p), launch("chunk_wu", wu, k=bind["k"])], bufs, bind
+        erase = (p.erase_key + ("n" if p.l2norm_qk else "_in")) if p.erase_key else bind["k"]
+        return [kkt_launch(p), launch("chunk_wu", wu, k=erase)], bufs, bind
     gated = p.gate == "scalar"
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
     if p.l2norm_qk:
@@ -247,10 +252,11 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         raise ValueError(f"{p.NT} chunks: the per-chunk states of more than {hw.MAX_GRID_YZ} "
                          "chunks in one call are not supported")
     forms = [config["fused"]] if "fused" in config else [True, False]
-    if p.states_only and not (p.return_states and p.rule == "additive"):
+    if p.states_only and not (p.return_states and p.rule_kind == "additive"):
         raise ValueError("states_only: the additive rule's recompute of its states "
                          "(return_states) alone")
-    if p.save_states or p.states_only or (p.rule == "delta" and (p.return_states or p.gate != "key")):
+    if p.save_states or p.states_only or (p.rule_kind == "delta"
+                                          and (p.return_states or p.gate != "key")):
         forms = [False]         # (the delta rule's fused path is the walk; its fused state
                                 # pass writes no per-chunk states, the additive rule's only
                                 # in f32; save_states' h is chunk_state's buffer)
@@ -264,7 +270,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     if not forms:
         raise ValueError(f"{p.NT} chunks: the three-stage pipeline takes at most "
                          f"{hw.MAX_GRID_YZ} chunks in one call")
-    if p.rule == "additive":
+    if p.rule_kind == "additive":
         choice = additive.choose(p, config, output_block_v(p.V, p.gate), forms)
     else:
         fused = (fuse_output(p.N * p.HV, p.dtype, p.K) or many) if len(forms) > 1 else forms[0]
@@ -281,7 +287,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     if p.return_states:
         state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
-    if p.rule == "additive":
+    if p.rule_kind == "additive":
         s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind)
         launches, bufs = launches + s_launches, bufs + s_bufs
         state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
@@ -300,18 +306,18 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
         bufs += [Buffer("h", (1 if p.states_only else p.NT, p.HV, p.K, p.V), "input")]
-        if p.rule == "delta":
+        if p.rule_kind == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
         if p.states_only:       # (a training recompute: its states in the input dtype)
             state.update(h_out=False, ht_dtype=p.dtype)
         launches.append(launch("chunk_state", state, **sbind,
-                               **({} if p.rule == "delta" else {"v_new": "v"})))
+                               **({} if p.rule_kind == "delta" else {"v_new": "v"})))
     if not (choice.fused or p.states_only):
         out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order)
         g_out = "g_cum" if p.gate == "value" else bind.get("g_cum", "g_cum")
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
-                               **({} if p.rule == "delta" else {"v_new": "v"})))
+                               **({} if p.rule_kind == "delta" else {"v_new": "v"})))
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
                 reasons=(_why(p, choice, config),), saved=saved_names(p))
@@ -338,7 +344,7 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
 
 def _why(p: ForwardProblem, choice, config: dict) -> str:
     """The plan's reason line."""
-    if p.rule != "additive":
+    if p.rule_kind != "additive":
         return ("the per-chunk states are asked for" if p.return_states
                 else f"{p.N * p.HV} chains: " + ("o inside the state pass" if choice.fused
                                                  else "the state pass alone is the critical path"))

@@ -373,8 +373,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                             T.cast(k_s[i, j], f32) * nk_s[i] * T.exp(G_s[rows - 1, j] - G_s[i, j]),
                             dtype)
                 for i, j in T.Parallel(BT, BK):
-                    l_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * nk_s[i]) * T.exp(G_s[i, j]),
-                                       dtype)
+                    l_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * (b_s[i] * nk_s[i])
+                                       * T.exp(G_s[i, j]), dtype)
                 T.gemm(x_lp, l_s, w_f, clear_accum=True)
                 for i, j in T.Parallel(BT, BK):
                     if i < rows:
@@ -394,8 +394,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 else:
                     for i, j in T.Parallel(BT, BV):
                         vb_s[i, j] = T.if_then_else(
-                            i < rows, T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i],
-                                             dtype),
+                            i < rows, T.cast(T.cast(v[t0 + i, hv, v0 + j], f32) * b_s[i], dtype),
                             T.cast(0, dtype))
                 T.gemm(x_lp, vb_s, u_f, clear_accum=True)
                 if cut_v:

@@ -1,0 +1,239 @@
+"""GPU probe of the generalized delta rule families (Comba, GDN-2, DPLR, RWKV-7, IPLR):
+linattn's chunk_* functions against fla's in the same process, per family and workload
+(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096; H 16, K = V = 128, bf16,
+fla's layer conventions: l2-normalised keys, gates in (0, 1), decays in fla's ranges).
+
+Each row is checked first: linattn's output on the row's inputs against the fp64
+recurrence of the family's spec over the first CHECK_TOKENS tokens (o is causal: its
+prefix is the prefix's) and against fla's output on the whole row; a wrong row is
+reported, not timed. Then linattn and fla are timed by linattn-bench's timer (CUPTI
+kernel union per call, L2 flushed, median). A training row times forward + backward of
+every input; a family without a backward in linattn has its training rows reported, not
+timed. Ratio = fla time / linattn time. linattn's kernels of every row are compiled in
+parallel processes first.
+
+    python3 bench/generalized_probe.py [--families comba,gdn2] [--rows GLOB] [--out FILE]
+
+Writes rows {"family", "workload", "gpu", "impls": {"linattn": {"ms", ...}, "fla":
+{"ms", ...}}, "ratio"} to --out (default $OUT/generalized_h200.json).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import linattn
+from linattn.cli.bench.timer import device_time
+from linattn.dsl import Options
+from linattn.dsl.torch_reference import recurrent_forward
+from linattn.ops import library, runtime
+from linattn.ops.registry import get_spec
+
+H, K, V = 16, 128, 128
+DEVICE = "cuda"
+WORKLOADS = {"prefill-4k": (1, 4096, False), "prefill-16k": (1, 16384, False),
+             "prefill-b4-4k": (4, 4096, False), "train-4k": (4, 4096, True)}
+CHECK_TOKENS = 1024
+#: a row is wrong past these (relative L2 of o): vs fp64 on the prefix (or twice fla's
+#: own error there, whichever is larger), vs fla on the whole row (where fla's own prefix
+#: error is within TOL_FP64)
+TOL_FP64, TOL_FLA = 2e-2, 5e-2
+
+
+def _gen(seed=0):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def inputs(family, B, T, grad=False):
+    """The family's call inputs (name -> tensor), fla's argument names."""
+    g = _gen()
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
+    bf = torch.bfloat16
+    x = dict(q=r(B, T, H, K).to(bf), k=r(B, T, H, K).to(bf), v=r(B, T, H, V).to(bf))
+    if family == "comba":
+        x.update(p=r(B, T, H, K).to(bf), g=F.logsigmoid(r(B, T, H) + 4.0),
+                 beta=torch.sigmoid(r(B, T, H)).to(bf))
+    elif family == "gdn2":
+        x.update(g=F.logsigmoid(r(B, T, H, K) + 4.0), b=torch.sigmoid(r(B, T, H, K)).to(bf),
+                 w=torch.sigmoid(r(B, T, H, V)).to(bf))
+    else:                       # DPLR / RWKV-7 / IPLR: a = -kk, b = kk * (a gate in (0, 1))
+        kk = F.normalize(r(B, T, H, K), dim=-1)
+        x.update(k=F.normalize(r(B, T, H, K), dim=-1).to(bf), a=(-kk).to(bf),
+                 b=(kk * torch.sigmoid(r(B, T, H, 1))).to(bf))
+        if family != "iplr":    # RWKV-7's decay range: -e^-0.5 sigmoid(x)
+            x["gk"] = -math.exp(-0.5) * torch.sigmoid(r(B, T, H, K))
+    if grad:
+        x = {n: t.detach().requires_grad_(True) for n, t in x.items()}
+    return x
+
+
+def call(family, fn, x):
+    """fn's call on x (fn: linattn's or fla's function of the family, fla's signature)."""
+    if family == "comba":
+        return fn(x["q"], x["k"], x["v"], x["p"], x["g"], x["beta"],
+                  use_qk_l2norm_in_kernel=True)[0]
+    if family == "gdn2":
+        return fn(x["q"], x["k"], x["v"], x["g"], x["b"], x["w"],
+                  use_qk_l2norm_in_kernel=True)[0]
+    if family == "dplr":
+        return fn(x["q"], x["k"], x["v"], x["a"], x["b"], x["gk"])[0]
+    if family == "rwkv7":
+        return fn(x["q"], x["gk"], x["k"], x["v"], x["a"], x["b"])[0]
+    return fn(x["q"], x["k"], x["v"], x["a"], x["b"])[0]
+
+
+def reference(family, x, T):
+    """fp64 recurrence of the family's spec over the first T tokens: o [B, T, H, V]."""
+    pre = {n: t[:, :T].detach() for n, t in x.items()}
+    spec = get_spec({"rwkv7": "dplr"}.get(family, family))
+    opts = Options(l2norm_qk=family in ("comba", "gdn2"))
+    rule = {n: pre[n] for n in spec.rule.maths.vector_inputs}
+    gate = pre.get("g", pre.get("gk"))
+    scale = 1.0 if family == "rwkv7" else None
+    return recurrent_forward(spec, pre["q"], pre["k"], pre["v"], gate, pre.get("beta"),
+                             options=opts, scale=scale, **rule)[0]
+
+
+def functions(family):
+    """(linattn's, fla's or None) chunk function of the family."""
+    name = {"comba": "chunk_comba", "gdn2": "chunk_gdn2", "dplr": "chunk_dplr_delta_rule",
+            "rwkv7": "chunk_rwkv7", "iplr": "chunk_iplr_delta_rule"}[family]
+    module = {"comba": "fla.ops.comba", "gdn2": "fla.ops.gdn2",
+              "dplr": "fla.ops.generalized_delta_rule", "rwkv7": "fla.ops.rwkv7",
+              "iplr": "fla.ops.generalized_delta_rule"}[family]
+    try:
+        import importlib
+        theirs = getattr(importlib.import_module(module), name)
+    except Exception as e:      # noqa: BLE001 (reported; the rows time linattn alone)
+        print(f"fla's {name} not loaded: {type(e).__name__}: {e}")
+        theirs = None
+    return getattr(linattn, name), theirs
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def step(family, fn, x):
+    """A training step: forward, then backward of every input."""
+    def run():
+        o = call(family, fn, x)
+        o.backward(torch.ones_like(o))
+    return run
+
+
+def precompile(rows):
+    """linattn's kernels of every forward row, compiled in parallel processes."""
+    with runtime.recording() as jobs:
+        for family, (B, T, train) in rows:
+            if not train:
+                try:
+                    with torch.no_grad():
+                        call(family, functions(family)[0], inputs(family, B, T))
+                except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
+                    pass
+    errors = runtime.precompile(jobs)
+    print(f"precompiled {len(jobs)} kernels; {len(errors)} errors")
+    for e in errors:
+        print("  ", e)
+
+
+def check(family, ours, theirs, x, T):
+    """{impl: {vs_fp64}}, linattn's vs_fla, and the error string of a wrong row or None."""
+    Tc = min(T, CHECK_TOKENS)
+    want = reference(family, x, Tc)
+    out, fo = {}, None
+    with torch.no_grad():
+        o = call(family, ours, x)
+        try:
+            fo = call(family, theirs, x) if theirs is not None else None
+        except Exception as e:      # noqa: BLE001 (fla's failure: reported, linattn timed)
+            out["fla"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    out["linattn"] = {"vs_fp64": rel(o[:, :Tc], want)}
+    if fo is not None:
+        out["fla"] = {"vs_fp64": rel(fo[:, :Tc], want)}
+    fla_err = out.get("fla", {}).get("vs_fp64")
+    bound = max(TOL_FP64, 2 * (fla_err or 0.0))
+    vs_fla = rel(o, fo) if fo is not None else None
+    credible = fla_err is not None and fla_err <= TOL_FP64     # (fla right on the prefix)
+    bad = [f"vs fp64 {out['linattn']['vs_fp64']:.2e} > {bound:.1e}"
+           if not out["linattn"]["vs_fp64"] <= bound else "",
+           f"vs fla {vs_fla:.2e} > {TOL_FLA}" if credible and not vs_fla <= TOL_FLA else ""]
+    return out, vs_fla, "; ".join(b for b in bad if b) or None
+
+
+def run_row(family, workload, paths):
+    B, T, train = WORKLOADS[workload]
+    ours, theirs = functions(family)
+    row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
+               shape=dict(B=B, T=T, H=H, K=K, V=V, dtype="bfloat16"), impls={})
+    if train:
+        try:
+            step(family, ours, inputs(family, B, T, grad=True))()
+        except Exception as e:      # noqa: BLE001 (linattn's missing backward: reported)
+            row["error"] = f"linattn has no training for {family}: {str(e)[:200]}"
+            return row
+        for who, fn in (("linattn", ours), ("fla", theirs)):
+            if fn is not None:
+                row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True)))
+    else:
+        x = inputs(family, B, T)
+        paths.clear()
+        row["impls"], row["vs_fla"], err = check(family, ours, theirs, x, T)
+        row["linattn_path"] = paths[0] if paths else None
+        if err:
+            row["error"] = f"wrong: {err}"
+            return row
+        with torch.no_grad():
+            for who, fn in (("linattn", ours), ("fla", theirs)):
+                if fn is not None and "error" not in row["impls"].get(who, {}):
+                    row["impls"][who].update(device_time(lambda: call(family, fn, x)))
+    if "fla" in row["impls"] and "ms" in row["impls"]["fla"]:
+        row["ratio"] = row["impls"]["fla"]["ms"] / row["impls"]["linattn"]["ms"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--families", default="comba,gdn2,dplr,rwkv7,iplr")
+    ap.add_argument("--rows", default="*", help="glob on family/workload")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
+                                                  os.environ.get("OUT") or ".",
+                                                  "generalized_h200.json"))
+    a = ap.parse_args()
+    rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
+            if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
+    precompile([(f, WORKLOADS[w]) for f, w in rows])
+    paths, real_run = [], library.run
+
+    def run(spec, path, *args, **kw):     # (which kernels linattn's call took)
+        paths.append(path)
+        return real_run(spec, path, *args, **kw)
+    library.run = run
+    results = []
+    for family, workload in rows:
+        try:
+            row = run_row(family, workload, paths)
+        except Exception as e:      # noqa: BLE001 (one row never stops the rest)
+            row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
+                       impls={}, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(json.dumps(row))
+        results.append(row)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+    for family in dict.fromkeys(f for f, _ in rows):
+        ratios = [r["ratio"] for r in results if r["family"] == family and "ratio" in r]
+        if ratios:
+            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            print(f"{family}: geomean fla / linattn {gm:.3f} over {len(ratios)} rows, "
+                  f"{sum(r < 1 for r in ratios)} slower")
+
+
+if __name__ == "__main__":
+    main()
