@@ -189,16 +189,27 @@ def train_row(pair, vocab):
     return out
 
 
-def warm(pair, vocab):
-    """Compile linattn's kernels for both tasks in parallel (integrations.precompile)."""
-    x = tokens(1, 256, vocab, seed=3)
+def warm(pair, vocab, tasks):
+    """Compile linattn's kernels for the tasks at the rows' own shapes, in parallel
+    (integrations.precompile): a kernel's plan depends on the shape (Gated DeltaNet at B
+    1, T 256 plans the walk, at 4096 tokens the walk split into segments; the backward's
+    stages follow the sequences x heads), so a warm-up at another shape left the rows to
+    compile their kernels one by one. Returns precompile's report (per round: seconds
+    running the steps, seconds compiling)."""
+    steps = []
+    if "train" in tasks:               # (train_row: the loss without grad, then the steps)
+        x = tokens(TRAIN_B, TRAIN_T, vocab, seed=3)
 
-    def step():
-        with pair.within("linattn")():
-            pair.linattn.train()
-            pair.linattn(x, labels=x).loss.backward()
-    res = integrations.precompile(step, lambda: M.greedy(pair.linattn, x, 2,
-                                                         pair.within("linattn")))
+        def step():
+            with pair.within("linattn")():
+                pair.linattn.train()
+                pair.linattn(x, labels=x).loss.backward()
+        steps += [lambda: pair.logits("linattn", x), step]
+    if "generate" in tasks:            # (generate_row: the prefill's logits, then greedy)
+        prompt = tokens(1, PROMPT, vocab, seed=3)
+        steps += [lambda: pair.logits("linattn", prompt),
+                  lambda: M.greedy(pair.linattn, prompt, 2, pair.within("linattn"))]
+    res = integrations.precompile(*steps)
     pair.linattn.zero_grad(set_to_none=True)
     pair.linattn.eval()
     return res
@@ -209,8 +220,10 @@ def run_model(name, tasks, emit):
     t0 = time.monotonic()
     pair = M.Pair(name, dtype=torch.bfloat16, device="cuda", **dims)
     params = round(sum(p.numel() for p in pair.fla.parameters()) / 1e6)
-    print(f"{name}: {params} M parameters, built in {time.monotonic() - t0:.0f} s; "
-          f"precompile {warm(pair, dims['vocab'])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    t1 = time.monotonic()
+    pre = warm(pair, dims["vocab"], tasks)
+    print(f"{name}: {params} M parameters, built in {t1 - t0:.0f} s; precompile {pre} "
+          f"({time.monotonic() - t1:.0f} s)", flush=True)
     for task in tasks:
         t1 = time.monotonic()
         shape = (f"B1 prompt {PROMPT} + {NEW} new" if task == "generate"

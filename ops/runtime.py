@@ -316,25 +316,35 @@ def _compile_job(job, target=None):
         return f"{spec.name}/{stage} {params}: {type(e).__name__}: {e}"[:500], time.time() - t0
 
 
-def precompile(jobs, workers: int | None = None, load: bool = False) -> list:
+def precompile(jobs, workers: int | None = None, load: bool = False, pool=None) -> list:
     """Compile (spec, stage, arch, params) jobs (recording()'s) in parallel processes so
     TileLang's disk cache holds them; later compiles of the same params in this process
     are cache hits. Duplicates are compiled once. load: also load each compiled one into
     this process (disk cache hits), so a later recording() runs past them (a training
-    step's forward, then its backward). Returns the error strings (empty when every job
-    compiled). The one parallel compile of linattn: every precompile uses it."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
+    step's forward, then its backward). pool: a :func:`compile_pool` to reuse (rounds of
+    requests: its processes start once); else one of ``workers`` for these jobs. Returns
+    the error strings (empty when every job compiled). The one parallel compile of
+    linattn: every precompile uses it."""
     todo = list({_key(*j[:3], j[3]): j for j in jobs}.values())
     if not todo:
         return []
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
+    if pool is None:
+        with compile_pool(workers or min(len(todo), os.cpu_count() or 2)) as own:
+            return precompile(todo, load=load, pool=own)
     targets = [compile_target(j[2]) for j in todo]      # (this process's device's)
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        errors = [err for err, _ in pool.map(_compile_job, todo, targets) if err]
+    errors = [err for err, _ in pool.map(_compile_job, todo, targets) if err]
     if load:
         errors += [err for err in (_compile_job(j)[0] for j in todo) if err]
     return errors
+
+
+def compile_pool(workers: int | None = None):
+    """The processes :func:`precompile` compiles in (spawned: a fresh interpreter each, no
+    CUDA context inherited), ``workers`` of them (default: the CPUs); a context manager."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    return cf.ProcessPoolExecutor(max(1, workers or os.cpu_count() or 2),
+                                  mp_context=mp.get_context("spawn"))
 
 
 def placeholder(device, dtype):

@@ -317,3 +317,42 @@ def test_models_bench_prefill_check(hf, hopper, cpu_ops):
         bad = B.prefill_check(pair, x)
     print(bad)
     assert not bad["ok"] and bad["linattn"] > 2 * bad["fla"] and bad["fla"] == check["fla"]
+
+
+
+def test_integrations_precompile_rounds_share_one_pool(monkeypatch):
+    """integrations.precompile: rounds until the steps request nothing (a step stops at its
+    first missing kernel: a forward, then its backward), every round's requests compiled
+    in one pool (its processes start once), the seconds of each round reported."""
+    from linattn.ops import gdn, runtime
+    p1 = dict(H=2, HV=4, K=64, V=64, dtype="bfloat16")
+    p2 = dict(p1, block_v=32)
+    pools, rounds = [], []
+
+    class Pool:
+        def __enter__(self):
+            pools.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    def precompile(jobs, load=False, pool=None):      # (loads each: the memo holds it)
+        rounds.append((sorted(j[1] for j in jobs), pool, load))
+        for j in jobs:
+            runtime._KERNELS[runtime._key(*j[:3], j[3])] = (None, ())
+        return []
+    monkeypatch.setattr(runtime, "_KERNELS", {})
+    monkeypatch.setattr(runtime, "compile_pool", lambda workers=None: Pool())
+    monkeypatch.setattr(runtime, "precompile", precompile)
+
+    def step():                                        # a forward, then its backward
+        runtime.compile_stage(gdn.SPEC, "chunk_output", "sm90", p1)
+        runtime.announce(gdn.SPEC, "sm90", {"chunk_state": p2, "chunk_wu": p1})
+    res = integrations.precompile(step, lambda: runtime.compile_stage(gdn.SPEC, "chunk_output",
+                                                                      "sm90", p1))
+    assert [r[0] for r in rounds] == [["chunk_output", "chunk_output"],
+                                      ["chunk_state", "chunk_wu"]]
+    assert len(pools) == 1 and all(r[1] is pools[0] and r[2] for r in rounds)
+    assert (res["requests"], res["rounds"], res["errors"]) == (4, 3, [])
+    assert len(res["steps_s"]) == 3 and len(res["compile_s"]) == 2
