@@ -12,8 +12,9 @@
   by its text's hash: a file never changes once written (TileLang reads the source when
   it builds), whatever other processes or linattn versions share the folder.
 * Compiles go through ``tilelang.compile`` with the arch's target for the device at hand
-  (:func:`compile_target`), so TileLang's on-disk cache applies (``TILELANG_CACHE_DIR`` honoured by TileLang); in-process, kernels are
-  memoised per (arch, spec hash, stage, parameters).
+  (:func:`compile_target`), so TileLang's on-disk cache applies (``TILELANG_CACHE_DIR``
+  honoured by TileLang); in-process, kernels are memoised per (arch, spec hash, stage,
+  parameters).
 """
 from __future__ import annotations
 
