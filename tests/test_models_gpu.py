@@ -95,11 +95,13 @@ def warm_steps(m) -> list:
                 p.logits("linattn", x[:, a:b])
         elif gdn_layer(p.linattn) is not None:
             gdn_layer(p.linattn)(packed_hidden(p), cu_seq_lens_q=cu.int())
-    steps = [lambda: p.logits("linattn", tokens(2, 300)), train_step, packed,
-             lambda: M.greedy(p.linattn, tokens(1, 70), 2, p.within("linattn"))]
-    if m.name in M.HF:                     # (test_logits_match_torch_path_fp32)
-        steps.append(lambda: torch.no_grad()(m.fp32)(tokens(2, 16)))
-    return steps
+
+    @torch.no_grad()
+    def fp32():                            # (test_logits_match_torch_path_fp32)
+        if m.name in M.HF:
+            m.fp32(tokens(2, 16))
+    return [lambda: p.logits("linattn", tokens(2, 300)), train_step, packed, fp32,
+            lambda: M.greedy(p.linattn, tokens(1, 70), 2, p.within("linattn"))]
 
 
 def test_logits_match_fla(models):
