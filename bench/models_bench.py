@@ -8,8 +8,13 @@ B x T tokens). transformers' models (Qwen3.5, Kimi Linear, Qwen3-Next, OLMo-hybr
 fla's functions (their default) and on linattn (integrations.kernelize); fla's models
 (GatedDeltaNet, KDA, GLA) as they are and under integrations.apply_linattn_to_fla.
 
-Before timing, the two sides must agree (prefill logits within 5%, the loss within 1%):
-``ok`` records it. Device time: per call, the union of its kernels' intervals (CUPTI via
+Before timing, linattn must agree with fla, ``ok`` in linattn's entry records it: the
+prefill's last logits of each side (bf16) are measured against the fp32 twin of fla's side
+(the same weights, fla's functions at fp32), ``logits_err`` each, and linattn's must be
+within twice fla's (+ 1e-3), as tests/test_models_gpu.py does. linattn against fla
+directly (``vs_fla``) adds up both sides' bf16 drift from fp32 (which a deep model with MoE
+routing amplifies over a long prompt) and has no scale of its own: run s34-1's Kimi Linear
+reported it, 0.115, as both sides' error. train: the loss within 1% of fla's. Device time: per call, the union of its kernels' intervals (CUPTI via
 torch.profiler, one profile per call, L2 flushed first), median; ``attn_ms`` the part in
 the linear-attention kernels (linattn's TileLang stages, fla.ops' Triton kernels), per
 kernel summed; ``wall_ms`` CUDA-event time around the call. Rows are written to --out
@@ -122,11 +127,29 @@ def tokens(B, T, vocab, seed):
     return torch.randint(1, vocab, (B, T), generator=g).cuda()
 
 
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def prefill_check(pair, x) -> dict:
+    """The last position's prefill logits of each side (bf16) against the fp32 twin of
+    fla's side (its weights exactly, fla's functions at fp32): {"linattn": error, "fla":
+    error, "vs_fla": linattn against fla, "ok": linattn's error within 2 x fla's + 1e-3}."""
+    got = {side: pair.logits(side, x)[:, -1] for side in ("linattn", "fla")}
+    ref_model = M.twin(pair.fla).float()
+    ref = M.last_logits(ref_model, x, pair.within("fla"))
+    del ref_model
+    errs = {side: rel(logits, ref) for side, logits in got.items()}
+    return dict(errs, vs_fla=rel(got["linattn"], got["fla"]),
+                ok=errs["linattn"] <= 2 * errs["fla"] + 1e-3)
+
+
 def generate_row(pair, vocab):
-    """Prefill logits agree, then each side's prefill + NEW-token decode timed."""
+    """Prefill logits checked (prefill_check), then each side's prefill + NEW-token decode
+    timed."""
     x = tokens(1, PROMPT, vocab, seed=1)
-    a, b = (pair.logits(side, x)[:, -1] for side in ("linattn", "fla"))
-    err = float((a - b).norm() / b.norm())
+    check = prefill_check(pair, x)
+    torch.cuda.empty_cache()
     out = {}
     for side, attn in (("linattn", linattn_kernel), ("fla", fla_kernel)):
         model = getattr(pair, side)
@@ -134,7 +157,8 @@ def generate_row(pair, vocab):
             ms, attn_ms, wall = device_ms(lambda: M.greedy(model, x, NEW), *ITERS["generate"],
                                           attn=attn)
         out[side] = dict(ms=round(ms, 3), attn_ms=round(attn_ms, 3), wall_ms=round(wall, 3),
-                         ok=err < 5e-2, logits_err=round(err, 5))
+                         logits_err=round(check[side], 5))
+    out["linattn"].update(ok=check["ok"], vs_fla=round(check["vs_fla"], 5))
     return out
 
 
@@ -160,20 +184,32 @@ def train_row(pair, vocab):
         model.eval()
         del opt
         out[side] = dict(ms=round(ms, 3), attn_ms=round(attn_ms, 3), wall_ms=round(wall, 3),
-                         ok=err < 1e-2, loss=round(losses[side], 5))
+                         loss=round(losses[side], 5))
+    out["linattn"]["ok"] = err < 1e-2
     return out
 
 
-def warm(pair, vocab):
-    """Compile linattn's kernels for both tasks in parallel (integrations.precompile)."""
-    x = tokens(1, 256, vocab, seed=3)
+def warm(pair, vocab, tasks):
+    """Compile linattn's kernels for the tasks at the rows' own shapes, in parallel
+    (integrations.precompile): a kernel's plan depends on the shape (Gated DeltaNet at B
+    1, T 256 plans the walk, at 4096 tokens the walk split into segments; the backward's
+    stages follow the sequences x heads), so a warm-up at another shape left the rows to
+    compile their kernels one by one. Returns precompile's report (per round: seconds
+    running the steps, seconds compiling)."""
+    steps = []
+    if "train" in tasks:               # (train_row: the loss without grad, then the steps)
+        x = tokens(TRAIN_B, TRAIN_T, vocab, seed=3)
 
-    def step():
-        with pair.within("linattn")():
-            pair.linattn.train()
-            pair.linattn(x, labels=x).loss.backward()
-    res = integrations.precompile(step, lambda: M.greedy(pair.linattn, x, 2,
-                                                         pair.within("linattn")))
+        def step():
+            with pair.within("linattn")():
+                pair.linattn.train()
+                pair.linattn(x, labels=x).loss.backward()
+        steps += [lambda: pair.logits("linattn", x), step]
+    if "generate" in tasks:            # (generate_row: the prefill's logits, then greedy)
+        prompt = tokens(1, PROMPT, vocab, seed=3)
+        steps += [lambda: pair.logits("linattn", prompt),
+                  lambda: M.greedy(pair.linattn, prompt, 2, pair.within("linattn"))]
+    res = integrations.precompile(*steps)
     pair.linattn.zero_grad(set_to_none=True)
     pair.linattn.eval()
     return res
@@ -184,8 +220,10 @@ def run_model(name, tasks, emit):
     t0 = time.monotonic()
     pair = M.Pair(name, dtype=torch.bfloat16, device="cuda", **dims)
     params = round(sum(p.numel() for p in pair.fla.parameters()) / 1e6)
-    print(f"{name}: {params} M parameters, built in {time.monotonic() - t0:.0f} s; "
-          f"precompile {warm(pair, dims['vocab'])} ({time.monotonic() - t0:.0f} s)", flush=True)
+    t1 = time.monotonic()
+    pre = warm(pair, dims["vocab"], tasks)
+    print(f"{name}: {params} M parameters, built in {t1 - t0:.0f} s; precompile {pre} "
+          f"({time.monotonic() - t1:.0f} s)", flush=True)
     for task in tasks:
         t1 = time.monotonic()
         shape = (f"B1 prompt {PROMPT} + {NEW} new" if task == "generate"
@@ -212,7 +250,7 @@ def table(rows) -> str:
         la, fl = i["linattn"], i["fla"]
         out.append(f"{r['model']:<12} {r['task']:<9} {la['ms']:>10.2f} {fl['ms']:>8.2f} "
                    f"{fl['ms'] / la['ms']:>6.2f}x {la['attn_ms']:>10.2f} / {fl['attn_ms']:<9.2f}"
-                   f"  {la['ok'] and fl['ok']}")
+                   f"  {la['ok']}")
     return "\n".join(out)
 
 

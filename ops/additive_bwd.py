@@ -438,6 +438,7 @@ def check_trainable(spec, options: Options, q, k, v, g, initial_state, cu_seqlen
                         f"{None if g is None else tuple(g.shape)}")
     if cu_seqlens is not None and B != 1:
         raise SpecError(f"cu_seqlens needs B == 1, got B={B}")
+    runtime.check_training(q.device, spec.rule.value, spec.gate.value, what)
 
 
 def _effective(spec, options: Options, q, k, g, A_log, dt_bias):

@@ -221,6 +221,9 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
         raise SpecError(f"{what} does not support {unsupported} (yet)")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise SpecError(f"cu_seqlens needs B == 1, got B={q.shape[0]}")
+    from . import runtime
+    runtime.check_training(q.device, "delta", "key" if keyed else "scalar" if gated else "none",
+                           what)
 
 
 def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h, kept):

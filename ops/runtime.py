@@ -11,9 +11,10 @@
   (``$LINATTN_GEN_DIR`` or ``~/.cache/linattn/generated``), one file a rendering named
   by its text's hash: a file never changes once written (TileLang reads the source when
   it builds), whatever other processes or linattn versions share the folder.
-* Compiles go through ``tilelang.compile`` with the arch's target, so TileLang's on-disk
-  cache applies (``TILELANG_CACHE_DIR`` honoured by TileLang); in-process, kernels are
-  memoised per (arch, spec hash, stage, parameters).
+* Compiles go through ``tilelang.compile`` with the arch's target for the device at hand
+  (:func:`compile_target`), so TileLang's on-disk cache applies (``TILELANG_CACHE_DIR``
+  honoured by TileLang); in-process, kernels are memoised per (arch, spec hash, stage,
+  parameters).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import importlib
 import os
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
+from ..codegen import arch as arches
 from ..codegen.arch import DEFAULT_ARCH, arch_for_capability, describe, get_arch
 from ..dsl import OpSpec, SpecError
 
@@ -31,6 +34,7 @@ _KERNELS: dict = {}
 _MODULES: dict = {}
 _PLACEHOLDERS: dict = {}
 _ARCH_BY_DEVICE: dict = {}
+_DEVICES: dict = {}
 _LOCK = threading.Lock()
 
 
@@ -45,19 +49,68 @@ def device_error(name: str, device, q_device=None) -> SpecError:
                      f"({describe()}): put every input on it")
 
 
-def device_arch(device) -> str:
-    """Arch name for a CUDA device (codegen.arch.arch_for_capability, once per device);
-    clear error otherwise. A test may force a device's arch by setting its entry of
-    _ARCH_BY_DEVICE (tests/conftest.py force_arch)."""
+class DeviceFacts(NamedTuple):
+    """What the runtime reads of a CUDA device: its name, compute capability (major,
+    minor) and the shared memory a CTA may opt in to (bytes)."""
+    name: str
+    capability: tuple
+    smem_per_block: int
+
+
+def device_facts(index: int) -> DeviceFacts:
+    """The facts of CUDA device ``index``, read once (a test may set its entry of
+    _DEVICES to fake a device)."""
+    if index not in _DEVICES:
+        import torch
+        p = torch.cuda.get_device_properties(index)
+        _DEVICES[index] = DeviceFacts(p.name, (p.major, p.minor),
+                                      p.shared_memory_per_block_optin)
+    return _DEVICES[index]
+
+
+def _index(device) -> int:
     import torch
     device = torch.device(device)
     if device.type != "cuda":
         raise device_error("q", device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_arch(device) -> str:
+    """Arch name for a CUDA device (codegen.arch.arch_for_capability, once per device);
+    clear error otherwise. A test may force a device's arch by setting its entry of
+    _ARCH_BY_DEVICE (tests/conftest.py force_arch)."""
+    index = _index(device)
     if index not in _ARCH_BY_DEVICE:
-        major, minor = torch.cuda.get_device_capability(index)
-        _ARCH_BY_DEVICE[index] = arch_for_capability(major, minor)
+        _ARCH_BY_DEVICE[index] = arch_for_capability(*device_facts(index).capability)
     return _ARCH_BY_DEVICE[index]
+
+
+def compile_target(arch: str) -> dict:
+    """The TileLang target ``arch``'s kernels compile for in this process: for its current
+    CUDA device (codegen.arch.compile_target: sm80's plans on an H100, as tests force them,
+    compile for sm_90), the arch's own TARGET where there is no GPU (compiling ahead)."""
+    import torch
+    if not torch.cuda.is_available():
+        return arches.compile_target(arch)
+    return arches.compile_target(arch, device_facts(torch.cuda.current_device()).capability)
+
+
+def check_training(device, rule: str, gate: str, what: str) -> None:
+    """Refuse a training call of a (rule, gate) spec (``what``: "the KDA backward") on a
+    device that gives a CTA less shared memory than its arch's backward kernels take
+    (hardware.BACKWARD_SMEM_BYTES: sm80's delta rule on an 8.6 / 8.9 card, 99 KB), before
+    any kernel runs; CPU tensors pass."""
+    if not str(device).startswith("cuda"):
+        return
+    facts, hw = device_facts(_index(device)), get_arch(device_arch(device)).hardware
+    need = hw.BACKWARD_SMEM_BYTES.get((rule, gate), hw.SMEM_BYTES)
+    if facts.smem_per_block < need:
+        raise SpecError(
+            f"{what} does not run on {facts.name} (compute capability "
+            f"{'.'.join(map(str, facts.capability))}, {facts.smem_per_block / 1024:g} KB of "
+            f"shared memory a block): {hw.NAME}'s backward kernels for it take "
+            f"{need / 1024:.1f} KB; inference runs there")
 
 
 def arch_of(device) -> str:
@@ -137,15 +190,17 @@ def get_kernel(spec: OpSpec, stage: str, arch: str, sizes: dict | None = None, *
     return compile_stage(spec, stage, arch, params), stage_module(spec, stage, arch), params
 
 
-def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict):
+def compile_stage(spec: OpSpec, stage: str, arch: str, params: dict, target=None):
     """The compiled kernel of ``stage`` for ``spec`` at exactly ``params`` (all build()
     keywords, tuning included), memoised per process; TileLang's disk cache makes a
-    repeat across processes cheap. Every kernel of linattn is compiled here."""
-    return _compiled(spec, stage, arch, params)[0]
+    repeat across processes cheap. Every kernel of linattn is compiled here. target: the
+    TileLang target (None: :func:`compile_target`'s, this process's device's)."""
+    return _compiled(spec, stage, arch, params, target)[0]
 
 
-def _compiled(spec: OpSpec, stage: str, arch: str, params: dict):
-    """(kernel, its argument names in order), memoised."""
+def _compiled(spec: OpSpec, stage: str, arch: str, params: dict, target=None):
+    """(kernel, its argument names in order), memoised (per arch: one target an arch in
+    a process)."""
     key = _key(spec, stage, arch, params)
     hit = _KERNELS.get(key)
     if hit is not None:
@@ -157,7 +212,7 @@ def _compiled(spec: OpSpec, stage: str, arch: str, params: dict):
     module = stage_module(spec, stage, arch)
     func = module.build(**params)
     kernel = tilelang.compile(func, out_idx=module.out_idx(**params),
-                              target=get_arch(arch).TARGET,
+                              target=target or compile_target(arch),
                               pass_configs=module.pass_configs(**params) or None)
     entry = (kernel, arg_names(func))
     with _LOCK:
@@ -251,35 +306,46 @@ def recording():
         _RECORDING = prev
 
 
-def _compile_job(job):
+def _compile_job(job, target=None):
     import time
     spec, stage, arch, params = job
     t0 = time.time()
     try:
-        compile_stage(spec, stage, arch, params)
+        compile_stage(spec, stage, arch, params, target)
         return None, time.time() - t0
     except Exception as e:  # reported, never raised: the caller decides
         return f"{spec.name}/{stage} {params}: {type(e).__name__}: {e}"[:500], time.time() - t0
 
 
-def precompile(jobs, workers: int | None = None, load: bool = False) -> list:
+def precompile(jobs, workers: int | None = None, load: bool = False, pool=None) -> list:
     """Compile (spec, stage, arch, params) jobs (recording()'s) in parallel processes so
     TileLang's disk cache holds them; later compiles of the same params in this process
     are cache hits. Duplicates are compiled once. load: also load each compiled one into
     this process (disk cache hits), so a later recording() runs past them (a training
-    step's forward, then its backward). Returns the error strings (empty when every job
-    compiled). The one parallel compile of linattn: every precompile uses it."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
+    step's forward, then its backward). pool: a :func:`compile_pool` to reuse (rounds of
+    requests: its processes start once); else one of ``workers`` for these jobs. Returns
+    the error strings (empty when every job compiled). The one parallel compile of
+    linattn: every precompile uses it."""
     todo = list({_key(*j[:3], j[3]): j for j in jobs}.values())
     if not todo:
         return []
-    workers = workers or max(1, min(len(todo), os.cpu_count() or 2))
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        errors = [err for err, _ in pool.map(_compile_job, todo) if err]
+    if pool is None:
+        with compile_pool(workers or min(len(todo), os.cpu_count() or 2)) as own:
+            return precompile(todo, load=load, pool=own)
+    targets = [compile_target(j[2]) for j in todo]      # (this process's device's)
+    errors = [err for err, _ in pool.map(_compile_job, todo, targets) if err]
     if load:
         errors += [err for err in (_compile_job(j)[0] for j in todo) if err]
     return errors
+
+
+def compile_pool(workers: int | None = None):
+    """The processes :func:`precompile` compiles in (spawned: a fresh interpreter each, no
+    CUDA context inherited), ``workers`` of them (default: the CPUs); a context manager."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    return cf.ProcessPoolExecutor(max(1, workers or os.cpu_count() or 2),
+                                  mp_context=mp.get_context("spawn"))
 
 
 def placeholder(device, dtype):

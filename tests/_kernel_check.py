@@ -48,7 +48,7 @@ def fake_compiles(monkeypatch, body=None, calls=None):
     from linattn.ops import runtime
     fakes = {}
 
-    def fake(spec, stage, arch, params):
+    def fake(spec, stage, arch, params, target=None):
         key = (spec.name, stage, tuple(sorted(params.items())))
         if key not in fakes:
             func = runtime.stage_module(spec, stage, arch).build(**params)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+from test_dplr_gpu import FLA_FUNCTIONS, fla_args
+from test_dplr_gpu import _case as gpu_case
 
 import linattn
 from linattn.dsl import Options, SpecError
@@ -83,3 +85,22 @@ def test_generated_decode_kernels_take_a_and_b():
     iplr = import_module("linattn.generated.sm90.iplr.recurrent")
     assert dplr.args()[:6] == ["q", "k", "v", "g", "a", "b"]
     assert iplr.args()[:5] == ["q", "k", "v", "a", "b"]
+
+
+
+@pytest.mark.parametrize("fn", list(FLA_FUNCTIONS))
+def test_fla_comparison_binds_fla_arguments(fn):
+    """tests/test_dplr_gpu.py test_against_fla's call, on CPU tensors: its inputs (IPLR's
+    without a gate) bind to fla's parameters of their names (RWKV-7: r, w, k, v, a, b;
+    DPLR: q, k, v, a, b, gk; IPLR: q, k, v, a, b), and to linattn's alike."""
+    import inspect
+    pytest.importorskip("fla.ops")
+    import fla.ops.generalized_delta_rule as gdr
+    import fla.ops.rwkv7 as rwkv7
+    fam = FLA_FUNCTIONS[fn]
+    _, t = gpu_case(fam, 1, 8, 2, 16, 16, "float32", device="cpu")
+    args = fla_args(fn, fam, t)
+    want = (["r", "w", "k", "v", "a", "b"] if "rwkv7" in fn else
+            ["q", "k", "v", "a", "b"] + (["gk"] if fam == "dplr" else []))
+    for f in (getattr(rwkv7 if "rwkv7" in fn else gdr, fn), getattr(linattn, fn)):
+        assert list(inspect.signature(f).bind(*args).arguments) == want, f

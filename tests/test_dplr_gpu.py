@@ -27,7 +27,9 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _case(fam, B, T, H, K, V, dtype, cu=None, seed=0):
+def _case(fam, B, T, H, K, V, dtype, cu=None, seed=0, device="cuda"):
+    """(x: NumPy fp64 inputs of the recurrence, t: the same as tensors on ``device``, g and
+    the initial state f32, the rest in ``dtype``; IPLR has no g)."""
     rng = np.random.default_rng(seed)
     x = random_inputs(get_spec(fam), Options(), B, T, H, H, K, V, rng, cu_seqlens=cu)
     kk = x["a"]                                          # unit keys
@@ -36,11 +38,26 @@ def _case(fam, B, T, H, K, V, dtype, cu=None, seed=0):
     for n, a in x.items():
         if a is None or n == "cu_seqlens":
             continue
-        t[n] = torch.tensor(a).to(torch.float32 if n in ("g", "initial_state") else dt).cuda()
+        t[n] = torch.tensor(a).to(torch.float32 if n in ("g", "initial_state") else dt)
+        t[n] = t[n].to(device)
         x[n] = t[n].double().cpu().numpy()
     if cu is not None:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32).cuda()
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
     return x, t
+
+
+#: test_against_fla's functions: name -> family
+FLA_FUNCTIONS = {"chunk_rwkv7": "dplr", "fused_recurrent_rwkv7": "dplr",
+                 "chunk_dplr_delta_rule": "dplr", "fused_recurrent_iplr_delta_rule": "iplr"}
+
+
+def fla_args(fn, fam, t) -> tuple:
+    """``fn``'s positional tensors in fla's order from _case's ``t`` (of family ``fam``):
+    RWKV-7 (r, w, k, v, a, b), DPLR (q, k, v, a, b, gk), IPLR (q, k, v, a, b: no gate)."""
+    q, k, v, a, b = (t[n] for n in ("q", "k", "v", "a", "b"))
+    if "rwkv7" in fn:
+        return q, t["g"], k, v, a, b
+    return (q, k, v, a, b, t["g"]) if fam == "dplr" else (q, k, v, a, b)
 
 
 @pytest.mark.parametrize("fn, fam", [
@@ -58,35 +75,35 @@ def test_against_fp64(fn, fam, dtype, shape):
     want_o, want_h = recurrent_forward(get_spec(fam), scale=scale, **x)
     kw = dict(initial_state=t["initial_state"], output_final_state=True,
               cu_seqlens=t.get("cu_seqlens"))
-    q, k, v, a, b = (t[n] for n in ("q", "k", "v", "a", "b"))
-    before = [z.clone() for z in (q, k, v, a, b)]
-    if "rwkv7" in fn:
-        o, ht = getattr(linattn, fn)(q, t["g"], k, v, a, b, **kw)
-    else:
-        o, ht = getattr(linattn, fn)(q, k, v, a, b, *([t["g"]] if fam == "dplr" else []), **kw)
+    args = fla_args(fn, fam, t)
+    before = [z.clone() for z in args]
+    o, ht = getattr(linattn, fn)(*args, **kw)
     torch.cuda.synchronize()
     assert _rel(o.cpu(), want_o) < TOL[dtype]
     assert _rel(ht.cpu(), want_h) < TOL[dtype]
-    assert all(torch.equal(z, y) for z, y in zip(before, (q, k, v, a, b)))
+    assert all(torch.equal(z, y) for z, y in zip(before, args))
 
 
-@pytest.mark.parametrize("fn", ["chunk_rwkv7", "fused_recurrent_rwkv7",
-                                "chunk_dplr_delta_rule", "fused_recurrent_iplr_delta_rule"])
+@pytest.mark.parametrize("fn", list(FLA_FUNCTIONS))
 def test_against_fla(fn):
-    """fla's own function on the same inputs (RWKV-7 1.5B-7B heads: K = V = 64)."""
+    """fla's own function on the same inputs (RWKV-7 1.5B-7B heads: K = V = 64): both
+    against the fp64 recurrence, linattn's error within 1.5 x fla's (or 1e-2); fla's below
+    5e-2, so that the bound means something (inputs read alike)."""
     pytest.importorskip("fla.ops")
     import fla.ops.generalized_delta_rule as gdr
     import fla.ops.rwkv7 as rwkv7
-    fam = "iplr" if "iplr" in fn else "dplr"
+    fam = FLA_FUNCTIONS[fn]
     x, t = _case(fam, 2, 256, 4, 64, 64, "bfloat16")
-    q, k, v, a, b, g = (t[n] for n in ("q", "k", "v", "a", "b", "g"))
-    args = ((q, g, k, v, a, b) if "rwkv7" in fn else
-            (q, k, v, a, b) + ((g,) if fam == "dplr" else ()))
+    args = fla_args(fn, fam, t)
     kw = dict(initial_state=t["initial_state"], output_final_state=True)
     o, ht = getattr(linattn, fn)(*args, **kw)
     theirs = getattr(rwkv7 if "rwkv7" in fn else gdr, fn)
     fo, fht = theirs(*args, **kw)
     want_o, want_h = recurrent_forward(get_spec(fam), scale=1.0 if fn == "chunk_rwkv7"
                                        else None, **x)
-    assert _rel(o.cpu(), want_o) <= max(1e-2, 1.5 * _rel(fo.float().cpu(), want_o))
-    assert _rel(ht.cpu(), want_h) <= max(1e-2, 1.5 * _rel(fht.float().cpu(), want_h))
+    errs = {"o": (_rel(o.cpu(), want_o), _rel(fo.float().cpu(), want_o)),
+            "ht": (_rel(ht.cpu(), want_h), _rel(fht.float().cpu(), want_h))}
+    print(f"{fn}: (linattn, fla) errors vs fp64 {errs}")
+    for ours, fla_err in errs.values():
+        assert fla_err < 5e-2
+        assert ours <= max(1e-2, 1.5 * fla_err)

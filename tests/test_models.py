@@ -288,7 +288,71 @@ def test_models_bench_sorts_kernels_and_prints_rows(fla_layers):
     assert B.fla_kernel("chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
     assert not B.fla_kernel("rms_norm_fwd_kernel") and set(B.MODELS) == set(M.HF + M.FLA)
     row = dict(model="qwen3_5", task="train", impls={
-        "linattn": dict(ms=10.0, attn_ms=2.0, ok=True), "fla": dict(ms=12.5, attn_ms=4.0, ok=True)})
+        "linattn": dict(ms=10.0, attn_ms=2.0, ok=True), "fla": dict(ms=12.5, attn_ms=4.0)})
     bad = dict(model="fla_gla", task="generate", impls={"error": "RuntimeError: x"})
     lines = B.table([row, bad]).splitlines()
     assert "1.25x" in lines[1] and lines[1].endswith("True") and "ERROR RuntimeError" in lines[2]
+
+
+def test_models_bench_prefill_check(hf, hopper, cpu_ops):
+    """bench/models_bench.py prefill_check on a tiny Kimi Linear (bf16 on the CPU: fla's
+    side transformers' torch path, linattn's the fp64 reference): each side's error against
+    the fp32 twin, its own (fla's unchanged when linattn's KDA output is 5% off); linattn
+    ok within twice fla's, and not ok when off."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import models_bench as B
+    pair, x = M.Pair("kimi_linear", device="cpu"), tokens(1, 70)
+    check = B.prefill_check(pair, x)
+    print(check)
+    assert check["ok"] and 0 < check["fla"] < 5e-2 and cpu_ops == [("kda", "chunk")]
+    kda = linattn.chunk_kda
+
+    @functools.wraps(kda)                    # (the slot passes the keywords kda declares)
+    def off(*a, **kw):
+        o, state = kda(*a, **kw)
+        return o * 1.05, state
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linattn, "chunk_kda", off)
+        bad = B.prefill_check(pair, x)
+    print(bad)
+    assert not bad["ok"] and bad["linattn"] > 2 * bad["fla"] and bad["fla"] == check["fla"]
+
+
+
+def test_integrations_precompile_rounds_share_one_pool(monkeypatch):
+    """integrations.precompile: rounds until the steps request nothing (a step stops at its
+    first missing kernel: a forward, then its backward), every round's requests compiled
+    in one pool (its processes start once), the seconds of each round reported."""
+    from linattn.ops import gdn, runtime
+    p1 = dict(H=2, HV=4, K=64, V=64, dtype="bfloat16")
+    p2 = dict(p1, block_v=32)
+    pools, rounds = [], []
+
+    class Pool:
+        def __enter__(self):
+            pools.append(self)
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    def precompile(jobs, load=False, pool=None):      # (loads each: the memo holds it)
+        rounds.append((sorted(j[1] for j in jobs), pool, load))
+        for j in jobs:
+            runtime._KERNELS[runtime._key(*j[:3], j[3])] = (None, ())
+        return []
+    monkeypatch.setattr(runtime, "_KERNELS", {})
+    monkeypatch.setattr(runtime, "compile_pool", lambda workers=None: Pool())
+    monkeypatch.setattr(runtime, "precompile", precompile)
+
+    def step():                                        # a forward, then its backward
+        runtime.compile_stage(gdn.SPEC, "chunk_output", "sm90", p1)
+        runtime.announce(gdn.SPEC, "sm90", {"chunk_state": p2, "chunk_wu": p1})
+    res = integrations.precompile(step, lambda: runtime.compile_stage(gdn.SPEC, "chunk_output",
+                                                                      "sm90", p1))
+    assert [r[0] for r in rounds] == [["chunk_output", "chunk_output"],
+                                      ["chunk_state", "chunk_wu"]]
+    assert len(pools) == 1 and all(r[1] is pools[0] and r[2] for r in rounds)
+    assert (res["requests"], res["rounds"], res["errors"]) == (4, 3, [])
+    assert len(res["steps_s"]) == 3 and len(res["compile_s"]) == 2

@@ -62,22 +62,46 @@ class Models:
 
 @pytest.fixture(scope="module")
 def models(name):
-    """The models of ``name``, linattn's kernels compiled first in parallel (a training
-    step and a generation of the tests' shapes)."""
+    """The models of ``name``, linattn's kernels compiled first in parallel: one call of
+    each test's, at its shapes (a kernel's plan follows the shape: a test at shapes not
+    warmed would compile its kernels one by one)."""
     m = Models(name)
-    p, x = m.bf16, tokens(2, 80)
-
-    def step():
-        with p.within("linattn")(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-            p.linattn.train()
-            p.linattn(x, labels=x).loss.backward()
-    res = integrations.precompile(step, lambda: M.greedy(p.linattn, x[:1], 2,
-                                                         p.within("linattn")))
-    p.linattn.zero_grad(set_to_none=True)
-    p.linattn.eval()
+    res = integrations.precompile(*warm_steps(m))
+    for pair in (m.bf16, m.train):
+        pair.linattn.zero_grad(set_to_none=True)
+        pair.linattn.eval()
     print(f"{name}: precompiled {res}")
     assert not res["errors"], res["errors"][:3]
     return m
+
+
+def warm_steps(m) -> list:
+    """The tests' linattn calls (their inputs' shapes and dtypes), each a callable."""
+    p, t = m.bf16, m.train
+
+    def train_step():                      # (test_training_loss_curve_matches_fla)
+        x = tokens(2, 256, seed=5)
+        with t.within("linattn")(), torch.autocast(DEVICE, dtype=torch.bfloat16):
+            t.linattn.train()
+            t.linattn(x, labels=x).loss.backward()
+
+    @torch.no_grad()
+    def packed():                          # (test_packed_sequences)
+        cu = packed_cu()
+        if m.name in M.FLA:
+            x = tokens(1, sum(PACKED), seed=7)
+            p.logits("linattn", x, cu_seqlens=cu)
+            for a, b in zip(cu[:-1], cu[1:]):
+                p.logits("linattn", x[:, a:b])
+        elif gdn_layer(p.linattn) is not None:
+            gdn_layer(p.linattn)(packed_hidden(p), cu_seq_lens_q=cu.int())
+
+    @torch.no_grad()
+    def fp32():                            # (test_logits_match_torch_path_fp32)
+        if m.name in M.HF:
+            m.fp32(tokens(2, 16))
+    return [lambda: p.logits("linattn", tokens(2, 300)), train_step, packed, fp32,
+            lambda: M.greedy(p.linattn, tokens(1, 70), 2, p.within("linattn"))]
 
 
 def test_logits_match_fla(models):
@@ -148,16 +172,32 @@ def test_training_loss_curve_matches_fla(models):
     assert got[-1] < 0.8 * got[0] and want[-1] < 0.8 * want[0]
 
 
+PACKED = (100, 37, 140)
+
+
+def packed_cu():
+    return torch.tensor([0, *torch.tensor(PACKED).cumsum(0).tolist()], device=DEVICE)
+
+
+def packed_hidden(pair):
+    return torch.randn(1, sum(PACKED), pair.fla.config.hidden_size,
+                       generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
+
+
+def gdn_layer(model):
+    """The model's first Gated DeltaNet layer, or None (Kimi Linear)."""
+    return next((m for m in model.modules() if "GatedDeltaNet" in type(m).__name__), None)
+
+
 def test_packed_sequences(models):
     """fla's models: a packed batch (cu_seqlens) on linattn equals its sequences run one by
     one, and fla's packed logits within 2%. transformers' Gated DeltaNet layers take
     cu_seq_lens_q: one layer, linattn against fla (Kimi Linear does not pass it)."""
-    lens, pair = (100, 37, 140), models.bf16
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE)
+    pair, cu = models.bf16, packed_cu()
     if models.name == "kimi_linear":
         pytest.skip("transformers' Kimi Linear does not pass cu_seqlens to chunk_kda")
     if models.name in M.FLA:
-        x = tokens(1, sum(lens), seed=7)
+        x = tokens(1, sum(PACKED), seed=7)
         got = pair.logits("linattn", x, cu_seqlens=cu)
         want = pair.logits("fla", x, cu_seqlens=cu)
         one = torch.cat([pair.logits("linattn", x[:, a:b]) for a, b in zip(cu[:-1], cu[1:])],
@@ -166,13 +206,9 @@ def test_packed_sequences(models):
               f"{rel(got, want):.2e}")
         assert rel(got, one) < 2e-2 and rel(got, want) < 2e-2
         return
-    h = torch.randn(1, sum(lens), pair.fla.config.hidden_size,
-                    generator=torch.Generator().manual_seed(7)).to(DEVICE, torch.bfloat16)
-    outs = []
+    h, outs = packed_hidden(pair), []
     for side in ("linattn", "fla"):
-        layer = next(m for m in getattr(pair, side).modules()
-                     if "GatedDeltaNet" in type(m).__name__)
         with torch.no_grad():
-            outs.append(layer(h, cu_seq_lens_q=cu.int()))
+            outs.append(gdn_layer(getattr(pair, side))(h, cu_seq_lens_q=cu.int()))
     print(f"{models.name}: packed layer linattn vs fla {rel(*outs):.2e}")
     assert rel(*outs) < 2e-2

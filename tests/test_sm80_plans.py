@@ -5,6 +5,7 @@ kernel replaced by a fake checked against the sm80 module's traced signature and
 the stage's fp64 formula (tests/test_chunk_bwd.py install_fakes). The kernels themselves
 run on the GPU: tests/test_sm80_gpu.py."""
 import os
+import shutil
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ import torch
 import test_autograd
 import test_chunk_bwd
 from linattn.codegen import plan as stage_plan
-from linattn.codegen.arch import DEFAULT_ARCH, arch_for_capability, get_arch
+from linattn.codegen.arch import DEFAULT_ARCH, arch_for_capability, compile_target, get_arch
 from linattn.codegen.pipeline import AdditiveBackwardProblem
-from linattn.dsl import Options
+from linattn.dsl import Options, SpecError
 from linattn.dsl import torch_reference as tref
 from linattn.ops import additive_bwd, chunk, chunk_bwd, runtime
 from linattn.ops.api import has_chunked_forward
@@ -22,6 +23,11 @@ from linattn.ops.registry import get_spec, specs
 
 ARCH = "sm80"
 F64 = torch.float64
+KB = 1024
+H100 = runtime.DeviceFacts("NVIDIA H100 80GB HBM3", (9, 0), 227 * KB)
+A100 = runtime.DeviceFacts("NVIDIA A100-SXM4-80GB", (8, 0), 163 * KB)
+RTX_4090 = runtime.DeviceFacts("NVIDIA GeForce RTX 4090", (8, 9), 99 * KB)
+A6000 = runtime.DeviceFacts("NVIDIA RTX A6000", (8, 6), 99 * KB)
 
 
 def test_capabilities_and_default():
@@ -32,6 +38,144 @@ def test_capabilities_and_default():
     hw = get_arch(ARCH).hardware
     assert (hw.NAME, hw.TARGET["arch"], hw.FEATURES) == ("sm80", "sm_80", frozenset())
     assert get_arch("sm90").hardware.FEATURES >= {"wgmma", "tma", "setmaxnreg", "warpgroups"}
+
+
+def test_compile_target_follows_the_device():
+    """sm80's kernels: sm_80 code (mma.sync, cp.async), compiled to the device's own SM past
+    8.x (an sm_80 cubin does not load on an H100: CUDA_ERROR_NO_BINARY_FOR_GPU); sm90's
+    (wgmma, TMA: sm_90a) run on 9.x alone."""
+    sm_80 = {"kind": "cuda", "arch": "sm_80"}
+    assert compile_target(ARCH) == compile_target(ARCH, (8, 0)) == sm_80
+    assert compile_target(ARCH, (8, 6)) == compile_target(ARCH, (8, 9)) == sm_80
+    assert compile_target(ARCH, (9, 0)) == dict(sm_80, code=["sm_90"])
+    assert compile_target(ARCH, (12, 0)) == dict(sm_80, code=["sm_120"])
+    assert compile_target("sm90", (9, 0)) == compile_target("sm90") == \
+        {"kind": "cuda", "arch": "sm_90a"}
+    for arch, cap, serves in (("sm90", (8, 0), "9.x"), ("sm90", (10, 0), "9.x"),
+                              ("sm80", (7, 5), "8.x")):
+        with pytest.raises(SpecError, match=rf"^{arch}'s kernels do not run on compute "
+                                            rf"capability {cap[0]}\.{cap[1]} \(they serve "
+                                            rf"{serves}"):
+            compile_target(arch, cap)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """``fake_device(facts)``: CUDA device 0 (the current one) is ``facts`` to ops.runtime
+    (its arch, compile target, shared memory), on this machine without a GPU."""
+    def install(facts, arch=None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setitem(runtime._DEVICES, 0, facts)
+        if arch:
+            monkeypatch.setitem(runtime._ARCH_BY_DEVICE, 0, arch)
+        else:
+            monkeypatch.delitem(runtime._ARCH_BY_DEVICE, 0, raising=False)
+    return install
+
+
+@pytest.mark.parametrize("facts, arch, target", [
+    (H100, ARCH, {"kind": "cuda", "arch": "sm_80", "code": ["sm_90"]}),
+    (A100, None, {"kind": "cuda", "arch": "sm_80"}),
+    (H100, None, {"kind": "cuda", "arch": "sm_90a"})], ids=["forced-on-h100", "a100", "h100"])
+def test_kernels_compile_for_the_device(monkeypatch, fake_device, facts, arch, target):
+    """A call's kernels compile with the target of its arch on the device at hand (the sm80
+    arch forced on an H100, as tests/test_sm80_gpu.py does: sm_80 code for sm_90), and
+    precompile hands its workers this process's target."""
+    import tilelang
+    fake_device(facts, arch)
+    arch = runtime.device_arch("cuda:0")
+    assert arch == (ARCH if facts is not H100 or target.get("code") else "sm90")
+    targets = []
+    monkeypatch.setattr(tilelang, "compile", lambda func, target, **kw: targets.append(target))
+    monkeypatch.setattr(runtime, "_KERNELS", {})
+    spec = get_spec("gdn")
+    module = runtime.stage_module(spec, "chunk_kkt_inverse", arch)
+    params = dict(get_arch(arch).tuning("chunk_kkt_inverse", module.EXAMPLES[0]),
+                  **module.EXAMPLES[0])
+    runtime.compile_stage(spec, "chunk_kkt_inverse", arch, params)
+    assert targets == [target]
+    jobs = []
+
+    class Pool:                           # (no processes: the jobs and targets it is given)
+        def __init__(self, *a, **kw): pass
+        def __enter__(self): return self
+        def __exit__(self, *exc): pass
+        def map(self, fn, *its): return [jobs.append(a) or (None, 0.0) for a in zip(*its)]
+    import concurrent.futures
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    assert runtime.precompile([(spec, "chunk_kkt_inverse", arch, dict(params, BT=32))]) == []
+    assert [t for _, t in jobs] == [target]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_sm80_stage_compiles_for_sm90():
+    """An sm80 stage compiled for an H100 (compile_target(sm80, 9.0)): TileLang lowers it for
+    sm_80 (mma.sync, no wgmma or TMA: the sm80 kernel), nvcc builds its SASS for sm_90."""
+    spec = get_spec("gdn")
+    module = runtime.stage_module(spec, "chunk_kkt_inverse", ARCH)
+    params = dict(get_arch(ARCH).tuning("chunk_kkt_inverse", module.EXAMPLES[0]),
+                  **module.EXAMPLES[0])
+    kernel = runtime.compile_stage(spec, "chunk_kkt_inverse", ARCH, params,
+                                   target=compile_target(ARCH, (9, 0)))
+    src = kernel.get_kernel_source()
+    assert (kernel.target.attrs["arch"], list(kernel.target.attrs["code"])) == ("sm_80",
+                                                                                ["sm_90"])
+    assert "mma" in src and not any(w in src for w in ("wgmma", "tma_load", "cp.async.bulk"))
+
+
+DELTA_TRAINING = {  # fn: (what, its gate's inputs' shapes and dtypes)
+    "chunk_delta_rule": ("the DeltaNet backward", "none"),
+    "chunk_gated_delta_rule": ("the Gated DeltaNet backward", "scalar"),
+    "chunk_kda": ("the KDA backward", "key")}
+
+
+@pytest.mark.parametrize("fn, facts", [
+    *((fn, facts) for fn in sorted(DELTA_TRAINING) for facts in (RTX_4090, A6000)),
+    ("chunk_kda", A100)], ids=lambda x: x if isinstance(x, str) else ".".join(map(str, x[1])))
+def test_training_refused_where_the_backward_does_not_fit(monkeypatch, fake_device, fn,
+                                                          facts):
+    """The delta rule's training on an 8.6 / 8.9 card (99 KB of shared memory a block; its
+    sm80 backward takes 104-177 KB) and KDA's on the A100 (163 KB): refused in one line,
+    before any kernel is compiled or launched (the inputs are fake CUDA tensors)."""
+    import linattn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    what, gate = DELTA_TRAINING[fn]
+    need = get_arch(ARCH).hardware.BACKWARD_SMEM_BYTES[("delta", gate)]
+    fake_device(facts)
+    monkeypatch.setattr(runtime, "_compiled", lambda *a, **kw: pytest.fail("a kernel compiled"))
+    B, T, H, K = 1, 128, 2, 64
+    with FakeTensorMode():
+        x = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device="cuda",  # noqa: E731
+                                                     requires_grad=True)
+        q, k, v, beta = x(B, T, H, K), x(B, T, H, K), x(B, T, H, K), x(B, T, H)
+        g = {"none": (), "scalar": (x(B, T, H, dt=torch.float32),),
+             "key": (x(B, T, H, K, dt=torch.float32),)}[gate]
+    cap = ".".join(map(str, facts.capability))
+    with pytest.raises(SpecError, match=rf"^{what} does not run on {facts.name} \(compute "
+                                        rf"capability {cap}, {facts.smem_per_block // KB} KB "
+                                        rf"of shared memory a block\): sm80's backward "
+                                        rf"kernels for it take {need / KB:.1f} KB; inference "
+                                        r"runs there$"):
+        getattr(linattn, fn)(q, k, v, *g, beta)
+
+
+@pytest.mark.parametrize("facts, arch", [(RTX_4090, None), (A100, None), (H100, None),
+                                         (H100, ARCH)], ids=["8.9", "8.0", "9.0", "9.0-sm80"])
+def test_training_allowed_where_the_backward_fits(fake_device, facts, arch):
+    """Where every stage fits: each (rule, gate) on the A100 but KDA, the additive rule's
+    on 8.6 / 8.9 too (GLA's backward 96 KB), everything on an H100 (sm90, or the sm80 arch
+    forced there: 227 KB, as tests/test_sm80_gpu.py trains)."""
+    fake_device(facts, arch)
+    table = get_arch(runtime.device_arch("cuda:0")).hardware.BACKWARD_SMEM_BYTES
+    allowed = [k for k in get_arch(ARCH).hardware.BACKWARD_SMEM_BYTES
+               if table.get(k, 0) <= facts.smem_per_block]
+    assert allowed == ([k for k in table if k[0] == "additive"] if facts is RTX_4090 else
+                       [k for k in table if k != ("delta", "key")] if facts is A100 else
+                       list(get_arch(ARCH).hardware.BACKWARD_SMEM_BYTES))
+    for rule, gate in allowed:
+        runtime.check_training(torch.device("cuda", 0), rule, gate, "training")
 
 
 def test_sm80_modules_are_its_own():
@@ -111,9 +255,9 @@ def test_sm80_delta_training_backward_emulated(monkeypatch, rng, case):
     seen = []
     inner = runtime._compiled
 
-    def spy(spec, stage, arch, params):
+    def spy(spec, stage, arch, params, target=None):
         seen.append(arch)
-        return inner(spec, stage, arch, params)
+        return inner(spec, stage, arch, params, target)
     monkeypatch.setattr(runtime, "_compiled", spy)
     test_autograd.test_gradients_match_fp64_autograd(fakes, rng, *case)
     assert seen and set(seen) == {ARCH}, set(seen)

@@ -3,9 +3,9 @@ capabilities 8.x) and the placement model the plans' cost rules share: CTAs of o
 kernel, one per SM, each starting as an SM frees up.
 
 The numbers are the A100's (108 SMs, 164 KB of shared memory an SM, 163 KB a CTA). An
-RTX 30xx / A6000 (8.6) or L40S / RTX 4090 (8.9) has 99 KB a CTA: a plan's kernel needing
-more fails to launch there (none of the default plans measured so far, see the compile
-report of tests/test_compile_sm80.py); their own numbers are a module like this one.
+RTX 30xx / A6000 (8.6) or L40S / RTX 4090 (8.9) has 99 KB a CTA: the default forward
+plans fit (80 KB at most), the delta rule's backward does not (BACKWARD_SMEM_BYTES:
+training refused there); their own numbers would be a module like this one.
 """
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ NUM_SMS = 108                   # A100
 MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 SMEM_BYTES = 163 * 1024         # dynamic shared memory a CTA may use (A100)
 SMEM_PER_SM = 164 * 1024        # shared memory of one SM (its CTAs' claims, 1 KB each more)
+#: the training backward's shared memory a CTA (bytes; its largest stage, default plans at
+#: K = V = 128 bf16, sm_80 lowering) by (rule, gate): ops.runtime.check_training refuses
+#: training on a device that gives a CTA less. The delta rule's exceed an 8.6 / 8.9 card's
+#: 99 KB (DeltaNet's chunk_bwd_wy 104.2 KB, Gated DeltaNet's chunk_bwd_dqkw 153.8 KB) and
+#: KDA's the A100's 163 KB (chunk_bwd_dqkw 176.5 KB: its sm80 tiles are not written yet);
+#: the additive rule's fit both (GLA's chunk_bwd_dqkvg 96 KB; linear attention, simple GLA,
+#: retention 64.5 KB; a value gate trains as its key twin). The forward's: 80 KB at most.
+BACKWARD_SMEM_BYTES = {("delta", "none"): 106752, ("delta", "scalar"): 157440,
+                       ("delta", "key"): 180736, ("additive", "none"): 65536,
+                       ("additive", "scalar"): 66048, ("additive", "key"): 98304,
+                       ("additive", "value"): 98304}
 #: beyond mma.sync / cp.async: nothing (no wgmma, TMA, setmaxnreg or warpgroup roles); the
 #: stages requiring them (the delta rule's walk) are not generated, their templates' pieces
 #: take this arch's form (templates/arch/sm80.py.jinja)

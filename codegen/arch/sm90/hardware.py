@@ -13,6 +13,10 @@ NUM_SMS = 132                   # H100 SXM / H200
 MAX_GRID_YZ = 65535             # CUDA's limit on gridDim.y and gridDim.z (x: 2^31 - 1)
 SMEM_BYTES = 227 * 1024         # dynamic shared memory a CTA may use
 SMEM_PER_SM = 228 * 1024        # shared memory of one SM (its CTAs' claims, 1 KB each more)
+#: the training backward's shared memory a CTA by (rule, gate) where a device of the arch
+#: may give less (ops.runtime.check_training; unlisted: SMEM_BYTES): none, every 9.x device
+#: gives SMEM_BYTES
+BACKWARD_SMEM_BYTES: dict = {}
 #: what the templates and plans may use beyond mma.sync / cp.async (the stage table's
 #: Stage.requires, the templates' arch member templates/arch/<NAME>.py.jinja): warpgroup
 #: MMAs, TMA copies, setmaxnreg and warpgroup roles (warp specialization)
