@@ -94,6 +94,13 @@ DELTA_STAGES = ("chunk_bwd_dv_local", "chunk_bwd_dh", "chunk_bwd_dqkw", "chunk_b
 #: deltanet-1.3b-train 0.0363 -> 0.0356; the tail split in two (fold_dqkw, then the wy
 #: stage) was 0.0481 / 0.0929 / 0.1868 / 0.3490 / 0.0410 (bench/LOG.md)
 FOLD_STAGES = ("chunk_bwd_fold_local", "chunk_bwd_fold_walk", "chunk_bwd_fold_tail")
+#: the folded walk's pipeline depth (chunks whose operator and dh_local tile are in
+#: flight). Run s34-3 (H100, DeltaNetChunkBwd bf16, 8 chains, K = V = 64, block_v 16; walk
+#: / whole backward in ms): depth 1 0.0228 / 0.0508 at train-2k, 0.2419 / 0.4192 at 16k;
+#: 2 0.0130 / 0.0412, 0.1327 / 0.3108; 3 0.0121 / 0.0401, 0.0956 / 0.2727. Block 32 / 64
+#: slower at depth 2 (16k: walk 0.1638 / 0.3027); dh^T in registers feeding the product
+#: (wgmma_rs, block 64) 0.2058-0.3285 at 16k: slower (bench/LOG.md)
+FOLD_WALK_NUM_STAGES = 3
 
 
 def delta_stages(gate: str) -> tuple:
@@ -113,7 +120,8 @@ def delta_backward_params(p: DeltaBackwardProblem) -> dict:
     dqkw = dict(common, **({"state_dtype": p.state_dtype} if p.state_dtype else {}))
     if p.gate == "none":
         first, walk, tail = FOLD_STAGES
-        return {first: common, walk: dh, tail: dqkw}
+        return {first: common, walk: dict(dh, num_stages=dict(p.dh).get(
+            "num_stages", FOLD_WALK_NUM_STAGES)), tail: dqkw}
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": dqkw,
             "chunk_bwd_wy": dict(common, **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_wy", {}))}
 

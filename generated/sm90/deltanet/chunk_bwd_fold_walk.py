@@ -54,7 +54,7 @@ def args(**params):
 
 
 def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=16, num_stages=2,
-          threads=128, value_major=False):
+          threads=128):
     """prim_func for chunk_bwd_fold_walk.
 
     Tensors (NT chunks, N sequences dynamic):
@@ -64,16 +64,10 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=16, num_st
       dht [N0, HV, K, V] f32 (read with use_dht; N0 = N, or 1 as a placeholder),
       dh0 [N1, HV, K, V] f32 (written with store_dh0; N1 = N, or 1)
     Tuning: block_v (value block: V / block_v CTAs per sequence and head), num_stages
-    (chunks whose operator and dh_local tile are in flight); value_major (a probe's, until
-    measured): dh held transposed, dh^T [block_v, K], the product's first operand straight
-    from the registers (dh^T += dh^T nwk^T: no shared-memory round trip a step; block_v a
-    multiple of 64, the warpgroup product's rows).
+    (chunks whose operator and dh_local tile are in flight).
     """
     BV = block_v
     assert V % BV == 0, f"V={V} must be a multiple of block_v={BV}"
-    if value_major:
-        assert BV % 64 == 0, f"value_major needs block_v a multiple of 64, got {BV}"
-        return _value_major(H, HV, K, V, dtype, use_dht, store_dh0, BV, num_stages, threads)
     f32 = "float32"
     NT, N, N0, N1 = T.dynamic("NT, N, N0, N1")
 
@@ -118,50 +112,3 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=16, num_st
 
     return chunk_bwd_fold_walk
 
-
-def _value_major(H, HV, K, V, dtype, use_dht, store_dh0, BV, num_stages, threads):
-    """build(value_major=True): the walk with dh^T [BV, K] in registers."""
-    f32 = "float32"
-    NT, N, N0, N1 = T.dynamic("NT, N, N0, N1")
-
-    @T.prim_func
-    def chunk_bwd_fold_walk(
-        nwk: T.Tensor((NT, HV, K, K), dtype),
-        dh_local: T.Tensor((NT, HV, K, V), f32),
-        dh_out: T.Tensor((NT, HV, K, V), dtype),
-        dht: T.Tensor((N0, HV, K, V), f32),
-        dh0: T.Tensor((N1, HV, K, V), f32),
-        chunk_offsets: T.Tensor((N + 1,), "int32"),
-    ):
-        with T.Kernel(N * HV, V // BV, threads=threads) as (nh, iv):
-            b = nh // HV
-            h = nh % HV
-            v0 = iv * BV
-            c_first = chunk_offsets[b]
-            nc = chunk_offsets[b + 1] - c_first
-            dht_f = T.alloc_fragment((BV, K), f32)
-            dht_c = T.alloc_fragment((BV, K), dtype)
-            op_s = T.alloc_shared((K, K), dtype)
-            loc_s = T.alloc_shared((K, BV), f32)
-
-            if use_dht:
-                for j, i in T.Parallel(BV, K):
-                    dht_f[j, i] = dht[b, h, i, v0 + j]
-            else:
-                T.clear(dht_f)
-            for r in T.Pipelined(nc, num_stages=num_stages):
-                c = c_first + nc - 1 - r
-                T.copy(nwk[c, h, 0:K, 0:K], op_s)
-                T.copy(dh_local[c, h, 0:K, v0:v0 + BV], loc_s)
-                T.copy(dht_f, dht_c)
-                for j, i in T.Parallel(BV, K):
-                    dh_out[c, h, i, v0 + j] = dht_c[j, i]
-                for j, i in T.Parallel(BV, K):
-                    dht_f[j, i] = dht_f[j, i] + loc_s[i, j]
-                T.gemm(dht_c, op_s, dht_f, transpose_B=True)
-
-            if store_dh0:
-                for j, i in T.Parallel(BV, K):
-                    dh0[b, h, i, v0 + j] = dht_f[j, i]
-
-    return chunk_bwd_fold_walk
