@@ -56,6 +56,20 @@ STATE_K_MULTIPLE = 64
 #: block 32 (its one-stage pass: 2.09 us a step at GLA-1.3B 16k, chunk_state's 0.92, run
 #: s22-4)
 STATE_STAGES = 2
+#: the additive rule's fused state pass: threads of its CTA (128 a warpgroup) by state
+#: tile. One CTA an SM walks its chunks with every step's GEMMs (q S, A_qk v, k^T v) and
+#: element passes (S to shared memory, the decays) in series, one warpgroup each: latency,
+#: not the tensor cores (Mamba-2's layer, 128 chains at 128 x 64: ~3 us a step, run
+#: s34-1's 0.79 ms forward). Two warpgroups split each GEMM's columns and each pass in
+#: half. Not measured yet (bench/ssd_probe.py times 128 against 256: config state_threads)
+FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
+#: the call terms (dsl/call_terms.py) by the stage that forms them, as build() flags: the
+#: prepare forms the step (g = A dt, and dt per token, dt_c, for the value scale), the
+#: state pass scales the values it takes, the output's stages add the skip term and the
+#: output gate (so no pass over x, dt or o runs outside the kernels)
+PREPARE_TERMS = ("step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale")
+STATE_TERMS = ("value_scale",)
+OUTPUT_TERMS = ("value_scale", "skip", "output_gate")
 #: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
 #: additive rule (its state pass splits K and V into tiles within the register budget,
 #: additive.py). Other calls take the recurrent kernel (ops/api.py).
@@ -218,10 +232,40 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
     if p.l2norm_qk:
         bufs += [Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    if "value_scale" in p.terms:
+        bufs += [Buffer("dt_c", (p.HV, p.NT * C))]
     if not (gated or p.l2norm_qk):
         return [], bufs, bind
-    prep = launch("chunk_prepare", dict(common, **flags, **order), u="v", kn=bind["k"])
+    prep = launch("chunk_prepare", dict(common, **flags, **order,
+                                        **terms_params(p, PREPARE_TERMS)),
+                  u="v", kn=bind["k"])
     return [prep], bufs, bind
+
+
+def terms_params(p: ForwardProblem, stage_terms: tuple) -> dict:
+    """The build() flags of the call terms p's stage forms (stage_terms: *_TERMS)."""
+    return {t: True for t in stage_terms if t in p.terms}
+
+
+def check_terms(p: ForwardProblem) -> None:
+    """ValueError unless the chunked stages form p's call terms: the additive rule's,
+    its per-chunk states not kept for a backward (which reads no terms)."""
+    if p.terms and (p.rule != "additive" or p.save_states or p.states_only):
+        raise ValueError(f"call terms {list(p.terms)}: the chunked forward forms them in the "
+                         "additive rule's forward alone (no training forward's states)")
+
+
+def state_threads(p: ForwardProblem, choice, config: dict) -> int:
+    """The fused additive state pass's threads (FUSED_STATE_THREADS; Hopper's warpgroups:
+    sm80 keeps 128, unmeasured there), or config's state_threads."""
+    if "state_threads" in config:
+        if config["state_threads"] not in (128, 256):
+            raise ValueError(f"plan config state_threads={config['state_threads']!r}: 128 "
+                             "or 256")
+        return config["state_threads"]
+    wide = ("warpgroups" in hw.FEATURES and p.rule == "additive" and choice.fused
+            and choice.block_k * choice.block_v >= FUSED_STATE_THREADS["min_tile"])
+    return FUSED_STATE_THREADS["threads"] if wide else 128
 
 
 def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
@@ -239,6 +283,7 @@ def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused"; for the additive
     rule also the sequence split, key and value blocks: additive.choose)."""
+    check_terms(p)
     if p.K % STATE_K_MULTIPLE:
         raise ValueError(f"K={p.K}: the chunked state pass takes K a multiple of "
                          f"{STATE_K_MULTIPLE} (this rule and gate; ops.chunk pads other K: arch.chunk_k)")
@@ -286,6 +331,8 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         launches, bufs = launches + s_launches, bufs + s_bufs
         state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
         sbind.update(s_bind)
+        threads = state_threads(p, choice, config)
+        state.update({"threads": threads} if threads != 128 else {})
     if choice.fused:
         if p.gate != "key":
             bufs.append(Buffer("aqk", (p.Ttot, p.HV, p.chunk_size), "input"))
@@ -297,17 +344,19 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
                                    k=bind["k"], qg="qn" if p.l2norm_qk else "q"))
             bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
             state["q_gated"] = False
-        launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
+        launches.append(launch("chunk_state_output", dict(state, **terms_params(p, OUTPUT_TERMS)),
+                               **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
         bufs += [Buffer("h", (1 if p.states_only else p.NT, p.HV, p.K, p.V), "input")]
         if p.rule == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
         if p.states_only:       # (a training recompute: its states in the input dtype)
             state.update(h_out=False, ht_dtype=p.dtype)
-        launches.append(launch("chunk_state", state, **sbind,
+        launches.append(launch("chunk_state", dict(state, **terms_params(p, STATE_TERMS)), **sbind,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
     if not (choice.fused or p.states_only):
-        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order)
+        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order,
+                   **terms_params(p, OUTPUT_TERMS))
         g_out = "g_cum" if p.gate == "value" else bind.get("g_cum", "g_cum")
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
@@ -330,7 +379,8 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
     summary = launch("chunk_state_summary", dict(
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
-        block_v=choice.summary_block_v, num_stages=STATE_STAGES), **sbind, **tables)
+        block_v=choice.summary_block_v, num_stages=STATE_STAGES,
+        **terms_params(p, STATE_TERMS)), **sbind, **tables)
     # (it summarises map_seg's segments: all but each sequence's last)
     bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns,) + decay)]
     return [summary], bufs, dict(tables, final_row="seg_final_row")
