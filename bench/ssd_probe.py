@@ -45,8 +45,9 @@ ROWS = ([("fwd", T, z) for T in (4096, 8192, 16384, 32768) for z in (False, True
         + [("train", T, False) for T in (4096, 8192)]
         + [("decode", b, False) for b in (1, 8, 32, 64, 128, 256)])
 #: the chunked forward's plan forms timed beside the default (config -> its name)
-VARIANTS = {"state_threads=128": {"state_threads": 128}, "three-stage": {"fused": False},
-            "segments=8": {"segments": 8}}
+VARIANTS = {"state_threads=128": {"state_threads": 128},
+            "aqk_per_value_head": {"aqk_per_key_head": False},
+            "three-stage": {"fused": False}, "segments=8": {"segments": 8}}
 VARIANT_ROWS = ("fwd-4096", "fwd-16384")
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)
@@ -258,8 +259,8 @@ def warm(rows):
     from linattn.integrations.warm import precompile
     steps = [call_of(k, s, z, linattn.selective_state_update if k == "decode"
                      else linattn.mamba_chunk_scan_combined) for k, s, z in rows]
-    if any(f"{k}-{s}" in VARIANT_ROWS and not z for k, s, z in rows):
-        steps += [variant_call(1024, c) for c in VARIANTS.values()]
+    steps += [variant_call(s, c) for k, s, z in rows if f"{k}-{s}" in VARIANT_ROWS and not z
+              for c in VARIANTS.values()]           # (the plan's tiles follow T)
     print("precompile:", precompile(*steps), flush=True)
 
 

@@ -105,7 +105,7 @@ def test_rendered_stages_have_the_hooks_of_a_spec_with_terms_only():
         theirs = render_stage(gla, _stage(gla, name), "sm90")
         assert "dt_c" in ours and "dt_c" not in theirs and "step_A" not in theirs, name
         if name in ("chunk_state_output", "chunk_output"):
-            assert "skip_D[hv, iv * BV + j]" in ours and "gate_z[t0 + i" in ours
+            assert "skip_D[hv, iv * BV + j]" in ours and "gate_z[t0:t0 + BT" in ours
             assert "o_f[i, j] * scale" in theirs
     prep = render_stage(mamba2.SPEC, _stage(mamba2.SPEC, "chunk_prepare"), "sm90")
     assert prep.index("step_A[hv] * d") < prep.index("T.cumsum(g_s")
@@ -203,3 +203,102 @@ def test_kernel_terms_of_the_decode_and_the_prefill():
     pre = mamba2.kernel_terms(A, None, torch.zeros(6, 4, 8), None, False, (0.0, math.inf), V=8)
     assert pre["tensors"]["step_limit"].tolist() == [0.0, math.inf]
     assert pre["flags"]["output_gate"] and not pre["flags"]["skip"]
+
+
+GVA_SPECS = {"mamba2": mamba2.SPEC, "gla": registry.specs()["gla"],
+             "plain_gva": OpSpec(name="plain_gva", rule="additive", gate="none")}
+
+
+@pytest.mark.parametrize("spec_name, H, HV, per_key", [
+    ("mamba2", 8, 128, True), ("mamba2", 4, 4, False), ("plain_gva", 2, 8, True),
+    ("gla", 2, 8, False)])
+def test_aqk_is_formed_once_per_key_head_under_gva(spec_name, H, HV, per_key):
+    """GVA with no or a scalar gate: chunk_qk writes each key head's undecayed pairs
+    [Ttot, H, 64] and the fused pass decays them per value head; otherwise (no GVA, a
+    per-key gate: its prepare forms A_qk) per value head. config forces either."""
+    spec = GVA_SPECS[spec_name]
+    opts = mamba2._OPTS if spec_name == "mamba2" else linattn.dsl.Options()
+    kw = dict(H=H, HV=HV, K=128, V=64, dtype="bfloat16", seq_chunks=(64,), Ttot=4096,
+              output_final_state=True, config={"fused": True})
+    plan = chunk.forward_plan(spec, opts, **kw)
+    params = {la.stage: la.kwargs for la in plan.launches}
+    aqk = next(b for b in plan.buffers if b.name == "aqk")
+    assert aqk.shape == (4096, H if per_key else HV, 64)
+    assert params["chunk_state_output"].get("aqk_per_key_head", False) == per_key
+    assert params.get("chunk_qk", {}).get("per_key_head", False) == per_key
+    if per_key:
+        off = chunk.forward_plan(spec, opts, **dict(kw, config={"fused": True,
+                                                                "aqk_per_key_head": False}))
+        assert next(b for b in off.buffers if b.name == "aqk").shape == (4096, HV, 64)
+    elif spec_name == "gla":
+        with pytest.raises(Exception, match="aqk_per_key_head"):
+            chunk.forward_plan(spec, opts, **dict(kw, config={"aqk_per_key_head": True}))
+
+
+def test_the_fused_pass_decays_the_key_head_pairs_by_its_gate():
+    """The scalar gate's pairs decay exp(g_i - g_j) on the lower triangle only (a masked
+    pair's e^(g_i - g_j) may overflow: 0 x inf is never formed); no gate: none."""
+    ours = render_stage(mamba2.SPEC, _stage(mamba2.SPEC, "chunk_state_output"), "sm90")
+    block = ours[ours.index("if aqk_per_key_head:"):]
+    block = block[:block.index("T.cast(0, dtype))")]
+    assert "i >= j" in block and "T.exp(g_s[i] - g_s[j])" in block
+    plain = registry.specs()["linear_attn"]
+    theirs = render_stage(plain, _stage(plain, "chunk_state_output"), "sm90")
+    assert "if aqk_per_key_head:" not in theirs and "hv // a_div" in theirs
+
+
+# ------------------------------------------------------------------ the stages' maths
+@pytest.mark.parametrize("config", [None, {"fused": False}, {"segments": 2},
+                                    {"fused": False, "segments": 3},
+                                    {"aqk_per_key_head": False}, {"state_threads": 128}])
+@pytest.mark.parametrize("terms", [ALL, ("step_clamp", "step_dt", "value_scale")])
+def test_pipeline_with_terms_matches_the_recurrence(monkeypatch, config, terms):
+    """Every plan form with the call terms in its stages, run by fp64 fakes of the stages
+    (tests/test_chunk_fused.py PipelineMath: each launch checked against the traced
+    kernel's signature, each stage's formula on the plan's real buffers; chunk_prepare's
+    step and dt_c, the value scale in the state passes and chunk_output, the skip term and
+    the gate where o is written, A_qk per key head), against Mamba-2's recurrence written
+    out step by step; ragged sequences with an empty and a one-token one."""
+    from _kernel_check import fake_compiles
+    from test_chunk_fused import PipelineMath
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    HV, G, K, V, lens = 8, 2, 64, 32, [1, 150, 0, 70]
+    math_ = PipelineMath(mamba2.SPEC, G, HV, K, V)
+    calls = []
+    fake_compiles(monkeypatch, math_.body, calls)
+    p = _inputs(Bn=1, T=sum(lens), HV=HV, G=G, K=K, V=V)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    on = set(terms)
+    lim = (0.01, 2.0)
+    kt = mamba2.kernel_terms(p["A"].float(), p["D"] if "skip" in on else None,
+                             p["z"].flatten(0, 1) if "output_gate" in on else None,
+                             p["dt_bias"].float() if "step_bias_on" in on else None,
+                             "step_softplus" in on, lim, V=V)
+    h0 = torch.cat([p["h0"][:1], torch.zeros(len(lens) - 1, HV, V, K, dtype=p["h0"].dtype)])
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    y, ht = chunk.run_chunk_forward(mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"].float(),
+                                    None, 1.0, h0.float(), True, mamba2._OPTS, cu_t, cu_t,
+                                    config=config, terms=kt)
+    stages = {s for s, _ in calls}
+    assert "chunk_prepare" in stages and ("chunk_state_output" in stages
+                                          or "chunk_output" in stages)
+    kw = dict(dt_bias=p["dt_bias"] if "step_bias_on" in on else None,
+              dt_softplus="step_softplus" in on, dt_limit=lim,
+              D=p["D"] if "skip" in on else None, z=p["z"] if "output_gate" in on else None)
+    for i in range(len(lens)):
+        sl = slice(cu[i], cu[i + 1])
+        if not lens[i]:         # (an empty sequence: its final state is its initial one)
+            torch.testing.assert_close(ht[i:i + 1].double(), h0[i:i + 1].double())
+            continue
+        want, hw = call_terms.naive_reference(
+            mamba2.SPEC, p["C"][:, sl], p["B"][:, sl], p["x"][:, sl], dt=p["dt"][:, sl],
+            A=p["A"], initial_state=h0[i:i + 1], **dict(kw, z=None if kw["z"] is None
+                                                        else kw["z"][:, sl]))
+        assert _rel(y[:, sl], want) < 5e-3, (i, _rel(y[:, sl], want))    # (bf16 o: in norm)
+        assert _rel(ht[i:i + 1], hw) < 5e-3, (i, _rel(ht[i:i + 1], hw))
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())

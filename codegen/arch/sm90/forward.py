@@ -191,7 +191,8 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps", "state_threads")
+               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps", "state_threads",
+               "aqk_per_key_head")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:

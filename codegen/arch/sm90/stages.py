@@ -5,6 +5,8 @@ chunk_state_output: o formed inside the state pass) or as three stages (chunk_st
 writes h per chunk, chunk_output reads it). The rules and their measurements follow."""
 from __future__ import annotations
 
+import dataclasses
+
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import additive
 from . import hardware as hw
@@ -63,6 +65,13 @@ STATE_STAGES = 2
 #: s34-1's 0.79 ms forward). Two warpgroups split each GEMM's columns and each pass in
 #: half. Not measured yet (bench/ssd_probe.py times 128 against 256: config state_threads)
 FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
+#: the fused pass's A_qk under GVA: chunk_qk forms tril_incl(q k^T) once per key head
+#: (chunk, key head CTAs), undecayed, and the state pass applies its value head's decay
+#: (a 64 x 64 element pass a step), instead of A_qk per value head. Mamba-2's layer (128
+#: value heads over 8 key heads) then writes and reads 4 MB, not 134 MB, at 4k tokens, and
+#: chunk_qk runs 1/16 of its GEMMs. Not measured (bench/ssd_probe.py times both: config
+#: aqk_per_key_head)
+AQK_PER_KEY_HEAD = True
 #: the call terms (dsl/call_terms.py) by the stage that forms them, as build() flags: the
 #: prepare forms the step (g = A dt, and dt per token, dt_c, for the value scale), the
 #: state pass scales the values it takes, the output's stages add the skip term and the
@@ -70,6 +79,11 @@ FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
 PREPARE_TERMS = ("step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale")
 STATE_TERMS = ("value_scale",)
 OUTPUT_TERMS = ("value_scale", "skip", "output_gate")
+#: each call term's tensor by the flag under which a stage reads it; a stage without the
+#: flag declares it as a placeholder [1] and is handed the plan's term_none (its shape
+#: follows the flag: the call's tensor would not fit it)
+TERM_TENSORS = {"step_A": "step_dt", "step_bias": "step_bias_on", "step_limit": "step_clamp",
+                "dt_c": "value_scale", "skip_D": "skip", "gate_z": "output_gate"}
 #: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
 #: additive rule (its state pass splits K and V into tiles within the register budget,
 #: additive.py). Other calls take the recurrent kernel (ops/api.py).
@@ -247,6 +261,19 @@ def terms_params(p: ForwardProblem, stage_terms: tuple) -> dict:
     return {t: True for t in stage_terms if t in p.terms}
 
 
+def with_term_placeholders(p: ForwardProblem, launches: list, bufs: list) -> tuple:
+    """(launches, buffers) with each launch's unread call-term tensors (TERM_TENSORS)
+    bound to term_none, a [1] f32 buffer, where the call has terms."""
+    if not p.terms:
+        return launches, bufs
+    out = []
+    for la in launches:
+        off = {t: "term_none" for t, f in TERM_TENSORS.items()
+               if f in p.terms and not la.kwargs.get(f)}
+        out.append(dataclasses.replace(la, bind=tuple(sorted(dict(la.bind, **off).items()))))
+    return out, bufs + [Buffer("term_none", (1,))]
+
+
 def check_terms(p: ForwardProblem) -> None:
     """ValueError unless the chunked stages form p's call terms: the additive rule's,
     its per-chunk states not kept for a backward (which reads no terms)."""
@@ -266,6 +293,18 @@ def state_threads(p: ForwardProblem, choice, config: dict) -> int:
     wide = ("warpgroups" in hw.FEATURES and p.rule == "additive" and choice.fused
             and choice.block_k * choice.block_v >= FUSED_STATE_THREADS["min_tile"])
     return FUSED_STATE_THREADS["threads"] if wide else 128
+
+
+def aqk_per_key_head(p: ForwardProblem, config: dict) -> bool:
+    """Whether the fused pass reads A_qk per key head (AQK_PER_KEY_HEAD: the additive
+    rule with no or a scalar gate under GVA), or config's aqk_per_key_head."""
+    able = p.rule == "additive" and p.gate in ("none", "scalar") and p.HV > p.H
+    if "aqk_per_key_head" in config:
+        if config["aqk_per_key_head"] and not able:
+            raise ValueError("plan config aqk_per_key_head: the additive rule with no or a "
+                             "scalar gate and more value heads than key heads only")
+        return bool(config["aqk_per_key_head"])
+    return AQK_PER_KEY_HEAD and able
 
 
 def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
@@ -333,17 +372,21 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         sbind.update(s_bind)
         threads = state_threads(p, choice, config)
         state.update({"threads": threads} if threads != 128 else {})
+    per_key = aqk_per_key_head(p, config)
     if choice.fused:
         if p.gate != "key":
-            bufs.append(Buffer("aqk", (p.Ttot, p.HV, p.chunk_size), "input"))
+            bufs.append(Buffer("aqk", (p.Ttot, p.H if per_key else p.HV, p.chunk_size),
+                               "input"))
             if p.l2norm_qk:
                 bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
-            launches.append(launch("chunk_qk", dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
-                                                    l2norm_qk=p.l2norm_qk, **order,
-                                                    q_out="normed" if p.l2norm_qk else "none"),
+            qk = dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype, l2norm_qk=p.l2norm_qk, **order,
+                      q_out="normed" if p.l2norm_qk else "none")
+            launches.append(launch("chunk_qk", dict(qk, **({"per_key_head": True} if per_key
+                                                           else {})),
                                    k=bind["k"], qg="qn" if p.l2norm_qk else "q"))
             bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
             state["q_gated"] = False
+            state.update({"aqk_per_key_head": True} if per_key else {})
         launches.append(launch("chunk_state_output", dict(state, **terms_params(p, OUTPUT_TERMS)),
                                **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
@@ -361,6 +404,7 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
                                **({} if p.rule == "delta" else {"v_new": "v"})))
+    launches, bufs = with_term_placeholders(p, launches, bufs)
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
                 reasons=(_why(p, choice, config),), saved=saved_names(p))

@@ -66,7 +66,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False, ht_dtype="float32",
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True,
+          aqk_per_key_head=False, states_out=False, ht_dtype="float32",
           block_k=None, segment_starts=False, threads=128):
     """prim_func for chunk_state_output.
 
@@ -90,6 +91,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     chunk, o = scale (qg S + aqk v_new) with S the state entering the chunk; neither h nor
     v_new is written. q_gated=False: qg is q itself [Ttot, H, K] (l2-normalised when
     asked) and the scalar gate's exp(g_cum_i) scales row i of q S here, in f32.
+    aqk_per_key_head: aqk is [Ttot, H, 64], each key head's tril_incl(q k^T) undecayed
+    (chunk_qk's per_key_head), the value head's decay applied to it here.
     """
     BT = CHUNK
     BV = block_v
@@ -100,6 +103,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
+    a_heads, a_div = (H, group) if aqk_per_key_head else (HV, 1)     # aqk's likewise
     assert not states_out or output_final_state, "states_out writes the final state too"
     assert ht_dtype == f32 or states_out, "ht_dtype: the states_out rows' (a training recompute's)"
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
@@ -117,7 +121,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         ht: T.Tensor(ht_shape, ht_dtype),
         qg: T.Tensor((Ttot, q_heads, K), dtype),
-        aqk: T.Tensor((Ttot, HV, BT), dtype),
+        aqk: T.Tensor((Ttot, a_heads, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
         final_row: T.Tensor((N,), "int32"),
@@ -143,6 +147,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             vn_s = T.alloc_shared((BT, BV), dtype)
             q_s = T.alloc_shared((BT, K), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
+            pk_s = T.alloc_shared((BT, BT) if aqk_per_key_head else (1, 1), dtype)
             o_f = T.alloc_fragment((BT, BV), f32)
 
             m = seg_seq[n]                # the piece's sequence: its row of h0
@@ -168,7 +173,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(k[t0:t0 + BT, hk, ik * BK:(ik + 1) * BK], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
-                T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
+                T.copy(aqk[t0:t0 + BT, hv // a_div, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
                 if states_out:            # the contracts' f32 states, from registers

@@ -127,8 +127,11 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
                 p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j] * T.exp(g_s[i] - g_s[j]), dtype),
                                            T.cast(0, dtype))
             dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
             if value_scale:
                 T.copy(dt_c[hv, (c) * BT:(c + 1) * BT], dt_s)
+            if output_gate:                             # (a whole tile: prefetched with the others)
+                T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
             if value_scale:
                 for i, j in T.Parallel(BT, BV):
                     v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * dt_s[i], dtype)
@@ -140,8 +143,7 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
                     o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.if_then_else(i < rows, T.cast(v_new[t0 + i, hv, iv * BV + j], f32), T.float32(0))
             if output_gate:                             # o <- o silu(z)
                 for i, j in T.Parallel(BT, BV):
-                    zz = T.if_then_else(i < rows, T.cast(gate_z[t0 + i, hv, iv * BV + j], f32),
-                                        T.float32(0))
+                    zz = T.cast(z_s[i, j], f32)
                     o_f[i, j] = o_f[i, j] * zz / (1.0 + T.exp(-zz))
             o_s = T.alloc_shared((BT, BV), dtype)     # through shared memory: whole rows
             for i, j in T.Parallel(BT, BV):

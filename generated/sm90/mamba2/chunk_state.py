@@ -146,6 +146,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             g_s = T.alloc_shared((BT,), f32)
             g_last = T.alloc_local((1,), f32)
             dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
 
             m = seg_seq[n]                # the piece's sequence: its row of h0
             if has_initial_state:
@@ -173,6 +174,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
                 if value_scale:
                     T.copy(dt_c[hv, (c0 + c) * BT:(c0 + c + 1) * BT], dt_s)
+                if output_gate:                             # (a whole tile: prefetched with the others)
+                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 T.copy(S, S_s)
                 if h_out:
                     T.copy(S_s, h[c0 + c, hv, ik * BK:(ik + 1) * BK, iv * BV:(iv + 1) * BV])

@@ -106,6 +106,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=12
             g_s = T.alloc_shared((BT,), f32)
             g_last = T.alloc_local((1,), f32)
             dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
             G = T.alloc_local((1,), f32)
 
             T.clear(S)
@@ -122,6 +123,8 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=12
                 T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
                 if value_scale:
                     T.copy(dt_c[hv, (c0 + c) * BT:(c0 + c + 1) * BT], dt_s)
+                if output_gate:                             # (a whole tile: prefetched with the others)
+                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
                 if value_scale:                             # v <- dt v (f32, before the one rounding)
