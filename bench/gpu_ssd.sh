@@ -15,10 +15,11 @@ fi
 export OUT_DIR=$OUT HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt"
 T="timeout -k 10"
-MAMBA_SRC=$PWD/.gpu/mamba $T ${TESTS_S:-150} python3 -m pytest -q -m gpu \
-  -p no:cacheprovider -n 8 -rfE tests/test_mamba2_gpu.py > "$OUT/tests_ssd.txt" 2>&1
+MAMBA_SRC=$PWD/.gpu/mamba $T ${TESTS_S:-180} python3 -m pytest -q -m gpu \
+  -p no:cacheprovider -n 8 -rfE tests/test_mamba2_gpu.py tests/test_state_threads_gpu.py \
+  > "$OUT/tests_ssd.txt" 2>&1
 echo "tests rc=$?"
-$T ${SSD_S:-200} python3 bench/ssd_probe.py --mamba-src .gpu/mamba \
+$T ${SSD_S:-240} python3 bench/ssd_probe.py --mamba-src .gpu/mamba \
   --out "$OUT/ssd_h200.json" > "$OUT/ssd_probe.txt" 2>&1
 echo "ssd rc=$?"
 tail -n 15 "$OUT/tests_ssd.txt"; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 8

@@ -47,7 +47,10 @@ ROWS = ([("fwd", T, z) for T in (4096, 8192, 16384, 32768) for z in (False, True
 #: the chunked forward's plan forms timed beside the default (config -> its name)
 VARIANTS = {"state_threads=128": {"state_threads": 128},
             "aqk_per_value_head": {"aqk_per_key_head": False},
-            "three-stage": {"fused": False}, "segments=8": {"segments": 8}}
+            "block_v=32": {"block_v": 32},
+            "three-stage": {"fused": False},
+            "three-stage, 256 threads": {"fused": False, "state_threads": 256},
+            "segments=8": {"segments": 8}}
 VARIANT_ROWS = ("fwd-4096", "fwd-16384")
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)
