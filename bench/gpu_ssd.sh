@@ -3,8 +3,10 @@
 # call terms inside the chunked kernels, every plan form; decode; gradients; mamba_ssm side
 # by side), then bench/ssd_probe.py against mamba_ssm's Triton functions (.gpu/mamba),
 # rows in the check's format to $OUT/ssd_h200.json (commit it as bench/results/ssd_h200.json).
-#   source .gpu/prelude.sh && bash bench/gpu_ssd.sh
-# carry: .gpu/site.tar.xz .gpu/prelude.sh .gpu/mamba .whl (as bench/gpu_s34.sh)
+#   source .gpu/prelude_both.sh && bash bench/gpu_ssd.sh
+# carry (< 64 MiB): .gpu/prelude_both.sh .gpu/both.tar.xz .gpu/mamba and of .whl/ the
+# einops (mamba_ssm's), execnet and pytest_xdist wheels (or .gpu/prelude.sh with
+# .gpu/site.tar.xz, as bench/gpu_s34.sh)
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn && export PYTHONPATH=/tmp/lp:$PYTHONPATH
@@ -15,8 +17,9 @@ fi
 export OUT_DIR=$OUT HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt"
 T="timeout -k 10"
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 MAMBA_SRC=$PWD/.gpu/mamba $T ${TESTS_S:-180} python3 -m pytest -q -m gpu \
-  -p no:cacheprovider -n 8 -rfE tests/test_mamba2_gpu.py tests/test_state_threads_gpu.py \
+  -p no:cacheprovider $XDIST -rfE tests/test_mamba2_gpu.py tests/test_state_threads_gpu.py \
   > "$OUT/tests_ssd.txt" 2>&1
 echo "tests rc=$?"
 $T ${SSD_S:-240} python3 bench/ssd_probe.py --mamba-src .gpu/mamba \
