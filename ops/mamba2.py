@@ -4,6 +4,8 @@ mamba_ssm's names: ``mamba_chunk_scan_combined`` (prefill, training) and
 heads shared by nheads value heads), v = x, the state [headdim, dstate] is the v-first
 state ([N, HV, V, K]) and the scale is 1; the step, the value scale, the skip term and
 the output gate are the spec's call terms (dsl/call_terms.py)."""
+import functools
+
 from ..dsl import OpSpec, Options
 from ..dsl import call_terms
 from . import api, validate
@@ -211,13 +213,20 @@ def kernel_terms(A, D, z, dt_bias, dt_softplus, dt_limit=None, *, V):
     if dt_bias is not None:
         tensors["step_bias"] = dt_bias.float().contiguous()
     if dt_limit is not None:
-        tensors["step_limit"] = torch.tensor([float(b) for b in dt_limit],
-                                             dtype=torch.float32).to(A.device, non_blocking=True)
+        tensors["step_limit"] = _limit_tensor(float(dt_limit[0]), float(dt_limit[1]), A.device)
     if D is not None:
         tensors["skip_D"] = D.float().reshape(HV, -1).expand(HV, V).contiguous()
     if z is not None:
         tensors["gate_z"] = z.contiguous()
     return {"flags": flags, "tensors": tensors}
+
+
+@functools.lru_cache(maxsize=16)
+def _limit_tensor(lo: float, hi: float, device):
+    """dt_limit as the kernels' step_limit [2] f32 on ``device``, made once (no host copy a
+    call: a CUDA graph may capture the call)."""
+    import torch
+    return torch.tensor([lo, hi], dtype=torch.float32, device=device)
 
 
 def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx, dt_softplus):

@@ -375,18 +375,9 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     per_key = aqk_per_key_head(p, config)
     if choice.fused:
         if p.gate != "key":
-            bufs.append(Buffer("aqk", (p.Ttot, p.H if per_key else p.HV, p.chunk_size),
-                               "input"))
-            if p.l2norm_qk:
-                bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
-            qk = dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype, l2norm_qk=p.l2norm_qk, **order,
-                      q_out="normed" if p.l2norm_qk else "none")
-            launches.append(launch("chunk_qk", dict(qk, **({"per_key_head": True} if per_key
-                                                           else {})),
-                                   k=bind["k"], qg="qn" if p.l2norm_qk else "q"))
-            bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
-            state["q_gated"] = False
-            state.update({"aqk_per_key_head": True} if per_key else {})
+            qk, qk_bufs, bind = _qk(p, per_key, order, bind)
+            launches, bufs = launches + [qk], bufs + qk_bufs
+            state.update(q_gated=False, **({"aqk_per_key_head": True} if per_key else {}))
         launches.append(launch("chunk_state_output", dict(state, **terms_params(p, OUTPUT_TERMS)),
                                **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
@@ -408,6 +399,19 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
                 reasons=(_why(p, choice, config),), saved=saved_names(p))
+
+
+def _qk(p: ForwardProblem, per_key: bool, order: dict, bind: dict) -> tuple:
+    """(chunk_qk's launch, its buffers, the bindings after it) for the fused pass's A_qk:
+    per value head, or per key head undecayed (per_key: aqk_per_key_head)."""
+    bufs = [Buffer("aqk", (p.Ttot, p.H if per_key else p.HV, p.chunk_size), "input")]
+    if p.l2norm_qk:
+        bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
+    qk = dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype, l2norm_qk=p.l2norm_qk, **order,
+              q_out="normed" if p.l2norm_qk else "none",
+              **({"per_key_head": True} if per_key else {}))
+    q = "qn" if p.l2norm_qk else "q"
+    return launch("chunk_qk", qk, k=bind["k"], qg=q), bufs, dict(bind, q=q, aqk="aqk")
 
 
 def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
