@@ -61,9 +61,11 @@ STATE_STAGES = 2
 #: the additive rule's fused state pass: threads of its CTA (128 a warpgroup) by state
 #: tile. One CTA an SM walks its chunks with every step's GEMMs (q S, A_qk v, k^T v) and
 #: element passes (S to shared memory, the decays) in series, one warpgroup each: latency,
-#: not the tensor cores (Mamba-2's layer, 128 chains at 128 x 64: ~3 us a step, run
-#: s34-1's 0.79 ms forward). Two warpgroups split each GEMM's columns and each pass in
-#: half. Not measured yet (bench/ssd_probe.py times 128 against 256: config state_threads)
+#: not the tensor cores (Mamba-2's layer, 128 chains at 128 x 64: ~6 us a step, run
+#: s34-1's 0.79 ms forward less its ~0.34 ms of torch passes, 64 steps; 2.6 MFLOP a step
+#: is 0.35 us of an SM's tensor cores). Two warpgroups split each GEMM's columns and each
+#: pass in half. Not measured yet (bench/ssd_probe.py times 128 against 256: config
+#: state_threads)
 FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
 #: the fused pass's A_qk under GVA: chunk_qk forms tril_incl(q k^T) once per key head
 #: (chunk, key head CTAs), undecayed, and the state pass applies its value head's decay
