@@ -3,11 +3,21 @@
 Nemotron-H-8B's layer (nheads 128, headdim 64, ngroups 8, dstate 128; D, dt_bias,
 dt_softplus; z off as the model passes it, and on), T 4k-32k, decode batch 1-256.
 
-Each row is checked first (linattn against the fp64 reference of the spec at T <= 4096
-and against mamba_ssm where it loads; a wrong row is reported, not timed), then timed by
-linattn-bench's timer (CUPTI kernel union per call, L2 flushed, median). Ratio = mamba_ssm
-time / linattn time. mamba_ssm's Triton functions load from a source checkout without
-its CUDA extensions (--mamba-src: the folder holding mamba_ssm/).
+Each row is checked first (a wrong row is reported with ok false, not timed): the forward
+against the fp64 reference of the spec at T <= 4096 and against mamba_ssm; the training
+step's gradients of every input against mamba_ssm's; the decode's output and state
+against the fp64 recurrence and mamba_ssm's selective_state_update (its D is [nheads,
+headdim], as Mamba-2's module passes it). Then timed by linattn-bench's timer (CUPTI
+kernel union per call, L2 flushed, median). Each row of linattn also records the
+median time of each kernel of a call (``kernels``: name -> ms) and, for the forward at
+4k and 16k without z, the chunked forward's plan forms (``variants``: plan config ->
+ms, from ops/chunk.py run_chunk_forward with the same call terms), so a run shows where
+the time goes and which plan the arch's rules should pick.
+
+mamba_ssm's Triton functions load from a source checkout without its CUDA extensions
+(--mamba-src: the folder holding mamba_ssm/). Rows go to --out as a JSON list of
+{"row", "workload", "gpu", "impls": {"linattn": {"ms", "ok", ...}, "mamba_ssm": {...}},
+"ratio"} (the project's check reads bench/results/ssd_h200.json).
 
     python3 bench/ssd_probe.py [--mamba-src DIR] [--rows GLOB] [--out FILE.json]
 """
@@ -18,20 +28,33 @@ import fnmatch
 import json
 import math
 import os
+import statistics
 import sys
 import types
 
 import torch
 
 import linattn
-from linattn.cli.bench.timer import device_time
+from linattn.cli.bench.timer import device_time, flush_l2
 from linattn.dsl import Options, call_terms
-from linattn.ops import mamba2
+from linattn.ops import chunk, mamba2
 
 NEMOTRON = dict(HV=128, V=64, G=8, K=128)
+WORKLOAD = "nemotron-h-8b layer: nheads 128, headdim 64, ngroups 8, dstate 128, bf16"
 ROWS = ([("fwd", T, z) for T in (4096, 8192, 16384, 32768) for z in (False, True)]
         + [("train", T, False) for T in (4096, 8192)]
         + [("decode", b, False) for b in (1, 8, 32, 64, 128, 256)])
+#: the chunked forward's plan forms timed beside the default (config -> its name)
+VARIANTS = {"state_threads=256": {"state_threads": 256},
+            "aqk_per_key_head": {"aqk_per_key_head": True},
+            "both": {"state_threads": 256, "aqk_per_key_head": True},
+            "block_v=32": {"block_v": 32},
+            "three-stage": {"fused": False},
+            "three-stage, 256 threads": {"fused": False, "state_threads": 256},
+            "segments=8": {"segments": 8}}
+VARIANT_ROWS = ("fwd-4096", "fwd-16384")
+TOL = 2e-2
+V_FIRST = Options(state_v_first=True)
 
 
 def load_mamba(src):
@@ -65,7 +88,7 @@ def inputs(Bn, T, z, grad=False):
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def scan_call(fn, p):
@@ -81,87 +104,193 @@ def train_call(fn, p):
 
 
 def decode_call(fn, b):
+    """selective_state_update's call at batch b, Mamba-2's form (dt, A, dt_bias, D tied
+    along headdim / dstate, as mamba_ssm's Mamba2 module passes them); the state is
+    updated in place, so each call gets the args' own state."""
     HV, V, G, K = (NEMOTRON[n] for n in ("HV", "V", "G", "K"))
     p = inputs(b, 1, True)
     state = 0.1 * torch.randn(b, HV, V, K, device="cuda")
     args = (p["x"][:, 0], p["dt"][:, 0, :, None].expand(b, HV, V),
             p["A"].view(HV, 1, 1).expand(HV, V, K), p["B"][:, 0], p["C"][:, 0])
-    kw = dict(D=p["D"], z=p["z"][:, 0], dt_bias=p["dt_bias"].view(HV, 1).expand(HV, V),
-              dt_softplus=True)
+    kw = dict(D=p["D"].view(HV, 1).expand(HV, V), z=p["z"][:, 0],
+              dt_bias=p["dt_bias"].view(HV, 1).expand(HV, V), dt_softplus=True)
     return (lambda: fn(state, *args, **kw)), (p, state, args, kw)
 
 
-def check(kind, size, z, ours, theirs):
-    """Relative errors of the row: linattn vs fp64 (small rows) and vs mamba_ssm."""
+def _fwd_errors(size, z, ours, theirs):
+    p = inputs(1, size, z)
+    y = scan_call(ours, p)()
     out = {}
-    if kind == "fwd":
-        p = inputs(1, size, z)
-        y = scan_call(ours, p)()
-        if size <= 4096:
-            want, _ = call_terms.reference(
-                mamba2.SPEC, p["C"], p["B"], p["x"], dt=p["dt"].double(),
-                A=p["A"].double(), dt_bias=p["dt_bias"].double(), dt_softplus=True,
-                dt_limit=(0.0, math.inf), D=p["D"].double(),
-                z=None if p["z"] is None else p["z"].double(),
-                options=Options(state_v_first=True))
-            out["vs_fp64"] = rel(y, want)
-        if theirs is not None:
-            out["vs_mamba_ssm"] = rel(y, scan_call(theirs, p)())
-    elif kind == "decode" and theirs is not None:
-        _, (p, state, args, kw) = decode_call(ours, size)
-        s1, s2 = state.clone(), state.clone()
-        out["vs_mamba_ssm"] = rel(ours(s1, *args, **kw), theirs(s2, *args, **kw))
+    if size <= 4096:
+        want, _ = call_terms.reference(
+            mamba2.SPEC, p["C"], p["B"], p["x"], dt=p["dt"].double(), A=p["A"].double(),
+            dt_bias=p["dt_bias"].double(), dt_softplus=True, dt_limit=(0.0, math.inf),
+            D=p["D"].double(), z=None if p["z"] is None else p["z"].double(),
+            options=V_FIRST)
+        out["vs_fp64"] = rel(y, want)
+    if theirs is not None:
+        out["vs_mamba_ssm"] = rel(y, scan_call(theirs, p)())
+    return out
+
+
+def _train_errors(size, ours, theirs):
+    """Gradients of every input against mamba_ssm's (the same inputs, the same upstream
+    gradient); nothing to compare without mamba_ssm."""
+    if theirs is None:
+        return {}
+    grads = []
+    for fn in (ours, theirs):
+        p = inputs(1, size, False, grad=True)
+        train_call(fn, p)()
+        grads.append({n: t.grad for n, t in p.items() if t is not None})
+    return {f"grad_{n}_vs_mamba_ssm": rel(grads[0][n], grads[1][n]) for n in grads[1]}
+
+
+def _decode_errors(size, ours, theirs):
+    _, (p, state, args, kw) = decode_call(ours, size)
+    s1 = state.clone()
+    y = ours(s1, *args, **kw)
+    want, wh = call_terms.reference(
+        mamba2.SPEC, p["C"], p["B"], p["x"], dt=p["dt"].double(), A=p["A"].double(),
+        dt_bias=p["dt_bias"].double(), dt_softplus=True, D=p["D"].double(),
+        z=p["z"].double(), initial_state=state.double(), options=V_FIRST, recurrent=True)
+    out = {"vs_fp64": rel(y, want[:, 0]), "state_vs_fp64": rel(s1, wh)}
+    if theirs is not None:
+        s2 = state.clone()
+        out["vs_mamba_ssm"] = rel(y, theirs(s2, *args, **kw))
         out["state_vs_mamba_ssm"] = rel(s1, s2)
     return out
+
+
+def check(kind, size, z, ours, theirs) -> dict:
+    """Relative errors of the row (see the module docstring)."""
+    if kind == "fwd":
+        return _fwd_errors(size, z, ours, theirs)
+    if kind == "train":
+        return _train_errors(size, ours, theirs)
+    return _decode_errors(size, ours, theirs)
+
+
+def kernel_split(call, iters=20) -> dict:
+    """Median device ms of each kernel (by name) over `iters` calls, L2 flushed before
+    each: where one call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2()
+            call()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "bitwise_not" in e.name.lower():
+            continue
+        per.setdefault(e.name[:80], []).append((e.time_range.end - e.time_range.start) / 1e3)
+    return {n: statistics.median(ts) * len(ts) / iters for n, ts in
+            sorted(per.items(), key=lambda kv: -sum(kv[1]))}
+
+
+def variant_call(size, config):
+    """The chunked forward at plan config ``config`` (None: the arch's choice) on the
+    fwd row's inputs (z off), with the call terms mamba_chunk_scan_combined forms."""
+    p = inputs(1, size, False)
+    terms = mamba2.kernel_terms(p["A"], p["D"], None, p["dt_bias"], True, (0.0, math.inf),
+                                V=p["x"].shape[3])
+    return lambda: chunk.run_chunk_forward(
+        mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"], None, 1.0, None, True, mamba2._OPTS,
+        None, None, config=config, terms=terms)[0]
+
+
+def variants(size) -> dict:
+    """Device ms of the chunked forward's plan forms (VARIANTS), each checked against
+    the default plan's output first."""
+    base = variant_call(size, None)()
+    out = {}
+    for name, config in VARIANTS.items():
+        try:
+            call = variant_call(size, config)
+            err = rel(call(), base)
+            out[name] = device_time(call)["ms"] if err < TOL else f"wrong: {err:.3g}"
+        except Exception as e:      # noqa: BLE001 (one variant never stops the row)
+            out[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def call_of(kind, size, z, fn):
+    if kind == "decode":
+        return decode_call(fn, size)[0]
+    if kind == "train":
+        return train_call(fn, inputs(1, size, z, grad=True))
+    return scan_call(fn, inputs(1, size, z))
+
+
+def run_row(kind, size, z, name, m_scan, m_update) -> dict:
+    theirs = m_update if kind == "decode" else m_scan
+    ours = linattn.selective_state_update if kind == "decode" \
+        else linattn.mamba_chunk_scan_combined
+    row = dict(row=name, workload=f"{WORKLOAD}, " + (f"batch {size}" if kind == "decode"
+                                                     else f"T {size}, z {'on' if z else 'off'}"),
+               gpu=torch.cuda.get_device_name(), impls={})
+    lin = row["impls"]["linattn"] = {}
+    try:
+        errs = check(kind, size, z, ours, theirs)
+        lin["rel_err"] = errs
+        lin["ok"] = all(v < TOL for v in errs.values())
+        if not errs:
+            lin["note"] = "not checked: no mamba_ssm to compare the gradients with"
+        if not lin["ok"]:
+            lin["error"] = "wrong: " + ", ".join(k for k, v in errs.items() if not v < TOL)
+            return row
+        for who, fn in (("linattn", ours), ("mamba_ssm", theirs)):
+            if fn is not None:
+                t = device_time(call_of(kind, size, z, fn))
+                row["impls"].setdefault(who, {}).update(ms=t["ms"], p10=t["p10"],
+                                                        p90=t["p90"], ok=True)
+        lin["kernels"] = kernel_split(call_of(kind, size, z, ours))
+        if name in VARIANT_ROWS:
+            lin["variants"] = variants(size)
+        if "mamba_ssm" in row["impls"]:
+            row["ratio"] = row["impls"]["mamba_ssm"]["ms"] / lin["ms"]
+    except Exception as e:      # noqa: BLE001 (one row never stops the rest)
+        lin.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return row
+
+
+def warm(rows):
+    """Compile every linattn kernel the rows and the variants call, in parallel processes
+    (integrations/warm.py)."""
+    from linattn.integrations.warm import precompile
+    steps = [call_of(k, s, z, linattn.selective_state_update if k == "decode"
+                     else linattn.mamba_chunk_scan_combined) for k, s, z in rows]
+    steps += [variant_call(s, c) for k, s, z in rows if f"{k}-{s}" in VARIANT_ROWS and not z
+              for c in VARIANTS.values()]           # (the plan's tiles follow T)
+    print("precompile:", precompile(*steps), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mamba-src", default=os.environ.get("MAMBA_SRC"))
     ap.add_argument("--rows", default="*")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
-                                                  os.environ.get("OUT") or ".",
-                                                  "ssd_probe.json"))
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "ssd_h200.json")
+                    if os.environ.get("OUT") else "bench/results/ssd_h200.json")
     a = ap.parse_args()
     m_scan, m_update = load_mamba(a.mamba_src)
+    rows = [(k, s, z, f"{k}-{s}" + ("-z" if z else "")) for k, s, z in ROWS]
+    rows = [r for r in rows if fnmatch.fnmatch(r[3], a.rows)]
+    warm([r[:3] for r in rows])
     results = []
-    for kind, size, z in ROWS:
-        name = f"{kind}-{size}" + ("-z" if z else "")
-        if not fnmatch.fnmatch(name, a.rows):
-            continue
-        row = dict(row=name, device=torch.cuda.get_device_name())
-        try:
-            theirs = m_update if kind == "decode" else m_scan
-            ours = linattn.selective_state_update if kind == "decode" \
-                else linattn.mamba_chunk_scan_combined
-            row.update(check(kind, size, z, ours, theirs))
-            bad = [k for k, v in row.items() if k.startswith(("vs_", "state_")) and
-                   not v < 2e-2]
-            if bad:
-                row["error"] = f"wrong: {bad}"
-            else:
-                for who, fn in (("linattn", ours), ("mamba_ssm", theirs)):
-                    if fn is None:
-                        continue
-                    if kind == "decode":
-                        call = decode_call(fn, size)[0]
-                    elif kind == "train":
-                        call = train_call(fn, inputs(1, size, z, grad=True))
-                    else:
-                        call = scan_call(fn, inputs(1, size, z))
-                    row[f"{who}_ms"] = device_time(call)["ms"]
-                if "mamba_ssm_ms" in row:
-                    row["ratio"] = row["mamba_ssm_ms"] / row["linattn_ms"]
-        except Exception as e:      # noqa: BLE001 (one row never stops the rest)
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(json.dumps(row))
+    for kind, size, z, name in rows:
+        row = run_row(kind, size, z, name, m_scan, m_update)
+        print(json.dumps(row), flush=True)
         results.append(row)
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
     ratios = [r["ratio"] for r in results if "ratio" in r]
     if ratios:
         print(f"geomean ratio (mamba_ssm / linattn): "
-              f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} over {len(ratios)} rows")
+              f"{math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f} over {len(ratios)} "
+              f"rows, min {min(ratios):.3f}")
 
 
 if __name__ == "__main__":

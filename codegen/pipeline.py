@@ -32,6 +32,10 @@ PROVIDED = {
     "seg_final_row": "[NS] row of ht per segment (-1 but for each sequence's last)",
     "seg_seq": "[NS] the sequence of each segment",
     "seg_first": "[NS] the first segment of each segment's sequence",
+    "step_A": "the call terms' A [HV] f32 (or a placeholder)",
+    "step_bias": "dt_bias [HV] f32 (or a placeholder)",
+    "step_limit": "dt_limit's (lo, hi) f32 (or a placeholder)",
+    "skip_D": "D [HV, V] f32 (or a placeholder)", "gate_z": "z [Ttot, HV, V] (or a placeholder)",
 }
 
 
@@ -46,6 +50,9 @@ class ForwardProblem:
     states_only: with return_states, the states alone in the input dtype (a training
     backward's recompute; its GEMMs take them rounded so): no output stage, no per-chunk
     h of its own, and the per-key gate's prepare forms only what the state pass reads.
+    terms: the call terms the kernels form (dsl/call_terms.py; the build() flags of the
+    terms' hooks, sorted: step_dt, step_bias_on, step_softplus, step_clamp, value_scale,
+    skip, output_gate); the g the call passes is then the raw step.
     """
     rule: str                     # the rule's name ("delta", "additive", "gdn2")
     gate: str                     # "none" | "scalar" | "key"
@@ -72,6 +79,7 @@ class ForwardProblem:
     #: the dtypes of the rule's vector gates as the prepare reads them (GDN-2's
     #: (("b_dtype", "float32"), ("w_dtype", "bfloat16")))
     rule_dtypes: tuple = ()
+    terms: tuple = ()
 
     @property
     def N(self) -> int:

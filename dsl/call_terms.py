@@ -133,11 +133,14 @@ class TermsMaths:
     kernel_params: the kernel's tensors of the terms, after the gate's: step_A [HV] (A),
     step_bias [HV] (dt_bias), step_limit [2] (dt_limit's lo, hi), skip_D [HV, V] (D),
     gate_z [B, T, HV, V] (z); placeholders (1,) where a call does not use them. With the
-    step the gate's tensor g carries the raw dt."""
+    step the gate's tensor g carries the raw dt. chunk_params: the chunked stages' (the
+    same and dt_c, the step per token that chunk_prepare writes for the value scale: a
+    buffer of the plan, a placeholder where the call scales no value)."""
 
     def __init__(self, name: str, kernel_params: tuple = ()):
         self.name = name
         self.kernel_params = kernel_params
+        self.chunk_params = kernel_params + (("dt_c",) if kernel_params else ())
 
 
 TERMS = {"none": TermsMaths("none"),

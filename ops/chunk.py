@@ -27,6 +27,7 @@ import numpy as np
 from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import ForwardProblem
 from ..dsl import Gate, OpSpec, Options, SpecError
+from ..dsl.call_terms import terms_of
 from . import runtime
 from .chunk_split import build_segment_tables
 
@@ -142,9 +143,9 @@ def _plan(arch: str, problem: ForwardProblem, config: tuple = ()):
 def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_chunks,
                     Ttot, g_dtype="float32", beta_dtype="float32", has_initial_state=False,
                     output_final_state=False, return_states=False,
-                    save_states=False, states_only=False, rule_dtypes=()) -> ForwardProblem:
+                    save_states=False, states_only=False, rule_dtypes=(), terms=()) -> ForwardProblem:
     """The problem the arch plans for (sizes, dtypes and flags of one call; rule_dtypes:
-    the rule's vector gates' ("b_dtype", "float32") pairs)."""
+    the rule's vector gates' ("b_dtype", "float32") pairs; terms: the call terms' flags on)."""
     return ForwardProblem(
         rule=spec.rule.value, gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=dtype,
         g_dtype=g_dtype, beta_dtype=beta_dtype, Ttot=Ttot, seq_chunks=tuple(seq_chunks),
@@ -153,7 +154,7 @@ def forward_problem(spec: OpSpec, options: Options, *, H, HV, K, V, dtype, seq_c
         state_v_first=options.state_v_first, has_initial_state=bool(has_initial_state),
         output_final_state=bool(output_final_state), return_states=bool(return_states),
         save_states=bool(save_states), states_only=bool(states_only),
-        chunk_size=spec.chunk_size, rule_dtypes=tuple(rule_dtypes))
+        chunk_size=spec.chunk_size, rule_dtypes=tuple(rule_dtypes), terms=tuple(sorted(terms)))
 
 
 def forward_plan(spec: OpSpec, options: Options, arch: str = DEFAULT_ARCH, config=None,
@@ -248,11 +249,15 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
                       initial_state=None, output_final_state=False,
                       options: Options = Options(), cu_seqlens=None, cu_seqlens_cpu=None,
                       A_log=None, dt_bias=None, return_states=False, config=None,
-                      save_states=False, rule_inputs=None):
+                      save_states=False, rule_inputs=None, terms=None):
     """:func:`chunk_forward` on arguments already checked (its own checks, or the public
     call's ops/validate.py check_call: torch.library's chunk op, the training forward), so
     that a call is checked once. rule_inputs: the rule's vector inputs (GDN-2's b, w),
-    name -> [B, T, H or HV, K or V], as ops/api.py kernel_inputs gives them."""
+    name -> [B, T, H or HV, K or V], as ops/api.py kernel_inputs gives them. ``terms``: a
+    spec's call terms formed in the kernels (dsl/call_terms.py), as
+    recurrent.run_recurrent's: {"flags": the build() flags on, "tensors": step_A,
+    step_bias, step_limit, skip_D, gate_z as the kernels read them}; g is then the raw
+    step dt [B, T, HV] f32."""
     (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     arch = runtime.arch_of(q.device)
@@ -263,7 +268,7 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
         out = run_chunk_forward(spec, q, k, v, g, beta, spec.scale_for(K, scale),
                                 initial_state, output_final_state, options, cu_seqlens,
                                 cu_seqlens_cpu, A_log, dt_bias, return_states, config,
-                                save_states, _pad_rule_inputs(spec, Kk, rule_inputs))
+                                save_states, _pad_rule_inputs(spec, Kk, rule_inputs), terms)
         v_first = [options.state_v_first] * (1 + return_states)
         cut = tuple(_cut_k(t, K, vf) for t, vf in zip(out[1:], v_first))
         if save_states:
@@ -273,6 +278,7 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
     x = _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, B * T, HV, K)
     x.update({f"{n}_in": t.reshape(B * T, *t.shape[2:]).contiguous()
               for n, t in (rule_inputs or {}).items()})       # (the kernels' <input>_in)
+    x.update(_term_tensors(spec, terms, q.device))
     C = spec.chunk_size
     problem = forward_problem(
         spec, options, H=H, HV=HV, K=K, V=V, dtype=_dtype_name(q), Ttot=B * T,
@@ -281,7 +287,8 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state, return_states=return_states,
         save_states=save_states, rule_dtypes=tuple(
-            (f"{n}_dtype", _dtype_name(rule_inputs[n])) for n in spec.rule.maths.dtype_inputs))
+            (f"{n}_dtype", _dtype_name(rule_inputs[n])) for n in spec.rule.maths.dtype_inputs),
+        terms=[f for f, on in (terms or {}).get("flags", {}).items() if on])
     state_shape = (HV, V, K) if options.state_v_first else (HV, K, V)
     if B * T == 0:
         return _empty_result(q, B, T, HV, V, N, state_shape, initial_state,
@@ -377,6 +384,16 @@ def _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, Ttot, HV, K) -
     else:
         x["A_log"], x["dt_bias"] = torch.empty(HV, **f32), torch.empty(dt_len, **f32)
     return x
+
+
+def _term_tensors(spec: OpSpec, terms, device) -> dict:
+    """The call terms' kernel tensors (dsl/call_terms.py TermsMaths.chunk_params) of a
+    spec that has them: the call's, placeholders for the rest."""
+    import torch
+    names = terms_of(spec).chunk_params
+    given = (terms or {}).get("tensors", {})
+    return {n: given[n] if n in given else torch.empty(1, dtype=torch.float32, device=device)
+            for n in names}
 
 
 def _empty_result(q, B, T, HV, V, N, state_shape, initial_state, output_final_state,

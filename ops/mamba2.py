@@ -4,6 +4,8 @@ mamba_ssm's names: ``mamba_chunk_scan_combined`` (prefill, training) and
 heads shared by nheads value heads), v = x, the state [headdim, dstate] is the v-first
 state ([N, HV, V, K]) and the scale is 1; the step, the value scale, the skip term and
 the output gate are the spec's call terms (dsl/call_terms.py)."""
+import functools
+
 from ..dsl import OpSpec, Options
 from ..dsl import call_terms
 from . import api, validate
@@ -117,17 +119,41 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if cu is not None and h0 is not None:       # the first sequence starts from it
         rest = h0.new_zeros((cu.shape[0] - 2,) + tuple(h0.shape[1:]))
         h0 = torch.cat([h0, rest], 0)
-    v, g = call_terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit,
-                                     dtype=torch.float32)
     q, k = C.to(x.dtype), B.to(x.dtype)
-    o, ht = _run(q, k, v, g, h0, True, cu)
-    y = call_terms.epilogue(SPEC, o, x, D, z).to(x.dtype)
+    if _terms_in_kernels(x, dt, A, B, C, D, z, dt_bias, h0):
+        terms = kernel_terms(A, D, None if z is None else z.to(x.dtype).flatten(0, 1),
+                             dt_bias, dt_softplus, dt_limit, V=x.shape[3])
+        y, ht = _chunk_kernel(SPEC, q, k, x, dt.float(), None, 1.0, h0, True, _OPTS, cu,
+                              None, terms=terms)
+    else:
+        v, g = call_terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit,
+                                         dtype=torch.float32)
+        o, ht = _run(q, k, v, g, h0, True, cu)
+        y = call_terms.epilogue(SPEC, o, x, D, z).to(x.dtype)
     out = (y,)
     if return_final_states:
         out += (ht[-1:] if cu is not None else ht,)
     if return_varlen_states:
         out += (ht,)
     return out[0] if len(out) == 1 else out
+
+
+def _terms_in_kernels(x, *tensors) -> bool:
+    """Whether the chunked kernels form the call terms (one pass over x, dt, z, no torch
+    pass around them): a forward (no autograd: the backward reads the terms formed in
+    torch) of 16-bit x at head dims the chunked kernels take."""
+    from . import additive_bwd
+    Bn, T, HV, V = x.shape
+    dims = validate.Dims(Bn, T, tensors[2].shape[2], HV, tensors[2].shape[3], V)
+    return (not additive_bwd.needs_grad(x, *tensors) and T > 1
+            and api.chunk_supports(SPEC, dims, x.dtype))
+
+
+def _chunk_kernel(*args, **kwargs):
+    """The chunked forward's kernels with the call terms formed in them
+    (ops/chunk.py run_chunk_forward; the tests replace it on the CPU)."""
+    from .chunk import run_chunk_forward
+    return run_chunk_forward(*args, **kwargs)
 
 
 def _run(q, k, v, g, h0, final, cu_seqlens):
@@ -172,23 +198,35 @@ def _decode_kernel(*args, **kwargs):
     return run_recurrent(*args, **kwargs)
 
 
-def decode_terms(x, A, D, z, dt_bias, dt_softplus):
-    """The call terms the decode kernel forms, as run_recurrent's ``terms``: the step from
-    the raw dt (g) with dt_bias and softplus, the decay exp(A dt), the value scale, D x,
-    silu(z); A, dt_bias [nheads] f32, D [nheads, headdim] f32, z [batch, 1, nheads,
-    headdim] in x's dtype."""
-    HV, V = x.shape[1], x.shape[2]
+def kernel_terms(A, D, z, dt_bias, dt_softplus, dt_limit=None, *, V):
+    """The call terms the kernels form (the decode's run_recurrent, the chunked
+    run_chunk_forward: their ``terms``): the step from the raw dt (g) with dt_bias,
+    softplus and the clamp to dt_limit (None: none), the decay exp(A dt), the value scale,
+    D x, silu(z). A, dt_bias [nheads]; D [nheads] or [nheads, headdim]; z as the kernel
+    reads it (in x's dtype). V: headdim."""
+    import torch
+    HV = A.shape[0]
     flags = dict(step_dt=True, step_bias_on=dt_bias is not None,
-                 step_softplus=bool(dt_softplus), value_scale=True, skip=D is not None,
-                 output_gate=z is not None)
+                 step_softplus=bool(dt_softplus), step_clamp=dt_limit is not None,
+                 value_scale=True, skip=D is not None, output_gate=z is not None)
     tensors = {"step_A": A.float().contiguous()}
     if dt_bias is not None:
         tensors["step_bias"] = dt_bias.float().contiguous()
+    if dt_limit is not None:
+        tensors["step_limit"] = _limit_tensor(float(dt_limit[0]), float(dt_limit[1]), A.device)
     if D is not None:
         tensors["skip_D"] = D.float().reshape(HV, -1).expand(HV, V).contiguous()
     if z is not None:
-        tensors["gate_z"] = z.to(x.dtype).unsqueeze(1).contiguous()
+        tensors["gate_z"] = z.contiguous()
     return {"flags": flags, "tensors": tensors}
+
+
+@functools.lru_cache(maxsize=16)
+def _limit_tensor(lo: float, hi: float, device):
+    """dt_limit as the kernels' step_limit [2] f32 on ``device``, made once (no host copy a
+    call: a CUDA graph may capture the call)."""
+    import torch
+    return torch.tensor([lo, hi], dtype=torch.float32, device=device)
 
 
 def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx, dt_softplus):
@@ -238,4 +276,5 @@ def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx, dt_softplus):
     q, k, v = (t.to(x.dtype).unsqueeze(1).contiguous() for t in (C, B, x))
     g = dt[:, :, 0].float().unsqueeze(1).contiguous()
     bias = None if dt_bias is None else dt_bias[:, 0]
-    return q, k, v, g, decode_terms(x, A[:, 0, 0], D, z, bias, dt_softplus)
+    z = None if z is None else z.to(x.dtype).unsqueeze(1)
+    return q, k, v, g, kernel_terms(A[:, 0, 0], D, z, bias, dt_softplus, V=V)

@@ -95,10 +95,28 @@ class PipelineMath:
             g_last[ci] = G[-1].to(g_last.dtype)
             u[t0:t0 + n] = (v[t0:t0 + n].to(F64) * (G[-1] - G).exp()).to(u.dtype)
 
+    def step(self, p, g, step_A, step_bias, step_limit, t0, n):
+        """The call terms' step (terms/step.py.jinja prepare_step): dt [n, HV] from the
+        raw dt g carries, and the gate A dt as effective()'s cumsum [n, HV, 1]."""
+        dt = g[t0:t0 + n].to(F64)
+        if p.get("step_bias_on"):
+            dt = dt + step_bias.to(F64)
+        if p.get("step_softplus"):
+            dt = tr.softplus_fla(dt)
+        if p.get("step_clamp"):
+            dt = dt.clamp(float(step_limit[0]), float(step_limit[1]))
+        return dt, (dt * step_A.to(F64)).cumsum(0)[..., None]
+
     def prepare_additive(self, p, k, g, beta, A_log, dt_bias, chunk_bos, chunk_len, g_cum,
-                         kn, **_):
+                         kn, **terms):
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
             _, ke, gc, _ = self.effective(p, t0, n, k=k, g=g, A_log=A_log, dt_bias=dt_bias)
+            if p.get("step_dt"):
+                dt, gc = self.step(p, g, terms["step_A"], terms["step_bias"],
+                                   terms["step_limit"], t0, n)
+                if p.get("value_scale"):
+                    terms["dt_c"][:, ci * C:(ci + 1) * C] = 0.0
+                    terms["dt_c"][:, ci * C:ci * C + n] = dt.T.to(terms["dt_c"].dtype)
             if p["l2norm_qk"]:
                 kn[t0:t0 + n] = ke[:, ::self.group].to(kn.dtype)
             if gc is not None:
@@ -187,18 +205,19 @@ class PipelineMath:
 
     def qk(self, p, q, k, g_cum, chunk_bos, chunk_len, qg, aqk):
         self.seen["q_out"] = p.get("q_out", "gated")
+        self.seen["per_key_head"] = per_key = p.get("per_key_head", False)
         aqk.zero_()
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
-            for hv in range(self.HV):
-                hk = hv // self.group
+            for hv in range(self.H if per_key else self.HV):
+                hk = hv if per_key else hv // self.group
                 qq = q[t0:t0 + n, hk].to(F64)
                 qq = tr.l2norm(qq) if p["l2norm_qk"] else qq
-                gc = self.scalar_gate(g_cum, hv, ci, n)
+                gc = torch.zeros(n, dtype=F64) if per_key else self.scalar_gate(g_cum, hv, ci, n)
                 aqk[t0:t0 + n, hv, :n] = ((qq @ k[t0:t0 + n, hk].to(F64).T)
                                           * _tril_decay(gc)).to(aqk.dtype)
                 if self.seen["q_out"] == "gated":
                     qg[t0:t0 + n, hv] = (qq * gc.exp()[:, None]).to(qg.dtype)
-                elif self.seen["q_out"] == "normed" and hv % self.group == 0:
+                elif self.seen["q_out"] == "normed" and (per_key or hv % self.group == 0):
                     qg[t0:t0 + n, hk] = qq.to(qg.dtype)
 
     # -- the state pass and the output ----------------------------------------------------
@@ -210,6 +229,8 @@ class PipelineMath:
         lp = lambda x: x.to(u.dtype).to(F64)  # noqa: E731
         kk = k[t0:t0 + n, hv if self.key else hv // self.group, kb].to(F64)
         uu = u[t0:t0 + n, hv].to(F64)
+        if p.get("value_scale"):            # the call terms' dt x (dt_c: chunk_prepare's)
+            uu = uu * self.dt_c[hv, ci * C:ci * C + n].to(F64)[:, None]
         vn = uu - w[t0:t0 + n, hv].to(F64) @ lp(S) if self.spec.has_beta else uu
         if self.key:
             return vn, g_cum[ci, hv, kb].to(F64).exp()[:, None] * S + kk.T @ lp(vn)
@@ -273,10 +294,11 @@ class PipelineMath:
         return row + (c0 + walked if p.get("states_out") else 0)
 
     def summary(self, p, k, u, g_cum, cu_seqlens, chunk_offsets, map_seg, seg_state,
-                seg_decay):
+                seg_decay, dt_c=None, **_):
         """chunk_state_summary: each mapped segment walked from zero (B) and its log decay
         (G); the others' rows are left as they were (NaN in the tests)."""
         self.seen["summary"] = dict(p)
+        self.dt_c = dt_c
         h0, mapped = torch.zeros(1), set(map_seg.tolist())
         cu, c0s = cu_seqlens.tolist(), chunk_offsets.tolist()
         for a, _, hv, S, walked in self._walk(dict(p, has_initial_state=False,
@@ -294,6 +316,7 @@ class PipelineMath:
 
     def state(self, p, k, w, u, g_cum, cu_seqlens, chunk_offsets, h0, h, v_new, ht, **extra):
         self.seen["state"] = dict(p)
+        self.dt_c = extra.get("dt_c")
 
         def on_chunk(ci, t0, n, hv, S, vn, m):
             if p.get("h_out", True):           # (states_only: f32 ht alone)
@@ -312,6 +335,8 @@ class PipelineMath:
                      scale, **extra):
         self.seen["q_gated"] = p.get("q_gated", True)
         self.seen["qg_heads"] = qg.shape[1]
+        self.seen["state_output"] = dict(p)
+        self.dt_c = extra.get("dt_c")
 
         def on_chunk(ci, t0, n, hv, S, vn, m):
             if p.get("states_out"):
@@ -321,7 +346,12 @@ class PipelineMath:
             else:       # q itself (or its normed copy) per key head, gated here
                 qq = qg[t0:t0 + n, hv // self.group].to(F64)
                 qq = qq * self.scalar_gate(g_cum, hv, ci, n).exp()[:, None]
-            oo = scale * (qq @ S + aqk[t0:t0 + n, hv, :n].to(F64) @ vn)
+            if p.get("aqk_per_key_head"):   # the key head's pairs, this head's decay
+                pairs = (aqk[t0:t0 + n, hv // self.group, :n].to(F64)
+                         * _tril_decay(self.scalar_gate(g_cum, hv, ci, n)))
+            else:
+                pairs = aqk[t0:t0 + n, hv, :n].to(F64)
+            oo = self.terms_out(p, scale * (qq @ S + pairs @ vn), u, t0, n, hv, extra)
             o[t0:t0 + n, hv] = oo.to(o.dtype)
         for a, m, hv, S, walked in self._walk(p, k, w, u, g_cum, cu_seqlens, chunk_offsets,
                                               h0, on_chunk, extra):
@@ -329,11 +359,23 @@ class PipelineMath:
             if p["output_final_state"] and row is not None:
                 ht[row, hv] = S
 
-    def output(self, p, q, k, v_new, h, g_cum, chunk_bos, chunk_len, o, scale):
+    def terms_out(self, p, oo, x, t0, n, hv, terms):
+        """The call terms on a chunk's output (terms/step.py.jinja chunk_output): + D x
+        (x the raw values), * silu(z)."""
+        if p.get("skip"):
+            oo = oo + terms["skip_D"][hv].to(F64) * x[t0:t0 + n, hv].to(F64)
+        if p.get("output_gate"):
+            oo = oo * torch.nn.functional.silu(terms["gate_z"][t0:t0 + n, hv].to(F64))
+        return oo
+
+    def output(self, p, q, k, v_new, h, g_cum, chunk_bos, chunk_len, o, scale, **terms):
         for ci, (t0, n) in self.chunks(chunk_bos, chunk_len):
             for hv in range(self.HV):
                 hh = h[ci, hv].to(F64)
                 vn = v_new[t0:t0 + n, hv].to(F64)
+                if p.get("value_scale"):    # dt x, rounded to the input dtype (v_s)
+                    dt = terms["dt_c"][hv, ci * C:ci * C + n].to(F64)
+                    vn = (vn * dt[:, None]).to(v_new.dtype).to(F64)
                 if self.key:            # q <- qg, k <- A_qk (chunk_prepare's), g_cum unused
                     oo = q[t0:t0 + n, hv].to(F64) @ hh + k[t0:t0 + n, hv, :n].to(F64) @ vn
                 elif self.value:        # g_cum [Ttot, HV, V]: per row and value channel
@@ -351,7 +393,8 @@ class PipelineMath:
                     gc = self.scalar_gate(g_cum, hv, ci, n)
                     P = (qq @ k[t0:t0 + n, hk].to(F64).T) * _tril_decay(gc)
                     oo = (qq * gc.exp()[:, None]) @ hh + P @ vn
-                o[t0:t0 + n, hv] = (scale * oo).to(o.dtype)
+                oo = self.terms_out(p, scale * oo, v_new, t0, n, hv, terms)
+                o[t0:t0 + n, hv] = oo.to(o.dtype)
 
     def body(self, spec, stage, params):
         fn = {"chunk_prepare": self.prepare, "chunk_prepare_states": self.prepare_states,

@@ -75,6 +75,37 @@ def test_chunk_scan_combined_forward(Bn, T, HV, G, K, terms, lim):
     assert y.dtype == BF and rel(y, wy) < 1e-2 and rel(hT, wh) < 1e-2, (rel(y, wy), rel(hT, wh))
 
 
+@pytest.mark.parametrize("config", [None, {"state_threads": 256}, {"aqk_per_key_head": True},
+                                    {"fused": False}, {"segments": 8},
+                                    {"fused": False, "segments": 4}])
+@pytest.mark.parametrize("cu", [None, [0, 1, 300, 300, 365, 1865]])
+def test_call_terms_in_the_chunked_kernels(config, cu, monkeypatch):
+    """Every plan form of the chunked forward with the call terms formed inside it
+    (chunk_prepare's step and dt per token, the state pass's value scale, the skip term
+    and the output gate in the stage writing o), whole and ragged sequences, against the
+    fp64 reference; and the public call routes there (no torch pass around it)."""
+    from linattn.ops import chunk
+    p = inputs(1, 1865 if cu else 1500, 32, 8, 128)
+    lim = (0.0, 2.0)
+    terms = mamba2.kernel_terms(p["A"], p["D"], p["z"].flatten(0, 1), p["dt_bias"], True,
+                                lim, V=64)
+    h0 = p["h0"] if cu is None else torch.cat([p["h0"], p["h0"].new_zeros(4, 32, 64, 128)])
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    y, ht = chunk.run_chunk_forward(mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"].float(),
+                                    None, 1.0, h0, True, mamba2._OPTS, cu_t, None,
+                                    config=config, terms=terms)
+    wy, wh = want_scan(p, cu, dt_limit=lim)
+    assert rel(y, wy) < 1e-2 and rel(ht, wh) < 1e-2, (rel(y, wy), rel(ht, wh))
+    seen = []
+    real = mamba2._chunk_kernel
+    monkeypatch.setattr(mamba2, "_chunk_kernel", lambda *a, **k: seen.append(1) or real(*a, **k))
+    y2 = linattn.mamba_chunk_scan_combined(p["x"], p["dt"], p["A"], p["B"], p["C"], 256,
+                                           D=p["D"], z=p["z"], dt_bias=p["dt_bias"],
+                                           initial_states=p["h0"], dt_softplus=True,
+                                           dt_limit=lim, cu_seqlens=cu_t)
+    assert seen and rel(y2, wy) < 1e-2
+
+
 @pytest.mark.parametrize("by", ["seq_idx", "cu_seqlens"])
 def test_chunk_scan_combined_varlen(by):
     lens = [1, 300, 0, 65, 1500]
@@ -155,10 +186,30 @@ def test_selective_state_update(b, HV, G, K, pool, state_dtype):
         assert torch.equal(state[:b], before[:b])
 
 
+def _mamba_triton():
+    """mamba_ssm's Triton modules (ssd_combined, selective_state_update): the installed
+    package, else a source checkout at $MAMBA_SRC loaded without its __init__ (which
+    imports the CUDA extensions); skips where neither imports."""
+    import importlib
+    import os
+    import sys
+    import types
+    src = os.environ.get("MAMBA_SRC")
+    try:
+        importlib.import_module("mamba_ssm")
+    except Exception:                   # noqa: BLE001 (no package, or its extensions)
+        if not src:
+            pytest.skip("mamba_ssm not importable (set MAMBA_SRC to a checkout)")
+        pkg = types.ModuleType("mamba_ssm")
+        pkg.__path__ = [os.path.join(src, "mamba_ssm")]
+        sys.modules["mamba_ssm"] = pkg
+    return (pytest.importorskip("mamba_ssm.ops.triton.ssd_combined"),
+            pytest.importorskip("mamba_ssm.ops.triton.selective_state_update"))
+
+
 def test_against_mamba_ssm():
     """mamba_ssm's own Triton functions on the same inputs (skips where not importable)."""
-    ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
-    ssu = pytest.importorskip("mamba_ssm.ops.triton.selective_state_update")
+    ssd, ssu = _mamba_triton()
     for G in (1, 8):
         p = inputs(2, 2048, 32, G, 128)
         kw = dict(D=p["D"], z=p["z"], dt_bias=p["dt_bias"], initial_states=p["h0"],
@@ -172,8 +223,8 @@ def test_against_mamba_ssm():
     p = inputs(b, 1, HV, 8, K)
     args = (p["x"][:, 0], p["dt"][:, 0, :, None].expand(b, HV, V),
             p["A"].view(HV, 1, 1).expand(HV, V, K), p["B"][:, 0], p["C"][:, 0])
-    kw = dict(D=p["D"], z=p["z"][:, 0], dt_bias=p["dt_bias"].view(HV, 1).expand(HV, V),
-              dt_softplus=True)
+    kw = dict(D=p["D"].view(HV, 1).expand(HV, V), z=p["z"][:, 0],    # (mamba_ssm: D [HV, V])
+              dt_bias=p["dt_bias"].view(HV, 1).expand(HV, V), dt_softplus=True)
     s1, s2 = p["h0"].clone(), p["h0"].clone()
     y1 = linattn.selective_state_update(s1, *args, **kw)
     y2 = ssu.selective_state_update(s2, *args, **kw)

@@ -191,7 +191,8 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps")
+               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps", "state_threads",
+               "aqk_per_key_head")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -205,7 +206,7 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     if p.N * p.HV > hw.MAX_GRID_YZ:    # (each pipeline's state pass: sequences x heads on y)
         raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
                          f"at most {hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
-    if walk_applies(p) and "fused" not in config:
+    if walk_applies(p) and "fused" not in config and not p.terms:
         return _walk_plan(p, config)
     return stage_plan(p, config)
 

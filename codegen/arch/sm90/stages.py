@@ -5,6 +5,8 @@ chunk_state_output: o formed inside the state pass) or as three stages (chunk_st
 writes h per chunk, chunk_output reads it). The rules and their measurements follow."""
 from __future__ import annotations
 
+import dataclasses
+
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import additive
 from . import hardware as hw
@@ -56,6 +58,34 @@ STATE_K_MULTIPLE = 64
 #: block 32 (its one-stage pass: 2.09 us a step at GLA-1.3B 16k, chunk_state's 0.92, run
 #: s22-4)
 STATE_STAGES = 2
+#: the additive rule's fused state pass: threads of its CTA (128 a warpgroup) by state
+#: tile. One CTA an SM walks its chunks with every step's GEMMs (q S, A_qk v, k^T v) and
+#: element passes (S to shared memory, the decays) in series, one warpgroup each: latency,
+#: not the tensor cores (Mamba-2's layer, 128 chains at 128 x 64: ~6 us a step, run
+#: s34-1's 0.79 ms forward less its ~0.34 ms of torch passes, 64 steps; 2.6 MFLOP a step
+#: is 0.35 us of an SM's tensor cores). Two warpgroups split each GEMM's columns and each
+#: pass in half. Not measured yet: 128 stays the default, 256 a probe's config
+#: (state_threads; bench/ssd_probe.py times both) until a run says which wins
+FUSED_STATE_THREADS = dict(threads=128, min_tile=128 * 64)
+#: the fused pass's A_qk under GVA: chunk_qk forms tril_incl(q k^T) once per key head
+#: (chunk, key head CTAs), undecayed, and the state pass applies its value head's decay
+#: (a 64 x 64 element pass a step), instead of A_qk per value head. Mamba-2's layer (128
+#: value heads over 8 key heads) then writes and reads 4 MB, not 134 MB, at 4k tokens, and
+#: chunk_qk runs 1/16 of its GEMMs. Not measured: off by default, a probe's config
+#: (aqk_per_key_head; bench/ssd_probe.py times both) until a run says it wins
+AQK_PER_KEY_HEAD = False
+#: the call terms (dsl/call_terms.py) by the stage that forms them, as build() flags: the
+#: prepare forms the step (g = A dt, and dt per token, dt_c, for the value scale), the
+#: state pass scales the values it takes, the output's stages add the skip term and the
+#: output gate (so no pass over x, dt or o runs outside the kernels)
+PREPARE_TERMS = ("step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale")
+STATE_TERMS = ("value_scale",)
+OUTPUT_TERMS = ("value_scale", "skip", "output_gate")
+#: each call term's tensor by the flag under which a stage reads it; a stage without the
+#: flag declares it as a placeholder [1] and is handed the plan's term_none (its shape
+#: follows the flag: the call's tensor would not fit it)
+TERM_TENSORS = {"step_A": "step_dt", "step_bias": "step_bias_on", "step_limit": "step_clamp",
+                "dt_c": "value_scale", "skip_D": "skip", "gate_z": "output_gate"}
 #: the chunked forward's head dims, multiples of 16 up to: K 256; V 256, but 512 for the
 #: additive rule (its state pass splits K and V into tiles within the register budget,
 #: additive.py). Other calls take the recurrent kernel (ops/api.py).
@@ -223,10 +253,65 @@ def _prepare(p: ForwardProblem, order: dict, config: dict) -> tuple:
     bufs += [Buffer("g_cum", (p.HV, p.NT * C) if gated else (p.Ttot, p.HV))]
     if p.l2norm_qk:
         bufs += [Buffer("kn", (p.Ttot, p.H, p.K), "input")]
+    if "value_scale" in p.terms:
+        bufs += [Buffer("dt_c", (p.HV, p.NT * C))]
     if not (gated or p.l2norm_qk):
         return [], bufs, bind
-    prep = launch("chunk_prepare", dict(common, **flags, **order), u="v", kn=bind["k"])
+    prep = launch("chunk_prepare", dict(common, **flags, **order,
+                                        **terms_params(p, PREPARE_TERMS)),
+                  u="v", kn=bind["k"])
     return [prep], bufs, bind
+
+
+def terms_params(p: ForwardProblem, stage_terms: tuple) -> dict:
+    """The build() flags of the call terms p's stage forms (stage_terms: *_TERMS)."""
+    return {t: True for t in stage_terms if t in p.terms}
+
+
+def with_term_placeholders(p: ForwardProblem, launches: list, bufs: list) -> tuple:
+    """(launches, buffers) with each launch's unread call-term tensors (TERM_TENSORS)
+    bound to term_none, a [1] f32 buffer, where the call has terms."""
+    if not p.terms:
+        return launches, bufs
+    out = []
+    for la in launches:
+        off = {t: "term_none" for t, f in TERM_TENSORS.items()
+               if f in p.terms and not la.kwargs.get(f)}
+        out.append(dataclasses.replace(la, bind=tuple(sorted(dict(la.bind, **off).items()))))
+    return out, bufs + [Buffer("term_none", (1,))]
+
+
+def check_terms(p: ForwardProblem) -> None:
+    """ValueError unless the chunked stages form p's call terms: the additive rule's,
+    its per-chunk states not kept for a backward (which reads no terms)."""
+    if p.terms and (p.rule != "additive" or p.save_states or p.states_only):
+        raise ValueError(f"call terms {list(p.terms)}: the chunked forward forms them in the "
+                         "additive rule's forward alone (no training forward's states)")
+
+
+def state_threads(p: ForwardProblem, choice, config: dict) -> int:
+    """The fused additive state pass's threads (FUSED_STATE_THREADS; Hopper's warpgroups:
+    sm80 keeps 128, unmeasured there), or config's state_threads."""
+    if "state_threads" in config:
+        if config["state_threads"] not in (128, 256):
+            raise ValueError(f"plan config state_threads={config['state_threads']!r}: 128 "
+                             "or 256")
+        return config["state_threads"]
+    wide = ("warpgroups" in hw.FEATURES and p.rule == "additive" and choice.fused
+            and choice.block_k * choice.block_v >= FUSED_STATE_THREADS["min_tile"])
+    return FUSED_STATE_THREADS["threads"] if wide else 128
+
+
+def aqk_per_key_head(p: ForwardProblem, config: dict) -> bool:
+    """Whether the fused pass reads A_qk per key head (AQK_PER_KEY_HEAD: the additive
+    rule with no or a scalar gate under GVA), or config's aqk_per_key_head."""
+    able = p.rule == "additive" and p.gate in ("none", "scalar") and p.HV > p.H
+    if "aqk_per_key_head" in config:
+        if config["aqk_per_key_head"] and not able:
+            raise ValueError("plan config aqk_per_key_head: the additive rule with no or a "
+                             "scalar gate and more value heads than key heads only")
+        return bool(config["aqk_per_key_head"])
+    return AQK_PER_KEY_HEAD and able
 
 
 def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
@@ -244,6 +329,7 @@ def _value_prepare(p: ForwardProblem, bufs: list, params: dict) -> tuple:
 def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     """The fused or three-stage plan of p (config may force "fused"; for the additive
     rule also the sequence split, key and value blocks: additive.choose)."""
+    check_terms(p)
     if p.K % STATE_K_MULTIPLE:
         raise ValueError(f"K={p.K}: the chunked state pass takes K a multiple of "
                          f"{STATE_K_MULTIPLE} (this rule and gate; ops.chunk pads other K: arch.chunk_k)")
@@ -292,35 +378,48 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
         launches, bufs = launches + s_launches, bufs + s_bufs
         state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
         sbind.update(s_bind)
+        threads = state_threads(p, choice, config)
+        state.update({"threads": threads} if threads != 128 else {})
+    per_key = aqk_per_key_head(p, config)
     if choice.fused:
         if p.gate != "key":
-            bufs.append(Buffer("aqk", (p.Ttot, p.HV, p.chunk_size), "input"))
-            if p.l2norm_qk:
-                bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
-            launches.append(launch("chunk_qk", dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype,
-                                                    l2norm_qk=p.l2norm_qk, **order,
-                                                    q_out="normed" if p.l2norm_qk else "none"),
-                                   k=bind["k"], qg="qn" if p.l2norm_qk else "q"))
-            bind = dict(bind, q="qn" if p.l2norm_qk else "q", aqk="aqk")
-            state["q_gated"] = False
-        launches.append(launch("chunk_state_output", state, **sbind, qg=bind["q"], aqk=bind["aqk"]))
+            qk, qk_bufs, bind = _qk(p, per_key, order, bind)
+            launches, bufs = launches + [qk], bufs + qk_bufs
+            state.update(q_gated=False, **({"aqk_per_key_head": True} if per_key else {}))
+        launches.append(launch("chunk_state_output", dict(state, **terms_params(p, OUTPUT_TERMS)),
+                               **sbind, qg=bind["q"], aqk=bind["aqk"]))
     else:
         bufs += [Buffer("h", (1 if p.states_only else p.NT, p.HV, p.K, p.V), "input")]
         if p.rule_kind == "delta":
             bufs += [Buffer("v_new", (p.Ttot, p.HV, p.V), "input")]
         if p.states_only:       # (a training recompute: its states in the input dtype)
             state.update(h_out=False, ht_dtype=p.dtype)
-        launches.append(launch("chunk_state", state, **sbind,
+        launches.append(launch("chunk_state", dict(state, **terms_params(p, STATE_TERMS)), **sbind,
                                **({} if p.rule_kind == "delta" else {"v_new": "v"})))
     if not (choice.fused or p.states_only):
-        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order)
+        out = dict(common, l2norm_qk=p.l2norm_qk, block_v=output_block_v(p.V, p.gate), **order,
+                   **terms_params(p, OUTPUT_TERMS))
         g_out = "g_cum" if p.gate == "value" else bind.get("g_cum", "g_cum")
         launches.append(launch("chunk_output", out, q=bind.get("q", "q"),
                                k=bind.get("aqk", bind["k"]), g_cum=g_out,
                                **({} if p.rule_kind == "delta" else {"v_new": "v"})))
+    launches, bufs = with_term_placeholders(p, launches, bufs)
     name = ("fused" if choice.fused else "three-stage") + ("-split" if choice.segments else "")
     return Plan(name, NAME, tuple(launches), tuple(bufs), choice.segments,
                 reasons=(_why(p, choice, config),), saved=saved_names(p))
+
+
+def _qk(p: ForwardProblem, per_key: bool, order: dict, bind: dict) -> tuple:
+    """(chunk_qk's launch, its buffers, the bindings after it) for the fused pass's A_qk:
+    per value head, or per key head undecayed (per_key: aqk_per_key_head)."""
+    bufs = [Buffer("aqk", (p.Ttot, p.H if per_key else p.HV, p.chunk_size), "input")]
+    if p.l2norm_qk:
+        bufs.append(Buffer("qn", (p.Ttot, p.H, p.K), "input"))
+    qk = dict(H=p.H, HV=p.HV, K=p.K, dtype=p.dtype, l2norm_qk=p.l2norm_qk, **order,
+              q_out="normed" if p.l2norm_qk else "none",
+              **({"per_key_head": True} if per_key else {}))
+    q = "qn" if p.l2norm_qk else "q"
+    return launch("chunk_qk", qk, k=bind["k"], qg=q), bufs, dict(bind, q=q, aqk="aqk")
 
 
 def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
@@ -336,7 +435,8 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
     summary = launch("chunk_state_summary", dict(
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
-        block_v=choice.summary_block_v, num_stages=STATE_STAGES), **sbind, **tables)
+        block_v=choice.summary_block_v, num_stages=STATE_STAGES,
+        **terms_params(p, STATE_TERMS)), **sbind, **tables)
     # (it summarises map_seg's segments: all but each sequence's last)
     bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns,) + decay)]
     return [summary], bufs, dict(tables, final_row="seg_final_row")

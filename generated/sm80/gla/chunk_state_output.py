@@ -65,8 +65,9 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True, states_out=False, ht_dtype="float32",
-          block_k=None, segment_starts=False):
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True,
+          aqk_per_key_head=False, states_out=False, ht_dtype="float32",
+          block_k=None, segment_starts=False, threads=128):
     """prim_func for chunk_state_output.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -80,7 +81,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (chunk_state_summary's, read with segment_starts; else any [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    prefetch the next chunks), threads (128 a warpgroup: the state tile's GEMMs and
+    element passes split over them). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
     Fused output (this stage replaces chunk_state + chunk_output): qg [Ttot, HV, K] and
@@ -88,6 +90,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     chunk, o = scale (qg S + aqk v_new) with S the state entering the chunk; neither h nor
     v_new is written. q_gated=False: qg is q itself [Ttot, H, K] (l2-normalised when
     asked) and the scalar gate's exp(g_cum_i) scales row i of q S here, in f32.
+    aqk_per_key_head: aqk is [Ttot, H, 64], each key head's tril_incl(q k^T) undecayed
+    (chunk_qk's per_key_head), the value head's decay applied to it here.
     """
     BT = CHUNK
     BV = block_v
@@ -99,6 +103,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     group = HV // H
     assert q_gated, "the per-key gate's q operand comes gated from chunk_prepare"
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
+    a_heads, a_div = (H, group) if aqk_per_key_head else (HV, 1)     # aqk's likewise
     assert not states_out or output_final_state, "states_out writes the final state too"
     assert ht_dtype == f32 or states_out, "ht_dtype: the states_out rows' (a training recompute's)"
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
@@ -116,7 +121,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         ht: T.Tensor(ht_shape, ht_dtype),
         qg: T.Tensor((Ttot, q_heads, K), dtype),
-        aqk: T.Tensor((Ttot, HV, BT), dtype),
+        aqk: T.Tensor((Ttot, a_heads, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
         final_row: T.Tensor((N,), "int32"),
@@ -125,7 +130,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         seg_state: T.Tensor((NP, HV, K, V), f32),
         seg_decay: T.Tensor((NP, HV, K), f32),
     ):
-        with T.Kernel((K // BK) * (V // BV), N * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), N * HV, threads=threads) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
             n = nh // HV
@@ -142,6 +147,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             vn_s = T.alloc_shared((BT, BV), dtype)
             q_s = T.alloc_shared((BT, K), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
+            pk_s = T.alloc_shared((BT, BT) if aqk_per_key_head else (1, 1), dtype)
             o_f = T.alloc_fragment((BT, BV), f32)
             gl_s = T.alloc_shared((BK,), f32)
             d_f = T.alloc_fragment((BK,), f32)
@@ -171,7 +177,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(g_cum[c0 + c, hv, ik * BK:(ik + 1) * BK], gl_s)
                 T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
-                T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
+                T.copy(aqk[t0:t0 + BT, hv // a_div, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
                 if states_out:            # the contracts' f32 states, from registers

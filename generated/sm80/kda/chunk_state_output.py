@@ -48,7 +48,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, q_gated=True):
+          output_final_state=False, block_v=64, num_stages=2, q_gated=True,
+          aqk_per_key_head=False, threads=128):
     """prim_func for chunk_state_output.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -59,7 +60,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    prefetch the next chunks), threads (128 a warpgroup: the state tile's GEMMs and
+    element passes split over them). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7).
     Fused output (this stage replaces chunk_state + chunk_output): qg [Ttot, HV, K] and
@@ -67,6 +69,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     chunk, o = scale (qg S + aqk v_new) with S the state entering the chunk; neither h nor
     v_new is written. q_gated=False: qg is q itself [Ttot, H, K] (l2-normalised when
     asked) and the scalar gate's exp(g_cum_i) scales row i of q S here, in f32.
+    aqk_per_key_head: aqk is [Ttot, H, 64], each key head's tril_incl(q k^T) undecayed
+    (chunk_qk's per_key_head), the value head's decay applied to it here.
     """
     BT = CHUNK
     BV = block_v
@@ -75,6 +79,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     group = HV // H
     assert q_gated, "the per-key gate's q operand comes gated from chunk_prepare"
     q_heads, q_div = (HV, 1) if q_gated else (H, group)     # qg's heads, value head -> qg head
+    a_heads, a_div = (H, group) if aqk_per_key_head else (HV, 1)     # aqk's likewise
     ht_dtype = f32
     Ttot, NT, N, N0, N1 = T.dynamic("Ttot, NT, N, N0, N1")   # N0, N1: N or 1 (placeholder)
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
@@ -91,11 +96,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         h0: T.Tensor(h0_shape, f32),
         ht: T.Tensor(ht_shape, ht_dtype),
         qg: T.Tensor((Ttot, q_heads, K), dtype),
-        aqk: T.Tensor((Ttot, HV, BT), dtype),
+        aqk: T.Tensor((Ttot, a_heads, BT), dtype),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
     ):
-        with T.Kernel(V // BV, N * HV, threads=128) as (iv, nh):
+        with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
             n = nh // HV
             hv = nh % HV
             hk = hv
@@ -111,6 +116,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             w_s = T.alloc_shared((BT, K), dtype)
             q_s = T.alloc_shared((BT, K), dtype)
             p_s = T.alloc_shared((BT, BT), dtype)
+            pk_s = T.alloc_shared((BT, BT) if aqk_per_key_head else (1, 1), dtype)
             o_f = T.alloc_fragment((BT, BV), f32)
             gl_s = T.alloc_shared((K,), f32)
 
@@ -134,7 +140,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(w[t0:t0 + BT, hv, 0:K], w_s)
                 T.copy(g_cum[c0 + c, hv, 0:K], gl_s)
                 T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
-                T.copy(aqk[t0:t0 + BT, hv, 0:BT], p_s)
+                T.copy(aqk[t0:t0 + BT, hv // a_div, 0:BT], p_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
                 T.gemm(w_s, S_s, vn, clear_accum=True)

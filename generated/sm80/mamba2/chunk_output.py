@@ -38,7 +38,8 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fastest=False):
+def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fastest=False, step_dt=False, step_bias_on=False, step_softplus=False,
+          step_clamp=False, value_scale=False, skip=False, output_gate=False):
     """prim_func for chunk_output.
 
     heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV): the value
@@ -58,6 +59,13 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
+    step_A_shape = (HV,) if step_dt else (1,)
+    step_bias_shape = (HV,) if step_bias_on else (1,)
+    step_limit_shape = (2,) if step_clamp else (1,)
+    dt_c_shape = (HV, NT * BT) if value_scale else (1,)
+    skip_D_shape = (HV, V) if skip else (1,)
+    gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
+    gate_z_dtype = dtype if output_gate else "float32"
 
     @T.prim_func
     def chunk_output(
@@ -70,6 +78,9 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
         chunk_len: T.Tensor((NT,), "int32"),
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
+        dt_c: T.Tensor(dt_c_shape, f32),
+        skip_D: T.Tensor(skip_D_shape, f32),
+        gate_z: T.Tensor(gate_z_shape, gate_z_dtype),
     ):
         with T.Kernel(HV if heads_fastest else V // BV, V // BV if heads_fastest else NT,
                       NT if heads_fastest else HV, threads=threads) as (bx, by, bz):
@@ -115,10 +126,28 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
             for i, j in T.Parallel(BT, BT):
                 p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j] * T.exp(g_s[i] - g_s[j]), dtype),
                                            T.cast(0, dtype))
+            dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
+            if value_scale:
+                T.copy(dt_c[hv, (c) * BT:(c + 1) * BT], dt_s)
+            if output_gate:                             # (a whole tile: prefetched with the others)
+                T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
+            if value_scale:
+                for i, j in T.Parallel(BT, BV):
+                    v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * dt_s[i], dtype)
             T.gemm(p_s, v_s, o_f)
+            for i, j in T.Parallel(BT, BV):
+                o_f[i, j] = o_f[i, j] * scale
+            if skip:                                    # o <- o + D x
+                for i, j in T.Parallel(BT, BV):
+                    o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.if_then_else(i < rows, T.cast(v_new[t0 + i, hv, iv * BV + j], f32), T.float32(0))
+            if output_gate:                             # o <- o silu(z)
+                for i, j in T.Parallel(BT, BV):
+                    zz = T.cast(z_s[i, j], f32)
+                    o_f[i, j] = o_f[i, j] * zz / (1.0 + T.exp(-zz))
             o_s = T.alloc_shared((BT, BV), dtype)     # through shared memory: whole rows
             for i, j in T.Parallel(BT, BV):
-                o_s[i, j] = T.cast(o_f[i, j] * scale, dtype)
+                o_s[i, j] = T.cast(o_f[i, j], dtype)
             for i, j in T.Parallel(BT, BV):
                 if i < rows:
                     o[t0 + i, hv, iv * BV + j] = o_s[i, j]

@@ -26,7 +26,9 @@ ARCH = "sm80"
 SUPPORTS = frozenset(['state_v_first'])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "beta_dtype", "l2norm_qk",
-                "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel")
+                "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
+                "step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale",
+                "skip", "output_gate")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", g_dtype="float32", beta_dtype="bfloat16",
          l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False),
@@ -47,7 +49,8 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, threads=128,
-          heads_fastest=False):
+          heads_fastest=False, step_dt=False, step_bias_on=False, step_softplus=False,
+          step_clamp=False, value_scale=False, skip=False, output_gate=False):
     """prim_func for chunk_prepare.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -65,6 +68,13 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     f32 = "float32"
     group = HV // H
     Ttot, NT = T.dynamic("Ttot, NT")
+    step_A_shape = (HV,) if step_dt else (1,)
+    step_bias_shape = (HV,) if step_bias_on else (1,)
+    step_limit_shape = (2,) if step_clamp else (1,)
+    dt_c_shape = (HV, NT * BT) if value_scale else (1,)
+    skip_D_shape = (HV, V) if skip else (1,)
+    gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
+    gate_z_dtype = dtype if output_gate else "float32"
 
     @T.prim_func
     def chunk_prepare(
@@ -80,6 +90,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
         kn: T.Tensor((Ttot, H, K), dtype),
         w: T.Tensor((1, HV, K), dtype),             # (the delta rule's: unused)
         u: T.Tensor((Ttot, HV, V), dtype),
+        step_A: T.Tensor(step_A_shape, f32),
+        step_bias: T.Tensor(step_bias_shape, f32),
+        step_limit: T.Tensor(step_limit_shape, f32),
+        dt_c: T.Tensor(dt_c_shape, f32),            # the step per token, chunk-padded rows
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
                       threads=threads) as (bx, by):
@@ -91,10 +105,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             k_s = T.alloc_shared((BT, K), dtype)
             g_s = T.alloc_shared((BT,), f32)
 
-            for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-
-            if l2norm_qk:
+            if l2norm_qk:                   # (k is read only to be normalised)
+                for i, j in T.Parallel(BT, K):
+                    k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
                 k_f = T.alloc_fragment((BT, K), f32)
                 k_sq = T.alloc_fragment((BT, K), f32)
                 k_ss = T.alloc_fragment((BT,), f32)
@@ -119,6 +132,19 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                         i < rows,
                         -T.exp(A_log[hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))),
                         T.float32(0))
+            if step_dt:                                 # g_s: the raw dt -> the step, then A dt
+                for i in T.Parallel(BT):
+                    d = g_s[i]
+                    if step_bias_on:
+                        d = d + step_bias[hv]
+                    if step_softplus:
+                        d = T.if_then_else(d > 20.0, d, T.log1p(T.exp(d)))
+                    if step_clamp:
+                        d = T.min(T.max(d, step_limit[0]), step_limit[1])
+                    d = T.if_then_else(i < rows, d, T.float32(0))
+                    if value_scale:
+                        dt_c[hv, c * BT + i] = d
+                    g_s[i] = step_A[hv] * d
             T.cumsum(g_s, dim=0)
             for i in T.Parallel(BT):
                 g_cum[hv, c * BT + i] = g_s[i]

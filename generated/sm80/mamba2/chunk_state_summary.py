@@ -45,7 +45,8 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
+def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=128, step_dt=False, step_bias_on=False, step_softplus=False,
+          step_clamp=False, value_scale=False, skip=False, output_gate=False):
     """prim_func for chunk_state_summary.
 
     Tensors (Ttot tokens, NT chunks, NS segments; all dynamic):
@@ -55,7 +56,8 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
       map_seg [NM] int32 (the segments summarised)
       -> seg_state [NS, HV, K, V] f32, seg_decay [NS, HV, K] f32 (rows map_seg)
     Tuning: block_k, block_v (the state tile; block_k None: K), num_stages (TMA
-    pipeline stages, as chunk_state's).
+    pipeline stages, as chunk_state's), threads (128 a warpgroup: the state tile's GEMMs
+    and element passes split over them).
     """
     BT = CHUNK
     BV = block_v
@@ -65,6 +67,13 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
     f32 = "float32"
     group = HV // H
     Ttot, NT, N, NM = T.dynamic("Ttot, NT, N, NM")
+    step_A_shape = (HV,) if step_dt else (1,)
+    step_bias_shape = (HV,) if step_bias_on else (1,)
+    step_limit_shape = (2,) if step_clamp else (1,)
+    dt_c_shape = (HV, NT * BT) if value_scale else (1,)
+    skip_D_shape = (HV, V) if skip else (1,)
+    gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
+    gate_z_dtype = dtype if output_gate else "float32"
 
     @T.prim_func
     def chunk_state_summary(
@@ -76,8 +85,11 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
         map_seg: T.Tensor((NM,), "int32"),
         seg_state: T.Tensor((N, HV, K, V), f32),
         seg_decay: T.Tensor((N, HV, K), f32),
+        dt_c: T.Tensor(dt_c_shape, f32),
+        skip_D: T.Tensor(skip_D_shape, f32),
+        gate_z: T.Tensor(gate_z_shape, gate_z_dtype),
     ):
-        with T.Kernel((K // BK) * (V // BV), NM * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), NM * HV, threads=threads) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
             n = map_seg[nh // HV]
@@ -93,6 +105,8 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
             vn_s = T.alloc_shared((BT, BV), dtype)
             g_s = T.alloc_shared((BT,), f32)
             g_last = T.alloc_local((1,), f32)
+            dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
             G = T.alloc_local((1,), f32)
 
             T.clear(S)
@@ -107,8 +121,15 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
                 T.copy(k[t0:t0 + BT, hk, ik * BK:(ik + 1) * BK], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
+                if value_scale:
+                    T.copy(dt_c[hv, (c0 + c) * BT:(c0 + c + 1) * BT], dt_s)
+                if output_gate:                             # (a whole tile: prefetched with the others)
+                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
+                if value_scale:                             # v <- dt v (f32, before the one rounding)
+                    for i, j in T.Parallel(BT, BV):
+                        vn[i, j] = vn[i, j] * dt_s[i]
                 g_last[0] = g_s[rows - 1]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, vn[i, j] * T.exp(g_last[0] - g_s[i]),

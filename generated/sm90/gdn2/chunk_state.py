@@ -52,7 +52,7 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
-          output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32"):
+          output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32", threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -63,7 +63,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (states [N, HV, V, K] with state_v_first; an unused h0 / ht may be [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    prefetch the next chunks), threads (128 a warpgroup: the state tile's GEMMs and
+    element passes split over them). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7).
     """
@@ -91,7 +92,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         v_new: T.Tensor((Ttot, HV, V), dtype),
         ht: T.Tensor(ht_shape, ht_dtype),
     ):
-        with T.Kernel(V // BV, N * HV, threads=128) as (iv, nh):
+        with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
             n = nh // HV
             hv = nh % HV
             hk = hv

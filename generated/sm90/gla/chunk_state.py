@@ -65,7 +65,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32", h_out=True,
-          block_k=None, segment_starts=False):
+          block_k=None, segment_starts=False, threads=128):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -79,7 +79,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (chunk_state_summary's, read with segment_starts; else any [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    prefetch the next chunks), threads (128 a warpgroup: the state tile's GEMMs and
+    element passes split over them). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
     h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the states alone,
@@ -117,7 +118,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         seg_state: T.Tensor((NP, HV, K, V), f32),
         seg_decay: T.Tensor((NP, HV, K), f32),
     ):
-        with T.Kernel((K // BK) * (V // BV), N * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), N * HV, threads=threads) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
             n = nh // HV

@@ -45,7 +45,7 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
+def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=128):
     """prim_func for chunk_state_summary.
 
     Tensors (Ttot tokens, NT chunks, NS segments; all dynamic):
@@ -55,7 +55,8 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
       map_seg [NM] int32 (the segments summarised)
       -> seg_state [NS, HV, K, V] f32, seg_decay [NS, HV, K] f32 (rows map_seg)
     Tuning: block_k, block_v (the state tile; block_k None: K), num_stages (TMA
-    pipeline stages, as chunk_state's).
+    pipeline stages, as chunk_state's), threads (128 a warpgroup: the state tile's GEMMs
+    and element passes split over them).
     """
     BT = CHUNK
     BV = block_v
@@ -77,7 +78,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2):
         seg_state: T.Tensor((N, HV, K, V), f32),
         seg_decay: T.Tensor((N, HV, K), f32),
     ):
-        with T.Kernel((K // BK) * (V // BV), NM * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), NM * HV, threads=threads) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
             n = map_seg[nh // HV]

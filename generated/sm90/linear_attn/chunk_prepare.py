@@ -89,10 +89,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
             k_s = T.alloc_shared((BT, K), dtype)
             g_s = T.alloc_shared((BT,), f32)
 
-            for i, j in T.Parallel(BT, K):
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
-
-            if l2norm_qk:
+            if l2norm_qk:                   # (k is read only to be normalised)
+                for i, j in T.Parallel(BT, K):
+                    k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
                 k_f = T.alloc_fragment((BT, K), f32)
                 k_sq = T.alloc_fragment((BT, K), f32)
                 k_ss = T.alloc_fragment((BT,), f32)

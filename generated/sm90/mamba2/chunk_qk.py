@@ -46,23 +46,29 @@ def pass_configs(**params):
     return {}
 
 
-def build(H, HV, K, dtype, l2norm_qk=False, q_out="none", threads=128, heads_fastest=False):
+def build(H, HV, K, dtype, l2norm_qk=False, q_out="none", threads=128, heads_fastest=False,
+          per_key_head=False):
     """prim_func for chunk_qk.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
+    per_key_head: one CTA per (chunk, key head) writing tril_incl(q k^T) undecayed, aqk
+    [Ttot, H, 64]: the product every value head of the group shares (GVA), formed once;
+    the state pass applies each value head's decay (chunk_state_output's
+    aqk_per_key_head).
 
     Tensors (Ttot tokens, NT chunks; dynamic): q, k [Ttot, H, K],
       g_cum [HV, NT * 64] f32 (chunk-padded, from chunk_prepare),
       chunk_bos [NT], chunk_len [NT] (int32) -> qg [Ttot, H, K] (the normalised q for
-      "normed", untouched for "none"), aqk [Ttot, HV, 64]
+      "normed", untouched for "none"), aqk [Ttot, HV, 64] ([Ttot, H, 64] per_key_head)
     """
     assert q_out in ("normed", "none"), q_out
     assert q_out != "normed" or l2norm_qk, "q_out='normed' needs l2norm_qk"
     BT = CHUNK
     f32 = "float32"
     group = HV // H
+    heads, head_div = (H, 1) if per_key_head else (HV, group)   # the grid's heads -> key head
     Ttot, NT = T.dynamic("Ttot, NT")
 
     @T.prim_func
@@ -73,13 +79,13 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="none", threads=128, heads_fas
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         qg: T.Tensor((Ttot, H, K), dtype),
-        aqk: T.Tensor((Ttot, HV, BT), dtype),
+        aqk: T.Tensor((Ttot, heads, BT), dtype),
     ):
-        with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
+        with T.Kernel(heads if heads_fastest else NT, NT if heads_fastest else heads,
                       threads=threads) as (bx, by):
             c = by if heads_fastest else bx
-            hv = bx if heads_fastest else by
-            hk = hv // group
+            hv = bx if heads_fastest else by        # (a key head with per_key_head)
+            hk = hv // head_div
             t0 = chunk_bos[c]
             rows = chunk_len[c]
             q_s = T.alloc_shared((BT, K), dtype)
@@ -102,17 +108,22 @@ def build(H, HV, K, dtype, l2norm_qk=False, q_out="none", threads=128, heads_fas
                 for i, j in T.Parallel(BT, K):
                     q_s[i, j] = T.cast(q_f[i, j] * T.rsqrt(q_ss[i] + L2NORM_EPS), dtype)
             T.gemm(q_s, k_s, p_f, transpose_B=True, clear_accum=True)
-            g_s = T.alloc_shared((BT,), f32)
-            T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
-            for i, j in T.Parallel(BT, BT):
-                p_s[i, j] = T.if_then_else(
-                    i >= j, T.cast(p_f[i, j] * T.exp(g_s[i] - g_s[j]), dtype),
-                    T.cast(0, dtype))
+            if per_key_head:
+                for i, j in T.Parallel(BT, BT):
+                    p_s[i, j] = T.if_then_else(i >= j, T.cast(p_f[i, j], dtype),
+                                               T.cast(0, dtype))
+            else:
+                g_s = T.alloc_shared((BT,), f32)
+                T.copy(g_cum[hv, c * BT:(c + 1) * BT], g_s)
+                for i, j in T.Parallel(BT, BT):
+                    p_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(p_f[i, j] * T.exp(g_s[i] - g_s[j]), dtype),
+                        T.cast(0, dtype))
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
                     aqk[t0 + i, hv, j] = p_s[i, j]
             if q_out == "normed":           # once per key head
-                if hv % group == 0:
+                if hv % head_div == 0:
                     for i, j in T.Parallel(BT, K):
                         if i < rows:
                             qg[t0 + i, hk, j] = q_s[i, j]

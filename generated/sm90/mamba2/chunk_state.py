@@ -64,7 +64,8 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, states_out=False, ht_dtype="float32", h_out=True,
-          block_k=None, segment_starts=False):
+          block_k=None, segment_starts=False, threads=128, step_dt=False, step_bias_on=False, step_softplus=False,
+          step_clamp=False, value_scale=False, skip=False, output_gate=False):
     """prim_func for chunk_state.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -78,7 +79,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
       (chunk_state_summary's, read with segment_starts; else any [1, ...])
     Flags switched off leave their tensors unread / unwritten (pass any small tensor).
     Tuning: block_v (value block), num_stages (0: plain loop; >= 1: TMA producer warps
-    prefetch the next chunks). h goes out by one TMA store per chunk; the scalar gate's
+    prefetch the next chunks), threads (128 a warpgroup: the state tile's GEMMs and
+    element passes split over them). h goes out by one TMA store per chunk; the scalar gate's
     v_new straight from registers, the others' through shared memory (the pair measured
     fastest, runs s2-5 .. s2-7). block_k: the key block (None: K).
     h_out=False: no h (a [1, ...] tensor, unwritten; with states_out: the states alone,
@@ -97,6 +99,13 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     Ttot, NT, N, N0, N1, NP = T.dynamic("Ttot, NT, N, N0, N1, NP")   # N0, N1, NP: or 1
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
+    step_A_shape = (HV,) if step_dt else (1,)
+    step_bias_shape = (HV,) if step_bias_on else (1,)
+    step_limit_shape = (2,) if step_clamp else (1,)
+    dt_c_shape = (HV, NT * BT) if value_scale else (1,)
+    skip_D_shape = (HV, V) if skip else (1,)
+    gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
+    gate_z_dtype = dtype if output_gate else "float32"
 
     @T.prim_func
     def chunk_state(
@@ -115,8 +124,11 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
         seg_first: T.Tensor((N,), "int32"),
         seg_state: T.Tensor((NP, HV, K, V), f32),
         seg_decay: T.Tensor((NP, HV, K), f32),
+        dt_c: T.Tensor(dt_c_shape, f32),
+        skip_D: T.Tensor(skip_D_shape, f32),
+        gate_z: T.Tensor(gate_z_shape, gate_z_dtype),
     ):
-        with T.Kernel((K // BK) * (V // BV), N * HV, threads=128) as (kv, nh):
+        with T.Kernel((K // BK) * (V // BV), N * HV, threads=threads) as (kv, nh):
             ik = kv // (V // BV)
             iv = kv % (V // BV)
             n = nh // HV
@@ -133,6 +145,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
             vn_s = T.alloc_shared((BT, BV), dtype)
             g_s = T.alloc_shared((BT,), f32)
             g_last = T.alloc_local((1,), f32)
+            dt_s = T.alloc_shared((BT,), f32)
+            z_s = T.alloc_shared((BT, BV) if output_gate else (1, 1), gate_z_dtype)
 
             m = seg_seq[n]                # the piece's sequence: its row of h0
             if has_initial_state:
@@ -158,6 +172,10 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(k[t0:t0 + BT, hk, ik * BK:(ik + 1) * BK], k_s)
                 T.copy(u[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], u_s)
                 T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
+                if value_scale:
+                    T.copy(dt_c[hv, (c0 + c) * BT:(c0 + c + 1) * BT], dt_s)
+                if output_gate:                             # (a whole tile: prefetched with the others)
+                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 T.copy(S, S_s)
                 if h_out:
                     T.copy(S_s, h[c0 + c, hv, ik * BK:(ik + 1) * BK, iv * BV:(iv + 1) * BV])
@@ -169,6 +187,9 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                             ht[c0 + m + c, hv, ik * BK + i, iv * BV + j] = T.cast(S[i, j], ht_dtype)
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, T.cast(u_s[i, j], f32), T.float32(0))
+                if value_scale:                             # v <- dt v (f32, before the one rounding)
+                    for i, j in T.Parallel(BT, BV):
+                        vn[i, j] = vn[i, j] * dt_s[i]
                 g_last[0] = g_s[rows - 1]
                 for i, j in T.Parallel(BT, BV):
                     vn[i, j] = T.if_then_else(i < rows, vn[i, j] * T.exp(g_last[0] - g_s[i]),
