@@ -113,15 +113,17 @@ def delta_backward_params(p: DeltaBackwardProblem) -> dict:
     pass (or the folded walk) with p's flags and dh_config's tuning (or a probe's p.dh),
     dqkw (the fold's tail) with the states' dtype."""
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    folded = p.gate == "none"
     dh = dict(common, **{**dh_config(p.V, p.chains),
-                         **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_dh", {}), **dict(p.dh)},
+                         **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_dh", {}),
+                         **({"num_stages": FOLD_WALK_NUM_STAGES} if folded else {}),
+                         **dict(p.dh)},
               **({"use_dht": True} if p.use_dht else {}),
               **({"store_dh0": True} if p.store_dh0 else {}))
     dqkw = dict(common, **({"state_dtype": p.state_dtype} if p.state_dtype else {}))
-    if p.gate == "none":
+    if folded:
         first, walk, tail = FOLD_STAGES
-        return {first: common, walk: dict(dh, num_stages=dict(p.dh).get(
-            "num_stages", FOLD_WALK_NUM_STAGES)), tail: dqkw}
+        return {first: common, walk: dh, tail: dqkw}
     return {"chunk_bwd_dv_local": common, "chunk_bwd_dh": dh, "chunk_bwd_dqkw": dqkw,
             "chunk_bwd_wy": dict(common, **hw.DELTA_BACKWARD_TUNING.get("chunk_bwd_wy", {}))}
 
