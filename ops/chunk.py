@@ -388,12 +388,11 @@ def _flat_inputs(spec, options, q, k, v, g, beta, A_log, dt_bias, Ttot, HV, K) -
 
 def _term_tensors(spec: OpSpec, terms, device) -> dict:
     """The call terms' kernel tensors (dsl/call_terms.py TermsMaths.chunk_params) of a
-    spec that has them: the call's, placeholders for the rest."""
+    spec that has them: the call's, runtime.placeholder for the rest."""
     import torch
-    names = terms_of(spec).chunk_params
     given = (terms or {}).get("tensors", {})
-    return {n: given[n] if n in given else torch.empty(1, dtype=torch.float32, device=device)
-            for n in names}
+    return {n: given[n] if n in given else runtime.placeholder(device, torch.float32)
+            for n in terms_of(spec).chunk_params}
 
 
 def _empty_result(q, B, T, HV, V, N, state_shape, initial_state, output_final_state,
