@@ -3,7 +3,7 @@ reference at full size and device time (per call and per kernel), for the arch's
 choice and for explicit plan configs (codegen/arch/sm90/forward.py CONFIG_KEYS).
 
     python3 bench/walk_probe.py [--only NAME ...] [--configs default segments=8
-        block_v=64,segments=16 inverse_in_walk=1 exact_maps=1 ...] [--iters 20]
+        block_v=64,segments=16 inverse_in_walk=1 ...] [--iters 20]
         [--out walk_probe.json]
 
 Workloads and inputs: bench/chunk_probe.py's make_inputs; the names below.

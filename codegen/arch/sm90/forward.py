@@ -9,7 +9,7 @@ Pipelines (codegen/pipeline.py has the Plan structure):
   walk-fused  the walk with the WY inverse formed inside (chunk_walk_fused: a fourth warpgroup
               forms each chunk's A_b and gate cumsum a chunk ahead of the walk): one kernel,
               no A_b / g_cum round trip through memory. For many chains (the batched rows),
-              sequences unsplit (INVERSE_IN_WALK, not yet the default: unmeasured)
+              sequences unsplit (INVERSE_IN_WALK)
   walk-split  the same when (sequences x value heads x value blocks) leave SMs idle: each
               sequence cut into segments of L chunks; chunk_walk_map forms each segment's
               affine map (only what its start still reaches, see that template), then
@@ -49,12 +49,6 @@ MAP_STEP_FRACTION = 0.75
 #: chunks the map pass walks per segment under a real gate (the warm-up to e^-16: GDN's
 #: gates are ~ -8 a chunk; weak heads are mapped in full, which this does not foresee)
 MAP_WARM_CHUNKS = 2
-#: the split's segment length chosen for exact maps under a gate too (M formed, B over the
-#: whole segment: trained models' weak heads, -1e-3 .. -1e-2 a token, never warm up), so a
-#: weak gate costs what the plan expected and a strong one less; False: chosen for the
-#: warm-up (the benchmark rows' gates, ~ -8 a chunk). Not yet measured either way (probe
-#: config exact_maps=1 forces exact maps on the same inputs)
-SPLIT_PLANS_EXACT = False
 #: the combine's time per segment of a sequence (us) at value block 16 with B prefetched:
 #: a copy of B, plus M S (a K x K x 16 tf32 product) where the map was formed (run s7-2:
 #: 0.9 - 1.0 us a segment under a real gate, prefill-4k / q35-2b-16384, launch included;
@@ -85,11 +79,12 @@ FUSED_REGS = (160, 112, 120, 120)
 #: the WY inverse inside the walk (walk-fused) where the chains fill the SMs: chains x
 #: value blocks >= min_fill x SMs, sequences unsplit (the seed release's one-kernel rule:
 #: sequences x heads >= 0.75 x SMs at K = V = 128). Each chunk's inverse (~2 us of the
-#: fourth warpgroup) then runs beside the walk a chunk ahead, instead of chunk_kkt_inverse
-#: before it (275 us of q35-2b-8x8192's 605, run s6-5). Not the default until measured:
-#: `walk_probe --configs default inverse_in_walk=1`. l2norm_qk (the normalised q, k the
-#: walk reads) and save_states (the training forward keeps A) stay on chunk_kkt_inverse.
-INVERSE_IN_WALK = dict(default=False, min_fill=0.75)
+#: fourth warpgroup) runs beside the walk a chunk ahead, instead of chunk_kkt_inverse before
+#: it. Run s35-2 (H100, GDN bf16, K = V = 128, 128 chains, ms kkt + walk -> fused):
+#: q35-2b-8x8192 0.6434 -> 0.6172, its trained gates 0.6474 -> 0.6228, q35-397b-tp4-8x1024
+#: 0.0885 -> 0.0876 (bench/LOG.md). l2norm_qk (the normalised q, k the walk reads) and
+#: save_states (the training forward keeps A) stay on chunk_kkt_inverse.
+INVERSE_IN_WALK = dict(default=True, min_fill=0.75)
 
 
 def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
@@ -118,11 +113,9 @@ def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
 
-def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False,
-                 exact: bool = False) -> float:
+def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False) -> float:
     """Modelled time of the walk (and the split's map + combine when L) at value block bv
-    (fused: chunk_walk_fused, which reads no A_b; its inverse assumed hidden; exact: the
-    maps exact under a gate too)."""
+    (fused: chunk_walk_fused, which reads no A_b; its inverse assumed hidden)."""
     step = _step_us(p, bv)
     segs = segment_chunks(p.seq_chunks, L)
     heads = p.HV * (p.V // bv)
@@ -132,7 +125,7 @@ def walk_time_us(p: ForwardProblem, bv: int, L: int, fused: bool = False,
     if not L or all(len(seq) == 1 for seq in segs):
         return walk
     mapped = [c for seq in segs for c in seq[:-1]]
-    gated = p.gate == "scalar" and not exact
+    gated = p.gate == "scalar"
     warm = (lambda c: min(c, MAP_WARM_CHUNKS)) if gated else (lambda c: c)
     cols = (p.V if gated else p.K + p.V) // bv
     maps = makespan(tuple(warm(c) * step * MAP_STEP_FRACTION
@@ -162,8 +155,7 @@ def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
         for L in lengths:
             if n_segments(p.seq_chunks, L) * p.HV > hw.MAX_GRID_YZ:    # (gridDim.y)
                 continue
-            t = walk_time_us(p, bv, L, fused,
-                             exact=SPLIT_PLANS_EXACT or bool(config.get("exact_maps")))
+            t = walk_time_us(p, bv, L, fused)
             if best is None or t < best[2] * 0.98:   # ties: the earlier (larger block, fewer segments)
                 best = (bv, L, t)
     return best
@@ -191,13 +183,13 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k", "inverse_in_walk", "exact_maps", "state_threads",
+               "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
                "aqk_per_key_head")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
-    (CONFIG_KEYS: the walk's block_v, segment length, inverse_in_walk and exact_maps,
+    (CONFIG_KEYS: the walk's block_v, segment length and inverse_in_walk,
     the other pipelines' fused, the per-key prepare's key_diag / key_block_k)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
@@ -265,10 +257,9 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
         mbind = {a: t for a, t in dict(qk, **gate).items() if a != "q"}
         if p.gate != "scalar":
             mbind["chunk_norm"] = "gate_none"
-        warm_up = {} if not config.get("exact_maps") else {"warm_up": False}
         launches.append(launch("chunk_walk_map", dict(H=p.H, HV=p.HV, K=p.K, V=p.V,
-                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS,
-                                                      **warm_up), **mbind))
+                                                      dtype=p.dtype, block_v=mbv, regs=MAP_REGS),
+                             **mbind))
         launches.append(launch("chunk_segment_combine", dict(
             HV=p.HV, K=p.K, V=p.V, state_v_first=p.state_v_first,
             has_initial_state=p.has_initial_state, output_final_state=False,

@@ -50,7 +50,7 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True):
+def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
     """prim_func for chunk_walk_map.
 
     Tensors (Ttot tokens, NT chunks, NS segments, NM of them mapped; dynamic):
@@ -60,9 +60,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True
       .., whole chunks only, at most MAX_SEGMENT), map_seg [NM] int32 (the segments to map)
       -> seg_map [NS, HV, K, K + V] f32 ([M | B] of the mapped segments), exact [NS, HV]
       int32 (1 where M was formed)
-    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles),
-    warm_up (False: every map exact, M formed and B walked over the whole segment whatever
-    the gates: the cost of the weakest gates, for probes).
+    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles).
     """
     BT = CHUNK
     BV = block_v

@@ -50,7 +50,7 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True):
+def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
     """prim_func for chunk_walk_map.
 
     Tensors (Ttot tokens, NT chunks, NS segments, NM of them mapped; dynamic):
@@ -60,9 +60,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True
       .., whole chunks only, at most MAX_SEGMENT), map_seg [NM] int32 (the segments to map)
       -> seg_map [NS, HV, K, K + V] f32 ([M | B] of the mapped segments), exact [NS, HV]
       int32 (1 where M was formed)
-    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles),
-    warm_up (False: every map exact, M formed and B walked over the whole segment whatever
-    the gates: the cost of the weakest gates, for probes).
+    Tuning: block_v (a divisor of K and V), regs (as chunk_walk's; the output group idles).
     """
     BT = CHUNK
     BV = block_v
@@ -106,20 +104,19 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24), warm_up=True
             warm = n_seg_chunks
             formed = T.alloc_var("int32")
             formed = 1
-            if warm_up:
-                norm_s = T.alloc_shared((MAX_SEGMENT,), f32)    # the segment's chunk norms, last first
-                for j in T.Parallel(MAX_SEGMENT):
-                    norm_s[j] = T.if_then_else(j < n_seg_chunks,
-                                               chunk_norm[hv, c0 + n_seg_chunks - 1 - j], T.float32(0))
-                T.sync_threads()
-                log_norm = T.alloc_var(f32)
-                log_norm = T.float32(0)
-                for j in T.serial(n_seg_chunks):
-                    if formed == 1:
-                        log_norm = log_norm + norm_s[j]
-                        if log_norm <= WARMUP_LOG_BOUND:
-                            warm = j + 1
-                            formed = 0
+            norm_s = T.alloc_shared((MAX_SEGMENT,), f32)    # the segment's chunk norms, last first
+            for j in T.Parallel(MAX_SEGMENT):
+                norm_s[j] = T.if_then_else(j < n_seg_chunks,
+                                           chunk_norm[hv, c0 + n_seg_chunks - 1 - j], T.float32(0))
+            T.sync_threads()
+            log_norm = T.alloc_var(f32)
+            log_norm = T.float32(0)
+            for j in T.serial(n_seg_chunks):
+                if formed == 1:
+                    log_norm = log_norm + norm_s[j]
+                    if log_norm <= WARMUP_LOG_BOUND:
+                        warm = j + 1
+                        formed = 0
             n_chunks = T.if_then_else(is_m, formed * n_seg_chunks, warm)
             first = n_seg_chunks - n_chunks
             if iv == 0 and T.get_thread_binding() == 0:
