@@ -59,11 +59,13 @@ def _spec(name):
     return get_spec(name)
 
 
-def _inputs(spec, B, T, H, K, V, dtype, seed):
-    """q, k (l2-normalised), v, the gate (logsigmoid / 8: [B, T, H] or per key channel),
-    beta (sigmoid), an initial state; the loss weights do, dht."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=F64)  # noqa: E731
+def _inputs(spec, B, T, H, K, V, dtype, seed, device="cuda"):
+    """q, k (l2-normalised), v, the gate where the call takes one (logsigmoid / 8: [B, T,
+    H] or per key channel; none for retention, whose decay the spec fixes), beta
+    (sigmoid), an initial state; the loss weights do, dht. (device "cpu": the CPU check
+    of these inputs and the reference, tests/test_sm80_plans.py.)"""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=F64)  # noqa: E731
     dt = getattr(torch, dtype)
     unit = lambda x: torch.nn.functional.normalize(x, dim=-1).to(dt)  # noqa: E731
     xs = dict(q=unit(rnd(B, T, H, K)), k=unit(rnd(B, T, H, K)), v=rnd(B, T, H, V).to(dt))
@@ -82,15 +84,30 @@ def _run(fn, xs, do, dht, grads=True, **kw):
     o, ht = fn(**leaves, output_final_state=True, **kw)
     if grads:
         ((o * do.to(o.dtype)).sum() + (ht * dht).sum()).backward()
-    torch.cuda.synchronize()
+    if o.is_cuda:
+        torch.cuda.synchronize()
     return o.detach(), ht.detach(), {n: x.grad for n, x in leaves.items() if grads}
 
 
+def _fixed_gate(spec, v):
+    """{"g": the gate [B, T, HV] fp64} of a spec whose decay is fixed (``decay``:
+    retention, whose call takes no g and builds it from the spec), from the spec's
+    head_decay; {} for the others (their g, if any, is among the inputs)."""
+    if not spec.decay:
+        return {}
+    B, T, HV = v.shape[:3]
+    gamma = torch.tensor(spec.head_decay(HV), dtype=F64, device=v.device)
+    return {"g": gamma.view(1, 1, HV).expand(B, T, HV)}
+
+
 def _reference(spec, xs, do, dht, recurrent=False, grads=True):
+    """The fp64 reference of the call's inputs xs; a fixed decay (retention) given as g,
+    which the reference needs (without it: TypeError in torch_reference.prepare)."""
     from linattn.dsl import torch_reference as tref
     ref = tref.recurrent_forward if recurrent else tref.chunked_forward
     f64 = {n: x.to(F64) for n, x in xs.items()}
-    return _run(lambda output_final_state, **a: ref(spec, **a), f64, do, dht, grads,
+    fixed = _fixed_gate(spec, xs["v"])
+    return _run(lambda output_final_state, **a: ref(spec, **a, **fixed), f64, do, dht, grads,
                 scale=xs["q"].shape[-1] ** -0.5)
 
 

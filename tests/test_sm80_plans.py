@@ -10,14 +10,20 @@ import shutil
 import pytest
 import torch
 
+import linattn
+
+import test_additive_bwd
 import test_autograd
 import test_chunk_bwd
+import test_sm80_gpu
+from _cpu_ops import cpu_ops  # noqa: F401 (fixture)
+from conftest import rel_err
 from linattn.codegen import plan as stage_plan
 from linattn.codegen.arch import DEFAULT_ARCH, arch_for_capability, compile_target, get_arch
 from linattn.codegen.pipeline import AdditiveBackwardProblem
 from linattn.dsl import Options, SpecError
 from linattn.dsl import torch_reference as tref
-from linattn.ops import additive_bwd, chunk, chunk_bwd, runtime
+from linattn.ops import additive_bwd, chunk, chunk_bwd, runtime, validate
 from linattn.ops.api import has_chunked_forward
 from linattn.ops.registry import get_spec, specs
 
@@ -260,4 +266,57 @@ def test_sm80_delta_training_backward_emulated(monkeypatch, rng, case):
         return inner(spec, stage, arch, params, target)
     monkeypatch.setattr(runtime, "_compiled", spy)
     test_autograd.test_gradients_match_fp64_autograd(fakes, rng, *case)
+    assert seen and set(seen) == {ARCH}, set(seen)
+
+
+@pytest.mark.parametrize("name", test_sm80_gpu.FAMILIES)
+def test_sm80_gpu_reference_is_the_calls_function(cpu_ops, name):
+    """tests/test_sm80_gpu.py's inputs and fp64 reference on the CPU, for every family it
+    checks: the public call (its kernel the fp64 reference with the gate the call passes,
+    tests/_cpu_ops.py) and the test's reference agree, chunked and token by token, and
+    the reference's gradients exist for every input. So the GPU test compares the kernels
+    against the same function of the same inputs: retention's call takes no g (the spec
+    fixes its decay), and its reference, given no g, raises TypeError (torch_reference.prepare)."""
+    spec = test_sm80_gpu._spec(name)
+    ops = linattn.build(spec)
+    shape = (2, 70, 2, 16, 16, "float16")
+    xs, do, dht = test_sm80_gpu._inputs(spec, *shape, seed=1, device="cpu")
+    for recurrent, fn in ((False, ops.chunk), (True, ops.fused_recurrent)):
+        o, ht, _ = test_sm80_gpu._run(fn, xs, do, dht, grads=False, scale=0.25)
+        ro, rht, _ = test_sm80_gpu._reference(spec, xs, do, dht, recurrent, grads=False)
+        assert rel_err(o, ro) < 2e-3 and rel_err(ht, rht) < 1e-6, (recurrent, rel_err(o, ro),
+                                                                    rel_err(ht, rht))
+    _, _, grads = test_sm80_gpu._reference(spec, xs, do, dht)
+    assert set(grads) == set(xs) and all(torch.isfinite(x).all() for x in grads.values())
+
+
+@pytest.mark.parametrize("name", [n for n in test_sm80_gpu.FAMILIES
+                                  if get_spec(n).rule.value == "additive"])
+def test_sm80_gpu_additive_training_emulated(monkeypatch, name):
+    """tests/test_sm80_gpu.py's forward-and-gradients check of the additive families (its
+    inputs, call and reference) on the CPU: the sm80 plans' forward and backward stages
+    faked (the sm80 modules' traced signatures, fp64 formulas, tests/test_additive_bwd.py
+    install_fakes), so what the GPU test checks but the kernels' own arithmetic runs here,
+    retention's fixed decay included."""
+    spec, (B, T, H, K, V) = get_spec(name), (2, 150, 2, 32, 32)
+    test_additive_bwd.install_fakes(monkeypatch, spec, H, H, K, V)
+    monkeypatch.setattr(runtime, "arch_of", lambda device: ARCH)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, x: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    seen, inner = [], runtime._compiled
+    monkeypatch.setattr(runtime, "_compiled", lambda s, stage, arch, p, target=None: (
+        seen.append(arch), inner(s, stage, arch, p, target))[1])
+    additive_bwd._plan.cache_clear()
+    try:
+        xs, do, dht = test_sm80_gpu._inputs(spec, B, T, H, K, V, "float16", 3, device="cpu")
+        fn = linattn.build(spec).chunk
+        o0, ht0, _ = test_sm80_gpu._run(fn, xs, do, dht, grads=False, scale=K ** -0.5)
+        o, ht, grads = test_sm80_gpu._run(fn, xs, do, dht, scale=K ** -0.5)
+    finally:
+        additive_bwd._plan.cache_clear()
+    ro, rht, rgrads = test_sm80_gpu._reference(spec, xs, do, dht)
+    errs = {"o_inference": rel_err(o0, ro), "final_inference": rel_err(ht0, rht),
+            "o": rel_err(o, ro), "final_state": rel_err(ht, rht),
+            **{f"d{n}": rel_err(grads[n], rgrads[n]) for n in rgrads}}
+    assert set(rgrads) == set(xs) and all(e < 2e-3 for e in errs.values()), errs
     assert seen and set(seen) == {ARCH}, set(seen)
