@@ -195,6 +195,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     x = dict(q=q, k=k, v=v, g=g if g is not None else torch.empty(Ttot, HV, **f32),
              beta=torch.empty(Ttot, HV, **f32), A_log=torch.empty(HV, **f32),   # (unused)
              dt_bias=torch.empty(HV * K if key else HV, **f32))
+    x.update(chunk._term_tensors(spec, None, q.device))     # (a spec's call terms: off)
     problem = chunk.forward_problem(
         spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
         seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
@@ -299,7 +300,8 @@ def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
                                cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
         return o, final, None
     vf = call.state_v_first
-    h0 = initial_state.transpose(-1, -2) if vf and initial_state is not None else initial_state
+    h0 = (initial_state.transpose(-1, -2).contiguous() if vf and initial_state is not None
+          else initial_state)                # (the forward checks it is contiguous)
     if g is not None and g.dtype not in (torch.float32, q.dtype):
         g = g.float()
     o, final, states = chunk.chunk_forward(

@@ -658,3 +658,92 @@ def _gate_param_terms(spec, ref) -> dict:
     gg = ref["g"].grad
     x = ref["g"].detach() + ref["dt_bias"].detach().reshape(HV, -1).squeeze(-1)
     return {"dt_bias": gg, "A_log": gg * torch.nn.functional.softplus(x) / torch.sigmoid(x)}
+
+
+# -- Mamba-2 and lightning: their public calls train through the kernels' launches ---------
+
+def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7):
+    """mamba_chunk_scan_combined's inputs (x, z, B, C in ``dtype``; the rest f32), as
+    leaves that need gradients, and their fp64 copies."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    T = sum(lens)
+    p = dict(x=r(1, T, HV, V).to(dtype), dt=(r(1, T, HV) - 1.0).float(),
+             A=(-torch.rand(HV, generator=gen, dtype=F64) * 2 - 0.1).float(),
+             B=(0.5 * r(1, T, G, K)).to(dtype), C=(0.5 * r(1, T, G, K)).to(dtype),
+             D=r(HV).float(), z=r(1, T, HV, V).to(dtype), dt_bias=(0.5 * r(HV)).float(),
+             h0=(0.1 * r(1, HV, V, K)).float())
+    return ({n: t.clone().requires_grad_() for n, t in p.items()},
+            {n: t.detach().double().requires_grad_() for n, t in p.items()})
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
+@pytest.mark.parametrize("lens, G", [([130], 2), ([1, 70, 0, 59], 1)], ids=["G2", "varlen-G1"])
+def test_mamba2_trains_through_every_launch(monkeypatch, save, lens, G):
+    """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
+    the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
+    signatures carry the call terms' tensors, off there) and the backward stages run
+    through fakes checked against the traced kernels (runtime.launch_kernel raises on an
+    argument without a tensor); every input's gradient against the fp64 reference."""
+    from linattn.codegen.arch.sm90 import backward as sm90_backward
+    from linattn.dsl import call_terms
+    from linattn.ops import mamba2, validate
+    HV, K, V = 4, 32, 16
+    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
+    mine, ref = _ssd_leaves(lens, G, K, V)
+    cu = torch.tensor(np.cumsum([0] + lens).tolist(), dtype=torch.int32)
+    kw = dict(dt_softplus=True, dt_limit=(0.0, 1.0))
+    names = list(mine)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine["z"],
+        dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
+        cu_seqlens=cu if len(lens) > 1 else None, **kw)
+    h0 = torch.cat([ref["h0"], ref["h0"].new_zeros(len(lens) - 1, HV, V, K)])
+    wy, wh = call_terms.reference(
+        mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref["z"], initial_state=h0,
+        cu_seqlens=cu.long() if len(lens) > 1 else None, options=Options(state_v_first=True),
+        **kw)
+    gen = torch.Generator().manual_seed(1)
+    dy, dh = torch.randn(y.shape, generator=gen, dtype=F64), torch.randn(hT.shape, generator=gen,
+                                                                          dtype=F64)
+    got = torch.autograd.grad((y, hT), [mine[n] for n in names], (dy.to(y.dtype), dh.float()))
+    want = torch.autograd.grad((wy, wh[-1:]), [ref[n] for n in names], (dy, dh))
+    errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
+    err_y = _rel(y.detach(), wy.detach())
+    assert err_y < 1e-2 and max(errs.values()) < 1e-2, (err_y, errs)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
+def test_lightning_trains_through_every_launch(monkeypatch, save):
+    """chunk_lightning_attn with 16-bit inputs that need gradients (the additive training,
+    the spec's layer decay as its scalar gate): every launch of the forward, the states'
+    recompute and the backward checked against the traced kernels, the gradients against
+    the fp64 reference."""
+    from linattn.codegen.arch.sm90 import backward as sm90_backward
+    from linattn.dsl import call_terms
+    from linattn.ops import lightning, validate
+    B, T, H, K, V = 1, 100, 2, 32, 16
+    install_fakes(monkeypatch, lightning.SPEC, H, H, K, V)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(B, T, H, d, generator=gen, dtype=F64) for d in (K, K, V)]
+    xs.append(0.1 * torch.randn(B, H, K, V, generator=gen, dtype=F64))
+    mine = [t.to(torch.float16 if i < 3 else torch.float32).requires_grad_()
+            for i, t in enumerate(xs)]
+    ref = [t.detach().double().requires_grad_() for t in mine]
+    o, ht = linattn.chunk_lightning_attn(*mine[:3], 2, 6, initial_state=mine[3],
+                                         output_final_state=True)
+    g = torch.tensor(lightning.SPEC.head_decay(H, 2, 6), dtype=F64).view(1, 1, H)
+    wo, wh = call_terms.reference(lightning.SPEC, *ref[:3], g=g.expand(B, T, H),
+                                  initial_state=ref[3])
+    do = torch.randn(o.shape, generator=gen, dtype=F64)
+    got = torch.autograd.grad((o, ht), mine, (do.to(o.dtype), torch.ones_like(ht)))
+    want = torch.autograd.grad((wo, wh), ref, (do, torch.ones_like(wh)))
+    errs = [_rel(a, b) for a, b in zip(got, want)]
+    assert _rel(o.detach(), wo.detach()) < 1e-2 and max(errs) < 1e-2, errs

@@ -92,6 +92,20 @@ def test_state_threads_rule_and_config():
         _plan(config={"state_threads": 96})
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("HV, T", [(32, 1500), (32, 1865), (128, 4096)])
+def test_two_warpgroups_take_value_blocks_of_32_or_more(fused, HV, T):
+    """At state_threads=256 the state pass splits its GEMMs' columns between the two
+    warpgroups: a value block of 16 (wgmma N = 8 each, no canonical GMMA layout; the GPU
+    test's shape, HV = 32, V = 64, planned it) is never chosen, and refused when forced."""
+    cfg = {"state_threads": 256, "fused": fused}
+    state = next(la for la in _plan(config=cfg, HV=HV, T=T).launches
+                 if la.stage in ("chunk_state_output", "chunk_state")).kwargs
+    assert state["threads"] == 256 and state["block_v"] >= 32, state
+    with pytest.raises(Exception, match="block_v=16"):
+        _plan(config=dict(cfg, block_v=16), HV=HV, T=T)
+
+
 def _stage(spec, name):
     return next(s for s in stages_for(spec, "fwd", "sm90") if s.name == name)
 

@@ -10,6 +10,7 @@ fused_recurrent_lightning_attn forward and gradients.
 Run: python3 -m pytest -q -m gpu tests/test_mamba2_gpu.py
 """
 import math
+import warnings
 
 import pytest
 
@@ -254,11 +255,28 @@ def test_lightning_forward_and_gradients(recurrent):
 
 
 def test_lightning_against_fla():
+    """chunk_lightning_attn at fla's test shape (T = 1000: a partial last chunk) against
+    the fp64 reference, then against fla's own chunk_lightning_attn where fla's results
+    are finite; a non-finite result of fla's is noted (a warning), not a failure here."""
     fla = pytest.importorskip("fla.ops.lightning_attn")
     gen = torch.Generator(device="cuda").manual_seed(4)
     q, k, v = (torch.randn(1, 1000, 8, 64, device="cuda", generator=gen).to(BF) * 0.3
                for _ in range(3))
     for layer in (0, 7, 11):
         o, ht = linattn.chunk_lightning_attn(q, k, v, layer, 12, output_final_state=True)
+        g = torch.tensor(lightning.SPEC.head_decay(8, layer, 12), dtype=torch.float64,
+                         device="cuda").view(1, 1, 8).expand(1, 1000, 8)
+        wo, wh = call_terms.reference(lightning.SPEC, q, k, v, g=g)
+        err_o, err_h = rel(o, wo), rel(ht, wh)
+        assert err_o < 1e-2 and err_h < 1e-2, (layer, err_o, err_h)
         fo, fh = fla.chunk_lightning_attn(q, k, v, layer, 12, output_final_state=True)
-        assert rel(o, fo) < 2e-2 and rel(ht, fh) < 2e-2
+        for name, mine, theirs in (("o", o, fo), ("final state", ht, fh)):
+            # fla 0.6.0's chunk_fwd_h (USE_G_GAMMA) scales the last partial chunk's padded
+            # rows by exp2(gamma (last - t)): inf for steep heads (layer 0, T = 1000: up to
+            # 24 x 10.1 > 128), and 0 x inf = NaN enters the final state
+            if not bool(torch.isfinite(theirs).all()):
+                warnings.warn(f"fla's chunk_lightning_attn {name} at layer {layer} has "
+                              "non-finite values: compared with the fp64 reference only")
+                continue
+            err = rel(mine, theirs)
+            assert err < 2e-2, (layer, name, err)

@@ -55,6 +55,11 @@ MAX_TILE = 64 * 128
 #: the tiles tried (a block divides its head dim)
 BLOCKS_K = (32, 64, 128, 256)
 BLOCKS_V = (16, 32, 64, 128)
+#: the state pass at two warpgroups (plan config state_threads=256) splits each GEMM's
+#: columns between them: block_v 32 or more gives each a wgmma N of 16 or more (block_v
+#: 16 left N = 8 of a 16-wide MN-major operand, no canonical GMMA layout: TileLang refused
+#: Mamba-2's K = 128, V = 64 tile, run s35)
+TWO_WARPGROUPS_MIN_BLOCK_V = 32
 #: segment lengths tried (chunks)
 SEGMENT_CHUNKS = (2, 4, 8, 16, 32, 64, 128, 256)
 #: a grid of more CTAs than this many per SM is modelled by its total work (the exact
@@ -184,8 +189,10 @@ def choose(p, config: dict, output_block_v: int, forms=(True, False)) -> StateCh
 
 def _tiles(p, config: dict, fused: bool) -> list:
     """tiles() within config's forced block_k / block_v (each checked against what the
-    state pass can take at these head dims)."""
+    state pass can take at these head dims; at two warpgroups block_v >= 32)."""
     every = tiles(p.K, p.V, False) + tiles(p.K, p.V, True)
+    if config.get("state_threads") == 256:
+        every = [(bk, bv) for bk, bv in every if bv >= TWO_WARPGROUPS_MIN_BLOCK_V]
     bks = _forced(config, "block_k", sorted({bk for bk, _ in every}))
     bvs = _forced(config, "block_v", sorted({bv for _, bv in every}))
     return [(bk, bv) for bk, bv in tiles(p.K, p.V, fused) if bk in bks and bv in bvs]
