@@ -8,6 +8,8 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s35.sh models   # ~9 min: test_models_gpu, 2 models timed
 #   source .gpu/prelude.sh && bash bench/gpu_s35.sh probes   # ~5 min: ssd, generalized
 #
+# Compile caches built without a GPU: bench/cpu_cache.py -m gpu FILES writes .gpu/cache.tar.xz.NN
+# (carry them too; prelude.sh unpacks them into TILELANG_CACHE_DIR before the tests run).
 # .gpu/abtree.tar.xz is probes_s32's baseline tree (bench/ab_tree.sh 97bf4ed /tmp/abtree;
 # tar -C /tmp -cJf .gpu/abtree.tar.xz abtree), unpacked here as abtree/.
 # .gpu/gfold.tar.xz is branch h-gfold's package (bench/ab_tree.sh h-gfold /tmp/gf; tar -C /tmp

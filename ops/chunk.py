@@ -408,8 +408,12 @@ def _empty_result(q, B, T, HV, V, N, state_shape, initial_state, output_final_st
 
 # -- compiling ahead of time, in parallel (the GPU tests and the probe use it) ------------
 
+def stage_jobs(jobs, arch: str = DEFAULT_ARCH) -> list:
+    """(spec, stage, params) jobs as runtime.precompile's (spec, stage, arch, params)."""
+    return [(spec, stage, arch, params) for spec, stage, params in jobs]
+
+
 def precompile(jobs, workers=None, arch: str = DEFAULT_ARCH) -> list:
-    """Compile (spec, stage, params) jobs in parallel processes (runtime.precompile);
-    returns the error strings (empty when every job compiled)."""
-    return runtime.precompile([(spec, stage, arch, params) for spec, stage, params in jobs],
-                              workers)
+    """Compile (spec, stage, params) jobs in parallel processes (runtime.precompile of
+    :func:`stage_jobs`); returns the error strings (empty when every job compiled)."""
+    return runtime.precompile(stage_jobs(jobs, arch), workers)

@@ -99,12 +99,18 @@ def stage_params(*, H, K, V, dtype, HV=None, chains=1, use_dht=False, store_dh0=
         dh=tuple(sorted((dh or {}).items()))))
 
 
+def stage_jobs(param_sets, spec=None, arch: str = DEFAULT_ARCH) -> list:
+    """runtime.precompile's (spec, stage, arch, params) jobs of every stage of each
+    stage_params() dict (spec: the gated family's for its stages)."""
+    return [(spec or default_spec(), stage, arch, params)
+            for ps in param_sets for stage, params in ps.items()]
+
+
 def precompile(param_sets, workers=None, spec=None, arch: str = DEFAULT_ARCH) -> list:
     """Compile every stage of each stage_params() dict in parallel processes
-    (runtime.precompile; spec: the gated family's for its stages). Returns error strings
-    (empty when all compiled)."""
-    return runtime.precompile([(spec or default_spec(), stage, arch, params)
-                               for ps in param_sets for stage, params in ps.items()], workers)
+    (runtime.precompile of :func:`stage_jobs`). Returns error strings (empty when all
+    compiled)."""
+    return runtime.precompile(stage_jobs(param_sets, spec, arch), workers)
 
 
 def run_stages(spec, params: dict, x: dict) -> dict:

@@ -114,7 +114,7 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
     problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
                        output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs)
     problem.update((terms or {}).get("flags", {}))
-    arch = runtime.device_arch(q.device)
+    arch = runtime.arch_of(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
                                            **problem, **(tuning or _OVERRIDE))
     slot_dtype = getattr(torch, problem.get("slot_dtype", "int32"))

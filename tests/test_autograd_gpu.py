@@ -98,37 +98,40 @@ def _family(name):
     return "gdn" if "gdn" in name else "kda" if "kda" in name else "deltanet"
 
 
-def _selected(request, family):
-    """Whether this run selected any of the module's tests of family ("deltanet", "gdn",
-    "kda": by the test's name)."""
-    return any(_family(item.name) == family for item in request.session.items
-               if getattr(item, "module", None) is request.module)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def precompiled(request):
+def precompile_jobs(items, device="cuda"):
+    """The (spec, stage, arch, params) jobs of every case of each family ("deltanet",
+    "gdn", "kda": by the test's name) with a selected test among ``items`` (this
+    module's), from the plans (no tensors: ``device`` unused)."""
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.gdn import SPEC as GDN
     from linattn.ops.kda import SPEC as KDA
-    t0 = time.time()
+    families = {_family(item.name) for item in items}
     fwd, bwd, gated, keyed = [], [], [], []
-    if _selected(request, "deltanet"):
+    if "deltanet" in families:
         for c in CASES:
             jobs, params = _jobs(c.values[0])
             fwd += jobs
             bwd.append(params)
-    if _selected(request, "gdn"):
+    if "gdn" in families:
         for c in GDN_CASES:
             jobs, params = _gdn_jobs(c.values[0])
             fwd += jobs
             gated.append(params)
-    if _selected(request, "kda"):
+    if "kda" in families:
         for c in KDA_CASES:
             jobs, params = _kda_jobs(c.values[0])
             fwd += jobs
             keyed += params
-    errors = (chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
-              + chunk_bwd.precompile(gated, spec=GDN) + chunk_bwd.precompile(keyed, spec=KDA))
+    return (chunk.stage_jobs(fwd) + chunk_bwd.stage_jobs(bwd)
+            + chunk_bwd.stage_jobs(gated, spec=GDN) + chunk_bwd.stage_jobs(keyed, spec=KDA))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(request):
+    from _cpu_plan import module_items
+    from linattn.ops import runtime
+    t0 = time.time()
+    errors = runtime.precompile(precompile_jobs(module_items(request)))
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)

@@ -43,12 +43,17 @@ CASES = [
 ]
 
 
+def precompile_jobs(items=None, device="cuda"):
+    """The (spec, stage, arch, params) jobs of every case (items unused), recorded from
+    dry calls on ``device`` (tests/_cpu_plan.py: "cpu" lists them without a GPU)."""
+    return [j for c in CASES for j in _jobs(c.values[0], device)] + contract_jobs(device)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def precompiled():
     """Compile every kernel of these cases first (parallel processes, disk cache)."""
     from linattn.ops import runtime
-    jobs = [j for c in CASES for j in _jobs(c.values[0])] + contract_jobs()
-    errors = runtime.precompile(jobs)
+    errors = runtime.precompile(precompile_jobs())
     for e in errors:
         print("  compile error:", e)
     yield
@@ -85,10 +90,10 @@ CONTRACT = [(2, 2048, 4, 64, 64, False, "float16", {}),
                                                      "block_v": 32, "fused": False})]
 
 
-def _contract_inputs(B, T, H, K, V, init, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def _contract_inputs(B, T, H, K, V, init, dtype, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, dtype)
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    rn = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
     q, k = rn(B, T, H, K).to(dt), rn(B, T, H, K).to(dt)
     v = rn(B, T, H, V).to(dt)
     gk = torch.nn.functional.logsigmoid(rn(B, T, H, K) + 3.0).to(dt)
@@ -110,13 +115,13 @@ def gla_states(q, k, v, gk, h0, config):
     return o, final, states.view(B, -(-T // 64) + 1, H, q.shape[-1], V)
 
 
-def contract_jobs():
+def contract_jobs(device="cuda"):
     from linattn.ops import runtime
     jobs = []
     for B, T, H, K, V, init, dtype, config in CONTRACT:
         with runtime.recording() as j:
             try:
-                gla_states(*_contract_inputs(B, T, H, K, V, init, dtype, 0), config)
+                gla_states(*_contract_inputs(B, T, H, K, V, init, dtype, 0, device), config)
             except runtime.KernelRequested:
                 pass
         jobs += j

@@ -52,16 +52,14 @@ DH_VARIANTS = [(0, 16), (1, 16), (2, 32), (0, 64)]      # the default is (2, 16)
 DH_VARIANT_CASES = [CASES[2], CASES[9], CASES[10], CASES[11], CASES[12]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def precompiled(request):
-    """Compile the kernels the selected tests run first (parallel processes, TileLang's
-    disk cache); write the JSON summary at the end."""
+def precompile_jobs(items, device="cuda"):
+    """The (spec, stage, arch, params) jobs of the selected tests (``items``: this
+    module's), from the plans (no tensors: ``device`` unused)."""
     from linattn.ops import chunk, chunk_bwd
     from linattn.ops.deltanet import SPEC
-    t0 = time.time()
     fwd, bwd = [], []
-    for item in request.session.items:
-        if item.module is not request.module or not hasattr(item, "callspec"):
+    for item in items:
+        if not hasattr(item, "callspec"):
             continue
         p, name = item.callspec.params["p"], item.originalname
         dims = dict(H=p["H"], K=p["K"], V=p["V"], dtype=p["dtype"], B=p["B"])
@@ -75,7 +73,17 @@ def precompiled(request):
             extra = dict(dh={"num_stages": item.callspec.params["num_stages"],
                              "block_v": item.callspec.params["block_v"]})
         bwd.append(chunk_bwd.backward_params(**dims, **extra))
-    errors = chunk.precompile(fwd) + chunk_bwd.precompile(bwd)
+    return chunk.stage_jobs(fwd) + chunk_bwd.stage_jobs(bwd)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled(request):
+    """Compile the kernels the selected tests run first (parallel processes, TileLang's
+    disk cache); write the JSON summary at the end."""
+    from _cpu_plan import module_items
+    from linattn.ops import runtime
+    t0 = time.time()
+    errors = runtime.precompile(precompile_jobs(module_items(request)))
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)

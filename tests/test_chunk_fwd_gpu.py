@@ -160,26 +160,34 @@ WALK_CASES = [
 ]
 
 
-def _jobs(p):
-    """The kernels one case compiles (recorded from a dry call)."""
+def _jobs(p, device="cuda"):
+    """The kernels one case compiles (recorded from a dry call on ``device``)."""
     from linattn.ops import runtime
     with runtime.recording() as jobs:
         try:
-            run_case(p, np.random.default_rng(0), dry=True)
+            run_case(p, np.random.default_rng(0), dry=True, device=device)
         except runtime.KernelRequested:
             pass
     return list(jobs)
+
+
+def precompile_jobs(items, device="cuda"):
+    """The (spec, stage, arch, params) jobs of the selected cases (``items``: this
+    module's selected tests), recorded from dry calls on ``device`` (tests/_cpu_plan.py:
+    "cpu" lists them without a GPU)."""
+    chosen = [it.callspec.params["p"] for it in items
+              if hasattr(it, "callspec") and "p" in it.callspec.params]
+    return [j for p in chosen for j in _jobs(p, device)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def precompiled(request):
     """Compile the kernels of the selected cases in parallel processes first (disk cache)."""
     import time
+    from _cpu_plan import module_items
     from linattn.ops import runtime
     t0 = time.time()
-    chosen = [it.callspec.params["p"] for it in request.session.items
-              if it.module is request.module and hasattr(it, "callspec") and "p" in it.callspec.params]
-    jobs = [j for p in chosen for j in _jobs(p)]
+    jobs = precompile_jobs(module_items(request))
     errors = runtime.precompile(jobs)
     print(f"precompiled {len(jobs)} jobs in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
@@ -204,14 +212,14 @@ def _rel(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def _inputs(p, rng, spec, options, cu, B, T):
+def _inputs(p, rng, spec, options, cu, B, T, device="cuda"):
     x = random_inputs(spec, options, B, T, p["H"], p["HV"], p["K"], p["V"], rng,
                       cu_seqlens=cu, initial_state=p["init"])
     if x["g"] is not None and not options.gate_in_kernel:
         x["g"] = x["g"] * p["gate_scale"]
     if p["key_scale"] is not None:
         x["k"] = x["k"] * p["key_scale"]
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     dt = getattr(torch, p["dtype"])
     # kernel inputs: q, k, v, beta in the input dtype; g, states, A_log, dt_bias in f32
     return dict(q=_to_torch(x["q"], dt, dev), k=_to_torch(x["k"], dt, dev),
@@ -239,7 +247,7 @@ def _reference(p, spec, options, t, cu, cu_t, B, T):
     return {"o": o_ref.cpu().numpy(), "final_state": ht_ref.cpu().numpy()}, r
 
 
-def run_case(p, rng, dry=False):
+def run_case(p, rng, dry=False, device="cuda"):
     from linattn.ops.chunk import chunk_forward
     spec = _spec(p["op"])
     options = Options(**{n: True for n in p["opts"]})
@@ -247,8 +255,8 @@ def run_case(p, rng, dry=False):
     if p["lens"] is not None:
         cu = np.concatenate([[0], np.cumsum(p["lens"])]).astype(np.int64)
         T = int(cu[-1])
-    t = _inputs(p, rng, spec, options, cu, B, T)
-    cu_t = None if cu is None else torch.from_numpy(cu).cuda()
+    t = _inputs(p, rng, spec, options, cu, B, T, device)
+    cu_t = None if cu is None else torch.from_numpy(cu).to(device)
     call = lambda: chunk_forward(  # noqa: E731
         spec, t["q"], t["k"], t["v"], t["g"], t["beta"], scale=p["scale"],
         initial_state=t["initial_state"], output_final_state=p["final"], options=options,

@@ -27,7 +27,7 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0):
+def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0, dev="cuda"):
     x = random_inputs(SPEC, opts, B, T, H, HV, K, V, np.random.default_rng(seed),
                       cu_seqlens=cu)
     dt = getattr(torch, dtype)
@@ -36,10 +36,10 @@ def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0):
         if a is None or n == "cu_seqlens":
             continue
         kind = dt if n in ("q", "k", "v", "p") else torch.float32
-        t[n] = torch.tensor(a).to(kind).cuda()
+        t[n] = torch.tensor(a).to(kind).to(dev)
         x[n] = t[n].double().cpu().numpy()          # the reference sees the rounded inputs
     if cu is not None:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32).cuda()
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32).to(dev)
     return x, t
 
 
@@ -51,12 +51,12 @@ LAYOUTS = [(False, False), (True, True)]
 LONG = [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]), ((2, 257, 4, 4, 64, 64), None)]
 
 
-def _fp64_call(fn, dtype, shape, l2norm, v_first):
+def _fp64_call(fn, dtype, shape, l2norm, v_first, dev="cuda"):
     """(x, t, args, kw) of test_against_fp64's case."""
     B, T, H, HV, K, V = shape
     opts = Options(l2norm_qk=l2norm, state_v_first=v_first)
     cu = [0, T // 3, T] if B == 1 and T > 2 else None
-    x, t = _case(opts, B, T, H, HV, K, V, dtype, cu=cu)
+    x, t = _case(opts, B, T, H, HV, K, V, dtype, cu=cu, dev=dev)
     kw = dict(initial_state=t["initial_state"], output_final_state=True,
               use_qk_l2norm_in_kernel=l2norm, cu_seqlens=t.get("cu_seqlens"),
               state_v_first=v_first)
@@ -65,10 +65,10 @@ def _fp64_call(fn, dtype, shape, l2norm, v_first):
     return x, t, args + (t["g"], t["beta"]), kw
 
 
-def _long_call(l2norm, shape, cu):
+def _long_call(l2norm, shape, cu, dev="cuda"):
     """(x, t, args, kw) of test_chunked_kernels' case (beta in bf16)."""
     opts = Options(l2norm_qk=l2norm)
-    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=7)
+    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=7, dev=dev)
     t["beta"] = t["beta"].to(torch.bfloat16)
     x["beta"] = t["beta"].double().cpu().numpy()
     kw = dict(initial_state=t["initial_state"], output_final_state=True,
@@ -76,15 +76,16 @@ def _long_call(l2norm, shape, cu):
     return x, t, tuple(t[n] for n in ("q", "k", "v", "p", "g", "beta")), kw
 
 
-@pytest.fixture(scope="module", autouse=True)
-def precompiled():
-    """The kernels of this module's chunk_comba / fused_recurrent_comba calls compiled in
-    parallel processes first (recorded from dry calls; TileLang's disk cache)."""
+def precompile_jobs(items=None, device="cuda"):
+    """The (spec, stage, arch, params) jobs of this module's chunk_comba /
+    fused_recurrent_comba calls (every test's; items unused), recorded from dry calls on
+    ``device`` (tests/_cpu_plan.py: "cpu" lists them without a GPU)."""
     from linattn.ops import runtime
-    calls = [(fn, _fp64_call(fn, *c)) for fn in FNS for c in
+    calls = [(fn, _fp64_call(fn, *c, dev=device)) for fn in FNS for c in
              ((d, s, *lay) for d in DTYPES for s in SHAPES for lay in LAYOUTS)]
-    calls += [("chunk_comba", _long_call(l2, *c)) for l2 in (False, True) for c in LONG]
-    _, t = _case(Options(), 2, 200, 4, 4, 128, 128, "bfloat16")           # (test_against_fla)
+    calls += [("chunk_comba", _long_call(l2, *c, dev=device)) for l2 in (False, True)
+              for c in LONG]
+    _, t = _case(Options(), 2, 200, 4, 4, 128, 128, "bfloat16", dev=device)  # (against_fla)
     order = {"chunk_comba": "qkvp", "fused_recurrent_comba": "qkpv"}
     calls += [(fn, (None, t, tuple(t[n] for n in order[fn]) + (t["g"], t["beta"]),
                     dict(initial_state=t["initial_state"], output_final_state=True)))
@@ -93,9 +94,19 @@ def precompiled():
         for fn, (_, _, args, kw) in calls:
             try:
                 getattr(linattn, fn)(*args, **kw)
-            except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
+            except runtime.KernelRequested:
                 pass
-    for e in runtime.precompile(jobs):    # (a failed compile fails the tests that need it)
+            except Exception as e:   # noqa: BLE001 (the test run reports it too)
+                print(f"dry call {fn} failed: {type(e).__name__}: {e}"[:300])
+    return list(jobs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """The kernels of this module's calls compiled in parallel processes first
+    (precompile_jobs; TileLang's disk cache)."""
+    from linattn.ops import runtime
+    for e in runtime.precompile(precompile_jobs()):   # (a failed compile fails its tests)
         print("compile error:", e)
     yield
 

@@ -27,7 +27,8 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0, gate_dtype=torch.float32):
+def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0, gate_dtype=torch.float32,
+          dev="cuda"):
     x = random_inputs(SPEC, opts, B, T, H, HV, K, V, np.random.default_rng(seed),
                       cu_seqlens=cu)
     dt, t = getattr(torch, dtype), {}
@@ -35,10 +36,10 @@ def _case(opts, B, T, H, HV, K, V, dtype, cu=None, seed=0, gate_dtype=torch.floa
         if a is None or n == "cu_seqlens":
             continue
         kind = dt if n in ("q", "k", "v") else gate_dtype if n in "gbw" else torch.float32
-        t[n] = torch.tensor(a).to(kind).cuda()
+        t[n] = torch.tensor(a).to(kind).to(dev)
         x[n] = t[n].double().cpu().numpy()
     if cu is not None:
-        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32).cuda()
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32).to(dev)
     return x, t
 
 
@@ -53,12 +54,13 @@ LONG = [((1, 1000, 2, 4, 128, 128), [0, 333, 1000]), ((2, 257, 4, 4, 64, 64), No
 NAMES = ("q", "k", "v", "g", "b", "w")
 
 
-def _fp64_call(dtype, shape, l2norm, v_first, gate_in_kernel):
+def _fp64_call(dtype, shape, l2norm, v_first, gate_in_kernel, dev="cuda"):
     """(x, t, kw, opts) of test_against_fp64's case."""
     B, T, H, HV, K, V = shape
     opts = Options(l2norm_qk=l2norm, state_v_first=v_first, gate_in_kernel=gate_in_kernel)
     cu = [0, T // 3, T] if B == 1 and T > 2 else None
-    x, t = _case(opts, B, T, H, HV, K, V, dtype, cu=cu, gate_dtype=getattr(torch, dtype))
+    x, t = _case(opts, B, T, H, HV, K, V, dtype, cu=cu, gate_dtype=getattr(torch, dtype),
+                 dev=dev)
     kw = dict(initial_state=t["initial_state"], output_final_state=True,
               use_qk_l2norm_in_kernel=l2norm, cu_seqlens=t.get("cu_seqlens"),
               state_v_first=v_first)
@@ -67,34 +69,45 @@ def _fp64_call(dtype, shape, l2norm, v_first, gate_in_kernel):
     return x, t, kw, opts
 
 
-def _long_call(gate_dtype, shape, cu):
+def _long_call(gate_dtype, shape, cu, dev="cuda"):
     """(x, t, kw, opts) of test_chunked_kernels' case."""
     opts = Options(l2norm_qk=True)
-    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=5, gate_dtype=gate_dtype)
+    x, t = _case(opts, *shape, "bfloat16", cu=cu, seed=5, gate_dtype=gate_dtype, dev=dev)
     kw = dict(initial_state=t["initial_state"], output_final_state=True,
               use_qk_l2norm_in_kernel=True, cu_seqlens=t.get("cu_seqlens"))
     return x, t, kw, opts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def precompiled():
-    """The kernels of this module's chunk_gdn2 / fused_recurrent_gdn2 calls compiled in
-    parallel processes first (recorded from dry calls; TileLang's disk cache)."""
+def precompile_jobs(items=None, device="cuda"):
+    """The (spec, stage, arch, params) jobs of this module's chunk_gdn2 /
+    fused_recurrent_gdn2 calls (every test's; items unused), recorded from dry calls on
+    ``device`` (tests/_cpu_plan.py: "cpu" lists them without a GPU)."""
     from linattn.ops import runtime
-    calls = [(fn, _fp64_call(d, s, *f)) for fn in FNS for d in DTYPES for s in SHAPES
-             for f in FLAGS]
-    calls += [("chunk_gdn2", _long_call(gd, *c)) for gd in (torch.float32, torch.bfloat16)
-              for c in LONG]
-    _, t = _case(Options(), 2, 200, 4, 4, 128, 128, "bfloat16", gate_dtype=torch.bfloat16)
+    calls = [(fn, _fp64_call(d, s, *f, dev=device)) for fn in FNS for d in DTYPES
+             for s in SHAPES for f in FLAGS]
+    calls += [("chunk_gdn2", _long_call(gd, *c, dev=device))
+              for gd in (torch.float32, torch.bfloat16) for c in LONG]
+    _, t = _case(Options(), 2, 200, 4, 4, 128, 128, "bfloat16", gate_dtype=torch.bfloat16,
+                 dev=device)
     calls += [(fn, (None, t, dict(initial_state=t["initial_state"], output_final_state=True),
                     None)) for fn in FNS]                               # (test_against_fla)
     with runtime.recording() as jobs:
         for fn, (_, t, kw, _) in calls:
             try:
                 getattr(linattn, fn)(*(t[n] for n in NAMES), **kw)
-            except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
+            except runtime.KernelRequested:
                 pass
-    for e in runtime.precompile(jobs):    # (a failed compile fails the tests that need it)
+            except Exception as e:   # noqa: BLE001 (the test run reports it too)
+                print(f"dry call {fn} failed: {type(e).__name__}: {e}"[:300])
+    return list(jobs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """The kernels of this module's calls compiled in parallel processes first
+    (precompile_jobs; TileLang's disk cache)."""
+    from linattn.ops import runtime
+    for e in runtime.precompile(precompile_jobs()):   # (a failed compile fails its tests)
         print("compile error:", e)
     yield
 
