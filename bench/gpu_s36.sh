@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Next session's device calls, back to back on one warm machine (it goes back after 30 s
 # idle; a start may be refused: each refusal costs device time). Carry .gpu/site.tar.xz
-# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .whl and, when built here first
-# (bench/cpu_cache.py), the compile cache .gpu/cache.tar.xz.* (prelude.sh restores it):
+# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .whl and the compile cache that
+# bench/cpu_cache.py built here for the six precompiling GPU test files
+# (.gpu/cache.tar.xz.NN, ~11 MiB; prelude.sh restores it; rebuild with --keep after a
+# template change: only changed kernels compile):
+#
+#   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu --keep \
+#     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
+#     tests/test_comba_gpu.py tests/test_gdn2_gpu.py tests/test_chunk_additive_gpu.py
+#
+# pytest runs 6 workers: each worker's module fixture starts its own compile pool even
+# when every job is a cache hit.
 #
 #   source .gpu/prelude.sh && bash bench/gpu_s36.sh tests    # ~9 min: GPU tests s35 left
 #   source .gpu/prelude.sh && bash bench/gpu_s36.sh walk     # ~4 min: the fused walk's k_ahead
@@ -28,7 +37,7 @@ T="timeout -k 10"
 gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summary, rc
   local s=$1; shift
   echo "== $* ($s s)" >> "$OUT/tests.txt"
-  $T "$s" python3 -m pytest -m gpu -p no:cacheprovider -n 12 -v -rfE --tb=line "$@" 2>&1 \
+  $T "$s" python3 -m pytest -m gpu -p no:cacheprovider -n 6 -v -rfE --tb=line "$@" 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
