@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Next session's device calls, back to back on one warm machine (it goes back after 30 s
 # idle; a start may be refused: each refusal costs device time). Carry .gpu/site.tar.xz
-# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .whl and the compile cache that
-# bench/cpu_cache.py built here for the six precompiling GPU test files
-# (.gpu/cache.tar.xz.NN, ~11 MiB; prelude.sh restores it; rebuild with --keep after a
-# template change: only changed kernels compile):
+# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba, for `tests` .gpu/xdist (pytest-xdist's two
+# wheels) and the compile cache bench/cpu_cache.py built here for the six precompiling GPU
+# test files (.gpu/cache.tar.xz.00 and .01, 15.3 MiB: 64 MiB in all with the tree), for
+# `models` .whl instead of the cache (transformers, fla, kernels). prelude.sh restores the
+# cache; rebuild it with --keep after a template change (only changed kernels compile):
 #
 #   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu --keep \
 #     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
@@ -28,8 +29,9 @@
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
-ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
-  --target /tmp/whl .whl/*.whl >/dev/null 2>&1
+W=$(ls .whl/*.whl .gpu/xdist/*.whl 2>/dev/null)
+[ -n "$W" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/whl \
+  $W >/dev/null 2>&1
 export PYTHONPATH=/tmp/lp:$PYTHONPATH:/tmp/whl
 export OUT_DIR=/tmp/out_dir HF_HUB_OFFLINE=1 MAMBA_SRC=$PWD/.gpu/mamba; mkdir -p /tmp/out_dir
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt"
