@@ -34,3 +34,20 @@ def module_items(request) -> list:
     """The session's selected test items of the requesting module (a module fixture's)."""
     return [it for it in request.session.items
             if getattr(it, "module", None) is request.module]
+
+
+def dry_jobs(calls) -> list:
+    """The compile jobs of public calls run dry under runtime.recording(): ``calls`` are
+    (fn name, args, kwargs) of linattn's functions; a call that fails other than by
+    requesting a kernel is printed (its test reports it too)."""
+    import linattn
+    from linattn.ops import runtime
+    with runtime.recording() as jobs:
+        for fn, args, kw in calls:
+            try:
+                getattr(linattn, fn)(*args, **kw)
+            except runtime.KernelRequested:
+                pass
+            except Exception as e:   # noqa: BLE001
+                print(f"dry call {fn} failed: {type(e).__name__}: {e}"[:300])
+    return list(jobs)

@@ -80,7 +80,7 @@ def precompile_jobs(items=None, device="cuda"):
     """The (spec, stage, arch, params) jobs of this module's chunk_comba /
     fused_recurrent_comba calls (every test's; items unused), recorded from dry calls on
     ``device`` (tests/_cpu_plan.py: "cpu" lists them without a GPU)."""
-    from linattn.ops import runtime
+    from _cpu_plan import dry_jobs
     calls = [(fn, _fp64_call(fn, *c, dev=device)) for fn in FNS for c in
              ((d, s, *lay) for d in DTYPES for s in SHAPES for lay in LAYOUTS)]
     calls += [("chunk_comba", _long_call(l2, *c, dev=device)) for l2 in (False, True)
@@ -90,15 +90,7 @@ def precompile_jobs(items=None, device="cuda"):
     calls += [(fn, (None, t, tuple(t[n] for n in order[fn]) + (t["g"], t["beta"]),
                     dict(initial_state=t["initial_state"], output_final_state=True)))
               for fn in FNS]
-    with runtime.recording() as jobs:
-        for fn, (_, _, args, kw) in calls:
-            try:
-                getattr(linattn, fn)(*args, **kw)
-            except runtime.KernelRequested:
-                pass
-            except Exception as e:   # noqa: BLE001 (the test run reports it too)
-                print(f"dry call {fn} failed: {type(e).__name__}: {e}"[:300])
-    return list(jobs)
+    return dry_jobs([(fn, args, kw) for fn, (_, _, args, kw) in calls])
 
 
 @pytest.fixture(scope="module", autouse=True)

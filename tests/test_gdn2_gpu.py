@@ -82,7 +82,7 @@ def precompile_jobs(items=None, device="cuda"):
     """The (spec, stage, arch, params) jobs of this module's chunk_gdn2 /
     fused_recurrent_gdn2 calls (every test's; items unused), recorded from dry calls on
     ``device`` (tests/_cpu_plan.py: "cpu" lists them without a GPU)."""
-    from linattn.ops import runtime
+    from _cpu_plan import dry_jobs
     calls = [(fn, _fp64_call(d, s, *f, dev=device)) for fn in FNS for d in DTYPES
              for s in SHAPES for f in FLAGS]
     calls += [("chunk_gdn2", _long_call(gd, *c, dev=device))
@@ -91,15 +91,7 @@ def precompile_jobs(items=None, device="cuda"):
                  dev=device)
     calls += [(fn, (None, t, dict(initial_state=t["initial_state"], output_final_state=True),
                     None)) for fn in FNS]                               # (test_against_fla)
-    with runtime.recording() as jobs:
-        for fn, (_, t, kw, _) in calls:
-            try:
-                getattr(linattn, fn)(*(t[n] for n in NAMES), **kw)
-            except runtime.KernelRequested:
-                pass
-            except Exception as e:   # noqa: BLE001 (the test run reports it too)
-                print(f"dry call {fn} failed: {type(e).__name__}: {e}"[:300])
-    return list(jobs)
+    return dry_jobs([(fn, [t[n] for n in NAMES], kw) for fn, (_, t, kw, _) in calls])
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -121,6 +121,11 @@ def walk_blocks(p: ForwardProblem, fused: bool = False, k_ahead: bool = False) -
                  if p.V % bv == 0 and p.K % 64 == 0 and smem(bv) <= SMEM_BYTES)
 
 
+def _k_ahead(config: dict) -> bool:
+    """Whether chunk_walk_fused runs with k_ahead: config's, else FUSED_K_AHEAD."""
+    return bool(config.get("k_ahead", FUSED_K_AHEAD))
+
+
 def _step_us(p: ForwardProblem, bv: int) -> float:
     return WALK_STEP_US[bv] * (WALK_STEP_K0 + (1 - WALK_STEP_K0) * p.K / 128)
 
@@ -152,7 +157,7 @@ def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
     config's block_v / segments where given. Segments are only tried for sequences
     longer than a segment (never with the inverse in the walk: fused)."""
     longest = max(p.seq_chunks, default=0)
-    fits = walk_blocks(p, fused, fused and bool(config.get("k_ahead", FUSED_K_AHEAD)))
+    fits = walk_blocks(p, fused, fused and _k_ahead(config))
     if "block_v" in config and config["block_v"] not in fits:
         raise ValueError(f"plan config block_v={config['block_v']}: the walk runs at value "
                          f"blocks {fits} at K={p.K}, V={p.V}")
@@ -290,7 +295,6 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
 
 def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     """walk-fused: chunk_walk_fused alone, reading q, k, v, g, beta as the call gives them."""
-    k_ahead = bool(config.get("k_ahead", FUSED_K_AHEAD))
     choice = walk_choice(p, config, fused=True)
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
@@ -301,7 +305,7 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
                 state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                 output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS,
-                **({"k_ahead": True} if k_ahead else {}))
+                **({"k_ahead": True} if _k_ahead(config) else {}))
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
                + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "
