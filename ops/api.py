@@ -36,6 +36,7 @@ from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
 from . import gates, runtime, split, validate
 from .padding import pad_heads, round_up, unpad
+from .recurrent import GATE_PARAM_DTYPES
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
 
 _CHUNKED: dict = {}
@@ -244,7 +245,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                              f"K a multiple of 16 (with state_v_first a power of two) and V "
                              f"of 8, got K={chk.dims.K}, V={chk.dims.V}")
     x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
-                            rule_inputs=rule_inputs)
+                            rule_inputs=rule_inputs, param_dtypes=GATE_PARAM_DTYPES)
     x = pad_inputs(spec, opts, x, chk.dims, padded)
     pool = {n: t if t is None else t.contiguous() for n, t in pool.items()}
     from . import library
@@ -287,12 +288,13 @@ def ones_beta(q, v):
 
 def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
                   dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None,
-                  rule_inputs=None):
+                  rule_inputs=None, param_dtypes=("float32",)):
     """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
     (after check_call): contiguous (an in-place state is already), gates and beta in f32
     or q's dtype (ones for a missing beta), simple
-    GLA's g_gamma added to g, A_log / dt_bias f32 [HV] / [HV * K] / [HV * V] (zeros for no
-    dt_bias).
+    GLA's g_gamma added to g, A_log / dt_bias [HV] / [HV * K] / [HV * V] (zeros for no
+    dt_bias) f32, or both in their dtype where they share one of ``param_dtypes`` (the
+    recurrent kernel reads bf16 / f16 ones: no cast per decode step).
     KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
     exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
     the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
@@ -313,8 +315,11 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
         beta = ones_beta(q, v)
     gate_params = options.gate_in_kernel and spec.has_gate
     HV, n = dims.HV, dims.HV * spec.gate.n_channels(dims.K, dims.V)
-    a = A_log.reshape(HV).float() if gate_params and A_log is not None else None
-    b = dt_bias.reshape(n).float() if gate_params and dt_bias is not None else None
+    keep = (A_log is not None and dt_bias is not None and A_log.dtype == dt_bias.dtype
+            and runtime.dtype_name(A_log.dtype) in param_dtypes)
+    param = (lambda t: t) if keep else (lambda t: t.float())  # noqa: E731
+    a = param(A_log.reshape(HV)).contiguous() if gate_params and A_log is not None else None
+    b = param(dt_bias.reshape(n)).contiguous() if gate_params and dt_bias is not None else None
     if gate_params and lower_bound is not None:
         g = gates.activate(g, a, b, lower_bound, per_channel=True)
         options, a, b = dataclasses.replace(options, gate_in_kernel=False), None, None

@@ -14,6 +14,8 @@ from . import runtime, validate
 STAGE = "recurrent"
 #: knobs applied to every call that passes no ``tuning`` (probes: see tuning_override)
 _OVERRIDE: dict = {}
+#: the dtypes the kernel reads gate_in_kernel's A_log and dt_bias in (both the same one)
+GATE_PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @contextlib.contextmanager
@@ -52,8 +54,8 @@ def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initia
              ssm_state_indices a pool [P, HV, K, V] (any P)
     cu_seqlens: [N + 1] int32/int64 offsets of packed sequences (then B == 1);
              cu_seqlens_cpu: its CPU copy (checks without a device sync)
-    A_log:   [HV] f32, dt_bias: [HV] (scalar gate), [HV * K] (key gate) or [HV * V]
-             (value gate) f32, with
+    A_log:   [HV], dt_bias: [HV] (scalar gate), [HV * K] (key gate) or [HV * V]
+             (value gate), both f32, bf16 or f16 (the same), with
              options.gate_in_kernel: g <- -exp(A_log) * softplus(g + dt_bias)
     state_dtype: dtype of the final state (default torch.float32; the
              DeltaNetRecurrentFwd / GLARecurrentFwd contracts keep it in q's dtype; with
@@ -112,7 +114,8 @@ def run_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_
                      else torch.zeros_like(ht))
         return o, ht
     problem = _problem(spec, options, dims, q, g, beta, initial_state, state_dtype,
-                       output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs)
+                       output_final_state, cu_seqlens, **pool, rule_inputs=rule_inputs,
+                       A_log=A_log)
     problem.update((terms or {}).get("flags", {}))
     arch = runtime.arch_of(q.device)
     kernel, module, _ = runtime.get_kernel(spec, STAGE, arch, sizes={"N": N},
@@ -165,7 +168,7 @@ def _check(spec, options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
     validate.check_gate(spec, g, dims, q)
     validate.check_beta(spec, beta, dims, q)
     validate.check_rule_inputs(spec, dims, rule_inputs, q)
-    validate.check_gate_params(spec, options, A_log, dt_bias, dims, q)
+    validate.check_gate_params(spec, options, A_log, dt_bias, dims, q, GATE_PARAM_DTYPES)
     N = validate.check_cu_seqlens(cu_seqlens, dims.B, dims.T, cu_seqlens_cpu, q,
                                   values=validate.host_checks())
     states = (torch.float32, torch.float16, torch.bfloat16)
@@ -201,7 +204,7 @@ def _state_dtype(state_dtype, initial_state, inplace: bool):
 
 def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output_final_state,
              cu_seqlens, ssm_state_indices=None, num_accepted_tokens=None,
-             inplace=False, rule_inputs=None) -> dict:
+             inplace=False, rule_inputs=None, A_log=None) -> dict:
     """The build() keywords describing one call (sizes, dtypes, flags)."""
     problem = dict(H=dims.H, HV=dims.HV, K=dims.K, V=dims.V,
                    dtype=runtime.dtype_name(q.dtype),
@@ -224,6 +227,8 @@ def _problem(spec, options, dims, q, g, beta, initial_state, state_dtype, output
         problem["inplace"] = True
     if spec.has_gate:
         problem["g_dtype"] = runtime.dtype_name(g.dtype)
+    if options.gate_in_kernel and runtime.dtype_name(A_log.dtype) != "float32":
+        problem["gate_param_dtype"] = runtime.dtype_name(A_log.dtype)   # (f32: the default)
     if spec.has_beta:
         problem["beta_dtype"] = runtime.dtype_name(beta.dtype)
     for name in spec.rule.maths.dtype_inputs:      # (GDN-2's b, w)

@@ -184,9 +184,11 @@ def check_beta(spec: OpSpec, beta, dims: Dims, q=None, dtypes=None, contiguous=T
                         contiguous=contiguous)
 
 
-def check_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: Dims, q=None):
+def check_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: Dims, q=None,
+                      dtypes=("float32",)):
     """The kernels' A_log [HV] and dt_bias ([HV] scalar gate, [HV * K] or [HV, K] key
-    gate, [HV * V] or [HV, V] value gate), f32, both given with gate_in_kernel. Returns dt_bias flattened (a view) or None.
+    gate, [HV * V] or [HV, V] value gate), of one of ``dtypes`` and the same one, both
+    given with gate_in_kernel. Returns dt_bias flattened (a view) or None.
     """
     if not options.gate_in_kernel:
         if A_log is not None or dt_bias is not None:
@@ -194,16 +196,16 @@ def check_gate_params(spec: OpSpec, options: Options, A_log, dt_bias, dims: Dims
         return None
     if A_log is None:
         raise error(f"use_gate_in_kernel=True needs A_log of shape [{dims.HV}]")
-    check_tensor("A_log", A_log, like=q, dtypes=["float32"], shape=(dims.HV,))
+    check_tensor("A_log", A_log, like=q, dtypes=dtypes, shape=(dims.HV,))
     C = spec.gate.n_channels(dims.K, dims.V)
     n = dims.HV * C
     if dt_bias is None:
         raise error(f"use_gate_in_kernel=True needs dt_bias of shape [{n}] here "
                     "(the public functions pass zeros for none)")
     if spec.gate.channels and dt_bias.dim() == 2:
-        check_tensor("dt_bias", dt_bias, like=q, dtypes=["float32"], shape=(dims.HV, C))
+        check_tensor("dt_bias", dt_bias, like=q, dtypes=[A_log.dtype], shape=(dims.HV, C))
         return dt_bias.reshape(n)
-    check_tensor("dt_bias", dt_bias, like=q, dtypes=["float32"], shape=(n,))
+    check_tensor("dt_bias", dt_bias, like=q, dtypes=[A_log.dtype], shape=(n,))
     return dt_bias
 
 

@@ -244,6 +244,30 @@ def test_fla_argument_forms_are_accepted():
             call()
 
 
+def test_gate_params_reach_the_recurrent_kernel_in_their_dtype():
+    """fla's layers hold A_log / dt_bias in the model's dtype: the recurrent kernel reads
+    them as they are (a cast per decode step cost two launches); the chunk kernels, or
+    two different dtypes, get f32."""
+    from linattn.ops.recurrent import GATE_PARAM_DTYPES, _problem
+    q, k, v, g, beta = inputs()
+    spec, opts = get_spec("gdn"), Options(gate_in_kernel=True)
+    dims = validate.Dims(2, 5, 2, 4, 32, 16)
+
+    def params(a, b, dtypes=GATE_PARAM_DTYPES):
+        x, _ = api.kernel_inputs(spec, opts, dims, q, k, v, g, beta, A_log=a, dt_bias=b,
+                                 param_dtypes=dtypes)
+        return x["A_log"].dtype, x["dt_bias"].dtype
+    a16, b16 = torch.randn(1, 1, 4, 1, dtype=BF), torch.randn(4, dtype=BF)
+    assert params(a16, b16) == (BF, BF)
+    assert params(a16, b16, dtypes=("float32",)) == (F32, F32)       # the chunk path
+    assert params(a16, b16.float()) == (F32, F32)
+    assert params(a16.double(), b16.double()) == (F32, F32)
+    problem = lambda a: _problem(spec, opts, dims, q, g, beta, None, F32, False,  # noqa
+                                 None, A_log=a)
+    assert problem(a16)["gate_param_dtype"] == "bfloat16"
+    assert "gate_param_dtype" not in problem(a16.float())     # f32: the default kernel
+
+
 def test_safe_gate_follows_fla():
     q, k, _, _, _ = inputs()
     _, _, vk, gk, bk = inputs(gate="key")

@@ -51,7 +51,7 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype",
                 "l2norm_qk", "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "state_v_first", "has_initial_state", "output_final_state", "varlen",
                 "index_dtype", "h0_dtype", "state_pool", "slots_per_token", "accepted_tokens",
-                "inplace", "slot_dtype")
+                "inplace", "slot_dtype", "gate_param_dtype")
 EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="bfloat16", state_dtype="float32"),
     dict(H=2, HV=8, K=128, V=128, dtype="float16", state_dtype="float32",
@@ -65,6 +65,9 @@ EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="float32", state_dtype="float32",
          h0_dtype="bfloat16", has_initial_state=True, output_final_state=True,
          state_pool=True),
+    *([dict(H=2, HV=4, K=64, V=64, dtype="bfloat16", state_dtype="float32",
+            gate_in_kernel=True, gate_param_dtype="bfloat16", has_initial_state=True,
+            output_final_state=True)] if "gate_in_kernel" in SUPPORTS else []),
 ]
 
 
@@ -193,7 +196,7 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first):
 
 
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
-          g_dtype="float32",
+          g_dtype="float32", gate_param_dtype="float32",
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
@@ -306,8 +309,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         g: T.Tensor(g_shape, g_dtype),
         a: T.Tensor((B, Tlen, H, K), dtype),
         b: T.Tensor((B, Tlen, H, K), dtype),
-        A_log: T.Tensor(A_log_shape, "float32"),
-        dt_bias: T.Tensor(dt_bias_shape, "float32"),
+        A_log: T.Tensor(A_log_shape, gate_param_dtype),
+        dt_bias: T.Tensor(dt_bias_shape, gate_param_dtype),
         h0: T.Tensor(h0_shape, h0_dtype),
         cu_seqlens: T.Tensor(cu_shape, index_dtype),
         slots: T.Tensor(slots_shape, slot_dtype),
@@ -406,8 +409,8 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                             vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
                         for i in T.Parallel(K):
                             if gate_in_kernel:
-                                x = T.cast(g[i_b, tok, i_hv, i], acc) + dt_bias[i_hv * K + i]
-                                decay_k[i] = T.exp(-T.exp(A_log[i_hv]) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
+                                x = T.cast(g[i_b, tok, i_hv, i], acc) + T.cast(dt_bias[i_hv * K + i], acc)
+                                decay_k[i] = T.exp(-T.exp(T.cast(A_log[i_hv], acc)) * T.if_then_else(x > 20.0, x, T.log1p(T.exp(x))))
                             else:
                                 decay_k[i] = T.exp(T.cast(g[i_b, tok, i_hv, i], acc))
                         for i in T.Parallel(K):
