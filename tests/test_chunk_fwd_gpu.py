@@ -111,7 +111,6 @@ CASES = [
 #: warm-up with real gates, the maps with weak gates, no gate and expanding keys)
 WALK_LENS = [1, 130, 0, 64, 700, 1000]
 FUSED = {"inverse_in_walk": 1}
-AHEAD = {"inverse_in_walk": 1, "k_ahead": 1}
 WALK_CASES = [
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=cfg)
     for cfg in ({"block_v": 32}, {"block_v": 64}, {"block_v": 128}, {"segments": 2},
@@ -145,18 +144,6 @@ WALK_CASES = [
          config=dict(FUSED, block_v=64)),
     case("gdn", 1, None, 1, 8, 64, 64, lens=WALK_LENS, init=False, config=FUSED),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=FUSED),
-] + [
-    # ... with the inverse group's k, beta and gate a chunk ahead (probe config k_ahead;
-    # at block 128 = K the output staged in q's stage)
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(AHEAD, block_v=bv))
-    for bv in (128, 64)
-] + [
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=AHEAD, gate_scale=1e-2),
-    case("deltanet", 1, None, 2, 2, 64, 64, lens=WALK_LENS, config=AHEAD),
-    case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
-         opts=("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "state_v_first"),
-         config=AHEAD),
-    case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=AHEAD),
 ]
 
 

@@ -129,10 +129,6 @@ PLAN_CASES = [
     # the WY inverse inside the walk (q35-2b-8x8192's chains; DeltaNet's at block 32)
     ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(4,) * 8), {"inverse_in_walk": 1}),
     ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(8, 8)), {"inverse_in_walk": 1}),
-    ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(4,) * 8),
-     {"inverse_in_walk": 1, "k_ahead": 1}),
-    ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(8, 8)),
-     {"inverse_in_walk": 1, "k_ahead": 1}),
 ]
 
 

@@ -76,14 +76,6 @@ MAP_REGS = (184, 176, 24, 24)
 #: 112, 96 at 96), the state group none at 160, the WY none at 112, the output none at 120
 #: (DeltaNet's spilled 48 bytes at 112)
 FUSED_REGS = (160, 112, 120, 120)
-#: chunk_walk_fused's k_ahead: the inverse group loads chunk c + 1's k (a tile of its own),
-#: beta and gate while it forms chunk c's inverse. Model (s35-2's fused walk: 4.8 us a
-#: step at q35-2b-8x8192 against chunk_walk's 3.3): the inverse group is the bottleneck,
-#: each iteration waiting ~1.5 us for its own chunk's TMA and ~0.8 for beta / g before its
-#: ~2.5 us of work; ahead, the step falls to ~max(walk 3.3, inverse ~2.5-3): 617 -> ~430 us.
-#: Probe config until measured (`walk_probe --configs inverse_in_walk=1
-#: inverse_in_walk=1,k_ahead=1`); shared memory equal at block_v == K (o staged in q's stage)
-FUSED_K_AHEAD = False
 #: the WY inverse inside the walk (walk-fused) where the chains fill the SMs: chains x
 #: value blocks >= min_fill x SMs, sequences unsplit (the seed release's one-kernel rule:
 #: sequences x heads >= 0.75 x SMs at K = V = 128). Each chunk's inverse (~2 us of the
@@ -102,28 +94,19 @@ def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
     return stages + tiles + 4 * 1024
 
 
-def fused_walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64,
-                    k_ahead: bool = False) -> int:
+def fused_walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
     """... of chunk_walk_fused: chunk_walk's and the inverse group's (L in f32, its 16 x 16
-    and 16 x chunk transposes, beta and the raw gate); k_ahead: its own k tile, and no
-    output tile where BV == K (o staged in q's stage)."""
-    ahead = chunk * K * itemsize - (chunk * BV * itemsize if BV == K else 0) if k_ahead else 0
-    return (walk_smem(K, BV, itemsize, chunk) + ahead
-            + 4 * (chunk * chunk + 16 * 16 + 16 * chunk + 2 * chunk))
+    and 16 x chunk transposes, beta and the raw gate)."""
+    return (walk_smem(K, BV, itemsize, chunk) + 4 * (chunk * chunk + 16 * 16 + 16 * chunk
+                                                     + 2 * chunk))
 
 
-def walk_blocks(p: ForwardProblem, fused: bool = False, k_ahead: bool = False) -> tuple:
-    """The value blocks chunk_walk (chunk_walk_fused, with k_ahead) can run at for p
-    (fitting shared memory), largest first."""
-    def smem(bv):
-        return fused_walk_smem(p.K, bv, k_ahead=k_ahead) if fused else walk_smem(p.K, bv)
+def walk_blocks(p: ForwardProblem, fused: bool = False) -> tuple:
+    """The value blocks chunk_walk (chunk_walk_fused) can run at for p (fitting shared
+    memory), largest first."""
+    smem = fused_walk_smem if fused else walk_smem
     return tuple(bv for bv in (128, 64, 32, 16)
-                 if p.V % bv == 0 and p.K % 64 == 0 and smem(bv) <= SMEM_BYTES)
-
-
-def _k_ahead(config: dict) -> bool:
-    """Whether chunk_walk_fused runs with k_ahead: config's, else FUSED_K_AHEAD."""
-    return bool(config.get("k_ahead", FUSED_K_AHEAD))
+                 if p.V % bv == 0 and p.K % 64 == 0 and smem(p.K, bv) <= SMEM_BYTES)
 
 
 def _step_us(p: ForwardProblem, bv: int) -> float:
@@ -157,15 +140,14 @@ def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
     config's block_v / segments where given. Segments are only tried for sequences
     longer than a segment (never with the inverse in the walk: fused)."""
     longest = max(p.seq_chunks, default=0)
-    fits = walk_blocks(p, fused, fused and _k_ahead(config))
-    if "block_v" in config and config["block_v"] not in fits:
+    if "block_v" in config and config["block_v"] not in walk_blocks(p, fused):
         raise ValueError(f"plan config block_v={config['block_v']}: the walk runs at value "
-                         f"blocks {fits} at K={p.K}, V={p.V}")
+                         f"blocks {walk_blocks(p, fused)} at K={p.K}, V={p.V}")
     if "segments" in config and not (isinstance(config["segments"], int)
                                      and config["segments"] >= 0):
         raise ValueError(f"plan config segments={config['segments']!r}: a segment length "
                          "in chunks (0: no split)")
-    blocks = [config["block_v"]] if "block_v" in config else fits
+    blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p, fused)
     lengths = ([config["segments"]] if "segments" in config else (0,) if fused
                else (0,) + tuple(L for L in reversed(SEGMENT_CHUNKS) if L < longest))
     best = None
@@ -201,7 +183,7 @@ CHUNK_SIZES = (64,)
 #: what a probe or test may set in forward_plan's config (the per-key prepare's in
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
-               "key_min_ctas", "block_k", "inverse_in_walk", "k_ahead", "state_threads",
+               "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
                "aqk_per_key_head")
 
 
@@ -242,8 +224,6 @@ def inverse_in_walk(p: ForwardProblem, config: dict) -> bool:
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if inverse_in_walk(p, config):
         return _fused_walk_plan(p, config)
-    if config.get("k_ahead"):
-        raise ValueError("plan config k_ahead: the walk-fused plan's (inverse_in_walk) only")
     choice = walk_choice(p, config)
     if choice is None:
         raise ValueError(f"no walk configuration fits {dict(config)} (segments x value heads "
@@ -304,8 +284,7 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
                 beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
                 state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
-                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS,
-                **({"k_ahead": True} if _k_ahead(config) else {}))
+                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS)
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
                + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "

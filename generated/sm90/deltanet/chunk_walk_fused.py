@@ -79,7 +79,7 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
           has_initial_state=False, output_final_state=False, block_v=128,
-          regs=(160, 112, 120, 120), k_ahead=False):
+          regs=(160, 112, 120, 120)):
     """prim_func for chunk_walk_fused: chunk_walk with the WY inverse formed inside.
 
     Tensors (Ttot tokens, N sequences; dynamic):
@@ -90,10 +90,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       -> o [Ttot, HV, V], ht f32 [N1, HV, K, V] when output_final_state (states [.., V, K]
       with state_v_first; unused ones may be [1, ...])
     Tuning: block_v, regs (budgets of the state, WY, output and inverse / load
-    warpgroups: the inverse group's ~120 taken from the WY and output groups), k_ahead
-    (the inverse group's k, beta and gate of chunk c + 1 loaded while it forms chunk c's
-    inverse, into a k tile of its own, instead of waiting for chunk c's stage to land; the
-    output then staged in q's stage where block_v == K, which its shared memory needs).
+    warpgroups: the inverse group's ~120 taken from the WY and output groups).
     """
     BT = CHUNK
     BV = block_v
@@ -103,7 +100,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    o_in_q = k_ahead and BV == K                    # the output staged in q's stage
     Ttot, NT, N, N0, N1, NH = T.dynamic("Ttot, NT, N, N0, N1, NH")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -146,15 +142,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             S = T.alloc_fragment((K, BV), f32)
             U = T.alloc_fragment((BT, BV), f32)
             p_s = T.alloc_shared((BT, BT), dtype)
-            if not o_in_q:
-                o_s = T.alloc_shared((BT, BV), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
             O = T.alloc_fragment((BT, BV), f32)
             P = T.alloc_fragment((BT, BT), f32)
             # the inverse group's own: L, then X = (I + L)^-1 in place (f32), beta
             l_s = T.alloc_shared((BT, BT), f32)
             b_s = T.alloc_shared((BT,), f32)
-            if k_ahead:
-                kin_s = T.alloc_shared((BT, K), dtype)     # k of the chunk it forms next
             kk = T.alloc_fragment((BT, BT), f32)
             # full / empty: the loads' stages; s_full / s_free: S_s written / read by its
             # readers; v_full: Vd written; vd_free: Vd read by the output group;
@@ -166,8 +159,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
-            if k_ahead:
-                kin_full = T.alloc_barrier(32)
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -237,42 +228,23 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.barrier_wait(s_full, c % 2)
                     T.gemm(q_s[s, :, :], S_s, O, clear_accum=True)
                     T.barrier_arrive(s_free)
-                    if not o_in_q:
-                        T.barrier_arrive(empty[s])
+                    T.barrier_arrive(empty[s])
                     for i, j in T.Parallel(BT, BV):
                         O[i, j] = O[i, j] * scale
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(p_s, vd_s, O)
                     T.barrier_arrive(vd_free)
-                    if o_in_q:                      # q's stage is read: o through it
-                        T.copy(O, q_s[s, :, :])
-                        if rows == BT:
-                            T.copy(q_s[s, :, :], o[t0:t0 + BT, hv, v0:v0 + BV])
-                        else:
-                            for i, j in T.Parallel(BT, BV):
-                                if i < rows:
-                                    o[t0 + i, hv, v0 + j] = q_s[s, i, j]
-                        T.barrier_arrive(empty[s])
+                    T.copy(O, o_s)
+                    if rows == BT:
+                        T.copy(o_s, o[t0:t0 + BT, hv, v0:v0 + BV])
                     else:
-                        T.copy(O, o_s)
-                        if rows == BT:
-                            T.copy(o_s, o[t0:t0 + BT, hv, v0:v0 + BV])
-                        else:
-                            for i, j in T.Parallel(BT, BV):
-                                if i < rows:
-                                    o[t0 + i, hv, v0 + j] = o_s[i, j]
+                        for i, j in T.Parallel(BT, BV):
+                            if i < rows:
+                                o[t0 + i, hv, v0 + j] = o_s[i, j]
 
             else:                                           # A_b and the loads
                 T.set_max_nreg(regs[3], int(regs[3] > 128))
                 w3 = tx - 3 * WG
-                if k_ahead:                                 # chunk 0's k, beta
-                    b_nx = T.alloc_var(f32)
-                    if w3 < 32:
-                        T.tma_copy(k[bos:bos + BT, hk, 0:K], kin_s, barrier=kin_full)
-                        T.barrier_arrive(kin_full)
-                    if w3 < BT:
-                        if bos + w3 < Ttot:
-                            b_nx = T.cast(beta[bos + w3, hv], f32)
                 for c in T.serial(n_chunks):
                     st = c % 2                              # ("s" is the inverse's own name)
                     t0 = bos + c * BT
@@ -286,30 +258,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     # (the previous chunk's reads of b_s and l_s are done)
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
-                        if k_ahead:
-                            b_s[w3] = T.if_then_else(w3 < rows, b_nx, T.float32(0))
-                        else:
-                            b_s[w3] = T.if_then_else(w3 < rows, T.cast(beta[t0 + w3, hv], f32),
-                                                     T.float32(0))
+                        b_s[w3] = T.if_then_else(w3 < rows, T.cast(beta[t0 + w3, hv], f32),
+                                                 T.float32(0))
                         if beta_sigmoid:
                             b_s[w3] = T.if_then_else(
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
-                    if k_ahead:
-                        T.barrier_wait(kin_full, c % 2)
-                        T.gemm(kin_s, kin_s, kk, transpose_B=True, clear_accum=True)
-                    else:
-                        T.barrier_wait(full[st], (c // 2) % 2)
-                        T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(full[st], (c // 2) % 2)
+                    T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True, clear_accum=True)
                     T.sync_threads(INVERSE_BARRIER, WG)     # (b_s written)
-                    if k_ahead:                             # (kin_s read) chunk c + 1's, meanwhile
-                        if c + 1 < n_chunks:
-                            if w3 < 32:
-                                T.tma_copy(k[t0 + BT:t0 + 2 * BT, hk, 0:K], kin_s, barrier=kin_full)
-                                T.barrier_arrive(kin_full)
-                            if w3 < BT:
-                                if t0 + BT + w3 < Ttot:
-                                    b_nx = T.cast(beta[t0 + BT + w3, hv], f32)
                     for i, j in T.Parallel(BT, BT):         # L
                         kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
                     T.copy(kk, l_s)
