@@ -65,9 +65,9 @@ EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="float32", state_dtype="float32",
          h0_dtype="bfloat16", has_initial_state=True, output_final_state=True,
          state_pool=True),
-    *([dict(H=2, HV=4, K=64, V=64, dtype="bfloat16", state_dtype="float32",
-            gate_in_kernel=True, gate_param_dtype="bfloat16", has_initial_state=True,
-            output_final_state=True)] if "gate_in_kernel" in SUPPORTS else []),
+    *([dict(H=2, HV=4, K=64, V=64, dtype="bfloat16", state_dtype="float32", gate_in_kernel=True,
+            gate_param_dtype="bfloat16", has_initial_state=True, output_final_state=True)]
+      if "gate_in_kernel" in SUPPORTS else []),
 ]
 
 

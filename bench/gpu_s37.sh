@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Next session's device calls, back to back on one warm machine (it goes back after 30 s
+# idle; a start may be refused: each refusal costs device time). Carry .gpu/site.tar.xz
+# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba, and for `models` .whl (transformers, fla,
+# kernels); for `tests` .gpu/xdist (pytest-xdist's two wheels) and the compile cache
+# bench/cpu_cache.py built here for the six precompiling GPU test files
+# (.gpu/cache.tar.xz.NN: with the tree under 64 MiB; .whl and the cache do not fit together).
+# prelude.sh restores the cache; rebuild it with --keep after a template change:
+#
+#   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu --keep \
+#     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
+#     tests/test_comba_gpu.py tests/test_gdn2_gpu.py tests/test_chunk_additive_gpu.py
+#
+#   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s37.sh models  # ~8 min
+#   source .gpu/prelude.sh && bash bench/gpu_s37.sh tests   # ~9.5 min: GPU tests s35/s36 left
+#   source .gpu/prelude.sh && bash bench/gpu_s37.sh walk    # ~3 min: batched rows' blocks
+#   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
+#
+# models: the two rows models_h200.json lacks under its ok rule: fla_gdn generate after the
+#   recurrent kernel read A_log / dt_bias in their dtype (s36-3: 171.3 vs fla 167.8 ms;
+#   expected ~166: two cast launches a decode call fewer) and Kimi Linear generate (s34-1's
+#   row predates the ok rule). Cold, fla's autotuning takes ~110 s of a model's first call.
+# tests: the decode kernel's tests first (bf16 / f16 A_log and dt_bias in the
+#   gb_in_dtype cases), then every GPU test file that did not finish in s35-1, -v so a cut
+#   run still names what ran. walk: the batched rows (one CTA a chain at block 128: 128 CTAs
+#   on 132 SMs) at the plan's choice and at block_v 64 / 32 (two or four CTAs a chain).
+set -u
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
+W=$(ls .whl/*.whl .gpu/xdist/*.whl 2>/dev/null)
+[ -n "$W" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/whl \
+  $W >/dev/null 2>&1
+export PYTHONPATH=/tmp/lp:$PYTHONPATH:/tmp/whl
+export OUT_DIR=/tmp/out_dir HF_HUB_OFFLINE=1 MAMBA_SRC=$PWD/.gpu/mamba; mkdir -p /tmp/out_dir
+nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt"
+T="timeout -k 10"
+gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summary, rc
+  local s=$1; shift
+  echo "== $* ($s s)" >> "$OUT/tests.txt"
+  $T "$s" python3 -m pytest -m gpu -p no:cacheprovider -n 6 -v -rfE --tb=line "$@" 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
+  echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
+}
+case ${1:?tests, walk or models} in
+  models)
+    $T 280 python3 bench/models_bench.py --out "$OUT/models_gdn.json" --models fla_gdn \
+      --tasks generate > "$OUT/models_gdn.txt" 2>&1
+    echo "fla_gdn generate rc=$?"
+    $T 250 python3 bench/models_bench.py --out "$OUT/models_kimi.json" --models kimi_linear \
+      --tasks generate > "$OUT/models_kimi.txt" 2>&1
+    echo "kimi_linear generate rc=$?"
+    grep -h '^{' "$OUT"/models_gdn.txt "$OUT"/models_kimi.txt | cut -c1-400 ;;
+  tests)
+    gpu_tests 100 tests/test_decode_gpu.py
+    gpu_tests 80 tests/test_sm80_gpu.py
+    gpu_tests 80 tests/test_mamba2_gpu.py tests/test_state_threads_gpu.py
+    gpu_tests 100 tests/test_dplr_gpu.py tests/test_comba_gpu.py tests/test_gdn2_gpu.py
+    gpu_tests 100 tests/test_chunk_fwd_gpu.py tests/test_chunk_additive_gpu.py
+    gpu_tests 100 tests/test_chunk_bwd_gpu.py tests/test_autograd_gpu.py
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
+  walk)
+    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      --configs default block_v=64 block_v=32 inverse_in_walk=0 \
+      inverse_in_walk=0,block_v=64 --out "$OUT/probe_blocks.json" > "$OUT/probe_blocks.log" 2>&1
+    tail -n 14 "$OUT"/probe_blocks.log ;;
+esac
