@@ -126,7 +126,6 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             dw_f = T.alloc_fragment((BT, K), f32)
             dw_s = T.alloc_shared((BT, K), dtype)
             b_s = T.alloc_shared((BT,), f32)
-            db_s = T.alloc_shared((BT,), f32)
             a_s = T.alloc_shared((BT, BT), dtype)
             v_s = T.alloc_shared((BT, V), dtype)
             bk_s = T.alloc_shared((BT, K), dtype)
@@ -140,6 +139,7 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
             prod_v = T.alloc_fragment((BT, V), f32)
             prod_a = T.alloc_fragment((BT, BT), f32)
             rsum = T.alloc_fragment((BT,), f32)
+            db_f = T.alloc_fragment((BT,), f32)     # dbeta's three sums (rsum's layout)
 
             # phase 1: S with w, do (v_new, dq's state term)
             for i, j in T.Parallel(BT, K):
@@ -213,12 +213,12 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
                 prod_v[i, j] = dbv_f[i, j] * T.cast(v_s[i, j], f32)
             T.reduce_sum(prod_v, rsum, dim=1)
             for i in T.Parallel(BT):
-                db_s[i] = rsum[i]
+                db_f[i] = rsum[i]
             for i, j in T.Parallel(BT, K):
                 prod_k[i, j] = dbk_f[i, j] * T.cast(k_s[i, j], f32)
             T.reduce_sum(prod_k, rsum, dim=1)
             for i in T.Parallel(BT):
-                db_s[i] = db_s[i] + rsum[i]
+                db_f[i] = db_f[i] + rsum[i]
             for i, j in T.Parallel(BT, K):
                 dk_f[i, j] = dk_f[i, j] + b_s[i] * dbk_f[i, j]
             # dA = du (beta v)^T + dw (beta k)^T, then dM = strict_tril(-A^T dA A^T)
@@ -233,10 +233,9 @@ def build(H, HV, K, V, dtype, state_dtype=None, threads=256):
                 prod_a[i, j] = T.if_then_else(i > j, -m_f[i, j] * kk_f[i, j], T.float32(0))
             T.reduce_sum(prod_a, rsum, dim=1)
             for i in T.Parallel(BT):
-                db_s[i] = db_s[i] + rsum[i]
-            for i in T.Parallel(BT):
+                db_f[i] = db_f[i] + rsum[i]
                 if i < nrow:
-                    dbeta[t0 + i, h] = T.cast(db_s[i], dtype)
+                    dbeta[t0 + i, h] = T.cast(db_f[i], dtype)
             # dk += (beta dM) k + (beta dM)^T k
             for i, j in T.Parallel(BT, BT):
                 m_s[i, j] = T.if_then_else(i > j, T.cast(-m_f[i, j] * b_s[i], dtype),
