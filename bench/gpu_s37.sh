@@ -23,7 +23,9 @@
 # tests: the decode kernel's tests first (bf16 / f16 A_log and dt_bias in the
 #   gb_in_dtype cases), then every GPU test file that did not finish in s35-1, -v so a cut
 #   run still names what ran. walk: the batched rows (one CTA a chain at block 128: 128 CTAs
-#   on 132 SMs) at the plan's choice and at block_v 64 / 32 (two or four CTAs a chain).
+#   on 132 SMs): walk-fused with its inverse left out (inverse_stub: X = I, a wrong answer;
+#   ~420 us at 8x8192 would say the inverse's work is the step's excess over chunk_walk's
+#   3.3 us, ~600 that the two-stage loads are), block 64, and the unfused walk.
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -60,7 +62,7 @@ case ${1:?tests, walk or models} in
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
   walk)
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default block_v=64 block_v=32 inverse_in_walk=0 \
-      inverse_in_walk=0,block_v=64 --out "$OUT/probe_blocks.json" > "$OUT/probe_blocks.log" 2>&1
+      --configs default inverse_in_walk=1,inverse_stub=1 block_v=64 inverse_in_walk=0 \
+      --out "$OUT/probe_blocks.json" > "$OUT/probe_blocks.log" 2>&1
     tail -n 14 "$OUT"/probe_blocks.log ;;
 esac

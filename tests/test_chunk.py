@@ -428,7 +428,8 @@ def _walks(spec) -> bool:
     return spec.rule.value == "delta" and spec.gate is not Gate.KEY
 
 
-CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1}]
+CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
+           {"inverse_in_walk": 1, "inverse_stub": 1}]
 
 
 def _config_applies(c, cfg) -> bool:

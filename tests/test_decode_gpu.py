@@ -88,6 +88,7 @@ CASES += [  # the registered families through the checked-in generated modules
     case("gdn", lens=[1, 1, 1, 1, 1, 1, 1], H=2, HV=8, opts=("l2norm_qk", "state_v_first")),
     case("kda", B=16, T=1, H=8, HV=8, opts=("l2norm_qk", "beta_sigmoid", "gate_in_kernel")),
     case("kda", B=2, T=17, H=2, HV=4, K=64, V=128, dtype="float16", opts="all"),
+    case("kda", B=4, T=1, H=2, HV=4, opts="all", f32_gb=False),   # bf16 A_log / dt_bias
     case("deltanet", B=8, T=1, H=4, HV=4, K=256, V=256, opts=("l2norm_qk",)),
     case("deltanet", B=1, T=40, H=2, HV=2, K=64, V=32, init=False, final=False),
     case("deltanet", B=4, T=1, H=8, HV=8, state="bfloat16", f32_gb=False, scale=1.0),

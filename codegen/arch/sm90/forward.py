@@ -184,7 +184,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head")
+               "aqk_per_key_head", "inverse_stub")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -284,7 +284,8 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
                 beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
                 state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
-                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS)
+                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS,
+                **({"inverse_stub": True} if config.get("inverse_stub") else {}))
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
                + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "

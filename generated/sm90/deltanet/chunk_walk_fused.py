@@ -79,7 +79,7 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
           has_initial_state=False, output_final_state=False, block_v=128,
-          regs=(160, 112, 120, 120)):
+          regs=(160, 112, 120, 120), inverse_stub=False):
     """prim_func for chunk_walk_fused: chunk_walk with the WY inverse formed inside.
 
     Tensors (Ttot tokens, N sequences; dynamic):
@@ -90,7 +90,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       -> o [Ttot, HV, V], ht f32 [N1, HV, K, V] when output_final_state (states [.., V, K]
       with state_v_first; unused ones may be [1, ...])
     Tuning: block_v, regs (budgets of the state, WY, output and inverse / load
-    warpgroups: the inverse group's ~120 taken from the WY and output groups).
+    warpgroups: the inverse group's ~120 taken from the WY and output groups). Probe
+    config inverse_stub: X = I (a wrong answer, timed to split the step into the loads'
+    and the inverse's share).
     """
     BT = CHUNK
     BV = block_v
@@ -265,52 +267,58 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
                     T.barrier_wait(full[st], (c // 2) % 2)
-                    T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True, clear_accum=True)
-                    T.sync_threads(INVERSE_BARRIER, WG)     # (b_s written)
-                    for i, j in T.Parallel(BT, BT):         # L
-                        kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
-                    T.copy(kk, l_s)
-                    SUB = 16
-                    T.sync_threads(INVERSE_BARRIER, WG)
-                    x_col = T.alloc_local((SUB,), f32)
-                    for p in T.unroll(max(1, BT // WG)):
-                        # (more threads than columns: the extra ones redo column tx % BT, unwritten)
-                        col = (w3 + p * WG) % BT
-                        d0 = col // SUB * SUB
-                        for ii in T.unroll(SUB):
-                            x_col[ii] = T.float32(0)
-                        for ii in T.unroll(SUB):
-                            xacc = T.alloc_var(f32)
-                            xacc = T.float32(0)
-                            for jj in T.unroll(SUB):
-                                if jj < ii:
-                                    xacc = xacc + l_s[d0 + ii, d0 + jj] * x_col[jj]
-                            x_col[ii] = T.if_then_else(
-                                ii == col % SUB, T.float32(1),
-                                T.if_then_else(ii < col % SUB, T.float32(0), -xacc))
-                        T.sync_threads(INVERSE_BARRIER, WG)
-                        if w3 + p * WG < BT:
-                            for ii in T.unroll(SUB):
-                                l_s[d0 + ii, col] = x_col[ii]
-                        T.sync_threads(INVERSE_BARRIER, WG)
-                    xt_s = T.alloc_shared((SUB, SUB), f32)
-                    yt_s = T.alloc_shared((SUB, BT), f32)
-                    y_f = T.alloc_fragment((BT, SUB), f32)
-                    z_f = T.alloc_fragment((BT, SUB), f32)
-                    for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
-                        R = SUB * (s + 1)
-                        m0 = SUB * s
-                        for i, j in T.Parallel(SUB, SUB):
-                            xt_s[i, j] = l_s[m0 + j, m0 + i]
-                        T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
-                        # (writes of whole fragments, selected: a condition on a fragment's row
-                        # would put the next barrier inside a branch)
-                        for i, j in T.Parallel(BT, SUB):
-                            yt_s[j, i] = y_f[i, j]
-                        T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                    if not inverse_stub:
+                        T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True,
                                clear_accum=True)
-                        for i, j in T.Parallel(BT, SUB):
-                            l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
+                        T.sync_threads(INVERSE_BARRIER, WG)     # (b_s written)
+                        for i, j in T.Parallel(BT, BT):         # L
+                            kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
+                        T.copy(kk, l_s)
+                        SUB = 16
+                        T.sync_threads(INVERSE_BARRIER, WG)
+                        x_col = T.alloc_local((SUB,), f32)
+                        for p in T.unroll(max(1, BT // WG)):
+                            # (more threads than columns: the extra ones redo column tx % BT, unwritten)
+                            col = (w3 + p * WG) % BT
+                            d0 = col // SUB * SUB
+                            for ii in T.unroll(SUB):
+                                x_col[ii] = T.float32(0)
+                            for ii in T.unroll(SUB):
+                                xacc = T.alloc_var(f32)
+                                xacc = T.float32(0)
+                                for jj in T.unroll(SUB):
+                                    if jj < ii:
+                                        xacc = xacc + l_s[d0 + ii, d0 + jj] * x_col[jj]
+                                x_col[ii] = T.if_then_else(
+                                    ii == col % SUB, T.float32(1),
+                                    T.if_then_else(ii < col % SUB, T.float32(0), -xacc))
+                            T.sync_threads(INVERSE_BARRIER, WG)
+                            if w3 + p * WG < BT:
+                                for ii in T.unroll(SUB):
+                                    l_s[d0 + ii, col] = x_col[ii]
+                            T.sync_threads(INVERSE_BARRIER, WG)
+                        xt_s = T.alloc_shared((SUB, SUB), f32)
+                        yt_s = T.alloc_shared((SUB, BT), f32)
+                        y_f = T.alloc_fragment((BT, SUB), f32)
+                        z_f = T.alloc_fragment((BT, SUB), f32)
+                        for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                            R = SUB * (s + 1)
+                            m0 = SUB * s
+                            for i, j in T.Parallel(SUB, SUB):
+                                xt_s[i, j] = l_s[m0 + j, m0 + i]
+                            T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
+                            # (writes of whole fragments, selected: a condition on a fragment's row
+                            # would put the next barrier inside a branch)
+                            for i, j in T.Parallel(BT, SUB):
+                                yt_s[j, i] = y_f[i, j]
+                            T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                                   clear_accum=True)
+                            for i, j in T.Parallel(BT, SUB):
+                                l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
+                    else:       # probe: X = I (A_b = diag(beta)), the loads alone
+                        T.sync_threads(INVERSE_BARRIER, WG)
+                        for i, j in T.Parallel(BT, BT):
+                            l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
                     T.sync_threads(INVERSE_BARRIER, WG)
                     for i, j in T.Parallel(BT, BT):         # A_b = X diag(beta)
                         a_s[st, i, j] = T.cast(l_s[i, j] * b_s[j], dtype)
