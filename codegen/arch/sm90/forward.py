@@ -90,9 +90,11 @@ FUSED_REGS = (160, 112, 120, 120)
 #: 0.0885 -> 0.0876 (bench/LOG.md). l2norm_qk (the normalised q, k the walk reads) and
 #: save_states (the training forward keeps A) stay on chunk_kkt_inverse.
 INVERSE_IN_WALK = dict(default=True, min_fill=0.75)
-#: register budgets of chunk_walk_vs (state 0, state 1, aux, loads): ptxas at K = V = 128,
-#: bf16, GDN: state groups none spilled at 192 (at 184 ptxas serialises their wgmma for want
-#: of registers), the aux group 20 bytes at 104 (88 at 88); the four fill the 64 K
+#: register budgets of chunk_walk_vs (state 0, state 1, aux, loads): ptxas at K = V = 128:
+#: the state groups fit 192 (at 184 ptxas serialises their wgmma for want of registers);
+#: the aux group spills 16 bytes at 104 under GDN's gate in bf16 (24 with gate_in_kernel,
+#: 88 at 88 / 20 before its vectors moved ahead of P), none under DeltaNet; the four fill
+#: the 64 K
 VS_REGS = (192, 192, 104, 24)
 
 

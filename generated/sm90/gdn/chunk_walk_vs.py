@@ -47,10 +47,12 @@ next tokens (zeros past Ttot): beta and the gate read 0 there, so A_b's rows and
 past len are zero, as is e^(g_last - g), and their o rows are never stored. Exponentials
 are fast-math exp (every exponent is <= 0).
 
-Missing against the design it aims at (the competitors' one-kernel prefill): the inverse
-is still formed in f32 in shared memory (chunk_walk_fused's; the register form by mma.sync
-is the next step), the state groups do not take the tensor cores in turn (no ping-pong
-barriers), and v^T is read by scalar shared loads (not ldmatrix.trans).
+The chain's products go out in pairs with one wait each (SK with O; O += Vd P^T with the
+state update). Missing against the design it aims at (the competitors' one-kernel
+prefill): the inverse is still formed in f32 in shared memory (chunk_walk_fused's; the
+register form by mma.sync is the next step), the state groups do not take the tensor
+cores in turn (no ping-pong barriers), v^T is read by scalar shared loads (not
+ldmatrix.trans), and o leaves through a TMA store the state group waits on.
 
 Step model at K = V = 128, bf16, 128 CTAs (1 an SM), per chunk step:
   bytes:    q, k, v 3 x 16 KB + o 16 KB + g, beta 0.5 KB = 64.5 KB a step; 128 streaming
@@ -165,8 +167,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             rows = T.min(BT, seqlen - c * BT)
             T.copy(S, Sb)
             T.barrier_wait(full[ld], (c // STAGES) % 2)
-            T.gemm(Sb, k_s[ld, :, :], SK, transpose_B=True, clear_accum=True)
-            T.gemm(Sb, q_s[ld, :, :], O, transpose_B=True, clear_accum=True)
+            # SK = S^T k^T and O = S^T q^T issued together, one wait
+            T.wgmma_gemm(Sb, k_s[ld, :, :], SK, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(Sb, q_s[ld, :, :], O, transpose_B=True, clear_accum=True)
+            T.wait_wgmma(0)
             T.barrier_wait(a_full[st], (c // SLOTS) % 2)
             decay = T.alloc_var(f32)
             decay = eg_s[st, BT - 1]                # e^g_last
@@ -180,8 +184,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 VDr[i, j] = T.cast(VD[i, j] * er_s[st, j], dtype)
             for i, j in T.Parallel(VR, K):
                 S[i, j] = S[i, j] * decay
-            T.gemm(VDb, p_s[st, :, :], O, transpose_B=True)
-            T.gemm(VDr, k_s[ld, :, :], S)
+            # O += Vd P^T and S^T += Vd diag(e^(g_last - g)) k issued together, one wait
+            T.wgmma_gemm(VDb, p_s[st, :, :], O, transpose_B=True)
+            T.wgmma_gemm(VDr, k_s[ld, :, :], S)
+            T.wait_wgmma(0)
             T.barrier_arrive(empty[ld])
             T.barrier_arrive(a_free[st])
             for i, j in T.Parallel(VR, BT):          # o's rows: O^T, through o_s[r]
@@ -299,14 +305,14 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     # the slot's last readers (chunk c - 2) are done: the state groups
                     # finished it before chunk c - 1, which the aux group runs beside
                     T.barrier_wait(a_free[st], (c // SLOTS + 1) % 2)
-                    T.gemm(q_s[ld, :, :], k_s[ld, :, :], P, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(BT, BT):         # P = scale tril_incl(q k^T) e^(g_i - g_j)
-                        P[i, j] = T.if_then_else(i >= j, P[i, j] * scale * T.exp(g_s[i] - g_s[j]), T.float32(0))
-                    T.copy(P, p_s[st, :, :])
                     if w3 < BT:
                         eg_s[st, w3] = T.exp(g_s[w3])
                         eo_s[st, w3] = scale * T.exp(g_s[w3])
                         er_s[st, w3] = T.if_then_else(w3 < rows, T.exp(g_s[BT - 1] - g_s[w3]), T.float32(0))
+                    T.gemm(q_s[ld, :, :], k_s[ld, :, :], P, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):         # P = scale tril_incl(q k^T) e^(g_i - g_j)
+                        P[i, j] = T.if_then_else(i >= j, P[i, j] * scale * T.exp(g_s[i] - g_s[j]), T.float32(0))
+                    T.copy(P, p_s[st, :, :])
                     T.gemm(k_s[ld, :, :], k_s[ld, :, :], kk, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty[ld])
                     for i, j in T.Parallel(BT, BT):         # L
