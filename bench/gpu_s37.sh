@@ -11,9 +11,10 @@
 #     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
 #     tests/test_comba_gpu.py tests/test_gdn2_gpu.py tests/test_chunk_additive_gpu.py
 #
+# In this order (30 device minutes do not hold all four; the first call also pays the start):
+#   source .gpu/prelude.sh && bash bench/gpu_s37.sh walk    # ~6 min: batched rows, walk-vs
 #   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s37.sh models  # ~8 min
 #   source .gpu/prelude.sh && bash bench/gpu_s37.sh tests   # ~9.5 min: GPU tests s35/s36 left
-#   source .gpu/prelude.sh && bash bench/gpu_s37.sh walk    # ~3 min: batched rows' blocks
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
 # models: the two rows models_h200.json lacks under its ok rule: fla_gdn generate after the
@@ -25,7 +26,9 @@
 #   run still names what ran. walk: the batched rows (one CTA a chain at block 128: 128 CTAs
 #   on 132 SMs): walk-fused with its inverse left out (inverse_stub: X = I, a wrong answer;
 #   ~420 us at 8x8192 would say the inverse's work is the step's excess over chunk_walk's
-#   3.3 us, ~600 that the two-stage loads are), block 64, and the unfused walk.
+#   3.3 us, ~600 that the two-stage loads are), block 64, and the unfused walk; then the
+#   value-split walk (chunk_walk_vs, plan config value_split): its GPU tests against fp64,
+#   then timed (model: ~3.0 us a step, 8x8192 ~0.39-0.40 ms, tp4-8x1024 ~0.055).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -60,9 +63,16 @@ case ${1:?tests, walk or models} in
     gpu_tests 100 tests/test_chunk_fwd_gpu.py tests/test_chunk_additive_gpu.py
     gpu_tests 100 tests/test_chunk_bwd_gpu.py tests/test_autograd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
-  walk)
-    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+  walk)   # the probes first; the value-split walk (never run on a GPU yet) after, its tests first
+    $T 150 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
       --configs default inverse_in_walk=1,inverse_stub=1 block_v=64 inverse_in_walk=0 \
       --out "$OUT/probe_blocks.json" > "$OUT/probe_blocks.log" 2>&1
-    tail -n 14 "$OUT"/probe_blocks.log ;;
+    $T 120 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
+      tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
+    echo "value_split tests rc=$?"
+    $T 120 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      q35-2b-8x8192-trained --configs value_split=1 --out "$OUT/probe_vs.json" \
+      > "$OUT/probe_vs.log" 2>&1
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
+    tail -n 8 "$OUT"/probe_blocks.log "$OUT"/probe_vs.log ;;
 esac

@@ -55,7 +55,8 @@ ITERS = {"generate": (1, 3), "train": (2, 5)}      # (warm-up, timed) calls
 
 def device_ms(fn, warmup, iters, attn=lambda name: False):
     """Median device ms of fn() (each call profiled on its own, L2 flushed before), the
-    median ms of the kernels ``attn`` accepts, and the mean CUDA-event ms."""
+    median ms of the kernels ``attn`` accepts, the mean CUDA-event ms, and the last call's
+    heaviest kernels (:func:`top_kernels`: where two sides' times differ)."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(warmup):
         fn()
@@ -76,7 +77,20 @@ def device_ms(fn, warmup, iters, attn=lambda name: False):
         b.record()
         torch.cuda.synchronize()
         walls.append(a.elapsed_time(b))
-    return statistics.median(totals), statistics.median(attns), statistics.mean(walls)
+    return (statistics.median(totals), statistics.median(attns), statistics.mean(walls),
+            top_kernels(kernels))
+
+
+def top_kernels(kernels, n=12) -> list:
+    """[name (to its first "(", 60 characters), launches, total us] of the n kernels with
+    the most device time."""
+    per = {}
+    for s, e, name in kernels:
+        key = name.split("(")[0][:60]
+        count, total = per.get(key, (0, 0.0))
+        per[key] = (count + 1, total + (e - s) / 1e3)
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])[:n]
+    return [[k, c, round(t, 1)] for k, (c, t) in ranked]
 
 
 def _kernels(prof) -> list:
@@ -154,10 +168,10 @@ def generate_row(pair, vocab):
     for side, attn in (("linattn", linattn_kernel), ("fla", fla_kernel)):
         model = getattr(pair, side)
         with pair.within(side)():
-            ms, attn_ms, wall = device_ms(lambda: M.greedy(model, x, NEW), *ITERS["generate"],
-                                          attn=attn)
+            ms, attn_ms, wall, top = device_ms(lambda: M.greedy(model, x, NEW),
+                                               *ITERS["generate"], attn=attn)
         out[side] = dict(ms=round(ms, 3), attn_ms=round(attn_ms, 3), wall_ms=round(wall, 3),
-                         logits_err=round(check[side], 5))
+                         logits_err=round(check[side], 5), kernels=top)
     out["linattn"].update(ok=check["ok"], vs_fla=round(check["vs_fla"], 5))
     return out
 
@@ -180,11 +194,11 @@ def train_row(pair, vocab):
             opt.step()
             opt.zero_grad(set_to_none=True)
         with pair.within(side)():
-            ms, attn_ms, wall = device_ms(step, *ITERS["train"], attn=attn)
+            ms, attn_ms, wall, top = device_ms(step, *ITERS["train"], attn=attn)
         model.eval()
         del opt
         out[side] = dict(ms=round(ms, 3), attn_ms=round(attn_ms, 3), wall_ms=round(wall, 3),
-                         loss=round(losses[side], 5))
+                         loss=round(losses[side], 5), kernels=top)
     out["linattn"]["ok"] = err < 1e-2
     return out
 

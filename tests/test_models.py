@@ -292,6 +292,8 @@ def test_models_bench_sorts_kernels_and_prints_rows(fla_layers):
     bad = dict(model="fla_gla", task="generate", impls={"error": "RuntimeError: x"})
     lines = B.table([row, bad]).splitlines()
     assert "1.25x" in lines[1] and lines[1].endswith("True") and "ERROR RuntimeError" in lines[2]
+    ks = [(0, 2000, "gemm_a(int)"), (0, 500, "cast"), (10, 1510, "gemm_a(float)"), (0, 900, "c")]
+    assert B.top_kernels(ks, n=2) == [["gemm_a", 2, 3.5], ["c", 1, 0.9]]
 
 
 def test_models_bench_prefill_check(hf, hopper, cpu_ops):
