@@ -46,6 +46,16 @@ def compile_kernel(module, params: dict, arch: str = DEFAULT_ARCH):
                             pass_configs=module.pass_configs(**params) or None)
 
 
+def named_barrier_mismatch(src: str) -> list:
+    """Named barrier ids a kernel's CUDA syncs on with more than one thread count (two
+    groups on one id: a template's fixed id that TileLang also allocated; it hangs or
+    races)."""
+    counts = {}
+    for i, n in re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src):
+        counts.setdefault(int(i), set()).add(int(n))
+    return sorted(i for i, c in counts.items() if len(c) > 1)
+
+
 def barriers_in_branches(src: str) -> list:
     """Lines of a kernel's CUDA source where __syncthreads() sits inside an `if` whose
     condition reads threadIdx: a CTA barrier only some threads reach hangs the CTA (TileLang
@@ -130,6 +140,7 @@ def ptxas_usage(kernel, arch: str = DEFAULT_ARCH, sm: str | None = None) -> dict
     usage["perf_loss"] = re.findall(r"Potential Performance Loss: ([^\n]*)", text)
     src = kernel.get_kernel_source()
     usage["barriers_in_branches"] = barriers_in_branches(src)
+    usage["named_barrier_mismatch"] = named_barrier_mismatch(src)
     usage["tma_misaligned"] = tma_misaligned(src)
     usage["dynamic_smem"] = "extern __shared__" in src     # (buf_dyn_shmem, or a lone buffer)
     usage["dynamic_smem_bytes"] = 0

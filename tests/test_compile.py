@@ -44,6 +44,8 @@ def _check(rec):
     assert not rec.get("tma_misaligned"), f"TMA shared destinations not 128-byte aligned, " \
         f"CUDA lines {rec['tma_misaligned']}"
     # a CTA barrier inside a branch on threadIdx (some threads never reach it: a hang)
+    assert not rec.get("named_barrier_mismatch"), \
+        f"named barriers synced with two thread counts: {rec['named_barrier_mismatch']}"
     assert not rec["barriers_in_branches"], f"__syncthreads in a thread-dependent branch, " \
         f"CUDA lines {rec['barriers_in_branches']}"
     # ptxas's "Potential Performance Loss" (e.g. its tensor-core products serialized)
@@ -240,3 +242,11 @@ def test_recurrent_stream_and_cta_cap_compile(op, problem, knobs):
     if n:       # the claim admits n CTAs an SM (1 KB each reserved by the system), not n + 1
         smem, per_sm = rec["dynamic_smem_bytes"], get_arch(ARCH).SMEM_PER_SM
         assert (n + 1) * (smem + 1024) > per_sm >= n * (smem + 1024), (smem, n)
+
+
+def test_named_barrier_mismatch_names_an_id_shared_by_two_thread_counts():
+    from linattn.codegen.compile import named_barrier_mismatch
+    src = ("tl::__sync_thread_partial(3, 128);\n  tl::__sync_thread_partial(8, 128);\n"
+           "tl::__sync_thread_partial(3, 128);\n tl::__sync_thread_partial(8, 64);")
+    assert named_barrier_mismatch(src) == [8]
+    assert named_barrier_mismatch(src.replace("(8, 64)", "(8, 128)")) == []

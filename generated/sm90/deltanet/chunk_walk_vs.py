@@ -101,8 +101,9 @@ ROWS = 64
 #: stages of the q, k, v loads; slots of the aux group's A_b, P and vectors
 STAGES = 3
 SLOTS = 2
-#: the named barrier of the aux group's own syncs (TileLang's take 1 .. 5 here)
-AUX_BARRIER = 8
+#: the named barrier of the aux group's own syncs: the last of the 16 hardware ids (TileLang
+#: numbers its own from 3 up, one a distinct thread range: 3 .. 6 here)
+AUX_BARRIER = 15
 
 
 def out_idx(**params):
