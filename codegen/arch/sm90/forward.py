@@ -151,14 +151,15 @@ def walk_choice(p: ForwardProblem, config: dict, fused: bool = False) -> tuple:
     config's block_v / segments where given. Segments are only tried for sequences
     longer than a segment (never with the inverse in the walk: fused)."""
     longest = max(p.seq_chunks, default=0)
-    if "block_v" in config and config["block_v"] not in walk_blocks(p, fused):
+    fits = walk_blocks(p, fused)
+    if "block_v" in config and config["block_v"] not in fits:
         raise ValueError(f"plan config block_v={config['block_v']}: the walk runs at value "
-                         f"blocks {walk_blocks(p, fused)} at K={p.K}, V={p.V}")
+                         f"blocks {fits} at K={p.K}, V={p.V}")
     if "segments" in config and not (isinstance(config["segments"], int)
                                      and config["segments"] >= 0):
         raise ValueError(f"plan config segments={config['segments']!r}: a segment length "
                          "in chunks (0: no split)")
-    blocks = [config["block_v"]] if "block_v" in config else walk_blocks(p, fused)
+    blocks = [config["block_v"]] if "block_v" in config else fits
     lengths = ([config["segments"]] if "segments" in config else (0,) if fused
                else (0,) + tuple(L for L in reversed(SEGMENT_CHUNKS) if L < longest))
     best = None
@@ -309,12 +310,7 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
     bv, _, t = choice
-    walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype,
-                g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
-                beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
-                allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
-                state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
-                output_final_state=p.output_final_state, block_v=bv, regs=FUSED_REGS,
+    walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS,
                 **({"inverse_stub": True} if config.get("inverse_stub") else {}))
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
@@ -324,14 +320,19 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
                 tuple(reasons), saved=saved_names(p))
 
 
-def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
-    """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
-    walk = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype,
+def _fused_walk_params(p: ForwardProblem) -> dict:
+    """The problem keywords of chunk_walk_fused and chunk_walk_vs (the same tensors)."""
+    return dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype,
                 g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
                 beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
                 state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
-                output_final_state=p.output_final_state, regs=VS_REGS)
+                output_final_state=p.output_final_state)
+
+
+def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
+    """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
+    walk = dict(_fused_walk_params(p), regs=VS_REGS)
     reasons = [f"{p.N * p.HV} chains: the value-split walk (two state warpgroups of 64 "
                f"value rows, the WY inverse a chunk ahead), one CTA per sequence (config "
                f"{config})"]
