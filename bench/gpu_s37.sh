@@ -14,6 +14,7 @@
 # In this order (30 device minutes do not hold all four; the first call also pays the start):
 #   source .gpu/prelude.sh && bash bench/gpu_s37.sh walk    # ~6 min: batched rows, walk-vs
 #   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s37.sh models  # ~8 min
+#   source .gpu/prelude.sh && bash bench/gpu_s37.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
 #   source .gpu/prelude.sh && bash bench/gpu_s37.sh tests   # ~9.5 min: GPU tests s35/s36 left
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
@@ -46,7 +47,15 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk or models} in
+case ${1:?tests, walk, models or ssdgen} in
+  ssdgen)  # Mamba-2 vs mamba_ssm (kernels named per row), then the generalized rules vs fla
+    $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
+      > "$OUT/ssd_probe.txt" 2>&1
+    echo "ssd rc=$?"
+    $T 300 python3 bench/generalized_probe.py --out "$OUT/generalized_h200.json" \
+      > "$OUT/generalized_probe.txt" 2>&1
+    echo "generalized rc=$?"
+    grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6; tail -n 8 "$OUT/generalized_probe.txt" ;;
   models)
     $T 280 python3 bench/models_bench.py --out "$OUT/models_gdn.json" --models fla_gdn \
       --tasks generate > "$OUT/models_gdn.txt" 2>&1

@@ -159,7 +159,14 @@ def chunk_head_limits(rule: str, gate: str) -> tuple:
     return MAX_K, ADDITIVE_MAX_V if rule == "additive" else MAX_V
 
 
-def state_stages(p: ForwardProblem, fused: bool) -> int:
+def state_stages(p: ForwardProblem, fused: bool, config: dict | None = None) -> int:
+    """The state pass's TMA stages, or the additive rule's config state_stages (0: a plain
+    loop with no producer warps: 128 threads, fewer registers, two CTAs an SM)."""
+    if config and "state_stages" in config:
+        if p.rule_kind != "additive" or config["state_stages"] not in (0, 1, 2):
+            raise ValueError(f"plan config state_stages={config['state_stages']!r}: 0, 1 "
+                             "or 2, for the additive rule's state pass")
+        return config["state_stages"]
     return 1 if fused and p.K > 128 and p.rule_kind == "delta" else STATE_STAGES
 
 
@@ -369,12 +376,12 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
-                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused))
+                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused, config))
     if p.return_states:
         state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
     if p.rule_kind == "additive":
-        s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind)
+        s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind, config)
         launches, bufs = launches + s_launches, bufs + s_bufs
         state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
         sbind.update(s_bind)
@@ -422,7 +429,7 @@ def _qk(p: ForwardProblem, per_key: bool, order: dict, bind: dict) -> tuple:
     return launch("chunk_qk", qk, k=bind["k"], qg=q), bufs, dict(bind, q=q, aqk="aqk")
 
 
-def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
+def _additive_pieces(p: ForwardProblem, choice, sbind: dict, config: dict) -> tuple:
     """(launches, buffers, state-pass bindings) of the pieces the additive rule's state
     pass walks: whole sequences, or segments after chunk_state_summary."""
     state = (1, p.HV, p.K, p.V)
@@ -435,7 +442,7 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
     summary = launch("chunk_state_summary", dict(
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
-        block_v=choice.summary_block_v, num_stages=STATE_STAGES,
+        block_v=choice.summary_block_v, num_stages=state_stages(p, False, config),
         **terms_params(p, STATE_TERMS)), **sbind, **tables)
     # (it summarises map_seg's segments: all but each sequence's last)
     bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns,) + decay)]
