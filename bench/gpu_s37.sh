@@ -47,7 +47,19 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk, models or ssdgen} in
+case ${1:?tests, walk, models, ssdgen or combo} in
+  combo)   # one call when one is all there is: walk-vs checked and timed, Mamba-2's plan forms
+    $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
+      tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
+    echo "value_split tests rc=$?"
+    $T 150 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      --configs default value_split=1 inverse_in_walk=1,inverse_stub=1 \
+      --out "$OUT/probe_vs.json" > "$OUT/probe_vs.log" 2>&1
+    $T 200 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'fwd-[14]*' \
+      --out "$OUT/ssd_h200.json" > "$OUT/ssd_probe.txt" 2>&1
+    echo "ssd rc=$?"
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 9
+    tail -n 8 "$OUT"/probe_vs.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6 ;;
   ssdgen)  # Mamba-2 vs mamba_ssm (kernels named per row), then the generalized rules vs fla
     $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
       > "$OUT/ssd_probe.txt" 2>&1
