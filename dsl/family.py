@@ -352,8 +352,9 @@ class DplrRule(RuleMaths):
     it (DPLR: fla's dplr_delta_rule, S_t = S_t (D_t + a_t b_t^T) + v_t k_t^T in its
     value-first words; IPLR without a gate; RWKV-7's r, w, k, v, a, b): a and b keys of
     their own per key head ([B, T, H, K]); the written value v itself; the read r = S^T a
-    written back along b (:meth:`lift_key`). Its chunked form carries two WY factors (the
-    issue's plan); the references here are the token recurrences."""
+    written back along b (:meth:`lift_key`). Its chunked form (torch_reference's
+    _dplr_chunks) solves each chunk's reads r = w S + u by one triangular inverse
+    (I - strict_tril(a . b))^-1 and writes along both b (r) and k (v)."""
     name = "dplr"
     vector_inputs = ("a", "b")
     vector_axes = {"a": ("H", "K"), "b": ("H", "K")}
@@ -380,10 +381,10 @@ class DplrRule(RuleMaths):
         return dwrite, None, None
 
     def chunk_factors(self, k, v, beta, g_cum, dot):
-        raise NotImplementedError("dplr: the chunked references are not written yet")
+        raise NotImplementedError("dplr: the chunked reference is torch_reference's")
 
     def new_values(self, v, w, u, S):
-        raise NotImplementedError("dplr: the chunked references are not written yet")
+        raise NotImplementedError("dplr: the chunked reference is torch_reference's")
 
 
 RULES = {r.name: r for r in (AdditiveRule(), DeltaRule(), CombaRule(), Gdn2Rule(),

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .preprocess import L2NORM_EPS
-from .spec import OpSpec, Options, SpecError
+from .spec import OpSpec, Options
 
 F64 = torch.float64
 
@@ -143,6 +143,9 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False, rule=None, x=None):
     k_last = kc * torch.exp(gl - gc)
     q_dec = qc * torch.exp(gc)
     A = w = None
+    if rule is not None and rule.lifts:
+        return _dplr_chunks(qc, kc, vc, gc, g is not None and chunks(g), S,
+                            {n: chunks(a) for n, a in (x or {}).items()}, rule, tokens_of(b, L))
     if rule is not None and rule.reads_state:
         xc = {n: chunks(a) for n, a in (x or {}).items()}
         # the write's scale (beta [.., 1], GDN-2's w [.., V]; ones for none)
@@ -181,12 +184,59 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False, rule=None, x=None):
              + torch.exp(gvc - ref_v) * (Aqk @ (vnew * torch.exp(ref_v - gvc))))
         gc = gvc                                                   # reported as g_cum
 
-    def tokens(x):  # [b, HV, NC, C, D] -> [b, L, HV, D]
-        return x.permute(0, 2, 3, 1, 4).reshape(b, NC * C, HV, x.shape[-1])[:, :L]
-
+    tokens = tokens_of(b, L)
     inter = dict(h=h.permute(0, 2, 1, 3, 4), v_new=tokens(vnew), g_cum=tokens(gc),
                  A=None if A is None else tokens(A), w=None if w is None else tokens(w),
                  u=tokens(u))
+    return tokens(o), S, inter
+
+
+def tokens_of(b, L):
+    """[b, HV, NC, C, D] -> [b, L, HV, D] (a chunked run's rows back in token order)."""
+    def tokens(x):
+        HV, NC, C = x.shape[1:4]
+        return x.permute(0, 2, 3, 1, 4).reshape(b, NC * C, HV, x.shape[-1])[:, :L]
+    return tokens
+
+
+def _dplr_chunks(qc, kc, vc, gc, g_tok, S, xc, rule, tokens):
+    """The DPLR rule's chunks (S_t = D_t S + b_t r_t^T + k_t v_t^T, r_t = S_{t-1}^T a_t,
+    o_t = S_t^T q_t), head-major [b, HV, NC, C, D]; gc the inclusive in-chunk cumsum of
+    the log decay (zeros without a gate), g_tok the chunked per-token decay or False.
+    The reads r of a chunk entering with S solve (I - A_ab) r = w0 S + A_ak v, the pairs
+    read through a with the exclusive decay (e^(G_j - g_j - G_l), l < j):
+      T = (I - strict_tril(a_j . b_l))^-1,  w = T (a e^(G - g)),  u = T A_ak v,
+      r = w S + u,  o = (q e^G) S + A_qb r + A_qk v  (inclusive pairs, l <= j),
+      S <- e^G_last S + (b e^(G_last - G))^T r + (k e^(G_last - G))^T v."""
+    C = kc.shape[-2]
+    a, bk = rule.read_key(kc, xc), rule.lift_key(kc, xc)
+    ge = gc - g_tok if g_tok is not False else gc                  # exclusive cumsum
+    ref = gc[..., C // 2:C // 2 + 1, :]
+    incl = torch.ones(C, C, dtype=torch.bool, device=kc.device).tril()
+
+    def pairs(x, gx, y, mask):       # sum_c x_jc y_lc e^(gx_jc - G_lc), masked
+        return ((x * torch.exp(gx - ref)) @ (y * torch.exp(ref - gc)).transpose(-1, -2)
+                ).masked_fill(~mask, 0)
+    strict = incl.tril(-1)
+    eye = torch.eye(C, dtype=F64, device=kc.device)
+    Tm = torch.linalg.solve_triangular(eye - pairs(a, ge, bk, strict), eye.expand(
+        *kc.shape[:3], C, C), upper=False, unitriangular=True)
+    w = Tm @ (a * torch.exp(ge))
+    u = Tm @ (pairs(a, ge, kc, strict) @ vc)
+    Aqb, Aqk = pairs(qc, gc, bk, incl), pairs(qc, gc, kc, incl)
+    gl = gc[..., -1:, :]
+    b_last, k_last, q_dec = bk * torch.exp(gl - gc), kc * torch.exp(gl - gc), qc * torch.exp(gc)
+    hs, rs = [], []
+    for t in range(kc.shape[2]):
+        hs.append(S)
+        r = w[:, :, t] @ S + u[:, :, t]
+        rs.append(r)
+        S = (torch.exp(gl[:, :, t]).transpose(-1, -2) * S + b_last[:, :, t].transpose(-1, -2) @ r
+             + k_last[:, :, t].transpose(-1, -2) @ vc[:, :, t])
+    h, r = torch.stack(hs, 2), torch.stack(rs, 2)
+    o = q_dec @ h + Aqb @ r + Aqk @ vc
+    inter = dict(h=h.permute(0, 2, 1, 3, 4), v_new=tokens(r), g_cum=tokens(gc), A=tokens(Tm),
+                 w=tokens(w), u=tokens(u))
     return tokens(o), S, inter
 
 
@@ -206,9 +256,6 @@ def chunked_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, options: Option
     g_cum ([B,T,HV,*] token rows; A is None for the additive rule).
     """
     C = chunk_size or spec.chunk_size
-    if spec.rule.maths.lifts:
-        raise SpecError(f"{spec.name}: the {spec.rule.value} rule has no chunked reference "
-                        "yet (its two WY factors); use recurrent_forward")
     B, T, _, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     # without intermediates, long runs go in pieces of whole chunks (the state carried
