@@ -51,13 +51,7 @@ VARIANTS = {"state_threads=256": {"state_threads": 256},
             "block_v=32": {"block_v": 32},
             "three-stage": {"fused": False},
             "three-stage, 256 threads": {"fused": False, "state_threads": 256},
-            "segments=8": {"segments": 8},
-            # no producer warps: 128 threads, 199 registers (240 with them): two CTAs an SM
-            "stages=0": {"state_stages": 0},
-            "segments=8, stages=0": {"segments": 8, "state_stages": 0},
-            "segments=4, stages=0": {"segments": 4, "state_stages": 0},
-            "segments=4, stages=0, 256 threads": {"segments": 4, "state_stages": 0,
-                                                  "state_threads": 256}}
+            "segments=8": {"segments": 8}}
 VARIANT_ROWS = ("fwd-4096", "fwd-16384")
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)

@@ -82,12 +82,22 @@ def test_terms_are_refused_where_no_stage_forms_them(kw, match):
 
 
 def test_state_threads_rule_and_config():
-    """One warpgroup for the fused pass by default (two: a probe's config until
-    measured), two on request, and an unknown count refused in one line."""
-    state = lambda plan: next(la for la in plan.launches  # noqa: E731
-                              if la.stage == "chunk_state_output").kwargs
-    assert state(_plan()).get("threads", 128) == 128
-    assert state(_plan(config={"state_threads": 256})).get("threads") == 256
+    """Mamba-2's layer (GVA, a scalar gate, a 128 x 64 tile): A_qk per key head and two
+    warpgroups by default (run s37-1's fastest form); one warpgroup without GVA (A_qk per
+    value head) or on request; an unknown count refused in one line."""
+    plan_of = lambda **kw: {la.stage: la.kwargs for la in _plan(**kw).launches}  # noqa: E731
+    plan = plan_of()
+    assert plan["chunk_state_output"]["threads"] == 256
+    assert plan["chunk_state_output"]["aqk_per_key_head"] and plan["chunk_qk"]["per_key_head"]
+    no_gva = chunk.forward_plan(mamba2.SPEC, mamba2._OPTS, H=8, HV=8, K=128, V=64,
+                                dtype="bfloat16", seq_chunks=(64,), Ttot=4096,
+                                output_final_state=True, terms=ALL, config={"fused": True})
+    state = next(la for la in no_gva.launches if la.stage == "chunk_state_output").kwargs
+    assert state.get("threads", 128) == 128 and not state.get("aqk_per_key_head")
+    one = plan_of(config={"state_threads": 128})["chunk_state_output"]
+    assert one.get("threads", 128) == 128 and one["aqk_per_key_head"]
+    assert plan_of(config={"aqk_per_key_head": False})["chunk_state_output"].get(
+        "threads", 128) == 128
     with pytest.raises(Exception, match="state_threads=96"):
         _plan(config={"state_threads": 96})
 
@@ -227,16 +237,17 @@ GVA_SPECS = {"mamba2": mamba2.SPEC, "gla": registry.specs()["gla"],
     ("mamba2", 8, 128, True), ("mamba2", 4, 4, False), ("plain_gva", 2, 8, True),
     ("gla", 2, 8, False)])
 def test_aqk_is_formed_once_per_key_head_under_gva(spec_name, H, HV, per_key):
-    """Config aqk_per_key_head (a probe's until measured; off by default), where GVA has
-    no or a scalar gate: chunk_qk writes each key head's undecayed pairs [Ttot, H, 64]
-    and the fused pass decays them per value head; otherwise (no GVA, a per-key gate: its
+    """Where GVA has no or a scalar gate, chunk_qk writes each key head's undecayed pairs
+    [Ttot, H, 64] and the fused pass decays them per value head (the default, run s37-1;
+    config aqk_per_key_head=False per value head); otherwise (no GVA, a per-key gate: its
     prepare forms A_qk) per value head, and the config is refused where it cannot apply."""
     spec = GVA_SPECS[spec_name]
     opts = mamba2._OPTS if spec_name == "mamba2" else linattn.dsl.Options()
     kw = dict(H=H, HV=HV, K=128, V=64, dtype="bfloat16", seq_chunks=(64,), Ttot=4096,
               output_final_state=True, config={"fused": True})
     default = chunk.forward_plan(spec, opts, **kw)
-    assert next(b for b in default.buffers if b.name == "aqk").shape == (4096, HV, 64)
+    assert next(b for b in default.buffers if b.name == "aqk").shape == (
+        4096, H if per_key else HV, 64)
     if per_key:
         kw["config"] = {"fused": True, "aqk_per_key_head": True}
     plan = chunk.forward_plan(spec, opts, **kw)

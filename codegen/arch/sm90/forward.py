@@ -196,7 +196,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split", "state_stages")
+               "aqk_per_key_head", "inverse_stub", "value_split")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:

@@ -58,22 +58,17 @@ STATE_K_MULTIPLE = 64
 #: block 32 (its one-stage pass: 2.09 us a step at GLA-1.3B 16k, chunk_state's 0.92, run
 #: s22-4)
 STATE_STAGES = 2
-#: the additive rule's fused state pass: threads of its CTA (128 a warpgroup) by state
-#: tile. One CTA an SM walks its chunks with every step's GEMMs (q S, A_qk v, k^T v) and
-#: element passes (S to shared memory, the decays) in series, one warpgroup each: latency,
-#: not the tensor cores (Mamba-2's layer, 128 chains at 128 x 64: ~6 us a step, run
-#: s34-1's 0.79 ms forward less its ~0.34 ms of torch passes, 64 steps; 2.6 MFLOP a step
-#: is 0.35 us of an SM's tensor cores). Two warpgroups split each GEMM's columns and each
-#: pass in half. Not measured yet: 128 stays the default, 256 a probe's config
-#: (state_threads; bench/ssd_probe.py times both) until a run says which wins
-FUSED_STATE_THREADS = dict(threads=128, min_tile=128 * 64)
-#: the fused pass's A_qk under GVA: chunk_qk forms tril_incl(q k^T) once per key head
-#: (chunk, key head CTAs), undecayed, and the state pass applies its value head's decay
-#: (a 64 x 64 element pass a step), instead of A_qk per value head. Mamba-2's layer (128
-#: value heads over 8 key heads) then writes and reads 4 MB, not 134 MB, at 4k tokens, and
-#: chunk_qk runs 1/16 of its GEMMs. Not measured: off by default, a probe's config
-#: (aqk_per_key_head; bench/ssd_probe.py times both) until a run says it wins
-AQK_PER_KEY_HEAD = False
+#: the additive rule's fused state pass under GVA with no or a scalar gate (Mamba-2's
+#: layer: 128 value heads over 8 key heads): chunk_qk forms tril_incl(q k^T) once per key
+#: head, undecayed (4 MB at 4k tokens instead of 134 MB per value head), and the state
+#: pass applies its value head's decay (a 64 x 64 element pass a step) over two
+#: warpgroups that split each GEMM's columns and each pass in half. Run s37-1 (H100,
+#: Mamba-2 fwd [1, T, 128, 64], dstate 128, 8 groups; ms at 4k / 16k): 128 threads, A_qk
+#: per value head 0.2855 / 1.0490 (chunk_qk 106 / 388 us of it); 256 threads 0.2716 /
+#: 1.0022; per key head 0.3465 / 1.3423 (the decay pass on one warpgroup's chain); both
+#: 0.2506 / 0.9318. Elsewhere (GLA's per-key gate, no GVA) 128 threads stay, unmeasured.
+AQK_PER_KEY_HEAD = True
+FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
 #: the call terms (dsl/call_terms.py) by the stage that forms them, as build() flags: the
 #: prepare forms the step (g = A dt, and dt per token, dt_c, for the value scale), the
 #: state pass scales the values it takes, the output's stages add the skip term and the
@@ -159,14 +154,7 @@ def chunk_head_limits(rule: str, gate: str) -> tuple:
     return MAX_K, ADDITIVE_MAX_V if rule == "additive" else MAX_V
 
 
-def state_stages(p: ForwardProblem, fused: bool, config: dict | None = None) -> int:
-    """The state pass's TMA stages, or the additive rule's config state_stages (0: a plain
-    loop with no producer warps: 128 threads, fewer registers, two CTAs an SM)."""
-    if config and "state_stages" in config:
-        if p.rule_kind != "additive" or config["state_stages"] not in (0, 1, 2):
-            raise ValueError(f"plan config state_stages={config['state_stages']!r}: 0, 1 "
-                             "or 2, for the additive rule's state pass")
-        return config["state_stages"]
+def state_stages(p: ForwardProblem, fused: bool) -> int:
     return 1 if fused and p.K > 128 and p.rule_kind == "delta" else STATE_STAGES
 
 
@@ -297,14 +285,15 @@ def check_terms(p: ForwardProblem) -> None:
 
 
 def state_threads(p: ForwardProblem, choice, config: dict) -> int:
-    """The fused additive state pass's threads (FUSED_STATE_THREADS; Hopper's warpgroups:
-    sm80 keeps 128, unmeasured there), or config's state_threads."""
+    """The fused additive state pass's threads: FUSED_STATE_THREADS where it reads A_qk
+    per key head (aqk_per_key_head) at a tile of min_tile or more on an arch with
+    warpgroups (sm80 keeps 128), else 128; or config's state_threads."""
     if "state_threads" in config:
         if config["state_threads"] not in (128, 256):
             raise ValueError(f"plan config state_threads={config['state_threads']!r}: 128 "
                              "or 256")
         return config["state_threads"]
-    wide = ("warpgroups" in hw.FEATURES and p.rule == "additive" and choice.fused
+    wide = ("warpgroups" in hw.FEATURES and choice.fused and aqk_per_key_head(p, config)
             and choice.block_k * choice.block_v >= FUSED_STATE_THREADS["min_tile"])
     return FUSED_STATE_THREADS["threads"] if wide else 128
 
@@ -376,12 +365,12 @@ def stage_plan(p: ForwardProblem, config: dict) -> Plan:
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
     state = dict(common, state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state or p.return_states,
-                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused, config))
+                 block_v=choice.block_v, num_stages=state_stages(p, choice.fused))
     if p.return_states:
         state["states_out"] = True
     sbind = {a: bind[a] for a in ("k", "u", "g_cum") if a in bind}
     if p.rule_kind == "additive":
-        s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind, config)
+        s_launches, s_bufs, s_bind = _additive_pieces(p, choice, sbind)
         launches, bufs = launches + s_launches, bufs + s_bufs
         state.update(block_k=choice.block_k, segment_starts=bool(choice.segments))
         sbind.update(s_bind)
@@ -429,7 +418,7 @@ def _qk(p: ForwardProblem, per_key: bool, order: dict, bind: dict) -> tuple:
     return launch("chunk_qk", qk, k=bind["k"], qg=q), bufs, dict(bind, q=q, aqk="aqk")
 
 
-def _additive_pieces(p: ForwardProblem, choice, sbind: dict, config: dict) -> tuple:
+def _additive_pieces(p: ForwardProblem, choice, sbind: dict) -> tuple:
     """(launches, buffers, state-pass bindings) of the pieces the additive rule's state
     pass walks: whole sequences, or segments after chunk_state_summary."""
     state = (1, p.HV, p.K, p.V)
@@ -442,7 +431,7 @@ def _additive_pieces(p: ForwardProblem, choice, sbind: dict, config: dict) -> tu
     tables = dict(cu_seqlens="seg_cu", chunk_offsets="seg_c0")
     summary = launch("chunk_state_summary", dict(
         H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype, block_k=choice.summary_block_k,
-        block_v=choice.summary_block_v, num_stages=state_stages(p, False, config),
+        block_v=choice.summary_block_v, num_stages=STATE_STAGES,
         **terms_params(p, STATE_TERMS)), **sbind, **tables)
     # (it summarises map_seg's segments: all but each sequence's last)
     bufs = [Buffer("seg_state", (ns,) + state[1:]), Buffer("seg_decay", (ns,) + decay)]
