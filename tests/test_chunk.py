@@ -464,7 +464,8 @@ def _walks(spec) -> bool:
 
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
-           {"inverse_in_walk": 1, "inverse_stub": 1}, {"value_split": 1}]
+           {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "inverse_stub": 3},
+           {"inverse_in_walk": 1, "k_first": 1}, {"value_split": 1}]
 
 
 def _config_applies(c, cfg) -> bool:
@@ -639,6 +640,19 @@ def test_unknown_config_is_refused(monkeypatch):
     with pytest.raises(SpecError, match="unknown plan config"):
         chunk.chunk_forward(get_spec("gdn"), q, q, q, torch.zeros(1, 5, 2),
                             torch.zeros(1, 5, 2), config={"split": True})
+
+
+def test_walk_probe_configs_are_checked():
+    """inverse_stub takes the levels the fused walk's template knows, named in one line."""
+    kw = dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", seq_chunks=(128,) * 8,
+              Ttot=8 * 8192)
+    plan = chunk.forward_plan(get_spec("gdn"), Options(), **kw,
+                              config={"inverse_in_walk": 1, "inverse_stub": 3, "k_first": 1})
+    (walk,) = plan.launches
+    assert walk.kwargs["inverse_stub"] == 3 and walk.kwargs["k_first"] == 1
+    with pytest.raises(ValueError, match="inverse_stub=5"):
+        chunk.forward_plan(get_spec("gdn"), Options(), **kw,
+                           config={"inverse_in_walk": 1, "inverse_stub": 5})
 
 
 def by_name(bodies):

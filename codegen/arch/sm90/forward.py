@@ -196,7 +196,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split")
+               "aqk_per_key_head", "inverse_stub", "value_split", "k_first")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -310,8 +310,11 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
     bv, _, t = choice
-    walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS,
-                **({"inverse_stub": True} if config.get("inverse_stub") else {}))
+    probe = {key: config[key] for key in ("inverse_stub", "k_first") if config.get(key)}
+    if probe.get("inverse_stub", 0) not in (0, 1, 2, 3):
+        raise ValueError(f"plan config inverse_stub={probe['inverse_stub']!r}: 1 (X = I), 2 "
+                         "(the Gram alone) or 3 (the Gram and the diagonal blocks)")
+    walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS, **probe)
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
                + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "

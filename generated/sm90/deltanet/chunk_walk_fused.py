@@ -79,7 +79,7 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
           has_initial_state=False, output_final_state=False, block_v=128,
-          regs=(160, 112, 120, 120), inverse_stub=False):
+          regs=(160, 112, 120, 120), inverse_stub=0, k_first=False):
     """prim_func for chunk_walk_fused: chunk_walk with the WY inverse formed inside.
 
     Tensors (Ttot tokens, N sequences; dynamic):
@@ -91,8 +91,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       with state_v_first; unused ones may be [1, ...])
     Tuning: block_v, regs (budgets of the state, WY, output and inverse / load
     warpgroups: the inverse group's ~120 taken from the WY and output groups). Probe
-    config inverse_stub: X = I (a wrong answer, timed to split the step into the loads'
-    and the inverse's share).
+    configs (timed to split the inverse group's chunk): inverse_stub 1: X = I, no Gram
+    (a wrong answer); 2: the Gram and L, no inverse (X = L, wrong); 3: the Gram, L and the
+    16 x 16 diagonal blocks' pass, no block steps (wrong). k_first: k loads first on a
+    barrier of its own (kfull), and the inverse group waits for k alone, not q and v.
     """
     BT = CHUNK
     BV = block_v
@@ -161,6 +163,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
+            if k_first:                                 # k's own stage barrier (probe)
+                kfull = T.alloc_barrier([32, 32])
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -180,6 +184,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
                     T.barrier_wait(full[c % 2], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[c % 2], (c // 2) % 2)
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     for i, j in T.Parallel(BT, K):
@@ -200,6 +206,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[s], (c // 2) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     T.barrier_wait(s_full, c % 2)
                     T.gemm(k_s[s, :, :], S_s, U, clear_accum=True)
@@ -222,6 +230,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[s], (c // 2) % 2)
                     T.gemm(q_s[s, :, :], k_s[s, :, :], P, transpose_B=True, clear_accum=True)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
@@ -253,8 +263,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(empty[st], (c // 2 + 1) % 2)
                     if w3 < 32:
+                        if k_first:
+                            T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=kfull[st])
+                            T.barrier_arrive(kfull[st])
                         T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
+                        if not k_first:
+                            T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
                         T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
                     # (the previous chunk's reads of b_s and l_s are done)
@@ -266,14 +280,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                             b_s[w3] = T.if_then_else(
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    if not inverse_stub:
+                    T.barrier_wait(kfull[st] if k_first else full[st], (c // 2) % 2)
+                    if inverse_stub != 1:
                         T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True,
                                clear_accum=True)
                         T.sync_threads(INVERSE_BARRIER, WG)     # (b_s written)
                         for i, j in T.Parallel(BT, BT):         # L
                             kk[i, j] = T.if_then_else(i > j, kk[i, j], T.float32(0)) * b_s[i]
                         T.copy(kk, l_s)
+                    if inverse_stub in (0, 3):
                         SUB = 16
                         T.sync_threads(INVERSE_BARRIER, WG)
                         x_col = T.alloc_local((SUB,), f32)
@@ -301,7 +316,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         yt_s = T.alloc_shared((SUB, BT), f32)
                         y_f = T.alloc_fragment((BT, SUB), f32)
                         z_f = T.alloc_fragment((BT, SUB), f32)
-                        for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                        for s in (() if inverse_stub == 3 else tuple(range(BT // SUB - 2, -1, -1))):            # (a Python loop)
                             R = SUB * (s + 1)
                             m0 = SUB * s
                             for i, j in T.Parallel(SUB, SUB):
@@ -315,7 +330,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                                    clear_accum=True)
                             for i, j in T.Parallel(BT, SUB):
                                 l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
-                    else:       # probe: X = I (A_b = diag(beta)), the loads alone
+                    elif inverse_stub == 1:     # probe: X = I (A_b = diag(beta)), the loads alone
                         T.sync_threads(INVERSE_BARRIER, WG)
                         for i, j in T.Parallel(BT, BT):
                             l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))

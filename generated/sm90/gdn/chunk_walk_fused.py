@@ -80,7 +80,7 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
           has_initial_state=False, output_final_state=False, block_v=128,
-          regs=(160, 112, 120, 120), inverse_stub=False):
+          regs=(160, 112, 120, 120), inverse_stub=0, k_first=False):
     """prim_func for chunk_walk_fused: chunk_walk with the WY inverse formed inside.
 
     Tensors (Ttot tokens, N sequences; dynamic):
@@ -92,8 +92,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       with state_v_first; unused ones may be [1, ...])
     Tuning: block_v, regs (budgets of the state, WY, output and inverse / load
     warpgroups: the inverse group's ~120 taken from the WY and output groups). Probe
-    config inverse_stub: X = I (a wrong answer, timed to split the step into the loads'
-    and the inverse's share).
+    configs (timed to split the inverse group's chunk): inverse_stub 1: X = I, no Gram
+    (a wrong answer); 2: the Gram and L, no inverse (X = L, wrong); 3: the Gram, L and the
+    16 x 16 diagonal blocks' pass, no block steps (wrong). k_first: k loads first on a
+    barrier of its own (kfull), and the inverse group waits for k alone, not q and v.
     """
     BT = CHUNK
     BV = block_v
@@ -167,6 +169,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
+            if k_first:                                 # k's own stage barrier (probe)
+                kfull = T.alloc_barrier([32, 32])
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -186,6 +190,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
                     T.barrier_wait(full[c % 2], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[c % 2], (c // 2) % 2)
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     decay = T.alloc_var(f32)
@@ -213,6 +219,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[s], (c // 2) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i in T.Parallel(BT):
                         eu_s[i] = T.exp(g_s[s, i])
@@ -237,6 +245,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
+                    if k_first:
+                        T.barrier_wait(kfull[s], (c // 2) % 2)
                     T.gemm(q_s[s, :, :], k_s[s, :, :], P, transpose_B=True, clear_accum=True)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
@@ -271,8 +281,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(empty[st], (c // 2 + 1) % 2)
                     if w3 < 32:
+                        if k_first:
+                            T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=kfull[st])
+                            T.barrier_arrive(kfull[st])
                         T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
+                        if not k_first:
+                            T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
                         T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
                         T.barrier_arrive(full[st])
                     # (the previous chunk's reads of b_s, gl_s and l_s are done)
@@ -300,8 +314,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for j in T.unroll(BT):
                             gsum = gsum + T.if_then_else(j <= w3, gl_s[j], T.float32(0))
                         g_s[st, w3] = gsum
-                    T.barrier_wait(full[st], (c // 2) % 2)
-                    if not inverse_stub:
+                    T.barrier_wait(kfull[st] if k_first else full[st], (c // 2) % 2)
+                    if inverse_stub != 1:
                         T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True,
                                clear_accum=True)
                         T.sync_threads(INVERSE_BARRIER, WG)     # (b_s, g_s written)
@@ -309,6 +323,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                             gap = g_s[st, i] - g_s[st, j]
                             kk[i, j] = kk[i, j] * b_s[i] * T.exp(T.if_then_else(i > j, gap, -T.infinity(f32)))
                         T.copy(kk, l_s)
+                    if inverse_stub in (0, 3):
                         SUB = 16
                         T.sync_threads(INVERSE_BARRIER, WG)
                         x_col = T.alloc_local((SUB,), f32)
@@ -336,7 +351,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         yt_s = T.alloc_shared((SUB, BT), f32)
                         y_f = T.alloc_fragment((BT, SUB), f32)
                         z_f = T.alloc_fragment((BT, SUB), f32)
-                        for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                        for s in (() if inverse_stub == 3 else tuple(range(BT // SUB - 2, -1, -1))):            # (a Python loop)
                             R = SUB * (s + 1)
                             m0 = SUB * s
                             for i, j in T.Parallel(SUB, SUB):
@@ -350,7 +365,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                                    clear_accum=True)
                             for i, j in T.Parallel(BT, SUB):
                                 l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
-                    else:       # probe: X = I (A_b = diag(beta)), the loads alone
+                    elif inverse_stub == 1:     # probe: X = I (A_b = diag(beta)), the loads alone
                         T.sync_threads(INVERSE_BARRIER, WG)
                         for i, j in T.Parallel(BT, BT):
                             l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))

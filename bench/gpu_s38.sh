@@ -11,11 +11,12 @@
 #     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
 #     tests/test_comba_gpu.py tests/test_gdn2_gpu.py tests/test_chunk_additive_gpu.py
 #
-# In this order (30 device minutes do not hold all four; the first call also pays the start):
-#   source .gpu/prelude.sh && bash bench/gpu_s37.sh walk    # ~6 min: batched rows, walk-vs
-#   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s37.sh models  # ~8 min
-#   source .gpu/prelude.sh && bash bench/gpu_s37.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
-#   source .gpu/prelude.sh && bash bench/gpu_s37.sh tests   # ~9.5 min: GPU tests s35/s36 left
+# In this order (30 device minutes do not hold all; the first call also pays the start):
+#   source .gpu/prelude.sh && bash bench/gpu_s38.sh combo   # ~8 min: the walk's inverse, Mamba-2
+#   source .gpu/prelude.sh && bash bench/gpu_s38.sh walk    # ~6 min: batched rows, walk-vs
+#   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s38.sh models  # ~8 min
+#   source .gpu/prelude.sh && bash bench/gpu_s38.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
+#   source .gpu/prelude.sh && bash bench/gpu_s38.sh tests   # ~9.5 min: GPU tests s35/s36 left
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
 # models: the two rows models_h200.json lacks under its ok rule: fla_gdn generate after the
@@ -48,18 +49,19 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
 case ${1:?tests, walk, models, ssdgen or combo} in
-  combo)   # one call when one is all there is: walk-vs checked and timed, Mamba-2's plan forms
-    $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
-      tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
-    echo "value_split tests rc=$?"
-    $T 150 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default value_split=1 inverse_in_walk=1,inverse_stub=1 \
-      --out "$OUT/probe_vs.json" > "$OUT/probe_vs.log" 2>&1
-    $T 200 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'fwd-[14]*' \
+  combo)   # one call when one is all there is: the walk's inverse split, k_first; Mamba-2 at HEAD
+    $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
+      tests/test_chunk_fwd_gpu.py -k "k_first or inverse_in_walk" > "$OUT/walk_tests.txt" 2>&1
+    echo "walk tests rc=$?"
+    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      --configs default inverse_in_walk=1,k_first=1 inverse_in_walk=1,inverse_stub=1 \
+      inverse_in_walk=1,inverse_stub=2 inverse_in_walk=1,inverse_stub=3 \
+      --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
+    $T 200 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'fwd-*' \
       --out "$OUT/ssd_h200.json" > "$OUT/ssd_probe.txt" 2>&1
     echo "ssd rc=$?"
-    grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 9
-    tail -n 8 "$OUT"/probe_vs.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6 ;;
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9
+    tail -n 12 "$OUT"/probe_walk.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6 ;;
   ssdgen)  # Mamba-2 vs mamba_ssm (kernels named per row), then the generalized rules vs fla
     $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
       > "$OUT/ssd_probe.txt" 2>&1
