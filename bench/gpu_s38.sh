@@ -51,10 +51,11 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
 case ${1:?tests, walk, models, ssdgen or combo} in
   combo)   # one call when one is all there is: the walk's inverse split, k_first; Mamba-2 at HEAD
     $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
-      tests/test_chunk_fwd_gpu.py -k "k_first or inverse_in_walk" > "$OUT/walk_tests.txt" 2>&1
+      tests/test_chunk_fwd_gpu.py -k "inverse_in_walk" > "$OUT/walk_tests.txt" 2>&1
     echo "walk tests rc=$?"
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default inverse_in_walk=1,k_first=1 inverse_in_walk=1,inverse_stub=1 \
+      --configs default inverse_in_walk=1,k_first=1 inverse_in_walk=1,inverse_writeback=1 \
+      inverse_in_walk=1,k_first=1,inverse_writeback=1 inverse_in_walk=1,inverse_stub=1 \
       inverse_in_walk=1,inverse_stub=2 inverse_in_walk=1,inverse_stub=3 \
       --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
     $T 200 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'fwd-*' \

@@ -465,7 +465,7 @@ def _walks(spec) -> bool:
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
            {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "inverse_stub": 3},
-           {"inverse_in_walk": 1, "k_first": 1}, {"value_split": 1}]
+           {"inverse_in_walk": 1, "k_first": 1, "inverse_writeback": 1}, {"value_split": 1}]
 
 
 def _config_applies(c, cfg) -> bool:

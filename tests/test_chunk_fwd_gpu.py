@@ -146,7 +146,8 @@ WALK_CASES = [
     case("gdn", 1, None, 1, 8, 64, 64, lens=WALK_LENS, init=False, config=FUSED),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=FUSED),
     # k loaded first on its own barrier (the probe config k_first): the same answer
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(FUSED, k_first=1)),
+    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS,
+         config=dict(FUSED, k_first=1, inverse_writeback=1)),
     case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
          opts=("beta_sigmoid", "gate_in_kernel", "state_v_first"),
          config=dict(FUSED, block_v=64, k_first=1)),

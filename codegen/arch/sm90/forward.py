@@ -196,7 +196,8 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split", "k_first")
+               "aqk_per_key_head", "inverse_stub", "value_split", "k_first",
+               "inverse_writeback")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -310,7 +311,8 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
     bv, _, t = choice
-    probe = {key: config[key] for key in ("inverse_stub", "k_first") if config.get(key)}
+    probe = {key: config[key] for key in ("inverse_stub", "k_first", "inverse_writeback")
+             if config.get(key)}
     if probe.get("inverse_stub", 0) not in (0, 1, 2, 3):
         raise ValueError(f"plan config inverse_stub={probe['inverse_stub']!r}: 1 (X = I), 2 "
                          "(the Gram alone) or 3 (the Gram and the diagonal blocks)")
