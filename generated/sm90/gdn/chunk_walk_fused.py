@@ -95,7 +95,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
     configs (timed to split the inverse group's chunk): inverse_stub 1: X = I, no Gram
     (a wrong answer); 2: the Gram and L, no inverse (X = L, wrong); 3: the Gram, L and the
     16 x 16 diagonal blocks' pass, no block steps (wrong). k_first: k loads first on a
-    barrier of its own (kfull), and the inverse group waits for k alone, not q and v.
+    barrier of its own (kfull), and the inverse group waits for k alone, not q and v;
+    its beta and raw gate rows are loaded a chunk ahead into registers.
     inverse_writeback: each block step rebuilds its block column from the diagonal block's
     copy instead of reading it back (the same arithmetic; 3 fewer syncs a step).
     """
@@ -277,6 +278,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             else:                                           # A_b, g and the loads
                 T.set_max_nreg(regs[3], int(regs[3] > 128))
                 w3 = tx - 3 * WG
+                # (k_first) this thread's beta (w3 < BT) / raw gate row (w3 >= BT) of the
+                # chunk to come, loaded a chunk ahead: in flight through the inverse
+                if k_first:
+                    row_next = T.alloc_local((1,), f32)
+                    rn = w3 % BT
+                    if w3 < BT:
+                        row_next[0] = T.if_then_else(rn < seqlen, T.cast(beta[bos + rn, hv], f32), T.float32(0))
+                    else:
+                        row_next[0] = T.if_then_else(rn < seqlen, T.cast(g[bos + rn, hv], f32), T.float32(0))
                 for c in T.serial(n_chunks):
                     st = c % 2                              # ("s" is the inverse's own name)
                     t0 = bos + c * BT
@@ -294,15 +304,17 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     # (the previous chunk's reads of b_s, gl_s and l_s are done)
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
-                        b_s[w3] = T.if_then_else(w3 < rows, T.cast(beta[t0 + w3, hv], f32),
-                                                 T.float32(0))
+                        b_s[w3] = T.if_then_else(
+                            w3 < rows, row_next[0] if k_first else T.cast(beta[t0 + w3, hv], f32),
+                            T.float32(0))
                         if beta_sigmoid:
                             b_s[w3] = T.if_then_else(
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
                     else:
                         gi = w3 - BT
-                        gl_s[gi] = T.if_then_else(gi < rows, T.cast(g[t0 + gi, hv], f32), T.float32(0))
+                        gl_s[gi] = T.if_then_else(gi < rows, row_next[0] if k_first else T.cast(g[t0 + gi, hv], f32),
+                                                  T.float32(0))
                         if gate_in_kernel:
                             xg = gl_s[gi] + dt_bias[hv]
                             gl_s[gi] = T.if_then_else(
@@ -316,6 +328,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for j in T.unroll(BT):
                             gsum = gsum + T.if_then_else(j <= w3, gl_s[j], T.float32(0))
                         g_s[st, w3] = gsum
+                    if k_first:
+                        rn = (c + 1) * BT + w3 % BT
+                        if w3 < BT:
+                            row_next[0] = T.if_then_else(rn < seqlen, T.cast(beta[bos + rn, hv], f32), T.float32(0))
+                        else:
+                            row_next[0] = T.if_then_else(rn < seqlen, T.cast(g[bos + rn, hv], f32), T.float32(0))
                     T.barrier_wait(kfull[st] if k_first else full[st], (c // 2) % 2)
                     if inverse_stub != 1:
                         T.gemm(k_s[st, :, :], k_s[st, :, :], kk, transpose_B=True,
