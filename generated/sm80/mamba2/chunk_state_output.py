@@ -195,13 +195,13 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                 T.copy(g_cum[hv, (c0 + c) * BT:(c0 + c + 1) * BT], g_s)
                 if value_scale:
                     T.copy(dt_c[hv, (c0 + c) * BT:(c0 + c + 1) * BT], dt_s)
-                if output_gate:                             # (a whole tile: prefetched with the others)
-                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 T.copy(qg[t0:t0 + BT, hv // q_div, 0:K], q_s)
                 if aqk_per_key_head:                          # the key head's pairs, decayed below
                     T.copy(aqk[t0:t0 + BT, hv // a_div, 0:BT], pk_s)
                 else:
                     T.copy(aqk[t0:t0 + BT, hv // a_div, 0:BT], p_s)
+                if output_gate:                             # (a whole tile: prefetched with the others)
+                    T.copy(gate_z[t0:t0 + BT, hv, iv * BV:(iv + 1) * BV], z_s)
                 T.copy(S, S_s)
                 T.gemm(q_s, S_s, o_f, clear_accum=True)       # the state entering the chunk
                 if states_out:            # the contracts' f32 states, from registers
