@@ -17,12 +17,17 @@ VARIANTS = ("fwd", "bwd", "decode")
 #: the rules a stage implements by default: the additive and delta rules, and the delta
 #: forms whose erase vector and written value come from their macros (GDN-2's on the
 #: per-key gate's prepare, Comba's on the scalar gate's kkt and w, u); a stage naming its
-#: rules overrides this. The dplr rule has the decode stage only.
+#: rules overrides this. The dplr rule has its own two (DPLR_RULES) and the decode stage.
 ALL_RULES = frozenset({"additive", "delta", "gdn2", "comba"})
 #: the scalar / no gate's WY stages (the kkt inverse and w, u of the three-stage pipeline)
 WY_RULES = frozenset({"delta", "comba"})
 #: the rules the recurrent (decode) stage implements
 DECODE_RULES = frozenset(r.value for r in Rule)
+#: the dplr rule's chunked forward (chunk_prepare_dplr, chunk_state_dplr: its own form,
+#: two written blocks); sized for sm90's shared memory (the prepare holds all of K, ~200 KB
+#: at K = V = 128), so an arch without TMA does not generate it
+DPLR_RULES = frozenset({"dplr"})
+DPLR_FEATURES = frozenset({"tma"})
 ALL_GATES = frozenset(g.value for g in Gate)
 #: a stage's gates by default: the value gate (per value channel) has the decode stage
 #: and the additive rule's three-stage chunked forward, which name it
@@ -124,6 +129,14 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_qk", "chunk_qk.py.jinja", "fwd",
               doc="fused path, per chunk: the causal gated A_qk (and the l2-normalised q)",
               rules=frozenset({"additive"}), gates=frozenset({"none", "scalar"})),
+        Stage("chunk_prepare_dplr", "chunk_prepare_dplr.py.jinja", "fwd",
+              doc="per chunk, dplr rule: G, the pairs A_ab, A_ak, A_qb, A_qk by bisection, "
+                  "X = (I - A_ab)^-1, w, u, qg, bg, kg, g_last",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_state_dplr", "chunk_state_dplr.py.jinja", "fwd",
+              doc="dplr rule's sequential pass: r = w S + u, o = qg S + A_qb r + A_qk v, "
+                  "S <- e^g_last S + bg^T r + kg^T v",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
         Stage("chunk_state_output", "chunk_state_output.py.jinja", "fwd",
               doc="fused path: the state pass forming o = scale (qg S + A_qk v_new)",
               skip=frozenset({"delta/none", "delta/scalar", "comba/none", "comba/scalar"})),

@@ -1,0 +1,164 @@
+"""The dplr rule's chunked forward (chunk_prepare_dplr, chunk_state_dplr) on the CPU.
+
+An fp64 "fake" of the two kernels' tile arithmetic: the same 64-row tiles, the prepare's
+bisection levels with the template's row formulas (i, jr, r) and quadrant masks, its
+diagonal sums, the state pass's whole-tile loads past a sequence's end (the next tokens;
+zeros past Ttot) and its masks, against torch_reference's chunked forward (itself checked
+against the recurrence in test_dplr_reference.py): ragged lengths, initial states, GVA,
+strong decays. Outputs start NaN, so a row no chunk writes fails. Every exponent the
+prepare takes is checked <= 0. Both stages compile for sm_90a without spills.
+"""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from linattn.codegen import plan
+from linattn.codegen.compile import compile_stage, format_record, load_module
+from linattn.codegen.render import DEFAULT_OUT
+from linattn.dsl import recurrent as R
+from linattn.dsl import torch_reference as TR
+from linattn.dsl.spec import Options, dplr_specs
+
+SPECS = {s.name: s for s in dplr_specs()}
+BT, HALF = 64, 32
+LEVELS = (32, 16, 8, 4, 2, 1)         # the template's
+
+
+def _exp(x, seen):
+    seen.append(float(np.max(x)) if np.size(x) else 0.0)
+    return np.exp(x)
+
+
+def _prepare_tile(q, k, a, b, v, g, rows, scale, seen):
+    """One (chunk, value head) CTA of chunk_prepare_dplr: tiles [BT, K] / [BT, V] with
+    zeros past rows; returns its written rows (w, u, qg, bg, kg, aqb, aqk) and g_last."""
+    G = np.cumsum(np.where(np.arange(BT)[:, None] < rows, g, 0.0), axis=0)
+    t, ak, qb, qk = (np.zeros((BT, BT)) for _ in range(4))
+    x = np.arange(HALF)
+    for W in LEVELS:
+        i, jr, r = x // W * 2 * W + W + x % W, x // W * 2 * W + x % W, x // W * 2 * W + W - 1
+        eb = _exp(G[r] - G[jr], seen)
+        L = np.concatenate([a[i] * _exp(G[i - 1] - G[r], seen), q[i] * _exp(G[i] - G[r], seen)])
+        Rt = np.concatenate([b[jr] * eb, k[jr] * eb])
+        st = L @ Rt.T
+        X, Y = np.meshgrid(x, x, indexing="ij")
+        keep = X // W == Y // W
+        ii, jj = i[X[keep]], jr[Y[keep]]
+        t[ii, jj] = -st[X[keep], Y[keep]]
+        ak[ii, jj] = st[X[keep], HALF + Y[keep]]
+        qb[ii, jj] = scale * st[HALF + X[keep], Y[keep]]
+        qk[ii, jj] = scale * st[HALF + X[keep], HALF + Y[keep]]
+    d = np.arange(BT)
+    qb[d, d], qk[d, d] = scale * (q * b).sum(1), scale * (q * k).sum(1)
+    Xinv = np.linalg.inv(np.eye(BT) + t)
+    Ge = np.concatenate([np.zeros((1, G.shape[1])), G[:-1]])
+    gl = G[rows - 1]
+    dec = _exp(gl - G, seen)
+    out = dict(w=Xinv @ (a * _exp(Ge, seen)), u=Xinv @ (ak @ v), qg=scale * q * _exp(G, seen),
+               bg=b * dec, kg=k * dec, aqb=qb, aqk=qk)
+    return out, gl
+
+
+def _fake_prepare(x, chunks, HV, scale, seen):
+    q, k, a, b, v = (x[n][0] for n in "qkabv")
+    Ttot, H, K = q.shape
+    g = np.zeros((Ttot, HV, K)) if x.get("g") is None else x["g"][0]
+    outs = {n: np.full((Ttot, HV, BT if n.startswith("aq") else v.shape[-1] if n == "u" else K),
+                       np.nan) for n in ("w", "u", "qg", "bg", "kg", "aqb", "aqk")}
+    g_last = np.full((len(chunks), HV, K), np.nan)
+    for c, (t0, rows) in enumerate(chunks):
+        for hv in range(HV):
+            hk = hv // (HV // H)
+
+            def tile(z):
+                out = np.zeros((BT, z.shape[-1]))
+                out[:rows] = z[t0:t0 + rows]
+                return out
+            o, gl = _prepare_tile(tile(q[:, hk]), tile(k[:, hk]), tile(a[:, hk]),
+                                  tile(b[:, hk]), tile(v[:, hv]), tile(g[:, hv]), rows,
+                                  scale, seen)
+            for n, val in o.items():
+                outs[n][t0:t0 + rows, hv] = val[:rows]
+            g_last[c, hv] = gl
+    return outs, g_last
+
+
+def _fake_state(p, g_last, v, cu, chunk_offsets, h0):
+    """chunk_state_dplr: per (sequence, value head), whole-tile loads (past the sequence
+    end the next tokens, zeros past Ttot), r and v masked past len."""
+    Ttot, HV, V = v.shape
+
+    def tile(z, t0):
+        out = np.zeros((BT,) + z.shape[1:])
+        n = min(BT, Ttot - t0)
+        out[:n] = z[t0:t0 + n]
+        return out
+    o = np.full(v.shape, np.nan)
+    ht = np.zeros_like(h0)
+    for n in range(len(cu) - 1):
+        bos, seqlen = cu[n], cu[n + 1] - cu[n]
+        for hv in range(HV):
+            S = h0[n, hv].copy()
+            for c in range(-(-seqlen // BT)):
+                t0, rows = bos + c * BT, min(BT, seqlen - c * BT)
+                T_ = {m: tile(p[m][:, hv], t0) for m in p}
+                vm = tile(v[:, hv], t0)
+                r = T_["w"] @ S + T_["u"]
+                r[rows:], vm[rows:] = 0, 0
+                ot = T_["qg"] @ S + T_["aqb"] @ r + T_["aqk"] @ vm
+                o[t0:t0 + rows, hv] = ot[:rows]
+                S = (np.exp(g_last[chunk_offsets[n] + c, hv])[:, None] * S + T_["bg"].T @ r
+                     + T_["kg"].T @ vm)
+            ht[n, hv] = S
+    return o, ht
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("lens", [(3, 70, 200), (64, 128, 1)], ids=["ragged", "whole"])
+def test_fake_kernels_match_reference(name, lens):
+    spec, rng = SPECS[name], np.random.default_rng(5)
+    H, HV, K, V = 2, 4, 16, 8
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    x = R.random_inputs(spec, Options(), 1, int(cu[-1]), H, HV, K, V, rng, cu_seqlens=cu)
+    if x.get("g") is not None:
+        x["g"] = x["g"] * 4.0                         # strong decays
+    scale = K ** -0.5
+    chunks = [(cu[n] + c * BT, min(BT, lens[n] - c * BT)) for n in range(len(lens))
+              for c in range(-(-lens[n] // BT))]
+    offsets = np.concatenate([[0], np.cumsum([-(-n // BT) for n in lens])])
+    seen = []
+    p, g_last = _fake_prepare(x, chunks, HV, scale, seen)
+    assert max(seen) <= 0.0                           # no exponential of a positive number
+    o, ht = _fake_state(p, g_last, x["v"][0], cu, offsets, x["initial_state"])
+    t = {n: None if z is None else torch.tensor(z) for n, z in x.items()}
+    ref_o, ref_h = TR.chunked_forward(spec, scale=scale, **t)
+    np.testing.assert_allclose(o, ref_o[0].numpy(), atol=1e-10, rtol=1e-9)
+    np.testing.assert_allclose(ht, ref_h.numpy(), atol=1e-10, rtol=1e-9)
+
+
+def _cases():
+    out = []
+    for name in ("dplr", "iplr"):
+        for stage in ("chunk_prepare_dplr", "chunk_state_dplr"):
+            rep = (pytest.mark.representative,) if name == "dplr" else ()
+            out.append(pytest.param(name, stage, marks=rep, id=f"{name}-{stage}"))
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,stage", _cases())
+def test_stage_compiles_without_spills(name, stage):
+    """Registered in the plan for the dplr rule's specs; its K = V = 64 example compiles for
+    sm_90a without spills (test_compile.py compiles every example in the exhaustive run)."""
+    from linattn.ops.registry import specs
+    assert stage in [s.name for s in plan(specs()[name], "fwd", "sm90")]
+    module = load_module(DEFAULT_OUT / "sm90" / name / f"{stage}.py")
+    ex = next(e for e in module.EXAMPLES if e["K"] == 64)
+    rec = compile_stage(module, ex, "sm90")
+    print(format_record(rec))
+    assert "error" not in rec, rec.get("error")
+    assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
+    assert not rec["barriers_in_branches"], rec["barriers_in_branches"]
