@@ -28,10 +28,29 @@ def run(spec, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_se
     if chunk_sizes is not None and kwargs.get("chunk_size") is None:
         kwargs.pop("chunk_size", None)           # (fla's default: 16)
     opts = api.fla_options(kwargs=kwargs, chunk_sizes=chunk_sizes)
-    return api.recurrent(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, options=opts,
-                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                         rule_inputs={"a": a, "b": b})
+    entry = (api.forward if chunk_sizes is not None and chunked(spec, q, v, opts)
+             else api.recurrent)
+    return entry(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, options=opts,
+                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                 rule_inputs={"a": a, "b": b})
+
+
+def chunked(spec, q, v, opts) -> bool:
+    """Whether a chunk_* call may take the chunked kernels (chunk_prepare_dplr,
+    chunk_state_dplr; api.forward then picks them or, at T = 1, the recurrent kernel):
+    the arch's dplr_chunked (off until a GPU run checks them) and dplr_fits (K at the
+    kernels' chunk_k, V, the state layout). Anything else the recurrent kernel."""
+    import torch
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.is_cuda
+            and q.dim() == 4 and v.dim() == 4):
+        return False
+    from ..codegen.arch import get_arch
+    from .runtime import arch_of
+    arch = get_arch(arch_of(q.device))
+    K = arch.chunk_k(spec.rule.value, spec.gate.value, q.shape[-1])
+    return arch.dplr_chunked(spec.gate.value) and arch.dplr_fits(K, v.shape[-1],
+                                                                 opts.state_v_first)
 
 
 def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
@@ -49,8 +68,9 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
     32 or 64 (None: fla's 16). Returns (o [B, T, HV, V] in q's dtype, final_state f32 or
     None).
 
-    Runs the recurrent kernel (the chunked kernels of the dplr rule are not generated
-    yet), for any T; not differentiable yet (inputs that need gradients raise).
+    Runs the recurrent kernel for any T (the chunked kernels, chunk_prepare_dplr and
+    chunk_state_dplr, where the arch's dplr_chunked is on: off until a GPU run checks
+    them); not differentiable yet (inputs that need gradients raise).
     """
     _check_bound(lower_bound)
     kw = dict(kwargs, chunk_size=chunk_size, cp_context=cp_context,

@@ -62,9 +62,12 @@ def _prepare_tile(q, k, a, b, v, g, rows, scale, seen):
 
 
 def _fake_prepare(x, chunks, HV, scale, seen):
-    q, k, a, b, v = (x[n][0] for n in "qkabv")
+    """chunk_prepare_dplr's grid: x the flat inputs (q, k, a, b [Ttot, H, K], v [Ttot,
+    HV, V], g [Ttot, HV, K] or None), chunks (first token, rows) pairs. Unwritten rows
+    stay NaN."""
+    q, k, a, b, v = (x[n] for n in "qkabv")
     Ttot, H, K = q.shape
-    g = np.zeros((Ttot, HV, K)) if x.get("g") is None else x["g"][0]
+    g = np.zeros((Ttot, HV, K)) if x.get("g") is None else x["g"]
     outs = {n: np.full((Ttot, HV, BT if n.startswith("aq") else v.shape[-1] if n == "u" else K),
                        np.nan) for n in ("w", "u", "qg", "bg", "kg", "aqb", "aqk")}
     g_last = np.full((len(chunks), HV, K), np.nan)
@@ -129,13 +132,75 @@ def test_fake_kernels_match_reference(name, lens):
               for c in range(-(-lens[n] // BT))]
     offsets = np.concatenate([[0], np.cumsum([-(-n // BT) for n in lens])])
     seen = []
-    p, g_last = _fake_prepare(x, chunks, HV, scale, seen)
+    p, g_last = _fake_prepare({n: None if x[n] is None else x[n][0] for n in "qkabvg"}, chunks,
+                              HV, scale, seen)
     assert max(seen) <= 0.0                           # no exponential of a positive number
     o, ht = _fake_state(p, g_last, x["v"][0], cu, offsets, x["initial_state"])
     t = {n: None if z is None else torch.tensor(z) for n, z in x.items()}
     ref_o, ref_h = TR.chunked_forward(spec, scale=scale, **t)
     np.testing.assert_allclose(o, ref_o[0].numpy(), atol=1e-10, rtol=1e-9)
     np.testing.assert_allclose(ht, ref_h.numpy(), atol=1e-10, rtol=1e-9)
+
+
+def _fake_body(spec, stage, params):
+    """fake_compiles' body: the stage's fake on the plan's tensors, by argument name."""
+    from linattn.ops import runtime
+    names = runtime.arg_names(runtime.stage_module(spec, stage, "sm90").build(**params))
+    f64 = lambda t: t.double().numpy()  # noqa: E731
+
+    def run(*args):
+        t = dict(zip(names, args))
+        if stage == "chunk_prepare_dplr":
+            chunks = list(zip(t["chunk_bos"].tolist(), t["chunk_len"].tolist()))
+            x = {n: f64(t[n]) if n in t else None for n in "qkabvg"}
+            outs, g_last = _fake_prepare(x, chunks, params["HV"], t["scale"], [])
+            for n, val in outs.items():
+                t[n].copy_(torch.from_numpy(val))
+            t["g_last"].copy_(torch.from_numpy(g_last))
+            return
+        p = {n: f64(t[n]) for n in ("w", "u", "qg", "bg", "kg", "aqb", "aqk")}
+        cu, offs = t["cu_seqlens"].tolist(), t["chunk_offsets"].tolist()
+        h0 = (f64(t["h0"]) if params["has_initial_state"]
+              else np.zeros((len(cu) - 1,) + tuple(t["h0"].shape[1:])))
+        o, ht = _fake_state(p, f64(t["g_last"]), f64(t["v"]), cu, offs, h0)
+        t["o"].copy_(torch.from_numpy(o))
+        if params["output_final_state"]:
+            t["ht"].copy_(torch.from_numpy(ht))
+    return run
+
+
+@pytest.mark.parametrize("name", ["dplr", "iplr"])
+def test_plan_runs_the_stages(monkeypatch, name):
+    """The arch's plan (config dplr_chunked=1) through ops.chunk.run_chunk_forward: its
+    launches' arguments match the kernels' signatures (K = 16 padded to the kernels' 64,
+    the rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give the
+    reference's o and final state; without the config the plan is refused (off)."""
+    from linattn.dsl import SpecError
+    from linattn.ops import chunk
+    from linattn.ops.registry import specs
+    from _kernel_check import fake_compiles
+    spec, rng = specs()[name], np.random.default_rng(7)
+    H, HV, K, V, lens = 2, 4, 16, 32, (3, 70, 200)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    x = R.random_inputs(SPECS[f"dplr_{spec.gate.value}"], Options(), 1, int(cu[-1]), H, HV,
+                        K, V, rng, cu_seqlens=cu)
+    t = {n: None if z is None else torch.tensor(z) for n, z in x.items()}
+    h = {n: None if z is None else z.half() for n, z in t.items() if n != "cu_seqlens"}
+    calls = []
+    fake_compiles(monkeypatch, _fake_body, calls)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    args = (spec, h["q"], h["k"], h["v"], h["g"], None, K ** -0.5, h["initial_state"].float(),
+            True, Options(), cu_t, cu_t)
+    with pytest.raises(SpecError, match="dplr_chunked"):
+        chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]})
+    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]},
+                                    config={"dplr_chunked": 1})
+    assert [s for s, _ in calls] == ["chunk_prepare_dplr", "chunk_state_dplr"]
+    ref = {n: None if z is None else z.double() for n, z in h.items()}
+    ref_o, ref_h = TR.chunked_forward(SPECS[f"dplr_{spec.gate.value}"], scale=K ** -0.5,
+                                      cu_seqlens=cu, **ref)
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(o, ref_o) < 3e-3 and rel(ht, ref_h) < 3e-3, (rel(o, ref_o), rel(ht, ref_h))
 
 
 def _cases():

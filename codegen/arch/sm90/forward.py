@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import hardware as hw
+from .dplr import dplr_plan
 from .hardware import NAME, SMEM_BYTES, makespan
 from .stages import (kkt_launch, n_segments, prepare_buffers, saved_names, segment_chunks,
                      stage_plan)
@@ -197,13 +198,14 @@ CHUNK_SIZES = (64,)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
                "aqk_per_key_head", "inverse_stub", "value_split", "k_first",
-               "inverse_writeback")
+               "inverse_writeback", "dplr_chunked")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
     (CONFIG_KEYS: the walk's block_v, segment length and inverse_in_walk,
-    the other pipelines' fused, the per-key prepare's key_diag / key_block_k)."""
+    the other pipelines' fused, the per-key prepare's key_diag / key_block_k; dplr_chunked:
+    the dplr rule's chunked forward, off by default: dplr.py)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:
@@ -211,6 +213,8 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     if p.N * p.HV > hw.MAX_GRID_YZ:    # (each pipeline's state pass: sequences x heads on y)
         raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
                          f"at most {hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
+    if p.rule == "dplr":               # (its own form: dplr.py; off unless dplr_chunked)
+        return dplr_plan(p, config)
     if walk_applies(p) and "fused" not in config and not p.terms:
         return _walk_plan(p, config)
     return stage_plan(p, config)

@@ -10,6 +10,7 @@ import dataclasses
 from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import additive
 from . import hardware as hw
+from .dplr import DPLR_MAX_K, DPLR_MAX_V
 from .hardware import NAME, NUM_SMS, makespan
 
 #: the state pass's time per chunk step of one CTA by value block, relative (run s2-5's
@@ -151,6 +152,8 @@ def kkt_launch(p: ForwardProblem):
 
 def chunk_head_limits(rule: str, gate: str) -> tuple:
     """(K max, V max) of the chunked forward for a rule and gate."""
+    if rule == "dplr":          # (its own kernels: dplr.py)
+        return DPLR_MAX_K, DPLR_MAX_V
     return MAX_K, ADDITIVE_MAX_V if rule == "additive" else MAX_V
 
 

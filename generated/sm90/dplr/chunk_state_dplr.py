@@ -39,6 +39,8 @@ EXAMPLES = [
          output_final_state=True),
     dict(H=2, HV=2, K=64, V=64, dtype="bfloat16", has_initial_state=True,
          output_final_state=True),
+    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16", has_initial_state=True,
+         output_final_state=True, block_v=32),
 ]
 CHUNK = 64
 

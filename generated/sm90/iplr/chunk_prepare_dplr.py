@@ -45,6 +45,7 @@ EXAMPLES = [
     dict(H=2, HV=4, K=64, V=64, dtype="float16"),
     dict(H=4, HV=4, K=128, V=128, dtype="float16"),
     dict(H=2, HV=2, K=64, V=64, dtype="bfloat16"),
+    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16"),
 ]
 CHUNK = 64
 #: the levels' half-widths: every pair i > j of a 64-row chunk is in exactly one
