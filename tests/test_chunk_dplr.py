@@ -203,6 +203,21 @@ def test_plan_runs_the_stages(monkeypatch, name):
     assert rel(o, ref_o) < 3e-3 and rel(ht, ref_h) < 3e-3, (rel(o, ref_o), rel(ht, ref_h))
 
 
+def test_chunked_switch_and_fits(monkeypatch):
+    """Off by default; on, sm90 takes the dplr rule's calls that fit, sm80 (no stages) none."""
+    from linattn.codegen.arch import get_arch
+    from linattn.codegen.arch.sm80 import dplr as d80
+    from linattn.codegen.arch.sm90 import dplr as d90
+    a90, a80 = get_arch("sm90"), get_arch("sm80")
+    assert not a90.dplr_chunked("key") and not a90.dplr_chunked("none")
+    for mod in (d90, d80):
+        monkeypatch.setitem(mod.DPLR_CHUNKED, "default", True)
+    assert a90.dplr_chunked("key") and a90.dplr_chunked("none") and not a80.dplr_chunked("key")
+    assert a90.dplr_fits(128, 64, False) and a90.dplr_fits(64, 256, False)
+    assert not any(a90.dplr_fits(K, V, vf) for K, V, vf in
+                   ((192, 64, False), (64, 48, False), (64, 512, False), (64, 64, True)))
+
+
 def _cases():
     out = []
     for name in ("dplr", "iplr"):
