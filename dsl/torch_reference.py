@@ -144,7 +144,7 @@ def _chunk_segment(q, k, v, g, beta, S, C, value_gate=False, rule=None, x=None):
     q_dec = qc * torch.exp(gc)
     A = w = None
     if rule is not None and rule.lifts:
-        return _dplr_chunks(qc, kc, vc, gc, g is not None and chunks(g), S,
+        return _dplr_chunks(qc, kc, vc, gc, None if g is None else chunks(g), S,
                             {n: chunks(a) for n, a in (x or {}).items()}, rule, tokens_of(b, L))
     if rule is not None and rule.reads_state:
         xc = {n: chunks(a) for n, a in (x or {}).items()}
@@ -202,7 +202,7 @@ def tokens_of(b, L):
 def _dplr_chunks(qc, kc, vc, gc, g_tok, S, xc, rule, tokens):
     """The DPLR rule's chunks (S_t = D_t S + b_t r_t^T + k_t v_t^T, r_t = S_{t-1}^T a_t,
     o_t = S_t^T q_t), head-major [b, HV, NC, C, D]; gc the inclusive in-chunk cumsum of
-    the log decay (zeros without a gate), g_tok the chunked per-token decay or False.
+    the log decay (zeros without a gate), g_tok the chunked per-token decay or None.
     The reads r of a chunk entering with S solve (I - A_ab) r = w0 S + A_ak v, the pairs
     read through a with the exclusive decay (e^(G_j - g_j - G_l), l < j):
       T = (I - strict_tril(a_j . b_l))^-1,  w = T (a e^(G - g)),  u = T A_ak v,
@@ -210,7 +210,7 @@ def _dplr_chunks(qc, kc, vc, gc, g_tok, S, xc, rule, tokens):
       S <- e^G_last S + (b e^(G_last - G))^T r + (k e^(G_last - G))^T v."""
     C = kc.shape[-2]
     a, bk = rule.read_key(kc, xc), rule.lift_key(kc, xc)
-    ge = gc - g_tok if g_tok is not False else gc                  # exclusive cumsum
+    ge = gc if g_tok is None else gc - g_tok                       # exclusive cumsum
     ref = gc[..., C // 2:C // 2 + 1, :]
     incl = torch.ones(C, C, dtype=torch.bool, device=kc.device).tril()
 

@@ -36,11 +36,7 @@ def out_idx(**params):
 
 
 def pass_configs(**params):
-    # the output gate's silu (o z / (1 + e^-z)) by fast-math exp and division: the gate
-    # cost the fused pass ~1.9 us a step at Mamba-2's tile (run s37-1); its IEEE expf and
-    # division are most of that by the PTX (a quarter of the instructions), not measured
-    fast = params.get("output_gate", False)
-    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if fast else {}
+    return {}
 
 
 def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fastest=False):
