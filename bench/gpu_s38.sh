@@ -48,7 +48,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk, models, ssdgen or combo} in
+case ${1:?tests, walk, models, ssdgen, dplr or combo} in
   combo)   # one call when one is all there is: the walk's inverse split, k_first; Mamba-2 at HEAD
     $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
       tests/test_chunk_fwd_gpu.py -k "inverse_in_walk" > "$OUT/walk_tests.txt" 2>&1
@@ -79,6 +79,16 @@ case ${1:?tests, walk, models, ssdgen or combo} in
       --tasks generate > "$OUT/models_kimi.txt" 2>&1
     echo "kimi_linear generate rc=$?"
     grep -h '^{' "$OUT"/models_gdn.txt "$OUT"/models_kimi.txt | cut -c1-400 ;;
+  dplr)   # the dplr rule's chunked forward: its GPU tests, then timed against fla; sm80 tests
+    $T 150 python3 -m pytest -m gpu -p no:cacheprovider -n 4 -v --tb=short \
+      tests/test_chunk_dplr_gpu.py > "$OUT/dplr_tests.txt" 2>&1
+    echo "dplr tests rc=$?"
+    $T 170 python3 bench/generalized_probe.py --families dplr,rwkv7,iplr --rows '*/prefill-*' \
+      --dplr-chunked --out "$OUT/generalized_dplr.json" > "$OUT/generalized_dplr.txt" 2>&1
+    echo "dplr probe rc=$?"
+    gpu_tests 200 tests/test_sm80_gpu.py
+    grep -E "PASSED|FAILED|passed|failed" "$OUT/dplr_tests.txt" | tail -n 12
+    tail -n 4 "$OUT/generalized_dplr.txt"; grep -E "passed|failed|rc=" "$OUT/tests.txt" ;;
   tests)
     gpu_tests 100 tests/test_decode_gpu.py
     gpu_tests 80 tests/test_sm80_gpu.py
