@@ -58,7 +58,7 @@ case ${1:?tests, walk, models, ssdgen, dplr or combo} in
       inverse_in_walk=1,k_first=1,inverse_writeback=1 inverse_in_walk=1,inverse_stub=1 \
       inverse_in_walk=1,inverse_stub=2 inverse_in_walk=1,inverse_stub=3 \
       --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
-    $T 200 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'fwd-*' \
+    $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba \
       --out "$OUT/ssd_h200.json" > "$OUT/ssd_probe.txt" 2>&1
     echo "ssd rc=$?"
     grep -E "PASSED|FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9

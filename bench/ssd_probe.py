@@ -53,6 +53,7 @@ VARIANTS = {"state_threads=256": {"state_threads": 256},
             "three-stage, 256 threads": {"fused": False, "state_threads": 256},
             "segments=8": {"segments": 8}}
 VARIANT_ROWS = ("fwd-4096", "fwd-16384")
+VARIANTS_ON = False     # --variants
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)
 
@@ -248,7 +249,7 @@ def run_row(kind, size, z, name, m_scan, m_update) -> dict:
                 row["impls"].setdefault(who, {}).update(ms=t["ms"], p10=t["p10"],
                                                         p90=t["p90"], ok=True)
         lin["kernels"] = kernel_split(call_of(kind, size, z, ours))
-        if name in VARIANT_ROWS:
+        if VARIANTS_ON and name in VARIANT_ROWS:
             lin["variants"] = variants(size)
         if "mamba_ssm" in row["impls"]:
             row["ratio"] = row["impls"]["mamba_ssm"]["ms"] / lin["ms"]
@@ -263,8 +264,8 @@ def warm(rows):
     from linattn.integrations.warm import precompile
     steps = [call_of(k, s, z, linattn.selective_state_update if k == "decode"
                      else linattn.mamba_chunk_scan_combined) for k, s, z in rows]
-    steps += [variant_call(s, c) for k, s, z in rows if f"{k}-{s}" in VARIANT_ROWS and not z
-              for c in VARIANTS.values()]           # (the plan's tiles follow T)
+    steps += [variant_call(s, c) for k, s, z in rows if VARIANTS_ON
+              and f"{k}-{s}" in VARIANT_ROWS and not z for c in VARIANTS.values()]           # (the plan's tiles follow T)
     print("precompile:", precompile(*steps), flush=True)
 
 
@@ -274,7 +275,11 @@ def main():
     ap.add_argument("--rows", default="*")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "ssd_h200.json")
                     if os.environ.get("OUT") else "bench/results/ssd_h200.json")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the plan forms of VARIANTS on VARIANT_ROWS")
     a = ap.parse_args()
+    global VARIANTS_ON
+    VARIANTS_ON = a.variants
     m_scan, m_update = load_mamba(a.mamba_src)
     rows = [(k, s, z, f"{k}-{s}" + ("-z" if z else "")) for k, s, z in ROWS]
     rows = [r for r in rows if fnmatch.fnmatch(r[3], a.rows)]
