@@ -34,9 +34,9 @@
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
-W=$(ls .whl/*.whl .gpu/xdist/*.whl 2>/dev/null)
-[ -n "$W" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/whl \
-  $W >/dev/null 2>&1
+W=$(ls .whl/*.whl 2>/dev/null || ls .gpu/xdist/*.whl 2>/dev/null)   # (.whl holds xdist too)
+[ -n "$W" ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+  --target /tmp/whl $W > "$OUT/pip.txt" 2>&1
 export PYTHONPATH=/tmp/lp:$PYTHONPATH:/tmp/whl
 export OUT_DIR=/tmp/out_dir HF_HUB_OFFLINE=1 MAMBA_SRC=$PWD/.gpu/mamba; mkdir -p /tmp/out_dir
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt"
