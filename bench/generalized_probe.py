@@ -206,12 +206,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
                                                   os.environ.get("OUT") or ".",
                                                   "generalized_h200.json"))
-    ap.add_argument("--dplr-chunked", action="store_true",
-                    help="probe: the dplr rule's chunked kernels (DPLR_CHUNKED, off by default)")
     a = ap.parse_args()
-    if a.dplr_chunked:
-        from linattn.codegen.arch.sm90 import dplr
-        dplr.DPLR_CHUNKED["default"] = True
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
     precompile([(f, WORKLOADS[w]) for f, w in rows])

@@ -84,7 +84,7 @@ case ${1:?tests, walk, models, ssdgen, dplr or combo} in
       tests/test_chunk_dplr_gpu.py > "$OUT/dplr_tests.txt" 2>&1
     echo "dplr tests rc=$?"
     $T 170 python3 bench/generalized_probe.py --families dplr,rwkv7,iplr --rows '*/prefill-*' \
-      --dplr-chunked --out "$OUT/generalized_dplr.json" > "$OUT/generalized_dplr.txt" 2>&1
+      --out "$OUT/generalized_dplr.json" > "$OUT/generalized_dplr.txt" 2>&1
     echo "dplr probe rc=$?"
     gpu_tests 200 tests/test_sm80_gpu.py
     grep -E "PASSED|FAILED|passed|failed" "$OUT/dplr_tests.txt" | tail -n 12

@@ -39,7 +39,7 @@ def run(spec, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_se
 def chunked(spec, q, v, opts) -> bool:
     """Whether a chunk_* call may take the chunked kernels (chunk_prepare_dplr,
     chunk_state_dplr; api.forward then picks them or, at T = 1, the recurrent kernel):
-    the arch's dplr_chunked (off until a GPU run checks them) and dplr_fits (K at the
+    the arch's dplr_chunked (its stages generated) and dplr_fits (K at the
     kernels' chunk_k, V, the state layout). Anything else the recurrent kernel."""
     import torch
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.is_cuda
@@ -68,9 +68,9 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
     32 or 64 (None: fla's 16). Returns (o [B, T, HV, V] in q's dtype, final_state f32 or
     None).
 
-    Runs the recurrent kernel for any T (the chunked kernels, chunk_prepare_dplr and
-    chunk_state_dplr, where the arch's dplr_chunked is on: off until a GPU run checks
-    them); not differentiable yet (inputs that need gradients raise).
+    Runs the chunked kernels (chunk_prepare_dplr, chunk_state_dplr) where they fit
+    (sm90; K <= 128, V a multiple of 32 up to 256, key-first states), else the
+    recurrent kernel; not differentiable yet (inputs that need gradients raise).
     """
     _check_bound(lower_bound)
     kw = dict(kwargs, chunk_size=chunk_size, cp_context=cp_context,

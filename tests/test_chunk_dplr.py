@@ -171,11 +171,10 @@ def _fake_body(spec, stage, params):
 
 @pytest.mark.parametrize("name", ["dplr", "iplr"])
 def test_plan_runs_the_stages(monkeypatch, name):
-    """The arch's plan (config dplr_chunked=1) through ops.chunk.run_chunk_forward: its
+    """The arch's plan through ops.chunk.run_chunk_forward: its
     launches' arguments match the kernels' signatures (K = 16 padded to the kernels' 64,
     the rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give the
-    reference's o and final state; without the config the plan is refused (off)."""
-    from linattn.dsl import SpecError
+    reference's o and final state."""
     from linattn.ops import chunk
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
@@ -191,10 +190,7 @@ def test_plan_runs_the_stages(monkeypatch, name):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     args = (spec, h["q"], h["k"], h["v"], h["g"], None, K ** -0.5, h["initial_state"].float(),
             True, Options(), cu_t, cu_t)
-    with pytest.raises(SpecError, match="dplr_chunked"):
-        chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]})
-    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]},
-                                    config={"dplr_chunked": 1})
+    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]})
     assert [s for s, _ in calls] == ["chunk_prepare_dplr", "chunk_state_dplr"]
     ref = {n: None if z is None else z.double() for n, z in h.items()}
     ref_o, ref_h = TR.chunked_forward(SPECS[f"dplr_{spec.gate.value}"], scale=K ** -0.5,
@@ -203,15 +199,10 @@ def test_plan_runs_the_stages(monkeypatch, name):
     assert rel(o, ref_o) < 3e-3 and rel(ht, ref_h) < 3e-3, (rel(o, ref_o), rel(ht, ref_h))
 
 
-def test_chunked_switch_and_fits(monkeypatch):
-    """Off by default; on, sm90 takes the dplr rule's calls that fit, sm80 (no stages) none."""
+def test_chunked_switch_and_fits():
+    """sm90 takes the dplr rule's calls that fit, sm80 (no stages) none."""
     from linattn.codegen.arch import get_arch
-    from linattn.codegen.arch.sm80 import dplr as d80
-    from linattn.codegen.arch.sm90 import dplr as d90
     a90, a80 = get_arch("sm90"), get_arch("sm80")
-    assert not a90.dplr_chunked("key") and not a90.dplr_chunked("none")
-    for mod in (d90, d80):
-        monkeypatch.setitem(mod.DPLR_CHUNKED, "default", True)
     assert a90.dplr_chunked("key") and a90.dplr_chunked("none") and not a80.dplr_chunked("key")
     assert a90.dplr_fits(128, 64, False) and a90.dplr_fits(64, 256, False)
     assert not any(a90.dplr_fits(K, V, vf) for K, V, vf in

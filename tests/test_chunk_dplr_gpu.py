@@ -1,7 +1,6 @@
 """GPU correctness of the dplr rule's chunked forward (chunk_prepare_dplr, chunk_state_dplr;
-codegen/arch/sm90/dplr.py), off by default (DPLR_CHUNKED) until these pass on a GPU:
-the public chunk_* functions with it switched on, and a GVA call through
-run_chunk_forward's probe config dplr_chunked=1, against the fp64 NumPy recurrence
+codegen/arch/sm90/dplr.py): the public chunk_* functions, and a GVA call through
+run_chunk_forward, against the fp64 NumPy recurrence
 (RWKV-7-like inputs as tests/test_dplr_gpu.py's; ||out - ref|| / ||ref|| below 1e-2 bf16,
 5e-3 f16). Each case also asserts the chunked stages ran (not the recurrent kernel).
 
@@ -22,10 +21,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def launched(monkeypatch):
-    """The chunked forward switched on; the stages launched, in order."""
-    from linattn.codegen.arch.sm90 import dplr
+    """The stages launched, in order."""
     from linattn.ops import runtime
-    monkeypatch.setitem(dplr.DPLR_CHUNKED, "default", True)
     seen, real = [], runtime.launch_kernel
 
     def spy(spec, arch, stage, *a, **kw):
@@ -57,7 +54,7 @@ def test_public_chunked_against_fp64(launched, fn, fam, dtype, shape):
 
 @pytest.mark.parametrize("name", ["dplr", "iplr"])
 def test_gva_probe_against_fp64(name):
-    """H = 2 key heads, HV = 4 value heads, no initial state, the probe config."""
+    """H = 2 key heads, HV = 4 value heads, no initial state."""
     from linattn.ops import chunk
     spec, rng = get_spec(name), np.random.default_rng(3)
     cu = [0, 130, 131, 400]
@@ -72,7 +69,6 @@ def test_gva_probe_against_fp64(name):
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     o, ht = chunk.run_chunk_forward(spec, t["q"], t["k"], t["v"], t["g"], None, None, None,
                                     True, Options(), cu_t, cu_t.cpu(),
-                                    rule_inputs={"a": t["a"], "b": t["b"]},
-                                    config={"dplr_chunked": 1})
+                                    rule_inputs={"a": t["a"], "b": t["b"]})
     want_o, want_h = recurrent_forward(spec, **x)
     assert _rel(o, want_o) < TOL["bfloat16"] and _rel(ht, want_h) < TOL["bfloat16"]

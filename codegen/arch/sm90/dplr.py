@@ -2,9 +2,8 @@
 value head), then chunk_state_dplr walking each (sequence, value head)'s chunks
 (torch_reference._dplr_chunks; docs/design.md "DPLR's chunked form").
 
-Off by default (DPLR_CHUNKED) until a GPU run checks it: the public chunk_* calls
-(ops/dplr.py) take the recurrent kernel; a probe or test plans it with config
-dplr_chunked=1 (ops.chunk.run_chunk_forward's config).
+The public chunk_* calls (ops/dplr.py) take it where it fits (dplr_fits), for
+inference; checked against fp64 on an H100 (tests/test_chunk_dplr_gpu.py, run s38-2).
 """
 from __future__ import annotations
 
@@ -12,9 +11,6 @@ from ...pipeline import Buffer, ForwardProblem, Plan, launch
 from . import hardware as hw
 from .hardware import NAME
 
-#: whether the dplr rule's chunk_* calls take the chunked kernels (ops/dplr.py asks
-#: :func:`dplr_chunked`); off: not yet run on a GPU (tests/test_chunk_dplr_gpu.py checks it)
-DPLR_CHUNKED = dict(default=False)
 #: the prepare holds all of K in shared memory (184 KB at K = V = 128; sm_90a compile)
 DPLR_MAX_K = 128
 #: V: the state pass's value blocks and the prepare's u panels are 64 or 32 wide
@@ -26,8 +22,8 @@ DPLR_STATE_STAGES = 2
 
 def dplr_chunked(gate: str) -> bool:
     """Whether the public chunk_* calls of the dplr rule take the chunked kernels on this
-    arch (its stages generated: Stage.requires; and DPLR_CHUNKED's default)."""
-    return DPLR_CHUNKED["default"] and "tma" in hw.FEATURES and gate in ("none", "key")
+    arch (its stages generated: Stage.requires)."""
+    return "tma" in hw.FEATURES and gate in ("none", "key")
 
 
 def dplr_fits(K: int, V: int, state_v_first: bool) -> bool:
@@ -36,10 +32,7 @@ def dplr_fits(K: int, V: int, state_v_first: bool) -> bool:
             and not state_v_first)
 
 
-def _refusal(p: ForwardProblem, config: dict) -> str:
-    if not (config.get("dplr_chunked") or dplr_chunked(p.gate)):
-        return ("the dplr rule's chunked forward is off (DPLR_CHUNKED, until a GPU run "
-                "checks it); plan config dplr_chunked=1 plans it")
+def _refusal(p: ForwardProblem) -> str:
     if "tma" not in hw.FEATURES:
         return f"the dplr rule's chunked stages are sm90's (not generated for {NAME})"
     if not dplr_fits(p.K, p.V, p.state_v_first):
@@ -54,7 +47,7 @@ def _refusal(p: ForwardProblem, config: dict) -> str:
 def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     """prepare (w, u, qg, bg, kg [Ttot, HV, K|V], aqb, aqk [Ttot, HV, 64] in the input
     dtype, g_last [NT, HV, K] f32), then the state pass writing o and the final state."""
-    why = _refusal(p, config)
+    why = _refusal(p)
     if why:
         raise ValueError(why)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)

@@ -198,14 +198,14 @@ CHUNK_SIZES = (64,)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
                "aqk_per_key_head", "inverse_stub", "value_split", "k_first",
-               "inverse_writeback", "dplr_chunked")
+               "inverse_writeback")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     """The plan of one chunked-forward call. config: (key, value) pairs forcing a choice
     (CONFIG_KEYS: the walk's block_v, segment length and inverse_in_walk,
-    the other pipelines' fused, the per-key prepare's key_diag / key_block_k; dplr_chunked:
-    the dplr rule's chunked forward, off by default: dplr.py)."""
+    the other pipelines' fused, the per-key prepare's key_diag / key_block_k; the dplr
+    rule's own form: dplr.py)."""
     config = dict(config)
     bad = sorted(set(config) - set(CONFIG_KEYS))
     if bad:
@@ -213,7 +213,7 @@ def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
     if p.N * p.HV > hw.MAX_GRID_YZ:    # (each pipeline's state pass: sequences x heads on y)
         raise ValueError(f"{p.N} sequences x {p.HV} value heads: the chunked forward takes "
                          f"at most {hw.MAX_GRID_YZ} (sequence, head) pairs in one call")
-    if p.rule == "dplr":               # (its own form: dplr.py; off unless dplr_chunked)
+    if p.rule == "dplr":               # (its own form: dplr.py)
         return dplr_plan(p, config)
     if walk_applies(p) and "fused" not in config and not p.terms:
         return _walk_plan(p, config)
