@@ -24,6 +24,7 @@ import fnmatch
 import json
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from linattn.dsl import Options
 from linattn.dsl.torch_reference import recurrent_forward
 from linattn.ops import library, runtime
 from linattn.ops.registry import get_spec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_lib import device_times  # noqa: E402  (each kernel's ms)
 
 H, K, V = 16, 128, 128
 DEVICE = "cuda"
@@ -194,6 +198,8 @@ def run_row(family, workload, paths):
             for who, fn in (("linattn", ours), ("fla", theirs)):
                 if fn is not None and "error" not in row["impls"].get(who, {}):
                     row["impls"][who].update(device_time(lambda: call(family, fn, x)))
+                    row["impls"][who]["split"] = device_times(lambda: call(family, fn, x),
+                                                              iters=10)[1]
     if "fla" in row["impls"] and "ms" in row["impls"]["fla"]:
         row["ratio"] = row["impls"]["fla"]["ms"] / row["impls"]["linattn"]["ms"]
     return row

@@ -464,8 +464,8 @@ def _walks(spec) -> bool:
 
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
-           {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "inverse_stub": 3},
-           {"inverse_in_walk": 1, "k_first": 1, "inverse_writeback": 1}, {"value_split": 1}]
+           {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "k_stages": 3},
+           {"inverse_in_walk": 1, "k_stages": 3, "inverse_mma": 1}, {"value_split": 1}]
 
 
 def _config_applies(c, cfg) -> bool:
@@ -643,16 +643,19 @@ def test_unknown_config_is_refused(monkeypatch):
 
 
 def test_walk_probe_configs_are_checked():
-    """inverse_stub takes the levels the fused walk's template knows, named in one line."""
+    """inverse_stub and k_stages take the values the fused walk's template knows, named in
+    one line."""
     kw = dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", seq_chunks=(128,) * 8,
               Ttot=8 * 8192)
     plan = chunk.forward_plan(get_spec("gdn"), Options(), **kw,
-                              config={"inverse_in_walk": 1, "inverse_stub": 3, "k_first": 1})
+                              config={"inverse_in_walk": 1, "inverse_stub": 1, "k_stages": 3})
     (walk,) = plan.launches
-    assert walk.kwargs["inverse_stub"] == 3 and walk.kwargs["k_first"] == 1
-    with pytest.raises(ValueError, match="inverse_stub=5"):
-        chunk.forward_plan(get_spec("gdn"), Options(), **kw,
-                           config={"inverse_in_walk": 1, "inverse_stub": 5})
+    assert walk.kwargs["inverse_stub"] == 1 and walk.kwargs["k_stages"] == 3
+    for bad in ({"inverse_stub": 3}, {"k_stages": 4}):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=f"{name}={bad[name]}"):
+            chunk.forward_plan(get_spec("gdn"), Options(), **kw,
+                               config={"inverse_in_walk": 1, **bad})
 
 
 def by_name(bodies):

@@ -197,8 +197,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split", "k_first",
-               "inverse_writeback")
+               "aqk_per_key_head", "inverse_stub", "value_split", "k_stages", "inverse_mma")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -315,11 +314,14 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
     bv, _, t = choice
-    probe = {key: config[key] for key in ("inverse_stub", "k_first", "inverse_writeback")
+    probe = {key: config[key] for key in ("inverse_stub", "k_stages", "inverse_mma")
              if config.get(key)}
-    if probe.get("inverse_stub", 0) not in (0, 1, 2, 3):
-        raise ValueError(f"plan config inverse_stub={probe['inverse_stub']!r}: 1 (X = I), 2 "
-                         "(the Gram alone) or 3 (the Gram and the diagonal blocks)")
+    if probe.get("inverse_stub", 0) not in (0, 1):
+        raise ValueError(f"plan config inverse_stub={probe['inverse_stub']!r}: 1 (X = I, "
+                         "a wrong answer: the walk's time with the inverse free)")
+    if probe.get("k_stages", 2) not in (2, 3):
+        raise ValueError(f"plan config k_stages={probe['k_stages']!r}: 2 (k in the q / v "
+                         "stages) or 3 (a ring of its own, a chunk ahead)")
     walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS, **probe)
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"

@@ -11,26 +11,21 @@
 #     tests/test_chunk_fwd_gpu.py tests/test_autograd_gpu.py tests/test_chunk_bwd_gpu.py \
 #     tests/test_comba_gpu.py tests/test_gdn2_gpu.py tests/test_chunk_additive_gpu.py
 #
-# In this order (30 device minutes do not hold all; the first call also pays the start):
-#   source .gpu/prelude.sh && bash bench/gpu_s38.sh combo   # ~8 min: the walk's inverse, Mamba-2
-#   source .gpu/prelude.sh && bash bench/gpu_s38.sh walk    # ~6 min: batched rows, walk-vs
-#   LINATTN_COMMIT=<sha> source .gpu/prelude.sh && bash bench/gpu_s38.sh models  # ~8 min
-#   source .gpu/prelude.sh && bash bench/gpu_s38.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
-#   source .gpu/prelude.sh && bash bench/gpu_s38.sh tests   # ~9.5 min: GPU tests s35/s36 left
+# In this order (30 device minutes do not hold all; the first call also pays the start,
+# ~3.5 min):
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh combo   # ~7 min: the walk's k ring, Mamba-2 train
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~6 min: block 64, unfused, value_split
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
-# models: the two rows models_h200.json lacks under its ok rule: fla_gdn generate after the
-#   recurrent kernel read A_log / dt_bias in their dtype (s36-3: 171.3 vs fla 167.8 ms;
-#   expected ~166: two cast launches a decode call fewer) and Kimi Linear generate (s34-1's
-#   row predates the ok rule). Cold, fla's autotuning takes ~110 s of a model's first call.
-# tests: the decode kernel's tests first (bf16 / f16 A_log and dt_bias in the
-#   gb_in_dtype cases), then every GPU test file that did not finish in s35-1, -v so a cut
-#   run still names what ran. walk: the batched rows (one CTA a chain at block 128: 128 CTAs
-#   on 132 SMs): walk-fused with its inverse left out (inverse_stub: X = I, a wrong answer;
-#   ~420 us at 8x8192 would say the inverse's work is the step's excess over chunk_walk's
-#   3.3 us, ~600 that the two-stage loads are), block 64, and the unfused walk; then the
-#   value-split walk (chunk_walk_vs, plan config value_split): its GPU tests against fp64,
-#   then timed (model: ~3.0 us a step, 8x8192 ~0.39-0.40 ms, tp4-8x1024 ~0.055).
+# combo: the fused walk's k_stages=3 (k in a ring of three stages of its own, loaded a chunk
+#   ahead; the inverse formed before chunk c - 2's stage is free; o stored from registers):
+#   its GPU cases first, then walk_probe. s38-1 (H100): default 619.5 / 86.9 us at
+#   8x8192 / tp4-8x1024, the inverse left out (inverse_stub=1) 406.5 / 57.0. Model: the
+#   group's chunk is load latency + inverse (~1.5 + ~2 us) against the chain's 3.15, and
+#   with k a chunk ahead only the inverse (~2 us) must fit a step: ~410-450 / ~60 us.
+#   Then Mamba-2's training rows (s38-1: 3.71 / 7.21 ms vs mamba_ssm 1.64 / 3.11).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -48,21 +43,22 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk, models, ssdgen, dplr or combo} in
-  combo)   # one call when one is all there is: the walk's inverse split, k_first; Mamba-2 at HEAD
-    $T 110 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
-      tests/test_chunk_fwd_gpu.py -k "inverse_in_walk" > "$OUT/walk_tests.txt" 2>&1
+case ${1:?tests, walk, models, ssdgen or combo} in
+  combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
+    $T 170 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
+      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or helper" \
+      > "$OUT/walk_tests.txt" 2>&1
     echo "walk tests rc=$?"
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default inverse_in_walk=1,k_first=1 inverse_in_walk=1,inverse_writeback=1 \
-      inverse_in_walk=1,k_first=1,inverse_writeback=1 inverse_in_walk=1,inverse_stub=1 \
-      inverse_in_walk=1,inverse_stub=2 inverse_in_walk=1,inverse_stub=3 \
+      q35-2b-8x8192-trained --configs default inverse_in_walk=1,k_stages=3 \
+      inverse_in_walk=1,inverse_mma=1 inverse_in_walk=1,k_stages=3,inverse_mma=1 \
+      inverse_in_walk=1,k_stages=3,inverse_stub=1 inverse_in_walk=1,inverse_stub=1 \
       --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
-    $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba \
-      --out "$OUT/ssd_h200.json" > "$OUT/ssd_probe.txt" 2>&1
+    $T 150 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
+      --out "$OUT/ssd_train.json" > "$OUT/ssd_probe.txt" 2>&1
     echo "ssd rc=$?"
     grep -E "PASSED|FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9
-    tail -n 12 "$OUT"/probe_walk.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6 ;;
+    tail -n 12 "$OUT"/probe_walk.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 4 ;;
   ssdgen)  # Mamba-2 vs mamba_ssm (kernels named per row), then the generalized rules vs fla
     $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
       > "$OUT/ssd_probe.txt" 2>&1
@@ -79,16 +75,6 @@ case ${1:?tests, walk, models, ssdgen, dplr or combo} in
       --tasks generate > "$OUT/models_kimi.txt" 2>&1
     echo "kimi_linear generate rc=$?"
     grep -h '^{' "$OUT"/models_gdn.txt "$OUT"/models_kimi.txt | cut -c1-400 ;;
-  dplr)   # the dplr rule's chunked forward: its GPU tests, then timed against fla; sm80 tests
-    $T 150 python3 -m pytest -m gpu -p no:cacheprovider -n 4 -v --tb=short \
-      tests/test_chunk_dplr_gpu.py > "$OUT/dplr_tests.txt" 2>&1
-    echo "dplr tests rc=$?"
-    $T 170 python3 bench/generalized_probe.py --families dplr,rwkv7,iplr --rows '*/prefill-*' \
-      --out "$OUT/generalized_dplr.json" > "$OUT/generalized_dplr.txt" 2>&1
-    echo "dplr probe rc=$?"
-    gpu_tests 200 tests/test_sm80_gpu.py
-    grep -E "PASSED|FAILED|passed|failed" "$OUT/dplr_tests.txt" | tail -n 12
-    tail -n 4 "$OUT/generalized_dplr.txt"; grep -E "passed|failed|rc=" "$OUT/tests.txt" ;;
   tests)
     gpu_tests 100 tests/test_decode_gpu.py
     gpu_tests 80 tests/test_sm80_gpu.py
@@ -110,3 +96,4 @@ case ${1:?tests, walk, models, ssdgen, dplr or combo} in
     grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
     tail -n 8 "$OUT"/probe_blocks.log "$OUT"/probe_vs.log ;;
 esac
+cp -r /tmp/out_dir/. "$OUT/" 2>/dev/null   # (the tests' JSON summaries)
