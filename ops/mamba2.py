@@ -7,8 +7,7 @@ the output gate are the spec's call terms (dsl/call_terms.py)."""
 import functools
 
 from ..dsl import OpSpec, Options
-from ..dsl import call_terms
-from . import api, validate
+from . import api, terms, validate
 
 SPEC = OpSpec(
     name="mamba2", rule="additive", gate="scalar", chunk_size=64,
@@ -121,15 +120,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         h0 = torch.cat([h0, rest], 0)
     q, k = C.to(x.dtype), B.to(x.dtype)
     if _terms_in_kernels(x, dt, A, B, C, D, z, dt_bias, h0):
-        terms = kernel_terms(A, D, None if z is None else z.to(x.dtype).flatten(0, 1),
-                             dt_bias, dt_softplus, dt_limit, V=x.shape[3])
+        formed = kernel_terms(A, D, None if z is None else z.to(x.dtype).flatten(0, 1),
+                              dt_bias, dt_softplus, dt_limit, V=x.shape[3])
         y, ht = _chunk_kernel(SPEC, q, k, x, dt.float(), None, 1.0, h0, True, _OPTS, cu,
-                              None, terms=terms)
+                              None, terms=formed)
     else:
-        v, g = call_terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit,
-                                         dtype=torch.float32)
+        v, g = terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit)
         o, ht = _run(q, k, v, g, h0, True, cu)
-        y = call_terms.epilogue(SPEC, o, x, D, z).to(x.dtype)
+        y = terms.epilogue(SPEC, o, x, D, z, x.dtype)
     out = (y,)
     if return_final_states:
         out += (ht[-1:] if cu is not None else ht,)
