@@ -127,10 +127,14 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=None, threads=128):
                 kt_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, j], T.cast(0, dtype))
                 at_s[i, j] = T.if_then_else(i < rows, a[t0 + i, hk, j], T.cast(0, dtype))
                 bt_s[i, j] = T.if_then_else(i < rows, b[t0 + i, hk, j], T.cast(0, dtype))
+                G_s[i, j] = T.float32(0)
+            T.sync_threads()
+            # (the loads above in parallel: a column's cumsum then reads shared memory only)
             for cp in T.serial(T.ceildiv(K, threads)):
                 if cp * threads + tx < K:
                     run = T.float32(0)
-                    for i in T.serial(BT):
+                    for i in T.unroll(BT):
+                        run = run + G_s[i, cp * threads + tx]
                         G_s[i, cp * threads + tx] = run
             for i, j in T.Parallel(BT, BT):
                 t_s[i, j] = T.float32(0)
