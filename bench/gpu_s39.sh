@@ -25,6 +25,9 @@
 #   8x8192 / tp4-8x1024, the inverse left out (inverse_stub=1) 406.5 / 57.0. Model: the
 #   group's chunk is load latency + inverse (~1.5 + ~2 us) against the chain's 3.15, and
 #   with k a chunk ahead only the inverse (~2 us) must fit a step: ~410-450 / ~60 us.
+#   inverse_mma (la_wy_inverse64: tf32 mma.sync by four warps, one exchange) replaces the
+#   diagonal pass and block steps (~1.3 us a step) by ~0.3: ~500 us alone, ~410 with the
+#   ring. tests/test_wy_inverse.py checks the helper alone against fp64 first.
 #   Then Mamba-2's training rows (s38-1: 3.71 / 7.21 ms vs mamba_ssm 1.64 / 3.11).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -232,13 +232,11 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                 wb = tx // SUB * SUB
                 n = tx % SUB
                 for ii in T.unroll(SUB):
-                    x_col[ii] = T.float32(0)
-                for ii in T.unroll(SUB):
-                    acc = T.float32(0)
-                    for jj in T.unroll(ii):
-                        acc = acc + a_s[wb + ii, wb + jj] * x_col[jj]
-                    x_col[ii] = T.if_then_else(ii == n, T.float32(1),
-                                               T.if_then_else(ii < n, T.float32(0), -acc))
+                    x_col[ii] = T.if_then_else(ii == n, T.float32(1), T.float32(0))
+                for jj in T.unroll(SUB):        # (right-looking: 16 dependent steps, not 120)
+                    for ii in T.unroll(SUB):
+                        if ii > jj:
+                            x_col[ii] = x_col[ii] - a_s[wb + ii, wb + jj] * x_col[jj]
                 # (the warp's reads of L_bb are done; at chunk 16 only lanes < 16 are here)
                 if BT >= 32:
                     T.sync_warp()

@@ -309,16 +309,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
                 col = (tx + p * threads) % BT
                 d0 = col // SUB * SUB
                 for ii in T.unroll(SUB):
-                    x_col[ii] = T.float32(0)
-                for ii in T.unroll(SUB):
-                    xacc = T.alloc_var(f32)
-                    xacc = T.float32(0)
-                    for jj in T.unroll(SUB):
-                        if jj < ii:
-                            xacc = xacc + a_s[d0 + ii, d0 + jj] * x_col[jj]
-                    x_col[ii] = T.if_then_else(
-                        ii == col % SUB, T.float32(1),
-                        T.if_then_else(ii < col % SUB, T.float32(0), -xacc))
+                    x_col[ii] = T.if_then_else(ii == col % SUB, T.float32(1), T.float32(0))
+                for jj in T.unroll(SUB):            # (right-looking: x_jj final, the rows
+                    for ii in T.unroll(SUB):        # below it updated independently)
+                        if ii > jj:
+                            x_col[ii] = x_col[ii] - a_s[d0 + ii, d0 + jj] * x_col[jj]
                 T.sync_threads()
                 if tx + p * threads < BT:
                     for ii in T.unroll(SUB):
