@@ -476,8 +476,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         row_next[0] = T.if_then_else(rn < seqlen, T.cast(beta[bos + rn, hv], f32), T.float32(0))
                     else:
                         row_next[0] = T.if_then_else(rn < seqlen, T.cast(g[bos + rn, hv], f32), T.float32(0))
-                    if w3 < 32:                             # chunk 0's k
-                        T.tma_copy(k[bos:bos + BT, hk, 0:K], k_s[0, :, :], barrier=kfull[0])
+                    if w3 < 32 and n_chunks > 0:            # chunk 0's k (every copy issued
+                        T.tma_copy(k[bos:bos + BT, hk, 0:K], k_s[0, :, :],   # is waited for)
+                                   barrier=kfull[0])
                         T.barrier_arrive(kfull[0])
                 for c in T.serial(n_chunks):
                     st = c % 2                              # ("s" is the inverse's own name)
