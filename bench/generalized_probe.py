@@ -1,7 +1,8 @@
 """GPU probe of the generalized delta rule families (Comba, GDN-2, DPLR, RWKV-7, IPLR):
 linattn's chunk_* functions against fla's in the same process, per family and workload
-(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096; H 16, K = V = 128, bf16,
-fla's layer conventions: l2-normalised keys, gates in (0, 1), decays in fla's ranges).
+(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096; H 16, K = V = 128, bf16;
+and RWKV-7 1.5B's heads, H 32, K = V = 64, at B1 / B4 x T4096; fla's layer conventions:
+l2-normalised keys, gates in (0, 1), decays in fla's ranges).
 
 Each row is checked first: linattn's output on the row's inputs against the fp64
 recurrence of the family's spec over the first CHECK_TOKENS tokens (o is causal: its
@@ -39,10 +40,12 @@ from linattn.ops.registry import get_spec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_lib import device_times  # noqa: E402  (each kernel's ms)
 
-H, K, V = 16, 128, 128
 DEVICE = "cuda"
-WORKLOADS = {"prefill-4k": (1, 4096, False), "prefill-16k": (1, 16384, False),
-             "prefill-b4-4k": (4, 4096, False), "train-4k": (4, 4096, True)}
+#: name -> (B, T, training, H, K = V)
+WORKLOADS = {"prefill-4k": (1, 4096, False, 16, 128), "prefill-16k": (1, 16384, False, 16, 128),
+             "prefill-b4-4k": (4, 4096, False, 16, 128), "train-4k": (4, 4096, True, 16, 128),
+             "prefill-4k-hd64": (1, 4096, False, 32, 64),
+             "prefill-b4-4k-hd64": (4, 4096, False, 32, 64)}
 CHECK_TOKENS = 1024
 #: a row is wrong past these (relative L2 of o): vs fp64 on the prefix (or twice fla's
 #: own error there, whichever is larger), vs fla on the whole row (where fla's own prefix
@@ -54,9 +57,9 @@ def _gen(seed=0):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
-def inputs(family, B, T, grad=False):
-    """The family's call inputs (name -> tensor), fla's argument names."""
-    g = _gen()
+def inputs(family, B, T, grad=False, H=16, K=128):
+    """The family's call inputs (name -> tensor), fla's argument names; V = K."""
+    g, V = _gen(), K
     r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
     bf = torch.bfloat16
     x = dict(q=r(B, T, H, K).to(bf), k=r(B, T, H, K).to(bf), v=r(B, T, H, V).to(bf))
@@ -135,11 +138,11 @@ def step(family, fn, x):
 def precompile(rows):
     """linattn's kernels of every forward row, compiled in parallel processes."""
     with runtime.recording() as jobs:
-        for family, (B, T, train) in rows:
+        for family, (B, T, train, H, K) in rows:
             if not train:
                 try:
                     with torch.no_grad():
-                        call(family, functions(family)[0], inputs(family, B, T))
+                        call(family, functions(family)[0], inputs(family, B, T, H=H, K=K))
                 except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
                     pass
     errors = runtime.precompile(jobs)
@@ -173,21 +176,21 @@ def check(family, ours, theirs, x, T):
 
 
 def run_row(family, workload, paths):
-    B, T, train = WORKLOADS[workload]
+    B, T, train, H, K = WORKLOADS[workload]
     ours, theirs = functions(family)
     row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
-               shape=dict(B=B, T=T, H=H, K=K, V=V, dtype="bfloat16"), impls={})
+               shape=dict(B=B, T=T, H=H, K=K, V=K, dtype="bfloat16"), impls={})
     if train:
         try:
-            step(family, ours, inputs(family, B, T, grad=True))()
+            step(family, ours, inputs(family, B, T, True, H, K))()
         except Exception as e:      # noqa: BLE001 (linattn's missing backward: reported)
             row["error"] = f"linattn has no training for {family}: {str(e)[:200]}"
             return row
         for who, fn in (("linattn", ours), ("fla", theirs)):
             if fn is not None:
-                row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True)))
+                row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True, H, K)))
     else:
-        x = inputs(family, B, T)
+        x = inputs(family, B, T, H=H, K=K)
         paths.clear()
         row["impls"], row["vs_fla"], err = check(family, ours, theirs, x, T)
         row["linattn_path"] = paths[0] if paths else None
