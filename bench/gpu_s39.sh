@@ -14,7 +14,7 @@
 # In this order (30 device minutes do not hold all; the first call also pays the start,
 # ~3.5 min):
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh combo   # ~7 min: the walk's k ring, Mamba-2 train
-#   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~6 min: block 64, unfused, value_split
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~7 min: split rows' kkt inverse_mma, value_split
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
@@ -49,7 +49,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
 case ${1:?tests, walk, models, ssdgen or combo} in
   combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
     $T 170 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
-      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or helper" \
+      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or inverse_mma or helper" \
       > "$OUT/walk_tests.txt" 2>&1
     echo "walk tests rc=$?"
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
@@ -86,17 +86,17 @@ case ${1:?tests, walk, models, ssdgen or combo} in
     gpu_tests 100 tests/test_chunk_fwd_gpu.py tests/test_chunk_additive_gpu.py
     gpu_tests 100 tests/test_chunk_bwd_gpu.py tests/test_autograd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
-  walk)   # the probes first; the value-split walk (never run on a GPU yet) after, its tests first
-    $T 150 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default inverse_in_walk=1,inverse_stub=1 block_v=64 inverse_in_walk=0 \
-      --out "$OUT/probe_blocks.json" > "$OUT/probe_blocks.log" 2>&1
+  walk)   # the split rows with chunk_kkt_inverse's inverse_mma; value_split once more
+    $T 200 python3 bench/walk_probe.py --iters 10 --only q35-2b-16384 q35-397b-tp1-65536 \
+      q35-397b-tp8-8192 prefill-4k deltanet-16k-k64 --configs default inverse_mma=1 \
+      --out "$OUT/probe_split.json" > "$OUT/probe_split.log" 2>&1
     $T 120 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
       tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
     echo "value_split tests rc=$?"
     $T 120 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      q35-2b-8x8192-trained --configs value_split=1 --out "$OUT/probe_vs.json" \
+      q35-2b-8x8192-trained --configs default value_split=1 --out "$OUT/probe_vs.json" \
       > "$OUT/probe_vs.log" 2>&1
     grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
-    tail -n 8 "$OUT"/probe_blocks.log "$OUT"/probe_vs.log ;;
+    tail -n 10 "$OUT"/probe_split.log "$OUT"/probe_vs.log ;;
 esac
 cp -r /tmp/out_dir/. "$OUT/" 2>/dev/null   # (the tests' JSON summaries)

@@ -465,7 +465,8 @@ def _walks(spec) -> bool:
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
            {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "k_stages": 3},
-           {"inverse_in_walk": 1, "k_stages": 3, "inverse_mma": 1}, {"value_split": 1}]
+           {"inverse_in_walk": 1, "k_stages": 3, "inverse_mma": 1}, {"inverse_mma": 1},
+           {"value_split": 1}]
 
 
 def _config_applies(c, cfg) -> bool:
@@ -476,6 +477,8 @@ def _config_applies(c, cfg) -> bool:
         return _walks(spec) and not c[2].l2norm_qk
     if "value_split" in cfg:                # (... at K = V = 128)
         return _walks(spec) and not c[2].l2norm_qk and c[1]["K"] == c[1]["V"] == 128
+    if "inverse_mma" in cfg:                # (the walk plans' chunk_kkt_inverse)
+        return _walks(spec)
     return True
 
 

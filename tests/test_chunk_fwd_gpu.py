@@ -128,6 +128,11 @@ WALK_CASES = [
                "state_v_first"), config={"segments": 2, "block_v": 64}),
     case("gdn", 1, None, 2, 4, 64, 64, lens=WALK_LENS, init=False, config={"segments": 8}),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config={"segments": 4}),
+    # chunk_kkt_inverse's inverse by la_wy_inverse64 (the probe config inverse_mma)
+    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config={"segments": 4, "inverse_mma": 1},
+         gate_scale=1e-2),
+    case("deltanet", 2, 700, 2, 2, 128, 128, config={"segments": 2, "inverse_mma": 1},
+         opts=("l2norm_qk",)),
     # the other pipelines forced where the walk would run
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config={"fused": False}),
 ] + [

@@ -281,7 +281,7 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     reasons = [f"the delta rule's walk fits at value blocks {walk_blocks(p)}; block {bv}"
                f"{f' with segments of {L} chunks' if split else ', one CTA per sequence'}"
                + (f" (config {config})" if config else f" models fastest ({t:.0f} us)")]
-    launches = [kkt_launch(p)]
+    launches = [kkt_launch(p, inverse_mma=bool(config.get("inverse_mma")))]
     if split:
         state = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
         n_seg = n_segments(p.seq_chunks, L)
