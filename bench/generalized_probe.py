@@ -215,7 +215,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
                                                   os.environ.get("OUT") or ".",
                                                   "generalized_h200.json"))
+    ap.add_argument("--dplr-prepare-threads", type=int, default=None,
+                    help="probe: chunk_prepare_dplr's threads (dplr.DPLR_PREPARE_THREADS)")
     a = ap.parse_args()
+    if a.dplr_prepare_threads:
+        from linattn.codegen.arch.sm90 import dplr
+        dplr.DPLR_PREPARE_THREADS = a.dplr_prepare_threads
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
     precompile([(f, WORKLOADS[w]) for f, w in rows])

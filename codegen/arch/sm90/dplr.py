@@ -18,6 +18,9 @@ DPLR_MAX_V = 256
 DPLR_V_MULTIPLE = 32
 #: the state pass's TMA stages (K = 128, BV = 64: 226 KB of shared memory at 2)
 DPLR_STATE_STAGES = 2
+#: the prepare's threads (128 or 256): one CTA an SM at 184 KB, so its warps alone hide
+#: the latency (256 unmeasured: generalized_probe --dplr-prepare-threads)
+DPLR_PREPARE_THREADS = 128
 
 
 def dplr_chunked(gate: str) -> bool:
@@ -51,7 +54,8 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     if why:
         raise ValueError(why)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
-    prep = dict(common, **({"g_dtype": p.g_dtype} if p.gate == "key" else {}))
+    prep = dict(common, **({"g_dtype": p.g_dtype} if p.gate == "key" else {}),
+                **({"threads": DPLR_PREPARE_THREADS} if DPLR_PREPARE_THREADS != 128 else {}))
     state = dict(common, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state,
                  block_v=64 if p.V % 64 == 0 else 32, num_stages=DPLR_STATE_STAGES)
