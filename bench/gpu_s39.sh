@@ -108,7 +108,8 @@ case ${1:?tests, walk, dplr, train, models, ssdgen or combo} in
       tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
     echo "value_split tests rc=$?"
     $T 120 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      q35-2b-8x8192-trained --configs default value_split=1 --out "$OUT/probe_vs.json" \
+      q35-2b-8x8192-trained --configs default value_split=1 value_split=1,inverse_mma=1 \
+      --out "$OUT/probe_vs.json" \
       > "$OUT/probe_vs.log" 2>&1
     grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
     tail -n 10 "$OUT"/probe_split.log "$OUT"/probe_vs.log ;;

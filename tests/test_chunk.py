@@ -466,7 +466,7 @@ def _walks(spec) -> bool:
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
            {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "k_stages": 3},
            {"inverse_in_walk": 1, "k_stages": 3, "inverse_mma": 1}, {"inverse_mma": 1},
-           {"value_split": 1}]
+           {"value_split": 1}, {"value_split": 1, "inverse_mma": 1}]
 
 
 def _config_applies(c, cfg) -> bool:

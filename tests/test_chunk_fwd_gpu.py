@@ -181,6 +181,9 @@ WALK_CASES = [
          config=VS),
     case("gdn", 1, None, 1, 8, 128, 128, lens=WALK_LENS, init=False, config=VS),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=VS),
+    # ... its aux group's inverse by la_wy_inverse64 (inverse_mma)
+    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(VS, inverse_mma=1),
+         gate_scale=1e-2),
 ]
 
 

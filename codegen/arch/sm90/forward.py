@@ -343,7 +343,8 @@ def _fused_walk_params(p: ForwardProblem) -> dict:
 
 def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
-    walk = dict(_fused_walk_params(p), regs=VS_REGS)
+    walk = dict(_fused_walk_params(p), regs=VS_REGS,
+                **({"inverse_mma": True} if config.get("inverse_mma") else {}))
     reasons = [f"{p.N * p.HV} chains: the value-split walk (two state warpgroups of 64 "
                f"value rows, the WY inverse a chunk ahead), one CTA per sequence (config "
                f"{config})"]
