@@ -18,6 +18,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh dplr    # ~5 min: DPLR / IPLR per kernel, prepare 128 / 256 threads
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh train   # ~5 min: GDN / DeltaNet training per kernel
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh gates   # ~9 min: the gates table, linattn vs fla
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
@@ -48,7 +49,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk, dplr, train, models, ssdgen or combo} in
+case ${1:?tests, walk, dplr, gates, train, models, ssdgen or combo} in
   combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
     $T 170 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
       tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or inverse_mma or helper" \
@@ -87,6 +88,10 @@ case ${1:?tests, walk, dplr, train, models, ssdgen or combo} in
         > "$OUT/generalized_dplr_$t.txt" 2>&1
       echo "dplr threads $t rc=$?"; tail -n 3 "$OUT/generalized_dplr_$t.txt"
     done ;;
+  gates)   # issue 45's gates table (trained-model gates, gate in the kernel, none): linattn vs fla
+    $T 540 python3 -m linattn.cli.bench --workloads-json bench/workloads/gates.json --impl linattn,fla \
+      --budget-s 500 --out "$OUT/gates_h200.json" > "$OUT/gates.txt" 2>&1
+    echo "gates rc=$?"; tail -n 20 "$OUT/gates.txt" ;;
   train)   # GDN's training step against fla's, per kernel (the models' attention kernels
            # lose: fla_gdn 29.5 vs 21.0 ms, Qwen3.5 21.3 vs 15.6)
     $T 280 python3 bench/train_probe.py --ops GDNTrain DeltaNetTrain --workload '*-4k' \
