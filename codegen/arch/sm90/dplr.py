@@ -54,8 +54,8 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     if why:
         raise ValueError(why)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
-    prep = dict(common, **({"g_dtype": p.g_dtype} if p.gate == "key" else {}),
-                **({"threads": DPLR_PREPARE_THREADS} if DPLR_PREPARE_THREADS != 128 else {}))
+    prep = dict(common, threads=DPLR_PREPARE_THREADS,
+                **({"g_dtype": p.g_dtype} if p.gate == "key" else {}))
     state = dict(common, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state,
                  block_v=64 if p.V % 64 == 0 else 32, num_stages=DPLR_STATE_STAGES)

@@ -362,7 +362,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             k_s = T.alloc_shared((BT, K), dtype)
             a_s = T.alloc_shared((BT, BT), f32)            # L; X's diagonal blocks in place
             if inverse_mma:
-                mma_s = T.alloc_shared((4 * 256,), f32)    # la_wy_inverse64's per-warp blocks
+                mma_s = T.alloc_shared((4 * 256,), f32)     # la_wy_inverse64's per-warp blocks
             else:
                 # X's column blocks transposed: xt_s[b, n, m] = X[16 b + m, 16 b + n]
                 xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)

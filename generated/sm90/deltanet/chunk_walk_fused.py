@@ -66,7 +66,7 @@ CHUNK = 64
 WARPGROUP = 128
 #: the named barrier of the inverse group's own syncs (TileLang's take 1 .. 5 here)
 INVERSE_BARRIER = 8
-#: the warpgroup inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
+#: the inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
 WY_INVERSE64 = r'''
 // X = (I + L)^-1 for a 64 x 64 strictly lower L, in place, by one warpgroup (128 threads).
 // a: 64 x 64 float32 row-major shared memory holding L below the diagonal (what is on and
@@ -285,7 +285,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
     WG = WARPGROUP
     assert k_stages in (2, 3) and inverse_stub in (0, 1), (k_stages, inverse_stub)
     assert not inverse_mma or (BT == 64 and WG == 128), "la_wy_inverse64: 64 rows, 128 threads"
-    k_ring = k_stages                               # k's stages (3: a ring of its own)
     Ttot, NT, N, N0, N1, NH = T.dynamic("Ttot, NT, N, N0, N1, NH")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -375,7 +374,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     for i, j in T.Parallel(BT, K):
-                        kr_s[i, j] = T.if_then_else(i < rows, k_s[c % k_ring, i, j], T.cast(0, dtype))
+                        kr_s[i, j] = T.if_then_else(i < rows, k_s[c % k_stages, i, j], T.cast(0, dtype))
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -396,7 +395,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         T.barrier_wait(kfull[c % 3], (c // 3) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     T.barrier_wait(s_full, c % 2)
-                    T.gemm(k_s[c % k_ring, :, :], S_s, U, clear_accum=True)
+                    T.gemm(k_s[c % k_stages, :, :], S_s, U, clear_accum=True)
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(BT, BV):
                         U[i, j] = T.cast(v_s[s, i, j], f32) - U[i, j]
@@ -418,7 +417,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.barrier_wait(full[s], (c // 2) % 2)
                     if k_stages == 3:
                         T.barrier_wait(kfull[c % 3], (c // 3) % 2)
-                    T.gemm(q_s[s, :, :], k_s[c % k_ring, :, :], P, transpose_B=True, clear_accum=True)
+                    T.gemm(q_s[s, :, :], k_s[c % k_stages, :, :], P, transpose_B=True, clear_accum=True)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
                         P[i, j] = T.if_then_else(i >= j, P[i, j] * scale, T.float32(0))
@@ -488,7 +487,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     else:
                         T.barrier_wait(full[st], (c // 2) % 2)
                     if inverse_stub == 0:
-                        T.gemm(k_s[c % k_ring, :, :], k_s[c % k_ring, :, :], kk, transpose_B=True,
+                        T.gemm(k_s[c % k_stages, :, :], k_s[c % k_stages, :, :], kk, transpose_B=True,
                                clear_accum=True)
                         T.sync_threads(INVERSE_BARRIER, WG)     # (b_s written)
                         for i, j in T.Parallel(BT, BT):         # L

@@ -104,7 +104,7 @@ SLOTS = 2
 #: the named barrier of the aux group's own syncs: the last of the 16 hardware ids (TileLang
 #: numbers its own from 3 up, one a distinct thread range: 3 .. 6 here)
 AUX_BARRIER = 15
-#: the aux group's inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
+#: the inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
 WY_INVERSE64 = r'''
 // X = (I + L)^-1 for a 64 x 64 strictly lower L, in place, by one warpgroup (128 threads).
 // a: 64 x 64 float32 row-major shared memory holding L below the diagonal (what is on and
@@ -280,6 +280,7 @@ __device__ __forceinline__ void la_wy_inverse64(float* a, float* scratch, int tx
     if (j > w) la_store16(rows + 16 * j, ld, z, 1.0f, lane);
 }
 '''
+
 
 
 def out_idx(**params):
