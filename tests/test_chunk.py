@@ -169,7 +169,7 @@ def test_key_prepare_tunings_compile(op, params):
     src = kernel.get_kernel_source()
     assert "wgmma" in src
     assert not barriers_in_branches(src)
-    usage = ptxas_usage(kernel)
+    usage = ptxas_usage(src)
     assert usage["spill_store_bytes"] == 0, usage
     if params.get("min_ctas", 1) > 1:
         assert usage["registers"] <= 65536 // (params["min_ctas"] * params["threads"]), usage

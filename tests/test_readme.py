@@ -81,7 +81,8 @@ def test_commands_are_the_installed_ones_and_ci_runs_the_test_command():
     from conftest import EXHAUSTIVE
     assert "python3 -m pytest -q" in ci and "\nsuite fast\n" in ci
     rest = f'-m "({" or ".join(EXHAUSTIVE)}) and not representative"'
-    assert f"suite exhaustive-rest {rest}" in ci
+    assert f"suite exhaustive-rest -n 2 {rest}" in ci      # (both cores: pytest-xdist)
+    assert '"pytest-xdist"' in (ROOT / "pyproject.toml").read_text()
     scripts = (ROOT / "pyproject.toml").read_text()
     assert 'linattn-gen = "linattn.cli.gen:main"' in scripts
     assert 'bench = ["matplotlib"]' in scripts

@@ -81,7 +81,7 @@ def _kernel(n):
 @pytest.mark.compile
 def test_helper_compiles_without_spills():
     from linattn.codegen.compile import ptxas_usage
-    use = ptxas_usage(_kernel(2), "sm90")
+    use = ptxas_usage(_kernel(2).get_kernel_source(), "sm90")
     assert use["spill_store_bytes"] == 0 and use["spill_load_bytes"] == 0, use
 
 
