@@ -46,6 +46,7 @@ from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
 from . import chunk, exact_train, padding, runtime, split, validate
+from .validate import needs_grad  # noqa: F401 (the families' test: additive_bwd.needs_grad)
 
 CHUNK = 64
 #: head dims the backward is generated and checked for (the chunked kernels' multiples
@@ -277,12 +278,6 @@ class AdditiveCall:
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
     save_states: bool = False       # the forward keeps its states (else the backward recomputes)
-
-
-def needs_grad(*tensors) -> bool:
-    """True when autograd would record a call on these tensors."""
-    import torch
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def run_forward(call: AdditiveCall, q, k, v, g, initial_state):

@@ -34,7 +34,7 @@ import dataclasses
 from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
-from . import gates, runtime, split, validate
+from . import exact_train, gates, runtime, split, validate
 from .padding import pad_heads, round_up, unpad
 from .recurrent import GATE_PARAM_DTYPES
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
@@ -110,12 +110,17 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
             rule_inputs=None, beta_ones=False):
     """(o, final_state or None) of a chunk_* call of ``spec``; shapes as the family's
     functions (ops/<family>.py); ``beta_ones``: a missing beta means ones (fla's Comba).
-    Not differentiable: raises when autograd would record it (DeltaNet's
-    chunk_delta_rule routes such calls to ops/autograd.py first)."""
+    The kernels' outputs carry no gradient: a call autograd would record trains exactly
+    in torch (ops/exact_train.py; the families with generated backward kernels route
+    theirs to ops/autograd.py or ops/additive_bwd.py first)."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
-                         *(rule_inputs or {}).values())
+    if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
+                           *(rule_inputs or {}).values()):
+        return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, rule_inputs=rule_inputs,
+                                 beta_ones=beta_ones, **extra)
     wide = split.wide_keys(spec, options, q)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
@@ -218,12 +223,19 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     T; ``beta_ones``: a missing beta means ones (fla's fused_recurrent delta rules). With
     ``ssm_state_indices`` initial_state is a pool of states [P, HV, K, V] (ops/recurrent.py);
     ``inplace_final_state`` writes the final states into initial_state, which is
-    returned as the final state."""
+    returned as the final state. A call autograd would record (a family whose chunk_*
+    twin has no backward kernels: the same function of its inputs) trains exactly in torch
+    (ops/exact_train.py); a state pool does not train."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
-    validate.reject_grad(spec, q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
-                         *(rule_inputs or {}).values())
+    if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
+                           *(rule_inputs or {}).values()):
+        _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 cu_seqlens_cpu=cu_seqlens_cpu, rule_inputs=rule_inputs,
+                                 beta_ones=beta_ones, **extra)
     wide = (split.wide_keys(spec, options, q) and ssm_state_indices is None
             and not inplace_final_state)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
@@ -271,13 +283,17 @@ def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
     if not (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                             for t in tensors)):
         return False
+    _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
+    if kwargs is not None:
+        kwargs.pop("chunk_size", None)
+    return True
+
+
+def _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state) -> None:
     if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state:
         raise validate.error("a state pool (ssm_state_indices / num_accepted_tokens / "
                              "inplace_final_state) has no backward: run it under "
                              "torch.no_grad()")
-    if kwargs is not None:
-        kwargs.pop("chunk_size", None)
-    return True
 
 
 def ones_beta(q, v):

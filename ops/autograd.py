@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..dsl import Options, SpecError
 from . import chunk_bwd, exact_train, padding
+from .validate import needs_grad  # noqa: F401 (the families' test: autograd.needs_grad)
 
 #: head dims the backward stages are generated for (a call of smaller dims runs zero-padded
 #: to the next one: :func:`kernel_dims`)
@@ -67,12 +68,6 @@ class DeltaRuleCall:
     @property
     def keyed(self) -> bool:
         return chunk_bwd.is_key(self.spec)
-
-
-def needs_grad(*tensors) -> bool:
-    """True when autograd would record a call on these tensors."""
-    import torch
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,

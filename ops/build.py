@@ -33,7 +33,8 @@ Gradients: a spec with DeltaNet's, Gated DeltaNet's or KDA's mathematics (rule "
 "none", "scalar" or "key", chunk size 64) trains through ``chunk`` (the generated backward,
 ops/autograd.py), and so does the additive rule with any gate (ops/additive_bwd.py);
 ``fused_recurrent`` of such a spec trains as ``chunk`` (the same function of its inputs);
-every other call whose inputs need gradients raises SpecError instead of dropping them.
+every other call whose inputs need gradients trains exactly in torch (ops/exact_train.py:
+the spec's chunked algorithm in fp64 under torch.autograd).
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None,
 
     Runs the chunked kernels (the scalar gate's kkt inverse and w, u with p as the erase
     key under the exclusive decay, then GDN's state and output stages) where they take
-    the call (ops/api.py choose_path), the recurrent kernel otherwise; not differentiable
-    yet (inputs that need gradients raise).
+    the call (ops/api.py choose_path), the recurrent kernel otherwise; no backward
+    kernels yet (a call that needs gradients trains exactly in torch: ops/exact_train.py).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=(64,))
     p = k if p is None else p

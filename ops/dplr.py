@@ -24,7 +24,8 @@ def run(spec, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_se
         cu_seqlens_cpu, kwargs, chunk_sizes):
     """The recurrent kernel of a DPLR-form spec (DPLR, IPLR) for a public call: fla's
     keywords checked (``chunk_sizes``: a chunk_* call's allowed chunk_size, None for a
-    fused_recurrent_* one); inference only (inputs that need gradients raise)."""
+    fused_recurrent_* one); a call that needs gradients trains exactly in torch
+    (ops/exact_train.py; no backward kernels yet)."""
     if chunk_sizes is not None and kwargs.get("chunk_size") is None:
         kwargs.pop("chunk_size", None)           # (fla's default: 16)
     opts = api.fla_options(kwargs=kwargs, chunk_sizes=chunk_sizes)
@@ -70,7 +71,8 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
 
     Runs the chunked kernels (chunk_prepare_dplr, chunk_state_dplr) where they fit
     (sm90; K <= 128, V a multiple of 32 up to 256, key-first states), else the
-    recurrent kernel; not differentiable yet (inputs that need gradients raise).
+    recurrent kernel; no backward kernels yet (a call that needs gradients trains exactly
+    in torch: ops/exact_train.py).
     """
     _check_bound(lower_bound)
     kw = dict(kwargs, chunk_size=chunk_size, cp_context=cp_context,

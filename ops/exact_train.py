@@ -1,11 +1,14 @@
-"""Training of float32 calls: the chunked algorithm in fp64 by torch, differentiated by
+"""Exact training in torch: the chunked algorithm in fp64, differentiated by
 torch.autograd (dsl/torch_reference.py chunked_forward).
 
-The generated kernels take float16 / bfloat16. A float32 call that needs gradients (fla's
-own float32 tests train this way) runs the spec's chunked forward in fp64 on the call's
-device, every option applied as the kernels apply it, and torch.autograd gives the
-gradients: exact, at torch's speed (no generated kernel), for correctness work rather
-than for speed. Everything is checked first, as a kernel call is (the device check last).
+Two kinds of call train this way: float32 calls (the generated kernels take float16 /
+bfloat16; fla's own float32 tests train so), and calls of a spec with no generated
+backward (the generalized delta rules: Comba, GDN-2, DPLR / IPLR / RWKV-7; a user spec
+outside the trained rules and gates), in any dtype. The spec's chunked forward runs in
+fp64 on the call's device, every option applied as the kernels apply it, and
+torch.autograd gives the gradients: exact, at torch's speed (no generated kernel), for
+correctness work rather than for speed. Everything is checked first, as a kernel call is
+(the device check last).
 """
 from __future__ import annotations
 
@@ -19,23 +22,33 @@ def is_float32(q) -> bool:
 
 def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
           output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, A_log=None,
-          dt_bias=None, lower_bound=None):
-    """(o [B, T, HV, V] float32, final state float32 or None) of a float32 call of
-    ``spec`` (any rule and gate), differentiable in every tensor input."""
+          dt_bias=None, lower_bound=None, g_gamma=None, rule_inputs=None, beta_ones=False):
+    """(o [B, T, HV, V] in q's dtype, final state float32 or None) of a call of ``spec``
+    (any rule and gate), differentiable in every tensor input; ``beta_ones``: a missing
+    beta means ones; ``g_gamma`` [HV]: a decay per head added to g (simple GLA's);
+    ``rule_inputs``: the rule's vector inputs by name (Comba's p, GDN-2's b, w, ...)."""
+    import torch
+
     from ..dsl import torch_reference as tref
     from . import gates, validate
     validate.check_call(spec, options, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
                         initial_state=initial_state, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu, lower_bound=lower_bound, scale=scale,
+                        g_gamma=g_gamma, beta_optional=beta_ones, rule_inputs=rule_inputs,
                         values=validate.host_checks())
     if options.gate_in_kernel and lower_bound is not None:   # KDA's lower-bounded gate
         g = gates.activate(g.double(), A_log, dt_bias, lower_bound, per_channel=True)
         A_log = dt_bias = None
         options = dataclasses.replace(options, gate_in_kernel=False)
+    if g_gamma is not None:
+        gamma = g_gamma.double().view(1, 1, -1)
+        g = gamma.expand(*v.shape[:3]) if g is None else g.double() + gamma
+    if beta is None and beta_ones and spec.has_beta:
+        beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
     cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     o, final = tref.chunked_forward(spec, q, k, v, g, beta, options=options,
                                     scale=spec.scale_for(q.shape[-1], scale),
                                     initial_state=initial_state,
                                     cu_seqlens=None if cu is None else cu.cpu(),
-                                    A_log=A_log, dt_bias=dt_bias)
+                                    A_log=A_log, dt_bias=dt_bias, **(rule_inputs or {}))
     return o.to(q.dtype), (final.float() if output_final_state else None)

@@ -33,8 +33,9 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     Runs the chunked kernels (the per-key gate's prepare with b . k as the erase vector
     and w . v as the written value, then KDA's state and output stages) where they take
     the call (ops/api.py choose_path: T > 1, f16 / bf16, K <= 256, V a multiple of 16 up
-    to 256), the recurrent kernel otherwise; not differentiable yet (inputs that need
-    gradients raise); return_intermediate_states is not supported.
+    to 256), the recurrent kernel otherwise; no backward kernels yet (a call that needs
+    gradients trains exactly in torch: ops/exact_train.py); return_intermediate_states is
+    not supported.
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,

@@ -13,8 +13,9 @@ def chunk_iplr_delta_rule(q, k, v, a, b, scale=None, initial_state=None,
                           output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None,
                           **kwargs):
     """fla's chunk_iplr_delta_rule: S_t = S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T,
-    o_t = S_t^T (scale q_t). Shapes as chunk_dplr_delta_rule (no gk); runs the recurrent
-    kernel for any T; not differentiable yet (inputs that need gradients raise)."""
+    o_t = S_t^T (scale q_t). Shapes and kernels as chunk_dplr_delta_rule (no gk); no
+    backward kernels yet (a call that needs gradients trains exactly
+    in torch: ops/exact_train.py)."""
     return run(SPEC, q, k, v, a, b, None, scale, initial_state, output_final_state,
                cu_seqlens, cu_seqlens_cpu, kwargs, (16, 32, 64))
 

@@ -345,15 +345,19 @@ def check_scale(spec: OpSpec, K: int, scale) -> float:
     return spec.scale_for(K, scale)
 
 
-def reject_grad(spec: OpSpec, *tensors) -> None:
-    """Raise when autograd would record a call on ``tensors``: the kernels' outputs carry
-    no gradient, so training through them would silently drop it."""
+def needs_grad(*tensors) -> bool:
+    """True when autograd would record a call on these tensors."""
     torch = _torch()
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
-        raise error(f"{spec.name}: no backward is generated for this call (only "
-                    f"chunk_delta_rule, chunk_gated_delta_rule, chunk_gla, chunk_simple_gla "
-                    f"and chunk_linear_attn are differentiable so far); run it under "
-                    f"torch.no_grad() or detach its inputs")
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+
+
+def reject_grad(spec: OpSpec, *tensors) -> None:
+    """Raise when autograd would record a call that has no backward (a state update in
+    place, the decode kernel called directly): its outputs carry no gradient, so training
+    through it would silently drop it."""
+    if needs_grad(*tensors):
+        raise error(f"{spec.name}: this call (a state update, no backward) does not train; "
+                    f"run it under torch.no_grad() or detach its inputs")
 
 
 def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_log=None,

@@ -93,13 +93,6 @@ def test_bad_inputs_fail_in_one_line(cpu_ops, change, message):
     assert cpu_ops == []
 
 
-def test_gradients_refused(cpu_ops):
-    _, t = _inputs()
-    p = t["p"].requires_grad_(True)
-    with pytest.raises(SpecError, match="no backward"):
-        linattn.chunk_comba(t["q"], t["k"], t["v"], p, t["g"], t["beta"])
-
-
 def test_build_refuses_the_comba_rule():
     with pytest.raises(SpecError, match="chunk_comba"):
         linattn.build(SPEC)
