@@ -24,7 +24,12 @@ def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=
                     cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
     """fla's chunk_retention: q, k [B, T, H, K], v [B, T, H, V] (f16 / bf16), head h
     decaying by 1 - 2^(-5 - h) per token; initial_state [N, H, K, V] (any float dtype,
-    read as f32). Returns (o [B, T, H, V], final_state f32 or None). Differentiable."""
+    read as f32). Returns (o [B, T, H, V], final_state f32 or None). Differentiable.
+    chunk_size: as fla's (its chunk_simple_gla's), a power of two from 16 to 256, all on
+    the chunk-64 kernels (the same recurrence)."""
+    size = kwargs.pop("chunk_size", None)
+    if size is not None:
+        api.check_chunk_size(size, (16, 32, 64, 128, 256))
     return _ops().chunk(q, k, v, scale, initial_state, output_final_state,
                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **kwargs)
 
