@@ -356,12 +356,13 @@ def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_l
 
 def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                 allow_neg_eigval=False, use_gate_in_kernel=False, state_v_first=False,
-                kwargs=None, chunk_sizes=(64,)) -> Options:
+                kwargs=None, chunk_sizes=(64,), family=None) -> Options:
     """fla's flag names -> Options; fla's other keywords (``kwargs``) checked: the old name
     ``transpose_state_layout`` of ``state_v_first`` is accepted (warned; not with it, as
     fla), ``chunk_size`` must be one
     of fla's values for the function (``chunk_sizes``; None: a fused_recurrent call, which
-    ignores it as fla does), the rest must be no-ops."""
+    ignores it as fla does; ``family``: the name fla's message gives), the rest must be
+    no-ops."""
     kwargs = dict(kwargs or {})
     if "state_v_first" in kwargs:      # (a function without the parameter: chunk_delta_rule)
         state_v_first = bool(kwargs.pop("state_v_first")) or state_v_first
@@ -375,7 +376,7 @@ def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
     size = kwargs.pop("chunk_size", None)
     if chunk_sizes is not None and size is not None:
-        check_chunk_size(size, chunk_sizes)
+        check_chunk_size(size, chunk_sizes, family)
     reject(kwargs)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise validate.error("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
@@ -387,8 +388,9 @@ def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                    state_v_first=bool(state_v_first))
 
 
-def check_chunk_size(chunk_size, allowed: tuple) -> None:
-    """fla's chunk_size, one of the function's fla values (``allowed``). It sets how fla's
+def check_chunk_size(chunk_size, allowed: tuple, family=None) -> None:
+    """fla's chunk_size, one of the function's fla values (``allowed``; fla's message
+    names the ``family`` where its tests match on it: KDA, GDN-2). It sets how fla's
     kernels split the sequence, not the result: linattn runs every allowed value on its
     chunk-64 kernels (the same recurrence; the chunk size moves only rounding)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or (
@@ -396,7 +398,8 @@ def check_chunk_size(chunk_size, allowed: tuple) -> None:
         *head, last = [str(c) for c in allowed]
         choices = (last if not head else f"either {head[0]} or {last}" if len(head) == 1
                    else f"{', '.join(head)}, or {last}")
-        raise validate.error(f"`chunk_size` must be {choices}, got "
+        raise validate.error(f"`chunk_size` must be {choices}"
+                             f"{f' for {family}' if family else ''}, got "
                              f"{validate.describe(chunk_size)}")
 
 

@@ -39,7 +39,8 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                           state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,))
+                           state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,),
+                           family="GDN-2")
     if return_intermediate_states:
         raise api.validate.error("chunk_gdn2: return_intermediate_states=True is not "
                                  "supported by linattn yet")

@@ -40,7 +40,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                            allow_neg_eigval, use_gate_in_kernel, state_v_first, kwargs,
-                           chunk_sizes=(32, 64))
+                           chunk_sizes=(32, 64), family="KDA")
     if return_intermediate_states:
         return api.intermediate_states(
             SPEC, q, k, v, g, beta, chunk_size=kwargs.get("chunk_size"), scale=scale,
