@@ -40,5 +40,6 @@ _library.register_all()     # torch.ops.linattn.<path>_<op>: see ops/library.py
 from linattn.ops.comba import chunk_comba, fused_recurrent_comba  # noqa: F401,E402
 from linattn.ops.gdn2 import chunk_gdn2, fused_recurrent_gdn2  # noqa: F401,E402
 from linattn.ops.dplr import (chunk_dplr_delta_rule, chunk_rwkv7,  # noqa: F401,E402
-                              fused_recurrent_dplr_delta_rule, fused_recurrent_rwkv7)
+                              fused_mul_recurrent_rwkv7, fused_recurrent_dplr_delta_rule,
+                              fused_recurrent_rwkv7)
 from linattn.ops.iplr import chunk_iplr_delta_rule, fused_recurrent_iplr_delta_rule  # noqa: F401,E402

@@ -115,3 +115,21 @@ def fused_recurrent_rwkv7(r, w, k, v, a, b, scale=None, initial_state=None,
                                            initial_state=initial_state,
                                            output_final_state=output_final_state,
                                            cu_seqlens=cu_seqlens, **kwargs)
+
+
+def fused_mul_recurrent_rwkv7(r, w, k, v, kk, a, scale=1.0, initial_state=None,
+                              output_final_state=False, reverse=False, cu_seqlens=None,
+                              **kwargs):
+    """fla's fused_mul_recurrent_rwkv7: RWKV-7's recurrence with DPLR's a, b formed from
+    kk and a (fla: a_dplr = -kk, b_dplr = kk * a), i.e. fused_recurrent_dplr_delta_rule
+    with q = r, gk = w; scale defaults to 1.0, None to K ** -0.5 (fla's)."""
+    if "head_first" in kwargs:
+        raise api.validate.error("head_first has been removed: inputs are [B, T, H, ...]")
+    import torch
+    for name, x in (("kk", kk), ("a", a)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return fused_recurrent_dplr_delta_rule(r, k, v, -kk, kk * a, w, scale=scale,
+                                           initial_state=initial_state,
+                                           output_final_state=output_final_state,
+                                           reverse=reverse, cu_seqlens=cu_seqlens, **kwargs)
