@@ -272,6 +272,44 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                  ht if output_final_state else None)
 
 
+def states_by_chunks(call, seq: dict, *, initial_state=None, cu_seqlens=None,
+                     state_shape: tuple, chunk: int = 64):
+    """fla's ``return_intermediate_states`` of a function without a training forward that
+    keeps its states (chunk_gdn2): ``call(**seq_slices, initial_state=S,
+    output_final_state=True) -> (o, S')`` run ``chunk`` tokens at a time from each chunk's
+    entering state S, which it collects. seq: the per-token inputs [B, T, ...]; state_shape:
+    one state's [HV, K, V] (or [HV, V, K]). Returns (o, final_state f32, h), h [B, NT, *state]
+    in q's dtype ([1, NT_total, ...] with cu_seqlens, sequence by sequence; cu_seqlens: the
+    offsets, read on the host). Inference only: the caller refuses inputs that need
+    gradients."""
+    import torch
+    q = seq["q"]
+    B, T = q.shape[:2]
+    if cu_seqlens is None:
+        runs = [(slice(0, B), 0, T)]
+    else:
+        cu = cu_seqlens.tolist()
+        runs = [(slice(n, n + 1), cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    outs, finals, hs = [], [], []
+    for rows, t0, t1 in runs:
+        S = (torch.zeros((rows.stop - rows.start,) + tuple(state_shape), device=q.device)
+             if initial_state is None else initial_state[rows].float())
+        for c0 in range(t0, t1, chunk):
+            hs.append(S)
+            o, S = call(**{n: x[:, c0:min(t1, c0 + chunk)] for n, x in seq.items()},
+                        initial_state=S, output_final_state=True)
+            outs.append(o)
+        finals.append(S)
+    if not outs:                                    # (no tokens at all)
+        outs.append(call(**seq, initial_state=initial_state, output_final_state=False)[0])
+    shape = tuple(state_shape)
+    if cu_seqlens is None:
+        h = torch.stack(hs, 1) if hs else q.new_zeros((B, 0) + shape)
+    else:
+        h = torch.cat(hs, 0).unsqueeze(0) if hs else q.new_zeros((1, 0) + shape)
+    return torch.cat(outs, 1), torch.cat(finals, 0), h.to(q.dtype)
+
+
 def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
                      inplace_final_state=False, kwargs=None) -> bool:
     """Whether a fused_recurrent_* call of a family whose fla function trains (DeltaNet,

@@ -34,20 +34,51 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     and w . v as the written value, then KDA's state and output stages) where they take
     the call (ops/api.py choose_path: T > 1, f16 / bf16, K <= 256, V a multiple of 16 up
     to 256), the recurrent kernel otherwise; no backward kernels yet (a call that needs
-    gradients trains exactly in torch: ops/exact_train.py); return_intermediate_states is
-    not supported.
+    gradients trains exactly in torch: ops/exact_train.py). return_intermediate_states=True
+    (inference only) also returns fla's h, the state entering each 64-token chunk
+    (:func:`_intermediate_states`).
     """
     check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel)
     opts = api.fla_options(use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                            state_v_first=state_v_first, kwargs=kwargs, chunk_sizes=(64,),
                            family="GDN-2")
     if return_intermediate_states:
-        raise api.validate.error("chunk_gdn2: return_intermediate_states=True is not "
-                                 "supported by linattn yet")
+        return _intermediate_states(opts, q, k, v, g, b, w, scale, initial_state,
+                                    output_final_state, cu_seqlens, cu_seqlens_cpu, A_log,
+                                    dt_bias, lower_bound)
     return api.forward(SPEC, q, k, v, g, None, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, options=opts,
                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
                        dt_bias=dt_bias, lower_bound=lower_bound, rule_inputs={"b": b, "w": w})
+
+
+def _intermediate_states(opts, q, k, v, g, b, w, scale, initial_state, output_final_state,
+                         cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, lower_bound):
+    """fla's return_intermediate_states=True: (o, final_state or None, h), h the state
+    entering each 64-token chunk in q's dtype, [B, NT, HV, K, V] ([.., V, K] with
+    state_v_first; [1, NT_total, ...] with cu_seqlens): the call checked, then run chunk by
+    chunk from each entering state (api.states_by_chunks). Inference only."""
+    import torch
+    grads = (q, k, v, g, b, w, initial_state, A_log, dt_bias)
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in grads):
+        raise api.validate.error("return_intermediate_states=True is for inference: call it "
+                                 "under torch.inference_mode() or torch.no_grad()")
+    d = api.validate.check_call(
+        SPEC, opts, q, k, v, g, None, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        scale=scale, values=api.validate.host_checks(), rule_inputs={"b": b, "w": w}).dims
+    kw = dict(scale=scale, use_qk_l2norm_in_kernel=opts.l2norm_qk, A_log=A_log,
+              use_gate_in_kernel=opts.gate_in_kernel, lower_bound=lower_bound,
+              dt_bias=dt_bias, state_v_first=opts.state_v_first)
+
+    def call(q, k, v, g, b, w, initial_state, output_final_state):
+        return chunk_gdn2(q, k, v, g, b, w, initial_state=initial_state,
+                          output_final_state=output_final_state, **kw)
+    o, final, h = api.states_by_chunks(
+        call, dict(q=q, k=k, v=v, g=g, b=b, w=w), initial_state=initial_state,
+        cu_seqlens=cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu,
+        state_shape=(d.HV, d.V, d.K) if opts.state_v_first else (d.HV, d.K, d.V))
+    return o, (final if output_final_state else None), h
 
 
 def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None,

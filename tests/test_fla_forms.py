@@ -1263,15 +1263,48 @@ def test_chunk_size_errors_in_fla_s_words(cpu_ops):
         "`chunk_size` must be")
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gdn2_return_intermediate_states_form(cpu_ops, varlen):
+    """fla's test_gdn2 test_chunk_return_intermediate_states (float32, inference_mode,
+    use_qk_l2norm_in_kernel, output_final_state): (o, ht, h) with o, ht as the call without
+    it and h [B, NT, H, K, V] the state entering each 64-token chunk, against fla's
+    naive_recurrent_gdn2 on the first 64 c tokens (varlen: h [1, NT_total, ...], sequence
+    by sequence, with an initial state)."""
+    naive = fla_fn("fla.ops.gdn2.naive", "naive_recurrent_gdn2")
+    B, T, H, K, V = (1, 150, 2, 32, 32) if varlen else (2, 150, 2, 32, 32)
+    y = _gdn2_inputs(B, T, H, K, V, F32)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    cu = [0, 70, 70, 150] if varlen else None
+    if varlen:
+        kw.update(cu_seqlens=torch.tensor(cu), initial_state=gen(4)[0](3, H, K, V))
+    with torch.inference_mode():
+        o_ref, ht_ref = linattn.chunk_gdn2(**y, **kw)
+        o, ht, h = linattn.chunk_gdn2(**y, **kw, return_intermediate_states=True)
+    close("o", o, o_ref, 1e-5)
+    close("ht", ht, ht_ref, 1e-5)
+    norm = {n: F.normalize(y[n], dim=-1) if n in "qk" else t for n, t in y.items()}
+    runs = [(0, T, None)] if not varlen else [(cu[n], cu[n + 1], n) for n in range(3)]
+    want = []
+    for t0, t1, n in runs:
+        h0 = None if n is None else kw["initial_state"][n:n + 1]
+        for c0 in range(t0, t1, 64):
+            want.append(h0 if c0 == t0 and h0 is not None else
+                        torch.zeros(B, H, K, V) if c0 == t0 else
+                        naive(**{m: x[:, t0:c0] for m, x in norm.items()}, initial_state=h0,
+                              output_final_state=True)[1])
+    want = torch.stack(want, 1) if not varlen else torch.cat(want, 0).unsqueeze(0)
+    assert h.shape == want.shape == ((1, 4, H, K, V) if varlen else (B, 3, H, K, V))
+    assert h.dtype == F32
+    close("h", h, want, 1e-4)
+
+
 def test_intentional_refusals_are_one_line(cpu_ops):
     """Forms fla has and linattn refuses on purpose (a feature it lacks), each in one line
-    naming it: chunk_gdn2's return_intermediate_states, KDA's intermediate states under
-    autograd, fused_recurrent's reverse."""
+    naming it: the intermediate states under autograd (KDA, GDN-2), fused_recurrent's
+    reverse."""
     y = _gdn2_inputs(1, 64, 2, 64, 64, F32)
-    with torch.inference_mode():
-        one_line(lambda: linattn.chunk_gdn2(**y, return_intermediate_states=True,
-                                            output_final_state=True),
-                 "return_intermediate_states")
+    y["b"].requires_grad_()
+    one_line(lambda: linattn.chunk_gdn2(**y, return_intermediate_states=True), "for inference")
     x = _small("kda", BF)
     x["q"].requires_grad_()
     one_line(lambda: linattn.chunk_kda(**x, return_intermediate_states=True), "for inference")

@@ -68,7 +68,8 @@ def test_lower_bound_gate(cpu_ops):
     (dict(g=torch.zeros(1, 23, 4)), "g"),
     (dict(chunk_size=32), "chunk_size"),
     (dict(use_beta_sigmoid_in_kernel=True), "use_beta_sigmoid_in_kernel"),
-    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(return_intermediate_states=True, b=torch.zeros(1, 23, 4, 16)),   # (checked first)
+     r"b has shape \[1, 23, 4, 16\]"),
 ])
 def test_bad_inputs_fail_in_one_line(cpu_ops, change, message):
     _, t = _inputs()
