@@ -50,5 +50,34 @@ def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_stat
                                     scale=spec.scale_for(q.shape[-1], scale),
                                     initial_state=initial_state,
                                     cu_seqlens=None if cu is None else cu.cpu(),
-                                    A_log=A_log, dt_bias=dt_bias, **(rule_inputs or {}))
+                                    A_log=A_log, dt_bias=dt_bias,
+                                    chunk_size=safe_chunk(spec, options, g, A_log, dt_bias),
+                                    **(rule_inputs or {}))
     return o.to(q.dtype), (final.float() if output_final_state else None)
+
+
+#: the largest |exponent| the fp64 chunked reference may form (exp(709) is its limit)
+EXP_LIMIT = 500.0
+
+
+def safe_chunk(spec, options, g, A_log=None, dt_bias=None) -> int:
+    """The chunk size for the fp64 chunked reference (exact at any size): the spec's, halved
+    while a chunk's decay from its middle could exceed EXP_LIMIT (the reference forms
+    exp(+-(cumulative log decay)) about the middle token: fla's masked gates of -1000, or
+    strong gates in the kernel, overflowed to inf and gave NaN), down to 1 (token by
+    token)."""
+    import torch
+    from . import gates
+    C = spec.chunk_size
+    if g is None or not spec.has_gate:
+        return C
+    with torch.no_grad():
+        x = g.detach().double()
+        if options.gate_in_kernel:
+            x = gates.activate(x, None if A_log is None else A_log.detach(),
+                               None if dt_bias is None else dt_bias.detach(),
+                               per_channel=spec.gate.value != "scalar")
+        worst = float(x.abs().max()) if x.numel() else 0.0
+    while C > 1 and worst * (C - C // 2) > EXP_LIMIT:
+        C //= 2
+    return C

@@ -50,9 +50,14 @@ def rel(got, want) -> float:
 
 
 def close(name, got, want, tol):
+    """Relative error (norm) under ``tol``, or, as fla's assert_close allows, a largest
+    absolute error of at most 1e-6 (gradients of gates that decay by e^-50 a token are
+    rounding noise of the loss)."""
     assert got is not None, name
     assert got.shape == want.shape, (name, tuple(got.shape), tuple(want.shape))
     assert not torch.isnan(got).any(), name
+    if float((got.detach().double() - want.detach().double()).abs().max()) <= 1e-6:
+        return
     err = rel(got, want)
     assert err < tol, (name, err, tol)
 
@@ -145,6 +150,9 @@ def _delta_inputs(f):
         g = g / f.get("norm", 1.0)
         if f.get("mask"):                 # fla's mask_p: some gates zeroed
             g = g * (rand(*gshape) > 0.5)
+        if f.get("mask1000"):              # fla's KDA varlen: masked gates of -1000
+            keep = rand(*gshape) > 0.5
+            g = g * keep + (~keep) * -1000.0
         if f.get("clamp"):
             g = g.clamp(-5, 0)
         x["g"] = g.to(f.get("g_dtype", F32))
@@ -379,6 +387,11 @@ DELTA_FORMS = {
                                       l2="outside", clamp=True, cu=[0, 31, 50, 64],
                                       cu_dtype=torch.int64, cu_cpu=True,
                                       kw=dict(safe_gate=True, disable_recompute=True)),
+    "kda-chunk-f32-train-mask1000-varlen": dict(fam=K_, fn="chunk", dtype=F32, qk="randn",
+                                                l2="outside", mask1000=True, train=True,
+                                                cu=[0, 15, 80, 100], cu_dtype=torch.int64),
+    "gdn-chunk-f32-train-norm0.01": dict(fam=G, fn="chunk", dtype=F32, H=1, HV=2, T=80,
+                                         l2="kernel", norm=0.01, train=True),   # (fla's 0.01)
     "kda-chunk-f32-train-gik-safe": dict(fam=K_, fn="chunk", dtype=F32, l2="kernel", scale=1.0,
                                          gik=dict(safe_gate=True, lower_bound=-5.0), train=True,
                                          kw=dict(disable_recompute=False, chunk_size=64)),
