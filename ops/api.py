@@ -117,6 +117,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                  initial_state=initial_state)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
+        exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, rule_inputs=rule_inputs,
@@ -232,6 +233,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
         _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, rule_inputs=rule_inputs,

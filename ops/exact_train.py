@@ -20,6 +20,20 @@ def is_float32(q) -> bool:
     return getattr(q, "dtype", None) == torch.float32
 
 
+_NOTED: set = set()
+
+
+def note_no_kernels(spec, q) -> None:
+    """Warn once per spec that a 16-bit call of a family with no backward kernels trains
+    here (correct, but at torch's speed and fp64 memory)."""
+    import warnings
+    if not is_float32(q) and spec.name not in _NOTED:
+        _NOTED.add(spec.name)
+        warnings.warn(f"linattn: {spec.name} has no backward kernels yet; calls that need "
+                      f"gradients train exactly in torch (fp64, far slower than kernels)",
+                      stacklevel=4)
+
+
 def train(spec, options, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
           output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, A_log=None,
           dt_bias=None, lower_bound=None, g_gamma=None, rule_inputs=None, beta_ones=False):

@@ -4,6 +4,8 @@ float32 and bfloat16, with varlen, an initial state and the final state's gradie
 against torch autograd of the independent fp64 token recurrence
 (dsl/torch_reference.recurrent_forward) on the same (rounded) inputs. CPU tensors through
 the ops' plumbing (the cpu_ops fixture switches the device check off)."""
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,17 @@ def test_a_state_pool_does_not_train(cpu_ops):
                                       x["g"][:, :3], x["beta"][:, :3], initial_state=pool,
                                       ssm_state_indices=torch.tensor([1]),
                                       inplace_final_state=True)
+
+
+def test_a_16bit_call_is_told_once_that_it_trains_in_torch(cpu_ops, monkeypatch):
+    from linattn.ops import exact_train
+    monkeypatch.setattr(exact_train, "_NOTED", set())
+    x = _inputs("iplr", torch.bfloat16, 1)
+    args = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "a", "b")]
+    with pytest.warns(UserWarning, match="iplr has no backward kernels yet"):
+        linattn.chunk_iplr_delta_rule(*args, cu_seqlens=torch.tensor(CU),
+                                      initial_state=x["initial_state"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linattn.chunk_iplr_delta_rule(*args, cu_seqlens=torch.tensor(CU),
+                                      initial_state=x["initial_state"])
