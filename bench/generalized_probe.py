@@ -9,9 +9,12 @@ recurrence of the family's spec over the first CHECK_TOKENS tokens (o is causal:
 prefix is the prefix's) and against fla's output on the whole row; a wrong row is
 reported, not timed. Then linattn and fla are timed by linattn-bench's timer (CUPTI
 kernel union per call, L2 flushed, median). A training row times forward + backward of
-every input; a family without a backward in linattn has its training rows reported, not
-timed. Ratio = fla time / linattn time. linattn's kernels of every row are compiled in
-parallel processes first.
+every input; a family linattn trains exactly in torch (no backward kernels yet:
+ops/exact_train.py) has its training rows reported, not timed. Ratio = fla time /
+linattn time. linattn's kernels of every row are compiled in parallel processes first.
+--config KEY=VALUE (a plan config, codegen/arch/sm90 CONFIG_KEYS) runs the dplr rule's
+families (dplr, rwkv7, iplr) through ops.chunk.run_chunk_forward with it: a probe's
+variant (e.g. iplr_direct=1), checked like the default.
 
     python3 bench/generalized_probe.py [--families comba,gdn2] [--rows GLOB] [--out FILE]
 
@@ -107,8 +110,9 @@ def reference(family, x, T):
                              options=opts, scale=scale, **rule)[0]
 
 
-def functions(family):
-    """(linattn's, fla's or None) chunk function of the family."""
+def functions(family, config=None):
+    """(linattn's, fla's or None) chunk function of the family (linattn's under the plan
+    ``config`` for the dplr rule's families: :func:`with_config`)."""
     name = {"comba": "chunk_comba", "gdn2": "chunk_gdn2", "dplr": "chunk_dplr_delta_rule",
             "rwkv7": "chunk_rwkv7", "iplr": "chunk_iplr_delta_rule"}[family]
     module = {"comba": "fla.ops.comba", "gdn2": "fla.ops.gdn2",
@@ -120,7 +124,27 @@ def functions(family):
     except Exception as e:      # noqa: BLE001 (reported; the rows time linattn alone)
         print(f"fla's {name} not loaded: {type(e).__name__}: {e}")
         theirs = None
+    if config and family in ("dplr", "rwkv7", "iplr"):
+        return with_config(family, config), theirs
     return getattr(linattn, name), theirs
+
+
+def with_config(family, config):
+    """linattn's function of a dplr-rule family (fla's signature) run through
+    ops.chunk.run_chunk_forward under the plan ``config``."""
+    from linattn.ops import chunk
+    spec = get_spec("iplr" if family == "iplr" else "dplr")
+    scale = 1.0 if family == "rwkv7" else None
+
+    def fn(*args):
+        if family == "rwkv7":
+            q, gk, k, v, a, b = args
+        else:
+            q, k, v, a, b, gk = args + (None,) * (6 - len(args))
+        return chunk.run_chunk_forward(spec, q, k, v, gk, None, scale, None, False,
+                                       Options(), None, None, config=config,
+                                       rule_inputs={"a": a, "b": b})
+    return fn
 
 
 def rel(a, b):
@@ -135,14 +159,15 @@ def step(family, fn, x):
     return run
 
 
-def precompile(rows):
+def precompile(rows, config=None):
     """linattn's kernels of every forward row, compiled in parallel processes."""
     with runtime.recording() as jobs:
         for family, (B, T, train, H, K) in rows:
             if not train:
                 try:
                     with torch.no_grad():
-                        call(family, functions(family)[0], inputs(family, B, T, H=H, K=K))
+                        x = inputs(family, B, T, H=H, K=K)
+                        call(family, functions(family, config)[0], x)
                 except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
                     pass
     errors = runtime.precompile(jobs)
@@ -175,16 +200,21 @@ def check(family, ours, theirs, x, T):
     return out, vs_fla, "; ".join(b for b in bad if b) or None
 
 
-def run_row(family, workload, paths):
+def run_row(family, workload, paths, config=None):
     B, T, train, H, K = WORKLOADS[workload]
-    ours, theirs = functions(family)
+    ours, theirs = functions(family, config)
     row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
-               shape=dict(B=B, T=T, H=H, K=K, V=K, dtype="bfloat16"), impls={})
+               shape=dict(B=B, T=T, H=H, K=K, V=K, dtype="bfloat16"), impls={},
+               **({"config": dict(config)} if config else {}))
     if train:
+        from linattn.ops import exact_train
         try:
             step(family, ours, inputs(family, B, T, True, H, K))()
-        except Exception as e:      # noqa: BLE001 (linattn's missing backward: reported)
-            row["error"] = f"linattn has no training for {family}: {str(e)[:200]}"
+        except Exception as e:      # noqa: BLE001 (linattn's failure: reported)
+            row["error"] = f"linattn's training of {family} failed: {str(e)[:200]}"
+            return row
+        if get_spec({"rwkv7": "dplr"}.get(family, family)).name in exact_train._NOTED:
+            row["error"] = f"linattn trains {family} exactly in torch (no backward kernels)"
             return row
         for who, fn in (("linattn", ours), ("fla", theirs)):
             if fn is not None:
@@ -217,13 +247,16 @@ def main():
                                                   "generalized_h200.json"))
     ap.add_argument("--dplr-prepare-threads", type=int, default=None,
                     help="probe: chunk_prepare_dplr's threads (dplr.DPLR_PREPARE_THREADS)")
+    ap.add_argument("--config", nargs="*", default=[],
+                    help="probe: plan config KEY=VALUE for the dplr rule's families")
     a = ap.parse_args()
+    config = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.config}
     if a.dplr_prepare_threads:
         from linattn.codegen.arch.sm90 import dplr
         dplr.DPLR_PREPARE_THREADS = a.dplr_prepare_threads
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
-    precompile([(f, WORKLOADS[w]) for f, w in rows])
+    precompile([(f, WORKLOADS[w]) for f, w in rows], config)
     paths, real_run = [], library.run
 
     def run(spec, path, *args, **kw):     # (which kernels linattn's call took)
@@ -233,7 +266,7 @@ def main():
     results = []
     for family, workload in rows:
         try:
-            row = run_row(family, workload, paths)
+            row = run_row(family, workload, paths, config)
         except Exception as e:      # noqa: BLE001 (one row never stops the rest)
             row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
                        impls={}, error=f"{type(e).__name__}: {str(e)[:300]}")

@@ -16,7 +16,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh combo   # ~7 min: the walk's k ring, Mamba-2 train
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~7 min: split rows' kkt inverse_mma, value_split
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
-#   source .gpu/prelude.sh && bash bench/gpu_s39.sh dplr    # ~5 min: DPLR / IPLR per kernel, prepare 128 / 256 threads
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh dplr    # ~9 min: tests, IPLR direct, DPLR / IPLR per kernel
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh train   # ~5 min: GDN / DeltaNet training per kernel
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh gates   # ~9 min: the gates table, linattn vs fla
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
@@ -81,7 +81,16 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen or combo} in
       --tasks generate > "$OUT/models_kimi.txt" 2>&1
     echo "kimi_linear generate rc=$?"
     grep -h '^{' "$OUT"/models_gdn.txt "$OUT"/models_kimi.txt | cut -c1-400 ;;
-  dplr)    # the DPLR / IPLR prefill rows per kernel, the prepare at 128 and 256 threads
+  dplr)    # the chunked DPLR GPU tests (the prepare's gate loads; iplr_direct's stage), the
+           # DPLR / IPLR prefill rows per kernel at 128 and 256 threads, IPLR with iplr_direct
+           # (chunk_prepare_iplr: the pairs as four GEMMs, 88 KB, two CTAs an SM; model: the
+           # prepare ~51 -> ~25 us a CTA, 4k ~0.58 -> ~0.30 ms against fla's 0.375)
+    gpu_tests 110 tests/test_chunk_dplr_gpu.py
+    grep -E "FAILED|passed|failed|rc=" "$OUT/tests.txt" | tail -n 5
+    $T 110 python3 bench/generalized_probe.py --families iplr --rows '*/prefill-*' \
+      --config iplr_direct=1 --out "$OUT/generalized_iplr_direct.json" \
+      > "$OUT/generalized_iplr_direct.txt" 2>&1
+    echo "iplr_direct rc=$?"; tail -n 3 "$OUT/generalized_iplr_direct.txt"
     for t in 128 256; do
       $T 140 python3 bench/generalized_probe.py --families dplr,iplr --rows '*/prefill-*4k*' \
         --dplr-prepare-threads $t --out "$OUT/generalized_dplr_$t.json" \

@@ -150,7 +150,7 @@ def _fake_body(spec, stage, params):
 
     def run(*args):
         t = dict(zip(names, args))
-        if stage == "chunk_prepare_dplr":
+        if stage in ("chunk_prepare_dplr", "chunk_prepare_iplr"):   # (the same outputs)
             chunks = list(zip(t["chunk_bos"].tolist(), t["chunk_len"].tolist()))
             x = {n: f64(t[n]) if n in t else None for n in "qkabvg"}
             outs, g_last = _fake_prepare(x, chunks, params["HV"], t["scale"], [])
@@ -169,12 +169,14 @@ def _fake_body(spec, stage, params):
     return run
 
 
-@pytest.mark.parametrize("name", ["dplr", "iplr"])
-def test_plan_runs_the_stages(monkeypatch, name):
+@pytest.mark.parametrize("name, config", [("dplr", None), ("iplr", None),
+                                          ("iplr", {"iplr_direct": 1})],
+                         ids=["dplr", "iplr", "iplr-direct"])
+def test_plan_runs_the_stages(monkeypatch, name, config):
     """The arch's plan through ops.chunk.run_chunk_forward: its
     launches' arguments match the kernels' signatures (K = 16 padded to the kernels' 64,
     the rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give the
-    reference's o and final state."""
+    reference's o and final state; probe config iplr_direct takes chunk_prepare_iplr."""
     from linattn.ops import chunk
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
@@ -190,8 +192,9 @@ def test_plan_runs_the_stages(monkeypatch, name):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     args = (spec, h["q"], h["k"], h["v"], h["g"], None, K ** -0.5, h["initial_state"].float(),
             True, Options(), cu_t, cu_t)
-    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]})
-    assert [s for s, _ in calls] == ["chunk_prepare_dplr", "chunk_state_dplr"]
+    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]}, config=config)
+    prepare = "chunk_prepare_iplr" if config else "chunk_prepare_dplr"
+    assert [s for s, _ in calls] == [prepare, "chunk_state_dplr"]
     ref = {n: None if z is None else z.double() for n, z in h.items()}
     ref_o, ref_h = TR.chunked_forward(SPECS[f"dplr_{spec.gate.value}"], scale=K ** -0.5,
                                       cu_seqlens=cu, **ref)
@@ -212,7 +215,8 @@ def test_chunked_switch_and_fits():
 def _cases():
     out = []
     for name in ("dplr", "iplr"):
-        for stage in ("chunk_prepare_dplr", "chunk_state_dplr"):
+        for stage in ("chunk_prepare_dplr", "chunk_state_dplr") + (
+                ("chunk_prepare_iplr",) if name == "iplr" else ()):
             rep = (pytest.mark.representative,) if name == "dplr" else ()
             out.append(pytest.param(name, stage, marks=rep, id=f"{name}-{stage}"))
     return out

@@ -47,6 +47,14 @@ def _refusal(p: ForwardProblem) -> str:
     return ""
 
 
+def _prepare_stage(p: ForwardProblem, config: dict) -> str:
+    """chunk_prepare_dplr; without a decay, under probe config iplr_direct, chunk_prepare_iplr
+    (the pairs as plain GEMMs, no levels; half the shared memory: unmeasured)."""
+    if config.get("iplr_direct") and p.gate == "none":
+        return "chunk_prepare_iplr"
+    return "chunk_prepare_dplr"
+
+
 def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     """prepare (w, u, qg, bg, kg [Ttot, HV, K|V], aqb, aqk [Ttot, HV, 64] in the input
     dtype, g_last [NT, HV, K] f32), then the state pass writing o and the final state."""
@@ -64,7 +72,7 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input"),
              Buffer("aqb", (p.Ttot, p.HV, C), "input"), Buffer("aqk", (p.Ttot, p.HV, C), "input"),
              Buffer("g_last", (p.NT, p.HV, p.K), "float32")]
-    launches = (launch("chunk_prepare_dplr", prep, a="a_in", b="b_in"),
+    launches = (launch(_prepare_stage(p, config), prep, a="a_in", b="b_in"),
                 launch("chunk_state_dplr", state,
                        release=("w", "u", "qg", "bg", "kg", "aqb", "aqk", "g_last")))
     return Plan("dplr-chunked", NAME, launches, tuple(bufs),

@@ -245,7 +245,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_v=None, threads=128):
                     kg[t0 + i, hv, j] = T.cast(
                         T.cast(kt_s[i, j], f32) * T.exp(G_s[rows - 1, j] - G_s[i, j]), dtype)
 
-            # u = X (A_ak v), per value panel (A_ak v rounded to the input dtype)
+            # u = X (A_ak v), per value panel
             v_s = T.alloc_shared((BT, BV), dtype)
             y_s = T.alloc_shared((BT, BV), dtype)
             y_f = T.alloc_fragment((BT, BV), f32)
