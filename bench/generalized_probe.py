@@ -14,7 +14,7 @@ ops/exact_train.py) has its training rows reported, not timed. Ratio = fla time 
 linattn time. linattn's kernels of every row are compiled in parallel processes first.
 --config KEY=VALUE (a plan config, codegen/arch/sm90 CONFIG_KEYS) runs the dplr rule's
 families (dplr, rwkv7, iplr) through ops.chunk.run_chunk_forward with it: a probe's
-variant (e.g. iplr_direct=1), checked like the default.
+variant (e.g. iplr_direct=1, prepare_threads=256), checked like the default.
 
     python3 bench/generalized_probe.py [--families comba,gdn2] [--rows GLOB] [--out FILE]
 
@@ -245,15 +245,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
                                                   os.environ.get("OUT") or ".",
                                                   "generalized_h200.json"))
-    ap.add_argument("--dplr-prepare-threads", type=int, default=None,
-                    help="probe: chunk_prepare_dplr's threads (dplr.DPLR_PREPARE_THREADS)")
     ap.add_argument("--config", nargs="*", default=[],
                     help="probe: plan config KEY=VALUE for the dplr rule's families")
     a = ap.parse_args()
     config = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.config}
-    if a.dplr_prepare_threads:
-        from linattn.codegen.arch.sm90 import dplr
-        dplr.DPLR_PREPARE_THREADS = a.dplr_prepare_threads
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
     precompile([(f, WORKLOADS[w]) for f, w in rows], config)

@@ -93,7 +93,7 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen or combo} in
     echo "iplr_direct rc=$?"; tail -n 3 "$OUT/generalized_iplr_direct.txt"
     for t in 128 256; do
       $T 140 python3 bench/generalized_probe.py --families dplr,iplr --rows '*/prefill-*4k*' \
-        --dplr-prepare-threads $t --out "$OUT/generalized_dplr_$t.json" \
+        --config prepare_threads=$t --out "$OUT/generalized_dplr_$t.json" \
         > "$OUT/generalized_dplr_$t.txt" 2>&1
       echo "dplr threads $t rc=$?"; tail -n 3 "$OUT/generalized_dplr_$t.txt"
     done ;;

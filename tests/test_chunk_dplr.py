@@ -237,3 +237,20 @@ def test_stage_compiles_without_spills(name, stage):
     assert "error" not in rec, rec.get("error")
     assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
     assert not rec["barriers_in_branches"], rec["barriers_in_branches"]
+
+
+@pytest.mark.parametrize("name, config, stage, threads", [
+    ("dplr", {}, "chunk_prepare_dplr", 128),
+    ("dplr", {"prepare_threads": 256}, "chunk_prepare_dplr", 256),
+    ("dplr", {"iplr_direct": 1}, "chunk_prepare_dplr", 128),     # (a decay: the levels)
+    ("iplr", {"iplr_direct": 1, "prepare_threads": 256}, "chunk_prepare_iplr", 256)])
+def test_prepare_probe_configs(name, config, stage, threads):
+    """The plan's probe configs for the prepare: its threads and, without a decay, the
+    direct stage; the default plan is the arch's (DPLR_PREPARE_THREADS, the levels)."""
+    from linattn.ops import chunk
+    from linattn.ops.registry import specs
+    p = chunk.forward_plan(specs()[name], Options(), "sm90", config=config, H=2, HV=2, K=64,
+                           V=64, dtype="bfloat16", Ttot=128, seq_chunks=(2,),
+                           g_dtype="float32", output_final_state=True)
+    prep = p.launches[0]
+    assert prep.stage == stage and dict(prep.params)["threads"] == threads

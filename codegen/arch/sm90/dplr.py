@@ -19,7 +19,7 @@ DPLR_V_MULTIPLE = 32
 #: the state pass's TMA stages (K = 128, BV = 64: 226 KB of shared memory at 2)
 DPLR_STATE_STAGES = 2
 #: the prepare's threads (128 or 256): one CTA an SM at 184 KB, so its warps alone hide
-#: the latency (256 unmeasured: generalized_probe --dplr-prepare-threads)
+#: the latency (256 unmeasured: probe config prepare_threads, generalized_probe --config)
 DPLR_PREPARE_THREADS = 128
 
 
@@ -62,7 +62,7 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     if why:
         raise ValueError(why)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
-    prep = dict(common, threads=DPLR_PREPARE_THREADS,
+    prep = dict(common, threads=config.get("prepare_threads", DPLR_PREPARE_THREADS),
                 **({"g_dtype": p.g_dtype} if p.gate == "key" else {}))
     state = dict(common, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state,
