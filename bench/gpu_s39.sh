@@ -18,6 +18,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh dplr    # ~9 min: tests, IPLR direct, DPLR / IPLR per kernel
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh train   # ~5 min: GDN / DeltaNet training per kernel
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssddecode  # ~4 min: Mamba-2 decode tiles
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh gates   # ~9 min: the gates table, linattn vs fla
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
@@ -49,7 +50,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?tests, walk, dplr, gates, train, models, ssdgen or combo} in
+case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} in
   combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
     $T 170 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
       tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or inverse_mma or helper" \
@@ -73,6 +74,15 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen or combo} in
       > "$OUT/generalized_probe.txt" 2>&1
     echo "generalized rc=$?"
     grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 6; tail -n 8 "$OUT/generalized_probe.txt" ;;
+  ssddecode)  # Mamba-2 decode's tile (s38-1: 0.76x mamba_ssm at b1, 7.2 vs 5.4 us; 0.94x at
+              # b256): the arch's (b1: 1024 one-warp CTAs, 32 states a lane) against wider CTAs
+    $T 280 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'decode-*' \
+      --out "$OUT/ssd_decode_tiles.json" --decode-tiles \
+      "block_v=8,threads=32,vec=4,warps_k=1" "block_v=8,threads=64,vec=4,warps_k=1" \
+      "block_v=8,threads=128,vec=4,warps_k=1" "block_v=16,threads=64,vec=8,warps_k=1" \
+      "block_v=16,threads=128,vec=4,warps_k=1" "block_v=32,threads=256,vec=4,warps_k=1" \
+      > "$OUT/ssd_decode_tiles.txt" 2>&1
+    echo "ssd decode tiles rc=$?"; grep -v '^{' "$OUT/ssd_decode_tiles.txt" | tail -n 4 ;;
   models)
     $T 280 python3 bench/models_bench.py --out "$OUT/models_gdn.json" --models fla_gdn \
       --tasks generate > "$OUT/models_gdn.txt" 2>&1

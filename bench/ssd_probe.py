@@ -54,6 +54,9 @@ VARIANTS = {"state_threads=256": {"state_threads": 256},
             "segments=8": {"segments": 8}}
 VARIANT_ROWS = ("fwd-4096", "fwd-16384")
 VARIANTS_ON = False     # --variants
+#: --decode-tiles: the decode kernel's tiles to time beside the arch's on the decode rows
+#: ("block_v=16,threads=64,vec=4,warps_k=1"; ops/recurrent.py tuning_override)
+DECODE_TILES: list = []
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)
 
@@ -218,6 +221,29 @@ def variants(size) -> dict:
     return out
 
 
+def decode_tiles(size) -> dict:
+    """Device ms of selective_state_update at each of DECODE_TILES (the in-place state
+    starts from the same values each call), each checked against the arch's tile first."""
+    from linattn.ops.recurrent import tuning_override
+    call, (p, state, args, kw) = decode_call(linattn.selective_state_update, size)
+    start = state.clone()
+
+    def run():
+        state.copy_(start)
+        return call()
+    base = run().clone()
+    out = {}
+    for text in DECODE_TILES:
+        knobs = {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+        try:
+            with tuning_override(**knobs):
+                err = rel(run(), base)
+                out[text] = device_time(call)["ms"] if err < TOL else f"wrong: {err:.3g}"
+        except Exception as e:      # noqa: BLE001 (an invalid tile is reported)
+            out[text] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
 def call_of(kind, size, z, fn):
     if kind == "decode":
         return decode_call(fn, size)[0]
@@ -251,6 +277,8 @@ def run_row(kind, size, z, name, m_scan, m_update) -> dict:
         lin["kernels"] = kernel_split(call_of(kind, size, z, ours))
         if VARIANTS_ON and name in VARIANT_ROWS:
             lin["variants"] = variants(size)
+        if DECODE_TILES and kind == "decode":
+            lin["tiles"] = decode_tiles(size)
         if "mamba_ssm" in row["impls"]:
             row["ratio"] = row["impls"]["mamba_ssm"]["ms"] / lin["ms"]
     except Exception as e:      # noqa: BLE001 (one row never stops the rest)
@@ -277,9 +305,12 @@ def main():
                     if os.environ.get("OUT") else "bench/results/ssd_h200.json")
     ap.add_argument("--variants", action="store_true",
                     help="also time the plan forms of VARIANTS on VARIANT_ROWS")
+    ap.add_argument("--decode-tiles", nargs="*", default=[],
+                    help="decode tiles to time beside the arch's (knobs k=v,...)")
     a = ap.parse_args()
     global VARIANTS_ON
     VARIANTS_ON = a.variants
+    DECODE_TILES.extend(a.decode_tiles)
     m_scan, m_update = load_mamba(a.mamba_src)
     rows = [(k, s, z, f"{k}-{s}" + ("-z" if z else "")) for k, s, z in ROWS]
     rows = [r for r in rows if fnmatch.fnmatch(r[3], a.rows)]
