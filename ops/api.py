@@ -189,10 +189,8 @@ def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=
     sequence's chunks, sequence by sequence): the training forward's saved states
     (:func:`train_forward`, whose keywords ``kw`` are)."""
     import torch
-    grads = (q, k, v, g, beta, kw.get("initial_state"), kw.get("A_log"), kw.get("dt_bias"))
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in grads):
-        raise validate.error("return_intermediate_states=True is for inference: call it "
-                             "under torch.inference_mode() or torch.no_grad()")
+    refuse_states_grad(q, k, v, g, beta, kw.get("initial_state"), kw.get("A_log"),
+                       kw.get("dt_bias"))
     if chunk_size not in (None, 64):
         raise validate.error(f"return_intermediate_states=True needs chunk_size=64 (its "
                              f"states are per 64-token chunk), got "
@@ -213,6 +211,14 @@ def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=
     if kw["options"].state_v_first:
         h = h.transpose(-1, -2).contiguous()
     return o, final, h
+
+
+def refuse_states_grad(*tensors) -> None:
+    """fla's return_intermediate_states is for inference: refused in one line on inputs
+    that need gradients."""
+    if validate.needs_grad(*tensors):
+        raise validate.error("return_intermediate_states=True is for inference: call it "
+                             "under torch.inference_mode() or torch.no_grad()")
 
 
 def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_state=None,
@@ -319,9 +325,7 @@ def recurrent_trains(*tensors, ssm_state_indices=None, num_accepted_tokens=None,
     chunk_* twin's training (the same function of its inputs). A state pool does not
     train (refused in one line); ``chunk_size``, which fused_recurrent ignores, is dropped
     from kwargs."""
-    import torch
-    if not (torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                            for t in tensors)):
+    if not validate.needs_grad(*tensors):
         return False
     _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
     if kwargs is not None:

@@ -58,11 +58,7 @@ def _intermediate_states(opts, q, k, v, g, b, w, scale, initial_state, output_fi
     entering each 64-token chunk in q's dtype, [B, NT, HV, K, V] ([.., V, K] with
     state_v_first; [1, NT_total, ...] with cu_seqlens): the call checked, then run chunk by
     chunk from each entering state (api.states_by_chunks). Inference only."""
-    import torch
-    grads = (q, k, v, g, b, w, initial_state, A_log, dt_bias)
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in grads):
-        raise api.validate.error("return_intermediate_states=True is for inference: call it "
-                                 "under torch.inference_mode() or torch.no_grad()")
+    api.refuse_states_grad(q, k, v, g, b, w, initial_state, A_log, dt_bias)
     d = api.validate.check_call(
         SPEC, opts, q, k, v, g, None, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
