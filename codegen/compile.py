@@ -140,8 +140,7 @@ def ptxas_usage(src: str, arch: str = DEFAULT_ARCH, sm: str | None = None) -> di
     return usage
 
 
-def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool = True,
-                  sms: tuple = ()) -> dict:
+def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, sms: tuple = ()) -> dict:
     """Compile one configuration; a dict with timing, resources or the error. sms: more
     ptxas targets for the same CUDA source (their resources under rec["by_sm"]).
 
@@ -158,15 +157,14 @@ def compile_stage(module, problem: dict, arch: str = DEFAULT_ARCH, usage: bool =
     except Exception as e:  # report and go on: one bad config must not hide the rest
         rec["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
         return rec
-    if usage:
-        own = ptxas_usage(art.kernel_source, arch)
-        rec.update(own)
-        if rec.get("dynamic_smem"):
-            rec["dynamic_smem_bytes"] = dynamic_smem_bytes(art)
-        if sms:
-            first = get_arch(arch).TARGET["arch"]
-            rec["by_sm"] = {sm: own if sm == first else ptxas_usage(art.kernel_source, arch, sm)
-                            for sm in sms}
+    own = ptxas_usage(art.kernel_source, arch)
+    rec.update(own)
+    if rec.get("dynamic_smem"):
+        rec["dynamic_smem_bytes"] = dynamic_smem_bytes(art)
+    if sms:
+        first = get_arch(arch).TARGET["arch"]
+        rec["by_sm"] = {sm: own if sm == first else ptxas_usage(art.kernel_source, arch, sm)
+                        for sm in sms}
     rec["compile_s"] = round(time.time() - t0, 2)
     return rec
 
