@@ -52,20 +52,18 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
 }
 case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} in
   combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
-    $T 170 python3 -m pytest -m gpu -p no:cacheprovider -v --tb=short \
-      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py -k "inverse_in_walk or inverse_mma or helper" \
-      > "$OUT/walk_tests.txt" 2>&1
+    $T 200 python3 -m pytest -m gpu -p no:cacheprovider -n 6 -v --tb=short \
+      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py > "$OUT/walk_tests.txt" 2>&1
     echo "walk tests rc=$?"
+    gpu_tests 110 tests/test_chunk_dplr_gpu.py
+    grep -E "FAILED|passed|failed|rc=" "$OUT/tests.txt" | tail -n 5
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
       q35-2b-8x8192-trained --configs default inverse_in_walk=1,k_stages=3 \
       inverse_in_walk=1,inverse_mma=1 inverse_in_walk=1,k_stages=3,inverse_mma=1 \
       inverse_in_walk=1,k_stages=3,inverse_stub=1 inverse_in_walk=1,inverse_stub=1 \
       --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
-    $T 150 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
-      --out "$OUT/ssd_train.json" > "$OUT/ssd_probe.txt" 2>&1
-    echo "ssd rc=$?"
-    grep -E "PASSED|FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9
-    tail -n 12 "$OUT"/probe_walk.log; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 4 ;;
+    grep -E "FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9
+    tail -n 12 "$OUT"/probe_walk.log ;;
   ssdgen)  # Mamba-2 vs mamba_ssm (kernels named per row), then the generalized rules vs fla
     $T 230 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
       > "$OUT/ssd_probe.txt" 2>&1
@@ -95,8 +93,6 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} i
            # DPLR / IPLR prefill rows per kernel at 128 and 256 threads, IPLR with iplr_direct
            # (chunk_prepare_iplr: the pairs as four GEMMs, 88 KB, two CTAs an SM; model: the
            # prepare ~51 -> ~25 us a CTA, 4k ~0.58 -> ~0.30 ms against fla's 0.375)
-    gpu_tests 110 tests/test_chunk_dplr_gpu.py
-    grep -E "FAILED|passed|failed|rc=" "$OUT/tests.txt" | tail -n 5
     $T 110 python3 bench/generalized_probe.py --families iplr --rows '*/prefill-*' \
       --config iplr_direct=1 --out "$OUT/generalized_iplr_direct.json" \
       > "$OUT/generalized_iplr_direct.txt" 2>&1
@@ -106,7 +102,10 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} i
         --config prepare_threads=$t --out "$OUT/generalized_dplr_$t.json" \
         > "$OUT/generalized_dplr_$t.txt" 2>&1
       echo "dplr threads $t rc=$?"; tail -n 3 "$OUT/generalized_dplr_$t.txt"
-    done ;;
+    done
+    $T 150 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
+      --out "$OUT/ssd_train.json" > "$OUT/ssd_probe.txt" 2>&1
+    echo "ssd train rc=$?"; grep -v '^{' "$OUT/ssd_probe.txt" | tail -n 4 ;;
   gates)   # issue 45's gates table (trained-model gates, gate in the kernel, none): linattn vs fla
     $T 540 python3 -m linattn.cli.bench --workloads-json bench/workloads/gates.json --impl linattn,fla \
       --budget-s 500 --out "$OUT/gates_h200.json" > "$OUT/gates.txt" 2>&1

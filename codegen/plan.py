@@ -132,10 +132,10 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_prepare_dplr", "chunk_prepare_dplr.py.jinja", "fwd",
               doc="per chunk, dplr rule: G, the pairs A_ab, A_ak, A_qb, A_qk by bisection, "
                   "X = (I - A_ab)^-1, w, u, qg, bg, kg, g_last",
-              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+              rules=DPLR_RULES, gates=frozenset({"key"}), requires=DPLR_FEATURES),
         Stage("chunk_prepare_iplr", "chunk_prepare_iplr.py.jinja", "fwd",
               doc="per chunk, dplr rule without a decay: the pairs as plain GEMMs, "
-                  "X = (I - A_ab)^-1, w, u, qg, bg, kg (probe config iplr_direct)",
+                  "X = (I - A_ab)^-1, w, u, qg, bg, kg",
               rules=DPLR_RULES, gates=frozenset({"none"}), requires=DPLR_FEATURES),
         Stage("chunk_state_dplr", "chunk_state_dplr.py.jinja", "fwd",
               doc="dplr rule's sequential pass: r = w S + u, o = qg S + A_qb r + A_qk v, "

@@ -169,14 +169,12 @@ def _fake_body(spec, stage, params):
     return run
 
 
-@pytest.mark.parametrize("name, config", [("dplr", None), ("iplr", None),
-                                          ("iplr", {"iplr_direct": 1})],
-                         ids=["dplr", "iplr", "iplr-direct"])
-def test_plan_runs_the_stages(monkeypatch, name, config):
+@pytest.mark.parametrize("name", ["dplr", "iplr"])
+def test_plan_runs_the_stages(monkeypatch, name):
     """The arch's plan through ops.chunk.run_chunk_forward: its
     launches' arguments match the kernels' signatures (K = 16 padded to the kernels' 64,
     the rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give the
-    reference's o and final state; probe config iplr_direct takes chunk_prepare_iplr."""
+    reference's o and final state; without a decay the prepare is chunk_prepare_iplr."""
     from linattn.ops import chunk
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
@@ -192,8 +190,8 @@ def test_plan_runs_the_stages(monkeypatch, name, config):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     args = (spec, h["q"], h["k"], h["v"], h["g"], None, K ** -0.5, h["initial_state"].float(),
             True, Options(), cu_t, cu_t)
-    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]}, config=config)
-    prepare = "chunk_prepare_iplr" if config else "chunk_prepare_dplr"
+    o, ht = chunk.run_chunk_forward(*args, rule_inputs={"a": h["a"], "b": h["b"]})
+    prepare = "chunk_prepare_iplr" if name == "iplr" else "chunk_prepare_dplr"
     assert [s for s, _ in calls] == [prepare, "chunk_state_dplr"]
     ref = {n: None if z is None else z.double() for n, z in h.items()}
     ref_o, ref_h = TR.chunked_forward(SPECS[f"dplr_{spec.gate.value}"], scale=K ** -0.5,
@@ -215,8 +213,8 @@ def test_chunked_switch_and_fits():
 def _cases():
     out = []
     for name in ("dplr", "iplr"):
-        for stage in ("chunk_prepare_dplr", "chunk_state_dplr") + (
-                ("chunk_prepare_iplr",) if name == "iplr" else ()):
+        prepare = "chunk_prepare_iplr" if name == "iplr" else "chunk_prepare_dplr"
+        for stage in (prepare, "chunk_state_dplr"):
             rep = (pytest.mark.representative,) if name == "dplr" else ()
             out.append(pytest.param(name, stage, marks=rep, id=f"{name}-{stage}"))
     return out
@@ -240,13 +238,13 @@ def test_stage_compiles_without_spills(name, stage):
 
 
 @pytest.mark.parametrize("name, config, stage, threads", [
-    ("dplr", {}, "chunk_prepare_dplr", 128),
-    ("dplr", {"prepare_threads": 256}, "chunk_prepare_dplr", 256),
-    ("dplr", {"iplr_direct": 1}, "chunk_prepare_dplr", 128),     # (a decay: the levels)
-    ("iplr", {"iplr_direct": 1, "prepare_threads": 256}, "chunk_prepare_iplr", 256)])
+    ("dplr", {}, "chunk_prepare_dplr", 256),
+    ("dplr", {"prepare_threads": 128}, "chunk_prepare_dplr", 128),
+    ("iplr", {}, "chunk_prepare_iplr", 128),
+    ("iplr", {"prepare_threads": 256}, "chunk_prepare_iplr", 256)])
 def test_prepare_probe_configs(name, config, stage, threads):
-    """The plan's probe configs for the prepare: its threads and, without a decay, the
-    direct stage; the default plan is the arch's (DPLR_PREPARE_THREADS, the levels)."""
+    """The prepare's stage (the levels under a decay, the direct GEMMs without) and its
+    threads: the arch's PREPARE_THREADS, or probe config prepare_threads."""
     from linattn.ops import chunk
     from linattn.ops.registry import specs
     p = chunk.forward_plan(specs()[name], Options(), "sm90", config=config, H=2, HV=2, K=64,

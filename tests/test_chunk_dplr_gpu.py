@@ -1,6 +1,6 @@
-"""GPU correctness of the dplr rule's chunked forward (chunk_prepare_dplr, chunk_state_dplr;
-codegen/arch/sm90/dplr.py): the public chunk_* functions, and a GVA call through
-run_chunk_forward, against the fp64 NumPy recurrence
+"""GPU correctness of the dplr rule's chunked forward (chunk_prepare_dplr, or without a
+decay chunk_prepare_iplr, then chunk_state_dplr; codegen/arch/sm90/dplr.py): the public
+chunk_* functions, and a GVA call through run_chunk_forward, against the fp64 NumPy recurrence
 (RWKV-7-like inputs as tests/test_dplr_gpu.py's; ||out - ref|| / ||ref|| below 1e-2 bf16,
 5e-3 f16). Each case also asserts the chunked stages ran (not the recurrent kernel).
 
@@ -47,7 +47,8 @@ def test_public_chunked_against_fp64(launched, fn, fam, dtype, shape):
     want_o, want_h = recurrent_forward(get_spec(fam), scale=scale, **x)
     o, ht = getattr(linattn, fn)(*fla_args(fn, fam, t), initial_state=t["initial_state"],
                                  output_final_state=True, cu_seqlens=t.get("cu_seqlens"))
-    assert launched == ["chunk_prepare_dplr", "chunk_state_dplr"], launched
+    prepare = "chunk_prepare_iplr" if fam == "iplr" else "chunk_prepare_dplr"
+    assert launched == [prepare, "chunk_state_dplr"], launched
     assert _rel(o, want_o) < TOL[dtype], _rel(o, want_o)
     assert _rel(ht, want_h) < TOL[dtype], _rel(ht, want_h)
 
@@ -72,25 +73,3 @@ def test_gva_probe_against_fp64(name):
                                     rule_inputs={"a": t["a"], "b": t["b"]})
     want_o, want_h = recurrent_forward(spec, **x)
     assert _rel(o, want_o) < TOL["bfloat16"] and _rel(ht, want_h) < TOL["bfloat16"]
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [(1, 300, 4, 64, 64), (2, 200, 2, 128, 128),
-                                   (1, 1000, 2, 128, 64)], ids=["varlen-64", "B2-128", "varlen-long"])
-def test_iplr_direct_probe_against_fp64(launched, dtype, shape):
-    """Probe config iplr_direct: chunk_prepare_iplr (the pairs as plain GEMMs) instead of
-    chunk_prepare_dplr, through run_chunk_forward, with an initial state and varlen."""
-    from linattn.ops import chunk
-    B, T, H, K, V = shape
-    cu = [0, T // 3, T // 3 + 1, T] if B == 1 else None
-    x, t = _case("iplr", B, T, H, K, V, dtype, cu=cu)
-    want_o, want_h = recurrent_forward(get_spec("iplr"), **x)
-    cu_t = t.get("cu_seqlens")
-    o, ht = chunk.run_chunk_forward(get_spec("iplr"), t["q"], t["k"], t["v"], None, None, None,
-                                    t["initial_state"], True, Options(), cu_t,
-                                    None if cu_t is None else cu_t.cpu(),
-                                    rule_inputs={"a": t["a"], "b": t["b"]},
-                                    config={"iplr_direct": 1})
-    assert launched == ["chunk_prepare_iplr", "chunk_state_dplr"], launched
-    assert _rel(o, want_o) < TOL[dtype], _rel(o, want_o)
-    assert _rel(ht, want_h) < TOL[dtype], _rel(ht, want_h)

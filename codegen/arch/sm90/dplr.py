@@ -18,9 +18,11 @@ DPLR_MAX_V = 256
 DPLR_V_MULTIPLE = 32
 #: the state pass's TMA stages (K = 128, BV = 64: 226 KB of shared memory at 2)
 DPLR_STATE_STAGES = 2
-#: the prepare's threads (128 or 256): one CTA an SM at 184 KB, so its warps alone hide
-#: the latency (256 unmeasured: probe config prepare_threads, generalized_probe --config)
-DPLR_PREPARE_THREADS = 128
+#: the prepare's threads (128 or 256; probe config prepare_threads). chunk_prepare_dplr is
+#: one CTA an SM at 184 KB, so its warps alone hide the latency: 256 (s40-2, H100: 4k
+#: 0.486 -> 0.218 ms a call at 128 -> 256). chunk_prepare_iplr (88 KB, two CTAs an SM): 128,
+#: as measured (s40-2: IPLR 4k 0.31 ms, fla 0.376)
+PREPARE_THREADS = {"chunk_prepare_dplr": 256, "chunk_prepare_iplr": 128}
 
 
 def dplr_chunked(gate: str) -> bool:
@@ -47,12 +49,11 @@ def _refusal(p: ForwardProblem) -> str:
     return ""
 
 
-def _prepare_stage(p: ForwardProblem, config: dict) -> str:
-    """chunk_prepare_dplr; without a decay, under probe config iplr_direct, chunk_prepare_iplr
-    (the pairs as plain GEMMs, no levels; half the shared memory: unmeasured)."""
-    if config.get("iplr_direct") and p.gate == "none":
-        return "chunk_prepare_iplr"
-    return "chunk_prepare_dplr"
+def _prepare_stage(p: ForwardProblem) -> str:
+    """chunk_prepare_dplr (the pairs by bisection under the decay); without a decay
+    chunk_prepare_iplr (the pairs as plain GEMMs, half the shared memory; s40-2, H100:
+    IPLR 4k 0.41 -> 0.31 ms, b4-4k 0.97 -> 0.58)."""
+    return "chunk_prepare_iplr" if p.gate == "none" else "chunk_prepare_dplr"
 
 
 def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
@@ -62,7 +63,8 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     if why:
         raise ValueError(why)
     common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
-    prep = dict(common, threads=config.get("prepare_threads", DPLR_PREPARE_THREADS),
+    stage = _prepare_stage(p)
+    prep = dict(common, threads=config.get("prepare_threads", PREPARE_THREADS[stage]),
                 **({"g_dtype": p.g_dtype} if p.gate == "key" else {}))
     state = dict(common, has_initial_state=p.has_initial_state,
                  output_final_state=p.output_final_state,
@@ -72,7 +74,7 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     bufs += [Buffer("u", (p.Ttot, p.HV, p.V), "input"),
              Buffer("aqb", (p.Ttot, p.HV, C), "input"), Buffer("aqk", (p.Ttot, p.HV, C), "input"),
              Buffer("g_last", (p.NT, p.HV, p.K), "float32")]
-    launches = (launch(_prepare_stage(p, config), prep, a="a_in", b="b_in"),
+    launches = (launch(stage, prep, a="a_in", b="b_in"),
                 launch("chunk_state_dplr", state,
                        release=("w", "u", "qg", "bg", "kg", "aqb", "aqk", "g_last")))
     return Plan("dplr-chunked", NAME, launches, tuple(bufs),

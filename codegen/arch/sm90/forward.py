@@ -198,7 +198,7 @@ CHUNK_SIZES = (64,)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
                "aqk_per_key_head", "inverse_stub", "value_split", "k_stages", "inverse_mma",
-               "iplr_direct", "prepare_threads")
+               "prepare_threads")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:

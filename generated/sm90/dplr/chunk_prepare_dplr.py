@@ -60,7 +60,7 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, g_dtype="float32", block_v=None, threads=128):
+def build(H, HV, K, V, dtype, g_dtype="float32", block_v=None, threads=256):
     """prim_func for chunk_prepare_dplr.
 
     Tensors (Ttot tokens, NT chunks; dynamic):
