@@ -250,7 +250,7 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool
     """The sm90 decode table's pick always satisfies the template's thread-map rules;
     the doubled block (64 values a thread) only for 16-bit states with CTAs to spare, the
     f32 block of 64 (one warp per 16 columns) only on grids of >= 16 CTAs per SM (8 on a
-    state pool)."""
+    state pool); value-first f32 states one warp per 8 columns on small grids, else per 4."""
     from linattn.codegen.arch import sm90
     problem = dict(K=K, V=V, HV=HV, state_dtype=state_dtype, state_v_first=v_first,
                    state_pool=pool)
@@ -271,6 +271,8 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool
         assert t == {"block_v": 64, "threads": 128, "vec": 8, "warps_k": 4}
     if v_first and state_dtype == "float32" and N * HV * V // 8 <= 32 * sm90.NUM_SMS:
         assert t == {"block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}   # one warp, 32 B
+    elif v_first and state_dtype == "float32" and V % 16 == 0 and K % 32 == 0:
+        assert t == {"block_v": 16, "threads": 128, "vec": 4, "warps_k": 1}  # 16 values a thread
 
 
 #: the candidates session 32's experiment times (codegen/arch/sm90 DECODE_FULL_GRID's comments)
@@ -303,12 +305,16 @@ def test_decode_full_grid_rules_when_on(monkeypatch, rule):
 
 
 def test_decode_tuning_v_first_swept_row():
-    """GDNFwd decode-vfirst-b17 (f32 state, value rows first): the swept winner."""
+    """GDNFwd decode-vfirst-b17 (f32 state, value rows first) and Mamba-2's decode from
+    batch 8 (runs s40-6 / s40-7): the swept winners."""
     from linattn.codegen.arch import sm90
     problem = dict(K=128, V=128, HV=12, state_dtype="float32", state_v_first=True)
     assert sm90.tuning("recurrent", problem, {"N": 17}) == {
         "block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
-    assert sm90.tuning("recurrent", problem, {"N": 256})["block_v"] == 32    # many CTAs
+    mamba2 = dict(K=128, V=64, HV=128, state_dtype="float32", state_v_first=True)
+    for n in (8, 256):
+        assert sm90.tuning("recurrent", mamba2, {"N": n}) == {
+            "block_v": 16, "threads": 128, "vec": 4, "warps_k": 1}
 
 
 @pytest.mark.parametrize("path", ["chunk", "recurrent"])

@@ -103,6 +103,15 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
             and n * HV * (V // 8) <= 32 * NUM_SMS \
             and recurrent_layout_ok(K, V, 8, 32, 8, 1, True):
         return {"block_v": 8, "threads": 32, "vec": 8, "warps_k": 1}
+    # f32 states with the value rows first and a bigger grid: 16 value rows a CTA, one warp
+    # per 4, 16 state values a thread (run s40-6 / s40-7 sweep, Mamba-2 decode [N, 128, 64 x
+    # 128], us at N 8 / 32 / 64 / 128 / 256: 29.4 / 107 / 212 / 421 / 836 at (32, 128
+    # threads, vec 4) -> 27.0 / 94.4 / 183 / 361 / 716; (16, 64, vec 8) 28.0 / 94.8 / 184 /
+    # 362 / 717; (8, 64, vec 4) 28.2 / 98.8 / 192 / 380 / 753; mamba_ssm 26.6 / 101 / 201
+    # / 388 / 777; measured only at K 128, V 64)
+    if v_first and item == 4 and n is not None and V % 16 == 0 \
+            and recurrent_layout_ok(K, V, 16, 128, 4, 1, True):
+        return {"block_v": 16, "threads": 128, "vec": 4, "warps_k": 1}
     # f32 states (K <= 128) with a grid of >= 16 CTAs per SM at block 64: 64 values x 128
     # threads, one warp per 16 value columns (run s7-2 sweep, KDA pool decode [N, 32, 128,
     # 128]: N 64 84.6 -> 78.6 us, N 256 327 -> 296 (fla 77.5, 321); N 8 (4 CTAs per SM):
