@@ -131,7 +131,7 @@ class TermsMaths:
     their tensors and forms each term a call turns on, by trace-time flags).
 
     kernel_params: the kernel's tensors of the terms, after the gate's: step_A [HV] (A),
-    step_bias [HV] (dt_bias), step_limit [2] (dt_limit's lo, hi), skip_D [HV, V] (D),
+    step_bias [HV] (dt_bias), step_limit [2] (dt_limit's lo, hi), skip_D [HV, V] or [HV] (D),
     gate_z [B, T, HV, V] (z); placeholders (1,) where a call does not use them. With the
     step the gate's tensor g carries the raw dt. chunk_params: the chunked stages' (the
     same and dt_c, the step per token that chunk_prepare writes for the value scale: a

@@ -201,19 +201,24 @@ def kernel_terms(A, D, z, dt_bias, dt_softplus, dt_limit=None, *, V):
     run_chunk_forward: their ``terms``): the step from the raw dt (g) with dt_bias,
     softplus and the clamp to dt_limit (None: none), the decay exp(A dt), the value scale,
     D x, silu(z). A, dt_bias [nheads]; D [nheads] or [nheads, headdim]; z as the kernel
-    reads it (in x's dtype). V: headdim."""
+    reads it (in x's dtype). V: headdim. D one value a head ([nheads], or repeated along
+    headdim by stride 0) is read as [nheads] (skip_per_head)."""
     import torch
     HV = A.shape[0]
+    per_head = D is not None and (D.dim() == 1 or D.stride(1) == 0)
     flags = dict(step_dt=True, step_bias_on=dt_bias is not None,
                  step_softplus=bool(dt_softplus), step_clamp=dt_limit is not None,
-                 value_scale=True, skip=D is not None, output_gate=z is not None)
+                 value_scale=True, skip=D is not None, skip_per_head=per_head,
+                 output_gate=z is not None)
     tensors = {"step_A": A.float().contiguous()}
     if dt_bias is not None:
         tensors["step_bias"] = dt_bias.float().contiguous()
     if dt_limit is not None:
         tensors["step_limit"] = _limit_tensor(float(dt_limit[0]), float(dt_limit[1]), A.device)
-    if D is not None:
-        tensors["skip_D"] = D.float().reshape(HV, -1).expand(HV, V).contiguous()
+    if per_head:        # (Mamba2's D repeated along headdim: one value a head, no copy)
+        tensors["skip_D"] = (D if D.dim() == 1 else D[:, 0]).float().contiguous()
+    elif D is not None:
+        tensors["skip_D"] = D.float().contiguous()
     if z is not None:
         tensors["gate_z"] = z.contiguous()
     return {"flags": flags, "tensors": tensors}

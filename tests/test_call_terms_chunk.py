@@ -129,7 +129,8 @@ def test_rendered_stages_have_the_hooks_of_a_spec_with_terms_only():
         theirs = render_stage(gla, _stage(gla, name), "sm90")
         assert "dt_c" in ours and "dt_c" not in theirs and "step_A" not in theirs, name
         if name in ("chunk_state_output", "chunk_output"):
-            assert "skip_D[hv, iv * BV + j]" in ours and "gate_z[t0:t0 + BT" in ours
+            assert "skip_D[hv, iv * BV + j]" in ours and "skip_D[hv] *" in ours
+            assert "gate_z[t0:t0 + BT" in ours
             assert "o_f[i, j] * scale" in theirs
     prep = render_stage(mamba2.SPEC, _stage(mamba2.SPEC, "chunk_prepare"), "sm90")
     assert prep.index("step_A[hv] * d") < prep.index("T.cumsum(g_s")
@@ -155,8 +156,12 @@ def _chunk_model(spec, q, k, v, g, beta, scale, h0, final, options, cu, cu_cpu, 
                                options=options, scale=1.0, cu_seqlens=cu,
                                initial_state=None if h0 is None else h0.double())
     if f["skip"]:
-        assert t["skip_D"].shape == (v.shape[2], v.shape[3])
-        o = o + t["skip_D"].double() * v.double()
+        D = t["skip_D"].double()
+        if f["skip_per_head"]:
+            assert D.shape == (v.shape[2],)
+            D = D[:, None]
+        assert D.shape[0] == v.shape[2] and D.shape[-1] in (1, v.shape[3])
+        o = o + D * v.double()
     if f["output_gate"]:
         z = t["gate_z"]
         assert z.dtype == v.dtype and z.shape == (v.shape[0] * v.shape[1],) + v.shape[2:]
@@ -199,7 +204,7 @@ def test_chunk_scan_combined_forms_its_terms_in_the_kernels(kernels, terms):
     (seen,) = kernels
     assert seen["flags"] == dict(step_dt=True, step_bias_on=terms, step_softplus=terms,
                                  step_clamp=True, value_scale=True, skip=terms,
-                                 output_gate=terms)
+                                 skip_per_head=terms, output_gate=terms)
     want, hw = call_terms.naive_reference(mamba2.SPEC, p["C"], p["B"], p["x"], dt=p["dt"],
                                           A=p["A"], initial_state=p["h0"],
                                           **dict(dict(dt_limit=(0.0, math.inf)), **kw))
@@ -223,7 +228,13 @@ def test_kernel_terms_of_the_decode_and_the_prefill():
     A, D, bias = torch.full((4,), -1.0), torch.ones(4), torch.zeros(4)
     dec = mamba2.kernel_terms(A, D, None, bias, True, V=8)
     assert not dec["flags"]["step_clamp"] and "step_limit" not in dec["tensors"]
-    assert dec["tensors"]["skip_D"].shape == (4, 8) and not dec["flags"]["output_gate"]
+    assert dec["tensors"]["skip_D"].shape == (4,) and not dec["flags"]["output_gate"]
+    assert dec["flags"]["skip_per_head"]       # D [nheads]: one value a head, no copy
+    tied = mamba2.kernel_terms(A, D.view(4, 1).expand(4, 8), None, bias, True, V=8)
+    assert tied["flags"]["skip_per_head"] and tied["tensors"]["skip_D"].shape == (4,)
+    per_channel = mamba2.kernel_terms(A, torch.rand(4, 8), None, bias, True, V=8)
+    assert not per_channel["flags"]["skip_per_head"]
+    assert per_channel["tensors"]["skip_D"].shape == (4, 8)
     pre = mamba2.kernel_terms(A, None, torch.zeros(6, 4, 8), None, False, (0.0, math.inf), V=8)
     assert pre["tensors"]["step_limit"].tolist() == [0.0, math.inf]
     assert pre["flags"]["output_gate"] and not pre["flags"]["skip"]

@@ -229,7 +229,8 @@ def _kernel_model(spec, q, k, v, g, beta, *, scale, initial_state, options,
                                            inplace=True, options=options, scale=1.0)
     initial_state.copy_(pool)
     if f["skip"]:
-        o = o + t["skip_D"].double() * v.double()
+        D = t["skip_D"].double()
+        o = o + (D[:, None] if f["skip_per_head"] else D) * v.double()
     if f["output_gate"]:
         o = o * torch.nn.functional.silu(t["gate_z"].double())
     return o.to(q.dtype), initial_state

@@ -76,7 +76,7 @@ FUSED_STATE_THREADS = dict(threads=256, min_tile=128 * 64)
 #: output gate (so no pass over x, dt or o runs outside the kernels)
 PREPARE_TERMS = ("step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale")
 STATE_TERMS = ("value_scale",)
-OUTPUT_TERMS = ("value_scale", "skip", "output_gate")
+OUTPUT_TERMS = ("value_scale", "skip", "skip_per_head", "output_gate")
 #: each call term's tensor by the flag under which a stage reads it; a stage without the
 #: flag declares it as a placeholder [1] and is handed the plan's term_none (its shape
 #: follows the flag: the call's tensor would not fit it)

@@ -43,7 +43,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fastest=False, step_dt=False, step_bias_on=False, step_softplus=False,
-          step_clamp=False, value_scale=False, skip=False, output_gate=False):
+          step_clamp=False, value_scale=False, skip=False, skip_per_head=False,
+          output_gate=False):
     """prim_func for chunk_output.
 
     heads_fastest: grid (HV, V / block_v, NT) instead of (V / block_v, NT, HV): the value
@@ -67,7 +68,7 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
     step_bias_shape = (HV,) if step_bias_on else (1,)
     step_limit_shape = (2,) if step_clamp else (1,)
     dt_c_shape = (HV, NT * BT) if value_scale else (1,)
-    skip_D_shape = (HV, V) if skip else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
     gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
     gate_z_dtype = dtype if output_gate else "float32"
 
@@ -144,7 +145,10 @@ def build(H, HV, K, V, dtype, l2norm_qk=False, block_v=64, threads=128, heads_fa
                 o_f[i, j] = o_f[i, j] * scale
             if skip:                                    # o <- o + D x
                 for i, j in T.Parallel(BT, BV):
-                    o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.if_then_else(i < rows, T.cast(v_new[t0 + i, hv, iv * BV + j], f32), T.float32(0))
+                    if skip_per_head:
+                        o_f[i, j] = o_f[i, j] + skip_D[hv] * T.if_then_else(i < rows, T.cast(v_new[t0 + i, hv, iv * BV + j], f32), T.float32(0))
+                    else:
+                        o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.if_then_else(i < rows, T.cast(v_new[t0 + i, hv, iv * BV + j], f32), T.float32(0))
             if output_gate:                             # o <- o silu(z)
                 for i, j in T.Parallel(BT, BV):
                     zz = T.cast(z_s[i, j], f32)

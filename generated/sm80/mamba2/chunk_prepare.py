@@ -28,7 +28,7 @@ L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
 PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "beta_dtype", "l2norm_qk",
                 "beta_sigmoid", "allow_neg_eigval", "gate_in_kernel",
                 "step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale",
-                "skip", "output_gate")
+                "skip", "skip_per_head", "output_gate")
 EXAMPLES = [
     dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", g_dtype="float32", beta_dtype="bfloat16",
          l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False),
@@ -50,7 +50,8 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, threads=128,
           heads_fastest=False, step_dt=False, step_bias_on=False, step_softplus=False,
-          step_clamp=False, value_scale=False, skip=False, output_gate=False):
+          step_clamp=False, value_scale=False, skip=False, skip_per_head=False,
+          output_gate=False):
     """prim_func for chunk_prepare.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
@@ -72,7 +73,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk
     step_bias_shape = (HV,) if step_bias_on else (1,)
     step_limit_shape = (2,) if step_clamp else (1,)
     dt_c_shape = (HV, NT * BT) if value_scale else (1,)
-    skip_D_shape = (HV, V) if skip else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
     gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
     gate_z_dtype = dtype if output_gate else "float32"
 

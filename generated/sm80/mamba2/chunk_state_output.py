@@ -73,7 +73,8 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
           output_final_state=False, block_v=64, num_stages=2, q_gated=True,
           aqk_per_key_head=False, states_out=False, ht_dtype="float32",
           block_k=None, segment_starts=False, threads=128, step_dt=False, step_bias_on=False, step_softplus=False,
-          step_clamp=False, value_scale=False, skip=False, output_gate=False):
+          step_clamp=False, value_scale=False, skip=False, skip_per_head=False,
+          output_gate=False):
     """prim_func for chunk_state_output.
 
     Tensors (Ttot tokens, NT chunks, N sequences; all dynamic):
@@ -118,7 +119,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     step_bias_shape = (HV,) if step_bias_on else (1,)
     step_limit_shape = (2,) if step_clamp else (1,)
     dt_c_shape = (HV, NT * BT) if value_scale else (1,)
-    skip_D_shape = (HV, V) if skip else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
     gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
     gate_z_dtype = dtype if output_gate else "float32"
 
@@ -230,7 +231,10 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     o_f[i, j] = o_f[i, j] * scale
                 if skip:                                    # o <- o + D x
                     for i, j in T.Parallel(BT, BV):
-                        o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.cast(u_s[i, j], f32)
+                        if skip_per_head:
+                            o_f[i, j] = o_f[i, j] + skip_D[hv] * T.cast(u_s[i, j], f32)
+                        else:
+                            o_f[i, j] = o_f[i, j] + skip_D[hv, iv * BV + j] * T.cast(u_s[i, j], f32)
                 if output_gate:                             # o <- o silu(z)
                     for i, j in T.Parallel(BT, BV):
                         zz = T.cast(z_s[i, j], f32)

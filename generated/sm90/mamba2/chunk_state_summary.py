@@ -50,7 +50,8 @@ def pass_configs(**params):
 
 
 def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=128, step_dt=False, step_bias_on=False, step_softplus=False,
-          step_clamp=False, value_scale=False, skip=False, output_gate=False):
+          step_clamp=False, value_scale=False, skip=False, skip_per_head=False,
+          output_gate=False):
     """prim_func for chunk_state_summary.
 
     Tensors (Ttot tokens, NT chunks, NS segments; all dynamic):
@@ -75,7 +76,7 @@ def build(H, HV, K, V, dtype, block_k=None, block_v=64, num_stages=2, threads=12
     step_bias_shape = (HV,) if step_bias_on else (1,)
     step_limit_shape = (2,) if step_clamp else (1,)
     dt_c_shape = (HV, NT * BT) if value_scale else (1,)
-    skip_D_shape = (HV, V) if skip else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
     gate_z_shape = (Ttot, HV, V) if output_gate else (1,)
     gate_z_dtype = dtype if output_gate else "float32"
 

@@ -15,6 +15,7 @@ once. Per token t (S in R^{K x V}, K-first maths whatever the storage layout):
     call terms (flags): dt = clamp(softplus?(g_t + dt_bias), lo, hi),     (step_dt)
         S <- exp(A dt) S (the decay), v_t <- dt v_t                       (value_scale)
         o_t <- (o_t + D x_t) * silu(z_t)                                  (skip, output_gate)
+        (D [HV, V], or one value a head [HV]: skip_per_head)
 
 Shapes (B, T, N dynamic: one compile serves every batch and length):
     q, k [B, T, H, K]; v, o [B, T, HV, V]; g [B, T, HV]
@@ -56,7 +57,7 @@ PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "state_dtype", "g_dtype",
                 "index_dtype", "h0_dtype", "state_pool", "slots_per_token", "accepted_tokens",
                 "inplace", "slot_dtype", "gate_param_dtype",
                 "step_dt", "step_bias_on", "step_softplus", "step_clamp", "value_scale",
-                "skip", "output_gate")
+                "skip", "skip_per_head", "output_gate")
 EXAMPLES = [
     dict(H=4, HV=8, K=128, V=128, dtype="bfloat16", state_dtype="float32"),
     dict(H=2, HV=8, K=128, V=128, dtype="float16", state_dtype="float32",
@@ -76,7 +77,7 @@ EXAMPLES = [
     dict(H=8, HV=128, K=128, V=64, dtype="bfloat16", state_dtype="float32",
          state_v_first=True, has_initial_state=True, state_pool=True, inplace=True,
          step_dt=True, step_bias_on=True, step_softplus=True, step_clamp=True,
-         value_scale=True, skip=True, output_gate=True),
+         value_scale=True, skip=True, skip_per_head=True, output_gate=True),
     dict(H=1, HV=8, K=64, V=64, dtype="bfloat16", state_dtype="float32",
          state_v_first=True, has_initial_state=True, output_final_state=True, varlen=True,
          step_dt=True, value_scale=True, skip=True),
@@ -211,7 +212,7 @@ def _state_layout(K, BV, threads, vec, warps_k, v_first):
 def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           g_dtype="float32", gate_param_dtype="float32",
           step_dt=False, step_bias_on=False, step_softplus=False, step_clamp=False,
-          value_scale=False, skip=False, output_gate=False,
+          value_scale=False, skip=False, skip_per_head=False, output_gate=False,
           l2norm_qk=False, beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False,
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
@@ -261,7 +262,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     step_A_shape = (HV,) if step_dt else (1,)
     step_bias_shape = (HV,) if step_bias_on else (1,)
     step_limit_shape = (2,) if step_clamp else (1,)
-    skip_D_shape = (HV, V) if skip else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
     gate_z_shape = (B, Tlen, HV, V) if output_gate else (1,)
     gate_z_dtype = dtype if output_gate else "float32"
 
@@ -471,7 +472,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
                         T.reduce_sum(SX, of, dim=0, batch=red_batch)       # o = S^T (scale q)
                         if skip:
                             for j in T.Parallel(BV):
-                                of[j] = of[j] + skip_D[i_hv, v0 + j] * xin[j]
+                                if skip_per_head:
+                                    of[j] = of[j] + skip_D[i_hv] * xin[j]
+                                else:
+                                    of[j] = of[j] + skip_D[i_hv, v0 + j] * xin[j]
                         if output_gate:
                             for j in T.Parallel(BV):
                                 of[j] = of[j] * T.cast(gate_z[i_b, tok, i_hv, v0 + j], acc) / (
