@@ -52,7 +52,9 @@ CANDIDATES = [dict(block_v=bv, threads=th, vec=vec, warps_k=wk) for bv, th, vec,
     (8, 32, 4, 1), (8, 32, 8, 1), (32, 128, 8, 1), (16, 64, 8, 1), (32, 64, 8, 1),
     (64, 256, 8, 1), (64, 128, 4, 1),
     # one warp, 16 value columns, 64 state values a thread (TileOPs' raw decode kernel's map)
-    (16, 32, 4, 1), (16, 32, 2, 1), (16, 32, 1, 1))]
+    (16, 32, 4, 1), (16, 32, 2, 1), (16, 32, 1, 1),
+    # 16 state values a thread, K-first (Mamba-2's value-first decode won at 16: run s40-6)
+    (16, 128, 4, 4), (8, 64, 4, 2), (32, 256, 4, 8))]
 
 
 def key(row):
