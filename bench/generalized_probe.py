@@ -1,12 +1,14 @@
 """GPU probe of the generalized delta rule families (Comba, GDN-2, DPLR, RWKV-7, IPLR):
 linattn's chunk_* functions against fla's in the same process, per family and workload
-(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096; H 16, K = V = 128, bf16;
-and RWKV-7 1.5B's heads, H 32, K = V = 64, at B1 / B4 x T4096; fla's layer conventions:
-l2-normalised keys, gates in (0, 1), decays in fla's ranges).
+(prefill B1 x T4096 / T16384 and B4 x T4096, training B4 x T4096, decode (one token from
+a state, fused_recurrent_*) at batch 1 / 32 / 256; H 16, K = V = 128, bf16; and RWKV-7
+1.5B's heads, H 32, K = V = 64, at B1 / B4 x T4096; fla's layer conventions: l2-normalised
+keys, gates in (0, 1), decays in fla's ranges).
 
 Each row is checked first: linattn's output on the row's inputs against the fp64
 recurrence of the family's spec over the first CHECK_TOKENS tokens (o is causal: its
-prefix is the prefix's) and against fla's output on the whole row; a wrong row is
+prefix is the prefix's; a decode row's o and final state) and against fla's output on
+the whole row; a wrong row is
 reported, not timed. Then linattn and fla are timed by linattn-bench's timer (CUPTI
 kernel union per call, L2 flushed, median). A training row times forward + backward of
 every input; a family linattn trains exactly in torch (no backward kernels yet:
@@ -44,11 +46,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from probe_lib import device_times  # noqa: E402  (each kernel's ms)
 
 DEVICE = "cuda"
-#: name -> (B, T, training, H, K = V)
-WORKLOADS = {"prefill-4k": (1, 4096, False, 16, 128), "prefill-16k": (1, 16384, False, 16, 128),
-             "prefill-b4-4k": (4, 4096, False, 16, 128), "train-4k": (4, 4096, True, 16, 128),
-             "prefill-4k-hd64": (1, 4096, False, 32, 64),
-             "prefill-b4-4k-hd64": (4, 4096, False, 32, 64)}
+#: name -> (B, T, kind, H, K = V)
+WORKLOADS = {"prefill-4k": (1, 4096, "prefill", 16, 128),
+             "prefill-16k": (1, 16384, "prefill", 16, 128),
+             "prefill-b4-4k": (4, 4096, "prefill", 16, 128), "train-4k": (4, 4096, "train", 16, 128),
+             "prefill-4k-hd64": (1, 4096, "prefill", 32, 64),
+             "prefill-b4-4k-hd64": (4, 4096, "prefill", 32, 64),
+             "decode-b1": (1, 1, "decode", 16, 128), "decode-b32": (32, 1, "decode", 16, 128),
+             "decode-b256": (256, 1, "decode", 16, 128)}
 CHECK_TOKENS = 1024
 #: a row is wrong past these (relative L2 of o): vs fp64 on the prefix (or twice fla's
 #: own error there, whichever is larger), vs fla on the whole row (where fla's own prefix
@@ -98,8 +103,22 @@ def call(family, fn, x):
     return fn(x["q"], x["k"], x["v"], x["a"], x["b"])[0]
 
 
-def reference(family, x, T):
-    """fp64 recurrence of the family's spec over the first T tokens: o [B, T, H, V]."""
+def decode_call(family, fn, x, h0):
+    """fn's one-token call from the state h0 (fn: a fused_recurrent_* of either library,
+    called by fla's keyword names): (o, final state)."""
+    kw = dict(initial_state=h0, output_final_state=True)
+    if family in ("comba", "gdn2"):
+        kw["use_qk_l2norm_in_kernel"] = True
+    names = {"comba": "q k v p g beta", "gdn2": "q k v g b w", "dplr": "q k v a b gk",
+             "iplr": "q k v a b"}.get(family)
+    if family == "rwkv7":
+        return fn(r=x["q"], w=x["gk"], k=x["k"], v=x["v"], a=x["a"], b=x["b"], **kw)
+    return fn(**{n: x[n] for n in names.split()}, **kw)
+
+
+def reference(family, x, T, h0=None):
+    """fp64 recurrence of the family's spec over the first T tokens from h0 (None:
+    zeros): (o [B, T, H, V], the final state)."""
     pre = {n: t[:, :T].detach() for n, t in x.items()}
     spec = get_spec({"rwkv7": "dplr"}.get(family, family))
     opts = Options(l2norm_qk=family in ("comba", "gdn2"))
@@ -107,14 +126,15 @@ def reference(family, x, T):
     gate = pre.get("g", pre.get("gk"))
     scale = 1.0 if family == "rwkv7" else None
     return recurrent_forward(spec, pre["q"], pre["k"], pre["v"], gate, pre.get("beta"),
-                             options=opts, scale=scale, **rule)[0]
+                             options=opts, scale=scale, initial_state=h0, **rule)
 
 
-def functions(family, config=None):
-    """(linattn's, fla's or None) chunk function of the family (linattn's under the plan
-    ``config`` for the dplr rule's families: :func:`with_config`)."""
-    name = {"comba": "chunk_comba", "gdn2": "chunk_gdn2", "dplr": "chunk_dplr_delta_rule",
-            "rwkv7": "chunk_rwkv7", "iplr": "chunk_iplr_delta_rule"}[family]
+def functions(family, config=None, kind="chunk"):
+    """(linattn's, fla's or None) chunk (kind "fused_recurrent": decode) function of the
+    family (linattn's under the plan ``config`` for the dplr rule's families:
+    :func:`with_config`)."""
+    name = kind + "_" + {"comba": "comba", "gdn2": "gdn2", "dplr": "dplr_delta_rule",
+                         "rwkv7": "rwkv7", "iplr": "iplr_delta_rule"}[family]
     module = {"comba": "fla.ops.comba", "gdn2": "fla.ops.gdn2",
               "dplr": "fla.ops.generalized_delta_rule", "rwkv7": "fla.ops.rwkv7",
               "iplr": "fla.ops.generalized_delta_rule"}[family]
@@ -124,7 +144,7 @@ def functions(family, config=None):
     except Exception as e:      # noqa: BLE001 (reported; the rows time linattn alone)
         print(f"fla's {name} not loaded: {type(e).__name__}: {e}")
         theirs = None
-    if config and family in ("dplr", "rwkv7", "iplr"):
+    if config and kind == "chunk" and family in ("dplr", "rwkv7", "iplr"):
         return with_config(family, config), theirs
     return getattr(linattn, name), theirs
 
@@ -160,26 +180,33 @@ def step(family, fn, x):
 
 
 def precompile(rows, config=None):
-    """linattn's kernels of every forward row, compiled in parallel processes."""
+    """linattn's kernels of every forward and decode row, compiled in parallel processes."""
     with runtime.recording() as jobs:
-        for family, (B, T, train, H, K) in rows:
-            if not train:
-                try:
-                    with torch.no_grad():
-                        x = inputs(family, B, T, H=H, K=K)
-                        call(family, functions(family, config)[0], x)
-                except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
-                    pass
+        for family, (B, T, kind, H, K) in rows:
+            try:
+                with torch.no_grad():
+                    if kind == "prefill":
+                        call(family, functions(family, config)[0], inputs(family, B, T, H=H, K=K))
+                    elif kind == "decode":
+                        decode_call(family, functions(family, kind="fused_recurrent")[0],
+                                    inputs(family, B, 1, H=H, K=K), decode_state(B, H, K))
+            except Exception:   # noqa: BLE001 (KernelRequested; the run reports others)
+                pass
     errors = runtime.precompile(jobs)
     print(f"precompiled {len(jobs)} kernels; {len(errors)} errors")
     for e in errors:
         print("  ", e)
 
 
+def decode_state(B, H, K):
+    """A decode row's state [B, H, K, V] f32 (V = K), the same for both libraries."""
+    return 0.1 * torch.randn(B, H, K, K, device=DEVICE, generator=_gen(1))
+
+
 def check(family, ours, theirs, x, T):
     """{impl: {vs_fp64}}, linattn's vs_fla, and the error string of a wrong row or None."""
     Tc = min(T, CHECK_TOKENS)
-    want = reference(family, x, Tc)
+    want = reference(family, x, Tc)[0]
     out, fo = {}, None
     with torch.no_grad():
         o = call(family, ours, x)
@@ -200,40 +227,77 @@ def check(family, ours, theirs, x, T):
     return out, vs_fla, "; ".join(b for b in bad if b) or None
 
 
+def train_row(row, family, ours, theirs, B, T, H, K):
+    """Time a training step of both libraries, unless linattn trains exactly in torch."""
+    from linattn.ops import exact_train
+    try:
+        step(family, ours, inputs(family, B, T, True, H, K))()
+    except Exception as e:      # noqa: BLE001 (linattn's failure: reported)
+        row["error"] = f"linattn's training of {family} failed: {str(e)[:200]}"
+        return
+    if get_spec({"rwkv7": "dplr"}.get(family, family)).name in exact_train._NOTED:
+        row["error"] = f"linattn trains {family} exactly in torch (no backward kernels)"
+        return
+    for who, fn in (("linattn", ours), ("fla", theirs)):
+        if fn is not None:
+            row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True, H, K)))
+
+
+def decode_row(row, family, B, H, K):
+    """One token from a state: o and the final state of each library against fp64, then
+    both timed (fla's function only if it is right: TOL_FP64 on o and the state)."""
+    ours, theirs = functions(family, kind="fused_recurrent")
+    x, h0 = inputs(family, B, 1, H=H, K=K), decode_state(B, H, K)
+    want_o, want_h = reference(family, x, 1, h0)
+    with torch.no_grad():
+        for who, fn in (("linattn", ours), ("fla", theirs)):
+            if fn is None:
+                continue
+            try:
+                o, ht = decode_call(family, fn, x, h0)
+                errs = {"vs_fp64": rel(o, want_o), "state_vs_fp64": rel(ht, want_h)}
+            except Exception as e:      # noqa: BLE001 (fla's failure: reported)
+                row["impls"][who] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                continue
+            row["impls"][who] = errs
+            if max(errs.values()) > TOL_FP64:
+                row["impls"][who]["error"] = f"wrong: {errs}"
+                continue
+            row["impls"][who].update(device_time(lambda: decode_call(family, fn, x, h0)))
+    if "error" in row["impls"].get("linattn", {}):
+        row["error"] = "linattn: " + row["impls"]["linattn"]["error"]
+
+
+def prefill_row(row, family, ours, theirs, x, T, paths):
+    """Check the row (check()), then time both libraries, each kernel too."""
+    paths.clear()
+    row["impls"], row["vs_fla"], err = check(family, ours, theirs, x, T)
+    row["linattn_path"] = paths[0] if paths else None
+    if err:
+        row["error"] = f"wrong: {err}"
+        return
+    with torch.no_grad():
+        for who, fn in (("linattn", ours), ("fla", theirs)):
+            if fn is not None and "error" not in row["impls"].get(who, {}):
+                row["impls"][who].update(device_time(lambda: call(family, fn, x)))
+                row["impls"][who]["split"] = device_times(lambda: call(family, fn, x),
+                                                          iters=10)[1]
+
+
 def run_row(family, workload, paths, config=None):
-    B, T, train, H, K = WORKLOADS[workload]
-    ours, theirs = functions(family, config)
+    B, T, kind, H, K = WORKLOADS[workload]
     row = dict(family=family, workload=workload, gpu=torch.cuda.get_device_name(),
                shape=dict(B=B, T=T, H=H, K=K, V=K, dtype="bfloat16"), impls={},
                **({"config": dict(config)} if config else {}))
-    if train:
-        from linattn.ops import exact_train
-        try:
-            step(family, ours, inputs(family, B, T, True, H, K))()
-        except Exception as e:      # noqa: BLE001 (linattn's failure: reported)
-            row["error"] = f"linattn's training of {family} failed: {str(e)[:200]}"
-            return row
-        if get_spec({"rwkv7": "dplr"}.get(family, family)).name in exact_train._NOTED:
-            row["error"] = f"linattn trains {family} exactly in torch (no backward kernels)"
-            return row
-        for who, fn in (("linattn", ours), ("fla", theirs)):
-            if fn is not None:
-                row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True, H, K)))
+    if kind == "decode":
+        decode_row(row, family, B, H, K)
     else:
-        x = inputs(family, B, T, H=H, K=K)
-        paths.clear()
-        row["impls"], row["vs_fla"], err = check(family, ours, theirs, x, T)
-        row["linattn_path"] = paths[0] if paths else None
-        if err:
-            row["error"] = f"wrong: {err}"
-            return row
-        with torch.no_grad():
-            for who, fn in (("linattn", ours), ("fla", theirs)):
-                if fn is not None and "error" not in row["impls"].get(who, {}):
-                    row["impls"][who].update(device_time(lambda: call(family, fn, x)))
-                    row["impls"][who]["split"] = device_times(lambda: call(family, fn, x),
-                                                              iters=10)[1]
-    if "fla" in row["impls"] and "ms" in row["impls"]["fla"]:
+        ours, theirs = functions(family, config)
+        if kind == "train":
+            train_row(row, family, ours, theirs, B, T, H, K)
+        else:
+            prefill_row(row, family, ours, theirs, inputs(family, B, T, H=H, K=K), T, paths)
+    if "ms" in row["impls"].get("fla", {}) and "ms" in row["impls"].get("linattn", {}):
         row["ratio"] = row["impls"]["fla"]["ms"] / row["impls"]["linattn"]["ms"]
     return row
 

@@ -13,6 +13,7 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh decode  # ~5 min: decode tiles at b >= 64
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh ncu     # ~4 min: the batched walk under ncu
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh ssd     # ~8 min: Mamba-2 rows at HEAD
+#   source .gpu/prelude.sh && bash bench/gpu_s41.sh gen     # ~8 min: generalized rules, decode too
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh walk | train | gates | tests | models
 #
 # verify: the defaults changed since their last GPU test: the right-looking diagonal pass
@@ -40,7 +41,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?verify, decode, ncu, ssd, tests, walk, gates, train or models} in
+case ${1:?verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     gpu_tests 100 tests/test_decode_gpu.py
@@ -60,6 +61,13 @@ case ${1:?verify, decode, ncu, ssd, tests, walk, gates, train or models} in
       > "$OUT/ncu_walk.csv" 2> "$OUT/ncu_walk.err"
     echo "ncu rc=$?"; grep -E "Duration|Registers|Achieved Occupancy|Issue Slots|No Eligible" \
       "$OUT/ncu_walk.csv" | cut -c1-200 | head -n 12 ;;
+  gen)     # the generalized rules' decode rows (new), then every row at HEAD (issue 49)
+    $T 150 python3 bench/generalized_probe.py --rows '*/decode-*' \
+      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
+    echo "decode rc=$?"; tail -n 5 "$OUT/generalized_decode.txt"
+    $T 330 python3 bench/generalized_probe.py --rows '*/[pt]*' --out "$OUT/generalized_h200.json" \
+      > "$OUT/generalized.txt" 2>&1
+    echo "generalized rc=$?"; tail -n 5 "$OUT/generalized.txt" ;;
   ssd)     # Mamba-2 vs mamba_ssm at HEAD (forward, training, decode): ssd_h200.json's rows
     $T 400 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --out "$OUT/ssd_h200.json" \
       > "$OUT/ssd_probe.txt" 2>&1
