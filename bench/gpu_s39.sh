@@ -13,8 +13,8 @@
 #
 # In this order (30 device minutes do not hold all; the first call also pays the start,
 # ~3.5 min):
-#   source .gpu/prelude.sh && bash bench/gpu_s39.sh combo   # ~7 min: the walk's k ring, Mamba-2 train
-#   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~7 min: split rows' kkt inverse_mma, value_split
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh combo   # ~7 min: the fused walk, Mamba-2 train
+#   source .gpu/prelude.sh && bash bench/gpu_s39.sh walk    # ~7 min: split rows, value_split
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh ssdgen  # ~9 min: Mamba-2 and GDN-2 / Comba / DPLR rows (.whl)
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh dplr    # ~9 min: tests, IPLR direct, DPLR / IPLR per kernel
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh train   # ~5 min: GDN / DeltaNet training per kernel
@@ -23,15 +23,10 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s39.sh tests   # ~9.5 min: GPU tests
 #   source .gpu/prelude.sh && bash bench/probes_s32.sh decode   # ~4 min
 #
-# combo: the fused walk's k_stages=3 (k in a ring of three stages of its own, loaded a chunk
-#   ahead; the inverse formed before chunk c - 2's stage is free; o stored from registers):
-#   its GPU cases first, then walk_probe. s38-1 (H100): default 619.5 / 86.9 us at
-#   8x8192 / tp4-8x1024, the inverse left out (inverse_stub=1) 406.5 / 57.0. Model: the
-#   group's chunk is load latency + inverse (~1.5 + ~2 us) against the chain's 3.15, and
-#   with k a chunk ahead only the inverse (~2 us) must fit a step: ~410-450 / ~60 us.
-#   inverse_mma (la_wy_inverse64: tf32 mma.sync by four warps, one exchange) replaces the
-#   diagonal pass and block steps (~1.3 us a step) by ~0.3: ~500 us alone, ~410 with the
-#   ring. tests/test_wy_inverse.py checks the helper alone against fp64 first.
+# combo: the fused walk's GPU cases first, then walk_probe. s38-1 (H100): default 619.5 /
+#   86.9 us at 8x8192 / tp4-8x1024, the inverse left out (inverse_stub=1) 406.5 / 57.0.
+#   (Its k ring of three stages and the tf32 mma.sync inverse lost in s40-1 and were
+#   deleted: bench/LOG.md.)
 #   Then Mamba-2's training rows (s38-1: 3.71 / 7.21 ms vs mamba_ssm 1.64 / 3.11).
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -51,16 +46,14 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
 case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} in
-  combo)   # the walk's k ring (its cases, then timed), Mamba-2's training rows
+  combo)   # the fused walk (its cases, then timed), Mamba-2's training rows
     $T 200 python3 -m pytest -m gpu -p no:cacheprovider -n 6 -v --tb=short \
-      tests/test_wy_inverse.py tests/test_chunk_fwd_gpu.py > "$OUT/walk_tests.txt" 2>&1
+      tests/test_chunk_fwd_gpu.py > "$OUT/walk_tests.txt" 2>&1
     echo "walk tests rc=$?"
     gpu_tests 110 tests/test_chunk_dplr_gpu.py
     grep -E "FAILED|passed|failed|rc=" "$OUT/tests.txt" | tail -n 5
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      q35-2b-8x8192-trained --configs default inverse_in_walk=1,k_stages=3 \
-      inverse_in_walk=1,inverse_mma=1 inverse_in_walk=1,k_stages=3,inverse_mma=1 \
-      inverse_in_walk=1,k_stages=3,inverse_stub=1 inverse_in_walk=1,inverse_stub=1 \
+      q35-2b-8x8192-trained --configs default inverse_in_walk=1,inverse_stub=1 \
       --out "$OUT/probe_walk.json" > "$OUT/probe_walk.log" 2>&1
     grep -E "FAILED|passed|failed" "$OUT/walk_tests.txt" | tail -n 9
     tail -n 12 "$OUT"/probe_walk.log ;;
@@ -123,15 +116,15 @@ case ${1:?tests, walk, dplr, gates, train, models, ssdgen, ssddecode or combo} i
     gpu_tests 100 tests/test_chunk_fwd_gpu.py tests/test_chunk_additive_gpu.py
     gpu_tests 100 tests/test_chunk_bwd_gpu.py tests/test_autograd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
-  walk)   # the split rows with chunk_kkt_inverse's inverse_mma; value_split once more
+  walk)   # the split rows; value_split once more
     $T 200 python3 bench/walk_probe.py --iters 10 --only q35-2b-16384 q35-397b-tp1-65536 \
-      q35-397b-tp8-8192 prefill-4k deltanet-16k-k64 --configs default inverse_mma=1 \
+      q35-397b-tp8-8192 prefill-4k deltanet-16k-k64 --configs default \
       --out "$OUT/probe_split.json" > "$OUT/probe_split.log" 2>&1
     $T 120 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
       tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
     echo "value_split tests rc=$?"
     $T 120 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      q35-2b-8x8192-trained --configs default value_split=1 value_split=1,inverse_mma=1 \
+      q35-2b-8x8192-trained --configs default value_split=1 \
       --out "$OUT/probe_vs.json" \
       > "$OUT/probe_vs.log" 2>&1
     grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
