@@ -45,8 +45,6 @@ def _environment() -> jinja2.Environment:
         extensions=[Put],
     )
     env.filters["dedent"] = textwrap.dedent     # (a shared piece inside a member's macro)
-    # a device helper's CUDA text, for a kernel's prelude (not parsed as a template)
-    env.globals["device_source"] = lambda name: (TEMPLATE_DIR / "cuda" / name).read_text()
     return env
 
 

@@ -464,9 +464,7 @@ def _walks(spec) -> bool:
 
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
-           {"inverse_in_walk": 1, "inverse_stub": 1}, {"inverse_in_walk": 1, "k_stages": 3},
-           {"inverse_in_walk": 1, "k_stages": 3, "inverse_mma": 1}, {"inverse_mma": 1},
-           {"value_split": 1}, {"value_split": 1, "inverse_mma": 1}]
+           {"inverse_in_walk": 1, "inverse_stub": 1}, {"value_split": 1}]
 
 
 def _config_applies(c, cfg) -> bool:
@@ -477,8 +475,6 @@ def _config_applies(c, cfg) -> bool:
         return _walks(spec) and not c[2].l2norm_qk
     if "value_split" in cfg:                # (... at K = V = 128)
         return _walks(spec) and not c[2].l2norm_qk and c[1]["K"] == c[1]["V"] == 128
-    if "inverse_mma" in cfg:                # (the walk plans' chunk_kkt_inverse)
-        return _walks(spec)
     return True
 
 
@@ -646,19 +642,16 @@ def test_unknown_config_is_refused(monkeypatch):
 
 
 def test_walk_probe_configs_are_checked():
-    """inverse_stub and k_stages take the values the fused walk's template knows, named in
-    one line."""
+    """inverse_stub takes the values the fused walk's template knows, named in one line."""
     kw = dict(H=16, HV=16, K=128, V=128, dtype="bfloat16", seq_chunks=(128,) * 8,
               Ttot=8 * 8192)
     plan = chunk.forward_plan(get_spec("gdn"), Options(), **kw,
-                              config={"inverse_in_walk": 1, "inverse_stub": 1, "k_stages": 3})
+                              config={"inverse_in_walk": 1, "inverse_stub": 1})
     (walk,) = plan.launches
-    assert walk.kwargs["inverse_stub"] == 1 and walk.kwargs["k_stages"] == 3
-    for bad in ({"inverse_stub": 3}, {"k_stages": 4}):
-        name = next(iter(bad))
-        with pytest.raises(ValueError, match=f"{name}={bad[name]}"):
-            chunk.forward_plan(get_spec("gdn"), Options(), **kw,
-                               config={"inverse_in_walk": 1, **bad})
+    assert walk.kwargs["inverse_stub"] == 1
+    with pytest.raises(ValueError, match="inverse_stub=3"):
+        chunk.forward_plan(get_spec("gdn"), Options(), **kw,
+                           config={"inverse_in_walk": 1, "inverse_stub": 3})
 
 
 def by_name(bodies):

@@ -128,11 +128,6 @@ WALK_CASES = [
                "state_v_first"), config={"segments": 2, "block_v": 64}),
     case("gdn", 1, None, 2, 4, 64, 64, lens=WALK_LENS, init=False, config={"segments": 8}),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config={"segments": 4}),
-    # chunk_kkt_inverse's inverse by la_wy_inverse64 (the probe config inverse_mma)
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config={"segments": 4, "inverse_mma": 1},
-         gate_scale=1e-2),
-    case("deltanet", 2, 700, 2, 2, 128, 128, config={"segments": 2, "inverse_mma": 1},
-         opts=("l2norm_qk",)),
     # the other pipelines forced where the walk would run
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config={"fused": False}),
 ] + [
@@ -150,24 +145,6 @@ WALK_CASES = [
          config=dict(FUSED, block_v=64)),
     case("gdn", 1, None, 1, 8, 64, 64, lens=WALK_LENS, init=False, config=FUSED),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=FUSED),
-    # k in a ring of three stages, a chunk ahead (the probe config k_stages): the same
-    # answer, with weak gates and with none too
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(FUSED, k_stages=3)),
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(FUSED, k_stages=3),
-         gate_scale=1e-2),
-    case("deltanet", 3, 65, 2, 2, 128, 128, dtype="float16", config=dict(FUSED, k_stages=3)),
-    case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
-         opts=("beta_sigmoid", "gate_in_kernel", "state_v_first"),
-         config=dict(FUSED, block_v=64, k_stages=3)),
-    # the inverse by la_wy_inverse64 (the probe config inverse_mma), alone and with k_stages
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(FUSED, inverse_mma=1)),
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, gate_scale=1e-2,
-         config=dict(FUSED, inverse_mma=1, k_stages=3)),
-    case("deltanet", 3, 65, 2, 2, 128, 128, dtype="float16",
-         config=dict(FUSED, inverse_mma=1, k_stages=3)),
-    case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
-         opts=("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "state_v_first"),
-         config=dict(FUSED, block_v=64, inverse_mma=1)),
 ] + [
     # the value-split walk (chunk_walk_vs, the probe config value_split; K = V = 128): weak
     # gates, no gate, every option it takes, awkward lengths (a partial last chunk, empty
@@ -181,9 +158,6 @@ WALK_CASES = [
          config=VS),
     case("gdn", 1, None, 1, 8, 128, 128, lens=WALK_LENS, init=False, config=VS),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=VS),
-    # ... its aux group's inverse by la_wy_inverse64 (inverse_mma)
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=dict(VS, inverse_mma=1),
-         gate_scale=1e-2),
 ]
 
 

@@ -188,7 +188,7 @@ def test_split_plan_buffers():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("name", ["gdn", "deltanet"])
 @pytest.mark.parametrize("stage", ["chunk_walk", "chunk_walk_map", "chunk_segment_combine"])
-def test_walk_stages_compile_within_the_model(name, stage):
+def test_walk_kernels_compile_within_the_model(name, stage):
     """Every example of the walk's kernels compiles without spills, in the shared memory
     walk_smem assumes (chunk_walk: at most the model; all: at most SMEM_BYTES)."""
     from linattn.codegen.compile import compile_stage, format_record

@@ -197,8 +197,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split", "k_stages", "inverse_mma",
-               "prepare_threads")
+               "aqk_per_key_head", "inverse_stub", "value_split", "prepare_threads")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -282,7 +281,7 @@ def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
     reasons = [f"the delta rule's walk fits at value blocks {walk_blocks(p)}; block {bv}"
                f"{f' with segments of {L} chunks' if split else ', one CTA per sequence'}"
                + (f" (config {config})" if config else f" models fastest ({t:.0f} us)")]
-    launches = [kkt_launch(p, inverse_mma=bool(config.get("inverse_mma")))]
+    launches = [kkt_launch(p)]
     if split:
         state = (p.HV, p.V, p.K) if p.state_v_first else (p.HV, p.K, p.V)
         n_seg = n_segments(p.seq_chunks, L)
@@ -315,15 +314,12 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     if choice is None:
         raise ValueError(f"no fused walk configuration fits {dict(config)}")
     bv, _, t = choice
-    probe = {key: config[key] for key in ("inverse_stub", "k_stages", "inverse_mma")
-             if config.get(key)}
-    if probe.get("inverse_stub", 0) not in (0, 1):
-        raise ValueError(f"plan config inverse_stub={probe['inverse_stub']!r}: 1 (X = I, "
-                         "a wrong answer: the walk's time with the inverse free)")
-    if probe.get("k_stages", 2) not in (2, 3):
-        raise ValueError(f"plan config k_stages={probe['k_stages']!r}: 2 (k in the q / v "
-                         "stages) or 3 (a ring of its own, a chunk ahead)")
-    walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS, **probe)
+    stub = config.get("inverse_stub", 0)
+    if stub not in (0, 1):
+        raise ValueError(f"plan config inverse_stub={stub!r}: 1 (X = I, a wrong answer: "
+                         "the walk's time with the inverse free)")
+    walk = dict(_fused_walk_params(p), block_v=bv, regs=FUSED_REGS,
+                **({"inverse_stub": stub} if stub else {}))
     reasons = [f"{p.N * p.HV} chains x {p.V // bv} value blocks: the WY inverse inside the "
                f"walk, block {bv}, one CTA per sequence"
                + (f" (config {config})" if config else f" (rule {INVERSE_IN_WALK}; "
@@ -344,8 +340,7 @@ def _fused_walk_params(p: ForwardProblem) -> dict:
 
 def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
-    walk = dict(_fused_walk_params(p), regs=VS_REGS,
-                **({"inverse_mma": True} if config.get("inverse_mma") else {}))
+    walk = dict(_fused_walk_params(p), regs=VS_REGS)
     reasons = [f"{p.N * p.HV} chains: the value-split walk (two state warpgroups of 64 "
                f"value rows, the WY inverse a chunk ahead), one CTA per sequence (config "
                f"{config})"]

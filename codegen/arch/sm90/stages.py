@@ -138,18 +138,16 @@ def prepare_buffers(p: ForwardProblem) -> list:
     return out
 
 
-def kkt_launch(p: ForwardProblem, inverse_mma: bool = False):
+def kkt_launch(p: ForwardProblem):
     """chunk_kkt_inverse, reading the raw q, k (writing qn, kn when l2norm_qk); in a
-    training forward chunk_kkt_inverse_save, writing A itself into A_inv as well.
-    inverse_mma: the probe config (the walk plans' config): la_wy_inverse64's inverse."""
+    training forward chunk_kkt_inverse_save, writing A itself into A_inv as well."""
     heads_fastest = p.NT <= hw.MAX_GRID_YZ
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
     if p.erase_key and not p.l2norm_qk:     # (Comba's p: its normalised copy unwritten)
         binds[f"{p.erase_key}n"] = f"{p.erase_key}_in"
-    params = dict(_kkt(p, heads_fastest), **({"inverse_mma": True} if inverse_mma else {}))
     if "A_inv" in saved_names(p):
-        return launch("chunk_kkt_inverse_save", params, **binds, A_out="A_inv")
-    return launch("chunk_kkt_inverse", params, **binds)
+        return launch("chunk_kkt_inverse_save", _kkt(p, heads_fastest), **binds, A_out="A_inv")
+    return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
 
 
 def chunk_head_limits(rule: str, gate: str) -> tuple:

@@ -62,182 +62,6 @@ EXAMPLES = [
 ]
 CHUNK = 64
 SUB = 16                        # diagonal block of the inverse (a warp per block row)
-#: the inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
-WY_INVERSE64 = r'''
-// X = (I + L)^-1 for a 64 x 64 strictly lower L, in place, by one warpgroup (128 threads).
-// a: 64 x 64 float32 row-major shared memory holding L below the diagonal (what is on and
-// above it is ignored); on return it holds X (unit diagonal, zeros above). scratch: 4 x 256
-// floats of shared memory (one 16 x 16 block a warp). tx: the thread's index in the group;
-// bar: a named barrier id the group's 128 threads sync on.
-//
-// Warp w owns row block w (rows 16 w .. 16 w + 15). With Ld the 16 x 16 diagonal blocks of
-// L, Lo the rest, D = (I + Ld)^-1 and N = D Lo (strictly block lower, N^4 = 0):
-//   I + L = (I + Ld)(I + N),  X = (I - N + N^2 - N^3) D,
-// so each warp forms D_w (forward substitution, a column a lane) and N_wj = D_w L_wj alone,
-// the group exchanges them once through `a`, and block (w, j) of X is
-//   X_10 = -N_10 D_0;  X_21 = -N_21 D_1;  X_20 = (N_21 N_10 - N_20) D_0;  X_32 = -N_32 D_2;
-//   X_31 = Y D_1 with Y = N_32 N_21 - N_31;  X_30 = (N_32 N_20 - Y N_10 - N_30) D_0.
-// Products are tf32 tensor-core MMAs (m16n8k8, f32 accumulation), the precision of the
-// blocked substitution this replaces; its operands are read from shared memory by their
-// fragment layouts, so `a` needs no particular swizzle.
-
-__device__ __forceinline__ unsigned la_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-// c (16 x 16, the two 16 x 8 accumulator halves, 4 floats each) += A B, A and B 16 x 16
-// blocks of row-major shared matrices with leading dims lda, ldb.
-__device__ __forceinline__ void la_mma16(float* c, const float* A, int lda, const float* B,
-                                         int ldb, int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const float* a0 = A + g * lda + 8 * kk + t;
-    unsigned x0 = la_tf32(a0[0]), x1 = la_tf32(a0[8 * lda]);
-    unsigned x2 = la_tf32(a0[4]), x3 = la_tf32(a0[8 * lda + 4]);
-#pragma unroll
-    for (int nh = 0; nh < 2; ++nh) {
-      const float* b0 = B + (8 * kk + t) * ldb + 8 * nh + g;
-      unsigned y0 = la_tf32(b0[0]), y1 = la_tf32(b0[4 * ldb]);
-      float* d = c + 4 * nh;
-      asm volatile(
-          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-          "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(x0), "r"(x1), "r"(x2), "r"(x3), "r"(y0), "r"(y1));
-    }
-  }
-}
-
-// The accumulator element (r, j) of a 16 x 16 block: c[la_at(r, j)] at lane 4 (r % 8) + (j % 8) / 2.
-// r = g or g + 8, column 8 nh + 2 t + e: c[4 nh + 2 (r >= 8) + e].
-__device__ __forceinline__ void la_load16(float* c, const float* S, int ld, int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nh = 0; nh < 2; ++nh)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) c[4 * nh + 2 * h + e] = S[(g + 8 * h) * ld + 8 * nh + 2 * t + e];
-}
-
-__device__ __forceinline__ void la_store16(float* S, int ld, const float* c, float sign,
-                                           int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nh = 0; nh < 2; ++nh)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        S[(g + 8 * h) * ld + 8 * nh + 2 * t + e] = sign * c[4 * nh + 2 * h + e];
-}
-
-__device__ __forceinline__ void la_zero16(float* c) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c[i] = 0.0f;
-}
-
-__device__ __forceinline__ void la_group_sync(int bar) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void la_wy_inverse64(float* a, float* scratch, int tx, int bar) {
-  const int ld = 64;
-  int w = (tx >> 5) & 3, lane = tx & 31;
-  float* rows = a + 16 * w * ld;          // this warp's row block
-  float* dw = rows + 16 * w;              // its diagonal block
-  // D_w: lane c (and c + 16, the same) solves column c % 16 of (I + L_ww) x = e_c,
-  // right-looking: each x_j found updates the rows below it independently.
-  {
-    int col = lane & 15;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = (i == col) ? 1.0f : 0.0f;
-#pragma unroll
-    for (int j = 0; j < 15; ++j) {
-#pragma unroll
-      for (int i = j + 1; i < 16; ++i) x[i] -= dw[i * ld + j] * x[j];
-    }
-    __syncwarp();
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) dw[i * ld + col] = x[i];
-    }
-    __syncwarp();
-  }
-  // N_wj = D_w L_wj (j < w), over L_wj once all are formed
-  float n[3][8];
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    la_zero16(n[j]);
-    if (j < w) la_mma16(n[j], dw, ld, rows + 16 * j, ld, lane);
-  }
-  __syncwarp();
-#pragma unroll
-  for (int j = 0; j < 3; ++j)
-    if (j < w) la_store16(rows + 16 * j, ld, n[j], 1.0f, lane);
-  la_group_sync(bar);                     // every D_j and N_ij written
-  const float* D0 = a;
-  const float* D1 = a + 16 * ld + 16;
-  const float* D2 = a + 32 * ld + 32;
-  const float* N10 = a + 16 * ld;
-  const float* N20 = a + 32 * ld;
-  const float* N21 = a + 32 * ld + 16;
-  const float* N30 = a + 48 * ld;
-  const float* N31 = a + 48 * ld + 16;
-  const float* N32 = a + 48 * ld + 32;
-  float* sw = scratch + 256 * w;          // this warp's 16 x 16 block
-  float x[3][8];                          // X_wj, j < w
-#pragma unroll
-  for (int j = 0; j < 3; ++j) la_zero16(x[j]);
-  float z[8];
-  if (w == 1) {
-    la_mma16(x[0], N10, ld, D0, ld, lane);                 // -X_10
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[0][i] = -x[0][i];
-  } else if (w == 2) {
-    la_mma16(x[1], N21, ld, D1, ld, lane);                 // -X_21
-    la_load16(z, N20, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { x[1][i] = -x[1][i]; z[i] = -z[i]; }
-    la_mma16(z, N21, ld, N10, ld, lane);                   // N_21 N_10 - N_20
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[0], sw, 16, D0, ld, lane);
-  } else if (w == 3) {
-    la_mma16(x[2], N32, ld, D2, ld, lane);                 // -X_32
-    la_load16(z, N31, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { x[2][i] = -x[2][i]; z[i] = -z[i]; }
-    la_mma16(z, N32, ld, N21, ld, lane);                   // Y = N_32 N_21 - N_31
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[1], sw, 16, D1, ld, lane);                  // X_31 = Y D_1
-    float y[8];
-    la_zero16(y);
-    la_mma16(y, sw, 16, N10, ld, lane);                    // Y N_10
-    la_load16(z, N30, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) z[i] = -z[i] - y[i];
-    la_mma16(z, N32, ld, N20, ld, lane);                   // N_32 N_20 - Y N_10 - N_30
-    __syncwarp();
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[0], sw, 16, D0, ld, lane);                  // X_30
-  }
-  la_group_sync(bar);                     // every N_ij and D_j read
-#pragma unroll
-  for (int j = 0; j < 3; ++j)
-    if (j < w) la_store16(rows + 16 * j, ld, x[j], 1.0f, lane);
-  la_zero16(z);
-#pragma unroll
-  for (int j = 1; j < 4; ++j)
-    if (j > w) la_store16(rows + 16 * j, ld, z, 1.0f, lane);
-}
-'''
 MIN_CTAS_PER_SM = 5             # 128 threads: <= 102 registers
 
 
@@ -261,14 +85,13 @@ def row_lanes(K: int) -> int:
 
 def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=False,
           beta_sigmoid=False, allow_neg_eigval=False, gate_in_kernel=False, a_dtype=None,
-          heads_fastest=False, a_beta=True, inverse_mma=False):
+          heads_fastest=False, a_beta=True):
     """prim_func for chunk_kkt_inverse.
 
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
-    group's q / k rows through L2. inverse_mma (probe config; chunk 64): the inverse by
-    la_wy_inverse64 (templates/cuda: four warps, tf32 MMAs, one exchange) instead of the
-    diag and levels phases.
+    group's q / k rows through L2.
+
     Tensors (Ttot tokens, NT chunks, dynamic):
       q, k [Ttot, H, K], g [Ttot, HV], beta [Ttot, HV], A_log [HV], dt_bias [HV],
       chunk_bos [NT], chunk_len [NT] (int32)
@@ -291,7 +114,6 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
     # passes whose loads are issued together (<= 32 registers of pieces a thread)
     LOAD_BATCH = max(1, min(PASSES, 8 // NV))
     assert PASSES % LOAD_BATCH == 0, (PASSES, LOAD_BATCH)
-    assert not inverse_mma or BT == 64, "la_wy_inverse64 inverts 64 x 64 (chunk 64)"
     XOR = tuple(LPR >> (s + 1) for s in range(LPR.bit_length() - 1))   # LPR/2, ..., 1
     LEVELS = tuple((d, tuple(range(d, NB))) for d in range(1, NB))   # (d, its warps)
     Ttot, NT = T.dynamic("Ttot, NT")
@@ -358,7 +180,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
         A_out: T.Tensor((Ttot, HV, BT), dtype),
     ):
         with T.Kernel(HV if heads_fastest else NT, NT if heads_fastest else HV,
-                      threads=threads, prelude=WY_INVERSE64 if inverse_mma else None) as (bx, by):
+                      threads=threads) as (bx, by):
             c = by if heads_fastest else bx
             hv = bx if heads_fastest else by
             hk = hv // group
@@ -367,12 +189,9 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             T.annotate_min_blocks_per_sm(MIN_CTAS_PER_SM)
             k_s = T.alloc_shared((BT, K), dtype)
             a_s = T.alloc_shared((BT, BT), f32)            # L; X's diagonal blocks in place
-            if inverse_mma:
-                mma_s = T.alloc_shared((4 * 256,), f32)     # la_wy_inverse64's per-warp blocks
-            else:
-                # X's column blocks transposed: xt_s[b, n, m] = X[16 b + m, 16 b + n]
-                xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)
-                yt_s = T.alloc_shared((NB, SUB, SUB), f32)     # each warp's (L X)^T block
+            # X's column blocks transposed: xt_s[b, n, m] = X[16 b + m, 16 b + n]
+            xt_s = T.alloc_shared((max(NB - 1, 1), SUB, BT), f32)
+            yt_s = T.alloc_shared((NB, SUB, SUB), f32)     # each warp's (L X)^T block
             o_s = T.alloc_shared((BT, BT), a_dtype)        # A_b, staged
             b_s = T.alloc_shared((BT,), f32)
             g_s = T.alloc_shared((BT,), f32)
@@ -422,71 +241,61 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                 g_cum[hv, c * BT + tx] = g_s[tx]
             T.sync_threads()
 
-            if inverse_mma:                     # X = (I + L)^-1 in a_s, then A_b staged
-                T.call_extern("handle", "la_wy_inverse64", T.address_of(a_s[0, 0]),
-                              T.address_of(mma_s[0]), tx, 0)
-                T.sync_threads()
-                for i, j in T.Parallel(BT, BT):
-                    o_s[i, j] = T.cast(a_s[i, j] * b_s[j] if a_beta else a_s[i, j], a_dtype)
+            # diag: thread t < BT inverts column n = t % 16 of X_bb = (I + L_bb)^-1, b = t // 16
+            # (blocks 2w, 2w + 1 in warp w): X[i, n] = [i == n] - sum_{n <= j < i} L[i, j] X[j, n]
+            if tx < BT:
+                wb = tx // SUB * SUB
+                n = tx % SUB
+                for ii in T.unroll(SUB):
+                    x_col[ii] = T.if_then_else(ii == n, T.float32(1), T.float32(0))
+                for jj in T.unroll(SUB):        # (right-looking: 16 dependent steps, not 120)
+                    for ii in T.unroll(SUB):
+                        if ii > jj:
+                            x_col[ii] = x_col[ii] - a_s[wb + ii, wb + jj] * x_col[jj]
+                # (the warp's reads of L_bb are done; at chunk 16 only lanes < 16 are here)
+                if BT >= 32:
+                    T.sync_warp()
+                else:
+                    T.sync_warp(0xFFFF)
+                for ii in T.unroll(SUB):
+                    a_s[wb + ii, wb + n] = x_col[ii]
+                    o_s[wb + ii, wb + n] = T.cast(
+                        x_col[ii] * b_s[wb + n] if a_beta else x_col[ii], a_dtype)
+                    if wb + ii < rows:          # (A_out from the registers: no staging tile)
+                        A_out[t0 + wb + ii, hv, wb + n] = T.cast(x_col[ii], dtype)
+                if tx < BT - SUB:
+                    for ii in T.unroll(SUB):
+                        xt_s[tx // SUB, n, ii] = x_col[ii]
+            for i, j in T.Parallel(BT, BT):     # X's blocks above the diagonal
+                if i // SUB < j // SUB:
+                    o_s[i, j] = T.cast(0, a_dtype)
                     if i < rows:
-                        A_out[t0 + i, hv, j] = T.cast(a_s[i, j], dtype)
-                T.sync_threads()
-            else:
-                # diag: thread t < BT inverts column n = t % 16 of X_bb = (I + L_bb)^-1, b = t // 16
-                # (blocks 2w, 2w + 1 in warp w): X[i, n] = [i == n] - sum_{n <= j < i} L[i, j] X[j, n]
-                if tx < BT:
-                    wb = tx // SUB * SUB
-                    n = tx % SUB
-                    for ii in T.unroll(SUB):
-                        x_col[ii] = T.if_then_else(ii == n, T.float32(1), T.float32(0))
-                    for jj in T.unroll(SUB):        # (right-looking: 16 dependent steps, not 120)
-                        for ii in T.unroll(SUB):
-                            if ii > jj:
-                                x_col[ii] = x_col[ii] - a_s[wb + ii, wb + jj] * x_col[jj]
-                    # (the warp's reads of L_bb are done; at chunk 16 only lanes < 16 are here)
-                    if BT >= 32:
-                        T.sync_warp()
-                    else:
-                        T.sync_warp(0xFFFF)
-                    for ii in T.unroll(SUB):
-                        a_s[wb + ii, wb + n] = x_col[ii]
-                        o_s[wb + ii, wb + n] = T.cast(
-                            x_col[ii] * b_s[wb + n] if a_beta else x_col[ii], a_dtype)
-                        if wb + ii < rows:          # (A_out from the registers: no staging tile)
-                            A_out[t0 + wb + ii, hv, wb + n] = T.cast(x_col[ii], dtype)
-                    if tx < BT - SUB:
-                        for ii in T.unroll(SUB):
-                            xt_s[tx // SUB, n, ii] = x_col[ii]
-                for i, j in T.Parallel(BT, BT):     # X's blocks above the diagonal
-                    if i // SUB < j // SUB:
-                        o_s[i, j] = T.cast(0, a_dtype)
-                        if i < rows:
-                            A_out[t0 + i, hv, j] = T.cast(0, dtype)
-                T.sync_threads()
+                        A_out[t0 + i, hv, j] = T.cast(0, dtype)
+            T.sync_threads()
 
-                # levels: block (b, b - d) by warp b;
-                # xt_s[r, :, 0:16 d] = X[16 r:16 b, 16 r:16 r + 16]^T
-                for d, warps in LEVELS:
-                    for b in warps:
-                        if tx >= 32 * b and tx < 32 * (b + 1):
-                            r = b - d
-                            yt = T.alloc_fragment((SUB, SUB), f32)
-                            T.gemm(xt_s[r, :, 0:SUB * d], a_s[SUB * b:SUB * b + SUB, SUB * r:SUB * b],
-                                   yt, transpose_B=True, clear_accum=True)
-                            T.copy(yt, yt_s[b, :, :])
-                            T.sync_warp()
-                            xb = T.alloc_fragment((SUB, SUB), f32)
-                            T.gemm(a_s[SUB * b:SUB * b + SUB, SUB * b:SUB * b + SUB], yt_s[b, :, :],
-                                   xb, transpose_B=True, clear_accum=True)
+            # levels: block (b, b - d) by warp b;
+            # xt_s[r, :, 0:16 d] = X[16 r:16 b, 16 r:16 r + 16]^T
+            for d, warps in LEVELS:
+                for b in warps:
+                    if tx >= 32 * b and tx < 32 * (b + 1):
+                        r = b - d
+                        yt = T.alloc_fragment((SUB, SUB), f32)
+                        T.gemm(xt_s[r, :, 0:SUB * d], a_s[SUB * b:SUB * b + SUB, SUB * r:SUB * b],
+                               yt, transpose_B=True, clear_accum=True)
+                        T.copy(yt, yt_s[b, :, :])
+                        T.sync_warp()
+                        xb = T.alloc_fragment((SUB, SUB), f32)
+                        T.gemm(a_s[SUB * b:SUB * b + SUB, SUB * b:SUB * b + SUB], yt_s[b, :, :],
+                               xb, transpose_B=True, clear_accum=True)
+                        for i, j in T.Parallel(SUB, SUB):
+                            o_s[SUB * b + i, SUB * r + j] = T.cast(
+                                -xb[i, j] * b_s[SUB * r + j] if a_beta else -xb[i, j], a_dtype)
+                            if SUB * b + i < rows:
+                                A_out[t0 + SUB * b + i, hv, SUB * r + j] = T.cast(-xb[i, j], dtype)
+                        if d < NB - 1:
                             for i, j in T.Parallel(SUB, SUB):
-                                o_s[SUB * b + i, SUB * r + j] = T.cast(
-                                    -xb[i, j] * b_s[SUB * r + j] if a_beta else -xb[i, j], a_dtype)
-                                if SUB * b + i < rows:
-                                    A_out[t0 + SUB * b + i, hv, SUB * r + j] = T.cast(-xb[i, j], dtype)
-                            if d < NB - 1:
-                                for i, j in T.Parallel(SUB, SUB):
-                                    xt_s[r, j, SUB * d + i] = -xb[i, j]
-                    T.sync_threads()
+                                xt_s[r, j, SUB * d + i] = -xb[i, j]
+                T.sync_threads()
 
             # store
             for i, j in T.Parallel(BT, BT):

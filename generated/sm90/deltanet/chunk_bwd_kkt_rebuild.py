@@ -93,6 +93,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
     heads_fastest: the grid's first index is the value head and the second the chunk
     (instead of chunk, head): the value heads of a chunk run together and share the
     group's q / k rows through L2.
+
     Tensors (Ttot tokens, NT chunks, dynamic):
       q, k [Ttot, H, K], g [Ttot, HV], beta [Ttot, HV], A_log [HV], dt_bias [HV],
       chunk_bos [NT], chunk_len [NT] (int32)

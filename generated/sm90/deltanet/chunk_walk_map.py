@@ -70,7 +70,6 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    k_stages = 2                                    # k's stages (the fused walk's probe: 3)
     assert K % BV == 0, f"K={K} must be a multiple of block_v={BV}"
     Ttot, NT, NS, NM = T.dynamic("Ttot, NT, NS, NM")
     readers = 1                                     # of S_s and the stages: state, WY
@@ -111,7 +110,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                 exact[seg, hv] = formed
 
             # two stages of the chunk operands (TMA), then the exchanged tiles
-            k_s = T.alloc_shared((k_stages, BT, K), dtype)
+            k_s = T.alloc_shared((2, BT, K), dtype)
             v_s = T.alloc_shared((2, BT, BV), dtype)       # v, then W in place
             a_s = T.alloc_shared((2, BT, BT), dtype)
             kr_s = T.alloc_shared((BT, K), dtype)           # state group: k, 0 past len
@@ -141,7 +140,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     T.barrier_wait(full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     for i, j in T.Parallel(BT, K):
-                        kr_s[i, j] = T.if_then_else(i < rows, k_s[c % k_stages, i, j], T.cast(0, dtype))
+                        kr_s[i, j] = T.if_then_else(i < rows, k_s[c % 2, i, j], T.cast(0, dtype))
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -154,7 +153,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
                     T.barrier_wait(s_full, c % 2)
-                    T.gemm(k_s[c % k_stages, :, :], S_s, U, clear_accum=True)
+                    T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
                     T.barrier_arrive(s_free)
                     if is_m:                                # M's columns have v = 0
                         for i, j in T.Parallel(BT, BV):

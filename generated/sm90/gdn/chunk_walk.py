@@ -93,7 +93,6 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    k_stages = 2                                    # k's stages (the fused walk's probe: 3)
     Ttot, NT, N, N0, N1, NH = T.dynamic("Ttot, NT, N, N0, N1, NH")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -128,7 +127,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
 
             # two stages of the chunk operands (TMA), then the exchanged tiles
             q_s = T.alloc_shared((2, BT, K), dtype)
-            k_s = T.alloc_shared((k_stages, BT, K), dtype)
+            k_s = T.alloc_shared((2, BT, K), dtype)
             v_s = T.alloc_shared((2, BT, BV), dtype)       # v, then W in place
             a_s = T.alloc_shared((2, BT, BT), dtype)
             g_s = T.alloc_shared((2, BT), f32)
@@ -182,7 +181,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                         er_s[i] = T.if_then_else(i < rows, T.exp(g_s[c % 2, BT - 1] - g_s[c % 2, i]),
                                                  T.float32(0))
                     for i, j in T.Parallel(BT, K):
-                        kr_s[i, j] = k_s[c % k_stages, i, j] * er_s[i]
+                        kr_s[i, j] = k_s[c % 2, i, j] * er_s[i]
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -202,7 +201,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     for i in T.Parallel(BT):
                         eu_s[i] = T.exp(g_s[s, i])
                     T.barrier_wait(s_full, c % 2)
-                    T.gemm(k_s[c % k_stages, :, :], S_s, U, clear_accum=True)
+                    T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(BT, BV):
                         U[i, j] = T.cast(v_s[s, i, j], f32) - eu_s[i] * U[i, j]
@@ -222,7 +221,7 @@ def build(H, HV, K, V, dtype, state_v_first=False, has_initial_state=False,
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    T.gemm(q_s[s, :, :], k_s[c % k_stages, :, :], P, transpose_B=True, clear_accum=True)
+                    T.gemm(q_s[s, :, :], k_s[c % 2, :, :], P, transpose_B=True, clear_accum=True)
                     for i, j in T.Parallel(BT, BT):
                         P[i, j] = T.if_then_else(
                             i >= j, P[i, j] * scale * T.exp(g_s[s, i] - g_s[s, j]), T.float32(0))

@@ -67,182 +67,6 @@ CHUNK = 64
 WARPGROUP = 128
 #: the named barrier of the inverse group's own syncs (TileLang's take 1 .. 5 here)
 INVERSE_BARRIER = 8
-#: the inverse by tensor-core MMAs (probe config inverse_mma; la_wy_inverse64)
-WY_INVERSE64 = r'''
-// X = (I + L)^-1 for a 64 x 64 strictly lower L, in place, by one warpgroup (128 threads).
-// a: 64 x 64 float32 row-major shared memory holding L below the diagonal (what is on and
-// above it is ignored); on return it holds X (unit diagonal, zeros above). scratch: 4 x 256
-// floats of shared memory (one 16 x 16 block a warp). tx: the thread's index in the group;
-// bar: a named barrier id the group's 128 threads sync on.
-//
-// Warp w owns row block w (rows 16 w .. 16 w + 15). With Ld the 16 x 16 diagonal blocks of
-// L, Lo the rest, D = (I + Ld)^-1 and N = D Lo (strictly block lower, N^4 = 0):
-//   I + L = (I + Ld)(I + N),  X = (I - N + N^2 - N^3) D,
-// so each warp forms D_w (forward substitution, a column a lane) and N_wj = D_w L_wj alone,
-// the group exchanges them once through `a`, and block (w, j) of X is
-//   X_10 = -N_10 D_0;  X_21 = -N_21 D_1;  X_20 = (N_21 N_10 - N_20) D_0;  X_32 = -N_32 D_2;
-//   X_31 = Y D_1 with Y = N_32 N_21 - N_31;  X_30 = (N_32 N_20 - Y N_10 - N_30) D_0.
-// Products are tf32 tensor-core MMAs (m16n8k8, f32 accumulation), the precision of the
-// blocked substitution this replaces; its operands are read from shared memory by their
-// fragment layouts, so `a` needs no particular swizzle.
-
-__device__ __forceinline__ unsigned la_tf32(float x) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-
-// c (16 x 16, the two 16 x 8 accumulator halves, 4 floats each) += A B, A and B 16 x 16
-// blocks of row-major shared matrices with leading dims lda, ldb.
-__device__ __forceinline__ void la_mma16(float* c, const float* A, int lda, const float* B,
-                                         int ldb, int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const float* a0 = A + g * lda + 8 * kk + t;
-    unsigned x0 = la_tf32(a0[0]), x1 = la_tf32(a0[8 * lda]);
-    unsigned x2 = la_tf32(a0[4]), x3 = la_tf32(a0[8 * lda + 4]);
-#pragma unroll
-    for (int nh = 0; nh < 2; ++nh) {
-      const float* b0 = B + (8 * kk + t) * ldb + 8 * nh + g;
-      unsigned y0 = la_tf32(b0[0]), y1 = la_tf32(b0[4 * ldb]);
-      float* d = c + 4 * nh;
-      asm volatile(
-          "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
-          "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(x0), "r"(x1), "r"(x2), "r"(x3), "r"(y0), "r"(y1));
-    }
-  }
-}
-
-// The accumulator element (r, j) of a 16 x 16 block: c[la_at(r, j)] at lane 4 (r % 8) + (j % 8) / 2.
-// r = g or g + 8, column 8 nh + 2 t + e: c[4 nh + 2 (r >= 8) + e].
-__device__ __forceinline__ void la_load16(float* c, const float* S, int ld, int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nh = 0; nh < 2; ++nh)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) c[4 * nh + 2 * h + e] = S[(g + 8 * h) * ld + 8 * nh + 2 * t + e];
-}
-
-__device__ __forceinline__ void la_store16(float* S, int ld, const float* c, float sign,
-                                           int lane) {
-  int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int nh = 0; nh < 2; ++nh)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        S[(g + 8 * h) * ld + 8 * nh + 2 * t + e] = sign * c[4 * nh + 2 * h + e];
-}
-
-__device__ __forceinline__ void la_zero16(float* c) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) c[i] = 0.0f;
-}
-
-__device__ __forceinline__ void la_group_sync(int bar) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void la_wy_inverse64(float* a, float* scratch, int tx, int bar) {
-  const int ld = 64;
-  int w = (tx >> 5) & 3, lane = tx & 31;
-  float* rows = a + 16 * w * ld;          // this warp's row block
-  float* dw = rows + 16 * w;              // its diagonal block
-  // D_w: lane c (and c + 16, the same) solves column c % 16 of (I + L_ww) x = e_c,
-  // right-looking: each x_j found updates the rows below it independently.
-  {
-    int col = lane & 15;
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) x[i] = (i == col) ? 1.0f : 0.0f;
-#pragma unroll
-    for (int j = 0; j < 15; ++j) {
-#pragma unroll
-      for (int i = j + 1; i < 16; ++i) x[i] -= dw[i * ld + j] * x[j];
-    }
-    __syncwarp();
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) dw[i * ld + col] = x[i];
-    }
-    __syncwarp();
-  }
-  // N_wj = D_w L_wj (j < w), over L_wj once all are formed
-  float n[3][8];
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    la_zero16(n[j]);
-    if (j < w) la_mma16(n[j], dw, ld, rows + 16 * j, ld, lane);
-  }
-  __syncwarp();
-#pragma unroll
-  for (int j = 0; j < 3; ++j)
-    if (j < w) la_store16(rows + 16 * j, ld, n[j], 1.0f, lane);
-  la_group_sync(bar);                     // every D_j and N_ij written
-  const float* D0 = a;
-  const float* D1 = a + 16 * ld + 16;
-  const float* D2 = a + 32 * ld + 32;
-  const float* N10 = a + 16 * ld;
-  const float* N20 = a + 32 * ld;
-  const float* N21 = a + 32 * ld + 16;
-  const float* N30 = a + 48 * ld;
-  const float* N31 = a + 48 * ld + 16;
-  const float* N32 = a + 48 * ld + 32;
-  float* sw = scratch + 256 * w;          // this warp's 16 x 16 block
-  float x[3][8];                          // X_wj, j < w
-#pragma unroll
-  for (int j = 0; j < 3; ++j) la_zero16(x[j]);
-  float z[8];
-  if (w == 1) {
-    la_mma16(x[0], N10, ld, D0, ld, lane);                 // -X_10
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[0][i] = -x[0][i];
-  } else if (w == 2) {
-    la_mma16(x[1], N21, ld, D1, ld, lane);                 // -X_21
-    la_load16(z, N20, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { x[1][i] = -x[1][i]; z[i] = -z[i]; }
-    la_mma16(z, N21, ld, N10, ld, lane);                   // N_21 N_10 - N_20
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[0], sw, 16, D0, ld, lane);
-  } else if (w == 3) {
-    la_mma16(x[2], N32, ld, D2, ld, lane);                 // -X_32
-    la_load16(z, N31, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { x[2][i] = -x[2][i]; z[i] = -z[i]; }
-    la_mma16(z, N32, ld, N21, ld, lane);                   // Y = N_32 N_21 - N_31
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[1], sw, 16, D1, ld, lane);                  // X_31 = Y D_1
-    float y[8];
-    la_zero16(y);
-    la_mma16(y, sw, 16, N10, ld, lane);                    // Y N_10
-    la_load16(z, N30, ld, lane);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) z[i] = -z[i] - y[i];
-    la_mma16(z, N32, ld, N20, ld, lane);                   // N_32 N_20 - Y N_10 - N_30
-    __syncwarp();
-    la_store16(sw, 16, z, 1.0f, lane);
-    __syncwarp();
-    la_mma16(x[0], sw, 16, D0, ld, lane);                  // X_30
-  }
-  la_group_sync(bar);                     // every N_ij and D_j read
-#pragma unroll
-  for (int j = 0; j < 3; ++j)
-    if (j < w) la_store16(rows + 16 * j, ld, x[j], 1.0f, lane);
-  la_zero16(z);
-#pragma unroll
-  for (int j = 1; j < 4; ++j)
-    if (j > w) la_store16(rows + 16 * j, ld, z, 1.0f, lane);
-}
-'''
 
 
 def out_idx(**params):
@@ -256,7 +80,7 @@ def pass_configs(**params):
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
           has_initial_state=False, output_final_state=False, block_v=128,
-          regs=(160, 112, 120, 120), inverse_stub=0, k_stages=2, inverse_mma=False):
+          regs=(160, 112, 120, 120), inverse_stub=0):
     """prim_func for chunk_walk_fused: chunk_walk with the WY inverse formed inside.
 
     Tensors (Ttot tokens, N sequences; dynamic):
@@ -268,13 +92,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       with state_v_first; unused ones may be [1, ...])
     Tuning: block_v, regs (budgets of the state, WY, output and inverse / load
     warpgroups: the inverse group's ~120 taken from the WY and output groups). Probe
-    configs: inverse_stub 1: X = I, no Gram (a wrong answer; the walk's time with the
-    inverse free). k_stages 3: k in a ring of three stages of its own (kfull), loaded a
-    chunk ahead of q and v, so the inverse group forms chunk c's inverse while chunk
-    c - 2 is still read and waits for the stage only to write A_b; its beta and raw gate
-    rows a chunk ahead in registers; o stored from registers (o_s's shared memory holds
-    k's third stage). inverse_mma: the inverse by la_wy_inverse64 (four warps, tf32
-    MMAs, one exchange) instead of the blocked substitution's three block steps.
+    config: inverse_stub 1: X = I, no Gram (a wrong answer; the walk's time with the
+    inverse free).
     """
     BT = CHUNK
     BV = block_v
@@ -284,8 +103,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    assert k_stages in (2, 3) and inverse_stub in (0, 1), (k_stages, inverse_stub)
-    assert not inverse_mma or (BT == 64 and WG == 128), "la_wy_inverse64: 64 rows, 128 threads"
+    assert inverse_stub in (0, 1), inverse_stub
     Ttot, NT, N, N0, N1, NH = T.dynamic("Ttot, NT, N, N0, N1, NH")
     h0_shape = (N0, HV, V, K) if state_v_first else (N0, HV, K, V)
     ht_shape = (N1, HV, V, K) if state_v_first else (N1, HV, K, V)
@@ -307,8 +125,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
         o: T.Tensor((Ttot, HV, V), dtype),
         scale: T.float32,
     ):
-        with T.Kernel(V // BV, N * HV, threads=4 * WG,
-                      prelude=WY_INVERSE64 if inverse_mma else None) as (iv, nh):
+        with T.Kernel(V // BV, N * HV, threads=4 * WG) as (iv, nh):
             n = nh // HV
             hv = nh % HV
             hk = hv // group
@@ -320,7 +137,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
 
             # two stages of the chunk operands (TMA), then the exchanged tiles
             q_s = T.alloc_shared((2, BT, K), dtype)
-            k_s = T.alloc_shared((k_stages, BT, K), dtype)
+            k_s = T.alloc_shared((2, BT, K), dtype)
             v_s = T.alloc_shared((2, BT, BV), dtype)       # v, then W in place
             a_s = T.alloc_shared((2, BT, BT), dtype)         # A_b, written by the inverse group
             g_s = T.alloc_shared((2, BT), f32)               # the gate's within-chunk cumsum (ditto)
@@ -333,8 +150,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             S = T.alloc_fragment((K, BV), f32)
             U = T.alloc_fragment((BT, BV), f32)
             p_s = T.alloc_shared((BT, BT), dtype)
-            if k_stages == 2:                           # (else o goes from registers)
-                o_s = T.alloc_shared((BT, BV), dtype)
+            o_s = T.alloc_shared((BT, BV), dtype)
             O = T.alloc_fragment((BT, BV), f32)
             P = T.alloc_fragment((BT, BT), f32)
             # the inverse group's own: L, then X = (I + L)^-1 in place (f32), beta, the gate
@@ -343,8 +159,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             gl_s = T.alloc_shared((BT,), f32)
             gc_s = T.alloc_shared((BT,), f32)               # its cumsum, to g_s with A_b
             kk = T.alloc_fragment((BT, BT), f32)
-            if inverse_mma:
-                mma_s = T.alloc_shared((4 * 256,), f32)     # la_wy_inverse64's per-warp blocks
             # full / empty: the loads' stages; s_full / s_free: S_s written / read by its
             # readers; v_full: Vd written; vd_free: Vd read by the output group;
             # a_full: A_b and g of a stage formed
@@ -355,8 +169,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
-            if k_stages == 3:                           # k's own ring (probe)
-                kfull = T.alloc_barrier([32, 32, 32])
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -376,8 +188,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
                     T.barrier_wait(full[c % 2], (c // 2) % 2)
-                    if k_stages == 3:
-                        T.barrier_wait(kfull[c % 3], (c // 3) % 2)
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     decay = T.alloc_var(f32)
@@ -388,7 +198,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         er_s[i] = T.if_then_else(i < rows, T.exp(g_s[c % 2, BT - 1] - g_s[c % 2, i]),
                                                  T.float32(0))
                     for i, j in T.Parallel(BT, K):
-                        kr_s[i, j] = k_s[c % k_stages, i, j] * er_s[i]
+                        kr_s[i, j] = k_s[c % 2, i, j] * er_s[i]
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -405,13 +215,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    if k_stages == 3:
-                        T.barrier_wait(kfull[c % 3], (c // 3) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i in T.Parallel(BT):
                         eu_s[i] = T.exp(g_s[s, i])
                     T.barrier_wait(s_full, c % 2)
-                    T.gemm(k_s[c % k_stages, :, :], S_s, U, clear_accum=True)
+                    T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(BT, BV):
                         U[i, j] = T.cast(v_s[s, i, j], f32) - eu_s[i] * U[i, j]
@@ -431,9 +239,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    if k_stages == 3:
-                        T.barrier_wait(kfull[c % 3], (c // 3) % 2)
-                    T.gemm(q_s[s, :, :], k_s[c % k_stages, :, :], P, transpose_B=True, clear_accum=True)
+                    T.gemm(q_s[s, :, :], k_s[c % 2, :, :], P, transpose_B=True, clear_accum=True)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
                         P[i, j] = T.if_then_else(
@@ -450,60 +256,39 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(p_s, vd_s, O)
                     T.barrier_arrive(vd_free)
-                    if k_stages == 3:                   # (no o_s: from registers)
+                    T.copy(O, o_s)
+                    if rows == BT:
+                        T.copy(o_s, o[t0:t0 + BT, hv, v0:v0 + BV])
+                    else:
                         for i, j in T.Parallel(BT, BV):
                             if i < rows:
-                                o[t0 + i, hv, v0 + j] = T.cast(O[i, j], dtype)
-                    else:
-                        T.copy(O, o_s)
-                        if rows == BT:
-                            T.copy(o_s, o[t0:t0 + BT, hv, v0:v0 + BV])
-                        else:
-                            for i, j in T.Parallel(BT, BV):
-                                if i < rows:
-                                    o[t0 + i, hv, v0 + j] = o_s[i, j]
+                                o[t0 + i, hv, v0 + j] = o_s[i, j]
 
             else:                                           # A_b, g and the loads
                 T.set_max_nreg(regs[3], int(regs[3] > 128))
                 w3 = tx - 3 * WG
-                # (k_stages 3) this thread's beta (w3 < BT) / raw gate row (w3 >= BT) of the
-                # chunk to come, loaded a chunk ahead: in flight through the inverse
-                if k_stages == 3:
-                    row_next = T.alloc_local((1,), f32)
-                    rn = w3 % BT
-                    if w3 < BT:
-                        row_next[0] = T.if_then_else(rn < seqlen, T.cast(beta[bos + rn, hv], f32), T.float32(0))
-                    else:
-                        row_next[0] = T.if_then_else(rn < seqlen, T.cast(g[bos + rn, hv], f32), T.float32(0))
-                    if w3 < 32 and n_chunks > 0:            # chunk 0's k (every copy issued
-                        T.tma_copy(k[bos:bos + BT, hk, 0:K], k_s[0, :, :],   # is waited for)
-                                   barrier=kfull[0])
-                        T.barrier_arrive(kfull[0])
                 for c in T.serial(n_chunks):
                     st = c % 2                              # ("s" is the inverse's own name)
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
-                    if k_stages == 2:
-                        T.barrier_wait(empty[st], (c // 2 + 1) % 2)
-                        if w3 < 32:
-                            T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                            T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
-                            T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                            T.barrier_arrive(full[st])
+                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
+                    if w3 < 32:
+                        T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
                     # (the previous chunk's reads of b_s, gl_s and l_s are done)
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
-                        b_s[w3] = T.if_then_else(
-                            w3 < rows, row_next[0] if k_stages == 3 else T.cast(beta[t0 + w3, hv], f32),
-                            T.float32(0))
+                        b_s[w3] = T.if_then_else(w3 < rows, T.cast(beta[t0 + w3, hv], f32),
+                                                 T.float32(0))
                         if beta_sigmoid:
                             b_s[w3] = T.if_then_else(
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
                     else:
                         gi = w3 - BT
-                        gl_s[gi] = T.if_then_else(gi < rows, row_next[0] if k_stages == 3
-                                                  else T.cast(g[t0 + gi, hv], f32), T.float32(0))
+                        gl_s[gi] = T.if_then_else(gi < rows, T.cast(g[t0 + gi, hv], f32), T.float32(0))
                         if gate_in_kernel:
                             xg = gl_s[gi] + dt_bias[hv]
                             gl_s[gi] = T.if_then_else(
@@ -517,81 +302,58 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for j in T.unroll(BT):
                             gsum = gsum + T.if_then_else(j <= w3, gl_s[j], T.float32(0))
                         gc_s[w3] = gsum
-                    if k_stages == 3:
-                        rn = (c + 1) * BT + w3 % BT
-                        if w3 < BT:
-                            row_next[0] = T.if_then_else(rn < seqlen, T.cast(beta[bos + rn, hv], f32), T.float32(0))
-                        else:
-                            row_next[0] = T.if_then_else(rn < seqlen, T.cast(g[bos + rn, hv], f32), T.float32(0))
-                        T.barrier_wait(kfull[c % 3], (c // 3) % 2)
-                    else:
-                        T.barrier_wait(full[st], (c // 2) % 2)
+                    T.barrier_wait(full[st], (c // 2) % 2)
                     if inverse_stub == 0:
-                        T.gemm(k_s[c % k_stages, :, :], k_s[c % k_stages, :, :], kk, transpose_B=True,
+                        T.gemm(k_s[c % 2, :, :], k_s[c % 2, :, :], kk, transpose_B=True,
                                clear_accum=True)
                         T.sync_threads(INVERSE_BARRIER, WG)     # (b_s, g_s written)
                         for i, j in T.Parallel(BT, BT):         # L
                             gap = gc_s[i] - gc_s[j]
                             kk[i, j] = kk[i, j] * b_s[i] * T.exp(T.if_then_else(i > j, gap, -T.infinity(f32)))
                         T.copy(kk, l_s)
-                        if inverse_mma:
+                        SUB = 16
+                        T.sync_threads(INVERSE_BARRIER, WG)
+                        x_col = T.alloc_local((SUB,), f32)
+                        for p in T.unroll(max(1, BT // WG)):
+                            # (more threads than columns: the extra ones redo column tx % BT, unwritten)
+                            col = (w3 + p * WG) % BT
+                            d0 = col // SUB * SUB
+                            for ii in T.unroll(SUB):
+                                x_col[ii] = T.if_then_else(ii == col % SUB, T.float32(1), T.float32(0))
+                            for jj in T.unroll(SUB):            # (right-looking: x_jj final, the rows
+                                for ii in T.unroll(SUB):        # below it updated independently)
+                                    if ii > jj:
+                                        x_col[ii] = x_col[ii] - l_s[d0 + ii, d0 + jj] * x_col[jj]
                             T.sync_threads(INVERSE_BARRIER, WG)
-                            T.call_extern("handle", "la_wy_inverse64", T.address_of(l_s[0, 0]),
-                                          T.address_of(mma_s[0]), w3, INVERSE_BARRIER)
-                        else:
-                            SUB = 16
-                            T.sync_threads(INVERSE_BARRIER, WG)
-                            x_col = T.alloc_local((SUB,), f32)
-                            for p in T.unroll(max(1, BT // WG)):
-                                # (more threads than columns: the extra ones redo column tx % BT, unwritten)
-                                col = (w3 + p * WG) % BT
-                                d0 = col // SUB * SUB
+                            if w3 + p * WG < BT:
                                 for ii in T.unroll(SUB):
-                                    x_col[ii] = T.if_then_else(ii == col % SUB, T.float32(1), T.float32(0))
-                                for jj in T.unroll(SUB):            # (right-looking: x_jj final, the rows
-                                    for ii in T.unroll(SUB):        # below it updated independently)
-                                        if ii > jj:
-                                            x_col[ii] = x_col[ii] - l_s[d0 + ii, d0 + jj] * x_col[jj]
-                                T.sync_threads(INVERSE_BARRIER, WG)
-                                if w3 + p * WG < BT:
-                                    for ii in T.unroll(SUB):
-                                        l_s[d0 + ii, col] = x_col[ii]
-                                T.sync_threads(INVERSE_BARRIER, WG)
-                            xt_s = T.alloc_shared((SUB, SUB), f32)
-                            yt_s = T.alloc_shared((SUB, BT), f32)
-                            y_f = T.alloc_fragment((BT, SUB), f32)
-                            z_f = T.alloc_fragment((BT, SUB), f32)
-                            for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
-                                R = SUB * (s + 1)
-                                m0 = SUB * s
-                                for i, j in T.Parallel(SUB, SUB):
-                                    xt_s[i, j] = l_s[m0 + j, m0 + i]
-                                T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
-                                # (writes of whole fragments, selected: a condition on a fragment's row
-                                # would put the next barrier inside a branch)
-                                for i, j in T.Parallel(BT, SUB):
-                                    yt_s[j, i] = y_f[i, j]
-                                T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
-                                       clear_accum=True)
-                                for i, j in T.Parallel(BT, SUB):    # (rebuilt from X_ss^T, not read back)
-                                    l_s[i, m0 + j] = T.if_then_else(
-                                        i >= R, -z_f[i, j], T.if_then_else(
-                                            i >= m0, xt_s[j, T.min(T.max(i - m0, 0), SUB - 1)],
-                                            T.float32(0)))
+                                    l_s[d0 + ii, col] = x_col[ii]
+                            T.sync_threads(INVERSE_BARRIER, WG)
+                        xt_s = T.alloc_shared((SUB, SUB), f32)
+                        yt_s = T.alloc_shared((SUB, BT), f32)
+                        y_f = T.alloc_fragment((BT, SUB), f32)
+                        z_f = T.alloc_fragment((BT, SUB), f32)
+                        for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                            R = SUB * (s + 1)
+                            m0 = SUB * s
+                            for i, j in T.Parallel(SUB, SUB):
+                                xt_s[i, j] = l_s[m0 + j, m0 + i]
+                            T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
+                            # (writes of whole fragments, selected: a condition on a fragment's row
+                            # would put the next barrier inside a branch)
+                            for i, j in T.Parallel(BT, SUB):
+                                yt_s[j, i] = y_f[i, j]
+                            T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                                   clear_accum=True)
+                            for i, j in T.Parallel(BT, SUB):    # (rebuilt from X_ss^T, not read back)
+                                l_s[i, m0 + j] = T.if_then_else(
+                                    i >= R, -z_f[i, j], T.if_then_else(
+                                        i >= m0, xt_s[j, T.min(T.max(i - m0, 0), SUB - 1)],
+                                        T.float32(0)))
                     else:                       # probe: X = I (A_b = diag(beta)), the loads alone
                         T.sync_threads(INVERSE_BARRIER, WG)
                         for i, j in T.Parallel(BT, BT):
                             l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
-                    if k_stages == 3:           # chunk c - 2 read: its stage takes q, v of c
-                        T.barrier_wait(empty[st], (c // 2 + 1) % 2)
-                        if w3 < 32:
-                            T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                            T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                            T.barrier_arrive(full[st])
-                            if c + 1 < n_chunks:            # ... and k of c + 1 its ring's
-                                T.tma_copy(k[t0 + BT:t0 + 2 * BT, hk, 0:K],
-                                           k_s[(c + 1) % 3, :, :], barrier=kfull[(c + 1) % 3])
-                                T.barrier_arrive(kfull[(c + 1) % 3])
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
                         g_s[st, w3] = gc_s[w3]

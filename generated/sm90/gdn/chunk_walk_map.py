@@ -70,7 +70,6 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
-    k_stages = 2                                    # k's stages (the fused walk's probe: 3)
     assert K % BV == 0, f"K={K} must be a multiple of block_v={BV}"
     Ttot, NT, NS, NM = T.dynamic("Ttot, NT, NS, NM")
     readers = 1                                     # of S_s and the stages: state, WY
@@ -124,7 +123,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                 exact[seg, hv] = formed
 
             # two stages of the chunk operands (TMA), then the exchanged tiles
-            k_s = T.alloc_shared((k_stages, BT, K), dtype)
+            k_s = T.alloc_shared((2, BT, K), dtype)
             v_s = T.alloc_shared((2, BT, BV), dtype)       # v, then W in place
             a_s = T.alloc_shared((2, BT, BT), dtype)
             g_s = T.alloc_shared((2, BT), f32)
@@ -164,7 +163,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                         er_s[i] = T.if_then_else(i < rows, T.exp(g_s[c % 2, BT - 1] - g_s[c % 2, i]),
                                                  T.float32(0))
                     for i, j in T.Parallel(BT, K):
-                        kr_s[i, j] = k_s[c % k_stages, i, j] * er_s[i]
+                        kr_s[i, j] = k_s[c % 2, i, j] * er_s[i]
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -179,7 +178,7 @@ def build(H, HV, K, V, dtype, block_v=128, regs=(184, 176, 24, 24)):
                     for i in T.Parallel(BT):
                         eu_s[i] = T.exp(g_s[s, i])
                     T.barrier_wait(s_full, c % 2)
-                    T.gemm(k_s[c % k_stages, :, :], S_s, U, clear_accum=True)
+                    T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
                     T.barrier_arrive(s_free)
                     if is_m:                                # M's columns have v = 0
                         for i, j in T.Parallel(BT, BV):
