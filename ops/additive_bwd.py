@@ -10,7 +10,9 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
     chunk_bwd_dstate_scan    dh leaving each chunk = decay (.) dh leaving the next + X
     chunk_bwd_dqkvg          dq, dk, dv, dg per chunk (and key block above K = 128: dv,
                              a scalar gate's dg as f32 partials, summed here; dv
-                             summed over the key blocks in f32 by the kernel)
+                             summed over the key blocks in f32 by the kernel; GVA:
+                             dq, dk summed over a key head's value heads by the
+                             kernel's f32 atomic adds, dg per value head)
 
 over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
 offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its
@@ -34,6 +36,18 @@ f32, summed over the key blocks by atomic adds, 4 V bytes a token and head); and
 are recomputed, that plan's buffers (per-key gate: k e^(G_l - G), w and h in the input
 dtype, g_last in f32; h is not written). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
 34 MB of their gradients in the backward.
+
+GVA (HV = group x H, group > 1): dqkvg adds each value head's dq, dk into f32 [Ttot, H,
+K] (zeroed here, cast to grad_dtype after; TileLang vectorizes the adds of the scalar /
+no gate's fragments as pairs, AtomicAddx2, of the per-key gate's shared tiles as fours).
+Bytes at Mamba-2's Nemotron-H layer (Ttot 4096, H 8, HV 128, K 128), a model not yet
+measured on a GPU: before, dqkvg wrote dq, dk per value head in f32 (2 x 268 MB) and
+torch summed the group (those 537 MB read, 34 MB of f32 sums written and read, 17 MB of
+bf16 written: ~0.6 GB, reduce_kernel 0.20 ms in run s38); now 34 MB of zeros, the same
+2 x 67 M f32 adds landing in L2 (a chunk's value heads are adjacent CTAs, heads_fastest:
+the group's 16 heads add into the same 2 x 32 KB while they run) with ~34 MB written
+back, and the cast (34 MB read, 17 written): ~0.12 GB instead of ~1.1 GB. The adds'
+cost (L2 atomics, 16 CTAs on the same addresses) is what a GPU run has to tell.
 """
 from __future__ import annotations
 
@@ -108,24 +122,25 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
-    out_dtype = torch.float32 if group > 1 else grad_dtype     # GVA: dq, dk summed in f32
     problem = AdditiveBackwardProblem(
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
-        g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(out_dtype),
+        g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(grad_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0,
         state_dtype=_name(states.dtype))
     plan = backward_plan(problem, config, arch)
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
     f32 = dict(dtype=torch.float32, device=q.device)
+    sums = group > 1        # GVA: dq, dk the group's sums, added by the kernel into zeroed f32
+    dqk = dict(dtype=torch.float32 if sums else grad_dtype, device=q.device)
+    new = torch.zeros if sums else torch.empty
     x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,
              state_row=state_rows(cu, q.device), scale=float(scale),
              dht=dht if dht is not None else torch.empty(1, HV, K, V, **f32),
              dh0=torch.empty(N if want_dh0 else 1, HV, K, V, **f32),
-             dq=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
-             dk=torch.empty(Ttot, HV, K, dtype=out_dtype, device=q.device),
+             dq=new(Ttot, H, K, **dqk), dk=new(Ttot, H, K, **dqk),
              dv=(torch.zeros if part else torch.empty)(       # (key blocks: atomic adds)
-                 Ttot, HV, V, dtype=torch.float32 if part else out_dtype, device=q.device))
+                 Ttot, HV, V, dtype=torch.float32 if part else grad_dtype, device=q.device))
     if gated:
         x["g"] = g
         x["dg"] = torch.empty(*(part if scalar else ()), *g.shape, **f32)
@@ -136,9 +151,8 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
     if part and scalar:
         dg = dg.sum(0)
-    if group > 1:
-        dq, dk = (t.view(Ttot, H, group, K).sum(2).to(grad_dtype) for t in (dq, dk))
-    return dq, dk, dv.to(grad_dtype), dg, x["dh0"] if want_dh0 else None
+    return (dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype), dg,
+            x["dh0"] if want_dh0 else None)
 
 
 def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):

@@ -247,7 +247,8 @@ class BackwardMath:
     def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
               dv, scale, g=None, dg=None):
         """With block_k (key blocks): dv summed in f32 into the caller's zeros, a scalar
-        gate's dg as per-block f32 partials."""
+        gate's dg as per-block f32 partials. GVA: dq, dk [Ttot, H, K] f32, each value
+        head's added into the caller's zeros (the kernel's atomic adds)."""
         self.calls.append("dqkvg")
         self.K = p["K"]
         bk = p.get("block_k", self.K)
@@ -264,8 +265,13 @@ class BackwardMath:
                     *(x.to(F64).numpy()[None] for x in (states[sr, hv], dstate[sr + 1, hv])), bk)
                 dqc, dkc, dgc = (torch.from_numpy(x[0, :n]) for x in (out[0], out[1], out[3]))
                 dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
-                dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)
-                dk[t0:t0 + n, hv] = dkc.to(dk.dtype)
+                if self.group > 1:              # (atomic adds into the caller's zeros)
+                    assert dq.dtype == dk.dtype == torch.float32
+                    dq[t0:t0 + n, hk] += (scale * dqc).float()
+                    dk[t0:t0 + n, hk] += dkc.float()
+                else:
+                    dq[t0:t0 + n, hv] = (scale * dqc).to(dq.dtype)
+                    dk[t0:t0 + n, hv] = dkc.to(dk.dtype)
                 if self.key_blocks > 1:         # (atomic adds into the caller's zeros)
                     assert dv.dtype == torch.float32
                     dv[t0:t0 + n, hv] += dvc.sum(0).to(dv.dtype)

@@ -21,7 +21,10 @@ their dtype and rounded for the GEMMs; rowsum(h_out * dh) from h_in and dk's sta
 (h_out not read). V is walked once, in blocks of block_v: A comes first (it
 reads no value), then every value block adds to dA, dq's and dk's state terms and
 writes its dv; what needs dA (the pair terms) follows the walk.
-dq, dk are per value head (the host sums a GVA group).
+GVA (HV = group x H, group > 1): dq, dk are sums over the group's value heads, which the
+CTAs add by f32 atomic adds into the key head's rows of [Ttot, H, K] (zeroed by the caller;
+the sum's rounding follows the arrival order); dg stays per value head (from that head's
+own dq, dk before the adds).
 
 Key blocks (block_k < K): every term above but dv and dg is per key channel, and dA needs
 no key channel, so a CTA forms the dq, dk of its block_k channels; A and
@@ -81,6 +84,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
       states [NS, HV, K, V] state_dtype, dstate [NS, HV, K, V] dstate_dtype,
       chunk_bos, chunk_len, state_row [NT] int32, scale (f32)
       -> dq, dk [Ttot, HV, K], dv [Ttot, HV, V] (grad_dtype), dg [Ttot, HV] f32;
+         GVA (HV > H) dq, dk [Ttot, H, K] f32, the group's sums (zeroed by the caller,
+         atomic adds);
          with key blocks dv [Ttot, HV, V] f32 (zeroed by the caller, atomic adds),
          dg [K / block_k, Ttot, HV] f32 (partials)
     """
@@ -99,6 +104,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         "direct_states needs state_stages and both state dtypes equal to dtype"
     f32 = "float32"
     group = HV // H
+    sum_group = group > 1           # GVA: dq, dk summed over the group by atomic adds
+    dqk_heads, dqk_type = (H, f32) if sum_group else (HV, grad_dtype)
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
     # (key blocks: dv summed in f32 by atomic adds, dg per-block f32 partials)
     dv_type = f32 if split else grad_dtype
@@ -117,8 +124,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         state_row: T.Tensor((NT,), "int32"),
-        dq: T.Tensor((Ttot, HV, K), grad_dtype),
-        dk: T.Tensor((Ttot, HV, K), grad_dtype),
+        dq: T.Tensor((Ttot, dqk_heads, K), dqk_type),
+        dk: T.Tensor((Ttot, dqk_heads, K), dqk_type),
         dv: T.Tensor((Ttot, HV, V), dv_type),
         dg: T.Tensor(dg_shape, f32),
         scale: T.float32,
@@ -266,8 +273,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
 
             for i, j in T.Parallel(BT, BK):
                 if i < rows:
-                    dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
-                    dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
+                    if sum_group:
+                        T.atomic_add(dq[t0 + i, hk, k0 + j], dq_f[i, j])
+                        T.atomic_add(dk[t0 + i, hk, k0 + j], dk_f[i, j])
+                    else:
+                        dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
+                        dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
             # dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)
             dgr = T.alloc_fragment((BT,), f32)
             dgc_s = T.alloc_shared((BT,), f32)
