@@ -5,8 +5,7 @@
 # and for `verify` the compile cache bench/cpu_cache.py builds here (.gpu/cache.tar.xz.NN;
 # without it a precompiling GPU test file does not finish in 9 min: run s40-3):
 #
-#   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu --keep \
-#     tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
+#   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu tests/test_chunk_fwd_gpu.py
 #
 # In this order (the first call also pays the start, ~3.5 min):
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh verify  # ~6 min: changed defaults' GPU tests
@@ -16,9 +15,12 @@
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh gen     # ~8 min: generalized rules, decode too
 #   source .gpu/prelude.sh && bash bench/gpu_s41.sh walk | train | gates | tests | models
 #
+# (.gpu/cache.tar.xz.00, 2.1 MiB, built at a1e3cb0 for test_chunk_fwd_gpu.py's 130 kernels;
+# rebuild after a forward template change.)
 # verify: the defaults changed since their last GPU test: the right-looking diagonal pass
-#   in chunk_kkt_inverse (the split plans), Mamba-2's D read per head (skip_per_head) and
-#   its decode tile (16 value rows a CTA from batch 8).
+#   in chunk_kkt_inverse (the split plans), Mamba-2's D read per head (skip_per_head), its
+#   decode tile (16 value rows a CTA from batch 8) and dqkvg's GVA sums by atomic adds
+#   (test_chunk_scan_combined_gradients, G = 1 and 8).
 # decode: issue 45's copy ceiling (>= 95 % at batch >= 64; s32: GDN 93 %, the table's
 #   q35-gva-decode-b64 83 %): decode_probe's K-first candidates of 16 state values a
 #   thread beside the arch's tile (Mamba-2's value-first decode gained 7-14 % at 16, s40-6),
