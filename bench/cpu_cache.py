@@ -26,6 +26,8 @@ The jobs are compiled with runtime.precompile (``--workers`` processes) into a f
 ``tar -C /tmp -cf - gpu-cache | xz -9 -T2 | split -b 15M -d`` writes
 ``--out``/cache.tar.xz.NN (old parts removed first). A file may carry its own -k
 expression (``PATH:KEXPR``; else ``-k``); ``-m`` is the GPU run's marker expression;
+``--rows GLOBS`` adds linattn-bench rows (their first kernels: a training row's backward
+needs its forward run; the whole table, 385 rows, plans in ~15 min here: 217 kernels);
 ``--list`` prints the jobs per file and stops; over ``--budget`` MiB (default 14: the
 carry's 64 MiB less the ~47 MiB the rest takes) it says so: rerun with fewer files.
 Every cache file stays (the loader needs the sources too: kernel_cache.py's complete
@@ -86,6 +88,21 @@ def job_lists(by_file: dict) -> dict:
     return out
 
 
+def row_jobs(globs: str, path: str | None) -> tuple:
+    """(the benchmark rows matching ``globs`` (comma-separated, on op/workload/dtype) of the
+    table at ``path`` (None: the shipped one), their linattn kernels' jobs): each row's
+    call recorded on CPU inputs (cli/bench/run.py _recorded_jobs, planned as on an H100 /
+    H200). The first kernels only: a training row's backward needs its forward run."""
+    import fnmatch
+    from _cpu_plan import planning_on_cpu
+    from linattn.cli.bench.run import _recorded_jobs
+    from linattn.cli.bench.workloads import load_rows
+    rows = [r for r in load_rows(path) if any(
+        fnmatch.fnmatch(f"{r.op}/{r.workload}/{r.dtype}", g) for g in globs.split(","))]
+    with planning_on_cpu():
+        return rows, _recorded_jobs(rows, "cpu")
+
+
 def unique(jobs: list) -> list:
     from linattn.ops import runtime
     return list({runtime._key(*j[:3], j[3]): j for j in jobs}.values())
@@ -104,8 +121,11 @@ def pack(out: Path, cache_root: Path) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="+",
+    ap.add_argument("files", nargs="*",
                     help="GPU test files (tests/test_*_gpu.py), each PATH or PATH:KEXPR")
+    ap.add_argument("--rows", default=None,
+                    help="also linattn-bench rows: globs on op/workload/dtype ('*': all)")
+    ap.add_argument("--workloads-json", default=None, help="--rows' table (default: shipped)")
     ap.add_argument("-k", dest="kexpr", default=None,
                     help="pytest -k expression for the files without their own")
     ap.add_argument("-m", dest="markexpr", default=None,
@@ -128,9 +148,13 @@ def main(argv=None):
     by_file = collect(a.files, a.kexpr, a.markexpr)
     t0 = time.time()
     lists = job_lists(by_file)
+    if a.rows:
+        label = f"rows {a.rows}"
+        by_file[label], lists[label] = row_jobs(a.rows, a.workloads_json)
     print(f"\njob lists planned on the CPU in {time.time() - t0:.1f} s")
     for f, jobs in lists.items():
-        print(f"  {f}: {len(by_file[f])} tests, {len(jobs)} jobs, {len(unique(jobs))} unique")
+        print(f"  {f}: {len(by_file[f])} tests / rows, {len(jobs)} jobs, "
+              f"{len(unique(jobs))} unique")
         if a.list:
             for spec, stage, arch, params in unique(jobs):
                 print(f"    {arch} {spec.name}/{stage} {sorted(params.items())}")
