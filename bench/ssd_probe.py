@@ -199,8 +199,7 @@ def variant_call(size, config):
     """The chunked forward at plan config ``config`` (None: the arch's choice) on the
     fwd row's inputs (z off), with the call terms mamba_chunk_scan_combined forms."""
     p = inputs(1, size, False)
-    terms = mamba2.kernel_terms(p["A"], p["D"], None, p["dt_bias"], True, (0.0, math.inf),
-                                V=p["x"].shape[3])
+    terms = mamba2.kernel_terms(p["A"], p["D"], None, p["dt_bias"], True, (0.0, math.inf))
     return lambda: chunk.run_chunk_forward(
         mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"], None, 1.0, None, True, mamba2._OPTS,
         None, None, config=config, terms=terms)[0]

@@ -35,7 +35,8 @@ PROVIDED = {
     "step_A": "the call terms' A [HV] f32 (or a placeholder)",
     "step_bias": "dt_bias [HV] f32 (or a placeholder)",
     "step_limit": "dt_limit's (lo, hi) f32 (or a placeholder)",
-    "skip_D": "D [HV, V] or [HV] f32 (or a placeholder)", "gate_z": "z [Ttot, HV, V] (or a placeholder)",
+    "skip_D": "D [HV, V] or [HV] f32 (or a placeholder)",
+    "gate_z": "z [Ttot, HV, V] (or a placeholder)",
 }
 
 

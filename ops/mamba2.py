@@ -121,7 +121,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     q, k = C.to(x.dtype), B.to(x.dtype)
     if _terms_in_kernels(x, dt, A, B, C, D, z, dt_bias, h0):
         formed = kernel_terms(A, D, None if z is None else z.to(x.dtype).flatten(0, 1),
-                              dt_bias, dt_softplus, dt_limit, V=x.shape[3])
+                              dt_bias, dt_softplus, dt_limit)
         y, ht = _chunk_kernel(SPEC, q, k, x, dt.float(), None, 1.0, h0, True, _OPTS, cu,
                               None, terms=formed)
     else:
@@ -196,15 +196,13 @@ def _decode_kernel(*args, **kwargs):
     return run_recurrent(*args, **kwargs)
 
 
-def kernel_terms(A, D, z, dt_bias, dt_softplus, dt_limit=None, *, V):
+def kernel_terms(A, D, z, dt_bias, dt_softplus, dt_limit=None):
     """The call terms the kernels form (the decode's run_recurrent, the chunked
     run_chunk_forward: their ``terms``): the step from the raw dt (g) with dt_bias,
     softplus and the clamp to dt_limit (None: none), the decay exp(A dt), the value scale,
     D x, silu(z). A, dt_bias [nheads]; D [nheads] or [nheads, headdim]; z as the kernel
-    reads it (in x's dtype). V: headdim. D one value a head ([nheads], or repeated along
-    headdim by stride 0) is read as [nheads] (skip_per_head)."""
-    import torch
-    HV = A.shape[0]
+    reads it (in x's dtype). D one value a head ([nheads], or repeated along headdim by
+    stride 0) is read as [nheads] (skip_per_head)."""
     per_head = D is not None and (D.dim() == 1 or D.stride(1) == 0)
     flags = dict(step_dt=True, step_bias_on=dt_bias is not None,
                  step_softplus=bool(dt_softplus), step_clamp=dt_limit is not None,
@@ -280,4 +278,4 @@ def _decode_inputs(state, x, dt, A, B, C, D, z, dt_bias, idx, dt_softplus):
     g = dt[:, :, 0].float().unsqueeze(1).contiguous()
     bias = None if dt_bias is None else dt_bias[:, 0]
     z = None if z is None else z.to(x.dtype).unsqueeze(1)
-    return q, k, v, g, kernel_terms(A[:, 0, 0], D, z, bias, dt_softplus, V=V)
+    return q, k, v, g, kernel_terms(A[:, 0, 0], D, z, bias, dt_softplus)

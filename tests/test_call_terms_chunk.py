@@ -226,16 +226,16 @@ def test_kernels_are_not_asked_for_a_training_call_or_f32(kernels):
 
 def test_kernel_terms_of_the_decode_and_the_prefill():
     A, D, bias = torch.full((4,), -1.0), torch.ones(4), torch.zeros(4)
-    dec = mamba2.kernel_terms(A, D, None, bias, True, V=8)
+    dec = mamba2.kernel_terms(A, D, None, bias, True)
     assert not dec["flags"]["step_clamp"] and "step_limit" not in dec["tensors"]
     assert dec["tensors"]["skip_D"].shape == (4,) and not dec["flags"]["output_gate"]
     assert dec["flags"]["skip_per_head"]       # D [nheads]: one value a head, no copy
-    tied = mamba2.kernel_terms(A, D.view(4, 1).expand(4, 8), None, bias, True, V=8)
+    tied = mamba2.kernel_terms(A, D.view(4, 1).expand(4, 8), None, bias, True)
     assert tied["flags"]["skip_per_head"] and tied["tensors"]["skip_D"].shape == (4,)
-    per_channel = mamba2.kernel_terms(A, torch.rand(4, 8), None, bias, True, V=8)
+    per_channel = mamba2.kernel_terms(A, torch.rand(4, 8), None, bias, True)
     assert not per_channel["flags"]["skip_per_head"]
     assert per_channel["tensors"]["skip_D"].shape == (4, 8)
-    pre = mamba2.kernel_terms(A, None, torch.zeros(6, 4, 8), None, False, (0.0, math.inf), V=8)
+    pre = mamba2.kernel_terms(A, None, torch.zeros(6, 4, 8), None, False, (0.0, math.inf))
     assert pre["tensors"]["step_limit"].tolist() == [0.0, math.inf]
     assert pre["flags"]["output_gate"] and not pre["flags"]["skip"]
 
@@ -316,7 +316,7 @@ def test_pipeline_with_terms_matches_the_recurrence(monkeypatch, config, terms):
     kt = mamba2.kernel_terms(p["A"].float(), p["D"] if "skip" in on else None,
                              p["z"].flatten(0, 1) if "output_gate" in on else None,
                              p["dt_bias"].float() if "step_bias_on" in on else None,
-                             "step_softplus" in on, lim, V=V)
+                             "step_softplus" in on, lim)
     h0 = torch.cat([p["h0"][:1], torch.zeros(len(lens) - 1, HV, V, K, dtype=p["h0"].dtype)])
     cu_t = torch.tensor(cu, dtype=torch.int32)
     y, ht = chunk.run_chunk_forward(mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"].float(),

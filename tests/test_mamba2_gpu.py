@@ -89,7 +89,7 @@ def test_call_terms_in_the_chunked_kernels(config, cu, monkeypatch):
     p = inputs(1, 1865 if cu else 1500, 32, 8, 128)
     lim = (0.0, 2.0)
     terms = mamba2.kernel_terms(p["A"], p["D"], p["z"].flatten(0, 1), p["dt_bias"], True,
-                                lim, V=64)
+                                lim)
     h0 = p["h0"] if cu is None else torch.cat([p["h0"], p["h0"].new_zeros(4, 32, 64, 128)])
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     y, ht = chunk.run_chunk_forward(mamba2.SPEC, p["C"], p["B"], p["x"], p["dt"].float(),

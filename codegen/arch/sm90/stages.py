@@ -145,9 +145,10 @@ def kkt_launch(p: ForwardProblem):
     binds = {} if p.l2norm_qk else dict(qn="q", kn="k")
     if p.erase_key and not p.l2norm_qk:     # (Comba's p: its normalised copy unwritten)
         binds[f"{p.erase_key}n"] = f"{p.erase_key}_in"
+    params = _kkt(p, heads_fastest)
     if "A_inv" in saved_names(p):
-        return launch("chunk_kkt_inverse_save", _kkt(p, heads_fastest), **binds, A_out="A_inv")
-    return launch("chunk_kkt_inverse", _kkt(p, heads_fastest), **binds)
+        return launch("chunk_kkt_inverse_save", params, **binds, A_out="A_inv")
+    return launch("chunk_kkt_inverse", params, **binds)
 
 
 def chunk_head_limits(rule: str, gate: str) -> tuple:
