@@ -46,16 +46,13 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
 case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
-  first)   # verify's first file set and ncu in one call (refused starts cost device time)
+  first)   # verify's first file set and where the value-split walk's step goes, one call
     gpu_tests 290 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
-    $T 200 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
-      --section WarpStateStats --section LaunchStats --section SchedulerStats \
-      --section SourceCounters --section MemoryWorkloadAnalysis --csv --page details \
-      python3 bench/ncu_probe.py --no-fla --only q35-2b-8x8192 \
-      > "$OUT/ncu_walk.csv" 2> "$OUT/ncu_walk.err"
-    echo "ncu rc=$?"; grep -E "Duration|Registers|Achieved Occupancy|Issue Slots|No Eligible|Stall" \
-      "$OUT/ncu_walk.csv" | cut -c1-200 | head -n 30 ;;
+    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      --configs default value_split=1 value_split=1,inverse_stub=1 inverse_stub=1 \
+      --out "$OUT/probe_vs.json" > "$OUT/probe_vs.log" 2>&1
+    echo "walk rc=$?"; tail -n 12 "$OUT/probe_vs.log" ;;
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     gpu_tests 100 tests/test_decode_gpu.py
