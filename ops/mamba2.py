@@ -124,6 +124,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               dt_bias, dt_softplus, dt_limit)
         y, ht = _chunk_kernel(SPEC, q, k, x, dt.float(), None, 1.0, h0, True, _OPTS, cu,
                               None, terms=formed)
+    elif validate.needs_grad(x, dt, A, B, C, D, z, dt_bias, h0):
+        y, ht = terms.train(SPEC, _OPTS, q, k, x, dt, A, dt_bias=dt_bias,
+                            dt_softplus=dt_softplus, dt_limit=dt_limit, D=D, z=z,
+                            initial_state=h0, cu_seqlens=cu, dtype=x.dtype)
     else:
         v, g = terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit)
         o, ht = _run(q, k, v, g, h0, True, cu)
@@ -155,10 +159,7 @@ def _chunk_kernel(*args, **kwargs):
 
 
 def _run(q, k, v, g, h0, final, cu_seqlens):
-    """The generated chunked kernels of SPEC (or its backward when autograd records)."""
-    from . import additive_bwd
-    if additive_bwd.needs_grad(q, k, v, g, h0):
-        return additive_bwd.train(SPEC, _OPTS, q, k, v, g, 1.0, h0, final, cu_seqlens, None)
+    """The generated chunked kernels of SPEC (a forward: training goes by terms.train)."""
     return api.forward(SPEC, q, k, v, g, None, scale=1.0, initial_state=h0,
                        output_final_state=final, options=_OPTS, cu_seqlens=cu_seqlens)
 
