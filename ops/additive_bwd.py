@@ -296,29 +296,34 @@ class AdditiveCall:
     save_states: bool = False       # the forward keeps its states (else the backward recomputes)
 
 
-def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
+def run_forward(call: AdditiveCall, q, k, v, g, initial_state, terms=None):
     """(o, final_state or None, states or None) from the chunked forward; with
     call.save_states the three-stage plan's states, f32 [NT + N, HV, K, V] K-first (the
     forward runs K-first; a v-first initial / final state is transposed around it).
+    terms: the spec's call terms formed in the kernels (chunk.run_chunk_forward's; v is
+    then the raw value x, g the raw step dt [B, T, HV] f32, the states those of dt x).
     Tests replace this on the CPU."""
     import torch
+    kw = dict(scale=call.scale, output_final_state=call.output_final_state,
+              cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
     if not call.save_states:
         from . import api
-        o, final = api.forward(call.spec, q, k, v, g, None, scale=call.scale,
-                               initial_state=initial_state,
-                               output_final_state=call.output_final_state,
-                               options=Options(state_v_first=call.state_v_first),
-                               cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+        opts = Options(state_v_first=call.state_v_first)
+        if terms is not None:
+            return chunk.run_chunk_forward(call.spec, q, k, v, g, initial_state=initial_state,
+                                           options=opts, terms=terms, **kw) + (None,)
+        o, final = api.forward(call.spec, q, k, v, g, None, initial_state=initial_state,
+                               options=opts, **kw)
         return o, final, None
     vf = call.state_v_first
     h0 = (initial_state.transpose(-1, -2).contiguous() if vf and initial_state is not None
           else initial_state)                # (the forward checks it is contiguous)
     if g is not None and g.dtype not in (torch.float32, q.dtype):
         g = g.float()
-    o, final, states = chunk.chunk_forward(
-        call.spec, q, k, v, g, None, scale=call.scale, initial_state=h0,
-        output_final_state=call.output_final_state, cu_seqlens=call.cu_seqlens,
-        cu_seqlens_cpu=call.cu_seqlens_cpu, return_states=True)
+    run = chunk.chunk_forward if terms is None else functools.partial(
+        chunk.run_chunk_forward, terms=terms)       # (terms: the call's checks done)
+    o, final, states = run(call.spec, q, k, v, g, None, initial_state=h0,
+                           return_states=True, **kw)
     if final is not None and vf:
         final = final.transpose(-1, -2).contiguous()
     return o, final, states

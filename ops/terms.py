@@ -53,14 +53,16 @@ def epilogue(spec: OpSpec, o, x, D=None, z=None, dtype=None):
 
 def train(spec: OpSpec, options, q, k, x, dt, A, *, dt_bias=None, dt_softplus=False,
           dt_limit=None, D=None, z=None, initial_state=None, scale=1.0, cu_seqlens=None,
-          dtype=None):
+          dtype=None, formed=None):
     """A differentiable additive call of a spec with call terms (step 'dt'): the step and
     gate A dt ([B, T, HV]) and the output gate by torch autograd; the value scale, the
     additive call and the skip term one autograd Function (:func:`_terms_call`: dv'
     reaches the terms' backward as the kernels leave it, dx formed once). q, k
     [B, T, H, K], x [B, T, HV, V] 16-bit; the rest as :func:`gate_and_value` /
-    :func:`epilogue`. Returns (y in ``dtype`` (x's), final state). Calls the kernels do
-    not take as they are (float32, key blocks, padded head dims) go through
+    :func:`epilogue`. Returns (y in ``dtype`` (x's), final state). formed: the value
+    scale and the skip term as the forward kernels form them (ops/mamba2.py
+    kernel_terms, no output gate), or None: torch forms them. Calls the kernels do not
+    take as they are (float32, key blocks, padded head dims) go through
     :func:`gate_and_value`, additive_bwd.train and :func:`epilogue`."""
     import torch
     import torch.nn.functional as F
@@ -77,10 +79,11 @@ def train(spec: OpSpec, options, q, k, x, dt, A, *, dt_bias=None, dt_softplus=Fa
                                    cu_seqlens, None)
         return epilogue(spec, o, x, D, z, dtype), ht
     gate = spec.output_gate == "silu" and z is not None
+    kernel = None if formed is None else (formed, dt.detach().float().contiguous())
     y, ht = _function("TermsCall").apply(
         call, torch.float32 if gate else dtype, q.contiguous(), k.contiguous(),
         x.contiguous(), s if spec.value_scale == "dt" else None, g.contiguous(),
-        initial_state, D if spec.skip else None)
+        initial_state, D if spec.skip else None, kernel)
     return ((y * F.silu(z)).to(dtype) if gate else y), ht
 
 
@@ -177,20 +180,30 @@ def _make_functions() -> dict:
 def _terms_call():
     """The autograd Function of the value scale, an additive call and the skip term:
     forward v' = x s (x's dtype, rounded once), (o, final) = additive_bwd.run_forward,
-    y = o + D x in ``dtype``; backward additive_bwd.additive_backward(raw_dv) then
-    :func:`terms_backward` (no cast of dv, no autograd add of x's two gradients)."""
+    y = o + D x in ``dtype``, or (kernel: (the formed terms, the raw dt)) y, final from
+    the kernels forming v' and the skip term themselves (v' then formed again in the
+    backward: x is kept, v' is not); backward additive_bwd.additive_backward(raw_dv)
+    then :func:`terms_backward` (no cast of dv, no autograd add of x's two gradients)."""
     import torch
     from . import additive_bwd
 
+    def scaled(x, s):
+        return x if s is None else torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x))
+
     class TermsCall(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, call, dtype, q, k, x, s, g, initial_state, D):
-            v = x if s is None else torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x))
-            o, final, states = additive_bwd.run_forward(call, q, k, v, g, initial_state)
-            if D is not None:
-                Dm = D.float().reshape(x.shape[2], -1)
-                o = torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype,
-                                                            device=o.device))
+        def forward(ctx, call, dtype, q, k, x, s, g, initial_state, D, kernel):
+            v = None
+            if kernel is not None:          # (v' and o + D x formed by the kernels)
+                o, final, states = additive_bwd.run_forward(call, q, k, x, kernel[1],
+                                                            initial_state, terms=kernel[0])
+            else:
+                v = scaled(x, s)
+                o, final, states = additive_bwd.run_forward(call, q, k, v, g, initial_state)
+                if D is not None:
+                    Dm = D.float().reshape(x.shape[2], -1)
+                    o = torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype,
+                                                                device=o.device))
             ctx.call = call
             ctx.save_for_backward(q, k, v, g, initial_state, states, x, s, D)
             ctx.set_materialize_grads(False)
@@ -202,10 +215,11 @@ def _terms_call():
             need = ctx.needs_input_grad
             dq = dk = dv = dg = dh0 = None
             if any(need[2:8]):      # (else only dD: the call's gradients unused)
+                v = scaled(x, s) if v is None else v
                 dq, dk, dv, dg, dh0 = additive_bwd.additive_backward(
                     ctx.call, q, k, v, g, h0, states, dy, dht, raw_dv=True)
             dx, ds, dD = terms_backward(x, s, D, dy, dv, need[4], need[5], need[8])
             return (None, None, dq if need[2] else None, dk if need[3] else None, dx, ds,
-                    dg if need[6] else None, dh0 if need[7] else None, dD)
+                    dg if need[6] else None, dh0 if need[7] else None, dD, None)
 
     return TermsCall

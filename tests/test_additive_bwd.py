@@ -691,6 +691,7 @@ SSD_CASES = [   # lens, G, K, D per (head, channel), z, dt_limit
     pytest.param([100], 4, 32, True, False, (0.0, float("inf")), id="G4-D-channels-no-z"),
     pytest.param([1, 90], 2, 128, True, True, (0.05, 0.8),
                  id="varlen-K128-key-blocks-D-channels"),
+    pytest.param([1, 90], 2, 128, False, False, (0.05, 0.8), id="varlen-K128-key-blocks-no-z"),
 ]
 
 
@@ -704,8 +705,8 @@ def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G
     through fakes checked against the traced kernels (runtime.launch_kernel raises on an
     argument without a tensor), NaN-poisoned allocations; the value scale, the call and
     the skip term one Function (ops/terms.py: dv' reaching the terms' backward as the
-    kernels leave it, f32 where dqkvg's key blocks add it); every input's gradient
-    against the fp64 reference."""
+    kernels leave it, f32 where dqkvg's key blocks add it; without z the forward's
+    kernels form dt x and o + D x); every input's gradient against the fp64 reference."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
     from linattn.ops import mamba2, terms, validate
@@ -717,6 +718,10 @@ def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G
     seen, real = [], terms.terms_backward
     monkeypatch.setattr(terms, "terms_backward",
                         lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    formed, real_fwd = [], chunk.run_chunk_forward
+    monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
+        sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
+        or real_fwd(*a, **k))
     mine, ref = _ssd_leaves(lens, G, K, V, D_channels=D_channels, z=z)
     cu = torch.tensor(np.cumsum([0] + lens).tolist(), dtype=torch.int32)
     kw = dict(dt_softplus=True, dt_limit=lim)
@@ -742,6 +747,10 @@ def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G
     assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
                for n, a in zip(names, got))
     assert seen == [torch.float32 if bwd.key_blocks > 1 else torch.float16], seen
+    kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
+                    "value_scale"] + (["skip_per_head"] if not D_channels else [])
+    assert formed[0] == ([] if z else sorted(kernel_terms)), formed   # (the forward's)
+    assert all(f == [] for f in formed[1:]), formed     # (the states' recompute: none)
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])

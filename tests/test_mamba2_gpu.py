@@ -135,12 +135,15 @@ def test_chunk_scan_combined_varlen(by):
     (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900]),   # (one key block)
     (8, 128, True, True, (0.01, 0.5), [0, 70, 500]),
     (2, 256, False, True, (0.0, INF), None),           # (K 256: dqkvg's 4 key blocks)
-], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-D-channels-limit-varlen", "G2-K256"])
+    (8, 128, False, False, (0.0, 1.0), None),
+], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-D-channels-limit-varlen", "G2-K256",
+        "G8-no-z"])
 def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch):
     """Every input's gradient through the one Function of the value scale, the additive
     call and the skip term (ops/terms.py train: dv' as the kernels leave it, dx formed
-    once), against torch autograd of the fp64 reference."""
-    from linattn.ops import terms
+    once; without z the forward's kernels form dt x and o + D x: K 64 with the states
+    saved, K 128 recomputed), against torch autograd of the fp64 reference."""
+    from linattn.ops import additive_bwd, terms
     T = 500 if cu is None else cu[-1]
     p = inputs(1, T, 16, G, K)
     if D_channels:
@@ -150,6 +153,9 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     seen, real = [], terms.terms_backward
     monkeypatch.setattr(terms, "terms_backward",
                         lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    fwd, real_fwd = [], additive_bwd.run_forward
+    monkeypatch.setattr(additive_bwd, "run_forward", lambda *a, **k: fwd.append(
+        k.get("terms") is not None) or real_fwd(*a, **k))
     leaves = {n: p[n].detach().clone().requires_grad_(True) for n in names}
     cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     y, hT = linattn.mamba_chunk_scan_combined(
@@ -174,6 +180,7 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     for n, a, b in zip(names, got, want):
         assert a.dtype == leaves[n].dtype and rel(a, b) < 2e-2, (n, rel(a, b))
     assert seen == [torch.float32 if K > 64 else BF], seen     # (the Function ran)
+    assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
 
 
 @pytest.mark.parametrize("b, HV, G, K, pool, state_dtype", [
