@@ -783,3 +783,32 @@ def test_lightning_trains_through_every_launch(monkeypatch, save):
     want = torch.autograd.grad((wo, wh), ref, (do, torch.ones_like(wh)))
     errs = [_rel(a, b) for a, b in zip(got, want)]
     assert _rel(o.detach(), wo.detach()) < 1e-2 and max(errs) < 1e-2, errs
+
+
+@pytest.mark.parametrize("z", [False, True], ids=["no-z", "z"])
+def test_mamba2_final_state_alone_trains(monkeypatch, poisoned, z):  # noqa: F811
+    """Only the final state's gradient asked (y's gradient None in the terms' Function:
+    dx from dv' alone, dD zero), then only D's."""
+    from linattn.dsl import call_terms
+    from linattn.ops import mamba2, validate
+    HV, K, V, G = 4, 32, 16, 2
+    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    mine, ref = _ssd_leaves([100], G, K, V, z=z)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine.get("z"),
+        dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
+        dt_softplus=True)
+    wy, wh = call_terms.reference(
+        mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref.get("z"), initial_state=ref["h0"],
+        options=Options(state_v_first=True), dt_softplus=True, dt_limit=(0.0, float("inf")))
+    names = ["x", "dt", "A", "B", "dt_bias", "h0"]      # (C: none, the state's)
+    got = torch.autograd.grad(hT.sum(), [mine[n] for n in names], retain_graph=True)
+    want = torch.autograd.grad(wh.sum(), [ref[n] for n in names])
+    errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
+    assert max(errs.values()) < 1e-2, errs
+    (dD,), (wD,) = (torch.autograd.grad((t.double() * 2).sum(), [p["D"]])
+                    for t, p in ((y, mine), (wy, ref)))
+    assert _rel(dD, wD) < 1e-2
