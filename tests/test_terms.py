@@ -2,7 +2,9 @@
 scale and the skip term as one-pass autograd Functions give, bit for bit, what
 dsl/call_terms.py's torch expressions give at float32 (forward and every gradient), and
 they make no float32 copy of an x-sized tensor beyond the products their reductions
-need (ds over V, dD over the tokens)."""
+need (ds over V, dD over the tokens). The Function of the value scale, the call and the
+skip term (terms.train; the call faked) against the fp64 expressions, and its backward's
+x-sized passes."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
