@@ -104,21 +104,23 @@ def key_blocks(plan) -> int:
 
 
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
-                 want_dh0: bool, grad_dtype, config=None):
+                 want_dh0: bool, grad_dtype, config=None, raw_dv=False):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
     [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
     None, states [NT + N, HV, K, V] f32 or q's dtype (rows as the module docstring; dstate
     and the GEMMs' state operands follow), dht [N, HV, K, V]
     f32 or None (zero); cu the sequences' token bounds; config: the plan's (probes).
-    Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype, dg f32 like g or None,
-    dh0 [N, HV, K, V] f32 or None)."""
+    Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype (raw_dv: as the kernel
+    wrote it, f32 where the key blocks add it), dg f32 like g or None, dh0 [N, HV, K, V]
+    f32 or None)."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
     arch = runtime.arch_of(q.device)
     if get_arch(arch).backward_dims(K, V) != (K, V):
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
-                                want_dh0=want_dh0, grad_dtype=grad_dtype, config=config)
+                                want_dh0=want_dh0, grad_dtype=grad_dtype, config=config,
+                                raw_dv=raw_dv)
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
@@ -151,7 +153,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
     if part and scalar:
         dg = dg.sum(0)
-    return (dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype), dg,
+    return (dq.to(grad_dtype), dk.to(grad_dtype), dv if raw_dv else dv.to(grad_dtype), dg,
             x["dh0"] if want_dh0 else None)
 
 
@@ -294,29 +296,34 @@ class AdditiveCall:
     save_states: bool = False       # the forward keeps its states (else the backward recomputes)
 
 
-def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
+def run_forward(call: AdditiveCall, q, k, v, g, initial_state, terms=None):
     """(o, final_state or None, states or None) from the chunked forward; with
     call.save_states the three-stage plan's states, f32 [NT + N, HV, K, V] K-first (the
     forward runs K-first; a v-first initial / final state is transposed around it).
+    terms: the spec's call terms formed in the kernels (chunk.run_chunk_forward's; v is
+    then the raw value x, g the raw step dt [B, T, HV] f32, the states those of dt x).
     Tests replace this on the CPU."""
     import torch
+    kw = dict(scale=call.scale, output_final_state=call.output_final_state,
+              cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
     if not call.save_states:
         from . import api
-        o, final = api.forward(call.spec, q, k, v, g, None, scale=call.scale,
-                               initial_state=initial_state,
-                               output_final_state=call.output_final_state,
-                               options=Options(state_v_first=call.state_v_first),
-                               cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+        opts = Options(state_v_first=call.state_v_first)
+        if terms is not None:
+            return chunk.run_chunk_forward(call.spec, q, k, v, g, initial_state=initial_state,
+                                           options=opts, terms=terms, **kw) + (None,)
+        o, final = api.forward(call.spec, q, k, v, g, None, initial_state=initial_state,
+                               options=opts, **kw)
         return o, final, None
     vf = call.state_v_first
     h0 = (initial_state.transpose(-1, -2).contiguous() if vf and initial_state is not None
           else initial_state)                # (the forward checks it is contiguous)
     if g is not None and g.dtype not in (torch.float32, q.dtype):
         g = g.float()
-    o, final, states = chunk.chunk_forward(
-        call.spec, q, k, v, g, None, scale=call.scale, initial_state=h0,
-        output_final_state=call.output_final_state, cu_seqlens=call.cu_seqlens,
-        cu_seqlens_cpu=call.cu_seqlens_cpu, return_states=True)
+    run = chunk.chunk_forward if terms is None else functools.partial(
+        chunk.run_chunk_forward, terms=terms)       # (terms: the call's checks done)
+    o, final, states = run(call.spec, q, k, v, g, None, initial_state=h0,
+                           return_states=True, **kw)
     if final is not None and vf:
         final = final.transpose(-1, -2).contiguous()
     return o, final, states
@@ -358,13 +365,16 @@ def _make_function():
     return _ChunkAdditive
 
 
-def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht):
+def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht,
+                      raw_dv=False):
     """Gradients of a chunk call under sum(o * do) + sum(final_state * dht): q, k
     [B, T, H, K], v [B, T, HV, V] (f16 / bf16), g as the spec's gate or None,
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; states the
-    forward's (f32 [NT + N, HV, K, V] K-first) or None (recomputed); do like v or None,
-    dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
-    inputs' shapes and dtypes (None for an input not given)."""
+    forward's (f32 [NT + N, HV, K, V] K-first) or None (recomputed); do like v (any float
+    dtype) or None, dht like the final state or None (zero). Returns (dq, dk, dv, dg,
+    dh0) in the inputs' shapes and dtypes (None for an input not given); raw_dv: dv as
+    the kernels leave it (f32 where dqkvg's key blocks add it: no cast; ops/terms.py's
+    call reads it so)."""
     import torch
     if call.spec.gate.per_value:
         return value_gate_backward(call, q, k, v, g, initial_state, do, dht)
@@ -384,12 +394,13 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
     dq, dk, dv, dg, dh0 = run_backward(call.spec, qf, kf, vf, gk, states, dof, dhtk,
                                        scale=call.scale, cu=cu, want_dh0=h0 is not None,
-                                       grad_dtype=q.dtype)
+                                       grad_dtype=q.dtype, raw_dv=raw_dv)
     shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
     dg = None if g is None else shaped(dg, g)
     if dh0 is not None:
         dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(initial_state.dtype)
-    return shaped(dq, q), shaped(dk, k), shaped(dv, v), dg, dh0
+    dv = dv.view(v.shape) if raw_dv else shaped(dv, v)
+    return shaped(dq, q), shaped(dk, k), dv, dg, dh0
 
 
 def value_gate_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
@@ -492,17 +503,36 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
     Kp, Vp = (padding.round_up(d, 16) for d in (K, V))    # (zero channels: exact)
     q, k, v, g, _, initial_state = padding.pad_heads(spec.gate.channels, vf, K, V, Kp, Vp,
                                                      q, k, v, g, None, initial_state)
+    call = _call(spec, vf, q, v, scale, output_final_state, cu_seqlens, cu_seqlens_cpu)
+    return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
+                                                                initial_state))
+
+
+def _call(spec, v_first, q, v, scale, output_final_state, cu_seqlens, cu_seqlens_cpu):
+    """The AdditiveCall of a checked call (q, v at the kernels' head dims; scale the
+    spec's resolved one)."""
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
         cu = tuple(int(x) for x in host.tolist())
-    options = Options(state_v_first=options.state_v_first)
-    call = AdditiveCall(spec=spec, scale=scale,
-                        output_final_state=bool(output_final_state),
-                        state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
+    return AdditiveCall(spec=spec, scale=scale, output_final_state=bool(output_final_state),
+                        state_v_first=v_first, cu=cu, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu,
                         save_states=get_arch(runtime.arch_of(q.device)).save_states(
                             q.shape[-1], v.shape[-1])
                         and not spec.gate.per_value)    # (its twin's forward writes them)
-    return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
-                                                                initial_state))
+
+
+def training_call(spec, options: Options, q, k, v, g, scale, initial_state,
+                  output_final_state, cu_seqlens, cu_seqlens_cpu=None):
+    """The checked AdditiveCall of a call the kernels take as it is (16-bit q, k, v; K up
+    to the key block, K and V multiples of 16; no l2norm or gate activation in torch),
+    for an autograd Function that runs run_forward / additive_backward between terms of
+    its own (ops/terms.py); None where :func:`train`'s other forms are needed."""
+    K, V = q.shape[-1], v.shape[-1]
+    if (exact_train.is_float32(q) or split.wide_keys(spec, options, q) or K % 16 or V % 16
+            or options.l2norm_qk or options.gate_in_kernel):
+        return None
+    check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens)
+    return _call(spec, options.state_v_first, q, v, spec.scale_for(K, scale),
+                 output_final_state, cu_seqlens, cu_seqlens_cpu)

@@ -668,49 +668,72 @@ def _gate_param_terms(spec, ref) -> dict:
 
 # -- Mamba-2 and lightning: their public calls train through the kernels' launches ---------
 
-def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7):
+def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7, D_channels=False, z=True):
     """mamba_chunk_scan_combined's inputs (x, z, B, C in ``dtype``; the rest f32), as
-    leaves that need gradients, and their fp64 copies."""
+    leaves that need gradients, and their fp64 copies (D [HV] or [HV, V]; z or none)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     T = sum(lens)
     p = dict(x=r(1, T, HV, V).to(dtype), dt=(r(1, T, HV) - 1.0).float(),
              A=(-torch.rand(HV, generator=gen, dtype=F64) * 2 - 0.1).float(),
              B=(0.5 * r(1, T, G, K)).to(dtype), C=(0.5 * r(1, T, G, K)).to(dtype),
-             D=r(HV).float(), z=r(1, T, HV, V).to(dtype), dt_bias=(0.5 * r(HV)).float(),
-             h0=(0.1 * r(1, HV, V, K)).float())
+             D=(r(HV, V) if D_channels else r(HV)).float(), z=r(1, T, HV, V).to(dtype),
+             dt_bias=(0.5 * r(HV)).float(), h0=(0.1 * r(1, HV, V, K)).float())
+    if not z:
+        del p["z"]
     return ({n: t.clone().requires_grad_() for n, t in p.items()},
             {n: t.detach().double().requires_grad_() for n, t in p.items()})
 
 
+SSD_CASES = [   # lens, G, K, D per (head, channel), z, dt_limit
+    pytest.param([130], 2, 32, False, True, (0.0, 1.0), id="G2"),
+    pytest.param([1, 70, 0, 59], 1, 32, False, True, (0.0, 1.0), id="varlen-G1"),
+    pytest.param([100], 4, 32, True, False, (0.0, float("inf")), id="G4-D-channels-no-z"),
+    pytest.param([1, 90], 2, 128, True, True, (0.05, 0.8),
+                 id="varlen-K128-key-blocks-D-channels"),
+    pytest.param([1, 90], 2, 128, False, False, (0.05, 0.8), id="varlen-K128-key-blocks-no-z"),
+]
+
+
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
-@pytest.mark.parametrize("lens, G", [([130], 2), ([1, 70, 0, 59], 1)], ids=["G2", "varlen-G1"])
-def test_mamba2_trains_through_every_launch(monkeypatch, save, lens, G):
+@pytest.mark.parametrize("lens, G, K, D_channels, z, lim", SSD_CASES)
+def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G, K,  # noqa: F811
+                                            D_channels, z, lim):
     """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
     the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
     signatures carry the call terms' tensors, off there) and the backward stages run
     through fakes checked against the traced kernels (runtime.launch_kernel raises on an
-    argument without a tensor); every input's gradient against the fp64 reference."""
+    argument without a tensor), NaN-poisoned allocations; the value scale, the call and
+    the skip term one Function (ops/terms.py: dv' reaching the terms' backward as the
+    kernels leave it, f32 where dqkvg's key blocks add it; without z the forward's
+    kernels form dt x and o + D x); every input's gradient against the fp64 reference."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
-    from linattn.ops import mamba2, validate
-    HV, K, V = 4, 32, 16
-    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    from linattn.ops import mamba2, terms, validate
+    HV, V = 4, 16
+    bwd = install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
     monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
-    mine, ref = _ssd_leaves(lens, G, K, V)
+    seen, real = [], terms.terms_backward
+    monkeypatch.setattr(terms, "terms_backward",
+                        lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    formed, real_fwd = [], chunk.run_chunk_forward
+    monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
+        sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
+        or real_fwd(*a, **k))
+    mine, ref = _ssd_leaves(lens, G, K, V, D_channels=D_channels, z=z)
     cu = torch.tensor(np.cumsum([0] + lens).tolist(), dtype=torch.int32)
-    kw = dict(dt_softplus=True, dt_limit=(0.0, 1.0))
+    kw = dict(dt_softplus=True, dt_limit=lim)
     names = list(mine)
     y, hT = linattn.mamba_chunk_scan_combined(
-        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine["z"],
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine.get("z"),
         dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
         cu_seqlens=cu if len(lens) > 1 else None, **kw)
     h0 = torch.cat([ref["h0"], ref["h0"].new_zeros(len(lens) - 1, HV, V, K)])
     wy, wh = call_terms.reference(
         mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
-        dt_bias=ref["dt_bias"], D=ref["D"], z=ref["z"], initial_state=h0,
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref.get("z"), initial_state=h0,
         cu_seqlens=cu.long() if len(lens) > 1 else None, options=Options(state_v_first=True),
         **kw)
     gen = torch.Generator().manual_seed(1)
@@ -721,6 +744,13 @@ def test_mamba2_trains_through_every_launch(monkeypatch, save, lens, G):
     errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
     err_y = _rel(y.detach(), wy.detach())
     assert err_y < 1e-2 and max(errs.values()) < 1e-2, (err_y, errs)
+    assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
+               for n, a in zip(names, got))
+    assert seen == [torch.float32 if bwd.key_blocks > 1 else torch.float16], seen
+    kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
+                    "value_scale"] + (["skip_per_head"] if not D_channels else [])
+    assert formed[0] == ([] if z else sorted(kernel_terms)), formed   # (the forward's)
+    assert all(f == [] for f in formed[1:]), formed     # (the states' recompute: none)
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
@@ -753,3 +783,32 @@ def test_lightning_trains_through_every_launch(monkeypatch, save):
     want = torch.autograd.grad((wo, wh), ref, (do, torch.ones_like(wh)))
     errs = [_rel(a, b) for a, b in zip(got, want)]
     assert _rel(o.detach(), wo.detach()) < 1e-2 and max(errs) < 1e-2, errs
+
+
+@pytest.mark.parametrize("z", [False, True], ids=["no-z", "z"])
+def test_mamba2_final_state_alone_trains(monkeypatch, poisoned, z):  # noqa: F811
+    """Only the final state's gradient asked (y's gradient None in the terms' Function:
+    dx from dv' alone, dD zero), then only D's."""
+    from linattn.dsl import call_terms
+    from linattn.ops import mamba2, validate
+    HV, K, V, G = 4, 32, 16, 2
+    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    mine, ref = _ssd_leaves([100], G, K, V, z=z)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine.get("z"),
+        dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
+        dt_softplus=True)
+    wy, wh = call_terms.reference(
+        mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref.get("z"), initial_state=ref["h0"],
+        options=Options(state_v_first=True), dt_softplus=True, dt_limit=(0.0, float("inf")))
+    names = ["x", "dt", "A", "B", "dt_bias", "h0"]      # (C: none, the state's)
+    got = torch.autograd.grad(hT.sum(), [mine[n] for n in names], retain_graph=True)
+    want = torch.autograd.grad(wh.sum(), [ref[n] for n in names])
+    errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
+    assert max(errs.values()) < 1e-2, errs
+    (dD,), (wD,) = (torch.autograd.grad((t.double() * 2).sum(), [p["D"]])
+                    for t, p in ((y, mine), (wy, ref)))
+    assert _rel(dD, wD) < 1e-2
