@@ -59,6 +59,7 @@ import numpy as np
 from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
+from ..dsl.call_terms import terms_of
 from . import chunk, exact_train, padding, runtime, split, validate
 from .validate import needs_grad  # noqa: F401 (the families' test: additive_bwd.needs_grad)
 
@@ -104,7 +105,7 @@ def key_blocks(plan) -> int:
 
 
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
-                 want_dh0: bool, grad_dtype, config=None, raw_dv=False):
+                 want_dh0: bool, grad_dtype, config=None, raw_dv=False, terms=None):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
     [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
     None, states [NT + N, HV, K, V] f32 or q's dtype (rows as the module docstring; dstate
@@ -112,7 +113,11 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     f32 or None (zero); cu the sequences' token bounds; config: the plan's (probes).
     Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype (raw_dv: as the kernel
     wrote it, f32 where the key blocks add it), dg f32 like g or None, dh0 [N, HV, K, V]
-    f32 or None)."""
+    f32 or None). terms: the call terms dqkvg forms ({"flags": the names on (value_scale,
+    skip, skip_per_head), "tensors": dt_tok [Ttot, HV] f32, skip_D [HV] or [HV, V] f32}):
+    v is then the raw value x, dv x's gradient (s dv' + D do), and the result has two
+    more, ds [Ttot, HV] f32 (the value scale's) and dD [HV, V] f32 (do x summed over the
+    tokens; None without skip)."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
@@ -120,7 +125,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     if get_arch(arch).backward_dims(K, V) != (K, V):
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
                                 want_dh0=want_dh0, grad_dtype=grad_dtype, config=config,
-                                raw_dv=raw_dv)
+                                raw_dv=raw_dv, terms=terms)
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
@@ -128,7 +133,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(grad_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0,
-        state_dtype=_name(states.dtype))
+        state_dtype=_name(states.dtype), terms=tuple(sorted((terms or {}).get("flags", ()))))
     plan = backward_plan(problem, config, arch)
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
@@ -146,6 +151,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     if gated:
         x["g"] = g
         x["dg"] = torch.empty(*(part if scalar else ()), *g.shape, **f32)
+    x.update(_dqkvg_terms(spec, problem, terms, nkb, q.device))
     if Ttot:
         runtime.run_plan(spec, plan, x)
     elif want_dh0:
@@ -153,8 +159,30 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
     if part and scalar:
         dg = dg.sum(0)
-    return (dq.to(grad_dtype), dk.to(grad_dtype), dv if raw_dv else dv.to(grad_dtype), dg,
-            x["dh0"] if want_dh0 else None)
+    out = (dq.to(grad_dtype), dk.to(grad_dtype), dv if raw_dv else dv.to(grad_dtype), dg,
+           x["dh0"] if want_dh0 else None)
+    if terms is None:
+        return out
+    return out + (x["ds_part"].sum(0) if "value_scale" in problem.terms else None,
+                  x["dD_part"].sum(0) if "skip" in problem.terms else None)
+
+
+def _dqkvg_terms(spec, p: AdditiveBackwardProblem, terms, nkb: int, device) -> dict:
+    """dqkvg's call-term tensors of a spec that has them (dsl/call_terms.py
+    backward_params): the call's dt_tok and skip_D, its outputs ds_part [key blocks,
+    Ttot, HV] and dD_part [NT, HV, V] (f32, every element written), placeholders for the
+    terms off."""
+    import torch
+    given = (terms or {}).get("tensors", {})
+    x = {n: runtime.placeholder(device, torch.float32)
+         for n in terms_of(spec).backward_params}
+    x.update({n: t for n, t in given.items() if n in x})
+    f32 = dict(dtype=torch.float32, device=device)
+    if "value_scale" in p.terms:
+        x["ds_part"] = torch.empty(nkb, given["dt_tok"].shape[0], p.HV, **f32)
+    if "skip" in p.terms:
+        x["dD_part"] = torch.empty(p.NT, p.HV, p.V, **f32)
+    return x
 
 
 def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
@@ -168,11 +196,17 @@ def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
     v, do = F.pad(v, (0, Vb - V)), F.pad(do, (0, Vb - V))
     grow = (0, Vb - V, 0, Kb - K)               # [.., K, V]: zero rows and columns
     states, dht = F.pad(states, grow), None if dht is None else F.pad(dht, grow)
-    dq, dk, dv, dg, dh0 = run_backward(spec, q, k, v, g, states, do, dht, **kw)
+    terms = kw.get("terms")
+    if terms is not None and terms["tensors"].get("skip_D", v).dim() == 2:    # (D [HV, V])
+        tensors = dict(terms["tensors"], skip_D=F.pad(terms["tensors"]["skip_D"], (0, Vb - V)))
+        kw["terms"] = dict(terms, tensors=tensors)
+    dq, dk, dv, dg, dh0, *more = run_backward(spec, q, k, v, g, states, do, dht, **kw)
     cut = lambda x: x[..., :K].contiguous()  # noqa: E731
     dg = cut(dg) if spec.gate is Gate.KEY else dg
+    if more and more[1] is not None:
+        more[1] = more[1][..., :V].contiguous()
     return (cut(dq), cut(dk), dv[..., :V].contiguous(), dg,
-            None if dh0 is None else dh0[..., :K, :V].contiguous())
+            None if dh0 is None else dh0[..., :K, :V].contiguous(), *more)
 
 
 def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
@@ -366,7 +400,7 @@ def _make_function():
 
 
 def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht,
-                      raw_dv=False):
+                      raw_dv=False, terms=None):
     """Gradients of a chunk call under sum(o * do) + sum(final_state * dht): q, k
     [B, T, H, K], v [B, T, HV, V] (f16 / bf16), g as the spec's gate or None,
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; states the
@@ -374,7 +408,9 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     dtype) or None, dht like the final state or None (zero). Returns (dq, dk, dv, dg,
     dh0) in the inputs' shapes and dtypes (None for an input not given); raw_dv: dv as
     the kernels leave it (f32 where dqkvg's key blocks add it: no cast; ops/terms.py's
-    call reads it so)."""
+    call reads it so). terms: the call terms dqkvg forms (:func:`dqkvg_terms`; v the raw
+    value x, the states' recompute scaling it by torch): dv is x's gradient, and ds
+    [B * T, HV], dD [HV, V] (or None) f32 follow dh0 (run_backward's)."""
     import torch
     if call.spec.gate.per_value:
         return value_gate_backward(call, q, k, v, g, initial_state, do, dht)
@@ -389,18 +425,41 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     h0 = None if initial_state is None else k_first(initial_state.detach()).float().contiguous()
     qf, kf, vf = flat(q), flat(k), flat(v)
     if states is None:
-        states = recompute_states(call.spec, qf, kf, vf, gk, h0, cu, call.scale)
+        vs = vf                 # (v' = x s for the recompute where dqkvg reads x)
+        if terms is not None and "value_scale" in terms["flags"]:
+            vs = torch.mul(vf, terms["tensors"]["dt_tok"].unsqueeze(-1), out=torch.empty_like(vf))
+        states = recompute_states(call.spec, qf, kf, vs, gk, h0, cu, call.scale)
     dof = torch.zeros_like(vf) if do is None else flat(do.to(q.dtype))
     dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
-    dq, dk, dv, dg, dh0 = run_backward(call.spec, qf, kf, vf, gk, states, dof, dhtk,
-                                       scale=call.scale, cu=cu, want_dh0=h0 is not None,
-                                       grad_dtype=q.dtype, raw_dv=raw_dv)
+    dq, dk, dv, dg, dh0, *more = run_backward(
+        call.spec, qf, kf, vf, gk, states, dof, dhtk, scale=call.scale, cu=cu,
+        want_dh0=h0 is not None, grad_dtype=q.dtype, raw_dv=raw_dv, terms=terms)
     shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
     dg = None if g is None else shaped(dg, g)
     if dh0 is not None:
         dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(initial_state.dtype)
     dv = dv.view(v.shape) if raw_dv else shaped(dv, v)
-    return shaped(dq, q), shaped(dk, k), dv, dg, dh0
+    return (shaped(dq, q), shaped(dk, k), dv, dg, dh0, *more)
+
+
+def dqkvg_terms(call: AdditiveCall, q, s, D):
+    """The call terms dqkvg forms in a training backward (run_backward's ``terms``): the
+    value scale by s [B, T, HV] f32 (None: none), the skip term by D [HV] or [HV, V]
+    (None: none); None where the arch's dqkvg does not form them (its DQKVG_TERMS), the
+    spec's kernels take no terms or its gate is per value (the twin's backward)."""
+    arch = get_arch(runtime.arch_of(q.device))
+    flags, tensors = [], {}
+    if s is not None:
+        flags.append("value_scale")
+        tensors["dt_tok"] = s.detach().float().reshape(-1, s.shape[-1]).contiguous()
+    if D is not None:
+        Dm = D.detach().float().reshape(D.shape[0], -1)
+        flags += ["skip"] + (["skip_per_head"] if Dm.shape[1] == 1 else [])
+        tensors["skip_D"] = (Dm[:, 0] if Dm.shape[1] == 1 else Dm).contiguous()
+    if (not flags or set(flags) - set(getattr(arch, "DQKVG_TERMS", ()))
+            or not terms_of(call.spec).backward_params or call.spec.gate.per_value):
+        return None
+    return {"flags": tuple(sorted(flags)), "tensors": tensors}
 
 
 def value_gate_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):

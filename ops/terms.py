@@ -115,6 +115,18 @@ def terms_backward(x, s, D, dy, dv, need_x=True, need_s=True, need_D=True):
     return dx, ds, dD
 
 
+def kernel_terms_grads(x, s, D, dx, ds, dD):
+    """The terms' gradients as dqkvg leaves them (additive_bwd.run_backward's terms) in
+    the inputs' shapes: dx (f32 where the key blocks add it) in x's dtype, ds [B, T, HV]
+    f32 (None without the value scale), dD [HV, V] summed over V for a D per head."""
+    dx = dx.view(x.shape).to(x.dtype)
+    ds = None if s is None else ds.view(s.shape)
+    if D is not None:
+        dD = (dD.sum(-1) if D.float().reshape(D.shape[0], -1).shape[1] == 1 else dD)
+        dD = dD.reshape(D.shape)
+    return dx, ds, dD
+
+
 def _products(a, b):
     """a * b [..] float32 from 16-bit (or float32) a, b: one pass (a float32 zero of one
     element added, so the product is formed in float32; exact for 16-bit a, b)."""
@@ -214,6 +226,15 @@ def _terms_call():
             q, k, v, g, h0, states, x, s, D = ctx.saved_tensors
             need = ctx.needs_input_grad
             dq = dk = dv = dg = dh0 = None
+            kt = additive_bwd.dqkvg_terms(ctx.call, q, s, D) if any(need[2:8]) else None
+            if kt is not None:      # (the terms' gradients formed by dqkvg)
+                dq, dk, dx, dg, dh0, ds, dD = additive_bwd.additive_backward(
+                    ctx.call, q, k, x, g, h0, states, dy, dht, raw_dv=True, terms=kt)
+                dx, ds, dD = kernel_terms_grads(x, s, D, dx, ds, dD)
+                return (None, None, dq if need[2] else None, dk if need[3] else None,
+                        dx if need[4] else None, ds if need[5] else None,
+                        dg if need[6] else None, dh0 if need[7] else None,
+                        dD if need[8] else None, None)
             if any(need[2:8]):      # (else only dD: the call's gradients unused)
                 v = scaled(x, s) if v is None else v
                 dq, dk, dv, dg, dh0 = additive_bwd.additive_backward(

@@ -245,11 +245,16 @@ class BackwardMath:
                     dh0[n, hv] = dh.float()
 
     def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
-              dv, scale, g=None, dg=None):
+              dv, scale, g=None, dg=None, dt_tok=None, skip_D=None, ds_part=None,
+              dD_part=None):
         """With block_k (key blocks): dv summed in f32 into the caller's zeros, a scalar
         gate's dg as per-block f32 partials. GVA: dq, dk [Ttot, H, K] f32, each value
-        head's added into the caller's zeros (the kernel's atomic adds)."""
+        head's added into the caller's zeros (the kernel's atomic adds). Call terms
+        (value_scale, skip): v is x, the GEMMs' v' = x s rounded once into x's dtype, dv
+        x's gradient s dv' + D do, ds_part each key block's sum_V dv' x, dD_part each
+        chunk's sum over its rows of do x."""
         self.calls.append("dqkvg")
+        self.terms = tuple(t for t in ("value_scale", "skip", "skip_per_head") if p.get(t))
         self.K = p["K"]
         bk = p.get("block_k", self.K)
         self.key_blocks = self.K // bk
@@ -259,12 +264,23 @@ class BackwardMath:
             for hv in range(self.HV):
                 hk = hv // self.group
                 rows = lambda x, h: pad(x[t0:t0 + n, h].to(F64))[None]  # noqa: E731
+                x = v[t0:t0 + n, hv].to(F64)
+                st = dt_tok[t0:t0 + n, hv].to(F64)[:, None] if p.get("value_scale") else None
+                vv = v if st is None else v.clone().index_put_(
+                    (torch.arange(t0, t0 + n), torch.tensor(hv)), (x * st).to(v.dtype))
                 out = chunk_grads_key_blocks(
-                    self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(v, hv), rows(do, hv),
+                    self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(vv, hv), rows(do, hv),
                     pad(self._gate(g, t0, n, hv))[None],
                     *(x.to(F64).numpy()[None] for x in (states[sr, hv], dstate[sr + 1, hv])), bk)
                 dqc, dkc, dgc = (torch.from_numpy(x[0, :n]) for x in (out[0], out[1], out[3]))
                 dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
+                if st is not None:          # (each key block's ds; dv' -> s dv')
+                    ds_part[:, t0:t0 + n, hv] = (dvc * x).sum(-1).float()
+                    dvc = dvc * st
+                if p.get("skip"):           # (key block 0 adds D do; dD's chunk partial)
+                    Dv = (skip_D[hv] if p.get("skip_per_head") else skip_D[hv]).to(F64)
+                    dvc[0] += Dv * do[t0:t0 + n, hv].to(F64)
+                    dD_part[c, hv] = (do[t0:t0 + n, hv].to(F64) * x).sum(0).float()
                 if self.group > 1:              # (atomic adds into the caller's zeros)
                     assert dq.dtype == dk.dtype == torch.float32
                     dq[t0:t0 + n, hk] += (scale * dqc).float()
@@ -621,6 +637,33 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
         assert not rec["tma_misaligned"] and not rec["barriers_in_branches"], rec
 
 
+@pytest.mark.parametrize("K, V, terms, states", [
+    (64, 64, ("skip", "skip_per_head", "value_scale"), "float32"),
+    (128, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16"),
+    (128, 64, ("skip", "value_scale"), "bfloat16"),
+    (256, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16")],
+    ids=["K64-saved", "K128-recomputed", "K128-D-channels", "K256"])
+def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states):
+    """Mamba-2's dqkvg with the call terms' backward (Nemotron-H-like: 8 key heads, 128
+    value heads, bf16) compiles for sm_90a within its plan's register cap (128 a thread
+    at two CTAs an SM), no spills; the plan's launch carries the flags."""
+    from linattn.codegen.compile import compile_stage, format_record
+    from linattn.ops import mamba2
+    from linattn.ops.runtime import stage_module
+    p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=K, V=V, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
+                                state_dtype=states, terms=terms)
+    la = next(la for la in additive_bwd.backward_plan(p).launches
+              if la.stage == "chunk_bwd_dqkvg")
+    assert all(la.kwargs.get(t) for t in terms), la.kwargs
+    rec = compile_stage(stage_module(mamba2.SPEC, la.stage, "sm90"), la.kwargs, "sm90")
+    print(format_record(rec))
+    assert "error" not in rec and "ptxas_error" not in rec, rec
+    cap = 65536 // (256 * la.kwargs["min_blocks"])
+    assert rec["registers"] <= min(cap, 255) and rec["spill_store_bytes"] == 0, rec
+    assert not rec["barriers_in_branches"], rec
+
+
 @pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])
 def test_user_spec_options_train(monkeypatch, rng, name):
     """A user's additive spec with l2norm_qk and gate_in_kernel (A_log, dt_bias) trains
@@ -685,32 +728,42 @@ def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7, D_channels=Fal
             {n: t.detach().double().requires_grad_() for n, t in p.items()})
 
 
-SSD_CASES = [   # lens, G, K, D per (head, channel), z, dt_limit
+SSD_CASES = [   # lens, G, K, D per (head, channel), z, dt_limit (HV 4; HV_CASES: more)
     pytest.param([130], 2, 32, False, True, (0.0, 1.0), id="G2"),
     pytest.param([1, 70, 0, 59], 1, 32, False, True, (0.0, 1.0), id="varlen-G1"),
     pytest.param([100], 4, 32, True, False, (0.0, float("inf")), id="G4-D-channels-no-z"),
     pytest.param([1, 90], 2, 128, True, True, (0.05, 0.8),
                  id="varlen-K128-key-blocks-D-channels"),
     pytest.param([1, 90], 2, 128, False, False, (0.05, 0.8), id="varlen-K128-key-blocks-no-z"),
+    pytest.param([70, 60], 1, 64, True, False, (0.0, float("inf")), id="varlen-K64-G1"),
+    pytest.param([90], 1, 256, False, False, (0.0, float("inf")), id="K256-G1"),
+]
+#: value heads by case id (default 4): G 8 needs 8 or more
+SSD_HV = {"varlen-K64-G8": 16, "K128-G8-D-channels": 8}
+SSD_CASES += [
+    pytest.param([1, 90], 8, 64, False, True, (0.0, 1.0), id="varlen-K64-G8"),
+    pytest.param([120], 8, 128, True, False, (0.05, 0.8), id="K128-G8-D-channels"),
 ]
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
 @pytest.mark.parametrize("lens, G, K, D_channels, z, lim", SSD_CASES)
-def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G, K,  # noqa: F811
-                                            D_channels, z, lim):
+def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, lens,  # noqa: F811
+                                            G, K, D_channels, z, lim):
     """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
     the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
     signatures carry the call terms' tensors, off there) and the backward stages run
     through fakes checked against the traced kernels (runtime.launch_kernel raises on an
     argument without a tensor), NaN-poisoned allocations; the value scale, the call and
-    the skip term one Function (ops/terms.py: dv' reaching the terms' backward as the
-    kernels leave it, f32 where dqkvg's key blocks add it; without z the forward's
-    kernels form dt x and o + D x); every input's gradient against the fp64 reference."""
+    the skip term one Function (ops/terms.py; without z the forward's kernels form dt x
+    and o + D x; dqkvg forms the terms' backward: it reads x and s, writes dx = s dv' +
+    D do (f32 where the key blocks add it), ds's key-block partials and dD's chunk
+    partials, and torch's terms_backward is not called); every input's gradient against
+    the fp64 reference."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
     from linattn.ops import mamba2, terms, validate
-    HV, V = 4, 16
+    HV, V = SSD_HV.get(request.node.callspec.id.rsplit("-", 1)[0], 4), 16
     bwd = install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
@@ -722,7 +775,7 @@ def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G
     monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
         sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
         or real_fwd(*a, **k))
-    mine, ref = _ssd_leaves(lens, G, K, V, D_channels=D_channels, z=z)
+    mine, ref = _ssd_leaves(lens, G, K, V, HV=HV, D_channels=D_channels, z=z)
     cu = torch.tensor(np.cumsum([0] + lens).tolist(), dtype=torch.int32)
     kw = dict(dt_softplus=True, dt_limit=lim)
     names = list(mine)
@@ -746,7 +799,8 @@ def test_mamba2_trains_through_every_launch(monkeypatch, poisoned, save, lens, G
     assert err_y < 1e-2 and max(errs.values()) < 1e-2, (err_y, errs)
     assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
                for n, a in zip(names, got))
-    assert seen == [torch.float32 if bwd.key_blocks > 1 else torch.float16], seen
+    assert seen == [], seen         # (the terms' backward formed by dqkvg: no torch pass)
+    assert bwd.terms == ("value_scale", "skip") + (() if D_channels else ("skip_per_head",))
     kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
                     "value_scale"] + (["skip_per_head"] if not D_channels else [])
     assert formed[0] == ([] if z else sorted(kernel_terms)), formed   # (the forward's)

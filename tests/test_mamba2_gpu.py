@@ -140,9 +140,10 @@ def test_chunk_scan_combined_varlen(by):
         "G8-no-z"])
 def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch):
     """Every input's gradient through the one Function of the value scale, the additive
-    call and the skip term (ops/terms.py train: dv' as the kernels leave it, dx formed
-    once; without z the forward's kernels form dt x and o + D x: K 64 with the states
-    saved, K 128 recomputed), against torch autograd of the fp64 reference."""
+    call and the skip term (ops/terms.py train; without z the forward's kernels form dt x
+    and o + D x: K 64 with the states saved, K 128 recomputed; dqkvg forms the terms'
+    backward: reads x and s, writes dx = s dv' + D do, ds and dD's partials, torch's
+    terms_backward not called), against torch autograd of the fp64 reference."""
     from linattn.ops import additive_bwd, terms
     T = 500 if cu is None else cu[-1]
     p = inputs(1, T, 16, G, K)
@@ -153,6 +154,9 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     seen, real = [], terms.terms_backward
     monkeypatch.setattr(terms, "terms_backward",
                         lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    bwd, real_bwd = [], additive_bwd.run_backward
+    monkeypatch.setattr(additive_bwd, "run_backward", lambda *a, **k: bwd.append(
+        (k.get("terms") or {}).get("flags")) or real_bwd(*a, **k))
     fwd, real_fwd = [], additive_bwd.run_forward
     monkeypatch.setattr(additive_bwd, "run_forward", lambda *a, **k: fwd.append(
         k.get("terms") is not None) or real_fwd(*a, **k))
@@ -179,7 +183,9 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
                                (dy.to(BF).double(), dh.double()))
     for n, a, b in zip(names, got, want):
         assert a.dtype == leaves[n].dtype and rel(a, b) < 2e-2, (n, rel(a, b))
-    assert seen == [torch.float32 if K > 64 else BF], seen     # (the Function ran)
+    assert seen == [], seen                 # (the terms' backward in dqkvg)
+    flags = ("skip",) + (() if D_channels else ("skip_per_head",)) + ("value_scale",)
+    assert bwd == [flags], bwd
     assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
 
 

@@ -82,7 +82,9 @@ def test_terms_make_no_float32_copies_but_the_reductions_products():
 
 def _fake_call(monkeypatch):
     """additive_bwd's call replaced by o = v' e^g (x's dtype) whose backward leaves dv' in
-    f32 (as dqkvg's key blocks add it) and dg = sum_V do v' e^g."""
+    f32 (as dqkvg's key blocks add it) and dg = sum_V do v' e^g; the terms' backward by
+    torch (terms_backward: where dqkvg does not form them; tests/test_additive_bwd.py's
+    Mamba-2 tests run dqkvg's through the stages' fakes)."""
     from linattn.ops import additive_bwd
 
     def run_forward(call, q, k, v, g, h0):
@@ -98,6 +100,7 @@ def _fake_call(monkeypatch):
     monkeypatch.setattr(additive_bwd, "run_forward", run_forward)
     monkeypatch.setattr(additive_bwd, "additive_backward", backward)
     monkeypatch.setattr(additive_bwd, "training_call", lambda *a, **k: "call")
+    monkeypatch.setattr(additive_bwd, "dqkvg_terms", lambda *a, **k: None)
 
 
 def _terms_call_step(p, lim=(0.01, 2.0)):
