@@ -224,13 +224,14 @@ def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
                         f"{V_MAX}, got K={K}, V={V}")
 
 
-def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
+def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float, terms=None):
     """The states entering each chunk and the final ones, [NT + N, HV, K, V] K-first in
     q's dtype (the backward's GEMMs take them rounded so; fla keeps them so too),
     from flat q, k [Ttot, H, K], v [Ttot, HV, V], g (flat, or None), h0 [N, HV, K, V] f32
     K-first or None: the forward plan of the states alone (ForwardProblem.states_only: its
     prepare and state stages; no output, no per-chunk h of its own; the per-key gate's prepare
-    forms kg and g_last only)."""
+    forms kg and g_last only). terms: the step and the value scale formed in its kernels
+    (chunk.run_chunk_forward's form; v the raw value x, g the raw step dt f32), or None."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
@@ -238,7 +239,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
     if Kk != K:     # the state pass's K: zero channels, cut back (as ops.chunk does)
         q, k, g, h0, _ = chunk._pad_k(spec, Kk, q, k, g, h0, None, False)
-        return recompute_states(spec, q, k, v, g, h0, cu, scale)[:, :, :K].contiguous()
+        return recompute_states(spec, q, k, v, g, h0, cu, scale, terms)[:, :, :K].contiguous()
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     N, NT = len(seq_chunks), sum(seq_chunks)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -246,11 +247,12 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     x = dict(q=q, k=k, v=v, g=g if g is not None else torch.empty(Ttot, HV, **f32),
              beta=torch.empty(Ttot, HV, **f32), A_log=torch.empty(HV, **f32),   # (unused)
              dt_bias=torch.empty(HV * K if key else HV, **f32))
-    x.update(chunk._term_tensors(spec, None, q.device))     # (a spec's call terms: off)
+    x.update(chunk._term_tensors(spec, terms, q.device))    # (a spec's call terms)
     problem = chunk.forward_problem(
         spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
         seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
-        output_final_state=True, return_states=True, states_only=True)
+        output_final_state=True, return_states=True, states_only=True,
+        terms=[f for f, on in (terms or {}).get("flags", {}).items() if on])
     plan = chunk._plan(arch, problem, chunk._config({"fused": False}))
     x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
              h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
@@ -425,10 +427,7 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     h0 = None if initial_state is None else k_first(initial_state.detach()).float().contiguous()
     qf, kf, vf = flat(q), flat(k), flat(v)
     if states is None:
-        vs = vf                 # (v' = x s for the recompute where dqkvg reads x)
-        if terms is not None and "value_scale" in terms["flags"]:
-            vs = torch.mul(vf, terms["tensors"]["dt_tok"].unsqueeze(-1), out=torch.empty_like(vf))
-        states = recompute_states(call.spec, qf, kf, vs, gk, h0, cu, call.scale)
+        states = _recompute(call, qf, kf, vf, gk, h0, cu, terms, flat)
     dof = torch.zeros_like(vf) if do is None else flat(do.to(q.dtype))
     dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
     dq, dk, dv, dg, dh0, *more = run_backward(
@@ -442,11 +441,26 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     return (shaped(dq, q), shaped(dk, k), dv, dg, dh0, *more)
 
 
-def dqkvg_terms(call: AdditiveCall, q, s, D):
+def _recompute(call: AdditiveCall, q, k, v, g, h0, cu: tuple, terms, flat):
+    """recompute_states for additive_backward: with dqkvg's terms v is x, so v' = x s is
+    formed by the recompute's kernels from the raw step (terms["recompute"]: the forward's
+    formed terms and the raw dt, as run_forward took them), else by torch."""
+    import torch
+    rec = (terms or {}).get("recompute")
+    if rec is not None:
+        return recompute_states(call.spec, q, k, v, flat(rec[1]), h0, cu, call.scale, rec[0])
+    if terms is not None and "value_scale" in terms["flags"]:
+        v = torch.mul(v, terms["tensors"]["dt_tok"].unsqueeze(-1), out=torch.empty_like(v))
+    return recompute_states(call.spec, q, k, v, g, h0, cu, call.scale)
+
+
+def dqkvg_terms(call: AdditiveCall, q, s, D, formed=None):
     """The call terms dqkvg forms in a training backward (run_backward's ``terms``): the
     value scale by s [B, T, HV] f32 (None: none), the skip term by D [HV] or [HV, V]
     (None: none); None where the arch's dqkvg does not form them (its DQKVG_TERMS), the
-    spec's kernels take no terms or its gate is per value (the twin's backward)."""
+    spec's kernels take no terms or its gate is per value (the twin's backward). formed:
+    (the forward kernels' terms, the raw dt) where run_forward formed them: the states'
+    recompute forms the step and v' = x s from them too (its "recompute")."""
     arch = get_arch(runtime.arch_of(q.device))
     flags, tensors = [], {}
     if s is not None:
@@ -459,7 +473,14 @@ def dqkvg_terms(call: AdditiveCall, q, s, D):
     if (not flags or set(flags) - set(getattr(arch, "DQKVG_TERMS", ()))
             or not terms_of(call.spec).backward_params or call.spec.gate.per_value):
         return None
-    return {"flags": tuple(sorted(flags)), "tensors": tensors}
+    out = {"flags": tuple(sorted(flags)), "tensors": tensors}
+    if formed is not None:      # (the output's terms dropped: the recompute has no output)
+        off = ("skip", "skip_per_head", "output_gate")
+        out["recompute"] = ({"flags": {f: on for f, on in formed[0]["flags"].items()
+                                       if f not in off},
+                             "tensors": {n: t for n, t in formed[0]["tensors"].items()
+                                         if n not in ("skip_D", "gate_z")}}, formed[1])
+    return out
 
 
 def value_gate_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):

@@ -216,7 +216,7 @@ def _terms_call():
                     Dm = D.float().reshape(x.shape[2], -1)
                     o = torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype,
                                                                 device=o.device))
-            ctx.call = call
+            ctx.call, ctx.kernel = call, kernel
             ctx.save_for_backward(q, k, v, g, initial_state, states, x, s, D)
             ctx.set_materialize_grads(False)
             return o, final
@@ -226,7 +226,8 @@ def _terms_call():
             q, k, v, g, h0, states, x, s, D = ctx.saved_tensors
             need = ctx.needs_input_grad
             dq = dk = dv = dg = dh0 = None
-            kt = additive_bwd.dqkvg_terms(ctx.call, q, s, D) if any(need[2:8]) else None
+            kt = (additive_bwd.dqkvg_terms(ctx.call, q, s, D, ctx.kernel) if any(need[2:8])
+                  else None)
             if kt is not None:      # (the terms' gradients formed by dqkvg)
                 dq, dk, dx, dg, dh0, ds, dD = additive_bwd.additive_backward(
                     ctx.call, q, k, x, g, h0, states, dy, dht, raw_dv=True, terms=kt)

@@ -142,6 +142,31 @@ def test_backward_plan_key_blocks():
         additive_bwd.backward_plan(dataclasses.replace(small, K=144))
 
 
+def test_plans_with_the_call_terms():
+    """The backward's terms are dqkvg's flags (sm90; sm80 forms none: its calls keep
+    torch's), x's tile in its shared-memory model; a recompute of the states forms the
+    step and the value scale (no output: no skip term)."""
+    from linattn.ops import mamba2
+    p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=128, V=64, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
+                                state_dtype="bfloat16", terms=("skip", "value_scale"))
+    kw = additive_bwd.backward_plan(p).launches[-1].kwargs
+    assert kw["skip"] and kw["value_scale"] and "skip_per_head" not in kw
+    with pytest.raises(SpecError, match="call terms"):
+        additive_bwd.backward_plan(p, arch="sm80")
+    with pytest.raises(SpecError, match="call terms"):
+        additive_bwd.backward_plan(dataclasses.replace(p, terms=("output_gate",)))
+    fp = chunk.forward_problem(mamba2.SPEC, Options(), H=8, HV=128, K=128, V=64,
+                               dtype="bfloat16", Ttot=4096, seq_chunks=(64,), g_dtype="float32",
+                               output_final_state=True, return_states=True, states_only=True,
+                               terms=["step_dt", "value_scale"])
+    kw = {la.stage: la.kwargs for la in chunk._plan("sm90", fp, chunk._config({})).launches}
+    assert kw["chunk_prepare"]["step_dt"] and kw["chunk_state"]["value_scale"]
+    with pytest.raises(SpecError, match="recompute"):
+        chunk._plan("sm90", dataclasses.replace(fp, terms=("skip", "value_scale")),
+                    chunk._config({}))
+
+
 @pytest.mark.parametrize("gate", [Gate.KEY, Gate.SCALAR, Gate.NONE])
 def test_key_blocks_sum_to_the_chunk(rng, gate):
     """dqkvg's key blocks: dq, dk, dg per channel and dv's partials add up to the whole
@@ -771,6 +796,10 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     seen, real = [], terms.terms_backward
     monkeypatch.setattr(terms, "terms_backward",
                         lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    rec, real_rec = [], additive_bwd.recompute_states
+    monkeypatch.setattr(additive_bwd, "recompute_states", lambda *a, **k: rec.append(
+        sorted(f for f, on in ((a[8:] or [None])[0] or {}).get("flags", {}).items() if on))
+        or real_rec(*a, **k))
     formed, real_fwd = [], chunk.run_chunk_forward
     monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
         sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
@@ -804,7 +833,10 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
                     "value_scale"] + (["skip_per_head"] if not D_channels else [])
     assert formed[0] == ([] if z else sorted(kernel_terms)), formed   # (the forward's)
-    assert all(f == [] for f in formed[1:]), formed     # (the states' recompute: none)
+    assert all(f == [] for f in formed[1:]), formed
+    step = sorted(set(kernel_terms) - {"skip", "skip_per_head"})
+    assert bool(rec) != save and all(r == ([] if z else step) for r in rec), rec  # (its
+    # states' recompute: the step and v' = x s formed in its kernels where the forward's were)
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
