@@ -444,11 +444,14 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
 def _recompute(call: AdditiveCall, q, k, v, g, h0, cu: tuple, terms, flat):
     """recompute_states for additive_backward: with dqkvg's terms v is x, so v' = x s is
     formed by the recompute's kernels from the raw step (terms["recompute"]: the forward's
-    formed terms and the raw dt, as run_forward took them), else by torch."""
+    formed terms and the raw dt, as run_forward took them), or is the forward's own
+    (terms["value"], where kept), else formed by torch."""
     import torch
     rec = (terms or {}).get("recompute")
     if rec is not None:
         return recompute_states(call.spec, q, k, v, flat(rec[1]), h0, cu, call.scale, rec[0])
+    if (terms or {}).get("value") is not None:
+        return recompute_states(call.spec, q, k, flat(terms["value"]), g, h0, cu, call.scale)
     if terms is not None and "value_scale" in terms["flags"]:
         v = torch.mul(v, terms["tensors"]["dt_tok"].unsqueeze(-1), out=torch.empty_like(v))
     return recompute_states(call.spec, q, k, v, g, h0, cu, call.scale)

@@ -229,6 +229,7 @@ def _terms_call():
             kt = (additive_bwd.dqkvg_terms(ctx.call, q, s, D, ctx.kernel) if any(need[2:8])
                   else None)
             if kt is not None:      # (the terms' gradients formed by dqkvg)
+                kt["value"] = v     # (v' where the forward kept it: the recompute's)
                 dq, dk, dx, dg, dh0, ds, dD = additive_bwd.additive_backward(
                     ctx.call, q, k, x, g, h0, states, dy, dht, raw_dv=True, terms=kt)
                 dx, ds, dD = kernel_terms_grads(x, s, D, dx, ds, dD)

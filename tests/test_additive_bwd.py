@@ -800,6 +800,9 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     monkeypatch.setattr(additive_bwd, "recompute_states", lambda *a, **k: rec.append(
         sorted(f for f, on in ((a[8:] or [None])[0] or {}).get("flags", {}).items() if on))
         or real_rec(*a, **k))
+    rec_v, real_scaled = [], additive_bwd._recompute
+    monkeypatch.setattr(additive_bwd, "_recompute", lambda *a: rec_v.append(
+        a[7].get("value") if z else True) or real_scaled(*a))
     formed, real_fwd = [], chunk.run_chunk_forward
     monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
         sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
@@ -837,6 +840,7 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     step = sorted(set(kernel_terms) - {"skip", "skip_per_head"})
     assert bool(rec) != save and all(r == ([] if z else step) for r in rec), rec  # (its
     # states' recompute: the step and v' = x s formed in its kernels where the forward's were)
+    assert all(rv is not None for rv in rec_v[:1]), rec_v   # (z: from the forward's v')
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])

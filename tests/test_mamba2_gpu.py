@@ -143,7 +143,8 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     call and the skip term (ops/terms.py train; without z the forward's kernels form dt x
     and o + D x: K 64 with the states saved, K 128 recomputed; dqkvg forms the terms'
     backward: reads x and s, writes dx = s dv' + D do, ds and dD's partials, torch's
-    terms_backward not called), against torch autograd of the fp64 reference."""
+    terms_backward not called; without z the states' recompute forms the step and x s in
+    its kernels), against torch autograd of the fp64 reference."""
     from linattn.ops import additive_bwd, terms
     T = 500 if cu is None else cu[-1]
     p = inputs(1, T, 16, G, K)
@@ -157,6 +158,10 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     bwd, real_bwd = [], additive_bwd.run_backward
     monkeypatch.setattr(additive_bwd, "run_backward", lambda *a, **k: bwd.append(
         (k.get("terms") or {}).get("flags")) or real_bwd(*a, **k))
+    rec, real_rec = [], additive_bwd.recompute_states
+    monkeypatch.setattr(additive_bwd, "recompute_states", lambda *a, **k: rec.append(
+        sorted(f for f, on in ((a[8:] or [None])[0] or {}).get("flags", {}).items() if on))
+        or real_rec(*a, **k))
     fwd, real_fwd = [], additive_bwd.run_forward
     monkeypatch.setattr(additive_bwd, "run_forward", lambda *a, **k: fwd.append(
         k.get("terms") is not None) or real_fwd(*a, **k))
@@ -186,6 +191,8 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     assert seen == [], seen                 # (the terms' backward in dqkvg)
     flags = ("skip",) + (() if D_channels else ("skip_per_head",)) + ("value_scale",)
     assert bwd == [flags], bwd
+    step = ["step_bias_on", "step_clamp", "step_dt", "step_softplus", "value_scale"]
+    assert bool(rec) == (K * 64 > 64 * 64) and all(r == ([] if z else step) for r in rec), rec
     assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
 
 
