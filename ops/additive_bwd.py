@@ -12,7 +12,9 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
                              a scalar gate's dg as f32 partials, summed here; dv
                              summed over the key blocks in f32 by the kernel; GVA:
                              dq, dk summed over a key head's value heads by the
-                             kernel's f32 atomic adds, dg per value head)
+                             kernel's f32 atomic adds, dg per value head; a
+                             spec's call terms: v' = x s formed where v is read, dx,
+                             ds and dD's partials: dqkvg_terms)
 
 over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
 offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its

@@ -193,9 +193,11 @@ def _terms_call():
     """The autograd Function of the value scale, an additive call and the skip term:
     forward v' = x s (x's dtype, rounded once), (o, final) = additive_bwd.run_forward,
     y = o + D x in ``dtype``, or (kernel: (the formed terms, the raw dt)) y, final from
-    the kernels forming v' and the skip term themselves (v' then formed again in the
-    backward: x is kept, v' is not); backward additive_bwd.additive_backward(raw_dv)
-    then :func:`terms_backward` (no cast of dv, no autograd add of x's two gradients)."""
+    the kernels forming v' and the skip term themselves (x is kept, v' is not); backward
+    additive_bwd.additive_backward with the terms formed by dqkvg where the arch's does
+    (additive_bwd.dqkvg_terms: dx, ds, dD from the kernel, v' = x s formed by dqkvg and the
+    states' recompute), else additive_backward(raw_dv) then :func:`terms_backward` (no
+    cast of dv, no autograd add of x's two gradients)."""
     import torch
     from . import additive_bwd
 
