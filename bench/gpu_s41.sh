@@ -24,8 +24,8 @@
 # decode: issue 45's copy ceiling (>= 95 % at batch >= 64; s32: GDN 93 %, the table's
 #   q35-gva-decode-b64 83 %): decode_probe's K-first candidates of 16 state values a
 #   thread beside the arch's tile (Mamba-2's value-first decode gained 7-14 % at 16, s40-6),
-#   and session 32's never-timed DECODE_FULL_GRID rules (3 CTAs an SM; a CTA streaming 4
-#   tiles through a ring, as flashinfer's and sglang's decode kernels pipeline theirs).
+#   and session 32's never-timed DECODE_FULL_GRID rule (3 CTAs an SM; its ring of 4 tiles a
+#   CTA was timed and deleted: bench/LOG.md).
 # ncu: where the batched walk's step goes (8x8192: 606 us, 406 with X = I; the seed
 #   release's step ~2.9 us against our ~4.7).
 set -u
@@ -60,8 +60,7 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
     R="$R,KDAFwd/kda-tp1-decode-b64/bf16,KDAFwd/kda-tp8-decode-b256/bf16"
     $T 250 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
       "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
-      "ctas_per_sm=3" "block_v=32,threads=128,vec=4,warps_k=4,items=4,ahead=1" \
-      --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
+      "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
     echo "decode rc=$?"; tail -n 14 "$OUT/decode_tiles.txt" ;;
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
@@ -73,8 +72,7 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
     $T 280 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
       "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
       "block_v=32,threads=256,vec=4,warps_k=8" "block_v=32,threads=128,vec=4,warps_k=4" \
-      "ctas_per_sm=3" "block_v=32,threads=128,vec=4,warps_k=4,items=4,ahead=1" \
-      --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
+      "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
     echo "decode rc=$?"; tail -n 16 "$OUT/decode_tiles.txt" ;;
   ncu)
     $T 250 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
