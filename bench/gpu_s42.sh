@@ -1,33 +1,19 @@
 #!/usr/bin/env bash
-# Session 41's device calls, back to back on one warm machine (it goes back after 30 s
+# Session 42's device calls, back to back on one warm machine (it goes back after 30 s
 # idle; a start may be refused: each refusal costs device time; a call returns at most 8
-# files). Carry .gpu/site.tar.xz .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .gpu/xdist,
-# and for `verify` the compile cache bench/cpu_cache.py builds here (.gpu/cache.tar.xz.NN;
-# without it a precompiling GPU test file does not finish in 9 min: run s40-3):
-#
-#   PYTHONPATH=<dir holding linattn> python3 bench/cpu_cache.py -m gpu tests/test_chunk_fwd_gpu.py
+# files; never let a helper call the device). Carry .gpu/site.tar.xz .gpu/prelude.sh
+# .gpu/savecache.sh .gpu/mamba .gpu/xdist and the compile cache of the call's tests as
+# .gpu/cache.tar.xz.00 (bench/cpu_cache.py builds it here; without it a precompiling GPU
+# test file does not finish in 9 min: runs s40-3, s41-4).
 #
 # In this order (the first call also pays the start, ~3.5 min):
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh verify  # ~6 min: changed defaults' GPU tests
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh decode  # ~5 min: decode tiles at b >= 64
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh ncu     # ~4 min: the batched walk under ncu
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh ssd     # ~8 min: Mamba-2 rows at HEAD
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh gen     # ~8 min: generalized rules, decode too
-#   source .gpu/prelude.sh && bash bench/gpu_s41.sh walk | train | gates | tests | models
-#
-# (.gpu/cache.tar.xz.00, 2.1 MiB, built at a1e3cb0 for test_chunk_fwd_gpu.py's 130 kernels;
-# rebuild after a forward template change.)
-# verify: the defaults changed since their last GPU test: the right-looking diagonal pass
-#   in chunk_kkt_inverse (the split plans), Mamba-2's D read per head (skip_per_head), its
-#   decode tile (16 value rows a CTA from batch 8) and dqkvg's GVA sums by atomic adds
-#   (test_chunk_scan_combined_gradients, G = 1 and 8).
-# decode: issue 45's copy ceiling (>= 95 % at batch >= 64; s32: GDN 93 %, the table's
-#   q35-gva-decode-b64 83 %): decode_probe's K-first candidates of 16 state values a
-#   thread beside the arch's tile (Mamba-2's value-first decode gained 7-14 % at 16, s40-6),
-#   and session 32's never-timed DECODE_FULL_GRID rule (3 CTAs an SM; its ring of 4 tiles a
-#   CTA was timed and deleted: bench/LOG.md).
-# ncu: where the batched walk's step goes (8x8192: 606 us, 406 with X = I; the seed
-#   release's step ~2.9 us against our ~4.7).
+#   rule_bwd: with branch comba-bwd merged into the working tree and .gpu/rule_bwd/
+#     cache.tar.xz.00 (built at 6e7c810) carried as .gpu/cache.tar.xz.00: Comba's and
+#     GDN-2's backward kernels against fp64 and fla (tests/test_rule_bwd_gpu.py); keep
+#     the merge only if they pass
+#   ncu:  the fused walk at 8x8192, default and with X = I (stall reasons: is the WY group
+#     waiting on a_full? docs/design.md's hypothesis), then Mamba-2's dqkvg (1.0 of 2.0 ms)
+#   ssd | gen | gates | train | tests | walk | models | decode | verify: as named
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -45,23 +31,23 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
-  first)   # verify's first file set and the fused walk's time with the inverse free, one call
-    gpu_tests 290 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
-    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default inverse_stub=1 \
-      --out "$OUT/probe_stub.json" > "$OUT/probe_stub.log" 2>&1
-    echo "walk rc=$?"; tail -n 12 "$OUT/probe_stub.log" ;;
-  second)  # Mamba-2's terms in dqkvg (gradients), then decode tiles at b >= 64
-    gpu_tests 100 tests/test_mamba2_gpu.py -k gradients
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 8
-    R="GDNFwd/q35-gva-decode-b64/bf16,GDNFwd/q35-gva-decode-b256/bf16"
-    R="$R,KDAFwd/kda-tp1-decode-b64/bf16,KDAFwd/kda-tp8-decode-b256/bf16"
-    $T 250 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
-      "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
-      "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
-    echo "decode rc=$?"; tail -n 14 "$OUT/decode_tiles.txt" ;;
+case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or models} in
+  rule_bwd)
+    gpu_tests 420 tests/test_rule_bwd_gpu.py
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
+  ncu)
+    $T 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      --section MemoryWorkloadAnalysis --csv --page details python3 bench/ncu_probe.py \
+      --no-fla --only q35-2b-8x8192 > "$OUT/ncu_walk.csv" 2> "$OUT/ncu_walk.err"
+    echo "ncu walk rc=$?"
+    $T 200 ncu --kernel-name regex:chunk_bwd_dqkvg --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --csv --page details python3 bench/ssd_probe.py \
+      --mamba-src .gpu/mamba --rows train-4096 --out "$OUT/ssd_ncu.json" \
+      > "$OUT/ncu_dqkvg.csv" 2> "$OUT/ncu_dqkvg.err"
+    echo "ncu dqkvg rc=$?"; grep -hE "Duration|Achieved Occupancy|Memory Throughput|No Eligible" \
+      "$OUT"/ncu_walk.csv "$OUT"/ncu_dqkvg.csv | cut -c1-200 | head -n 16 ;;
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     gpu_tests 100 tests/test_decode_gpu.py
@@ -74,13 +60,6 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
       "block_v=32,threads=256,vec=4,warps_k=8" "block_v=32,threads=128,vec=4,warps_k=4" \
       "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
     echo "decode rc=$?"; tail -n 16 "$OUT/decode_tiles.txt" ;;
-  ncu)
-    $T 250 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
-      --section WarpStateStats --section LaunchStats --section SchedulerStats --csv \
-      --page details python3 bench/ncu_probe.py --only q35-2b-8x8192 \
-      > "$OUT/ncu_walk.csv" 2> "$OUT/ncu_walk.err"
-    echo "ncu rc=$?"; grep -E "Duration|Registers|Achieved Occupancy|Issue Slots|No Eligible" \
-      "$OUT/ncu_walk.csv" | cut -c1-200 | head -n 12 ;;
   gen)     # the generalized rules' decode rows (new), then every row at HEAD (issue 49)
     $T 150 python3 bench/generalized_probe.py --rows '*/decode-*' \
       --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
