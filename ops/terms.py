@@ -27,7 +27,6 @@ def gate_and_value(spec: OpSpec, x, dt, A, dt_bias=None, dt_softplus=False, dt_l
     """dsl/call_terms.py gate_and_value at float32 for the ops: (v' [B, T, HV, V] in x's
     dtype, g = A dt [B, T, HV] float32); v' = x dt formed in float32, rounded once (one
     pass over x, and over its gradient in the backward)."""
-    import torch
     s = call_terms.step(dt.float(), None if dt_bias is None else dt_bias.float(),
                         dt_softplus, dt_limit)
     g = s * A.float().reshape(-1)
@@ -100,16 +99,15 @@ def terms_backward(x, s, D, dy, dv, need_x=True, need_s=True, need_D=True):
     if need_s and s is not None:
         ds = _products(dv, x).sum(-1)
     if need_D and D is not None:
-        dims = (0, 1) if Dm.shape[1] > 1 else (0, 1, 3)
         dD = (torch.zeros(D.shape, dtype=torch.float32, device=D.device) if dy is None
-              else _products(dy, x).sum(dims).reshape(D.shape))
+              else _skip_dD(dy, x, D))
     if need_x:
         if Dm is not None and dy is not None:
             dx = torch.mul(dy, Dm, out=torch.empty_like(x))
         if s is None:
             dx = dv.to(x.dtype) if dx is None else dx.add_(dv)
         elif dx is None:
-            dx = torch.mul(dv, s.unsqueeze(-1), out=torch.empty_like(x))
+            dx = _scaled(dv, s, x.dtype)
         else:
             dx = torch.addcmul(dx, dv, s.unsqueeze(-1), out=dx)
     return dx, ds, dD
@@ -135,6 +133,26 @@ def _products(a, b):
     return torch.addcmul(zero, a, b)
 
 
+def _scaled(x, s, dtype=None):
+    """x s[..., None] rounded once into ``dtype`` (x's): the value scale v' = x s, or its
+    gradient's dx = dv' s."""
+    import torch
+    return torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x, dtype=dtype or x.dtype))
+
+
+def _skip(o, x, D, dtype):
+    """y = o + D x rounded once into ``dtype``; D [HV] or [HV, V]."""
+    import torch
+    Dm = D.float().reshape(x.shape[2], -1)
+    return torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype, device=o.device))
+
+
+def _skip_dD(dy, x, D):
+    """D's gradient sum (dy x) from f32 products, in D's shape ([HV] or [HV, V])."""
+    dims = (0, 1) if D.float().reshape(x.shape[2], -1).shape[1] > 1 else (0, 1, 3)
+    return _products(dy, x).sum(dims).reshape(D.shape)
+
+
 def _function(name: str):
     """The autograd Function ``name`` (built on first use: importing needs no torch)."""
     if name not in _FUNCTIONS:
@@ -153,14 +171,14 @@ def _make_functions() -> dict:
         @staticmethod
         def forward(ctx, x, s):
             ctx.save_for_backward(x, s)
-            return torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x))
+            return _scaled(x, s)
 
         @staticmethod
         def backward(ctx, dv):
             x, s = ctx.saved_tensors
             dx = ds = None
             if ctx.needs_input_grad[0]:
-                dx = torch.mul(dv, s.unsqueeze(-1), out=torch.empty_like(x))
+                dx = _scaled(dv, s, x.dtype)
             if ctx.needs_input_grad[1]:
                 ds = _products(dv, x).sum(-1)
             return dx, ds
@@ -169,10 +187,8 @@ def _make_functions() -> dict:
         """y = o + D x in ``dtype``; o, x [B, T, HV, V], D [HV] or [HV, V]."""
         @staticmethod
         def forward(ctx, o, x, D, dtype):
-            Dm = D.float().reshape(x.shape[2], -1)
             ctx.save_for_backward(x, D)
-            return torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype,
-                                                           device=o.device))
+            return _skip(o, x, D, dtype)
 
         @staticmethod
         def backward(ctx, dy):
@@ -182,8 +198,7 @@ def _make_functions() -> dict:
             if ctx.needs_input_grad[1]:
                 dx = torch.mul(dy, Dm, out=torch.empty_like(x))
             if ctx.needs_input_grad[2]:
-                dims = (0, 1) if Dm.shape[1] > 1 else (0, 1, 3)
-                dD = _products(dy, x).sum(dims).reshape(D.shape)
+                dD = _skip_dD(dy, x, D)
             return dy, dx, dD, None
 
     return {"ScaledValue": ScaledValue, "Skip": Skip, "TermsCall": _terms_call()}
@@ -201,9 +216,6 @@ def _terms_call():
     import torch
     from . import additive_bwd
 
-    def scaled(x, s):
-        return x if s is None else torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x))
-
     class TermsCall(torch.autograd.Function):
         @staticmethod
         def forward(ctx, call, dtype, q, k, x, s, g, initial_state, D, kernel):
@@ -212,12 +224,10 @@ def _terms_call():
                 o, final, states = additive_bwd.run_forward(call, q, k, x, kernel[1],
                                                             initial_state, terms=kernel[0])
             else:
-                v = scaled(x, s)
+                v = x if s is None else _scaled(x, s)
                 o, final, states = additive_bwd.run_forward(call, q, k, v, g, initial_state)
                 if D is not None:
-                    Dm = D.float().reshape(x.shape[2], -1)
-                    o = torch.addcmul(o, x, Dm, out=torch.empty(o.shape, dtype=dtype,
-                                                                device=o.device))
+                    o = _skip(o, x, D, dtype)
             ctx.call, ctx.kernel = call, kernel
             ctx.save_for_backward(q, k, v, g, initial_state, states, x, s, D)
             ctx.set_materialize_grads(False)
@@ -240,7 +250,7 @@ def _terms_call():
                         dg if need[6] else None, dh0 if need[7] else None,
                         dD if need[8] else None, None)
             if any(need[2:8]):      # (else only dD: the call's gradients unused)
-                v = scaled(x, s) if v is None else v
+                v = (x if s is None else _scaled(x, s)) if v is None else v
                 dq, dk, dv, dg, dh0 = additive_bwd.additive_backward(
                     ctx.call, q, k, v, g, h0, states, dy, dht, raw_dv=True)
             dx, ds, dD = terms_backward(x, s, D, dy, dv, need[4], need[5], need[8])
