@@ -382,7 +382,7 @@ def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
-def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
+def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None, erase=None) -> dict:
     """What the none / scalar gate's stages need from the forward besides its states and
     the WY inverse A [Ttot, HV, 64] it kept (chunk_kkt_inverse_save: A itself, input
     dtype), formed by ROWS and chunk_wu (params: :func:`rebuild_params`) on token-first
@@ -390,7 +390,10 @@ def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
     beta), g [Ttot, HV] f32 (the effective log gate) or None, the chunk tables. Returns
     dict(q, k: q, k l2-normalised with l2norm (else the inputs), A, w [Ttot, HV, K], u
     [Ttot, HV, V] (input dtype) and, with g, g_cum [HV, NT * 64] f32: the in-chunk
-    cumulative log gate the stages read)."""
+    cumulative log gate the stages read). erase: the rule's erase key of its own
+    [Ttot, H, K] (RuleMaths.erase_key, e.g. Comba's p: ROWS l2-normalises it with q, k,
+    chunk_wu forms w from it); then also {name: it (normalised), "d" + name: the
+    chunk_bwd_wy's gradient buffer [Ttot, HV, K]}."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
@@ -402,11 +405,16 @@ def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
              g=f32(Ttot, HV) if g is None else g,
              g_cum=f32(Ttot, HV) if g is None else f32(HV, NT * CHUNK),
              A=A, w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
+    name = spec.rule.maths.erase_key if erase is not None else ""
+    if name:            # (the kernels' <name>_in and its normalised <name>n)
+        x.update({f"{name}_in": erase, f"{name}n": torch.empty_like(erase) if l2norm else erase})
     if ROWS in params:
         runtime.launch_kernel(spec, runtime.arch_of(k.device), ROWS, params[ROWS], x)
     runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_wu", params["chunk_wu"], x,
-                          lambda n: "kn" if n == "k" else n)
+                          lambda n: (f"{name}n" if name else "kn") if n == "k" else n)
     out = dict(q=x["qn"], k=x["kn"], A=x["A"], w=x["w"], u=x["u"])
+    if name:
+        out.update({name: x[f"{name}n"], f"d{name}": v.new_empty(Ttot, HV, K)})
     if g is not None:
         out["g_cum"] = x["g_cum"]
     return out
@@ -422,6 +430,14 @@ def key_grads(x: dict, q, k, scale, params: dict, spec=None):
              dk_out=torch.empty_like(k))
     runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_bwd_key_grads", params["chunk_bwd_key_grads"], y)
     return y["dq_out"], y["dk_out"]
+
+
+def erase_grads(x: dict, name: str, erase, params: dict, spec=None):
+    """The call's gradient [Ttot, H, K] of the rule's erase key ``name`` (raw: erase) from
+    chunk_bwd_wy's per-value-head x["d" + name]: chunk_bwd_key_grads on it as :func:`key_grads`
+    does q's and k's (the GVA sum, the l2norm's backward; factor 1)."""
+    d = x[f"d{name}"]
+    return key_grads(dict(x, dq=d, dk=d), erase, erase, 1.0, params, spec)[0]
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
