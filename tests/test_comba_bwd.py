@@ -155,6 +155,24 @@ def test_beta_none_and_only_some_inputs_need_grad(fake_kernels, rng):
     assert _rel(p.grad, ref_p.grad) < 5e-3
 
 
+def test_state_v_first(fake_kernels, rng):
+    """chunk_comba with state_v_first trains (GVA, padded K): the same o, final state and
+    gradients as key-first."""
+    from test_autograd import v_first_matches_k_first
+    x, do, dht = _inputs(rng, 1, 90, 1, 2, 48, 64, F16, 1, True)
+    v_first_matches_k_first(linattn.chunk_comba, x, do, dht)
+
+
+def test_float32_trains_exactly(monkeypatch, rng):
+    """A float32 call takes the exact torch path (ops/exact_train.py), not the kernels."""
+    from linattn.ops import exact_train
+    seen = []
+    monkeypatch.setattr(exact_train, "train", lambda *a, **kw: seen.append(1) or (None, None))
+    x, _, _ = _inputs(rng, 1, 70, 1, 2, 64, 64, torch.float32, 1, False)
+    linattn.chunk_comba(**{n: t.requires_grad_() for n, t in x.items() if t is not None})
+    assert seen == [1]
+
+
 def test_plan_and_build():
     """Comba's scalar gate has the delta rule's backward stages (its rebuild, the four
     stages, the key gradients) and trains through them; its no-gate form and GDN-2 still
