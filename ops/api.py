@@ -248,13 +248,19 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     ``inplace_final_state`` writes the final states into initial_state, which is
     returned as the final state. A call autograd would record (a family whose chunk_*
     twin has no backward kernels: the same function of its inputs) trains exactly in torch
-    (ops/exact_train.py); a state pool does not train."""
+    (ops/exact_train.py), one whose twin has (Comba's: :func:`_trains`) as that twin; a
+    state pool does not train."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
         _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        if rule_inputs and _trains(spec):       # (as its chunk_* twin: the kernels)
+            return forward(spec, q, k, v, g, beta, scale=scale,
+                           output_final_state=output_final_state, options=options,
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                           rule_inputs=rule_inputs, beta_ones=beta_ones, **extra)
         exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,

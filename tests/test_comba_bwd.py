@@ -155,6 +155,22 @@ def test_beta_none_and_only_some_inputs_need_grad(fake_kernels, rng):
     assert _rel(p.grad, ref_p.grad) < 5e-3
 
 
+def test_fused_recurrent_trains_as_chunk(fake_kernels, rng):
+    """fused_recurrent_comba (fla's order q, k, p, v) under autograd trains as its chunk_*
+    twin, through the kernels: the same o and gradients."""
+    x, do, _ = _inputs(rng, 1, 90, 1, 2, 64, 64, F16, 1, True)
+    runs = []
+    for fn, order in ((linattn.chunk_comba, "qkvp"), (linattn.fused_recurrent_comba, "qkpv")):
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items() if t is not None}
+        o, _ = fn(*(leaves[n] for n in order), leaves["g"], leaves["beta"],
+                  initial_state=leaves["initial_state"])
+        (o.float() * do.float()).sum().backward()
+        runs.append((o, {n: t.grad for n, t in leaves.items()}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    assert chunk_bwd.ROWS in fake_kernels
+
+
 def test_state_v_first(fake_kernels, rng):
     """chunk_comba with state_v_first trains (GVA, padded K): the same o, final state and
     gradients as key-first."""
