@@ -21,10 +21,11 @@ VARIANTS = ("fwd", "bwd", "decode")
 ALL_RULES = frozenset({"additive", "delta", "gdn2", "comba"})
 #: the scalar / no gate's WY stages (the kkt inverse and w, u of the three-stage pipeline)
 WY_RULES = frozenset({"delta", "comba"})
-#: the delta rule's backward stages (none / scalar gate's rebuild, the four stages, the key
-#: gradients): the delta rule's and the forms whose erase key its macros give (Comba's p on
-#: the scalar gate's WY stage); the per-key gate and the folded form: the delta rule's
-DELTA_BWD_RULES = frozenset({"delta", "comba"})
+#: the delta rule's backward stages (the rebuilds, the four stages, the key gradients): the
+#: delta rule's and the forms whose erase side its macros give (Comba's p on the scalar
+#: gate's WY stage, GDN-2's b . k and w . v on the per-key gate's); the folded form: the
+#: delta rule's
+DELTA_BWD_RULES = frozenset({"delta", "comba", "gdn2"})
 DELTA_BWD_SKIP = frozenset({"comba/none"})
 #: the rules the recurrent (decode) stage implements
 DECODE_RULES = frozenset(r.value for r in Rule)
@@ -116,7 +117,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_prepare_save", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate, training: chunk_prepare writing the WY "
                   "inverse A too (the backward keeps it)",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
+              rules=DELTA_BWD_RULES, gates=frozenset({"key"})),
         Stage("chunk_prepare_states", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate, the states alone (a training backward's "
                   "recompute): cumsum, kg, g_last; no pair sums",
@@ -154,7 +155,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
                   "q, k) from the inverse A the training forward kept",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
+              rules=DELTA_BWD_RULES, gates=frozenset({"key"})),
         Stage("chunk_bwd_kkt_rebuild", "chunk_kkt_inverse.py.jinja", "bwd",
               doc="per chunk, none / scalar gate: the gate cumsum and the l2-normalised q, k "
                   "(the kept A spares the inverse)",

@@ -63,8 +63,8 @@ class RuleMaths:
     #: "" for none
     erase_key = ""
     #: the gates whose generated chunked backward a rule with vector inputs trains through
-    #: (the delta backward's stages taking its erase key from its macros: Comba's scalar
-    #: gate); others train exactly in torch (ops/exact_train.py)
+    #: (the delta backward's stages taking its erase side from its macros: Comba's scalar
+    #: gate, GDN-2's per-key gate); others train exactly in torch (ops/exact_train.py)
     backward_gates: tuple = ()
 
     @property
@@ -332,6 +332,7 @@ class Gdn2Rule(DeltaRule):
     vector_inputs = ("b", "w")
     vector_axes = {"b": ("HV", "K"), "w": ("HV", "V")}
     scale_input = "w"
+    backward_gates = ("key",)
 
     def erase(self, k, beta):
         raise NotImplementedError("gdn2: the erase vector is b . k (read_key)")

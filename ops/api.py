@@ -119,10 +119,11 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                            *(rule_inputs or {}).values()):
         if rule_inputs and _trains(spec):
             from . import autograd
-            return autograd.train(spec, options, q, k, v, g,
-                                  ones_beta(q, v) if beta is None and beta_ones else beta,
+            ones = beta is None and (beta_ones or not spec.has_beta)   # (GDN-2: no beta)
+            return autograd.train(spec, options, q, k, v, g, ones_beta(q, v) if ones else beta,
                                   scale, initial_state, output_final_state, cu_seqlens,
-                                  cu_seqlens_cpu, A_log, dt_bias, rule_inputs=rule_inputs)
+                                  cu_seqlens_cpu, A_log, dt_bias, lower_bound=lower_bound,
+                                  rule_inputs=rule_inputs)
         exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -307,7 +307,8 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     runtime.announce(call.spec, arch, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
-    rf = {name: flat(x.detach()) for name, x in (rule or {}).items()}
+    rf = {name: flat(x.detach() if call.spec.rule.maths.vector_axes[name][0] == "H"
+                     else x.detach().float()) for name, x in (rule or {}).items()}
     x, q_scale = _rebuild(call, params, tables, qf, kf, vf, bf,
                             flat(g_in) if gated else None,
                             flat(torch.zeros_like(v) if do is None else do), kept, rf)
@@ -321,7 +322,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     return (shape(dq), shape(dk), shape(x["dv"]), shape(x["dbeta"]),
             shape(x["dg"]) if gated else None,
             x["dh0"] if initial_state is not None else None) + (
-        ({n: shape(chunk_bwd.erase_grads(x, n, t, params, call.spec))
+        ({n: shape(chunk_bwd.rule_grads(x, n, t, params, call.spec))
           for n, t in rf.items()},) if rule else ())
 
 
@@ -334,7 +335,7 @@ def _rebuild(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept, ru
     n = q.shape[0]                       # (the kept tensors span all B T tokens)
     if call.keyed:
         x = chunk_bwd.key_rebuild_packed(q, k, v, beta, g, kept["A"][:n], kept["aqk"][:n],
-                                         tables, params, call.spec)
+                                         tables, params, call.spec, rule)
         x["do"] = do * call.scale
         return x, 1.0
     x = chunk_bwd.rebuild(q, k, v, beta, g, kept["A_inv"][:n], tables, params, call.spec,
@@ -416,7 +417,8 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
     if opts.gate_in_kernel and A_log is None and lower_bound is None:
         raise SpecError("use_gate_in_kernel=True needs A_log")
     if exact_train.is_float32(q) or wide_heads(q, v):
-        return exact_train.train(spec, opts, q, k, v, g, beta, scale=scale,
+        return exact_train.train(spec, opts, q, k, v, g, beta if spec.has_beta else None,
+                                 scale=scale,
                                  initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,

@@ -432,12 +432,16 @@ def key_grads(x: dict, q, k, scale, params: dict, spec=None):
     return y["dq_out"], y["dk_out"]
 
 
-def erase_grads(x: dict, name: str, erase, params: dict, spec=None):
-    """The call's gradient [Ttot, H, K] of the rule's erase key ``name`` (raw: erase) from
-    chunk_bwd_wy's per-value-head x["d" + name]: chunk_bwd_key_grads on it as :func:`key_grads`
-    does q's and k's (the GVA sum, the l2norm's backward; factor 1)."""
+def rule_grads(x: dict, name: str, t, params: dict, spec):
+    """The call's gradient of the rule's vector input ``name`` (t: as the stages read it)
+    from chunk_bwd_wy's: a key of its own (Comba's erase key p [Ttot, H, K], x["d" +
+    name] per value head) through chunk_bwd_key_grads as :func:`key_grads` takes q's and
+    k's (the GVA sum, the l2norm's backward; factor 1); a gate per value head (GDN-2's b,
+    w: x["d" + name + "_in"], f32) as the stage wrote it."""
+    if spec.rule.maths.vector_axes[name][0] != "H":
+        return x[f"d{name}_in"]
     d = x[f"d{name}"]
-    return key_grads(dict(x, dq=d, dk=d), erase, erase, 1.0, params, spec)[0]
+    return key_grads(dict(x, dq=d, dk=d), t, t, 1.0, params, spec)[0]
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
@@ -473,7 +477,7 @@ def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
 
 
 def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
-                       spec=None) -> dict:
+                       spec=None, rule=None) -> dict:
     """What the per-key stages need from the forward besides its states: rebuilt
     (REBUILD, params: :func:`key_train_params`) from the WY inverse A and taken with A_qk
     as the training forward kept them (chunk_prepare_save; A, aqk [Ttot, HV, 64], input
@@ -485,7 +489,10 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
     Returns the dict run_stages takes: q, k (l2-normalised with the params'
     l2norm_qk, else the inputs themselves), A, aqk, qg, kg, w [Ttot, HV, K], u
     [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
-    in-chunk cumulative log gate per key channel, the chunk's rows)."""
+    in-chunk cumulative log gate per key channel, the chunk's rows). rule: the rule's
+    gates per value head by name (GDN-2's b [Ttot, HV, K], w [Ttot, HV, V], f32): read by
+    the rebuild and chunk_bwd_wy as <name>_in, which writes their gradients into the
+    returned d<name>_in (f32)."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
@@ -498,8 +505,11 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
              A=A, qg=e(K), kg=e(K), g_last=f32(NT, HV, K), w=e(K), u=e(V),
              g_cum=f32(Ttot, HV, K),
              qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k)
+    ins = {f"{n}_in": t for n, t in (rule or {}).items()}
+    x.update(ins)
     if NT:
         runtime.launch_kernel(spec or _key_spec(), runtime.arch_of(k.device), REBUILD, p, x)
-    out = dict(q=x["qn"], k=x["kn"], aqk=aqk)
+    out = dict(q=x["qn"], k=x["kn"], aqk=aqk, **ins)
     out.update((n, x[n]) for n in ("A", "qg", "kg", "g_last", "w", "u", "g_cum"))
+    out.update((f"d{n}", torch.empty_like(t)) for n, t in ins.items())
     return out

@@ -191,13 +191,12 @@ def test_float32_trains_exactly(monkeypatch, rng):
 
 def test_plan_and_build():
     """Comba's scalar gate has the delta rule's backward stages (its rebuild, the four
-    stages, the key gradients) and trains through them; its no-gate form and GDN-2 still
-    train exactly in torch (no generated backward)."""
+    stages, the key gradients) and trains through them; its no-gate form trains exactly
+    in torch (no generated backward: the folded form takes no erase key)."""
     from linattn.dsl.spec import comba_specs
-    from linattn.ops import gdn2
     assert [s.name for s in plan(SPEC, "bwd")] == [chunk_bwd.ROWS, *chunk_bwd.STAGES,
                                                    "chunk_bwd_key_grads"]
-    assert build.has_backward(SPEC) and not build.has_backward(gdn2.SPEC)
+    assert build.has_backward(SPEC)
     none = next(s for s in comba_specs() if s.gate.value == "none")
     assert not build.has_backward(none) and plan(none, "bwd") == []
 

@@ -1,7 +1,7 @@
-"""The families with no generated backward (GDN-2, DPLR, IPLR, RWKV-7; Comba's float32
-calls) train exactly in torch (ops/exact_train.py): their chunk_* and fused_recurrent_*
-calls, in float32 and bfloat16 (Comba's 16-bit calls train through its generated
-backward: tests/test_comba_bwd.py), with varlen, an initial state and the final state's gradient,
+"""The families with no generated backward (DPLR, IPLR, RWKV-7; Comba's and GDN-2's
+float32 calls) train exactly in torch (ops/exact_train.py): their chunk_* and
+fused_recurrent_* calls, in float32 and bfloat16 (Comba's and GDN-2's 16-bit calls train
+through their generated backward: tests/test_comba_bwd.py, tests/test_gdn2_bwd.py), with varlen, an initial state and the final state's gradient,
 against torch autograd of the independent fp64 token recurrence
 (dsl/torch_reference.recurrent_forward) on the same (rounded) inputs. CPU tensors through
 the ops' plumbing (the cpu_ops fixture switches the device check off)."""
@@ -43,7 +43,8 @@ def _inputs(fam, dtype, seed):
 
 
 #: the generated backward's calls (16-bit chunk_* of a spec ops/build.py has_backward takes)
-KERNEL_TRAINED = {("chunk_comba", torch.bfloat16), ("fused_recurrent_comba", torch.bfloat16)}
+KERNEL_TRAINED = {(f"{kind}_{fam}", torch.bfloat16) for kind in ("chunk", "fused_recurrent")
+                  for fam in ("comba", "gdn2")}
 
 
 @pytest.mark.parametrize("fn,dtype", [
