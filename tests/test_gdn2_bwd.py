@@ -210,3 +210,34 @@ def test_wy_stage_takes_the_gates():
     names = mod.args(**mod.EXAMPLES[0])
     assert names[:3] == ["k", "b_in", "w_in"] and {"db_in", "dw_in"} <= set(names)
     assert list(runtime.arg_names(mod.build(**mod.EXAMPLES[0]))) == names
+
+
+def test_state_v_first(fake_kernels, rng):
+    """chunk_gdn2 with state_v_first trains as key-first (GVA, l2norm, padded K)."""
+    from test_autograd import v_first_matches_k_first
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    x = dict(q=r(1, 80, 1, 48).half(), k=r(1, 80, 1, 48).half(), v=r(1, 80, 2, 64).half(),
+             g=torch.nn.functional.logsigmoid(r(1, 80, 2, 48)).float(),
+             b=torch.sigmoid(r(1, 80, 2, 48)).float(), w=torch.sigmoid(r(1, 80, 2, 64)).float(),
+             initial_state=0.1 * r(1, 2, 48, 64).float())
+    v_first_matches_k_first(linattn.chunk_gdn2, x, r(1, 80, 2, 64).half(),
+                            r(1, 2, 48, 64).float(), use_qk_l2norm_in_kernel=True)
+
+
+def test_fused_recurrent_trains_as_chunk(fake_kernels, rng):
+    """fused_recurrent_gdn2 under autograd trains as chunk_gdn2 (the kernels)."""
+    gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    x = dict(q=r(1, 70, 1, 64).half(), k=r(1, 70, 1, 64).half(), v=r(1, 70, 2, 64).half(),
+             g=torch.nn.functional.logsigmoid(r(1, 70, 2, 64)).float(),
+             b=torch.sigmoid(r(1, 70, 2, 64)).float(), w=torch.sigmoid(r(1, 70, 2, 64)).float())
+    do = r(1, 70, 2, 64).half()
+    runs = []
+    for fn in (linattn.chunk_gdn2, linattn.fused_recurrent_gdn2):
+        leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+        o, _ = fn(**leaves, use_qk_l2norm_in_kernel=True)
+        (o.float() * do.float()).sum().backward()
+        runs.append((o, {n: t.grad for n, t in leaves.items()}))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
