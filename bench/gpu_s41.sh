@@ -45,7 +45,24 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
+case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
+  first)   # verify's first file set and where the value-split walk's step goes, one call
+    gpu_tests 290 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
+    $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
+      --configs default value_split=1 value_split=1,inverse_stub=1 inverse_stub=1 \
+      --out "$OUT/probe_vs.json" > "$OUT/probe_vs.log" 2>&1
+    echo "walk rc=$?"; tail -n 12 "$OUT/probe_vs.log" ;;
+  second)  # Mamba-2's terms in dqkvg (gradients), then decode tiles at b >= 64
+    gpu_tests 100 tests/test_mamba2_gpu.py -k gradients
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 8
+    R="GDNFwd/q35-gva-decode-b64/bf16,GDNFwd/q35-gva-decode-b256/bf16"
+    R="$R,KDAFwd/kda-tp1-decode-b64/bf16,KDAFwd/kda-tp8-decode-b256/bf16"
+    $T 250 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
+      "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
+      "ctas_per_sm=3" "block_v=32,threads=128,vec=4,warps_k=4,items=4,ahead=1" \
+      --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
+    echo "decode rc=$?"; tail -n 14 "$OUT/decode_tiles.txt" ;;
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     gpu_tests 100 tests/test_decode_gpu.py

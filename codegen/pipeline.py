@@ -208,7 +208,9 @@ class AdditiveBackwardProblem:
     it. grad_dtype: the dtype of dq, dk, dv ("float32" for the GLAChunkBwd contract, the
     input dtype under autograd); use_dht / store_dh0: the final state's gradient is given
     / the initial state's is wanted; state_dtype: the saved states' ("float32" for the
-    contract, the input dtype for a training recompute's)."""
+    contract, the input dtype for a training recompute's); terms: the call terms dqkvg
+    forms (dsl/call_terms.py; its build() flags, sorted: skip, skip_per_head,
+    value_scale): v is then the raw value x and dv x's gradient."""
     gate: str                     # "none" | "scalar" | "key"
     H: int
     HV: int
@@ -222,6 +224,7 @@ class AdditiveBackwardProblem:
     store_dh0: bool = False
     state_dtype: str = "float32"
     chunk_size: int = 64
+    terms: tuple = ()
 
     @property
     def N(self) -> int:

@@ -135,12 +135,16 @@ class TermsMaths:
     gate_z [B, T, HV, V] (z); placeholders (1,) where a call does not use them. With the
     step the gate's tensor g carries the raw dt. chunk_params: the chunked stages' (the
     same and dt_c, the step per token that chunk_prepare writes for the value scale: a
-    buffer of the plan, a placeholder where the call scales no value)."""
+    buffer of the plan, a placeholder where the call scales no value). backward_params: the
+    additive backward's dqkvg's (the step per token dt_tok [Ttot, HV], skip_D, and its
+    outputs ds_part [key blocks, Ttot, HV], dD_part [NT, HV, V]; placeholders where off)."""
 
     def __init__(self, name: str, kernel_params: tuple = ()):
         self.name = name
         self.kernel_params = kernel_params
         self.chunk_params = kernel_params + (("dt_c",) if kernel_params else ())
+        self.backward_params = (("dt_tok", "skip_D", "ds_part", "dD_part") if kernel_params
+                                else ())
 
 
 TERMS = {"none": TermsMaths("none"),

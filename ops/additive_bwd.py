@@ -12,7 +12,9 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
                              a scalar gate's dg as f32 partials, summed here; dv
                              summed over the key blocks in f32 by the kernel; GVA:
                              dq, dk summed over a key head's value heads by the
-                             kernel's f32 atomic adds, dg per value head)
+                             kernel's f32 atomic adds, dg per value head; a
+                             spec's call terms: v' = x s formed where v is read, dx,
+                             ds and dD's partials: dqkvg_terms)
 
 over the states entering each chunk, laid out as GLAChunkFwd's h: per sequence n, row
 offset_n + n + t holds the state entering its chunk t and row offset_n + n + NC_n its
@@ -59,6 +61,7 @@ import numpy as np
 from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.pipeline import AdditiveBackwardProblem
 from ..dsl import Gate, Options, SpecError, key_twin
+from ..dsl.call_terms import terms_of
 from . import chunk, exact_train, padding, runtime, split, validate
 from .validate import needs_grad  # noqa: F401 (the families' test: additive_bwd.needs_grad)
 
@@ -104,21 +107,27 @@ def key_blocks(plan) -> int:
 
 
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
-                 want_dh0: bool, grad_dtype, config=None):
+                 want_dh0: bool, grad_dtype, config=None, raw_dv=False, terms=None):
     """The three stages on flat token-first tensors: q, k [Ttot, H, K], v, do
     [Ttot, HV, V] (f16 / bf16), g [Ttot, HV, K] (per-key gate) / [Ttot, HV] (scalar) /
     None, states [NT + N, HV, K, V] f32 or q's dtype (rows as the module docstring; dstate
     and the GEMMs' state operands follow), dht [N, HV, K, V]
     f32 or None (zero); cu the sequences' token bounds; config: the plan's (probes).
-    Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype, dg f32 like g or None,
-    dh0 [N, HV, K, V] f32 or None)."""
+    Returns (dq, dk [Ttot, H, K], dv [Ttot, HV, V] in grad_dtype (raw_dv: as the kernel
+    wrote it, f32 where the key blocks add it), dg f32 like g or None, dh0 [N, HV, K, V]
+    f32 or None). terms: the call terms dqkvg forms ({"flags": the names on (value_scale,
+    skip, skip_per_head), "tensors": dt_tok [Ttot, HV] f32, skip_D [HV] or [HV, V] f32}):
+    v is then the raw value x, dv x's gradient (s dv' + D do), and the result has two
+    more, ds [Ttot, HV] f32 (the value scale's) and dD [HV, V] f32 (do x summed over the
+    tokens; None without skip)."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
     arch = runtime.arch_of(q.device)
     if get_arch(arch).backward_dims(K, V) != (K, V):
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
-                                want_dh0=want_dh0, grad_dtype=grad_dtype, config=config)
+                                want_dh0=want_dh0, grad_dtype=grad_dtype, config=config,
+                                raw_dv=raw_dv, terms=terms)
     group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
@@ -126,7 +135,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype),
         g_dtype=_name(g.dtype) if gated else "float32", grad_dtype=_name(grad_dtype),
         seq_chunks=seq_chunks, use_dht=dht is not None, store_dh0=want_dh0,
-        state_dtype=_name(states.dtype))
+        state_dtype=_name(states.dtype), terms=tuple(sorted((terms or {}).get("flags", ()))))
     plan = backward_plan(problem, config, arch)
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
@@ -144,6 +153,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     if gated:
         x["g"] = g
         x["dg"] = torch.empty(*(part if scalar else ()), *g.shape, **f32)
+    x.update(_dqkvg_terms(spec, problem, terms, nkb, q.device))
     if Ttot:
         runtime.run_plan(spec, plan, x)
     elif want_dh0:
@@ -151,8 +161,30 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     dq, dk, dv, dg = x["dq"], x["dk"], x["dv"], x.get("dg")
     if part and scalar:
         dg = dg.sum(0)
-    return (dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype), dg,
-            x["dh0"] if want_dh0 else None)
+    out = (dq.to(grad_dtype), dk.to(grad_dtype), dv if raw_dv else dv.to(grad_dtype), dg,
+           x["dh0"] if want_dh0 else None)
+    if terms is None:
+        return out
+    return out + (x["ds_part"].sum(0) if "value_scale" in problem.terms else None,
+                  x["dD_part"].sum(0) if "skip" in problem.terms else None)
+
+
+def _dqkvg_terms(spec, p: AdditiveBackwardProblem, terms, nkb: int, device) -> dict:
+    """dqkvg's call-term tensors of a spec that has them (dsl/call_terms.py
+    backward_params): the call's dt_tok and skip_D, its outputs ds_part [key blocks,
+    Ttot, HV] and dD_part [NT, HV, V] (f32, every element written), placeholders for the
+    terms off."""
+    import torch
+    given = (terms or {}).get("tensors", {})
+    x = {n: runtime.placeholder(device, torch.float32)
+         for n in terms_of(spec).backward_params}
+    x.update({n: t for n, t in given.items() if n in x})
+    f32 = dict(dtype=torch.float32, device=device)
+    if "value_scale" in p.terms:
+        x["ds_part"] = torch.empty(nkb, given["dt_tok"].shape[0], p.HV, **f32)
+    if "skip" in p.terms:
+        x["dD_part"] = torch.empty(p.NT, p.HV, p.V, **f32)
+    return x
 
 
 def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
@@ -166,11 +198,17 @@ def _padded_backward(spec, q, k, v, g, states, do, dht, **kw):
     v, do = F.pad(v, (0, Vb - V)), F.pad(do, (0, Vb - V))
     grow = (0, Vb - V, 0, Kb - K)               # [.., K, V]: zero rows and columns
     states, dht = F.pad(states, grow), None if dht is None else F.pad(dht, grow)
-    dq, dk, dv, dg, dh0 = run_backward(spec, q, k, v, g, states, do, dht, **kw)
+    terms = kw.get("terms")
+    if terms is not None and terms["tensors"].get("skip_D", v).dim() == 2:    # (D [HV, V])
+        tensors = dict(terms["tensors"], skip_D=F.pad(terms["tensors"]["skip_D"], (0, Vb - V)))
+        kw["terms"] = dict(terms, tensors=tensors)
+    dq, dk, dv, dg, dh0, *more = run_backward(spec, q, k, v, g, states, do, dht, **kw)
     cut = lambda x: x[..., :K].contiguous()  # noqa: E731
     dg = cut(dg) if spec.gate is Gate.KEY else dg
+    if more and more[1] is not None:
+        more[1] = more[1][..., :V].contiguous()
     return (cut(dq), cut(dk), dv[..., :V].contiguous(), dg,
-            None if dh0 is None else dh0[..., :K, :V].contiguous())
+            None if dh0 is None else dh0[..., :K, :V].contiguous(), *more)
 
 
 def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
@@ -188,13 +226,14 @@ def check_backward(spec, q, k, v, what: str, multiple: int = 16) -> None:
                         f"{V_MAX}, got K={K}, V={V}")
 
 
-def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
+def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float, terms=None):
     """The states entering each chunk and the final ones, [NT + N, HV, K, V] K-first in
     q's dtype (the backward's GEMMs take them rounded so; fla keeps them so too),
     from flat q, k [Ttot, H, K], v [Ttot, HV, V], g (flat, or None), h0 [N, HV, K, V] f32
     K-first or None: the forward plan of the states alone (ForwardProblem.states_only: its
     prepare and state stages; no output, no per-chunk h of its own; the per-key gate's prepare
-    forms kg and g_last only)."""
+    forms kg and g_last only). terms: the step and the value scale formed in its kernels
+    (chunk.run_chunk_forward's form; v the raw value x, g the raw step dt f32), or None."""
     import torch
     Ttot, H, K = q.shape
     HV, V = v.shape[1:]
@@ -202,7 +241,7 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     Kk = get_arch(arch).chunk_k(spec.rule.value, spec.gate.value, K)
     if Kk != K:     # the state pass's K: zero channels, cut back (as ops.chunk does)
         q, k, g, h0, _ = chunk._pad_k(spec, Kk, q, k, g, h0, None, False)
-        return recompute_states(spec, q, k, v, g, h0, cu, scale)[:, :, :K].contiguous()
+        return recompute_states(spec, q, k, v, g, h0, cu, scale, terms)[:, :, :K].contiguous()
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     N, NT = len(seq_chunks), sum(seq_chunks)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -210,11 +249,12 @@ def recompute_states(spec, q, k, v, g, h0, cu: tuple, scale: float):
     x = dict(q=q, k=k, v=v, g=g if g is not None else torch.empty(Ttot, HV, **f32),
              beta=torch.empty(Ttot, HV, **f32), A_log=torch.empty(HV, **f32),   # (unused)
              dt_bias=torch.empty(HV * K if key else HV, **f32))
-    x.update(chunk._term_tensors(spec, None, q.device))     # (a spec's call terms: off)
+    x.update(chunk._term_tensors(spec, terms, q.device))    # (a spec's call terms)
     problem = chunk.forward_problem(
         spec, Options(), H=H, HV=HV, K=K, V=V, dtype=_name(q.dtype), Ttot=Ttot,
         seq_chunks=seq_chunks, g_dtype=_name(x["g"].dtype), has_initial_state=h0 is not None,
-        output_final_state=True, return_states=True, states_only=True)
+        output_final_state=True, return_states=True, states_only=True,
+        terms=[f for f, on in (terms or {}).get("flags", {}).items() if on])
     plan = chunk._plan(arch, problem, chunk._config({"fused": False}))
     x.update(chunk._tables(cu, CHUNK, q.device, 0), scale=float(scale),
              h0=h0 if h0 is not None else torch.empty(1, HV, K, V, **f32),
@@ -294,29 +334,34 @@ class AdditiveCall:
     save_states: bool = False       # the forward keeps its states (else the backward recomputes)
 
 
-def run_forward(call: AdditiveCall, q, k, v, g, initial_state):
+def run_forward(call: AdditiveCall, q, k, v, g, initial_state, terms=None):
     """(o, final_state or None, states or None) from the chunked forward; with
     call.save_states the three-stage plan's states, f32 [NT + N, HV, K, V] K-first (the
     forward runs K-first; a v-first initial / final state is transposed around it).
+    terms: the spec's call terms formed in the kernels (chunk.run_chunk_forward's; v is
+    then the raw value x, g the raw step dt [B, T, HV] f32, the states those of dt x).
     Tests replace this on the CPU."""
     import torch
+    kw = dict(scale=call.scale, output_final_state=call.output_final_state,
+              cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
     if not call.save_states:
         from . import api
-        o, final = api.forward(call.spec, q, k, v, g, None, scale=call.scale,
-                               initial_state=initial_state,
-                               output_final_state=call.output_final_state,
-                               options=Options(state_v_first=call.state_v_first),
-                               cu_seqlens=call.cu_seqlens, cu_seqlens_cpu=call.cu_seqlens_cpu)
+        opts = Options(state_v_first=call.state_v_first)
+        if terms is not None:
+            return chunk.run_chunk_forward(call.spec, q, k, v, g, initial_state=initial_state,
+                                           options=opts, terms=terms, **kw) + (None,)
+        o, final = api.forward(call.spec, q, k, v, g, None, initial_state=initial_state,
+                               options=opts, **kw)
         return o, final, None
     vf = call.state_v_first
     h0 = (initial_state.transpose(-1, -2).contiguous() if vf and initial_state is not None
           else initial_state)                # (the forward checks it is contiguous)
     if g is not None and g.dtype not in (torch.float32, q.dtype):
         g = g.float()
-    o, final, states = chunk.chunk_forward(
-        call.spec, q, k, v, g, None, scale=call.scale, initial_state=h0,
-        output_final_state=call.output_final_state, cu_seqlens=call.cu_seqlens,
-        cu_seqlens_cpu=call.cu_seqlens_cpu, return_states=True)
+    run = chunk.chunk_forward if terms is None else functools.partial(
+        chunk.run_chunk_forward, terms=terms)       # (terms: the call's checks done)
+    o, final, states = run(call.spec, q, k, v, g, None, initial_state=h0,
+                           return_states=True, **kw)
     if final is not None and vf:
         final = final.transpose(-1, -2).contiguous()
     return o, final, states
@@ -358,13 +403,18 @@ def _make_function():
     return _ChunkAdditive
 
 
-def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht):
+def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do, dht,
+                      raw_dv=False, terms=None):
     """Gradients of a chunk call under sum(o * do) + sum(final_state * dht): q, k
     [B, T, H, K], v [B, T, HV, V] (f16 / bf16), g as the spec's gate or None,
     initial_state [N, HV, K, V] ([N, HV, V, K] with state_v_first) or None; states the
-    forward's (f32 [NT + N, HV, K, V] K-first) or None (recomputed); do like v or None,
-    dht like the final state or None (zero). Returns (dq, dk, dv, dg, dh0) in the
-    inputs' shapes and dtypes (None for an input not given)."""
+    forward's (f32 [NT + N, HV, K, V] K-first) or None (recomputed); do like v (any float
+    dtype) or None, dht like the final state or None (zero). Returns (dq, dk, dv, dg,
+    dh0) in the inputs' shapes and dtypes (None for an input not given); raw_dv: dv as
+    the kernels leave it (f32 where dqkvg's key blocks add it: no cast; ops/terms.py's
+    call reads it so). terms: the call terms dqkvg forms (:func:`dqkvg_terms`; v the raw
+    value x, the states' recompute scaling it by torch): dv is x's gradient, and ds
+    [B * T, HV], dD [HV, V] (or None) f32 follow dh0 (run_backward's)."""
     import torch
     if call.spec.gate.per_value:
         return value_gate_backward(call, q, k, v, g, initial_state, do, dht)
@@ -379,17 +429,63 @@ def additive_backward(call: AdditiveCall, q, k, v, g, initial_state, states, do,
     h0 = None if initial_state is None else k_first(initial_state.detach()).float().contiguous()
     qf, kf, vf = flat(q), flat(k), flat(v)
     if states is None:
-        states = recompute_states(call.spec, qf, kf, vf, gk, h0, cu, call.scale)
+        states = _recompute(call, qf, kf, vf, gk, h0, cu, terms, flat)
     dof = torch.zeros_like(vf) if do is None else flat(do.to(q.dtype))
     dhtk = None if dht is None else k_first(dht.detach()).float().contiguous()
-    dq, dk, dv, dg, dh0 = run_backward(call.spec, qf, kf, vf, gk, states, dof, dhtk,
-                                       scale=call.scale, cu=cu, want_dh0=h0 is not None,
-                                       grad_dtype=q.dtype)
+    dq, dk, dv, dg, dh0, *more = run_backward(
+        call.spec, qf, kf, vf, gk, states, dof, dhtk, scale=call.scale, cu=cu,
+        want_dh0=h0 is not None, grad_dtype=q.dtype, raw_dv=raw_dv, terms=terms)
     shaped = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
     dg = None if g is None else shaped(dg, g)
     if dh0 is not None:
         dh0 = (dh0.transpose(-1, -2) if call.state_v_first else dh0).to(initial_state.dtype)
-    return shaped(dq, q), shaped(dk, k), shaped(dv, v), dg, dh0
+    dv = dv.view(v.shape) if raw_dv else shaped(dv, v)
+    return (shaped(dq, q), shaped(dk, k), dv, dg, dh0, *more)
+
+
+def _recompute(call: AdditiveCall, q, k, v, g, h0, cu: tuple, terms, flat):
+    """recompute_states for additive_backward: with dqkvg's terms v is x, so v' = x s is
+    formed by the recompute's kernels from the raw step (terms["recompute"]: the forward's
+    formed terms and the raw dt, as run_forward took them), or is the forward's own
+    (terms["value"], where kept), else formed by torch."""
+    import torch
+    rec = (terms or {}).get("recompute")
+    if rec is not None:
+        return recompute_states(call.spec, q, k, v, flat(rec[1]), h0, cu, call.scale, rec[0])
+    if (terms or {}).get("value") is not None:
+        return recompute_states(call.spec, q, k, flat(terms["value"]), g, h0, cu, call.scale)
+    if terms is not None and "value_scale" in terms["flags"]:
+        v = torch.mul(v, terms["tensors"]["dt_tok"].unsqueeze(-1), out=torch.empty_like(v))
+    return recompute_states(call.spec, q, k, v, g, h0, cu, call.scale)
+
+
+def dqkvg_terms(call: AdditiveCall, q, s, D, formed=None):
+    """The call terms dqkvg forms in a training backward (run_backward's ``terms``): the
+    value scale by s [B, T, HV] f32 (None: none), the skip term by D [HV] or [HV, V]
+    (None: none); None where the arch's dqkvg does not form them (its DQKVG_TERMS), the
+    spec's kernels take no terms or its gate is per value (the twin's backward). formed:
+    (the forward kernels' terms, the raw dt) where run_forward formed them: the states'
+    recompute forms the step and v' = x s from them too (its "recompute")."""
+    arch = get_arch(runtime.arch_of(q.device))
+    flags, tensors = [], {}
+    if s is not None:
+        flags.append("value_scale")
+        tensors["dt_tok"] = s.detach().float().reshape(-1, s.shape[-1]).contiguous()
+    if D is not None:
+        Dm = D.detach().float().reshape(D.shape[0], -1)
+        flags += ["skip"] + (["skip_per_head"] if Dm.shape[1] == 1 else [])
+        tensors["skip_D"] = (Dm[:, 0] if Dm.shape[1] == 1 else Dm).contiguous()
+    if (not flags or set(flags) - set(getattr(arch, "DQKVG_TERMS", ()))
+            or not terms_of(call.spec).backward_params or call.spec.gate.per_value):
+        return None
+    out = {"flags": tuple(sorted(flags)), "tensors": tensors}
+    if formed is not None:      # (the output's terms dropped: the recompute has no output)
+        off = ("skip", "skip_per_head", "output_gate")
+        out["recompute"] = ({"flags": {f: on for f, on in formed[0]["flags"].items()
+                                       if f not in off},
+                             "tensors": {n: t for n, t in formed[0]["tensors"].items()
+                                         if n not in ("skip_D", "gate_z")}}, formed[1])
+    return out
 
 
 def value_gate_backward(call: AdditiveCall, q, k, v, g, initial_state, do, dht):
@@ -492,17 +588,36 @@ def train(spec, options: Options, q, k, v, g, scale, initial_state, output_final
     Kp, Vp = (padding.round_up(d, 16) for d in (K, V))    # (zero channels: exact)
     q, k, v, g, _, initial_state = padding.pad_heads(spec.gate.channels, vf, K, V, Kp, Vp,
                                                      q, k, v, g, None, initial_state)
+    call = _call(spec, vf, q, v, scale, output_final_state, cu_seqlens, cu_seqlens_cpu)
+    return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
+                                                                initial_state))
+
+
+def _call(spec, v_first, q, v, scale, output_final_state, cu_seqlens, cu_seqlens_cpu):
+    """The AdditiveCall of a checked call (q, v at the kernels' head dims; scale the
+    spec's resolved one)."""
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
         cu = tuple(int(x) for x in host.tolist())
-    options = Options(state_v_first=options.state_v_first)
-    call = AdditiveCall(spec=spec, scale=scale,
-                        output_final_state=bool(output_final_state),
-                        state_v_first=options.state_v_first, cu=cu, cu_seqlens=cu_seqlens,
+    return AdditiveCall(spec=spec, scale=scale, output_final_state=bool(output_final_state),
+                        state_v_first=v_first, cu=cu, cu_seqlens=cu_seqlens,
                         cu_seqlens_cpu=cu_seqlens_cpu,
                         save_states=get_arch(runtime.arch_of(q.device)).save_states(
                             q.shape[-1], v.shape[-1])
                         and not spec.gate.per_value)    # (its twin's forward writes them)
-    return padding.unpad(vf, K, V, *ChunkAdditiveFunction.apply(call, q, k, v, g,
-                                                                initial_state))
+
+
+def training_call(spec, options: Options, q, k, v, g, scale, initial_state,
+                  output_final_state, cu_seqlens, cu_seqlens_cpu=None):
+    """The checked AdditiveCall of a call the kernels take as it is (16-bit q, k, v; K up
+    to the key block, K and V multiples of 16; no l2norm or gate activation in torch),
+    for an autograd Function that runs run_forward / additive_backward between terms of
+    its own (ops/terms.py); None where :func:`train`'s other forms are needed."""
+    K, V = q.shape[-1], v.shape[-1]
+    if (exact_train.is_float32(q) or split.wide_keys(spec, options, q) or K % 16 or V % 16
+            or options.l2norm_qk or options.gate_in_kernel):
+        return None
+    check_trainable(spec, options, q, k, v, g, initial_state, cu_seqlens)
+    return _call(spec, options.state_v_first, q, v, spec.scale_for(K, scale),
+                 output_final_state, cu_seqlens, cu_seqlens_cpu)

@@ -124,6 +124,13 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               dt_bias, dt_softplus, dt_limit)
         y, ht = _chunk_kernel(SPEC, q, k, x, dt.float(), None, 1.0, h0, True, _OPTS, cu,
                               None, terms=formed)
+    elif validate.needs_grad(x, dt, A, B, C, D, z, dt_bias, h0):
+        formed = None       # (with z: its gate in torch, which keeps o + D x for dz)
+        if z is None and _chunk_takes(x, B):
+            formed = kernel_terms(A, D, None, dt_bias, dt_softplus, dt_limit)
+        y, ht = terms.train(SPEC, _OPTS, q, k, x, dt, A, dt_bias=dt_bias,
+                            dt_softplus=dt_softplus, dt_limit=dt_limit, D=D, z=z,
+                            initial_state=h0, cu_seqlens=cu, dtype=x.dtype, formed=formed)
     else:
         v, g = terms.gate_and_value(SPEC, x, dt, A, dt_bias, dt_softplus, dt_limit)
         o, ht = _run(q, k, v, g, h0, True, cu)
@@ -138,13 +145,18 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 def _terms_in_kernels(x, *tensors) -> bool:
     """Whether the chunked kernels form the call terms (one pass over x, dt, z, no torch
-    pass around them): a forward (no autograd: the backward reads the terms formed in
-    torch) of 16-bit x at head dims the chunked kernels take."""
-    from . import additive_bwd
+    pass around them): a forward (no autograd: training goes by terms.train, whose
+    forward forms them in the kernels too where z is off) of 16-bit x at head dims the
+    chunked kernels take."""
+    return not validate.needs_grad(x, *tensors) and _chunk_takes(x, tensors[2])
+
+
+def _chunk_takes(x, B) -> bool:
+    """Whether the chunked kernels take a call of x (16-bit, T > 1) and B at their head
+    dims (the forward that forms the call terms)."""
     Bn, T, HV, V = x.shape
-    dims = validate.Dims(Bn, T, tensors[2].shape[2], HV, tensors[2].shape[3], V)
-    return (not additive_bwd.needs_grad(x, *tensors) and T > 1
-            and api.chunk_supports(SPEC, dims, x.dtype))
+    dims = validate.Dims(Bn, T, B.shape[2], HV, B.shape[3], V)
+    return T > 1 and api.chunk_supports(SPEC, dims, x.dtype)
 
 
 def _chunk_kernel(*args, **kwargs):
@@ -155,10 +167,7 @@ def _chunk_kernel(*args, **kwargs):
 
 
 def _run(q, k, v, g, h0, final, cu_seqlens):
-    """The generated chunked kernels of SPEC (or its backward when autograd records)."""
-    from . import additive_bwd
-    if additive_bwd.needs_grad(q, k, v, g, h0):
-        return additive_bwd.train(SPEC, _OPTS, q, k, v, g, 1.0, h0, final, cu_seqlens, None)
+    """The generated chunked kernels of SPEC (a forward: training goes by terms.train)."""
     return api.forward(SPEC, q, k, v, g, None, scale=1.0, initial_state=h0,
                        output_final_state=final, options=_OPTS, cu_seqlens=cu_seqlens)
 

@@ -142,6 +142,31 @@ def test_backward_plan_key_blocks():
         additive_bwd.backward_plan(dataclasses.replace(small, K=144))
 
 
+def test_plans_with_the_call_terms():
+    """The backward's terms are dqkvg's flags (sm90; sm80 forms none: its calls keep
+    torch's), x's tile in its shared-memory model; a recompute of the states forms the
+    step and the value scale (no output: no skip term)."""
+    from linattn.ops import mamba2
+    p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=128, V=64, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
+                                state_dtype="bfloat16", terms=("skip", "value_scale"))
+    kw = additive_bwd.backward_plan(p).launches[-1].kwargs
+    assert kw["skip"] and kw["value_scale"] and "skip_per_head" not in kw
+    with pytest.raises(SpecError, match="call terms"):
+        additive_bwd.backward_plan(p, arch="sm80")
+    with pytest.raises(SpecError, match="call terms"):
+        additive_bwd.backward_plan(dataclasses.replace(p, terms=("output_gate",)))
+    fp = chunk.forward_problem(mamba2.SPEC, Options(), H=8, HV=128, K=128, V=64,
+                               dtype="bfloat16", Ttot=4096, seq_chunks=(64,), g_dtype="float32",
+                               output_final_state=True, return_states=True, states_only=True,
+                               terms=["step_dt", "value_scale"])
+    kw = {la.stage: la.kwargs for la in chunk._plan("sm90", fp, chunk._config({})).launches}
+    assert kw["chunk_prepare"]["step_dt"] and kw["chunk_state"]["value_scale"]
+    with pytest.raises(SpecError, match="recompute"):
+        chunk._plan("sm90", dataclasses.replace(fp, terms=("skip", "value_scale")),
+                    chunk._config({}))
+
+
 @pytest.mark.parametrize("gate", [Gate.KEY, Gate.SCALAR, Gate.NONE])
 def test_key_blocks_sum_to_the_chunk(rng, gate):
     """dqkvg's key blocks: dq, dk, dg per channel and dv's partials add up to the whole
@@ -245,11 +270,16 @@ class BackwardMath:
                     dh0[n, hv] = dh.float()
 
     def dqkvg(self, p, q, k, v, do, states, dstate, chunk_bos, chunk_len, state_row, dq, dk,
-              dv, scale, g=None, dg=None):
+              dv, scale, g=None, dg=None, dt_tok=None, skip_D=None, ds_part=None,
+              dD_part=None):
         """With block_k (key blocks): dv summed in f32 into the caller's zeros, a scalar
         gate's dg as per-block f32 partials. GVA: dq, dk [Ttot, H, K] f32, each value
-        head's added into the caller's zeros (the kernel's atomic adds)."""
+        head's added into the caller's zeros (the kernel's atomic adds). Call terms
+        (value_scale, skip): v is x, the GEMMs' v' = x s rounded once into x's dtype, dv
+        x's gradient s dv' + D do, ds_part each key block's sum_V dv' x, dD_part each
+        chunk's sum over its rows of do x."""
         self.calls.append("dqkvg")
+        self.terms = tuple(t for t in ("value_scale", "skip", "skip_per_head") if p.get(t))
         self.K = p["K"]
         bk = p.get("block_k", self.K)
         self.key_blocks = self.K // bk
@@ -259,12 +289,23 @@ class BackwardMath:
             for hv in range(self.HV):
                 hk = hv // self.group
                 rows = lambda x, h: pad(x[t0:t0 + n, h].to(F64))[None]  # noqa: E731
+                x = v[t0:t0 + n, hv].to(F64)
+                st = dt_tok[t0:t0 + n, hv].to(F64)[:, None] if p.get("value_scale") else None
+                vv = v if st is None else v.clone().index_put_(
+                    (torch.arange(t0, t0 + n), torch.tensor(hv)), (x * st).to(v.dtype))
                 out = chunk_grads_key_blocks(
-                    self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(v, hv), rows(do, hv),
+                    self.spec.gate, scale * rows(q, hk), rows(k, hk), rows(vv, hv), rows(do, hv),
                     pad(self._gate(g, t0, n, hv))[None],
                     *(x.to(F64).numpy()[None] for x in (states[sr, hv], dstate[sr + 1, hv])), bk)
                 dqc, dkc, dgc = (torch.from_numpy(x[0, :n]) for x in (out[0], out[1], out[3]))
                 dvc = torch.from_numpy(out[2][:, 0, :n])            # [key blocks, n, V]
+                if st is not None:          # (each key block's ds; dv' -> s dv')
+                    ds_part[:, t0:t0 + n, hv] = (dvc * x).sum(-1).float()
+                    dvc = dvc * st
+                if p.get("skip"):           # (key block 0 adds D do; dD's chunk partial)
+                    Dv = (skip_D[hv] if p.get("skip_per_head") else skip_D[hv]).to(F64)
+                    dvc[0] += Dv * do[t0:t0 + n, hv].to(F64)
+                    dD_part[c, hv] = (do[t0:t0 + n, hv].to(F64) * x).sum(0).float()
                 if self.group > 1:              # (atomic adds into the caller's zeros)
                     assert dq.dtype == dk.dtype == torch.float32
                     dq[t0:t0 + n, hk] += (scale * dqc).float()
@@ -621,6 +662,33 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
         assert not rec["tma_misaligned"] and not rec["barriers_in_branches"], rec
 
 
+@pytest.mark.parametrize("K, V, terms, states", [
+    (64, 64, ("skip", "skip_per_head", "value_scale"), "float32"),
+    (128, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16"),
+    (128, 64, ("skip", "value_scale"), "bfloat16"),
+    (256, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16")],
+    ids=["K64-saved", "K128-recomputed", "K128-D-channels", "K256"])
+def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states):
+    """Mamba-2's dqkvg with the call terms' backward (Nemotron-H-like: 8 key heads, 128
+    value heads, bf16) compiles for sm_90a within its plan's register cap (128 a thread
+    at two CTAs an SM), no spills; the plan's launch carries the flags."""
+    from linattn.codegen.compile import compile_stage, format_record
+    from linattn.ops import mamba2
+    from linattn.ops.runtime import stage_module
+    p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=K, V=V, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
+                                state_dtype=states, terms=terms)
+    la = next(la for la in additive_bwd.backward_plan(p).launches
+              if la.stage == "chunk_bwd_dqkvg")
+    assert all(la.kwargs.get(t) for t in terms), la.kwargs
+    rec = compile_stage(stage_module(mamba2.SPEC, la.stage, "sm90"), la.kwargs, "sm90")
+    print(format_record(rec))
+    assert "error" not in rec and "ptxas_error" not in rec, rec
+    cap = 65536 // (256 * la.kwargs["min_blocks"])
+    assert rec["registers"] <= min(cap, 255) and rec["spill_store_bytes"] == 0, rec
+    assert not rec["barriers_in_branches"], rec
+
+
 @pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])
 def test_user_spec_options_train(monkeypatch, rng, name):
     """A user's additive spec with l2norm_qk and gate_in_kernel (A_log, dt_bias) trains
@@ -668,49 +736,89 @@ def _gate_param_terms(spec, ref) -> dict:
 
 # -- Mamba-2 and lightning: their public calls train through the kernels' launches ---------
 
-def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7):
+def _ssd_leaves(lens, G, K, V, HV=4, dtype=torch.float16, seed=7, D_channels=False, z=True):
     """mamba_chunk_scan_combined's inputs (x, z, B, C in ``dtype``; the rest f32), as
-    leaves that need gradients, and their fp64 copies."""
+    leaves that need gradients, and their fp64 copies (D [HV] or [HV, V]; z or none)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     T = sum(lens)
     p = dict(x=r(1, T, HV, V).to(dtype), dt=(r(1, T, HV) - 1.0).float(),
              A=(-torch.rand(HV, generator=gen, dtype=F64) * 2 - 0.1).float(),
              B=(0.5 * r(1, T, G, K)).to(dtype), C=(0.5 * r(1, T, G, K)).to(dtype),
-             D=r(HV).float(), z=r(1, T, HV, V).to(dtype), dt_bias=(0.5 * r(HV)).float(),
-             h0=(0.1 * r(1, HV, V, K)).float())
+             D=(r(HV, V) if D_channels else r(HV)).float(), z=r(1, T, HV, V).to(dtype),
+             dt_bias=(0.5 * r(HV)).float(), h0=(0.1 * r(1, HV, V, K)).float())
+    if not z:
+        del p["z"]
     return ({n: t.clone().requires_grad_() for n, t in p.items()},
             {n: t.detach().double().requires_grad_() for n, t in p.items()})
 
 
+SSD_CASES = [   # lens, G, K, D per (head, channel), z, dt_limit (HV 4; HV_CASES: more)
+    pytest.param([130], 2, 32, False, True, (0.0, 1.0), id="G2"),
+    pytest.param([1, 70, 0, 59], 1, 32, False, True, (0.0, 1.0), id="varlen-G1"),
+    pytest.param([100], 4, 32, True, False, (0.0, float("inf")), id="G4-D-channels-no-z"),
+    pytest.param([1, 90], 2, 128, True, True, (0.05, 0.8),
+                 id="varlen-K128-key-blocks-D-channels"),
+    pytest.param([1, 90], 2, 128, False, False, (0.05, 0.8), id="varlen-K128-key-blocks-no-z"),
+    pytest.param([70, 60], 1, 64, True, False, (0.0, float("inf")), id="varlen-K64-G1"),
+    pytest.param([90], 1, 256, False, False, (0.0, float("inf")), id="K256-G1"),
+]
+#: value heads by case id (default 4): G 8 needs 8 or more
+SSD_HV = {"varlen-K64-G8": 16, "K128-G8-D-channels": 8}
+SSD_CASES += [
+    pytest.param([1, 90], 8, 64, False, True, (0.0, 1.0), id="varlen-K64-G8"),
+    pytest.param([120], 8, 128, True, False, (0.05, 0.8), id="K128-G8-D-channels"),
+]
+
+
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
-@pytest.mark.parametrize("lens, G", [([130], 2), ([1, 70, 0, 59], 1)], ids=["G2", "varlen-G1"])
-def test_mamba2_trains_through_every_launch(monkeypatch, save, lens, G):
+@pytest.mark.parametrize("lens, G, K, D_channels, z, lim", SSD_CASES)
+def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, lens,  # noqa: F811
+                                            G, K, D_channels, z, lim):
     """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
     the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
     signatures carry the call terms' tensors, off there) and the backward stages run
     through fakes checked against the traced kernels (runtime.launch_kernel raises on an
-    argument without a tensor); every input's gradient against the fp64 reference."""
+    argument without a tensor), NaN-poisoned allocations; the value scale, the call and
+    the skip term one Function (ops/terms.py; without z the forward's kernels form dt x
+    and o + D x; dqkvg forms the terms' backward: it reads x and s, writes dx = s dv' +
+    D do (f32 where the key blocks add it), ds's key-block partials and dD's chunk
+    partials, and torch's terms_backward is not called); every input's gradient against
+    the fp64 reference."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
-    from linattn.ops import mamba2, validate
-    HV, K, V = 4, 32, 16
-    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    from linattn.ops import mamba2, terms, validate
+    HV, V = SSD_HV.get(request.node.callspec.id.rsplit("-", 1)[0], 4), 16
+    bwd = install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
     monkeypatch.setattr(sm90_backward, "SAVE_STATES_MAX_KV", K * V if save else 0)
-    mine, ref = _ssd_leaves(lens, G, K, V)
+    seen, real = [], terms.terms_backward
+    monkeypatch.setattr(terms, "terms_backward",
+                        lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    rec, real_rec = [], additive_bwd.recompute_states
+    monkeypatch.setattr(additive_bwd, "recompute_states", lambda *a, **k: rec.append(
+        sorted(f for f, on in ((a[8:] or [None])[0] or {}).get("flags", {}).items() if on))
+        or real_rec(*a, **k))
+    rec_v, real_scaled = [], additive_bwd._recompute
+    monkeypatch.setattr(additive_bwd, "_recompute", lambda *a: rec_v.append(
+        a[7].get("value") if z else True) or real_scaled(*a))
+    formed, real_fwd = [], chunk.run_chunk_forward
+    monkeypatch.setattr(chunk, "run_chunk_forward", lambda *a, **k: formed.append(
+        sorted(f for f, on in (k.get("terms") or {}).get("flags", {}).items() if on))
+        or real_fwd(*a, **k))
+    mine, ref = _ssd_leaves(lens, G, K, V, HV=HV, D_channels=D_channels, z=z)
     cu = torch.tensor(np.cumsum([0] + lens).tolist(), dtype=torch.int32)
-    kw = dict(dt_softplus=True, dt_limit=(0.0, 1.0))
+    kw = dict(dt_softplus=True, dt_limit=lim)
     names = list(mine)
     y, hT = linattn.mamba_chunk_scan_combined(
-        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine["z"],
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine.get("z"),
         dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
         cu_seqlens=cu if len(lens) > 1 else None, **kw)
     h0 = torch.cat([ref["h0"], ref["h0"].new_zeros(len(lens) - 1, HV, V, K)])
     wy, wh = call_terms.reference(
         mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
-        dt_bias=ref["dt_bias"], D=ref["D"], z=ref["z"], initial_state=h0,
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref.get("z"), initial_state=h0,
         cu_seqlens=cu.long() if len(lens) > 1 else None, options=Options(state_v_first=True),
         **kw)
     gen = torch.Generator().manual_seed(1)
@@ -721,6 +829,18 @@ def test_mamba2_trains_through_every_launch(monkeypatch, save, lens, G):
     errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
     err_y = _rel(y.detach(), wy.detach())
     assert err_y < 1e-2 and max(errs.values()) < 1e-2, (err_y, errs)
+    assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
+               for n, a in zip(names, got))
+    assert seen == [], seen         # (the terms' backward formed by dqkvg: no torch pass)
+    assert bwd.terms == ("value_scale", "skip") + (() if D_channels else ("skip_per_head",))
+    kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
+                    "value_scale"] + (["skip_per_head"] if not D_channels else [])
+    assert formed[0] == ([] if z else sorted(kernel_terms)), formed   # (the forward's)
+    assert all(f == [] for f in formed[1:]), formed
+    step = sorted(set(kernel_terms) - {"skip", "skip_per_head"})
+    assert bool(rec) != save and all(r == ([] if z else step) for r in rec), rec  # (its
+    # states' recompute: the step and v' = x s formed in its kernels where the forward's were)
+    assert all(rv is not None for rv in rec_v[:1]), rec_v   # (z: from the forward's v')
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
@@ -753,3 +873,32 @@ def test_lightning_trains_through_every_launch(monkeypatch, save):
     want = torch.autograd.grad((wo, wh), ref, (do, torch.ones_like(wh)))
     errs = [_rel(a, b) for a, b in zip(got, want)]
     assert _rel(o.detach(), wo.detach()) < 1e-2 and max(errs) < 1e-2, errs
+
+
+@pytest.mark.parametrize("z", [False, True], ids=["no-z", "z"])
+def test_mamba2_final_state_alone_trains(monkeypatch, poisoned, z):  # noqa: F811
+    """Only the final state's gradient asked (y's gradient None in the terms' Function:
+    dx from dv' alone, dD zero), then only D's."""
+    from linattn.dsl import call_terms
+    from linattn.ops import mamba2, validate
+    HV, K, V, G = 4, 32, 16, 2
+    install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
+    monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
+    mine, ref = _ssd_leaves([100], G, K, V, z=z)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        *(mine[n] for n in ("x", "dt", "A", "B", "C")), 64, D=mine["D"], z=mine.get("z"),
+        dt_bias=mine["dt_bias"], initial_states=mine["h0"], return_final_states=True,
+        dt_softplus=True)
+    wy, wh = call_terms.reference(
+        mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"], A=ref["A"],
+        dt_bias=ref["dt_bias"], D=ref["D"], z=ref.get("z"), initial_state=ref["h0"],
+        options=Options(state_v_first=True), dt_softplus=True, dt_limit=(0.0, float("inf")))
+    names = ["x", "dt", "A", "B", "dt_bias", "h0"]      # (C: none, the state's)
+    got = torch.autograd.grad(hT.sum(), [mine[n] for n in names], retain_graph=True)
+    want = torch.autograd.grad(wh.sum(), [ref[n] for n in names])
+    errs = {n: _rel(a, b) for n, a, b in zip(names, got, want)}
+    assert max(errs.values()) < 1e-2, errs
+    (dD,), (wD,) = (torch.autograd.grad((t.double() * 2).sum(), [p["D"]])
+                    for t, p in ((y, mine), (wy, ref)))
+    assert _rel(dD, wD) < 1e-2

@@ -129,29 +129,71 @@ def test_chunk_scan_combined_varlen(by):
         assert rel(out[2], wh) < 1e-2
 
 
-@pytest.mark.parametrize("G", [1, 8])
-def test_chunk_scan_combined_gradients(G):
-    p = inputs(1, 500, 16, G, 128)
-    names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+@pytest.mark.parametrize("G, K, D_channels, z, lim, cu", [
+    (1, 128, False, True, (0.0, 1.0), None),
+    (8, 128, False, True, (0.0, 1.0), None),           # (dqkvg's key blocks: dv' f32)
+    (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900]),   # (one key block)
+    (8, 128, True, True, (0.01, 0.5), [0, 70, 500]),
+    (2, 256, False, True, (0.0, INF), None),           # (K 256: dqkvg's 4 key blocks)
+    (8, 128, False, False, (0.0, 1.0), None),
+], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-D-channels-limit-varlen", "G2-K256",
+        "G8-no-z"])
+def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch):
+    """Every input's gradient through the one Function of the value scale, the additive
+    call and the skip term (ops/terms.py train; without z the forward's kernels form dt x
+    and o + D x: K 64 with the states saved, K 128 recomputed; dqkvg forms the terms'
+    backward: reads x and s, writes dx = s dv' + D do, ds and dD's partials, torch's
+    terms_backward not called; without z the states' recompute forms the step and x s in
+    its kernels), against torch autograd of the fp64 reference."""
+    from linattn.ops import additive_bwd, terms
+    T = 500 if cu is None else cu[-1]
+    p = inputs(1, T, 16, G, K)
+    if D_channels:
+        p["D"] = torch.randn(16, 64, device="cuda")
+    names = tuple(n for n in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+                  if z or n != "z")
+    seen, real = [], terms.terms_backward
+    monkeypatch.setattr(terms, "terms_backward",
+                        lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
+    bwd, real_bwd = [], additive_bwd.run_backward
+    monkeypatch.setattr(additive_bwd, "run_backward", lambda *a, **k: bwd.append(
+        (k.get("terms") or {}).get("flags")) or real_bwd(*a, **k))
+    rec, real_rec = [], additive_bwd.recompute_states
+    monkeypatch.setattr(additive_bwd, "recompute_states", lambda *a, **k: rec.append(
+        sorted(f for f, on in ((a[8:] or [None])[0] or {}).get("flags", {}).items() if on))
+        or real_rec(*a, **k))
+    fwd, real_fwd = [], additive_bwd.run_forward
+    monkeypatch.setattr(additive_bwd, "run_forward", lambda *a, **k: fwd.append(
+        k.get("terms") is not None) or real_fwd(*a, **k))
     leaves = {n: p[n].detach().clone().requires_grad_(True) for n in names}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
     y, hT = linattn.mamba_chunk_scan_combined(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 256,
-        D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"],
-        initial_states=leaves["h0"], dt_softplus=True, dt_limit=(0.0, 1.0),
+        D=leaves["D"], z=leaves.get("z"), dt_bias=leaves["dt_bias"],
+        initial_states=leaves["h0"], dt_softplus=True, dt_limit=lim, cu_seqlens=cu_t,
         return_final_states=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     dy, dh = torch.randn(y.shape, device="cuda", generator=gen), torch.randn(
         hT.shape, device="cuda", generator=gen)
     got = torch.autograd.grad((y, hT), [leaves[n] for n in names], (dy.to(BF), dh))
     ref = {n: p[n].detach().double().requires_grad_(True) for n in names}
+    h0 = ref["h0"] if cu is None else torch.cat(
+        [ref["h0"], ref["h0"].new_zeros((len(cu) - 2,) + tuple(ref["h0"].shape[1:]))])
     wy, wh = call_terms.reference(mamba2.SPEC, ref["C"], ref["B"], ref["x"], dt=ref["dt"],
                                   A=ref["A"], dt_bias=ref["dt_bias"], dt_softplus=True,
-                                  dt_limit=(0.0, 1.0), D=ref["D"], z=ref["z"],
-                                  initial_state=ref["h0"], options=V_FIRST)
-    want = torch.autograd.grad((wy, wh), [ref[n] for n in names],
+                                  dt_limit=lim, D=ref["D"], z=ref.get("z"),
+                                  initial_state=h0, options=V_FIRST,
+                                  cu_seqlens=None if cu is None else cu_t.long())
+    want = torch.autograd.grad((wy, wh[-1:]), [ref[n] for n in names],
                                (dy.to(BF).double(), dh.double()))
     for n, a, b in zip(names, got, want):
-        assert rel(a, b) < 2e-2, (n, rel(a, b))
+        assert a.dtype == leaves[n].dtype and rel(a, b) < 2e-2, (n, rel(a, b))
+    assert seen == [], seen                 # (the terms' backward in dqkvg)
+    flags = ("skip",) + (() if D_channels else ("skip_per_head",)) + ("value_scale",)
+    assert bwd == [flags], bwd
+    step = ["step_bias_on", "step_clamp", "step_dt", "step_softplus", "value_scale"]
+    assert bool(rec) == (K * 64 > 64 * 64) and all(r == ([] if z else step) for r in rec), rec
+    assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
 
 
 @pytest.mark.parametrize("b, HV, G, K, pool, state_dtype", [

@@ -263,7 +263,8 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool
         assert (t["block_v"] == 64) == wide_f32
     if t["block_v"] == 64 and state_dtype == "float32":
         assert not v_first and K <= 128 and wide_f32
-        assert t == {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}
+        assert t == {"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1,
+                     "ctas_per_sm": 3}                  # (run s41-2: 3 CTAs an SM)
     elif t["block_v"] == 64:
         assert not v_first
         assert ctas64 >= 6 * sm90.NUM_SMS
@@ -282,13 +283,15 @@ FULL_GRID_CANDIDATES = {"ctas_per_sm": 3, "stream": {"block_v": 32, "threads": 1
 
 @pytest.mark.parametrize("rule", sorted(FULL_GRID_CANDIDATES))
 def test_decode_full_grid_rules_when_on(monkeypatch, rule):
-    """DECODE_FULL_GRID's rules (off until measured) change only the tiles of full f32
+    """DECODE_FULL_GRID's rules (each on its own, the others off) change only the tiles of full f32
     grids (>= 16 block-64 CTAs an SM, 8 on a pool), into layouts and knobs the template
     accepts; off, the tile is the table's."""
     from linattn.codegen.arch import sm90
     from linattn.ops import runtime
     from linattn.ops.registry import get_spec
     check = runtime.stage_module(get_spec("gdn"), "recurrent", "sm90").check_params
+    for rule_off in FULL_GRID_CANDIDATES:
+        monkeypatch.setitem(sm90.DECODE_FULL_GRID, rule_off, None)
     for on in (False, True):
         if on:
             monkeypatch.setitem(sm90.DECODE_FULL_GRID, rule, FULL_GRID_CANDIDATES[rule])

@@ -209,11 +209,12 @@ def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int) -> int:
     state terms; buffers of disjoint lifetimes share memory) at value block bv and key
     block bk, 16-bit inputs."""
     C, K = p.chunk_size, bk
+    x = 2 * C * bv if {"value_scale", "skip"} & set(p.terms) else 0    # (the terms: x)
     if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
-        return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv)
+        return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv) + x
     held = C * K * (2 + 2 + 4 + 8) + 16 * K + 4 * C * C        # q, k, G, dq / dk diag, A, dA
     return held + max(4 * C * K,                               # Qr, Kr (A's rows; the pair terms)
-                      2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K)   # kd, v, do, h, dh
+                      2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K + x)   # kd, v, do, h, dh
 
 
 def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int) -> int:
@@ -241,6 +242,11 @@ def scan_tile(p: AdditiveBackwardProblem) -> tuple:
 #: beyond its inputs (A, f32, 4 x 64 bytes a token and head): K V <= 64 x 64; else the
 #: backward recomputes them (one more prepare and state pass: GLAChunkFwd's time again)
 SAVE_STATES_MAX_KV = 64 * 64
+#: the call terms (dsl/call_terms.py) dqkvg forms, as its build() flags: the value scale
+#: (v' = s x formed where v is read; ds's row sums) and the skip term (D do added to x's
+#: gradient; dD's chunk partials). sm90's alone: sm80's column sum (through shared memory,
+#: templates/arch/sm80.py.jinja) is not compiled with them yet, so its calls keep torch's
+DQKVG_TERMS = ("skip", "skip_per_head", "value_scale") if "warpgroups" in hw.FEATURES else ()
 
 
 def save_states(K: int, V: int) -> bool:
@@ -288,6 +294,9 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     if p.NT > hw.MAX_GRID_YZ:            # (the per-chunk stages put the chunks on gridDim.y / z)
         raise ValueError(f"{p.NT} chunks: the backward takes at most {hw.MAX_GRID_YZ} chunks "
                          "in one call")
+    if set(p.terms) - set(DQKVG_TERMS):
+        raise ValueError(f"call terms {sorted(set(p.terms) - set(DQKVG_TERMS))}: the backward "
+                         f"forms {list(DQKVG_TERMS)} here")
     gated = p.gate != "none"
     order = {"heads_fastest": True}     # the value heads of a chunk together (q, k through L2)
     heads = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
@@ -308,7 +317,7 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
                     if "dqkvg_state_stages" in config else {}),
                  **({"direct_states": config["dqkvg_direct_states"]}
                     if "dqkvg_direct_states" in config else {}),
-                 **({"block_k": dbk} if dbk < p.K else {}))
+                 **({"block_k": dbk} if dbk < p.K else {}), **{t: True for t in p.terms})
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     # dstate as the states (the walk rounds its rows as it writes them; the scan sums into
     # its rows in place, so they stay f32)

@@ -41,18 +41,18 @@ def recurrent_layout_ok(K: int, V: int, block_v: int, threads: int, vec: int, wa
     return pow2(lanes_v) and lanes_v <= 32 and K % ((32 // lanes_v) * warps_k) == 0
 
 
-#: Decode at a full grid (f32 states, the block-64 tile's grids below): rules measured in
-#: session 32's experiment (bench/LOG.md "Session 32"), off (None) until the GPU has timed
-#: them against the direct kernel; the data the rule would set, with the experiment's reason.
+#: Decode at a full grid (f32 states, the block-64 tile's grids below), rules of session
+#: 32's experiment (bench/LOG.md) where the GPU timed them against the direct kernel:
 #: - "ctas_per_sm": resident CTAs an SM (each CTA claims 1 / (n + 1) of the SM's shared
 #:   memory): 3 keeps 96 KB of state reads in flight an SM, as KDA's 144-register tile does
-#:   (run s31-1: kda-tp1-decode-b128 / b256 at 4.16 TB/s marginal against GDN's 3.96 at 4
-#:   CTAs an SM with the same bytes) and flashinfer's big-batch kernel (6 CTAs of 16 KB).
+#:   and flashinfer's big-batch kernel (6 CTAs of 16 KB). Run s41-2 (H100, decode_probe, %
+#:   of the same run's copy bandwidth, without / with): GDN q35-gva-decode-b64 94 -> 96,
+#:   b256 94 -> 96, KDA kda-tp1-decode-b64 95 -> 95 (state pools: not timed).
 #: - "stream": a CTA walks `items` consecutive tiles (one state at block 32, items 4, K = V
 #:   = 128) through a shared-memory ring, the next tile's load in flight while it computes
 #:   and stores the current one; a pool's slots read once a CTA instead of once a tile.
 DECODE_FULL_GRID = {
-    "ctas_per_sm": None,    # candidate: 3
+    "ctas_per_sm": 3,
     "stream": None,         # candidate: {"block_v": 32, "threads": 128, "vec": 4,
                             #             "warps_k": 4, "items": 4, "ahead": 1}
 }

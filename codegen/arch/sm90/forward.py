@@ -340,7 +340,8 @@ def _fused_walk_params(p: ForwardProblem) -> dict:
 
 def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
     """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
-    walk = dict(_fused_walk_params(p), regs=VS_REGS)
+    stub = config.get("inverse_stub", 0)
+    walk = dict(_fused_walk_params(p), regs=VS_REGS, **({"inverse_stub": stub} if stub else {}))
     reasons = [f"{p.N * p.HV} chains: the value-split walk (two state warpgroups of 64 "
                f"value rows, the WY inverse a chunk ahead), one CTA per sequence (config "
                f"{config})"]

@@ -282,10 +282,15 @@ def with_term_placeholders(p: ForwardProblem, launches: list, bufs: list) -> tup
 
 def check_terms(p: ForwardProblem) -> None:
     """ValueError unless the chunked stages form p's call terms: the additive rule's,
-    its per-chunk states not kept for a backward (which reads no terms)."""
-    if p.terms and (p.rule != "additive" or p.save_states or p.states_only):
+    its per-chunk states not kept for a backward (which reads no terms); a recompute of
+    the states (states_only: no output) forms the step and the value scale alone."""
+    if p.terms and (p.rule != "additive" or p.save_states):
         raise ValueError(f"call terms {list(p.terms)}: the chunked forward forms them in the "
                          "additive rule's forward alone (no training forward's states)")
+    extra = set(p.terms) - set(PREPARE_TERMS + STATE_TERMS)
+    if p.states_only and extra:
+        raise ValueError(f"call terms {sorted(extra)}: a recompute of the states forms the "
+                         "step and the value scale alone (it has no output)")
 
 
 def state_threads(p: ForwardProblem, choice, config: dict) -> int:

@@ -32,6 +32,12 @@ no key channel, so a CTA forms the dq, dk of its block_k channels; A and
 channels) are added into a zeroed f32 dv by atomic adds (two blocks: the sum does not
 depend on their order; more: the f32 rounding follows the arrival order), and dg (its channels' part of both
 sums) is f32 partials [K / block_k, ...] that the host sums.
+Call terms (flags; v' = s x, y = o + D x): with value_scale v is the raw value x and
+dt_tok [Ttot, HV] f32 the step s: the GEMMs take v' = s x rounded once (the forward's),
+ds_part [NKB, Ttot, HV] f32 gets each key block's row sums of dv' x (the host sums the
+blocks); with skip (D [HV, V] or [HV]: skip_per_head) dD_part [NT, HV, V] f32 gets each
+chunk's column sums of do x (key block 0's). dv is then x's gradient, s dv' + D do (D do
+added by key block 0).
 """
 import tilelang
 import tilelang.language as T
@@ -64,7 +70,8 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
           threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0,
-          state_dtype="float32", dstate_dtype="float32", direct_states=False):
+          state_dtype="float32", dstate_dtype="float32", direct_states=False,
+          value_scale=False, skip=False, skip_per_head=False):
     """prim_func for chunk_bwd_dqkvg.
 
     heads_fastest: grid (K / block_k x HV, NT) instead of (NT, K / block_k x HV): the value
@@ -110,6 +117,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
     # (key blocks: dv summed in f32 by atomic adds, dg per-block f32 partials)
     dv_type = f32 if split else grad_dtype
     dg_shape = (NKB, Ttot, HV) if split else (Ttot, HV)
+    dt_tok_shape = (Ttot, HV) if value_scale else (1,)
+    skip_D_shape = ((HV,) if skip_per_head else (HV, V)) if skip else (1,)
+    ds_part_shape = (NKB, Ttot, HV) if value_scale else (1,)
+    dD_part_shape = (NT, HV, V) if skip else (1,)
 
 
     @T.prim_func
@@ -128,6 +139,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         dk: T.Tensor((Ttot, dqk_heads, K), dqk_type),
         dv: T.Tensor((Ttot, HV, V), dv_type),
         dg: T.Tensor(dg_shape, f32),
+        dt_tok: T.Tensor(dt_tok_shape, f32),
+        skip_D: T.Tensor(skip_D_shape, f32),
+        ds_part: T.Tensor(ds_part_shape, f32),
+        dD_part: T.Tensor(dD_part_shape, f32),
         scale: T.float32,
     ):
         with T.Kernel(NKB * HV if heads_fastest else NT, NT if heads_fastest else NKB * HV,
@@ -161,6 +176,16 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             kdk_col = T.alloc_fragment((BK,), f32)
             dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
+            # (None where off: a flag's buffers exist only under it, the others' names untouched)
+            xr_s = T.alloc_shared((BT, BV), dtype) if value_scale or skip else None     # x as read
+            st_s = T.alloc_shared((BT,), f32) if value_scale else None                  # s per row
+            tv_f = T.alloc_fragment((BT, BV), f32) if value_scale or skip else None
+            ds_f = T.alloc_fragment((BT,), f32) if value_scale else None
+            dD_col = T.alloc_fragment((BV,), f32) if skip else None
+            if value_scale:
+                for i in T.Parallel(BT):
+                    st_s[i] = T.if_then_else(i < rows, dt_tok[t0 + i, hv], T.float32(0))
+                T.clear(ds_f)
 
             for i, j in T.Parallel(BT, BK):
                 q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
@@ -195,6 +220,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     for i, j in T.Parallel(BT, BV):
                         v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                         do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                            xr_s[i, j] = v_s[i, j]
+                        if value_scale:
+                            v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
                     for i, j in T.Parallel(BK, BV):
                         if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
                             h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
@@ -209,6 +238,34 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                     T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                     T.gemm(kd_s, dh_s, dv_f)
+                    if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                        for i, j in T.Parallel(BT, BV):
+                            tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                        T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                    if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                        for i, j in T.Parallel(BT, BV):
+                            tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                        tv_f_cs = T.alloc_shared((BT, BV), f32)     # (column sum, see templates/arch/sm80)
+                        T.copy(tv_f, tv_f_cs)
+                        for j in T.Parallel(BV):
+                            dD_col[j] = T.float32(0)
+                            for i in T.serial(BT):
+                                dD_col[j] = dD_col[j] + tv_f_cs[i, j]
+                        for j in T.Parallel(BV):
+                            if kb == 0:
+                                dD_part[c, hv, vb * BV + j] = dD_col[j]
+                    if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                        for i, j in T.Parallel(BT, BV):
+                            if value_scale:
+                                dv_f[i, j] = dv_f[i, j] * st_s[i]
+                            if skip:
+                                if skip_per_head:
+                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                        kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                else:
+                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                        kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                        T.float32(0))
                     for i, j in T.Parallel(BT, BV):
                         if i < rows:
                             if split:
@@ -227,6 +284,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     for i, j in T.Parallel(BT, BV):
                         v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
                         do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                        if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                            xr_s[i, j] = v_s[i, j]
+                        if value_scale:
+                            v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
                     for i, j in T.Parallel(BK, BV):
                         if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
                             h_s[i, j] = T.cast(hf_s[i, j], dtype)
@@ -241,6 +302,34 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                     T.gemm(v_s, dh_s, dk_f, transpose_B=True)
                     T.gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
                     T.gemm(kd_s, dh_s, dv_f)
+                    if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                        for i, j in T.Parallel(BT, BV):
+                            tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                        T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                    if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                        for i, j in T.Parallel(BT, BV):
+                            tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                        tv_f_cs = T.alloc_shared((BT, BV), f32)     # (column sum, see templates/arch/sm80)
+                        T.copy(tv_f, tv_f_cs)
+                        for j in T.Parallel(BV):
+                            dD_col[j] = T.float32(0)
+                            for i in T.serial(BT):
+                                dD_col[j] = dD_col[j] + tv_f_cs[i, j]
+                        for j in T.Parallel(BV):
+                            if kb == 0:
+                                dD_part[c, hv, vb * BV + j] = dD_col[j]
+                    if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                        for i, j in T.Parallel(BT, BV):
+                            if value_scale:
+                                dv_f[i, j] = dv_f[i, j] * st_s[i]
+                            if skip:
+                                if skip_per_head:
+                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                        kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                else:
+                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                        kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                        T.float32(0))
                     for i, j in T.Parallel(BT, BV):
                         if i < rows:
                             if split:
@@ -248,6 +337,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                             else:
                                 dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
+            if value_scale:             # ds's key-block partial
+                for i in T.Parallel(BT):
+                    if i < rows:
+                        ds_part[kb, t0 + i, hv] = ds_f[i]
             for i, j in T.Parallel(BT, BK):
                 dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
                 dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])

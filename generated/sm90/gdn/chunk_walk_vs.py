@@ -117,7 +117,8 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigmoid=False,
           allow_neg_eigval=False, gate_in_kernel=False, state_v_first=False,
-          has_initial_state=False, output_final_state=False, regs=(192, 192, 104, 24)):
+          has_initial_state=False, output_final_state=False, regs=(192, 192, 104, 24),
+          inverse_stub=0):
     """prim_func for chunk_walk_vs: chunk_walk_fused's maths and tensors, the state split
     by value rows over two warpgroups.
 
@@ -128,12 +129,15 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
       f32, cu_seqlens [N+1] int32, h0 f32 [N0, HV, K, V], final_row [N] int32, scale f32
       -> o [Ttot, HV, V], ht f32 [N1, HV, K, V] when output_final_state (states [.., V, K]
       with state_v_first; unused ones may be [1, ...])
-    Tuning: regs (budgets of the two state groups, the aux group and the loads).
+    Tuning: regs (budgets of the two state groups, the aux group and the loads). Probe
+    config: inverse_stub 1: X = I, no Gram (a wrong answer; the walk's time with the
+    inverse free).
     """
     BT = CHUNK
     VR = ROWS                   # ("R" is the inverse's own name)
     assert K == 128 and V == 2 * VR, f"chunk_walk_vs runs K = V = 128 (K={K}, V={V})"
     assert sum(regs) * WARPGROUP <= 65536, regs
+    assert inverse_stub in (0, 1), inverse_stub
     f32 = "float32"
     group = HV // H
     WG = WARPGROUP
@@ -314,47 +318,53 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     for i, j in T.Parallel(BT, BT):         # P = scale tril_incl(q k^T) e^(g_i - g_j)
                         P[i, j] = T.if_then_else(i >= j, P[i, j] * scale * T.exp(g_s[i] - g_s[j]), T.float32(0))
                     T.copy(P, p_s[st, :, :])
-                    T.gemm(k_s[ld, :, :], k_s[ld, :, :], kk, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(empty[ld])
-                    for i, j in T.Parallel(BT, BT):         # L
-                        kk[i, j] = kk[i, j] * b_s[i] * T.exp(T.if_then_else(i > j, g_s[i] - g_s[j], -T.infinity(f32)))
-                    T.copy(kk, l_s)
-                    SUB = 16
-                    T.sync_threads(AUX_BARRIER, WG)
-                    x_col = T.alloc_local((SUB,), f32)
-                    for p in T.unroll(max(1, BT // WG)):
-                        # (more threads than columns: the extra ones redo column tx % BT, unwritten)
-                        col = (w3 + p * WG) % BT
-                        d0 = col // SUB * SUB
-                        for ii in T.unroll(SUB):
-                            x_col[ii] = T.if_then_else(ii == col % SUB, T.float32(1), T.float32(0))
-                        for jj in T.unroll(SUB):            # (right-looking: x_jj final, the rows
-                            for ii in T.unroll(SUB):        # below it updated independently)
-                                if ii > jj:
-                                    x_col[ii] = x_col[ii] - l_s[d0 + ii, d0 + jj] * x_col[jj]
-                        T.sync_threads(AUX_BARRIER, WG)
-                        if w3 + p * WG < BT:
-                            for ii in T.unroll(SUB):
-                                l_s[d0 + ii, col] = x_col[ii]
-                        T.sync_threads(AUX_BARRIER, WG)
-                    xt_s = T.alloc_shared((SUB, SUB), f32)
-                    yt_s = T.alloc_shared((SUB, BT), f32)
-                    y_f = T.alloc_fragment((BT, SUB), f32)
-                    z_f = T.alloc_fragment((BT, SUB), f32)
-                    for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
-                        R = SUB * (s + 1)
-                        m0 = SUB * s
-                        for i, j in T.Parallel(SUB, SUB):
-                            xt_s[i, j] = l_s[m0 + j, m0 + i]
-                        T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
-                        # (writes of whole fragments, selected: a condition on a fragment's row
-                        # would put the next barrier inside a branch)
-                        for i, j in T.Parallel(BT, SUB):
-                            yt_s[j, i] = y_f[i, j]
-                        T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                    if inverse_stub == 0:
+                        T.gemm(k_s[ld, :, :], k_s[ld, :, :], kk, transpose_B=True,
                                clear_accum=True)
-                        for i, j in T.Parallel(BT, SUB):
-                            l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
+                        T.barrier_arrive(empty[ld])
+                        for i, j in T.Parallel(BT, BT):     # L
+                            kk[i, j] = kk[i, j] * b_s[i] * T.exp(T.if_then_else(i > j, g_s[i] - g_s[j], -T.infinity(f32)))
+                        T.copy(kk, l_s)
+                        SUB = 16
+                        T.sync_threads(AUX_BARRIER, WG)
+                        x_col = T.alloc_local((SUB,), f32)
+                        for p in T.unroll(max(1, BT // WG)):
+                            # (more threads than columns: the extra ones redo column tx % BT, unwritten)
+                            col = (w3 + p * WG) % BT
+                            d0 = col // SUB * SUB
+                            for ii in T.unroll(SUB):
+                                x_col[ii] = T.if_then_else(ii == col % SUB, T.float32(1), T.float32(0))
+                            for jj in T.unroll(SUB):            # (right-looking: x_jj final, the rows
+                                for ii in T.unroll(SUB):        # below it updated independently)
+                                    if ii > jj:
+                                        x_col[ii] = x_col[ii] - l_s[d0 + ii, d0 + jj] * x_col[jj]
+                            T.sync_threads(AUX_BARRIER, WG)
+                            if w3 + p * WG < BT:
+                                for ii in T.unroll(SUB):
+                                    l_s[d0 + ii, col] = x_col[ii]
+                            T.sync_threads(AUX_BARRIER, WG)
+                        xt_s = T.alloc_shared((SUB, SUB), f32)
+                        yt_s = T.alloc_shared((SUB, BT), f32)
+                        y_f = T.alloc_fragment((BT, SUB), f32)
+                        z_f = T.alloc_fragment((BT, SUB), f32)
+                        for s in tuple(range(BT // SUB - 2, -1, -1)):            # (a Python loop)
+                            R = SUB * (s + 1)
+                            m0 = SUB * s
+                            for i, j in T.Parallel(SUB, SUB):
+                                xt_s[i, j] = l_s[m0 + j, m0 + i]
+                            T.gemm(l_s[0:BT, m0:m0 + SUB], xt_s, y_f, transpose_B=True, clear_accum=True)
+                            # (writes of whole fragments, selected: a condition on a fragment's row
+                            # would put the next barrier inside a branch)
+                            for i, j in T.Parallel(BT, SUB):
+                                yt_s[j, i] = y_f[i, j]
+                            T.gemm(l_s[0:BT, R:BT], yt_s[0:SUB, R:BT], z_f, transpose_B=True,
+                                   clear_accum=True)
+                            for i, j in T.Parallel(BT, SUB):
+                                l_s[i, m0 + j] = T.if_then_else(i >= R, -z_f[i, j], l_s[i, m0 + j])
+                    else:                       # probe: X = I (A_b = diag(beta)), P alone
+                        T.barrier_arrive(empty[ld])
+                        for i, j in T.Parallel(BT, BT):
+                            l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
                     T.sync_threads(AUX_BARRIER, WG)
                     for i, j in T.Parallel(BT, BT):         # A_b = X diag(beta)
                         a_s[st, i, j] = T.cast(l_s[i, j] * b_s[j], dtype)
