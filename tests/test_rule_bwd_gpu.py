@@ -1,18 +1,23 @@
-"""GPU correctness of training through linattn.chunk_gdn2's generated backward (KDA's
-per-key stages with the erase vector b . k and the written value w . v: ops/autograd.py),
-against torch autograd of the fp64 chunked reference (dsl.torch_reference, on the GPU)
-and, where fla is installed, fla's chunk_gdn2 gradients on the same inputs.
+"""GPU correctness of training through the generated backward of the generalized delta
+rules: linattn.chunk_comba (the delta rule's stages with the erase key p) and
+linattn.chunk_gdn2 (KDA's per-key stages with the erase vector b . k and the written value
+w . v; ops/autograd.py), against torch autograd of the fp64 chunked reference
+(dsl.torch_reference, on the GPU) and, where fla is installed, fla's chunk_comba /
+chunk_gdn2 gradients on the same inputs.
 
-Loss = sum(o * do) + sum(final_state * dht); gradients of q, k, v, g, b, w, h0 (and o,
-final_state themselves); ||x - ref|| / ||ref|| < 1e-2 bf16, 5e-3 f16 (conftest
-GRAD_TOL). q, k normal (l2-normalised unless the case normalises in the kernel), g =
-logsigmoid(x) / 8 per key channel, b, w = sigmoid(x) (f32). The call must take the
-kernels: the exact torch path (ops/exact_train.py) raises here. Against fla: our error no
-more than max(the limit, 1.5 x fla's) on every gradient. JSON summary to $OUT_DIR (else
-$OUT)/gdn2_bwd_gpu.json when set.
+Loss = sum(o * do) + sum(final_state * dht); gradients of every tensor input (Comba: q, k,
+v, p, g, beta; GDN-2: q, k, v, g, b, w; h0) and of o, final_state themselves; ||x - ref|| /
+||ref|| < 1e-2 bf16, 5e-3 f16 (conftest GRAD_TOL). q, k (, p) normal (l2-normalised unless
+the case normalises in the kernel), g = logsigmoid(x) / 8 (per key channel for GDN-2),
+beta, b, w = sigmoid(x). The call must take the kernels: the exact torch path
+(ops/exact_train.py) raises here. Against fla: our error no more than max(the limit,
+1.5 x fla's) on every gradient (H == HV, fla's heads). JSON summary to $OUT_DIR (else
+$OUT)/rule_bwd_gpu.json when set. The kernels: precompile_jobs (bench/cpu_cache.py builds
+them on a machine without a GPU).
 
-Run: python3 -m pytest -q -m gpu tests/test_gdn2_bwd_gpu.py      (skips without a GPU)
+Run: python3 -m pytest -q -m gpu tests/test_rule_bwd_gpu.py      (skips without a GPU)
 """
+
 import pytest
 
 from conftest import GRAD_TOL, record_errors, rel_err, write_summary
@@ -48,12 +53,21 @@ CASES = [
 ]
 
 
-def _jobs(p):
+#: family -> (its module under linattn.ops, the backward's train_params function name)
+FAMILIES = {"comba": ("comba", "train_params"), "gdn2": ("gdn2", "key_train_params")}
+
+
+def _spec(family):
+    import importlib
+    return importlib.import_module(f"linattn.ops.{FAMILIES[family][0]}").SPEC
+
+
+def _jobs(family, p):
     """The (spec, stage, params) jobs of one case's training forward and backward (best
     effort: a kernel missed here compiles on its first call)."""
     from linattn.dsl import Options
     from linattn.ops import autograd, chunk, chunk_bwd
-    from linattn.ops.gdn2 import SPEC
+    SPEC = _spec(family)
     lens = [p["T"]] * p["B"] if p["cu"] is None else \
         [b - a for a, b in zip(p["cu"], p["cu"][1:])]
     K, V = autograd.kernel_dims(p["K"], p["V"])
@@ -62,11 +76,17 @@ def _jobs(p):
                               seq_chunks=tuple(-(-n // 64) for n in lens),
                               Ttot=p["B"] * p["T"], has_initial_state=p["h0"],
                               output_final_state=True, save_states=True)
-    bwd = chunk_bwd.key_train_params(H=p["H"], HV=p["HV"], K=K, V=V, dtype=p["dtype"],
-                                     chains=len(lens) * p["HV"], l2norm=p["l2norm"],
-                                     use_dht=p["dht"], store_dh0=p["h0"], spec=SPEC)
+    bwd = getattr(chunk_bwd, FAMILIES[family][1])(
+        H=p["H"], HV=p["HV"], K=K, V=V, dtype=p["dtype"], chains=len(lens) * p["HV"],
+        l2norm=p["l2norm"], use_dht=p["dht"], store_dh0=p["h0"], spec=SPEC)
     return (chunk.stage_jobs([(SPEC, s, pr) for s, pr in chunk.plan_params(plan).items()])
             + chunk_bwd.stage_jobs([bwd], spec=SPEC))
+
+
+def precompile_jobs(items=None, device="cuda"):
+    """Every case's compile jobs (planned from shapes alone: ``device`` unused; items
+    unused: every family and case)."""
+    return [j for f in FAMILIES for c in CASES + FLA_CASES for j in _jobs(f, c.values[0])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,26 +95,32 @@ def precompiled():
     import time
     from linattn.ops import runtime
     t0 = time.time()
-    errors = runtime.precompile([j for c in CASES + FLA_CASES for j in _jobs(c.values[0])])
+    errors = runtime.precompile(precompile_jobs())
     print(f"precompiled in {time.time() - t0:.1f} s; {len(errors)} errors")
     for e in errors:
         print("  compile error:", e)
     yield
-    write_summary("gdn2_bwd_gpu", {"compile_errors": errors, "results": RESULTS})
+    write_summary("rule_bwd_gpu", {"compile_errors": errors, "results": RESULTS})
 
 
-def _inputs(p, seed):
+def _inputs(family, p, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     B, T, H, HV, K, V = (p[n] for n in ("B", "T", "H", "HV", "K", "V"))
     N = B if p["cu"] is None else len(p["cu"]) - 1
     dt = getattr(torch, p["dtype"])
     rnd = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=F64)  # noqa: E731
-    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    names = "qkp" if family == "comba" else "qk"
+    keys = [rnd(B, T, H, K) for _ in names]
     if not p["l2norm"]:
-        q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
-    xs = dict(q=q.to(dt), k=k.to(dt), v=rnd(B, T, HV, V).to(dt),
-              g=(torch.nn.functional.logsigmoid(rnd(B, T, HV, K)) / 8).float(),
-              b=torch.sigmoid(rnd(B, T, HV, K)).float(), w=torch.sigmoid(rnd(B, T, HV, V)).float())
+        keys = [torch.nn.functional.normalize(x, dim=-1) for x in keys]
+    xs = dict(zip(names, (x.to(dt) for x in keys)), v=rnd(B, T, HV, V).to(dt))
+    sig = torch.nn.functional.logsigmoid
+    if family == "comba":
+        xs.update(g=(sig(rnd(B, T, HV)) / 8).float(), beta=torch.sigmoid(rnd(B, T, HV)).to(dt))
+    else:
+        xs.update(g=(sig(rnd(B, T, HV, K)) / 8).float(),
+                  b=torch.sigmoid(rnd(B, T, HV, K)).float(),
+                  w=torch.sigmoid(rnd(B, T, HV, V)).float())
     if p["h0"]:
         xs["initial_state"] = rnd(N, HV, K, V).float()
     return xs, rnd(B, T, HV, V).to(dt), rnd(N, HV, K, V).float()
@@ -115,21 +141,21 @@ def _cu(p):
     return dict(cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
 
 
-def _ours(p, xs, do, dht, monkeypatch):
+def _ours(family, p, xs, do, dht, monkeypatch):
     import linattn
     from linattn.ops import exact_train
 
     def refuse(*a, **kw):
-        raise AssertionError("chunk_gdn2 took the exact torch path, not the kernels")
+        raise AssertionError(f"chunk_{family} took the exact torch path, not the kernels")
     monkeypatch.setattr(exact_train, "train", refuse)
-    return _run(p, xs, do, dht, linattn.chunk_gdn2, use_qk_l2norm_in_kernel=p["l2norm"],
-                **_cu(p))
+    return _run(p, xs, do, dht, getattr(linattn, f"chunk_{family}"),
+                use_qk_l2norm_in_kernel=p["l2norm"], **_cu(p))
 
 
-def _reference(p, xs, do, dht):
+def _reference(family, p, xs, do, dht):
     from linattn.dsl import Options
     from linattn.dsl import torch_reference as tref
-    from linattn.ops.gdn2 import SPEC
+    SPEC = _spec(family)
     cu = None if p["cu"] is None else torch.tensor(p["cu"], device="cuda")
     return _run(p, {n: x.to(F64) for n, x in xs.items()}, do, dht,
                 lambda output_final_state, **a: tref.chunked_forward(SPEC, **a),
@@ -145,16 +171,17 @@ def _errors(xs, grads, rgrads, o, ht, ro, rht):
     return errs
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("p", CASES)
-def test_gradients_vs_torch_fp64(p, rng, monkeypatch):
+def test_gradients_vs_torch_fp64(family, p, rng, monkeypatch):
     seed = int(rng.integers(1, 2**31))
-    xs, do, dht = _inputs(p, seed)
+    xs, do, dht = _inputs(family, p, seed)
     saved = {n: x.clone() for n, x in xs.items()}
-    o, ht, grads = _ours(p, xs, do, dht, monkeypatch)
+    o, ht, grads = _ours(family, p, xs, do, dht, monkeypatch)
     assert all(torch.equal(xs[n], saved[n]) for n in xs), "inputs modified"
-    ro, rht, rgrads = _reference(p, xs, do, dht)
-    record_errors(RESULTS, "gdn2_autograd", p, _errors(xs, grads, rgrads, o, ht, ro, rht),
-                  seed)
+    ro, rht, rgrads = _reference(family, p, xs, do, dht)
+    record_errors(RESULTS, f"{family}_autograd", p,
+                  _errors(xs, grads, rgrads, o, ht, ro, rht), seed)
 
 
 FLA_CASES = [case(2, 1024, 4, 4, 128, 128, "bfloat16", h0=True, dht=True, name="fla-bf16"),
@@ -162,21 +189,23 @@ FLA_CASES = [case(2, 1024, 4, 4, 128, 128, "bfloat16", h0=True, dht=True, name="
                   l2norm=True, name="fla-varlen-l2norm-bf16")]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("p", FLA_CASES)
-def test_gradients_vs_fla(p, rng, monkeypatch):
-    """fla's chunk_gdn2 (its own backward) on the same inputs: our error against the
-    fp64 reference within max(the limit, 1.5 x fla's) on every output and gradient."""
-    fla = pytest.importorskip("fla.ops.gdn2")
+def test_gradients_vs_fla(family, p, rng, monkeypatch):
+    """fla's chunk_comba / chunk_gdn2 (its own backward) on the same inputs: our error
+    against the fp64 reference within max(the limit, 1.5 x fla's) on every output and
+    gradient."""
+    fla = pytest.importorskip(f"fla.ops.{family}")
     seed = int(rng.integers(1, 2**31))
-    xs, do, dht = _inputs(p, seed)
-    o, ht, grads = _ours(p, xs, do, dht, monkeypatch)
-    ro, rht, rgrads = _reference(p, xs, do, dht)
-    fo, fht, fgrads = _run(p, xs, do, dht, fla.chunk_gdn2,
+    xs, do, dht = _inputs(family, p, seed)
+    o, ht, grads = _ours(family, p, xs, do, dht, monkeypatch)
+    ro, rht, rgrads = _reference(family, p, xs, do, dht)
+    fo, fht, fgrads = _run(p, xs, do, dht, getattr(fla, f"chunk_{family}"),
                            use_qk_l2norm_in_kernel=p["l2norm"], **_cu(p))
     ours = _errors(xs, grads, rgrads, o, ht, ro, rht)
     theirs = _errors(xs, fgrads, rgrads, fo, fht, ro, rht)
     tol = GRAD_TOL[p["dtype"]]
-    RESULTS.append(dict(test="gdn2_vs_fla", **p, seed=seed, errors=ours, fla=theirs))
+    RESULTS.append(dict(test=f"{family}_vs_fla", **p, seed=seed, errors=ours, fla=theirs))
     print("ours", ours, "\nfla ", theirs)
     bad = {n: (e, theirs[n]) for n, e in ours.items() if not e <= max(tol, 1.5 * theirs[n])}
     assert not bad, f"over max({tol}, 1.5 x fla's): {bad}"
