@@ -13,7 +13,7 @@ The floor of a row with a state: an elementwise f32 copy moving the row's state 
 fraction of that copy's bandwidth (copy_ms / ms).
 
     python3 bench/decode_probe.py [--sweep] [--rows GLOB] [--budget-s 240]
-        [--configs "items=4,ahead=1" "ctas_per_sm=3" ...]
+        [--configs "block_v=16,threads=128,vec=4,warps_k=4" "ctas_per_sm=3" ...]
     (JSON to --out, default $OUT_DIR or $OUT /decode_probe.json)
 """
 from __future__ import annotations

@@ -24,8 +24,8 @@
 # decode: issue 45's copy ceiling (>= 95 % at batch >= 64; s32: GDN 93 %, the table's
 #   q35-gva-decode-b64 83 %): decode_probe's K-first candidates of 16 state values a
 #   thread beside the arch's tile (Mamba-2's value-first decode gained 7-14 % at 16, s40-6),
-#   and session 32's never-timed DECODE_FULL_GRID rules (3 CTAs an SM; a CTA streaming 4
-#   tiles through a ring, as flashinfer's and sglang's decode kernels pipeline theirs).
+#   and session 32's never-timed DECODE_FULL_GRID rule (3 CTAs an SM; its ring of 4 tiles a
+#   CTA was timed and deleted: bench/LOG.md).
 # ncu: where the batched walk's step goes (8x8192: 606 us, 406 with X = I; the seed
 #   release's step ~2.9 us against our ~4.7).
 set -u
@@ -46,13 +46,13 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
 case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or models} in
-  first)   # verify's first file set and where the value-split walk's step goes, one call
+  first)   # verify's first file set and the fused walk's time with the inverse free, one call
     gpu_tests 290 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
     $T 170 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      --configs default value_split=1 value_split=1,inverse_stub=1 inverse_stub=1 \
-      --out "$OUT/probe_vs.json" > "$OUT/probe_vs.log" 2>&1
-    echo "walk rc=$?"; tail -n 12 "$OUT/probe_vs.log" ;;
+      --configs default inverse_stub=1 \
+      --out "$OUT/probe_stub.json" > "$OUT/probe_stub.log" 2>&1
+    echo "walk rc=$?"; tail -n 12 "$OUT/probe_stub.log" ;;
   second)  # Mamba-2's terms in dqkvg (gradients), then decode tiles at b >= 64
     gpu_tests 100 tests/test_mamba2_gpu.py -k gradients
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 8
@@ -60,8 +60,7 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
     R="$R,KDAFwd/kda-tp1-decode-b64/bf16,KDAFwd/kda-tp8-decode-b256/bf16"
     $T 250 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
       "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
-      "ctas_per_sm=3" "block_v=32,threads=128,vec=4,warps_k=4,items=4,ahead=1" \
-      --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
+      "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
     echo "decode rc=$?"; tail -n 14 "$OUT/decode_tiles.txt" ;;
   verify)
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
@@ -73,8 +72,7 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
     $T 280 python3 bench/decode_probe.py --no-fla --rows "$R" --configs \
       "block_v=16,threads=128,vec=4,warps_k=4" "block_v=8,threads=64,vec=4,warps_k=2" \
       "block_v=32,threads=256,vec=4,warps_k=8" "block_v=32,threads=128,vec=4,warps_k=4" \
-      "ctas_per_sm=3" "block_v=32,threads=128,vec=4,warps_k=4,items=4,ahead=1" \
-      --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
+      "ctas_per_sm=3" --out "$OUT/decode_tiles.json" > "$OUT/decode_tiles.txt" 2>&1
     echo "decode rc=$?"; tail -n 16 "$OUT/decode_tiles.txt" ;;
   ncu)
     $T 250 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
@@ -119,17 +117,10 @@ case ${1:?first, verify, decode, ncu, ssd, gen, tests, walk, gates, train or mod
     gpu_tests 100 tests/test_chunk_fwd_gpu.py tests/test_chunk_additive_gpu.py
     gpu_tests 100 tests/test_chunk_bwd_gpu.py tests/test_autograd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 40 ;;
-  walk)   # the split rows (the right-looking diagonal pass's time); value_split once more
+  walk)   # the split rows (the right-looking diagonal pass's time)
     $T 200 python3 bench/walk_probe.py --iters 10 --only q35-2b-16384 q35-397b-tp1-65536 \
       q35-397b-tp8-8192 prefill-4k deltanet-16k-k64 --configs default \
       --out "$OUT/probe_split.json" > "$OUT/probe_split.log" 2>&1
-    $T 120 python3 -m pytest -m gpu -p no:cacheprovider -v --exhaustive --tb=short \
-      tests/test_chunk_fwd_gpu.py -k value_split > "$OUT/vs_tests.txt" 2>&1
-    echo "value_split tests rc=$?"
-    $T 120 python3 bench/walk_probe.py --iters 10 --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-      q35-2b-8x8192-trained --configs default value_split=1 --out "$OUT/probe_vs.json" \
-      > "$OUT/probe_vs.log" 2>&1
-    grep -E "PASSED|FAILED|passed|failed" "$OUT/vs_tests.txt" | tail -n 10
-    tail -n 10 "$OUT"/probe_split.log "$OUT"/probe_vs.log ;;
+    tail -n 10 "$OUT"/probe_split.log ;;
 esac
 cp -r /tmp/out_dir/. "$OUT/" 2>/dev/null   # (the tests' JSON summaries)

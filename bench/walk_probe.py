@@ -3,12 +3,8 @@ reference at full size and device time (per call and per kernel), for the arch's
 choice and for explicit plan configs (codegen/arch/sm90/forward.py CONFIG_KEYS).
 
     python3 bench/walk_probe.py [--only NAME ...] [--configs default segments=8
-        block_v=64,segments=16 inverse_in_walk=1 value_split=1 ...] [--iters 20]
+        block_v=64,segments=16 inverse_in_walk=1 inverse_stub=1 ...] [--iters 20]
         [--out walk_probe.json]
-
-value_split=1: the value-split walk (chunk_walk_vs, K = V = 128), e.g.
-    python3 bench/walk_probe.py --only q35-2b-8x8192 q35-397b-tp4-8x1024 \
-        q35-2b-8x8192-trained --configs default value_split=1
 
 Workloads and inputs: bench/chunk_probe.py's make_inputs; the names below.
 """

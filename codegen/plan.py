@@ -90,12 +90,6 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
                   "chunk ahead (the whole chunked forward in one kernel)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
               requires=WALK),
-        Stage("chunk_walk_vs", "chunk_walk_vs.py.jinja", "fwd",
-              doc="the fused walk with the state split by value rows over two warpgroups "
-                  "(every chain product from registers), an aux group forming A_b and P a "
-                  "chunk ahead, three load stages (a probe: plan config value_split)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
-              requires=WALK),
         Stage("chunk_walk_map", "chunk_walk.py.jinja", "fwd",
               doc="sequence split, per segment: its affine map [M | B] (M only where needed)",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),

@@ -53,7 +53,6 @@ SLOW_SWEEPS = {
     "test_chunk_walk.py::test_walk_pipeline_matches_reference":
         ("model-gdn", "L2-deltanet-options", "L1-gdn-weak"),
     "test_chunk_walk.py::test_walk_saves_every_chunks_state": ("model-gdn",),
-    "test_chunk_walk.py::test_vs_walk_matches_reference": ("gdn-options",),
     "test_chunk_additive.py::test_split_matches_reference": ("additive_scalar-segments2",),
     "test_chunk_additive.py::test_split_is_exact": ("2-tile1-additive_none",),
     "test_chunk_additive.py::test_split_states_match_reference":

@@ -54,8 +54,7 @@ def test_stage_renders(name, stage):
     # (and only with a gate), no exponential without a gate (but the kkt's beta / norm
     # bound), the WY inverse inlined; a prepare's x_lp (the WY operand) only with beta
     text = _rendered_text(spec, stage)
-    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save", "chunk_walk_fused",  # (beta's
-           "chunk_walk_vs")                                                   # sigmoid)
+    kkt = ("chunk_kkt_inverse", "chunk_kkt_inverse_save", "chunk_walk_fused")  # (beta's sigmoid)
     first = stage in ("chunk_prepare", "chunk_prepare_save", "chunk_prepare_states") + kkt
     cumsum = ("T.cumsum" in text or "run = run + G_s[" in text     # (the per-key / value scan,
               or "gsum = gsum + " in text)                        # the fused walk's)
@@ -102,10 +101,6 @@ def test_generated_stages_are_what_the_plans_launch():
                     except SpecError:       # (a config that form does not take)
                         continue
                     used |= set(p.stages())
-        if _walks(spec) and spec.gate.value in ("none", "scalar"):    # (the probe's walk)
-            used |= set(chunk.forward_plan(spec, Options(), H=2, HV=2, K=128, V=128,
-                                           dtype="bfloat16", seq_chunks=(5, 1), Ttot=320,
-                                           config={"value_split": 1}).stages())
         assert used == set(_fwd_stages(name)), (name, used ^ set(_fwd_stages(name)))
 
 
@@ -311,31 +306,6 @@ def test_pipeline_rules():
         _plan("gdn", config={"FUSE": 1})
 
 
-def test_value_split_is_a_probe_config():
-    """chunk_walk_vs runs only under the plan config value_split (off by default: the
-    batched rows keep walk-fused), at K = V = 128 without l2norm_qk, save_states or a
-    split; it takes chunk_walk_fused's problem keys and its own register budgets."""
-    from linattn.codegen.arch.sm90 import forward as sm90_fwd
-    rows = dict(H=16, HV=16, K=128, V=128, seq_chunks=(128,) * 8, Ttot=8 * 8192)
-    for name in ("gdn", "deltanet"):
-        assert _plan(name, **rows).name == "walk-fused"
-        vs = _plan(name, config={"value_split": 1}, **rows)
-        fused = _plan(name, config={"inverse_in_walk": 1}, **rows)
-        assert vs.name == "walk-vs" and vs.stages() == ["chunk_walk_vs"]
-        (la,), (lf,) = vs.launches, fused.launches
-        assert la.kwargs["regs"] == sm90_fwd.VS_REGS and "block_v" not in la.kwargs
-        assert ({k: v for k, v in la.kwargs.items() if k != "regs"}
-                == {k: v for k, v in lf.kwargs.items() if k not in ("regs", "block_v")})
-        assert _plan(name, config={"value_split": 0}, **rows).name == "walk-fused"
-    for opts, bad in ((Options(), dict(K=64, V=64)), (Options(l2norm_qk=True), {}),
-                      (Options(), dict(save_states=True))):
-        with pytest.raises((SpecError, ValueError), match="value_split"):
-            _plan("gdn", opts, config={"value_split": 1}, **dict(rows, **bad))
-    for cfg in ({"segments": 2}, {"block_v": 64}, {"inverse_in_walk": 0}):
-        with pytest.raises((SpecError, ValueError), match="value_split"):
-            _plan("gdn", config=dict(cfg, value_split=1), **rows)
-
-
 def test_save_states_plans():
     """save_states (training): the walk stores every chunk's state into h [NT, HV, K, V]
     (input dtype), the split walk too, and its kkt (chunk_kkt_inverse_save) the WY
@@ -453,7 +423,7 @@ LAUNCH_CASES = [
      True, False, [3, 100]),
     ("delta_scalar", dict(B=1, T=0, H=1, HV=2, K=64, V=64), Options(), True, True,
      [130, 0, 300]),
-    # K = V = 128 without l2norm_qk: the value-split walk's (config value_split) too
+    # K = V = 128 without l2norm_qk
     ("gdn", dict(B=2, T=65, H=2, HV=4, K=128, V=128),
      Options(beta_sigmoid=True, gate_in_kernel=True, state_v_first=True), True, True, None),
     ("deltanet", dict(B=1, T=0, H=2, HV=2, K=128, V=128), Options(), False, True,
@@ -464,7 +434,7 @@ def _walks(spec) -> bool:
 
 
 CONFIGS = [{}, {"fused": True}, {"fused": False}, {"segments": 2}, {"inverse_in_walk": 1},
-           {"inverse_in_walk": 1, "inverse_stub": 1}, {"value_split": 1}]
+           {"inverse_in_walk": 1, "inverse_stub": 1}]
 
 
 def _config_applies(c, cfg) -> bool:
@@ -473,8 +443,6 @@ def _config_applies(c, cfg) -> bool:
         return not (spec.has_beta and spec.gate is Gate.KEY)
     if "inverse_in_walk" in cfg:            # (the walk's, without l2norm_qk)
         return _walks(spec) and not c[2].l2norm_qk
-    if "value_split" in cfg:                # (... at K = V = 128)
-        return _walks(spec) and not c[2].l2norm_qk and c[1]["K"] == c[1]["V"] == 128
     return True
 
 
@@ -490,8 +458,6 @@ def expected_stages(spec, options, plan_name):
         return ["chunk_kkt_inverse", "chunk_walk"]
     if plan_name == "walk-fused":
         return ["chunk_walk_fused"]
-    if plan_name == "walk-vs":
-        return ["chunk_walk_vs"]
     if plan_name == "walk-split":
         return ["chunk_kkt_inverse", "chunk_walk_map", "chunk_segment_combine", "chunk_walk"]
     if plan_name.endswith("-split"):        # the additive rule's: summaries first
@@ -516,8 +482,6 @@ def expected_stages(spec, options, plan_name):
 def expected_plan(spec, problem, config):
     """The plan name the arch must pick (codegen/arch/sm90: forward.py and stages.py)."""
     if _walks(spec) and "fused" not in config and not problem.return_states:
-        if config.get("value_split"):
-            return "walk-vs"
         if config.get("inverse_in_walk"):
             return "walk-fused"
         _, L, _ = sm90_forward.walk_choice(problem, config)

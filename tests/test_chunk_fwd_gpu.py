@@ -111,7 +111,6 @@ CASES = [
 #: warm-up with real gates, the maps with weak gates, no gate and expanding keys)
 WALK_LENS = [1, 130, 0, 64, 700, 1000]
 FUSED = {"inverse_in_walk": 1}
-VS = {"value_split": 1}
 WALK_CASES = [
     case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=cfg)
     for cfg in ({"block_v": 32}, {"block_v": 64}, {"block_v": 128}, {"segments": 2},
@@ -145,19 +144,6 @@ WALK_CASES = [
          config=dict(FUSED, block_v=64)),
     case("gdn", 1, None, 1, 8, 64, 64, lens=WALK_LENS, init=False, config=FUSED),
     case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=FUSED),
-] + [
-    # the value-split walk (chunk_walk_vs, the probe config value_split; K = V = 128): weak
-    # gates, no gate, every option it takes, awkward lengths (a partial last chunk, empty
-    # and one-token sequences), GVA, no initial / final state, one chunk of 65 in f16
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=VS),
-    case("gdn", 1, None, 2, 4, 128, 128, lens=WALK_LENS, config=VS, gate_scale=1e-2),
-    case("deltanet", 1, None, 2, 2, 128, 128, lens=WALK_LENS, config=VS),
-    case("deltanet", 3, 65, 2, 2, 128, 128, dtype="float16", config=VS),
-    case("gdn", 1, None, 2, 8, 128, 128, dtype="float16", lens=WALK_LENS,
-         opts=("beta_sigmoid", "allow_neg_eigval", "gate_in_kernel", "state_v_first"),
-         config=VS),
-    case("gdn", 1, None, 1, 8, 128, 128, lens=WALK_LENS, init=False, config=VS),
-    case("gdn", 2, 1000, 2, 4, 128, 128, final=False, config=VS),
 ]
 
 

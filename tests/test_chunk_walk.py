@@ -211,62 +211,9 @@ class Walk:
                         ht[final_row[n], hv] = (S.T if v_first else S).to(ht.dtype)
         return run
 
-    def walk_vs(self, p):
-        """chunk_walk_vs's arithmetic in fp64, as its groups order it: whole 64-row tiles
-        (rows past the end hold the next tokens, zeros past Ttot; beta and the gate read 0
-        there), the transposed state S^T split into two 64-row halves, each half's chain
-        X = v^T - S^T k^T diag(e^g), Vd = X A_b^T, O = S^T q^T diag(scale e^g) + Vd P^T,
-        S^T = e^g_last S^T + (Vd diag(e^(g_last - g), 0 past len)) k."""
-        v_first, half = p["state_v_first"], self.V // 2
-
-        def run(q, k, v, g, beta, A_log, dt_bias, cu, h0, final_row, ht, o, scale):
-            cu, Ttot = cu.tolist(), q.shape[0]
-
-            def tile(x, t0):                      # 64 rows from t0, zeros past Ttot
-                out = torch.zeros((C,) + tuple(x.shape[1:]), dtype=F64)
-                out[:max(0, min(C, Ttot - t0))] = x[t0:t0 + C].to(F64)
-                return out
-            for n in range(len(cu) - 1):
-                for hv in range(self.HV):
-                    hk = hv // self.group
-                    St = _start(p, h0, n, hv, self.K, self.V).T.clone()     # S^T [V, K]
-                    for t0 in range(cu[n], cu[n + 1], C):
-                        rows = min(C, cu[n + 1] - t0)
-                        qq, kk, vv = (tile(x, t0)[:, h] for x, h in ((q, hk), (k, hk), (v, hv)))
-                        b = tile(beta, t0)[:, hv]
-                        gg = tile(g, t0)[:, hv] if self.spec.has_gate else None
-                        b[rows:] = 0
-                        if gg is not None:
-                            gg[rows:] = 0
-                            if p["gate_in_kernel"]:
-                                gg[:rows] = (-A_log[hv].to(F64).exp()
-                                             * F.softplus(gg[:rows] + dt_bias[hv].to(F64)))
-                            pg = dict(p, gate_in_kernel=False)
-                        else:
-                            pg = p
-                        gc, b, X = _wy(self.spec, pg, kk, b, gg, A_log[hv], dt_bias[hv])
-                        if p["beta_sigmoid"]:
-                            b[rows:] = 0          # (the kernel's beta reads 0 past len)
-                        Ab = X * b[None, :]
-                        Ab[rows:] = 0              # (their beta 0: rows and columns past len)
-                        P = scale * (qq @ kk.T).tril() * (gc[:, None] - gc[None, :]).exp()
-                        er = (gc[-1] - gc).exp() * (torch.arange(C) < rows)
-                        for r in range(2):
-                            rv = slice(r * half, (r + 1) * half)
-                            S_r = St[rv]
-                            Xr = vv[:, rv].T - (S_r @ kk.T) * gc.exp()[None, :]
-                            Vd = Xr @ Ab.T
-                            O = (S_r @ qq.T) * (scale * gc.exp())[None, :] + Vd @ P.T
-                            St[rv] = gc[-1].exp() * S_r + (Vd * er[None, :]) @ kk
-                            o[t0:t0 + rows, hv, rv] = O.T[:rows].to(o.dtype)
-                    if p["output_final_state"] and final_row[n] >= 0:
-                        ht[final_row[n], hv] = (St if v_first else St.T).to(ht.dtype)
-        return run
-
     def body(self, spec, stage, params):
         return {"chunk_kkt_inverse": self.kkt, "chunk_kkt_inverse_save": self.kkt,
                 "chunk_walk": self.walk, "chunk_walk_fused": self.walk_fused,
-                "chunk_walk_vs": self.walk_vs,
                 "chunk_walk_map": self.walk_map,
                 "chunk_segment_combine": self.combine}[stage](params)
 
@@ -391,45 +338,6 @@ def test_walk_saves_every_chunks_state(monkeypatch, name, options, config):
                    / want[c + j].abs().max().clamp_min(1e-30)).item()
             assert err < 2e-3, (row + j, err)       # (f16 storage)
         row, c = row + -(-n // C), c + max(-(-n // C), 1)   # (an empty sequence: a ref row)
-
-
-@pytest.mark.parametrize("name,options,kw", [
-    ("gdn", Options(), {}),
-    ("gdn", Options(), dict(gate_scale=1e-2)),
-    ("deltanet", Options(), {}),
-    ("gdn", Options(beta_sigmoid=True, allow_neg_eigval=True, gate_in_kernel=True,
-                    state_v_first=True), {}),
-    ("deltanet", Options(state_v_first=True), {}),
-], ids=["gdn", "gdn-weak", "deltanet", "gdn-options", "deltanet-options"])
-@pytest.mark.parametrize("config", [{"inverse_in_walk": 1},
-                                    {"inverse_in_walk": 1, "block_v": 16}],
-                         ids=["fused", "fused-b16"])
-def test_fused_walk_matches_reference(monkeypatch, name, options, kw, config):
-    """walk-fused (inverse_in_walk): chunk_walk_fused alone, reading the raw q, k, v, g,
-    beta (and A_log, dt_bias) the call gives, matches the fp64 reference."""
-    o, ht, ref, _, stages, _ = _run(monkeypatch, name, options, LENS, config, **kw)
-    assert stages == ["chunk_walk_fused"]
-    assert _rel(o, ref["o"]) < 2e-3
-    assert _rel(ht, ref["final_state"]) < 1e-6
-
-
-@pytest.mark.parametrize("name,options,kw", [
-    ("gdn", Options(), {}),
-    ("gdn", Options(), dict(gate_scale=1e-2)),
-    ("deltanet", Options(), {}),
-    ("gdn", Options(beta_sigmoid=True, allow_neg_eigval=True, gate_in_kernel=True,
-                    state_v_first=True), {}),
-    ("deltanet", Options(state_v_first=True), {}),
-], ids=["gdn", "gdn-weak", "deltanet", "gdn-options", "deltanet-options"])
-def test_vs_walk_matches_reference(monkeypatch, name, options, kw):
-    """walk-vs (the probe config value_split): chunk_walk_vs alone, its transposed
-    value-split tile arithmetic (whole tiles, the kernel's masks past a sequence's end) in
-    fp64 through the plan's bindings, matches the fp64 reference at K = V = 128."""
-    o, ht, ref, _, stages, _ = _run(monkeypatch, name, options, LENS, {"value_split": 1},
-                                    K=128, V=128, **kw)
-    assert stages == ["chunk_walk_vs"]
-    assert _rel(o, ref["o"]) < 2e-3
-    assert _rel(ht, ref["final_state"]) < 1e-6
 
 
 @pytest.mark.parametrize("options,config,save", [

@@ -143,9 +143,6 @@ PLAN_CASES = [
     # the WY inverse inside the walk (q35-2b-8x8192's chains; DeltaNet's at block 32)
     ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(4,) * 8), {"inverse_in_walk": 1}),
     ("deltanet", dict(H=4, HV=4, K=64, V=64, seq_chunks=(8, 8)), {"inverse_in_walk": 1}),
-    # the value-split walk (the probe config value_split: q35-2b-8x8192's chains, DeltaNet)
-    ("gdn", dict(H=16, HV=16, K=128, V=128, seq_chunks=(4,) * 8), {"value_split": 1}),
-    ("deltanet", dict(H=4, HV=4, K=128, V=128, seq_chunks=(8, 8)), {"value_split": 1}),
 ]
 
 
@@ -164,7 +161,7 @@ def test_plan_launches_compile(name, sizes, config):
                            Ttot=64 * sum(sizes["seq_chunks"]), output_final_state=True,
                            config=config, **sizes)
     print(p)
-    assert p.name in ("walk", "walk-split", "walk-fused", "walk-vs", "fused", "three-stage",
+    assert p.name in ("walk", "walk-split", "walk-fused", "fused", "three-stage",
                       "fused-split", "three-stage-split")
     for la in p.launches:
         rec = compile_stage(chunk.stage_module(spec, la.stage), la.kwargs, ARCH)
@@ -217,43 +214,30 @@ def test_recurrent_tuning_compiles_at_head_dims_off_powers_of_two(K, V, HV, N, s
                          ARCH))
 
 
-#: the recurrent kernel's stream (items > 1: tiles through a shared-memory ring) and its
-#: resident-CTA cap (ctas_per_sm), codegen/arch/sm90 DECODE_FULL_GRID: grids the items do not
-#: divide, every state source of the ring (f32, a 16-bit state, h0 in another dtype, a pool
-#: with per-token slots, the value-first layout), a gate per key / per head / none
+#: the recurrent kernel's resident-CTA cap (ctas_per_sm, codegen/arch/sm90
+#: DECODE_FULL_GRID): the full grid's block-64 tile, a pool with its h0 in another dtype
 _F32 = dict(has_initial_state=True, output_final_state=True)
-STREAM_CASES = [
-    ("gdn", dict(H=2, HV=6, K=128, V=96, **_F32),
-     dict(block_v=32, threads=128, vec=4, warps_k=4, items=4, ahead=1)),
-    ("kda", dict(H=4, HV=8, K=128, V=128, varlen=True, state_pool=True, slots_per_token=True,
-                 accepted_tokens=True, inplace=True, slot_dtype="int64", **_F32),
-     dict(block_v=64, threads=128, vec=4, warps_k=1, items=3, ahead=2)),
-    ("gdn", dict(H=2, HV=4, K=64, V=64, dtype="float16", l2norm_qk=True, state_v_first=True,
-                 varlen=True, **_F32),
-     dict(block_v=16, threads=64, vec=4, warps_k=1, items=4, ahead=2)),
-    ("deltanet", dict(H=4, HV=4, K=128, V=128, state_dtype="bfloat16", **_F32),
-     dict(block_v=64, threads=128, vec=8, warps_k=4, items=2, ahead=1)),
+CTA_CAP_CASES = [
     ("gla", dict(H=4, HV=4, K=128, V=128, h0_dtype="bfloat16", state_pool=True, **_F32),
-     dict(block_v=32, threads=128, vec=4, warps_k=4, items=4, ahead=2, ctas_per_sm=3)),
+     dict(block_v=32, threads=128, vec=4, warps_k=4, ctas_per_sm=3)),
     ("gdn", dict(H=16, HV=32, K=128, V=128, **_F32),
      dict(block_v=64, threads=128, vec=4, warps_k=1, ctas_per_sm=3)),
 ]
 
 
-@pytest.mark.parametrize("op, problem, knobs", STREAM_CASES,
+@pytest.mark.parametrize("op, problem, knobs", CTA_CAP_CASES,
                          ids=[f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[2].items())}"
-                              for c in STREAM_CASES])
-def test_recurrent_stream_and_cta_cap_compile(op, problem, knobs):
+                              for c in CTA_CAP_CASES])
+def test_recurrent_cta_cap_compiles(op, problem, knobs):
     from linattn.codegen.arch import get_arch
     from linattn.ops import runtime
     from linattn.ops.registry import get_spec
     module = runtime.stage_module(get_spec(op), "recurrent", ARCH)
     rec = compile_stage(module, dict(problem, **knobs), ARCH)
     _check(rec)
-    n = knobs.get("ctas_per_sm")
-    if n:       # the claim admits n CTAs an SM (1 KB each reserved by the system), not n + 1
-        smem, per_sm = rec["dynamic_smem_bytes"], get_arch(ARCH).SMEM_PER_SM
-        assert (n + 1) * (smem + 1024) > per_sm >= n * (smem + 1024), (smem, n)
+    # the claim admits n CTAs an SM (1 KB each reserved by the system), not n + 1
+    n, smem, per_sm = knobs["ctas_per_sm"], rec["dynamic_smem_bytes"], get_arch(ARCH).SMEM_PER_SM
+    assert (n + 1) * (smem + 1024) > per_sm >= n * (smem + 1024), (smem, n)
 
 
 def test_named_barrier_mismatch_names_an_id_shared_by_two_thread_counts():

@@ -96,25 +96,14 @@ CASES += [  # the registered families through the checked-in generated modules
     case("gla", lens=[5, 1, 30], H=2, HV=2, K=64, V=64, dtype="float16", opts=("state_v_first",)),
     case("gla", B=4, T=1, H=4, HV=4, state="bfloat16", f32_gb=False),
 ]
-#: the stream (items > 1: a CTA walks several tiles through a shared-memory ring, `ahead`
-#: loads in flight) and the resident-CTA cap (ctas_per_sm) of codegen/arch/sm90's
-#: DECODE_FULL_GRID: grids the items do not divide, varlen with empty sequences, several
-#: tokens, both layouts, 16-bit states, no initial state (no ring)
+#: the resident-CTA cap (ctas_per_sm) of codegen/arch/sm90's DECODE_FULL_GRID: the
+#: block-64 tile, a block-32 one over several tokens
 _S32 = dict(block_v=32, threads=128, vec=4, warps_k=4)
 _S64 = dict(block_v=64, threads=128, vec=4, warps_k=1)
 CASES += [
-    case("gdn", B=5, T=1, H=2, HV=6, V=96, tuning=dict(_S32, items=4, ahead=1)),
-    case("gdn", B=3, T=1, H=16, HV=32, tuning=dict(_S32, items=4, ahead=2)),
-    case("gdn", lens=[3, 0, 1, 12], H=1, HV=2, K=64, V=64, dtype="float16", opts="all",
-         index="int64", tuning=dict(block_v=16, threads=64, vec=4, warps_k=1, items=3, ahead=2)),
-    case("kda", B=5, T=2, H=4, HV=4, opts=("l2norm_qk",), tuning=dict(_S64, items=3, ahead=2)),
     case("kda", B=7, T=1, H=8, HV=8, opts=("l2norm_qk", "gate_in_kernel"),
          tuning=dict(_S64, ctas_per_sm=3)),
-    case("deltanet", B=4, T=1, H=8, HV=8, state="bfloat16", f32_gb=False, scale=1.0,
-         tuning=dict(block_v=64, threads=128, vec=8, warps_k=4, items=2, ahead=1)),
-    case("gla", B=5, T=3, H=4, HV=4, tuning=dict(_S32, items=4, ahead=2, ctas_per_sm=3)),
-    case("gla", B=3, T=1, H=4, HV=4, init=False, tuning=dict(_S32, items=4, ahead=1)),
-    case(VALUE_GATE.name, B=3, T=2, H=2, HV=4, K=128, V=64, tuning=dict(_S32, items=3, ahead=1)),
+    case("gla", B=5, T=3, H=4, HV=4, tuning=dict(_S32, ctas_per_sm=3)),
 ]
 
 

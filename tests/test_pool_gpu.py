@@ -58,20 +58,18 @@ def test_pool_decode_matches_the_loop_reference(name, S, T, accepted, varlen, po
                 "padding" in request.node.callspec.id)
 
 
-#: the stream and the resident-CTA cap (codegen/arch/sm90 DECODE_FULL_GRID) on a pool: the
-#: slots of a CTA's items read once at its start, padding items never loaded
-STREAM_KNOBS = [
-    pytest.param(dict(block_v=32, threads=128, vec=4, warps_k=4, items=4, ahead=1), id="s32-i4-a1"),
-    pytest.param(dict(block_v=64, threads=128, vec=4, warps_k=1, items=3, ahead=2), id="s64-i3-a2"),
+#: the resident-CTA cap (codegen/arch/sm90 DECODE_FULL_GRID) on a pool
+CTA_CAP_KNOBS = [
+    pytest.param(dict(block_v=64, threads=128, vec=4, warps_k=1, ctas_per_sm=3), id="s64-c3"),
 ]
 
 
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 @pytest.mark.parametrize("S, T, accepted, varlen, pool_dtype, idx_dtype, inplace",
                          [c for c in CASES if c.id in ("2d-spec-varlen", "1d-padding")])
-@pytest.mark.parametrize("knobs", STREAM_KNOBS)
-def test_pool_decode_stream_matches_the_loop_reference(name, S, T, accepted, varlen, pool_dtype,
-                                                       idx_dtype, inplace, knobs, request):
+@pytest.mark.parametrize("knobs", CTA_CAP_KNOBS)
+def test_pool_decode_cta_cap_matches_the_loop_reference(name, S, T, accepted, varlen, pool_dtype,
+                                                        idx_dtype, inplace, knobs, request):
     from linattn.ops.recurrent import tuning_override
     with tuning_override(**knobs):
         _check_pool(name, S, T, accepted, varlen, pool_dtype, idx_dtype, inplace,

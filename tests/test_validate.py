@@ -276,32 +276,23 @@ def test_decode_tuning_is_a_valid_layout(N, HV, K, V, state_dtype, v_first, pool
         assert t == {"block_v": 16, "threads": 128, "vec": 4, "warps_k": 1}  # 16 values a thread
 
 
-#: the candidates session 32's experiment times (codegen/arch/sm90 DECODE_FULL_GRID's comments)
-FULL_GRID_CANDIDATES = {"ctas_per_sm": 3, "stream": {"block_v": 32, "threads": 128, "vec": 4,
-                                                     "warps_k": 4, "items": 4, "ahead": 1}}
-
-
-@pytest.mark.parametrize("rule", sorted(FULL_GRID_CANDIDATES))
-def test_decode_full_grid_rules_when_on(monkeypatch, rule):
-    """DECODE_FULL_GRID's rules (each on its own, the others off) change only the tiles of full f32
-    grids (>= 16 block-64 CTAs an SM, 8 on a pool), into layouts and knobs the template
-    accepts; off, the tile is the table's."""
+def test_decode_full_grid_ctas_per_sm_rule(monkeypatch):
+    """DECODE_FULL_GRID's ctas_per_sm rule changes only the tiles of full f32 grids (>= 16
+    block-64 CTAs an SM, 8 on a pool), into knobs the template accepts; off, the tile is
+    the table's."""
     from linattn.codegen.arch import sm90
     from linattn.ops import runtime
     from linattn.ops.registry import get_spec
     check = runtime.stage_module(get_spec("gdn"), "recurrent", "sm90").check_params
-    for rule_off in FULL_GRID_CANDIDATES:
-        monkeypatch.setitem(sm90.DECODE_FULL_GRID, rule_off, None)
     for on in (False, True):
-        if on:
-            monkeypatch.setitem(sm90.DECODE_FULL_GRID, rule, FULL_GRID_CANDIDATES[rule])
+        monkeypatch.setitem(sm90.DECODE_FULL_GRID, "ctas_per_sm", 3 if on else None)
         for N in (1, 8, 33, 64, 256, 512):
             for pool in (False, True):
                 problem = dict(H=16, HV=32, K=128, V=128, state_dtype="float32",
                                state_pool=pool, has_initial_state=True)
                 t = sm90.tuning("recurrent", problem, {"N": N})
                 full = N * 32 * 2 >= (8 if pool else 16) * sm90.NUM_SMS
-                assert ("ctas_per_sm" in t or "items" in t) == (on and full), (N, pool, t)
+                assert ("ctas_per_sm" in t) == (on and full), (N, pool, t)
                 assert sm90.recurrent_layout_ok(128, 128, t["block_v"], t["threads"], t["vec"],
                                                 t["warps_k"], False)
                 check(**problem, **t)

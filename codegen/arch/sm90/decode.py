@@ -48,22 +48,15 @@ def recurrent_layout_ok(K: int, V: int, block_v: int, threads: int, vec: int, wa
 #:   and flashinfer's big-batch kernel (6 CTAs of 16 KB). Run s41-2 (H100, decode_probe, %
 #:   of the same run's copy bandwidth, without / with): GDN q35-gva-decode-b64 94 -> 96,
 #:   b256 94 -> 96, KDA kda-tp1-decode-b64 95 -> 95 (state pools: not timed).
-#: - "stream": a CTA walks `items` consecutive tiles (one state at block 32, items 4, K = V
-#:   = 128) through a shared-memory ring, the next tile's load in flight while it computes
-#:   and stores the current one; a pool's slots read once a CTA instead of once a tile.
+#: (The experiment's other rule, a CTA streaming 4 tiles through a shared-memory ring, lost
+#: to the direct kernel in s41-2 and was deleted: bench/LOG.md.)
 DECODE_FULL_GRID = {
     "ctas_per_sm": 3,
-    "stream": None,         # candidate: {"block_v": 32, "threads": 128, "vec": 4,
-                            #             "warps_k": 4, "items": 4, "ahead": 1}
 }
 
 
-def _full_grid(tile: dict, K: int, V: int, v_first: bool) -> dict:
+def _full_grid(tile: dict) -> dict:
     """The block-64 tile of a full grid, with DECODE_FULL_GRID's rules where they are on."""
-    stream = DECODE_FULL_GRID["stream"]
-    if stream and recurrent_layout_ok(K, V, stream["block_v"], stream["threads"],
-                                      stream["vec"], stream["warps_k"], v_first):
-        tile = dict(stream)
     if DECODE_FULL_GRID["ctas_per_sm"]:
         tile["ctas_per_sm"] = DECODE_FULL_GRID["ctas_per_sm"]
     return tile
@@ -125,7 +118,7 @@ def _recurrent(problem: dict, sizes: dict | None = None) -> dict:
     if (item == 4 and not v_first and n is not None and K <= 128 and V % 64 == 0
             and n * HV * (V // 64) >= min_ctas * NUM_SMS
             and recurrent_layout_ok(K, V, 64, 128, 4, 1, False)):
-        return _full_grid({"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1}, K, V, v_first)
+        return _full_grid({"block_v": 64, "threads": 128, "vec": 4, "warps_k": 1})
     per_thread = 64 if block_v == 64 and item == 2 else 32
     threads = max(32, min(256, K * block_v // per_thread))
     threads = 1 << (threads.bit_length() - 1)      # (K = 96, 160, 192: 64, 128 threads)

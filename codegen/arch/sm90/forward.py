@@ -10,11 +10,6 @@ Pipelines (codegen/pipeline.py has the Plan structure):
               forms each chunk's A_b and gate cumsum a chunk ahead of the walk): one kernel,
               no A_b / g_cum round trip through memory. For many chains (the batched rows),
               sequences unsplit (INVERSE_IN_WALK)
-  walk-vs     a probe (plan config value_split=1, off by default): chunk_walk_vs, the fused
-              walk with the state split by value rows over two warpgroups whose chain
-              products all take their A operand from registers, an aux warpgroup forming
-              A_b and P a chunk ahead and three load stages (the seed release's one-kernel
-              prefill schedule), at K = V = 128, sequences unsplit
   walk-split  the same when (sequences x value heads x value blocks) leave SMs idle: each
               sequence cut into segments of L chunks; chunk_walk_map forms each segment's
               affine map (only what its start still reaches, see that template), then
@@ -91,12 +86,6 @@ FUSED_REGS = (160, 112, 120, 120)
 #: 0.0885 -> 0.0876 (bench/LOG.md). l2norm_qk (the normalised q, k the walk reads) and
 #: save_states (the training forward keeps A) stay on chunk_kkt_inverse.
 INVERSE_IN_WALK = dict(default=True, min_fill=0.75)
-#: register budgets of chunk_walk_vs (state 0, state 1, aux, loads): ptxas at K = V = 128:
-#: the state groups fit 192 (at 184 ptxas serialises their wgmma for want of registers);
-#: the aux group spills 16 bytes at 104 under GDN's gate in bf16 (24 with gate_in_kernel,
-#: 88 at 88 / 20 before its vectors moved ahead of P), none under DeltaNet; the four fill
-#: the 64 K
-VS_REGS = (192, 192, 104, 24)
 
 
 def walk_smem(K: int, BV: int, itemsize: int = 2, chunk: int = 64) -> int:
@@ -197,7 +186,7 @@ CHUNK_SIZES = (64,)
 #: stages.key_prepare; block_k: the additive rule's state pass, additive.py)
 CONFIG_KEYS = ("block_v", "segments", "fused", "key_diag", "key_block_k", "key_threads",
                "key_min_ctas", "block_k", "inverse_in_walk", "state_threads",
-               "aqk_per_key_head", "inverse_stub", "value_split", "prepare_threads")
+               "aqk_per_key_head", "inverse_stub", "prepare_threads")
 
 
 def forward_plan(p: ForwardProblem, config: tuple = ()) -> Plan:
@@ -237,26 +226,7 @@ def inverse_in_walk(p: ForwardProblem, config: dict) -> bool:
             and fill >= INVERSE_IN_WALK["min_fill"] * hw.NUM_SMS)
 
 
-def value_split(p: ForwardProblem, config: dict) -> bool:
-    """Whether the walk runs value-split (walk-vs): config's value_split only (a probe, off
-    by default); it forms the WY inverse itself, at K = V = 128 with sequences unsplit."""
-    if not config.get("value_split"):
-        return False
-    why = ("l2norm_qk (the walk reads the normalised q, k)" if p.l2norm_qk
-           else "save_states (the training forward keeps A)" if p.save_states
-           else f"K={p.K}, V={p.V} (it runs K = V = 128)" if (p.K, p.V) != (128, 128)
-           else "segments (a split sequence)" if config.get("segments")
-           else "block_v (it holds all 128 value columns)" if "block_v" in config
-           else "inverse_in_walk=0 (it forms the inverse)"
-           if config.get("inverse_in_walk", 1) == 0 else "")
-    if why:
-        raise ValueError(f"plan config value_split: not with {why}")
-    return True
-
-
 def _walk_plan(p: ForwardProblem, config: dict) -> Plan:
-    if value_split(p, config):
-        return _vs_walk_plan(p, config)
     if inverse_in_walk(p, config):
         return _fused_walk_plan(p, config)
     choice = walk_choice(p, config)
@@ -329,21 +299,10 @@ def _fused_walk_plan(p: ForwardProblem, config: dict) -> Plan:
 
 
 def _fused_walk_params(p: ForwardProblem) -> dict:
-    """The problem keywords of chunk_walk_fused and chunk_walk_vs (the same tensors)."""
+    """The problem keywords of chunk_walk_fused."""
     return dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype,
                 g_dtype=p.g_dtype if p.gate == "scalar" else "float32",
                 beta_dtype=p.beta_dtype, beta_sigmoid=p.beta_sigmoid,
                 allow_neg_eigval=p.allow_neg_eigval, gate_in_kernel=p.gate_in_kernel,
                 state_v_first=p.state_v_first, has_initial_state=p.has_initial_state,
                 output_final_state=p.output_final_state)
-
-
-def _vs_walk_plan(p: ForwardProblem, config: dict) -> Plan:
-    """walk-vs: chunk_walk_vs alone, reading what chunk_walk_fused reads."""
-    stub = config.get("inverse_stub", 0)
-    walk = dict(_fused_walk_params(p), regs=VS_REGS, **({"inverse_stub": stub} if stub else {}))
-    reasons = [f"{p.N * p.HV} chains: the value-split walk (two state warpgroups of 64 "
-               f"value rows, the WY inverse a chunk ahead), one CTA per sequence (config "
-               f"{config})"]
-    return Plan("walk-vs", NAME, (launch("chunk_walk_vs", walk),), (), 0, tuple(reasons),
-                saved=saved_names(p))

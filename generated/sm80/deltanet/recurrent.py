@@ -26,12 +26,8 @@ or written). With ``inplace`` ht is h0 (the same tensor): the final state goes b
 slot slots[n] ([N]) or, per token, the state after token t to slots[n, t] ([N, S]);
 without a pool, to row n. Every slot not named is never read or written.
 Tuning beyond the tile (block_v, threads, vec, warps_k; codegen/arch picks them all):
-``items`` > 1: a CTA walks that many consecutive work items of the grid order (a state's
-value blocks, then the next head's); with an initial state their tiles reach shared memory
-through a ring of ``ahead`` stages (cp.async), so the next tiles' loads are in flight while
-the current one computes and is stored, and a pool's slots of all the CTA's items are read
-once at its start. ``ctas_per_sm`` > 0: each CTA claims 1 / (ctas_per_sm + 1) of an SM's
-shared memory, so at most ctas_per_sm of them are resident on an SM (bytes in flight).
+``ctas_per_sm`` > 0: each CTA claims 1 / (ctas_per_sm + 1) of an SM's shared memory, so at
+most ctas_per_sm of them are resident on an SM (bytes in flight).
 Arguments a call does not use (h0 without an initial state, ht without a final state,
 cu_seqlens without varlen, slots / accepted without a pool) have shape (1,).
 """
@@ -124,12 +120,11 @@ def thread_map(K, block_v, threads, vec, warps_k, state_v_first):
                 per_thread=K * block_v // threads)
 
 
-def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, items=1, ahead=1,
-                 ctas_per_sm=0, **flags):
+def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, ctas_per_sm=0,
+                 **flags):
     """Sizes this kernel supports (raises ValueError with the reason)."""
-    if items < 1 or not 1 <= ahead <= max(1, min(2, items)) or ctas_per_sm < 0:
-        raise ValueError(f"items={items} >= 1, ahead={ahead} in [1, min(2, items)], "
-                         f"ctas_per_sm={ctas_per_sm} >= 0")
+    if ctas_per_sm < 0:
+        raise ValueError(f"ctas_per_sm={ctas_per_sm} >= 0")
     if HV % H:
         raise ValueError(f"HV % H != 0 (H={H}, HV={HV})")
     if K % 16 or not 16 <= K <= 256:
@@ -142,26 +137,6 @@ def check_params(*, H, HV, K, V, block_v, threads, vec=4, warps_k=1, items=1, ah
     if m["per_thread"] > 128:
         raise ValueError(f"{m['per_thread']} state elements per thread (K * block_v / "
                          "threads) would not fit in registers; at most 128")
-    if items > 1 and flags.get("has_initial_state"):
-        item = 2 if (flags.get("h0_dtype") or flags.get("state_dtype", "float32")) in (
-            "bfloat16", "float16") else 4
-        shape = ring_shape(K, block_v, threads, vec, warps_k,
-                           bool(flags.get("state_v_first")), item, ahead)
-        if shape[0] * shape[1] * shape[2] * item > SMEM_PER_SM // 2:
-            raise ValueError(f"the ring of {ahead} tiles {shape[1:]} would take more than "
-                             "half an SM's shared memory")
-
-
-def ring_shape(K, BV, threads, vec, warps_k, v_first, item, ahead):
-    """Shape of the shared-memory ring of ``ahead`` state tiles (storage order, element
-    size ``item`` bytes). K-first rows are padded where a quarter warp's 16-byte reads of
-    the state layout would span two rows at the same banks (a row segment under 128 bytes
-    on a 128-byte multiple row): the next row starts one segment further."""
-    if v_first:
-        return (ahead, BV, K)
-    seg = thread_map(K, BV, threads, vec, warps_k, False)["lanes_v"] * vec * item
-    pad = seg // item if seg < 128 and (BV * item) % 128 == 0 else 0
-    return (ahead, K, BV + pad)
 
 
 def _state_layout(K, BV, threads, vec, warps_k, v_first):
@@ -196,12 +171,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
           state_v_first=False, has_initial_state=False, output_final_state=False,
           varlen=False, index_dtype="int32", h0_dtype=None, state_pool=False,
           slots_per_token=False, accepted_tokens=False, inplace=False, slot_dtype="int32",
-          block_v=32, threads=128, vec=4, warps_k=1, items=1, ahead=1, ctas_per_sm=0):
+          block_v=32, threads=128, vec=4, warps_k=1, ctas_per_sm=0):
     """The recurrent kernel for one static configuration (see the module docstring)."""
     check_params(H=H, HV=HV, K=K, V=V, block_v=block_v, threads=threads, vec=vec,
-                 warps_k=warps_k, items=items, ahead=ahead, ctas_per_sm=ctas_per_sm,
-                 state_v_first=state_v_first, has_initial_state=has_initial_state,
-                 h0_dtype=h0_dtype, state_dtype=state_dtype)
+                 warps_k=warps_k, ctas_per_sm=ctas_per_sm, state_v_first=state_v_first)
     requested = dict(l2norm_qk=l2norm_qk, beta_sigmoid=beta_sigmoid,
                      allow_neg_eigval=allow_neg_eigval, gate_in_kernel=gate_in_kernel,
                      state_v_first=state_v_first)
@@ -246,20 +219,10 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
     def state_at(n, hv, i, j):        # element [k = i, v = j] of a stored state
         return (n, hv, j, i) if state_v_first else (n, hv, i, j)
 
-    # CTA bx walks the items bx * items .. + items - 1 of that order (items > 1: fewer,
-    # longer CTAs; their tiles through a shared-memory ring of `ahead` stages)
-    total = N * HV * NVB
-    ring = items > 1 and has_initial_state
-    h0_item = 2 if h0_dtype in ("bfloat16", "float16") else 4
-    ring_dims = ring_shape(K, BV, threads, vec, warps_k, state_v_first, h0_item, ahead)
-    # ctas_per_sm: the ring's stages, else a buffer of its own, claim the SM's share
-    # (TileLang overlaps buffers whose lifetimes do not: a claim beside the ring would not add)
-    claim = SMEM_PER_SM // (ctas_per_sm + 1) if ctas_per_sm else 0
-    stage_bytes = ring_dims[1] * ring_dims[2] * h0_item
-    ring_dims = (max(ahead, -(-claim // stage_bytes)),) + ring_dims[1:]
-    reserve_words = 0 if ring else claim // 4
+    # ctas_per_sm: a shared buffer of its own claims the SM's share
+    reserve_words = SMEM_PER_SM // (ctas_per_sm + 1) // 4 if ctas_per_sm else 0
 
-    def tile_of(it):                  # (sequence, value head, first value column) of item it
+    def tile_of(it):                  # (sequence, value head, first value column) of CTA it
         i_nh = it // NVB
         return i_nh // HV, i_nh % HV, (it % NVB) * BV
 
@@ -272,27 +235,6 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             return T.cast(slots[i_n, col], "int32")
         else:
             return T.cast(slots[i_n], "int32")
-
-    @T.macro
-    def load_tile(h0, ring_buf, rows_sh, bx, t):
-        """Item t of CTA bx (t < items + ahead) on its way into stage t % ahead: one
-        cp.async commit group, empty past the CTA's items or for a pool's padding, so that
-        every item waits for exactly `ahead - 1` younger groups."""
-        it = bx * items + t
-        i_n, i_hv, v0 = tile_of(T.min(it, total - 1))
-        row = i_n
-        go = T.And(t < items, it < total)
-        if state_pool:
-            slot = T.alloc_var("int32", init=rows_sh[T.min(t, items - 1)])
-            go = T.And(go, T.And(slot >= 0, slot < P))
-            row = T.min(T.max(slot, 0), P - 1)
-        if go:
-            if state_v_first:
-                T.async_copy(h0[row, i_hv, v0:v0 + BV, 0:K], ring_buf[t % ahead, 0:BV, 0:K])
-            else:
-                T.async_copy(h0[row, i_hv, 0:K, v0:v0 + BV], ring_buf[t % ahead, 0:K, 0:BV])
-        else:
-            T.ptx_commit_group()
 
     @T.prim_func
     def recurrent(
@@ -308,7 +250,7 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
         o: T.Tensor((B, Tlen, HV, V), dtype),
         ht: T.Tensor(ht_shape, state_dtype),
     ):
-        with T.Kernel(T.ceildiv(total, items), threads=threads) as bx:
+        with T.Kernel(N * HV * NVB, threads=threads) as bx:
             S = T.alloc_fragment((K, BV), acc)           # the state tile, on chip
             SX = T.alloc_fragment((K, BV), acc)          # S * k, then S * q (summed over K)
             qf = T.alloc_fragment((K,), acc)
@@ -325,114 +267,84 @@ def build(*, H, HV, K, V, dtype="bfloat16", state_dtype="float32",
             if reserve_words:       # (written once: TileLang drops a buffer nothing touches)
                 reserve = T.alloc_shared((reserve_words,), "float32")
                 reserve[T.get_thread_binding()] = 0.0
-            if ring:        # a pool's slots of every item first, then `ahead` tiles in flight
-                ring_buf = T.alloc_shared(ring_dims, h0_dtype)
-                rows_sh = T.alloc_shared((items,), "int32")
-                if state_pool:
-                    for t in T.Parallel(items):
-                        rows_sh[t] = slot_of(slots, accepted,
-                                             tile_of(T.min(bx * items + t, total - 1))[0])
-                    T.sync_threads()
-                for t in T.unroll(ahead):
-                    load_tile(h0, ring_buf, rows_sh, bx, t)
 
-            for nth in T.serial(items):
-                it = bx * items + nth
-                if it < total:
-                    i_n, i_hv, v0 = tile_of(it)
-                    i_h = i_hv // group
-                    if varlen:
-                        i_b = 0
-                        bos = T.cast(cu_seqlens[i_n], "int32")
-                        seq_len = T.cast(cu_seqlens[i_n + 1], "int32") - bos
-                    else:
-                        i_b = i_n
-                        bos = 0
-                        seq_len = Tlen
-                    if ring:        # this item's tile has landed (cp.async, every thread's part)
-                        T.ptx_wait_group(ahead - 1)
-                        T.sync_threads()
+            i_n, i_hv, v0 = tile_of(bx)
+            i_h = i_hv // group
+            if varlen:
+                i_b = 0
+                bos = T.cast(cu_seqlens[i_n], "int32")
+                seq_len = T.cast(cu_seqlens[i_n + 1], "int32") - bos
+            else:
+                i_b = i_n
+                bos = 0
+                seq_len = Tlen
 
-                    if state_pool:      # the sequence's slot; outside [0, P): padding, skipped
-                        slot = T.alloc_var("int32", init=rows_sh[nth]) if ring \
-                            else slot_of(slots, accepted, i_n)
-                        live = T.And(slot >= 0, slot < P)
-                        if not live:        # skipped: its o rows are zeros (o is not pre-filled)
-                            for t in T.serial(seq_len):
-                                for j in T.Parallel(BV):
-                                    o[i_b, bos + t, i_hv, v0 + j] = T.cast(0.0, dtype)
-                        seq_len = T.if_then_else(live, seq_len, 0)
-                        row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
-                        if ring:
-                            for i, j in T.Parallel(K, BV):
-                                S[i, j] = T.if_then_else(live, T.cast(
-                                    ring_buf[(nth % ahead,) + state_at(0, 0, i, j)[2:]], acc), 0.0)
-                        else:
-                            for i, j in T.Parallel(K, BV):
-                                S[i, j] = T.if_then_else(
-                                    live, T.cast(h0[state_at(row, i_hv, i, v0 + j)], acc), 0.0)
-                    elif ring:
-                        for i, j in T.Parallel(K, BV):
-                            S[i, j] = T.cast(ring_buf[(nth % ahead,) + state_at(0, 0, i, j)[2:]],
-                                             acc)
-                    elif has_initial_state:
-                        for i, j in T.Parallel(K, BV):
-                            S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
-                    else:
-                        T.clear(S)
-                    if ring:        # the stage is free: the tile `ahead` items on into it
-                        T.sync_threads()
-                        load_tile(h0, ring_buf, rows_sh, bx, nth + ahead)
-
+            if state_pool:      # the sequence's slot; outside [0, P): padding, skipped
+                slot = slot_of(slots, accepted, i_n)
+                live = T.And(slot >= 0, slot < P)
+                if not live:        # skipped: its o rows are zeros (o is not pre-filled)
                     for t in T.serial(seq_len):
-                        tok = bos + t
-                        # every input of the token first: their loads are in flight together,
-                        # none waits behind a reduction's barrier
-                        for i in T.Parallel(K):
-                            qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
-                            kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
                         for j in T.Parallel(BV):
-                            vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
-                        b_t = T.cast(beta[i_b, tok, i_hv], acc)
-                        if beta_sigmoid:
-                            b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
-                        if l2norm_qk:
-                            for i in T.Parallel(K):
-                                sq[i] = qf[i] * qf[i]
-                            T.reduce_sum(sq, q_ss, dim=0)
-                            for i in T.Parallel(K):
-                                sq[i] = kf[i] * kf[i]
-                            T.reduce_sum(sq, k_ss, dim=0)
-                            for i in T.Parallel(K):
-                                qf[i] = qf[i] * T.rsqrt(q_ss[0] + L2NORM_EPS) * scale
-                                kf[i] = kf[i] * T.rsqrt(k_ss[0] + L2NORM_EPS)
-                        else:
-                            for i in T.Parallel(K):
-                                qf[i] = qf[i] * scale
-                        for i, j in T.Parallel(K, BV):
-                            SX[i, j] = S[i, j] * kf[i]
-                        T.reduce_sum(SX, kS, dim=0, batch=red_batch)       # kS = S^T k
-                        for j in T.Parallel(BV):
-                            vf[j] = (vin[j] - kS[j]) * b_t
-                        for i, j in T.Parallel(K, BV):
-                            S[i, j] = S[i, j] + kf[i] * vf[j]
-                            SX[i, j] = S[i, j] * qf[i]
-                        T.reduce_sum(SX, of, dim=0, batch=red_batch)       # o = S^T (scale q)
-                        for j in T.Parallel(BV):
-                            o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
-                        if inplace and slots_per_token:     # the state after token t: slot [n, t]
-                            wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
-                            if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
-                                for i, j in T.Parallel(K, BV):
-                                    ht[state_at(wslot, i_hv, i, v0 + j)] = T.cast(S[i, j],
-                                                                                  state_dtype)
+                            o[i_b, bos + t, i_hv, v0 + j] = T.cast(0.0, dtype)
+                seq_len = T.if_then_else(live, seq_len, 0)
+                row = T.min(T.max(slot, 0), P - 1)          # an address in the pool
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.if_then_else(
+                        live, T.cast(h0[state_at(row, i_hv, i, v0 + j)], acc), 0.0)
+            elif has_initial_state:
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = T.cast(h0[state_at(i_n, i_hv, i, v0 + j)], acc)
+            else:
+                T.clear(S)
 
-                    if inplace and state_pool and not slots_per_token:     # back to its slot
-                        if live:
-                            for i, j in T.Parallel(K, BV):
-                                ht[state_at(row, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
-                    elif (output_final_state or inplace) and not (inplace and slots_per_token):
+            for t in T.serial(seq_len):
+                tok = bos + t
+                # every input of the token first: their loads are in flight together,
+                # none waits behind a reduction's barrier
+                for i in T.Parallel(K):
+                    qf[i] = T.cast(q[i_b, tok, i_h, i], acc)
+                    kf[i] = T.cast(k[i_b, tok, i_h, i], acc)
+                for j in T.Parallel(BV):
+                    vin[j] = T.cast(v[i_b, tok, i_hv, v0 + j], acc)
+                b_t = T.cast(beta[i_b, tok, i_hv], acc)
+                if beta_sigmoid:
+                    b_t = (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_t))
+                if l2norm_qk:
+                    for i in T.Parallel(K):
+                        sq[i] = qf[i] * qf[i]
+                    T.reduce_sum(sq, q_ss, dim=0)
+                    for i in T.Parallel(K):
+                        sq[i] = kf[i] * kf[i]
+                    T.reduce_sum(sq, k_ss, dim=0)
+                    for i in T.Parallel(K):
+                        qf[i] = qf[i] * T.rsqrt(q_ss[0] + L2NORM_EPS) * scale
+                        kf[i] = kf[i] * T.rsqrt(k_ss[0] + L2NORM_EPS)
+                else:
+                    for i in T.Parallel(K):
+                        qf[i] = qf[i] * scale
+                for i, j in T.Parallel(K, BV):
+                    SX[i, j] = S[i, j] * kf[i]
+                T.reduce_sum(SX, kS, dim=0, batch=red_batch)       # kS = S^T k
+                for j in T.Parallel(BV):
+                    vf[j] = (vin[j] - kS[j]) * b_t
+                for i, j in T.Parallel(K, BV):
+                    S[i, j] = S[i, j] + kf[i] * vf[j]
+                    SX[i, j] = S[i, j] * qf[i]
+                T.reduce_sum(SX, of, dim=0, batch=red_batch)       # o = S^T (scale q)
+                for j in T.Parallel(BV):
+                    o[i_b, tok, i_hv, v0 + j] = T.cast(of[j], dtype)
+                if inplace and slots_per_token:     # the state after token t: slot [n, t]
+                    wslot = T.cast(slots[i_n, T.min(t, S_slots - 1)], "int32")
+                    if T.And(T.And(wslot >= 0, wslot < P), t < S_slots):
                         for i, j in T.Parallel(K, BV):
-                            ht[state_at(i_n, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+                            ht[state_at(wslot, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+
+            if inplace and state_pool and not slots_per_token:     # back to its slot
+                if live:
+                    for i, j in T.Parallel(K, BV):
+                        ht[state_at(row, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
+            elif (output_final_state or inplace) and not (inplace and slots_per_token):
+                for i, j in T.Parallel(K, BV):
+                    ht[state_at(i_n, i_hv, i, v0 + j)] = T.cast(S[i, j], state_dtype)
 
     return recurrent
