@@ -21,6 +21,12 @@ VARIANTS = ("fwd", "bwd", "decode")
 ALL_RULES = frozenset({"additive", "delta", "gdn2", "comba"})
 #: the scalar / no gate's WY stages (the kkt inverse and w, u of the three-stage pipeline)
 WY_RULES = frozenset({"delta", "comba"})
+#: the delta rule's backward stages (the rebuilds, the four stages, the key gradients): the
+#: delta rule's and the forms whose erase side its macros give (Comba's p on the scalar
+#: gate's WY stage, GDN-2's b . k and w . v on the per-key gate's); the folded form: the
+#: delta rule's
+DELTA_BWD_RULES = frozenset({"delta", "comba", "gdn2"})
+DELTA_BWD_SKIP = frozenset({"comba/none"})
 #: the rules the recurrent (decode) stage implements
 DECODE_RULES = frozenset(r.value for r in Rule)
 #: the dplr rule's chunked forward (chunk_prepare_dplr, chunk_state_dplr: its own form,
@@ -74,7 +80,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_kkt_inverse_save", "chunk_kkt_inverse.py.jinja", "fwd",
               doc="training: chunk_kkt_inverse writing the WY inverse A itself too (the "
                   "backward keeps it)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=WY_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"none", "scalar"})),
         Stage("chunk_walk", "chunk_walk.py.jinja", "fwd",
               doc="the delta rule's walk: state, WY step and output by concurrent warpgroups",
               rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"}),
@@ -105,7 +111,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_prepare_save", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate, training: chunk_prepare writing the WY "
                   "inverse A too (the backward keeps it)",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
+              rules=DELTA_BWD_RULES, gates=frozenset({"key"})),
         Stage("chunk_prepare_states", "chunk_prepare_key.py.jinja", "fwd",
               doc="per chunk, per-key gate, the states alone (a training backward's "
                   "recompute): cumsum, kg, g_last; no pair sums",
@@ -143,23 +149,23 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
                   "q, k) from the inverse A the training forward kept",
-              rules=frozenset({"delta"}), gates=frozenset({"key"})),
+              rules=DELTA_BWD_RULES, gates=frozenset({"key"})),
         Stage("chunk_bwd_kkt_rebuild", "chunk_kkt_inverse.py.jinja", "bwd",
               doc="per chunk, none / scalar gate: the gate cumsum and the l2-normalised q, k "
                   "(the kept A spares the inverse)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"none", "scalar"})),
         Stage("chunk_bwd_dv_local", "chunk_bwd_dv_local.py.jinja", "bwd",
               doc="per chunk (token-first packed): dv_local = (tril_incl(q k^T) E)^T do",
-              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_dh", "chunk_bwd_dh.py.jinja", "bwd",
               doc="reverse sequential pass: dh per chunk, dv2 = dv_local + k dh",
-              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_dqkw", "chunk_bwd_dqkw.py.jinja", "bwd",
               doc="per chunk: v_new, dq, dk (output + state terms), dw = -dv2 S^T",
-              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_wy", "chunk_bwd_wy.py.jinja", "bwd",
               doc="per chunk: back through A, w, u: dk += WY terms, dv, dbeta",
-              rules=frozenset({"delta"}), gates=frozenset({"scalar", "key"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"scalar", "key"})),
         Stage("chunk_bwd_fold_local", "chunk_bwd_fold_local.py.jinja", "bwd",
               doc="folded form, per chunk: dv_local, and the reverse pass's dh-free parts "
                   "dh_local = q^T do - w^T dv_local, nwk = -(w^T k)",
@@ -175,7 +181,7 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
         Stage("chunk_bwd_key_grads", "chunk_bwd_key_grads.py.jinja", "bwd",
               doc="token-first: the per-value-head dq, dk to the key heads' (GVA sum, scale, "
                   "l2norm backward)",
-              rules=frozenset({"delta"}), gates=frozenset({"none", "scalar", "key"})),
+              rules=DELTA_BWD_RULES, skip=DELTA_BWD_SKIP, gates=frozenset({"none", "scalar", "key"})),
         Stage("chunk_bwd_dstate_local", "chunk_bwd_dstate_local.py.jinja", "bwd",
               doc="additive rule, per chunk: its state-gradient term scale (q e^g)^T do, its decay",
               rules=frozenset({"additive"})),

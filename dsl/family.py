@@ -62,6 +62,10 @@ class RuleMaths:
     #: own per key head; the chunked kernels read it as <name>_in, l2-normalised <name>n),
     #: "" for none
     erase_key = ""
+    #: the gates whose generated chunked backward a rule with vector inputs trains through
+    #: (the delta backward's stages taking its erase side from its macros: Comba's scalar
+    #: gate, GDN-2's per-key gate); others train exactly in torch (ops/exact_train.py)
+    backward_gates: tuple = ()
 
     @property
     def dtype_inputs(self) -> tuple:
@@ -304,6 +308,7 @@ class CombaRule(DeltaRule):
     A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
     name = "comba"
     erase_key = "p"
+    backward_gates = ("scalar",)
     vector_inputs = ("p",)
     vector_axes = {"p": ("H", "K")}
     reads_decayed = False
@@ -327,6 +332,7 @@ class Gdn2Rule(DeltaRule):
     vector_inputs = ("b", "w")
     vector_axes = {"b": ("HV", "K"), "w": ("HV", "V")}
     scale_input = "w"
+    backward_gates = ("key",)
 
     def erase(self, k, beta):
         raise NotImplementedError("gdn2: the erase vector is b . k (read_key)")

@@ -117,6 +117,13 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                  initial_state=initial_state)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
+        if rule_inputs and _trains(spec):
+            from . import autograd
+            ones = beta is None and (beta_ones or not spec.has_beta)   # (GDN-2: no beta)
+            return autograd.train(spec, options, q, k, v, g, ones_beta(q, v) if ones else beta,
+                                  scale, initial_state, output_final_state, cu_seqlens,
+                                  cu_seqlens_cpu, A_log, dt_bias, lower_bound=lower_bound,
+                                  rule_inputs=rule_inputs)
         exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -156,10 +163,17 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                  ht if output_final_state else None)
 
 
+def _trains(spec: OpSpec) -> bool:
+    """Whether a rule with vector inputs trains through the generated backward
+    (ops/build.py has_backward: its RuleMaths.backward_gates)."""
+    from .build import has_backward
+    return has_backward(spec)
+
+
 def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
                   initial_state=None, output_final_state=False, options: Options = Options(),
                   cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None,
-                  lower_bound=None):
+                  lower_bound=None, rule_inputs=None):
     """(o, final_state or None, saved) of a training forward (ops/autograd.py's Function):
     the chunked forward for every T, keeping what its backward reads (ops/chunk.py
     chunk_forward's save_states: h [NT, HV, K, V] in q's dtype, the state entering each
@@ -171,14 +185,17 @@ def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
                  initial_state=initial_state)
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
-                              values=validate.host_checks(), sizes=_head_dims, **extra)
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra)
+                              values=validate.host_checks(), sizes=_head_dims,
+                              rule_inputs=rule_inputs, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
+                            rule_inputs=rule_inputs)
     return run_chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
                              scale=spec.scale_for(chk.dims.K, scale),
                              initial_state=x["initial_state"],
                              output_final_state=bool(output_final_state), options=opts,
                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                             A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True)
+                             A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True,
+                             rule_inputs=x.get("rule_inputs"))
 
 
 def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=None,
@@ -232,13 +249,19 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     ``inplace_final_state`` writes the final states into initial_state, which is
     returned as the final state. A call autograd would record (a family whose chunk_*
     twin has no backward kernels: the same function of its inputs) trains exactly in torch
-    (ops/exact_train.py); a state pool does not train."""
+    (ops/exact_train.py), one whose twin has (Comba's: :func:`_trains`) as that twin; a
+    state pool does not train."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
         _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        if rule_inputs and _trains(spec):       # (as its chunk_* twin: the kernels)
+            return forward(spec, q, k, v, g, beta, scale=scale,
+                           output_final_state=output_final_state, options=options,
+                           cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                           rule_inputs=rule_inputs, beta_ones=beta_ones, **extra)
         exact_train.note_no_kernels(spec, q)
         return exact_train.train(spec, options, q, k, v, g, beta, scale=scale,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -52,6 +52,7 @@ class DeltaRuleCall:
     lower_bound: float | None = None        # KDA's lower-bounded gate (with gate_in_kernel)
     state_v_first: bool = False             # the caller's states [N, HV, V, K]
     cu: tuple | None = None                 # host cu_seqlens (varlen) or None
+    rule_names: tuple = ()                  # the rule's vector inputs (Comba's p), in order
     cu_seqlens: object = field(default=None, compare=False)      # device copy (forward)
     cu_seqlens_cpu: object = field(default=None, compare=False)
 
@@ -71,13 +72,15 @@ class DeltaRuleCall:
 
 
 def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log=None,
-                dt_bias=None):
+                dt_bias=None, rule_inputs=None):
     """(o, final_state or None, saved) from the chunked forward (tests replace this on the
     CPU); saved: h [NT, HV, K, V] in q's dtype, the state entering each chunk, and the
     WY inverse: A_inv (none / scalar gate) or A, aqk (per-key gate), [Ttot, HV, 64]
-    (api.train_forward, the plan's saved)."""
+    (api.train_forward, the plan's saved); rule_inputs: the rule's vector inputs by name."""
     from . import api
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
+    if rule_inputs:
+        extra["rule_inputs"] = rule_inputs
     return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,
@@ -91,8 +94,10 @@ class ChunkDeltaRuleFunction:
     _fn = None
 
     @classmethod
-    def apply(cls, call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None):
-        """g, A_log, dt_bias: the gate's inputs (call.spec gated). The Function runs the
+    def apply(cls, call, q, k, v, beta, initial_state, g=None, A_log=None, dt_bias=None,
+              rule_inputs=None):
+        """g, A_log, dt_bias: the gate's inputs (call.spec gated); rule_inputs: the rule's
+        vector inputs by name (call.rule_names; their gradients too). The Function runs the
         states key-first ([N, HV, K, V]: a state_v_first call's transposed in and out) at
         head dims in HEAD_DIMS (others zero-padded, :func:`pad_dims`, o and the final
         state sliced back), each by differentiable torch ops around it. q, k, v are made
@@ -102,6 +107,7 @@ class ChunkDeltaRuleFunction:
         if cls._fn is None:
             cls._fn = _make_function()
         q, k, v = (x.contiguous() for x in (q, k, v))
+        rule = [rule_inputs[n].contiguous() for n in call.rule_names]
         if call.state_v_first and initial_state is not None:
             initial_state = initial_state.transpose(-1, -2).contiguous()
         K, V = q.shape[-1], v.shape[-1]
@@ -109,8 +115,9 @@ class ChunkDeltaRuleFunction:
         if (Kp, Vp) != (K, V):
             q, k, v, initial_state, g, dt_bias = pad_dims(call, Kp, Vp, q, k, v, initial_state,
                                                           g, dt_bias)
+            rule = pad_rule_inputs(call, K, V, Kp, Vp, rule)
         o, final = padding.unpad(False, K, V, *cls._fn.apply(
-            call, q, k, v, beta, initial_state, g, A_log, dt_bias))
+            call, q, k, v, beta, initial_state, g, A_log, dt_bias, *rule))
         if call.state_v_first and final is not None:
             final = final.transpose(-1, -2)
         return o, None if final is None else final.contiguous()
@@ -138,16 +145,27 @@ def pad_dims(call, Kp, Vp, q, k, v, initial_state, g, dt_bias):
     return q, k, v, initial_state, g, dt_bias
 
 
+def pad_rule_inputs(call, K, V, Kp, Vp, rule: list) -> list:
+    """The rule's vector inputs zero-padded along their channel axis (K or V: RuleMaths.
+    vector_axes) to Kp, Vp, by differentiable torch ops (as :func:`pad_dims`)."""
+    import torch.nn.functional as F
+    axes = call.spec.rule.maths.vector_axes
+    return [F.pad(x, (0, Kp - K if axes[n][1] == "K" else Vp - V))
+            for n, x in zip(call.rule_names, rule)]
+
+
 def _make_function():
     import torch
 
     class _ChunkDeltaRule(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, call, q, k, v, beta, initial_state, g, A_log, dt_bias):
+        def forward(ctx, call, q, k, v, beta, initial_state, g, A_log, dt_bias, *rule):
             gate = (g, A_log, dt_bias) if call.gated else ()
-            o, final, saved = run_forward(call, q, k, v, beta, initial_state, *gate)
+            named = dict(zip(call.rule_names, rule))
+            o, final, saved = run_forward(call, q, k, v, beta, initial_state, *gate,
+                                          **({"rule_inputs": named} if named else {}))
             ctx.call, ctx.saved_names = call, tuple(saved)
-            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias,
+            ctx.save_for_backward(q, k, v, beta, initial_state, g, A_log, dt_bias, *rule,
                                   *saved.values())
             ctx.set_materialize_grads(False)
             return o, final
@@ -155,11 +173,13 @@ def _make_function():
         @staticmethod
         def backward(ctx, do, dht):
             q, k, v, beta, initial_state, g, A_log, dt_bias, *kept = ctx.saved_tensors
-            kept = dict(zip(ctx.saved_names, kept))
+            n = len(ctx.call.rule_names)
+            rule = dict(zip(ctx.call.rule_names, kept[:n]))
+            kept = dict(zip(ctx.saved_names, kept[n:]))
             h = kept.pop("h")
             if ctx.call.gated or ctx.call.keyed:
                 grads = gated_backward(ctx.call, q, k, v, g, beta, initial_state, A_log,
-                                       dt_bias, do, dht, h, kept)
+                                       dt_bias, do, dht, h, kept, rule)
                 grads = grads[:3] + (grads[4], grads[5], grads[3]) + grads[6:]
             else:
                 grads = deltanet_backward(ctx.call, q, k, v, beta, initial_state, do, dht, h,
@@ -179,15 +199,16 @@ def wide_heads(q, v) -> bool:
 
 
 def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, g=None,
-                    spec=None):
+                    spec=None, rule_inputs=None):
     """Raise SpecError for what the backward does not support (never a wrong gradient).
     spec: a scalar-gate spec checks Gated DeltaNet's call (g [B, T, HV], GVA allowed), a
-    per-key-gate spec KDA's (g [B, T, HV, K])."""
+    per-key-gate spec KDA's (g [B, T, HV, K]); rule_inputs: the rule's vector inputs
+    (:func:`check_rule_inputs`)."""
     import torch
     keyed = chunk_bwd.is_key(spec)
     gated = chunk_bwd.is_gated(spec) or keyed
-    what = ("the KDA backward" if keyed else "the Gated DeltaNet backward" if gated
-            else "the DeltaNet backward")
+    what = (f"the {spec.name} backward" if rule_inputs else "the KDA backward" if keyed
+            else "the Gated DeltaNet backward" if gated else "the DeltaNet backward")
     if beta is None:
         raise SpecError(f"{what} needs beta")
     heads_ok = v.dim() == 4 and q.dim() == 4 and (
@@ -216,9 +237,22 @@ def check_trainable(q, k, v, beta, initial_state, options: Options, cu_seqlens, 
         raise SpecError(f"{what} does not support {unsupported} (yet)")
     if cu_seqlens is not None and q.shape[0] != 1:
         raise SpecError(f"cu_seqlens needs B == 1, got B={q.shape[0]}")
+    check_rule_inputs(spec, q, v, rule_inputs, what)
     from . import runtime
     runtime.check_training(q.device, "delta", "key" if keyed else "scalar" if gated else "none",
                            what)
+
+
+def check_rule_inputs(spec, q, v, rule_inputs, what: str) -> None:
+    """Each of the rule's vector inputs (RuleMaths.vector_axes) shaped [B, T, H or HV, K
+    or V]; a key of its own (key heads) in q's dtype."""
+    sizes = {"H": q.shape[2], "HV": v.shape[2], "K": q.shape[-1], "V": v.shape[-1]}
+    for name, x in (rule_inputs or {}).items():
+        heads, chans = spec.rule.maths.vector_axes[name]
+        want = tuple(q.shape[:2]) + (sizes[heads], sizes[chans])
+        if tuple(x.shape) != want or (heads == "H" and x.dtype != q.dtype):
+            raise SpecError(f"{what} needs {name} {want} in {q.dtype}, got "
+                            f"{tuple(x.shape)} in {x.dtype}")
 
 
 def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht, h, kept):
@@ -237,14 +271,16 @@ def deltanet_backward(call: DeltaRuleCall, q, k, v, beta, initial_state, do, dht
 
 
 def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do, dht, h,
-                    kept):
+                    kept, rule=None):
     """The delta rule's backward (every gate) on the call's own token-first tensors (packed
     varlen as it comes, no padding): the rebuild from what its forward kept (_rebuild:
     A_inv, or the per-key gate's A, aqk),
     the four stages, then dq, dk summed over each key head's value heads through the
     l2norm's backward. b_in, g_in: the effective beta, log gate (f32; [B, T, HV] scalar,
-    [B, T, HV, K] per key, None: no gate). Returns (dq, dk, dv (input dtype), dbeta, dg
-    (like g_in, or None), dh0 [N, HV, K, V] f32 (or None))."""
+    [B, T, HV, K] per key, None: no gate); rule: the rule's vector inputs by name (an erase
+    key of its own, RuleMaths.erase_key: rebuilt, read and differentiated as k). Returns
+    (dq, dk, dv (input dtype), dbeta, dg (like g_in, or None), dh0 [N, HV, K, V] f32 (or
+    None)) and, with rule, {name: its gradient}."""
     import torch
     from . import chunk, runtime
     B, T, H, K = q.shape
@@ -259,7 +295,7 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
             if dht is None else dht.float().clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
                 b_in.new_zeros(B, T, HV), None if g_in is None else torch.zeros_like(g_in),
-                dh0)
+                dh0) + (({n: torch.zeros_like(x) for n, x in rule.items()},) if rule else ())
     flat = lambda x: x.reshape(Ttot, *x.shape[2:])[:n].contiguous()  # noqa: E731
     # (dht's placeholder is never read, dh0 written whole where stored: no fill kernel)
     f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=dev)  # noqa: E731
@@ -271,9 +307,11 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     runtime.announce(call.spec, arch, params)      # recording(): all at once
     tables = chunk._tables(cu, chunk_bwd.CHUNK, dev, 0)
     qf, kf, vf, bf = flat(q.detach()), flat(k.detach()), flat(v.detach()), flat(b_in.to(dt))
+    rf = {name: flat(x.detach() if call.spec.rule.maths.vector_axes[name][0] == "H"
+                     else x.detach().float()) for name, x in (rule or {}).items()}
     x, q_scale = _rebuild(call, params, tables, qf, kf, vf, bf,
                             flat(g_in) if gated else None,
-                            flat(torch.zeros_like(v) if do is None else do), kept)
+                            flat(torch.zeros_like(v) if do is None else do), kept, rf)
     x.update(tables, v=vf, beta=bf, S=h,
              state_row=chunk_bwd.state_rows(tables["chunk_bos"].numel(), 0, dev),
              dht=f32(1, HV, K, V) if dht is None else dht.float().contiguous(),
@@ -283,10 +321,12 @@ def packed_backward(call: DeltaRuleCall, q, k, v, b_in, g_in, initial_state, do,
     shape = lambda y: _tokens(y, B, T)  # noqa: E731
     return (shape(dq), shape(dk), shape(x["dv"]), shape(x["dbeta"]),
             shape(x["dg"]) if gated else None,
-            x["dh0"] if initial_state is not None else None)
+            x["dh0"] if initial_state is not None else None) + (
+        ({n: shape(chunk_bwd.rule_grads(x, n, t, params, call.spec))
+          for n, t in rf.items()},) if rule else ())
 
 
-def _rebuild(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept):
+def _rebuild(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept, rule=None):
     """The stages' inputs rebuilt from the forward's kept WY inverse on the flat tokens, with
     the call's scale in: the none / scalar gate's stages read scale q (dq's factor then
     the scale); the per-key gate's rebuild (from kept: A, aqk) forms its q terms from the
@@ -295,10 +335,11 @@ def _rebuild(call: DeltaRuleCall, params, tables, q, k, v, beta, g, do, kept):
     n = q.shape[0]                       # (the kept tensors span all B T tokens)
     if call.keyed:
         x = chunk_bwd.key_rebuild_packed(q, k, v, beta, g, kept["A"][:n], kept["aqk"][:n],
-                                         tables, params, call.spec)
+                                         tables, params, call.spec, rule)
         x["do"] = do * call.scale
         return x, 1.0
-    x = chunk_bwd.rebuild(q, k, v, beta, g, kept["A_inv"][:n], tables, params, call.spec)
+    x = chunk_bwd.rebuild(q, k, v, beta, g, kept["A_inv"][:n], tables, params, call.spec,
+                          erase=(rule or {}).get(call.spec.rule.maths.erase_key))
     x.update(q=(x["q"] * call.scale).to(q.dtype), do=do)
     return x, call.scale
 
@@ -330,7 +371,7 @@ def _gated_inputs(call: DeltaRuleCall, g, beta, A_log, dt_bias):
 
 
 def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, dt_bias, do,
-                   dht, h, kept):
+                   dht, h, kept, rule=None):
     """Gradients of chunk_gated_delta_rule (scalar gate g [B, T, HV]; A_log, dt_bias [HV])
     or chunk_kda (per-key gate g [B, T, HV, K]; dt_bias HV * K elements) under
     sum(o * do) + sum(final_state * dht).
@@ -341,7 +382,8 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     [NT, HV, K, V]: the forward's per-chunk states, kept: what else it kept (run_forward's
     saved: A_inv, or the per-key gate's A, aqk). Returns
     (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) in the inputs' shapes and dtypes (None
-    for an input not given): :func:`packed_backward` on the call's tensors, the gate's and
+    for an input not given), then the gradient of each of rule's vector inputs (by
+    call.rule_names): :func:`packed_backward` on the call's tensors, the gate's and
     beta's activations differentiated by torch around it.
     """
     import torch
@@ -350,14 +392,15 @@ def gated_backward(call: DeltaRuleCall, q, k, v, g, beta, initial_state, A_log, 
     with torch.enable_grad():
         g_in, b_in = _gated_inputs(call, *raw)
 
-    dq, dk, dv, dbeta, dg, dh0 = packed_backward(call, q, k, v, b_in.detach(), g_in.detach(),
-                                                 initial_state, do, dht, h, kept)
+    dq, dk, dv, dbeta, dg, dh0, *drule = packed_backward(
+        call, q, k, v, b_in.detach(), g_in.detach(), initial_state, do, dht, h, kept, rule)
     leaves = [x for x in raw if x is not None]
     grads = iter(torch.autograd.grad((g_in, b_in), leaves, (dg, dbeta.float()),
                                      allow_unused=True))
     dg, dbeta, dA_log, ddt_bias = [None if x is None else _cast(next(grads), x) for x in raw]
     return (dq, dk, dv, dg, dbeta,
-            None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias)
+            None if dh0 is None else dh0.to(initial_state.dtype), dA_log, ddt_bias,
+            *(_cast(drule[0][n], rule[n]) for n in call.rule_names))
 
 
 def _cast(d, x):
@@ -365,19 +408,24 @@ def _cast(d, x):
 
 
 def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_final_state,
-          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None, lower_bound=None):
+          cu_seqlens, cu_seqlens_cpu, A_log=None, dt_bias=None, lower_bound=None,
+          rule_inputs=None):
     """A differentiable call of a gated delta-rule spec (chunk_gated_delta_rule: the
-    scalar gate; chunk_kda: the per-key gate, lower_bound its lower-bounded gate):
-    checked, then the autograd Function. Returns (o, final_state or None)."""
+    scalar gate; chunk_kda: the per-key gate, lower_bound its lower-bounded gate; Comba:
+    the scalar gate and rule_inputs, its erase key p by name): checked, then the autograd
+    Function. Returns (o, final_state or None)."""
     if opts.gate_in_kernel and A_log is None and lower_bound is None:
         raise SpecError("use_gate_in_kernel=True needs A_log")
     if exact_train.is_float32(q) or wide_heads(q, v):
-        return exact_train.train(spec, opts, q, k, v, g, beta, scale=scale,
+        return exact_train.train(spec, opts, q, k, v, g, beta if spec.has_beta else None,
+                                 scale=scale,
                                  initial_state=initial_state,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-                                 lower_bound=lower_bound if opts.gate_in_kernel else None)
-    check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec)
+                                 lower_bound=lower_bound if opts.gate_in_kernel else None,
+                                 rule_inputs=rule_inputs)
+    check_trainable(q, k, v, beta, initial_state, opts, cu_seqlens, g=g, spec=spec,
+                    rule_inputs=rule_inputs)
     cu = None
     if cu_seqlens is not None:
         host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
@@ -388,6 +436,7 @@ def train(spec, opts: Options, q, k, v, g, beta, scale, initial_state, output_fi
         beta_sigmoid=opts.beta_sigmoid, allow_neg_eigval=opts.allow_neg_eigval,
         lower_bound=(None if lower_bound is None or not opts.gate_in_kernel
                      else float(lower_bound)), state_v_first=opts.state_v_first, cu=cu,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        rule_names=tuple(rule_inputs or ()))
     return ChunkDeltaRuleFunction.apply(call, q, k, v, beta, initial_state, g, A_log,
-                                        dt_bias)
+                                        dt_bias, rule_inputs)

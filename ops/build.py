@@ -85,9 +85,13 @@ def build(spec: OpSpec) -> Ops:
 def has_backward(spec: OpSpec) -> bool:
     """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
     the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
-    any gate (the value gate through its key-gated twin), at DeltaNet's chunk size."""
+    any gate (the value gate through its key-gated twin), at DeltaNet's chunk size; a rule
+    with vector inputs at the gates its backward is generated for (RuleMaths.backward_gates:
+    Comba's scalar gate, trained through ops/api.py forward's route to ops/autograd.py)."""
     from . import deltanet
-    return spec.chunk_size == deltanet.SPEC.chunk_size and not spec.rule.maths.vector_inputs
+    maths = spec.rule.maths
+    return spec.chunk_size == deltanet.SPEC.chunk_size and (
+        not maths.vector_inputs or spec.gate.value in maths.backward_gates)
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:

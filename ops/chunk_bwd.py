@@ -382,7 +382,7 @@ def train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
                 chunk_bwd_key_grads=dict(H=H, HV=HV, K=K, dtype=dtype, l2norm=bool(l2norm)))
 
 
-def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
+def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None, erase=None) -> dict:
     """What the none / scalar gate's stages need from the forward besides its states and
     the WY inverse A [Ttot, HV, 64] it kept (chunk_kkt_inverse_save: A itself, input
     dtype), formed by ROWS and chunk_wu (params: :func:`rebuild_params`) on token-first
@@ -390,7 +390,10 @@ def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
     beta), g [Ttot, HV] f32 (the effective log gate) or None, the chunk tables. Returns
     dict(q, k: q, k l2-normalised with l2norm (else the inputs), A, w [Ttot, HV, K], u
     [Ttot, HV, V] (input dtype) and, with g, g_cum [HV, NT * 64] f32: the in-chunk
-    cumulative log gate the stages read)."""
+    cumulative log gate the stages read). erase: the rule's erase key of its own
+    [Ttot, H, K] (RuleMaths.erase_key, e.g. Comba's p: ROWS l2-normalises it with q, k,
+    chunk_wu forms w from it); then also {name: it (normalised), "d" + name: the
+    chunk_bwd_wy's gradient buffer [Ttot, HV, K]}."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
@@ -402,11 +405,16 @@ def rebuild(q, k, v, beta, g, A, tables: dict, params: dict, spec=None) -> dict:
              g=f32(Ttot, HV) if g is None else g,
              g_cum=f32(Ttot, HV) if g is None else f32(HV, NT * CHUNK),
              A=A, w=v.new_empty(Ttot, HV, K), u=v.new_empty(Ttot, HV, V))
+    name = spec.rule.maths.erase_key if erase is not None else ""
+    if name:            # (the kernels' <name>_in and its normalised <name>n)
+        x.update({f"{name}_in": erase, f"{name}n": torch.empty_like(erase) if l2norm else erase})
     if ROWS in params:
         runtime.launch_kernel(spec, runtime.arch_of(k.device), ROWS, params[ROWS], x)
     runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_wu", params["chunk_wu"], x,
-                          lambda n: "kn" if n == "k" else n)
+                          lambda n: (f"{name}n" if name else "kn") if n == "k" else n)
     out = dict(q=x["qn"], k=x["kn"], A=x["A"], w=x["w"], u=x["u"])
+    if name:
+        out.update({name: x[f"{name}n"], f"d{name}": v.new_empty(Ttot, HV, K)})
     if g is not None:
         out["g_cum"] = x["g_cum"]
     return out
@@ -422,6 +430,18 @@ def key_grads(x: dict, q, k, scale, params: dict, spec=None):
              dk_out=torch.empty_like(k))
     runtime.launch_kernel(spec, runtime.arch_of(k.device), "chunk_bwd_key_grads", params["chunk_bwd_key_grads"], y)
     return y["dq_out"], y["dk_out"]
+
+
+def rule_grads(x: dict, name: str, t, params: dict, spec):
+    """The call's gradient of the rule's vector input ``name`` (t: as the stages read it)
+    from chunk_bwd_wy's: a key of its own (Comba's erase key p [Ttot, H, K], x["d" +
+    name] per value head) through chunk_bwd_key_grads as :func:`key_grads` takes q's and
+    k's (the GVA sum, the l2norm's backward; factor 1); a gate per value head (GDN-2's b,
+    w: x["d" + name + "_in"], f32) as the stage wrote it."""
+    if spec.rule.maths.vector_axes[name][0] != "H":
+        return x[f"d{name}_in"]
+    d = x[f"d{name}"]
+    return key_grads(dict(x, dq=d, dk=d), t, t, 1.0, params, spec)[0]
 
 
 # -- the per-key gate (KDA) ------------------------------------------------------------------
@@ -457,7 +477,7 @@ def key_train_params(*, H, HV, K, V, dtype, chains, l2norm=False, use_dht=False,
 
 
 def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
-                       spec=None) -> dict:
+                       spec=None, rule=None) -> dict:
     """What the per-key stages need from the forward besides its states: rebuilt
     (REBUILD, params: :func:`key_train_params`) from the WY inverse A and taken with A_qk
     as the training forward kept them (chunk_prepare_save; A, aqk [Ttot, HV, 64], input
@@ -469,7 +489,10 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
     Returns the dict run_stages takes: q, k (l2-normalised with the params'
     l2norm_qk, else the inputs themselves), A, aqk, qg, kg, w [Ttot, HV, K], u
     [Ttot, HV, V] (input dtype), g_last [NT, HV, K] and g_cum [Ttot, HV, K] f32 (the
-    in-chunk cumulative log gate per key channel, the chunk's rows)."""
+    in-chunk cumulative log gate per key channel, the chunk's rows). rule: the rule's
+    gates per value head by name (GDN-2's b [Ttot, HV, K], w [Ttot, HV, V], f32): read by
+    the rebuild and chunk_bwd_wy as <name>_in, which writes their gradients into the
+    returned d<name>_in (f32)."""
     import torch
     Ttot, H, K = k.shape
     HV, V = v.shape[1:]
@@ -482,8 +505,11 @@ def key_rebuild_packed(q, k, v, beta, g, A, aqk, tables: dict, params: dict,
              A=A, qg=e(K), kg=e(K), g_last=f32(NT, HV, K), w=e(K), u=e(V),
              g_cum=f32(Ttot, HV, K),
              qn=torch.empty_like(q) if l2norm else q, kn=torch.empty_like(k) if l2norm else k)
+    ins = {f"{n}_in": t for n, t in (rule or {}).items()}
+    x.update(ins)
     if NT:
         runtime.launch_kernel(spec or _key_spec(), runtime.arch_of(k.device), REBUILD, p, x)
-    out = dict(q=x["qn"], k=x["kn"], aqk=aqk)
+    out = dict(q=x["qn"], k=x["kn"], aqk=aqk, **ins)
     out.update((n, x[n]) for n in ("A", "qg", "kg", "g_last", "w", "u", "g_cum"))
+    out.update((f"d{n}", torch.empty_like(t)) for n, t in ins.items())
     return out

@@ -33,8 +33,10 @@ def chunk_gdn2(q, k, v, g, b, w, scale=None, initial_state=None, output_final_st
     Runs the chunked kernels (the per-key gate's prepare with b . k as the erase vector
     and w . v as the written value, then KDA's state and output stages) where they take
     the call (ops/api.py choose_path: T > 1, f16 / bf16, K <= 256, V a multiple of 16 up
-    to 256), the recurrent kernel otherwise; no backward kernels yet (a call that needs
-    gradients trains exactly in torch: ops/exact_train.py). return_intermediate_states=True
+    to 256), the recurrent kernel otherwise. A 16-bit call that needs gradients (K, V up
+    to 128) trains through the generated backward (ops/autograd.py: KDA's per-key stages
+    with b . k as the erase vector and w . v as the written value; db, dw too); float32
+    and wider heads train exactly in torch (ops/exact_train.py). return_intermediate_states=True
     (inference only) also returns fla's h, the state entering each 64-token chunk
     (:func:`_intermediate_states`).
     """

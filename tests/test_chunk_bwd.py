@@ -325,33 +325,44 @@ def _dqkw(p, q, k, w, u, do, dv2, S, state_row, dh, dq, dk_part, dw, chunk_bos, 
             _untile(dg_part, t0, n, dg)
 
 
-def _wy(p, k, v, beta, A, dw, du, dk_part, dk, dv, dbeta, chunk_bos, chunk_len, g_cum=None,
-        dg_part=None, dg=None):
-    """Per chunk, back through A = (I + M)^-1, M = strict_tril(beta_i k_i.k_j E_ij),
-    w = A (beta e^g_cum k), u = A (beta v): dv, dk (complete), dbeta and, gated, dg: the
-    reverse cumulative sum within the chunk of dG, the gradient of g_cum."""
+def _wy(prm, k, v, beta, A, dw, du, dk_part, dk, dv, dbeta, chunk_bos, chunk_len, g_cum=None,
+        dg_part=None, dg=None, p=None, dp=None):
+    """Per chunk, back through A = (I + M)^-1, M = strict_tril(beta_i e_i.k_j E_ij),
+    w = A (beta e^g_cum e), u = A (beta v) with the erase key e = k (the rule's own, p,
+    with its exclusive gate g_cum - g in E's rows and w's: Comba's): dv, dk (complete), dp
+    (the erase key's), dbeta and, gated, dg: the reverse cumulative sum within the chunk
+    of dG, the gradient of g_cum, less the exclusive gate's terms dX (its row's own)."""
     dt, HV = k.dtype, v.shape[1]
     for c, t0, n in _chunk_rows(chunk_bos, chunk_len):
         kc, vc, bc, Ac, dwc, duc, dkp = (_tile(x, t0, n, HV) for x in
                                          (k, v, beta, A, dw, du, dk_part))
         gc, _, E = _gate(g_cum, c, HV)
+        ec, gx = kc, gc
+        if p is not None:                       # the exclusive gate: row i's g_cum[i - 1]
+            ec, gx = _tile(p, t0, n, HV), torch.cat([torch.zeros_like(gc[:, :1]), gc[:, :-1]], 1)
+            E = torch.tril(torch.exp(gx - gc.transpose(-1, -2)), -1)
         At = Ac.transpose(-1, -2)
-        bk, bv = _lp(bc * kc * torch.exp(gc), dt), _lp(bc * vc, dt)
+        bk, bv = _lp(bc * ec * torch.exp(gx), dt), _lp(bc * vc, dt)
         dbk, dbv = At @ dwc, At @ duc
         dA = _lp(duc @ bv.transpose(-1, -2) + dwc @ bk.transpose(-1, -2), dt)
         dM = torch.tril(-_lp(At @ dA, dt) @ At, -1)
-        Q = dM * (kc @ kc.transpose(-1, -2)) * E
+        Q = dM * (ec @ kc.transpose(-1, -2)) * E
         G = _lp(bc * dM * E, dt)
-        rk = (dbk * kc).sum(-1, keepdim=True) * torch.exp(gc)
+        rk = (dbk * ec).sum(-1, keepdim=True) * torch.exp(gx)
+        de = bc * torch.exp(gx) * dbk + G @ kc          # the erase key's gradient
         _untile(dv, t0, n, bc * dbv)
-        _untile(dk, t0, n, dkp + bc * torch.exp(gc) * dbk + G @ kc + G.transpose(-1, -2) @ kc)
+        dkw = dkp + G.transpose(-1, -2) @ ec
+        _untile(dk, t0, n, dkw + de if p is None else dkw)
+        if p is not None:
+            _untile(dp, t0, n, de)
         _untile(dbeta, t0, n, (dbv * vc).sum(-1, keepdim=True) + rk + Q.sum(-1, keepdim=True))
         if dg is not None:
             P = bc * Q
-            dG = _tile(dg_part, t0, n, HV) + bc * rk + P.sum(-1, keepdim=True) \
-                - P.sum(-2).unsqueeze(-1)
+            dX = bc * rk + P.sum(-1, keepdim=True)
+            dG = _tile(dg_part, t0, n, HV) + dX - P.sum(-2).unsqueeze(-1)
             dG[:, n:] = 0                                # rows past the chunk
-            _untile(dg, t0, n, dG.flip(1).cumsum(1).flip(1))
+            rev = dG.flip(1).cumsum(1).flip(1)
+            _untile(dg, t0, n, rev if p is None else rev - dX)
 
 
 def _key_grads(p, dq, dk, q, k, scale, dq_out, dk_out):
