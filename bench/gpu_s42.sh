@@ -32,6 +32,22 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
 case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or models} in
+  first)   # rule_bwd, then (passing) the Comba / GDN-2 training rows and every decode row
+    gpu_tests 330 tests/test_rule_bwd_gpu.py
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
+    $T 150 python3 bench/generalized_probe.py --families comba,gdn2 --rows '*/train-*' \
+      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
+    echo "train rc=$?"; tail -n 4 "$OUT/generalized_train.txt"
+    $T 100 python3 bench/generalized_probe.py --rows '*/decode-*' \
+      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
+    echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
+  side)    # (source .gpu/prelude_both.sh instead) issue 45's rows side by side at HEAD:
+           # linattn, fla, the seed release (and flashinfer where .gpu/fi_bundle.tar.xz came)
+    I=linattn,fla,seed; [ -f .gpu/fi_bundle.tar.xz ] && I=$I,flashinfer
+    IMPLS=$I BUDGET=420 WARM=14 RUN=2026-12-07-s42-side LINATTN_COMMIT=${LINATTN_COMMIT:?the commit} \
+      bash bench/table_run.sh side --dtype bf16 --op GDNFwd,KDAFwd,DeltaNetFwd,GLAFwd,DeltaNetChunkBwd \
+      --workload 'prefill-4k,q35-2b-16384,q35-397b-tp1-65536,q35-397b-tp8-8192,q35-2b-8x8192,q35-397b-tp4-8x1024,decode-b8,q35-gva-decode-b256,kda-tp1-4096,kda-tp8-16384,prefill-16k,prefill-8k,train-2k'
+    cp /tmp/table/* "$OUT/" ;;
   rule_bwd)
     gpu_tests 420 tests/test_rule_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
