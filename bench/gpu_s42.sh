@@ -48,6 +48,17 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
       bash bench/table_run.sh side --dtype bf16 --op GDNFwd,KDAFwd,DeltaNetFwd,GLAFwd,DeltaNetChunkBwd \
       --workload 'prefill-4k,q35-2b-16384,q35-397b-tp1-65536,q35-397b-tp8-8192,q35-2b-8x8192,q35-397b-tp4-8x1024,decode-b8,q35-gva-decode-b256,kda-tp1-4096,kda-tp8-16384,prefill-16k,prefill-8k,train-2k'
     cp /tmp/table/* "$OUT/" ;;
+  walkab)  # the fused walk with k's own barriers (HEAD) against abtree/ (bash bench/ab_tree.sh
+           # 8556798 abtree: the base): its GPU tests, then both trees timed on the fused rows
+    gpu_tests 200 tests/test_chunk_fwd_gpu.py -k inverse_in_walk1
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 6
+    W="--only q35-2b-8x8192 q35-397b-tp4-8x1024 q35-2b-8x8192-trained --configs default inverse_stub=1 --iters 20"
+    $T 170 python3 bench/walk_probe.py $W --out "$OUT/walk_new.json" > "$OUT/walk_new.log" 2>&1
+    echo "new rc=$?"; tail -n 8 "$OUT/walk_new.log"
+    mkdir -p /tmp/lpab && ln -sfn "$PWD/abtree" /tmp/lpab/linattn
+    (cd abtree && PYTHONPATH=/tmp/lpab:${PYTHONPATH#/tmp/lp:} $T 170 python3 bench/walk_probe.py $W \
+      --out "$OUT/walk_base.json" > "$OUT/walk_base.log" 2>&1; echo "base rc=$?")
+    tail -n 8 "$OUT/walk_base.log" ;;
   rule_bwd)
     gpu_tests 420 tests/test_rule_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
