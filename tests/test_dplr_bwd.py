@@ -1,6 +1,6 @@
 """The dplr rule's chunked backward, staged as the kernels will run it, on the CPU.
 
-fp64 fakes of the four stages of docs/design.md "DPLR's backward, the plan" (not yet
+fp64 fakes of the six stages of docs/design.md "DPLR's backward, the plan" (not yet
 kernels), on the forward fakes' tiles (tests/test_chunk_dplr.py: 64-row chunks, whole-tile
 loads past a sequence's end, rows masked there):
 
@@ -10,13 +10,13 @@ loads past a sequence's end, rows masked there):
               chunk's gradient) saved as dh [NT, HV, K, V]; dr = A_qb^T do + bg dS',
               dv_d = A_qk^T do + kg dS', dS <- qg^T do + w^T dr + e^g_last dS'; dh0
   dqkw        per (chunk, value head), V summed inside: dqg = do h^T, dw = dr h^T,
-              dbg = r dh^T, dkg = v dh^T, dA_qb = do r^T, dA_qk = do v^T,
-              dgl = e^g_last sum_v h dh
-  prepare_bwd per (chunk, value head), all of K: the inverse rebuilt (the forward's
-              levels), dx = T^T dw, dy = T^T du, dA_ab = dx w^T + dy u^T, dA_ak = dy v^T,
-              dv = dv_d + A_ak^T dy; the four pair sums' gradients by the forward's
-              bisection (two GEMMs a level: dM R~ and dM^T L~), every exponent <= 0;
-              dg = revcumsum(dG + dGe) - dGe
+              dbg = r dh^T, dkg = v dh^T, dgl = e^g_last sum_v h dh
+  wy          per (chunk, value head), all of K: T and A_ak rebuilt (the forward's
+              levels), dx = T^T dw, dy = T^T du, the pairs' gradients dM = [dx w^T + dy u^T,
+              dy v^T, s do r^T, s do v^T], dv = dv_d + A_ak^T dy
+  pairs       per (key block, chunk, value head): the forward's bisection run backward
+              (two GEMMs a level: dM R~ and dM^T L~), the diagonals, the elementwise terms
+              and dg = revcumsum(dG + dGe) - dGe; every exponent <= 0
 
 against torch.autograd of torch_reference's chunked forward (itself checked against the
 recurrence): ragged and whole lengths, initial and final states, GVA, strong decays,
@@ -96,18 +96,18 @@ def _fake_dstate(p, g_last, do, cu, offs, dht):
 
 
 def _fake_dqkw(h, dh, r, v, do, dr, g_last, chunks):
-    """Per (chunk, value head): the state side's gradients (V summed in the CTA)."""
+    """chunk_bwd_dqkw_dplr: per (chunk, value head; the kernel also per key block), V
+    summed in the CTA: dqg = do h^T, dw = dr h^T, dbg = r dh^T, dkg = v dh^T [Ttot, HV, K]
+    and dgl = e^g_last sum_v h dh [NT, HV, K]."""
     Ttot, HV, V = v.shape
     K = h.shape[2]
-    outs = {n: np.full((Ttot, HV, BT if n.startswith("daq") else K), np.nan)
-            for n in ("dqg", "dw", "dbg", "dkg", "daqb", "daqk")}
+    outs = {n: np.full((Ttot, HV, K), np.nan) for n in ("dqg", "dw", "dbg", "dkg")}
     dgl = np.full(g_last.shape, np.nan)
     for gc, (t0, rows) in enumerate(chunks):
         for hv in range(HV):
             H_, dH = h[gc, hv], dh[gc, hv]
             rt, vt, dot, drt = (_tile(z[:, hv], t0, rows) for z in (r, v, do, dr))
-            got = dict(dqg=dot @ H_.T, dw=drt @ H_.T, dbg=rt @ dH.T, dkg=vt @ dH.T,
-                       daqb=dot @ rt.T, daqk=dot @ vt.T)
+            got = dict(dqg=dot @ H_.T, dw=drt @ H_.T, dbg=rt @ dH.T, dkg=vt @ dH.T)
             for m, val in got.items():
                 outs[m][t0:t0 + rows, hv] = val[:rows]
             dgl[gc, hv] = np.exp(g_last[gc, hv]) * (H_ * dH).sum(1)
@@ -121,85 +121,114 @@ def _levels():
         yield W, x // W * 2 * W + W + x % W, x // W * 2 * W + x % W, x // W * 2 * W + W - 1
 
 
-def _prepare_bwd_tile(x, d, rows, scale, seen):
-    """One (chunk, value head) CTA of the prepare's backward: x the forward's input tiles
-    (q, k, a, b [BT, K], v [BT, V], g [BT, K]; zeros past rows), d the gradients of its
-    outputs (dqg, dw, dbg, dkg [BT, K], du, dv [BT, V] (dv: the state pass's direct part),
-    daqb, daqk [BT, BT], dgl [K]). Returns dq, dk, da, db [BT, K], dv [BT, V], dg [BT, K]."""
-    q, k, a, b, v, g = (x[n] for n in "qkabvg")
+def _gates(g, rows):
+    """G (inclusive), Ge (exclusive, the forward's G[i - 1]) and G_last of a tile."""
     G = np.cumsum(g, axis=0)
-    Ge = np.concatenate([np.zeros((1, G.shape[1])), G[:-1]])    # exclusive (as the forward's)
-    gl = G[rows - 1]
-    # the forward's levels again: T's inverse and A_ak
+    return G, np.concatenate([np.zeros((1, G.shape[1])), G[:-1]]), G[rows - 1]
+
+
+def _keep(W):
+    """A level's block-diagonal mask of its [HALF, HALF] quadrant."""
+    return np.equal.outer(np.arange(HALF) // W, np.arange(HALF) // W)
+
+
+def _wy_tile(x, d, rows, scale, seen):
+    """One (chunk, value head) CTA of chunk_bwd_wy_dplr: x the forward's input tiles (a, b,
+    k [BT, K], v [BT, V], g [BT, K]; zeros past rows) and r, do [BT, V] (zeros past rows);
+    d: dw [BT, K], du (= dr), dv (the walk's direct part) [BT, V]. Returns dx [BT, K], dM
+    [BT, 4 BT] (the gradients of the pairs A_ab, A_ak, A_qb, A_qk, the scale folded in the
+    last two; the levels keep their lower triangles) and dv [BT, V]."""
+    a, b, k, v = (x[n] for n in "abkv")
+    G, Ge, _ = _gates(x["g"], rows)
     t, ak = np.zeros((BT, BT)), np.zeros((BT, BT))
-    keep = lambda W: np.equal.outer(np.arange(HALF) // W, np.arange(HALF) // W)  # noqa: E731
-    for W, i, jr, r in _levels():
+    for W, i, jr, r in _levels():                      # the forward's levels, a's rows
         eb = _exp(G[r] - G[jr], seen)
         st = (a[i] * _exp(Ge[i] - G[r], seen)) @ np.concatenate([b[jr] * eb, k[jr] * eb]).T
-        X, Y = np.nonzero(keep(W))
+        X, Y = np.nonzero(_keep(W))
         t[i[X], jr[Y]], ak[i[X], jr[Y]] = -st[X, Y], st[X, HALF + Y]
     Tm = np.linalg.inv(np.eye(BT) + t)
-    xw, y = a * _exp(Ge, seen), ak @ v
-    w, u = Tm @ xw, Tm @ y
+    w, u = Tm @ (a * _exp(Ge, seen)), Tm @ (ak @ v)
     dx, dy = Tm.T @ d["dw"], Tm.T @ d["du"]
-    dab, dak = dx @ w.T + dy @ u.T, dy @ v.T          # (strictly lower: the levels' masks)
-    dv = d["dv"] + ak.T @ dy
-    da = _exp(Ge, seen) * dx
-    dGe = xw * dx
-    dec = _exp(gl - G, seen)
-    dq, db, dk = scale * _exp(G, seen) * d["dqg"], dec * d["dbg"], dec * d["dkg"]
-    dG = scale * q * _exp(G, seen) * d["dqg"] - b * db - k * dk
-    dgl = d["dgl"] + (b * db + k * dk).sum(0)
-    # the pairs' gradients, level by level: dM the quadrants' [ab ak; qb qk] gradients
+    dM = np.concatenate([dx @ w.T + dy @ u.T, dy @ v.T, scale * x["do"] @ x["r"].T,
+                         scale * x["do"] @ v.T], axis=1)
+    return dict(dx=dx, dM=dM, dv=d["dv"] + ak.T @ dy)
+
+
+def _pairs_tile(x, d, rows, seen):
+    """One (key block, chunk, value head) CTA of chunk_bwd_pairs_dplr: x the forward's
+    q, k, a, b, g [BT, BK] tiles (zeros past rows); d: dM [BT, 4 BT], dx, dqg, dbg, dkg
+    [BT, BK], dgl [BK]. Returns dq, dk, da, db, dg [BT, BK]: the levels' two GEMMs dM R~
+    and dM^T L~, the diagonals, the elementwise terms and dg's reverse cumsum."""
+    q, k, a, b = (x[n] for n in "qkab")
+    G, Ge, gl = _gates(x["g"], rows)
+    dM = d["dM"]
+    quad = lambda n, i, j: dM[np.ix_(i, n * BT + j)]  # noqa: E731
     pa, pq, pb, pk = (np.zeros_like(q) for _ in range(4))
     for W, i, jr, r in _levels():
         ea, eq, eb = (_exp(Ge[i] - G[r], seen), _exp(G[i] - G[r], seen),
                       _exp(G[r] - G[jr], seen))
         Lt = np.concatenate([a[i] * ea, q[i] * eq])
         Rt = np.concatenate([b[jr] * eb, k[jr] * eb])
-        m = np.tile(keep(W), (2, 2))
-        dM = np.block([[dab[np.ix_(i, jr)], dak[np.ix_(i, jr)]],
-                       [scale * d["daqb"][np.ix_(i, jr)], scale * d["daqk"][np.ix_(i, jr)]]]) * m
-        dL, dR = dM @ Rt, dM.T @ Lt
+        dL_ = np.block([[quad(0, i, jr), quad(1, i, jr)],
+                        [quad(2, i, jr), quad(3, i, jr)]]) * np.tile(_keep(W), (2, 2))
+        dL, dR = dL_ @ Rt, dL_.T @ Lt
         pa[i] += ea * dL[:HALF]
         pq[i] += eq * dL[HALF:]
         pb[jr] += eb * dR[:HALF]
         pk[jr] += eb * dR[HALF:]
-    dGe += a * pa
-    dG += q * pq - b * pb - k * pk
     dd = np.arange(BT)
-    sqb, sqk = scale * d["daqb"][dd, dd][:, None], scale * d["daqk"][dd, dd][:, None]
-    dq += pq + sqb * b + sqk * k                       # the diagonals: no exponent
-    da += pa
-    db += pb + sqb * q
-    dk += pk + sqk * q
-    dG[rows - 1] += dgl
-    dg = np.cumsum((dG + dGe)[::-1], axis=0)[::-1] - dGe
-    return dict(dq=dq, dk=dk, da=da, db=db, dv=dv, dg=dg)
+    sqb, sqk = dM[dd, 2 * BT + dd][:, None], dM[dd, 3 * BT + dd][:, None]
+    ea, eq, dec = _exp(Ge, seen), _exp(G, seen), _exp(gl - G, seen)
+    dq_d, db_d, dk_d = eq * d["dqg"], dec * d["dbg"], dec * d["dkg"]   # (scale: below)
+    dGe = a * ea * d["dx"] + a * pa
+    dG = q * dq_d * x["scale"] - b * db_d - k * dk_d + q * pq - b * pb - k * pk
+    dG[rows - 1] += d["dgl"] + (b * db_d + k * dk_d).sum(0)
+    return dict(dq=x["scale"] * dq_d + pq + sqb * b + sqk * k, da=ea * d["dx"] + pa,
+                db=db_d + pb + sqb * q, dk=dk_d + pk + sqk * q,
+                dg=np.cumsum((dG + dGe)[::-1], axis=0)[::-1] - dGe)
 
 
-def _fake_prepare_bwd(x, d, chunks, HV, scale, seen):
-    """The prepare's backward grid: per (chunk, value head); dq, dk, da, db per value head
-    ([Ttot, HV, K]; the host sums each key head's group), dv [Ttot, HV, V], dg."""
+def _fake_wy(x, r, do, d, chunks, HV, scale, seen):
+    """chunk_bwd_wy_dplr's grid: per (chunk, value head); dx [Ttot, HV, K], dM [Ttot, HV,
+    4 BT], dv [Ttot, HV, V]."""
     Ttot, H, K = x["q"].shape
-    g = np.zeros((Ttot, HV, K)) if x.get("g") is None else x["g"]
-    outs = {n: np.full((Ttot, HV, x["v"].shape[-1] if n == "dv" else K), np.nan)
-            for n in ("dq", "dk", "da", "db", "dv", "dg")}
-    for gc, (t0, rows) in enumerate(chunks):
+    V = x["v"].shape[-1]
+    outs = {n: np.full((Ttot, HV, m), np.nan) for n, m in (("dx", K), ("dM", 4 * BT),
+                                                            ("dv", V))}
+    for t0, rows in chunks:
         for hv in range(HV):
             hk = hv // (HV // H)
-            xt = {n: _tile(z[:, hk], t0, rows) for n, z in x.items() if n in "qkab"}
-            xt.update(v=_tile(x["v"][:, hv], t0, rows), g=_tile(g[:, hv], t0, rows))
-            dt = {n: _tile(z[:, hv], t0, rows) for n, z in d.items() if n != "dgl"}
-            dt["dgl"] = d["dgl"][gc, hv]
-            got = _prepare_bwd_tile(xt, dt, rows, scale, seen)
+            xt = {n: _tile(x[n][:, hk], t0, rows) for n in "abk"}
+            xt.update({n: _tile(z[:, hv], t0, rows) for n, z in
+                       (("v", x["v"]), ("g", x["g"]), ("r", r), ("do", do))})
+            got = _wy_tile(xt, {n: _tile(z[:, hv], t0, rows) for n, z in d.items()}, rows,
+                           scale, seen)
             for n, val in got.items():
                 outs[n][t0:t0 + rows, hv] = val[:rows]
     return outs
 
 
+def _fake_pairs(x, d, chunks, HV, scale, seen, BK=64):
+    """chunk_bwd_pairs_dplr's grid: per (key block, chunk, value head); dq, dk, da, db
+    [Ttot, HV, K] (the host sums each key head's group) and dg [Ttot, HV, K]."""
+    Ttot, H, K = x["q"].shape
+    outs = {n: np.full((Ttot, HV, K), np.nan) for n in ("dq", "dk", "da", "db", "dg")}
+    for gc, (t0, rows) in enumerate(chunks):
+        for hv in range(HV):
+            hk = hv // (HV // H)
+            for kb in range(0, K, BK):
+                ks = slice(kb, kb + BK)
+                xt = {n: _tile(x[n][:, hk, ks], t0, rows) for n in "qkab"}
+                xt.update(g=_tile(x["g"][:, hv, ks], t0, rows), scale=scale)
+                dt = {n: _tile(d[n][:, hv, ks], t0, rows) for n in ("dx", "dqg", "dbg", "dkg")}
+                dt.update(dM=_tile(d["dM"][:, hv], t0, rows), dgl=d["dgl"][gc, hv, ks])
+                for n, val in _pairs_tile(xt, dt, rows, seen).items():
+                    outs[n][t0:t0 + rows, hv, ks] = val[:rows]
+    return outs
+
+
 def staged_backward(x, do, dht, lens, HV, scale, seen):
-    """The four stages on flat inputs (x: q, k, a, b [Ttot, H, K], v [Ttot, HV, V], g
+    """The six stages on flat inputs (x: q, k, a, b [Ttot, H, K], v [Ttot, HV, V], g
     [Ttot, HV, K] or None, initial_state [N, HV, K, V]): the gradients by name."""
     cu = np.concatenate([[0], np.cumsum(lens)])
     chunks = [(cu[n] + c * BT, min(BT, lens[n] - c * BT)) for n in range(len(lens))
@@ -209,9 +238,12 @@ def staged_backward(x, do, dht, lens, HV, scale, seen):
     h, r = _fake_state_saving(p, g_last, x["v"], cu, offs, x["initial_state"])
     dh, dr, dv_d, dh0 = _fake_dstate(p, g_last, do, cu, offs, dht)
     dp, dgl = _fake_dqkw(h, dh, r, x["v"], do, dr, g_last, chunks)
-    d = dict(dqg=dp["dqg"], dw=dp["dw"], dbg=dp["dbg"], dkg=dp["dkg"], du=dr, dv=dv_d,
-             daqb=dp["daqb"], daqk=dp["daqk"], dgl=dgl)
-    out = _fake_prepare_bwd(x, d, chunks, HV, scale, seen)
+    xg = dict(x, g=np.zeros(x["v"].shape[:2] + x["q"].shape[-1:]) if x.get("g") is None
+              else x["g"])
+    wy = _fake_wy(xg, r, do, dict(dw=dp["dw"], du=dr, dv=dv_d), chunks, HV, scale, seen)
+    out = _fake_pairs(xg, dict(dp, dx=wy["dx"], dM=wy["dM"], dgl=dgl), chunks, HV, scale,
+                      seen)
+    out["dv"] = wy["dv"]
     H = x["q"].shape[1]
     for n in "qkab":                                   # the host's GVA sum
         z = out.pop("d" + n)
