@@ -4,15 +4,15 @@ fp64 fakes of the six stages of docs/design.md "DPLR's backward, the plan" (not 
 kernels), on the forward fakes' tiles (tests/test_chunk_dplr.py: 64-row chunks, whole-tile
 loads past a sequence's end, rows masked there):
 
-  recompute   chunk_prepare_dplr's fake, then its state pass saving h (the state entering
-              each chunk, [NT, HV, K, V]) and r = w S + u ([Ttot, HV, V])
+  recompute   chunk_prepare_dplr's fake writing X and A_ak too, then its state pass saving
+              h (the state entering each chunk, [NT, HV, K, V]) and r = w S + u
   dstate      the reverse walk per (sequence, value head): dS' (the state leaving the
               chunk's gradient) saved as dh [NT, HV, K, V]; dr = A_qb^T do + bg dS',
               dv_d = A_qk^T do + kg dS', dS <- qg^T do + w^T dr + e^g_last dS'; dh0
   dqkw        per (chunk, value head), V summed inside: dqg = do h^T, dw = dr h^T,
               dbg = r dh^T, dkg = v dh^T, dgl = e^g_last sum_v h dh
-  wy          per (chunk, value head), all of K: T and A_ak rebuilt (the forward's
-              levels), dx = T^T dw, dy = T^T du, the pairs' gradients dM = [dx w^T + dy u^T,
+  wy          per (chunk, value head): T = X and A_ak as the recompute wrote them,
+              dx = T^T dw, dy = T^T du, the pairs' gradients dM = [dx w^T + dy u^T,
               dy v^T, s do r^T, s do v^T], dv = dv_d + A_ak^T dy
   pairs       per (key block, chunk, value head): the forward's bisection run backward
               (two GEMMs a level: dM R~ and dM^T L~), the diagonals, the elementwise terms
@@ -132,26 +132,17 @@ def _keep(W):
     return np.equal.outer(np.arange(HALF) // W, np.arange(HALF) // W)
 
 
-def _wy_tile(x, d, rows, scale, seen):
-    """One (chunk, value head) CTA of chunk_bwd_wy_dplr: x the forward's input tiles (a, b,
-    k [BT, K], v [BT, V], g [BT, K]; zeros past rows) and r, do [BT, V] (zeros past rows);
-    d: dw [BT, K], du (= dr), dv (the walk's direct part) [BT, V]. Returns dx [BT, K], dM
-    [BT, 4 BT] (the gradients of the pairs A_ab, A_ak, A_qb, A_qk, the scale folded in the
-    last two; the levels keep their lower triangles) and dv [BT, V]."""
-    a, b, k, v = (x[n] for n in "abkv")
-    G, Ge, _ = _gates(x["g"], rows)
-    t, ak = np.zeros((BT, BT)), np.zeros((BT, BT))
-    for W, i, jr, r in _levels():                      # the forward's levels, a's rows
-        eb = _exp(G[r] - G[jr], seen)
-        st = (a[i] * _exp(Ge[i] - G[r], seen)) @ np.concatenate([b[jr] * eb, k[jr] * eb]).T
-        X, Y = np.nonzero(_keep(W))
-        t[i[X], jr[Y]], ak[i[X], jr[Y]] = -st[X, Y], st[X, HALF + Y]
-    Tm = np.linalg.inv(np.eye(BT) + t)
-    w, u = Tm @ (a * _exp(Ge, seen)), Tm @ (ak @ v)
+def _wy_tile(x, d, rows, scale):
+    """One (chunk, value head) CTA of chunk_bwd_wy_dplr: x the recompute's tiles (xinv, aak
+    [BT, BT], w [BT, K], u [BT, V]) and the forward's v, r, do [BT, V]; d: dw [BT, K], du
+    (= dr), dv (the walk's direct part) [BT, V]; every row past len 0. Returns dx [BT, K],
+    dM [BT, 4 BT] (the gradients of the pairs A_ab, A_ak, A_qb, A_qk, the scale folded in
+    the last two; chunk_bwd_pairs_dplr keeps their lower triangles) and dv [BT, V]."""
+    Tm, v = x["xinv"], x["v"]
     dx, dy = Tm.T @ d["dw"], Tm.T @ d["du"]
-    dM = np.concatenate([dx @ w.T + dy @ u.T, dy @ v.T, scale * x["do"] @ x["r"].T,
+    dM = np.concatenate([dx @ x["w"].T + dy @ x["u"].T, dy @ v.T, scale * x["do"] @ x["r"].T,
                          scale * x["do"] @ v.T], axis=1)
-    return dict(dx=dx, dM=dM, dv=d["dv"] + ak.T @ dy)
+    return dict(dx=dx, dM=dM, dv=d["dv"] + x["aak"].T @ dy)
 
 
 def _pairs_tile(x, d, rows, seen):
@@ -178,31 +169,31 @@ def _pairs_tile(x, d, rows, seen):
         pk[jr] += eb * dR[HALF:]
     dd = np.arange(BT)
     sqb, sqk = dM[dd, 2 * BT + dd][:, None], dM[dd, 3 * BT + dd][:, None]
-    ea, eq, dec = _exp(Ge, seen), _exp(G, seen), _exp(gl - G, seen)
-    dq_d, db_d, dk_d = eq * d["dqg"], dec * d["dbg"], dec * d["dkg"]   # (scale: below)
-    dGe = a * ea * d["dx"] + a * pa
-    dG = q * dq_d * x["scale"] - b * db_d - k * dk_d + q * pq - b * pb - k * pk
+    dec = _exp(gl - G, seen)
+    db_d, dk_d = dec * d["dbg"], dec * d["dkg"]
+    out = dict(dq=x["scale"] * _exp(G, seen) * d["dqg"] + pq + sqb * b + sqk * k,
+               da=_exp(Ge, seen) * d["dx"] + pa, db=db_d + pb + sqb * q, dk=dk_d + pk + sqk * q)
+    # the gate: each factor's exponent is +-G or Ge, and the diagonals' terms cancel
+    dGe = a * out["da"]
+    dG = q * out["dq"] - b * out["db"] - k * out["dk"]
     dG[rows - 1] += d["dgl"] + (b * db_d + k * dk_d).sum(0)
-    return dict(dq=x["scale"] * dq_d + pq + sqb * b + sqk * k, da=ea * d["dx"] + pa,
-                db=db_d + pb + sqb * q, dk=dk_d + pk + sqk * q,
-                dg=np.cumsum((dG + dGe)[::-1], axis=0)[::-1] - dGe)
+    out["dg"] = np.cumsum((dG + dGe)[::-1], axis=0)[::-1] - dGe
+    return out
 
 
-def _fake_wy(x, r, do, d, chunks, HV, scale, seen):
-    """chunk_bwd_wy_dplr's grid: per (chunk, value head); dx [Ttot, HV, K], dM [Ttot, HV,
-    4 BT], dv [Ttot, HV, V]."""
-    Ttot, H, K = x["q"].shape
-    V = x["v"].shape[-1]
+def _fake_wy(p, v, r, do, d, chunks, HV, scale):
+    """chunk_bwd_wy_dplr's grid: per (chunk, value head), p the recompute's outputs (xinv,
+    aak, w, u); dx [Ttot, HV, K], dM [Ttot, HV, 4 BT], dv [Ttot, HV, V]."""
+    Ttot, _, K = p["w"].shape
     outs = {n: np.full((Ttot, HV, m), np.nan) for n, m in (("dx", K), ("dM", 4 * BT),
-                                                            ("dv", V))}
+                                                            ("dv", v.shape[-1]))}
     for t0, rows in chunks:
         for hv in range(HV):
-            hk = hv // (HV // H)
-            xt = {n: _tile(x[n][:, hk], t0, rows) for n in "abk"}
-            xt.update({n: _tile(z[:, hv], t0, rows) for n, z in
-                       (("v", x["v"]), ("g", x["g"]), ("r", r), ("do", do))})
+            xt = {n: _tile(p[n][:, hv], t0, rows) for n in ("xinv", "aak", "w", "u")}
+            xt.update({n: _tile(z[:, hv], t0, rows) for n, z in (("v", v), ("r", r),
+                                                                 ("do", do))})
             got = _wy_tile(xt, {n: _tile(z[:, hv], t0, rows) for n, z in d.items()}, rows,
-                           scale, seen)
+                           scale)
             for n, val in got.items():
                 outs[n][t0:t0 + rows, hv] = val[:rows]
     return outs
@@ -234,13 +225,13 @@ def staged_backward(x, do, dht, lens, HV, scale, seen):
     chunks = [(cu[n] + c * BT, min(BT, lens[n] - c * BT)) for n in range(len(lens))
               for c in range(-(-lens[n] // BT))]
     offs = np.concatenate([[0], np.cumsum([-(-n // BT) for n in lens])])
-    p, g_last = _fake_prepare(x, chunks, HV, scale, seen)
+    p, g_last = _fake_prepare(x, chunks, HV, scale, seen, save=True)
     h, r = _fake_state_saving(p, g_last, x["v"], cu, offs, x["initial_state"])
     dh, dr, dv_d, dh0 = _fake_dstate(p, g_last, do, cu, offs, dht)
     dp, dgl = _fake_dqkw(h, dh, r, x["v"], do, dr, g_last, chunks)
     xg = dict(x, g=np.zeros(x["v"].shape[:2] + x["q"].shape[-1:]) if x.get("g") is None
               else x["g"])
-    wy = _fake_wy(xg, r, do, dict(dw=dp["dw"], du=dr, dv=dv_d), chunks, HV, scale, seen)
+    wy = _fake_wy(p, x["v"], r, do, dict(dw=dp["dw"], du=dr, dv=dv_d), chunks, HV, scale)
     out = _fake_pairs(xg, dict(dp, dx=wy["dx"], dM=wy["dM"], dgl=dgl), chunks, HV, scale,
                       seen)
     out["dv"] = wy["dv"]
