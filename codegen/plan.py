@@ -166,6 +166,14 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               doc="dplr rule, per chunk and key block: dqg = do h^T, dw = dr h^T, "
                   "dbg = r dh^T, dkg = v dh^T, dgl",
               rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_wy_dplr", "chunk_bwd_wy_dplr.py.jinja", "bwd",
+              doc="dplr rule, per chunk: dx = X^T dw, dy = X^T du, the pairs' gradients "
+                  "dm, dv = dv_direct + A_ak^T dy",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_pairs_dplr", "chunk_bwd_pairs_dplr.py.jinja", "bwd",
+              doc="dplr rule, per chunk and key block: the pairs' gradients by the "
+                  "forward's bisection, the gate's terms: dq, dk, da, db, dg",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
         Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
                   "q, k) from the inverse A the training forward kept",

@@ -22,6 +22,8 @@ against torch.autograd of torch_reference's chunked forward (itself checked agai
 recurrence): ragged and whole lengths, initial and final states, GVA, strong decays,
 K = 64 and 128. Outputs start NaN, so a row no chunk writes fails.
 """
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -279,3 +281,146 @@ def test_staged_backward_matches_autograd(name, lens, K):
     for n, z in ref.items():
         want = z[0] if n != "dinitial_state" else z
         np.testing.assert_allclose(got[n], want, atol=1e-9, rtol=1e-8, err_msg=n)
+
+
+def _fake_bwd_body(spec, stage, params):
+    """fake_compiles' body: the backward stages' fakes on the plan's tensors, by name."""
+    from linattn.ops import runtime
+    names = runtime.arg_names(runtime.stage_module(spec, stage, "sm90").build(**params))
+    f64 = lambda t: t.double().numpy()  # noqa: E731
+    HV = params["HV"]
+
+    def put(t, outs):
+        for n, val in outs.items():
+            t[n].copy_(torch.from_numpy(val))
+
+    def run(*args):
+        t = dict(zip(names, args))
+        tab = lambda n: t[n].tolist()  # noqa: E731
+        chunks = list(zip(tab("chunk_bos"), tab("chunk_len"))) if "chunk_bos" in t else None
+        if stage.startswith("chunk_bwd_prepare"):
+            x = {n: f64(t[n]) if n in t else None for n in "qkabvg"}
+            outs, g_last = _fake_prepare(x, chunks, HV, t["scale"], [], save=True)
+            put(t, dict(outs, g_last=g_last))
+        elif stage == "chunk_bwd_state_dplr":
+            cu, offs = tab("cu_seqlens"), tab("chunk_offsets")
+            h0 = (f64(t["h0"]) if params["has_initial_state"]
+                  else np.zeros((len(cu) - 1,) + tuple(t["h0"].shape[1:])))
+            h, r = _fake_state_saving({n: f64(t[n]) for n in ("w", "u", "bg", "kg")},
+                                      f64(t["g_last"]), f64(t["v"]), cu, offs, h0)
+            put(t, dict(h=h, r=r))
+        elif stage == "chunk_bwd_dstate_dplr":
+            cu, offs = tab("cu_seqlens"), tab("chunk_offsets")
+            dht = (f64(t["dht"]) if params["use_dht"]
+                   else np.zeros((len(cu) - 1,) + tuple(t["dht"].shape[1:])))
+            p = {n: f64(t[n]) for n in ("qg", "w", "bg", "kg", "aqb", "aqk")}
+            dh, dr, dv, dh0 = _fake_dstate(p, f64(t["g_last"]), f64(t["do"]), cu, offs, dht)
+            put(t, dict(dh=dh, dr=dr, dv_direct=dv, **({"dh0": dh0} if params["store_dh0"]
+                                                         else {})))
+        elif stage == "chunk_bwd_dqkw_dplr":
+            outs, dgl = _fake_dqkw(*(f64(t[n]) for n in ("h", "dh", "r", "v", "do", "dr",
+                                                         "g_last")), chunks)
+            put(t, dict(outs, dgl=dgl))
+        elif stage == "chunk_bwd_wy_dplr":
+            p = {n: f64(t[n]) for n in ("xinv", "aak", "w", "u")}
+            d = dict(dw=f64(t["dw"]), du=f64(t["dr"]), dv=f64(t["dv_direct"]))
+            outs = _fake_wy(p, f64(t["v"]), f64(t["r"]), f64(t["do"]), d, chunks, HV,
+                            t["scale"])
+            put(t, dict(dx=outs["dx"], dm=outs["dM"], dv=outs["dv"]))
+        else:                                             # chunk_bwd_pairs_dplr
+            x = {n: f64(t[n]) for n in "qkab"}
+            Ttot, K = x["q"].shape[0], x["q"].shape[2]
+            x["g"] = f64(t["g"]) if "g" in t else np.zeros((Ttot, HV, K))
+            d = {n: f64(t[n]) for n in ("dx", "dqg", "dbg", "dkg")}
+            d.update(dM=f64(t["dm"]), dgl=f64(t["dgl"]) if "dgl" in t
+                     else np.zeros((len(chunks), HV, K)))
+            outs = _fake_pairs(x, d, chunks, HV, t["scale"], [])
+            put(t, {n: z for n, z in outs.items() if n in t})
+    return run
+
+
+@pytest.mark.parametrize("name", ["dplr", "iplr"])
+def test_plan_runs_the_backward_stages(monkeypatch, name):
+    """codegen/arch/sm90/dplr.py's dplr_bwd_plan through ops.runtime.run_plan: its
+    launches' arguments match the six kernels' signatures (the rule's a, b bound to a_in,
+    b_in) and the fakes on its f16 buffers give autograd's gradients of the fp64
+    reference (each key head's group summed as the host will)."""
+    from linattn.codegen.arch.sm90.dplr import dplr_bwd_plan
+    from linattn.codegen.pipeline import DplrBackwardProblem
+    from linattn.ops import chunk, runtime
+    from linattn.ops.registry import specs
+    from _kernel_check import fake_compiles
+    spec, rng = specs()[name], np.random.default_rng(3)
+    ref_spec = SPECS[f"dplr_{spec.gate.value}"]
+    H, HV, K, V, lens = 2, 4, 64, 32, (3, 70, 200)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    x = R.random_inputs(ref_spec, Options(), 1, int(cu[-1]), H, HV, K, V, rng, cu_seqlens=cu)
+    h = {n: None if x[n] is None else torch.tensor(x[n][0]).half() for n in "qkabv"}
+    g = None if x["g"] is None else torch.tensor(x["g"][0]).float()
+    h0 = torch.tensor(x["initial_state"]).float()
+    do = torch.tensor(rng.standard_normal((int(cu[-1]), HV, V))).half()
+    dht = torch.tensor(rng.standard_normal(h0.shape)).float()
+    calls = []
+    fake_compiles(monkeypatch, _fake_bwd_body, calls)
+    p = DplrBackwardProblem(gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype="float16",
+                            Ttot=int(cu[-1]), seq_chunks=tuple(-(-n // BT) for n in lens),
+                            has_initial_state=True, use_dht=True, store_dh0=True)
+    plan = dplr_bwd_plan(p, {})
+    t = dict(q=h["q"], k=h["k"], a_in=h["a"], b_in=h["b"], v=h["v"], do=do, dht=dht, h0=h0,
+             dh0=torch.empty_like(h0), scale=K ** -0.5,
+             **chunk._tables(tuple(int(c) for c in cu), BT, "cpu", 0))
+    if g is not None:
+        t["g"] = g
+    out = runtime.run_plan(spec, plan, t)
+    prepare = "chunk_bwd_prepare_iplr" if name == "iplr" else "chunk_bwd_prepare_dplr"
+    assert [s for s, _ in calls] == [prepare, "chunk_bwd_state_dplr", "chunk_bwd_dstate_dplr",
+                                     "chunk_bwd_dqkw_dplr", "chunk_bwd_wy_dplr",
+                                     "chunk_bwd_pairs_dplr"]
+    got = {f"d{n}": out[f"d{n}"].double().reshape(-1, H, HV // H, K).sum(2) for n in "qkab"}
+    got.update(dv=out["dv"].double(), dinitial_state=out["dh0"].double())
+    if g is not None:
+        got["dg"] = out["dg"].double()
+    ref_x = {n: None if z is None else z.double().numpy()[None] for n, z in h.items()}
+    ref_x.update(g=None if g is None else g.double().numpy()[None], cu_seqlens=cu,
+                 initial_state=h0.double().numpy())
+    ref = _reference_grads(ref_spec, ref_x, do.double().numpy()[None], dht.double().numpy(),
+                           K ** -0.5)
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    for n, z in ref.items():
+        want = torch.tensor(z[0] if n != "dinitial_state" else z)
+        rel = ((got[n] - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (n, rel)
+
+
+BWD_STAGES = ("chunk_bwd_state_dplr", "chunk_bwd_dstate_dplr", "chunk_bwd_dqkw_dplr",
+              "chunk_bwd_wy_dplr", "chunk_bwd_pairs_dplr")
+
+
+def _compile_cases():
+    out = []
+    for name in ("dplr", "iplr"):
+        prepare = "chunk_bwd_prepare_iplr" if name == "iplr" else "chunk_bwd_prepare_dplr"
+        for stage in (prepare,) + BWD_STAGES:
+            rep = (pytest.mark.representative,) if name == "dplr" else ()
+            out.append(pytest.param(name, stage, marks=rep, id=f"{name}-{stage}"))
+    return out
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("name,stage", _compile_cases())
+def test_bwd_stage_compiles_without_spills(name, stage):
+    """Registered in the plan for the dplr rule's specs; its K = V = 128 example compiles
+    for sm_90a without spills."""
+    from linattn.codegen import plan
+    from linattn.codegen.compile import compile_stage, format_record, load_module
+    from linattn.codegen.render import DEFAULT_OUT
+    from linattn.ops.registry import specs
+    assert stage in [s.name for s in plan(specs()[name], "bwd", "sm90")]
+    module = load_module(DEFAULT_OUT / "sm90" / name / f"{stage}.py")
+    ex = next(e for e in module.EXAMPLES if e["K"] == 128 and e["V"] == 128)
+    rec = compile_stage(module, ex, "sm90")
+    print(format_record(rec))
+    assert "error" not in rec, rec.get("error")
+    assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
+    assert not rec["barriers_in_branches"], rec["barriers_in_branches"]

@@ -12,7 +12,7 @@ gradient of the state leaving the chunk:
 
   dh[c] = dS'                             (written, input dtype: chunk_bwd_dqkw_dplr's)
   dr    = A_qb^T do + bg dS'              (r's gradient, input dtype; rows past len 0)
-  dv    = A_qk^T do + kg dS'              (v's direct part, f32: chunk_bwd_wy_dplr adds
+  dv_direct = A_qk^T do + kg dS'          (v's direct part, f32: chunk_bwd_wy_dplr adds
                                            A_ak^T dy)
   dS   <- e^(g_last) dS' + qg^T do + w^T dr
 
@@ -59,7 +59,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
       qg, w, bg, kg [Ttot, HV, K], aqb, aqk [Ttot, HV, 64], do [Ttot, HV, V] (input
       dtype), g_last [NT, HV, K] f32, cu_seqlens [N+1], chunk_offsets [N+1] int32,
       dht [N0, HV, K, V] f32 -> dh [NT, HV, K, V], dr [Ttot, HV, V] (input dtype),
-      dv [Ttot, HV, V] f32, dh0 [N1, HV, K, V] f32 (an unused dht / dh0 may be [1, ...])
+      dv_direct [Ttot, HV, V] f32, dh0 [N1, HV, K, V] f32 (an unused dht / dh0 may be [1, ...])
     Tuning: block_v (the state gradient's value block), num_stages (TMA pipeline stages of
     the chunk loads), threads (128 a warpgroup).
     """
@@ -84,7 +84,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
         dht: T.Tensor((N0, HV, K, V), f32),
         dh: T.Tensor((NT, HV, K, V), dtype),
         dr: T.Tensor((Ttot, HV, V), dtype),
-        dv: T.Tensor((Ttot, HV, V), f32),
+        dv_direct: T.Tensor((Ttot, HV, V), f32),
         dh0: T.Tensor((N1, HV, K, V), f32),
     ):
         with T.Kernel(V // BV, N * HV, threads=threads) as (iv, nh):
@@ -136,7 +136,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
                     dh[c0 + c, hv, i, v0 + j] = T.cast(dS[i, j], dtype)
                 for i, j in T.Parallel(BT, BV):
                     do_s[i, j] = T.if_then_else(i < rows, dot_s[i, j], T.cast(0, dtype))
-                # dr = A_qb^T do + bg dS',  dv = A_qk^T do + kg dS'
+                # dr = A_qb^T do + bg dS',  dv_direct = A_qk^T do + kg dS'
                 T.gemm(pb_s, do_s, dr_f, transpose_A=True, clear_accum=True)
                 T.gemm(b_s, dS_s, dr_f)
                 T.gemm(pk_s, do_s, dv_f, transpose_A=True, clear_accum=True)
@@ -147,7 +147,7 @@ def build(H, HV, K, V, dtype, use_dht=False, store_dh0=False, block_v=64, num_st
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
                         dr[t0 + i, hv, v0 + j] = dr_s[i, j]
-                        dv[t0 + i, hv, v0 + j] = dv_f[i, j]
+                        dv_direct[t0 + i, hv, v0 + j] = dv_f[i, j]
                 # dS <- e^g_last dS' + qg^T do + w^T dr
                 for i, j in T.Parallel(K, BV):
                     dS[i, j] = dS[i, j] * T.exp(gl_s[i])
