@@ -341,13 +341,11 @@ def _fake_bwd_body(spec, stage, params):
 
 @pytest.mark.parametrize("name", ["dplr", "iplr"])
 def test_plan_runs_the_backward_stages(monkeypatch, name):
-    """codegen/arch/sm90/dplr.py's dplr_bwd_plan through ops.runtime.run_plan: its
-    launches' arguments match the six kernels' signatures (the rule's a, b bound to a_in,
-    b_in) and the fakes on its f16 buffers give autograd's gradients of the fp64
-    reference (each key head's group summed as the host will)."""
-    from linattn.codegen.arch.sm90.dplr import dplr_bwd_plan
-    from linattn.codegen.pipeline import DplrBackwardProblem
-    from linattn.ops import chunk, runtime
+    """ops/dplr_bwd.py's dplr_backward (codegen/arch/sm90/dplr.py's dplr_bwd_plan through
+    ops.runtime.run_plan): its launches' arguments match the six kernels' signatures (the
+    rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give autograd's
+    gradients of the fp64 reference (each key head's group summed by the host)."""
+    from linattn.ops.dplr_bwd import dplr_backward
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
     spec, rng = specs()[name], np.random.default_rng(3)
@@ -362,24 +360,15 @@ def test_plan_runs_the_backward_stages(monkeypatch, name):
     dht = torch.tensor(rng.standard_normal(h0.shape)).float()
     calls = []
     fake_compiles(monkeypatch, _fake_bwd_body, calls)
-    p = DplrBackwardProblem(gate=spec.gate.value, H=H, HV=HV, K=K, V=V, dtype="float16",
-                            Ttot=int(cu[-1]), seq_chunks=tuple(-(-n // BT) for n in lens),
-                            has_initial_state=True, use_dht=True, store_dh0=True)
-    plan = dplr_bwd_plan(p, {})
-    t = dict(q=h["q"], k=h["k"], a_in=h["a"], b_in=h["b"], v=h["v"], do=do, dht=dht, h0=h0,
-             dh0=torch.empty_like(h0), scale=K ** -0.5,
-             **chunk._tables(tuple(int(c) for c in cu), BT, "cpu", 0))
-    if g is not None:
-        t["g"] = g
-    out = runtime.run_plan(spec, plan, t)
+    B1 = lambda z: None if z is None else z[None]  # noqa: E731
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    grads = dplr_backward(spec, *(B1(h[n]) for n in "qkvab"), B1(g), B1(do), scale=K ** -0.5,
+                          initial_state=h0, dht=dht, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t)
     prepare = "chunk_bwd_prepare_iplr" if name == "iplr" else "chunk_bwd_prepare_dplr"
     assert [s for s, _ in calls] == [prepare, "chunk_bwd_state_dplr", "chunk_bwd_dstate_dplr",
                                      "chunk_bwd_dqkw_dplr", "chunk_bwd_wy_dplr",
                                      "chunk_bwd_pairs_dplr"]
-    got = {f"d{n}": out[f"d{n}"].double().reshape(-1, H, HV // H, K).sum(2) for n in "qkab"}
-    got.update(dv=out["dv"].double(), dinitial_state=out["dh0"].double())
-    if g is not None:
-        got["dg"] = out["dg"].double()
+    got = {n: z[0].double() if n != "dinitial_state" else z.double() for n, z in grads.items()}
     ref_x = {n: None if z is None else z.double().numpy()[None] for n, z in h.items()}
     ref_x.update(g=None if g is None else g.double().numpy()[None], cu_seqlens=cu,
                  initial_state=h0.double().numpy())
