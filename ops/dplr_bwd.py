@@ -66,3 +66,63 @@ def dplr_backward(spec, q, k, v, a, b, g, do, *, scale=None, initial_state=None,
     if store_dh0 and initial_state is not None:
         grads["dinitial_state"] = out["dh0"]
     return grads
+
+
+class DplrChunkFunction:
+    """Namespace of the autograd Function of a dplr-rule call through the kernels (built
+    lazily so importing needs no torch): the forward's plan (ops/chunk.py), the backward's
+    recompute and five stages (:func:`dplr_backward`). Not wired: ops/dplr.py and
+    ops/iplr.py call it once tests/test_dplr_bwd_gpu.py passes on a GPU."""
+    _fn = None
+
+    @classmethod
+    def apply(cls, spec, q, k, v, a, b, g, scale, initial_state, output_final_state,
+              cu_seqlens=None, cu_seqlens_cpu=None):
+        """(o [B, T, HV, V] in q's dtype, final state f32 or None), differentiable in q, k,
+        v, a, b, g and initial_state (chunk_dplr_delta_rule's arguments; g None: IPLR)."""
+        if cls._fn is None:
+            cls._fn = _make_function()
+        cu = dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return cls._fn.apply(spec, float(spec.scale_for(q.shape[-1], scale)),
+                             bool(output_final_state), cu, q, k, v, a, b, g, initial_state)
+
+
+def _pad_k(K, Kp, *xs):
+    """Zero key channels up to Kp (the last axis of [B, T, *, K] tensors; exact: zero keys
+    and a zero log decay add nothing)."""
+    import torch.nn.functional as F
+    return tuple(x if x is None or Kp == K else F.pad(x, (0, Kp - K)) for x in xs)
+
+
+def _make_function():
+    import torch
+    from ..dsl import Options
+
+    class _DplrChunk(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, spec, scale, output_final_state, cu, q, k, v, a, b, g, h0):
+            o, ht = chunk.run_chunk_forward(spec, q, k, v, g, None, scale, h0,
+                                            output_final_state, Options(), rule_inputs={
+                                                "a": a, "b": b}, **cu)
+            ctx.spec, ctx.scale, ctx.cu = spec, scale, cu
+            ctx.save_for_backward(q, k, v, a, b, g, h0)
+            ctx.set_materialize_grads(False)
+            return o, ht
+
+        @staticmethod
+        def backward(ctx, do, dht):
+            q, k, v, a, b, g, h0 = ctx.saved_tensors
+            K = q.shape[-1]
+            Kp = get_arch(runtime.arch_of(q.device)).chunk_k("dplr", ctx.spec.gate.value, K)
+            qp, kp, ap, bp, gp = _pad_k(K, Kp, q, k, a, b, g)
+            h0p, dhtp = (None if x is None else torch.nn.functional.pad(x, (0, 0, 0, Kp - K))
+                         for x in (h0, dht))
+            do = torch.zeros_like(v) if do is None else do.to(v.dtype).contiguous()
+            d = dplr_backward(ctx.spec, qp, kp, v, ap, bp, gp, do, scale=ctx.scale,
+                              initial_state=h0p, dht=dhtp, store_dh0=h0 is not None, **ctx.cu)
+            cut = lambda n, x, axis=-1: None if x is None else d[n].narrow(  # noqa: E731
+                axis, 0, K).to(x.dtype)
+            return (None, None, None, None, cut("dq", q), cut("dk", k), d["dv"].to(v.dtype),
+                    cut("da", a), cut("db", b), cut("dg", g), cut("dinitial_state", h0, -2))
+
+    return _DplrChunk

@@ -413,3 +413,42 @@ def test_bwd_stage_compiles_without_spills(name, stage):
     assert "error" not in rec, rec.get("error")
     assert rec["spill_store_bytes"] == 0 and rec["spill_load_bytes"] == 0, rec
     assert not rec["barriers_in_branches"], rec["barriers_in_branches"]
+
+
+@pytest.mark.parametrize("name,K", [("dplr", 48), ("iplr", 64)])
+def test_function_trains_through_the_plans(monkeypatch, name, K):
+    """ops/dplr_bwd.py's DplrChunkFunction (not wired): the forward's plan and the
+    backward's, their stages' fakes on the plans' f16 buffers (K = 48 padded to the
+    kernels' 64 and cut back), give autograd's gradients of the fp64 reference."""
+    from linattn.ops.dplr_bwd import DplrChunkFunction
+    from linattn.ops.registry import specs
+    from _kernel_check import fake_compiles
+    from test_chunk_dplr import _fake_body
+    spec, rng = specs()[name], np.random.default_rng(9)
+    ref_spec = SPECS[f"dplr_{spec.gate.value}"]
+    H, HV, V, lens = 2, 4, 32, (3, 70, 200)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    x = R.random_inputs(ref_spec, Options(), 1, int(cu[-1]), H, HV, K, V, rng, cu_seqlens=cu)
+    xs = {n: torch.tensor(x[n]).half() for n in "qkabv"}
+    if x["g"] is not None:
+        xs["g"] = torch.tensor(x["g"]).float()
+    xs["initial_state"] = torch.tensor(x["initial_state"]).float()
+    do = torch.tensor(rng.standard_normal(x["v"].shape)).half()
+    dht = torch.tensor(rng.standard_normal(x["initial_state"].shape)).float()
+    fwd = ("chunk_prepare_dplr", "chunk_prepare_iplr", "chunk_state_dplr")
+    fake_compiles(monkeypatch, lambda s, st, pr: (_fake_body if st in fwd
+                                                  else _fake_bwd_body)(s, st, pr))
+    leaves = {n: z.clone().requires_grad_() for n, z in xs.items()}
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    o, ht = DplrChunkFunction.apply(spec, *(leaves[n] for n in "qkvab"), leaves.get("g"),
+                                    K ** -0.5, leaves["initial_state"], True, cu_t, cu_t)
+    ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
+    ref = _reference_grads(ref_spec, dict({n: z.double().numpy() for n, z in xs.items()},
+                                          cu_seqlens=cu, g=x["g"]), do.double().numpy(),
+                           dht.double().numpy(), K ** -0.5)
+    for n, z in ref.items():
+        got = leaves[n[1:]].grad
+        assert got is not None and got.dtype == xs[n[1:]].dtype and got.shape == z.shape, n
+        want = torch.tensor(z)
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (n, rel)
