@@ -60,6 +60,14 @@ FLA_CASES = [case(2, 1024, 4, 4, 128, 128, "bfloat16", h0=True, dht=True, name="
                   name="fla-varlen-bf16")]
 
 
+#: DplrChunkFunction (the autograd Function the public calls will take): K = 96 runs
+#: padded to the kernels' 128
+FN_CASES = [case(2, 1000, 2, 4, 96, 64, "bfloat16", h0=True, dht=True,
+                 name="fn-dplr-K96-GVA2-bf16-h0-dht"),
+            case(1, 700, 4, 4, 64, 128, "float16", cu=(0, 1, 300, 700), h0=True, dht=True,
+                 family="iplr", name="fn-iplr-varlen-f16-h0-dht")]
+
+
 def _spec(p):
     from linattn.ops.registry import specs
     return specs()["iplr" if p["family"] == "iplr" else "dplr"]
@@ -70,19 +78,28 @@ def _lens(p):
 
 
 def precompile_jobs(items=None, device="cuda"):
-    """Every case's backward kernels (planned from shapes alone; ``device`` unused)."""
+    """Every case's backward kernels, and the Function cases' forward ones (planned from
+    shapes alone; ``device`` unused)."""
     from linattn.codegen.arch.sm90.dplr import dplr_bwd_plan
     from linattn.codegen.pipeline import DplrBackwardProblem
+    from linattn.dsl import Options
     from linattn.ops import chunk
     jobs = []
-    for c in CASES + FLA_CASES:
+    for c in CASES + FLA_CASES + FN_CASES:
         p = c.values[0]
-        spec = _spec(p)
+        spec, K = _spec(p), -(-p["K"] // 64) * 64
+        seq_chunks = tuple(-(-n // 64) for n in _lens(p))
         prob = DplrBackwardProblem(
-            gate=spec.gate.value, H=p["H"], HV=p["HV"], K=p["K"], V=p["V"], dtype=p["dtype"],
-            Ttot=p["B"] * p["T"], seq_chunks=tuple(-(-n // 64) for n in _lens(p)),
-            has_initial_state=p["h0"], use_dht=p["dht"], store_dh0=True)
+            gate=spec.gate.value, H=p["H"], HV=p["HV"], K=K, V=p["V"], dtype=p["dtype"],
+            Ttot=p["B"] * p["T"], seq_chunks=seq_chunks, has_initial_state=p["h0"],
+            use_dht=p["dht"], store_dh0=True)
         jobs += [(spec, la.stage, la.kwargs) for la in dplr_bwd_plan(prob, {}).launches]
+        if c in FN_CASES:
+            fwd = chunk.forward_plan(spec, Options(), H=p["H"], HV=p["HV"], K=K, V=p["V"],
+                                     dtype=p["dtype"], Ttot=p["B"] * p["T"],
+                                     seq_chunks=seq_chunks, has_initial_state=p["h0"],
+                                     output_final_state=True)
+            jobs += [(spec, st, pr) for st, pr in chunk.plan_params(fwd).items()]
     return chunk.stage_jobs(list({(s.name, st, tuple(sorted(pr.items()))): (s, st, pr)
                                   for s, st, pr in jobs}.values()))
 
@@ -225,3 +242,25 @@ def test_gradients_vs_fla(p, rng):
         assert mine <= max(tol, 1.5 * theirs), (n, mine, theirs)
     RESULTS.append(dict(test="dplr_bwd_vs_fla", **p, seed=seed, errors=errs))
     print("vs fla", p, {n: f"{e:.2e}" for n, e in errs.items()})
+
+
+@pytest.mark.parametrize("p", FN_CASES)
+def test_function_vs_torch_fp64(p, rng):
+    """ops/dplr_bwd.py's DplrChunkFunction: o, the final state and every gradient against
+    fp64 autograd."""
+    from linattn.ops.dplr_bwd import DplrChunkFunction
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _inputs(p, seed)
+    leaves = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    cu = _cu(p)
+    o, ht = DplrChunkFunction.apply(_spec(p), *(leaves[n] for n in "qkvab"), leaves.get("g"),
+                                    _scale(p), leaves.get("initial_state"), True,
+                                    cu["cu_seqlens"], cu["cu_seqlens_cpu"])
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ref = _reference(p, xs, do, dht)
+    errs = {}
+    for n, r in ref.items():
+        g = leaves[n].grad
+        assert g is not None and g.dtype == xs[n].dtype and g.shape == r.shape, n
+        errs["d" + n] = rel_err(g, r)
+    record_errors(RESULTS, "dplr_function_autograd", p, errs, seed)
