@@ -126,3 +126,27 @@ def _make_function():
                     cut("da", a), cut("db", b), cut("dg", g), cut("dinitial_state", h0, -2))
 
     return _DplrChunk
+
+
+def trains(q, k, v, a, b, gk, initial_state) -> bool:
+    """Whether a chunk_* call of the dplr rule that the chunked forward takes (ops/dplr.py
+    chunked) trains through the kernels: autograd records it, q, k, v, a, b share one
+    16-bit dtype, and it has tokens (else ops/exact_train.py, exact in torch)."""
+    import torch
+    from . import validate
+    return (isinstance(q, torch.Tensor) and q.dtype in (torch.float16, torch.bfloat16)
+            and q.numel() > 0 and validate.needs_grad(q, k, v, a, b, gk, initial_state)
+            and all(isinstance(x, torch.Tensor) and x.dtype == q.dtype for x in (k, v, a, b)))
+
+
+def train(spec, opts, q, k, v, a, b, gk, scale, initial_state, output_final_state,
+          cu_seqlens, cu_seqlens_cpu):
+    """A differentiable chunk_* call of the dplr rule (chunk_dplr_delta_rule, chunk_rwkv7,
+    chunk_iplr_delta_rule: gk None), checked as the exact path checks it, then
+    :class:`DplrChunkFunction`. Returns (o, final_state or None)."""
+    from . import validate
+    validate.check_call(spec, opts, q, k, v, gk, None, initial_state=initial_state,
+                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
+                        values=validate.host_checks(), rule_inputs={"a": a, "b": b})
+    return DplrChunkFunction.apply(spec, q, k, v, a, b, gk, scale, initial_state,
+                                   output_final_state, cu_seqlens, cu_seqlens_cpu)

@@ -452,3 +452,56 @@ def test_function_trains_through_the_plans(monkeypatch, name, K):
         want = torch.tensor(z)
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 1e-2, (n, rel)
+
+
+@pytest.mark.parametrize("fn", ["chunk_dplr_delta_rule", "chunk_iplr_delta_rule",
+                                "chunk_rwkv7"])
+def test_public_call_trains_through_the_plans(monkeypatch, fn):
+    """A 16-bit chunk_* call that needs gradients where the chunked forward fits (chunked
+    forced here: the CPU) goes to ops/dplr_bwd.py, not the exact torch path: through the
+    plans' fakes its gradients are autograd's of the fp64 reference."""
+    import linattn
+    from linattn.ops import dplr, exact_train, validate
+    from _kernel_check import fake_compiles
+    from test_chunk_dplr import _fake_body
+
+    def refuse(*a, **kw):
+        raise AssertionError("took the exact torch path")
+    monkeypatch.setattr(exact_train, "train", refuse)
+    monkeypatch.setattr(dplr, "chunked", lambda spec, q, v, opts: True)
+    monkeypatch.setattr(validate, "check_cuda", lambda name, x: None)
+    monkeypatch.setattr(validate, "check_devices", lambda q, **tensors: None)
+    fwd = ("chunk_prepare_dplr", "chunk_prepare_iplr", "chunk_state_dplr")
+    fake_compiles(monkeypatch, lambda s, st, pr: (_fake_body if st in fwd
+                                                  else _fake_bwd_body)(s, st, pr))
+    gated = fn != "chunk_iplr_delta_rule"
+    rng = np.random.default_rng(13)
+    H, K, V, lens = 2, 64, 32, (70, 130)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    ref_spec = SPECS["dplr_key" if gated else "dplr_none"]
+    x = R.random_inputs(ref_spec, Options(), 1, int(cu[-1]), H, H, K, V, rng, cu_seqlens=cu)
+    xs = {n: torch.tensor(x[n]).half() for n in "qkabv"}
+    if gated:
+        xs["g"] = torch.tensor(x["g"]).float()
+    xs["initial_state"] = torch.tensor(x["initial_state"]).float()
+    do = torch.tensor(rng.standard_normal(x["v"].shape)).half()
+    dht = torch.tensor(rng.standard_normal(x["initial_state"].shape)).float()
+    leaves = {n: z.clone().requires_grad_() for n, z in xs.items()}
+    scale = 1.0 if fn == "chunk_rwkv7" else K ** -0.5
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    args = [leaves[n] for n in "qkvab"]
+    if gated:
+        args.append(leaves["g"])
+    if fn == "chunk_rwkv7":        # (r, w, k, v, a, b)
+        args = [args[0], args[5], args[1], args[2], args[3], args[4]]
+    o, ht = getattr(linattn, fn)(*args, scale=scale, initial_state=leaves["initial_state"],
+                                 output_final_state=True, cu_seqlens=cu_t,
+                                 cu_seqlens_cpu=cu_t, chunk_size=64)
+    ((o.double() * do.double()).sum() + (ht.double() * dht.double()).sum()).backward()
+    ref = _reference_grads(ref_spec, dict({n: z.double().numpy() for n, z in xs.items()},
+                                          cu_seqlens=cu), do.double().numpy(),
+                           dht.double().numpy(), scale)
+    for n, z in ref.items():
+        want = torch.tensor(z)
+        rel = ((leaves[n[1:]].grad.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (n, rel)

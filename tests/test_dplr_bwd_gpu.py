@@ -1,8 +1,8 @@
 """GPU correctness of the dplr rule's chunked backward kernels (ops/dplr_bwd.py's
-dplr_backward: the six stages of codegen/arch/sm90/dplr.py's dplr_bwd_plan; not yet wired
-into chunk_dplr_delta_rule's autograd, so this calls it directly).
+dplr_backward: the six stages of codegen/arch/sm90/dplr.py's dplr_bwd_plan), called
+directly, through its autograd Function and through the public chunk_* calls.
 
-Three checks:
+Four checks:
 - each stage against its fp64 fake (tests/test_dplr_bwd.py) fed with the kernels' own
   upstream buffers, so a wrong stage is named: ||kernel - fake|| / ||fake|| < STAGE_TOL
   on the rows the fake writes;
@@ -11,7 +11,9 @@ Three checks:
   ||x - ref|| / ||ref|| < conftest GRAD_TOL (1e-2 bf16, 5e-3 f16); DPLR (gk), IPLR (no
   gate), RWKV-7's a = -kk, b = kk * sigmoid(x), scale 1; varlen, GVA, h0 / dht;
 - where fla is installed, fla's chunk_dplr_delta_rule gradients on the same inputs (H ==
-  HV): our error within max(the limit, 1.5 x fla's).
+  HV): our error within max(the limit, 1.5 x fla's);
+- DplrChunkFunction and the public chunk_dplr_delta_rule / chunk_iplr_delta_rule /
+  chunk_rwkv7 (wired to it: the exact torch path refused) against fp64 autograd.
 
 JSON summary to $OUT_DIR (else $OUT)/dplr_bwd_gpu.json when set. The kernels:
 precompile_jobs (bench/cpu_cache.py builds them on a machine without a GPU).
@@ -65,7 +67,9 @@ FLA_CASES = [case(2, 1024, 4, 4, 128, 128, "bfloat16", h0=True, dht=True, name="
 FN_CASES = [case(2, 1000, 2, 4, 96, 64, "bfloat16", h0=True, dht=True,
                  name="fn-dplr-K96-GVA2-bf16-h0-dht"),
             case(1, 700, 4, 4, 64, 128, "float16", cu=(0, 1, 300, 700), h0=True, dht=True,
-                 family="iplr", name="fn-iplr-varlen-f16-h0-dht")]
+                 family="iplr", name="fn-iplr-varlen-f16-h0-dht"),
+            case(2, 1024, 8, 8, 64, 64, "bfloat16", h0=True, dht=True, family="rwkv7",
+                 name="fn-rwkv7-1k-hd64-bf16-h0-dht")]
 
 
 def _spec(p):
@@ -264,3 +268,31 @@ def test_function_vs_torch_fp64(p, rng):
         assert g is not None and g.dtype == xs[n].dtype and g.shape == r.shape, n
         errs["d" + n] = rel_err(g, r)
     record_errors(RESULTS, "dplr_function_autograd", p, errs, seed)
+
+
+@pytest.mark.parametrize("p", FN_CASES)
+def test_public_call_vs_torch_fp64(p, rng, monkeypatch):
+    """linattn.chunk_dplr_delta_rule / chunk_iplr_delta_rule / chunk_rwkv7 with gradients
+    take the backward's kernels (the exact torch path refused) and match fp64 autograd."""
+    import linattn
+    from linattn.ops import exact_train
+
+    def refuse(*a, **kw):
+        raise AssertionError("took the exact torch path, not the kernels")
+    monkeypatch.setattr(exact_train, "train", refuse)
+    seed = int(rng.integers(1, 2**31))
+    xs, do, dht = _inputs(p, seed)
+    leaves = {n: x.clone().requires_grad_() for n, x in xs.items()}
+    q, k, v, a, b = (leaves[n] for n in "qkvab")
+    kw = dict(scale=_scale(p), initial_state=leaves.get("initial_state"),
+              output_final_state=True, chunk_size=64, **_cu(p))
+    if p["family"] == "iplr":
+        o, ht = linattn.chunk_iplr_delta_rule(q, k, v, a, b, **kw)
+    elif p["family"] == "rwkv7":
+        o, ht = linattn.chunk_rwkv7(q, leaves["g"], k, v, a, b, **kw)
+    else:
+        o, ht = linattn.chunk_dplr_delta_rule(q, k, v, a, b, leaves["g"], **kw)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    ref = _reference(p, xs, do, dht)
+    errs = {"d" + n: rel_err(leaves[n].grad, r) for n, r in ref.items()}
+    record_errors(RESULTS, "dplr_public_autograd", p, errs, seed)
