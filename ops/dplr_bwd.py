@@ -1,8 +1,9 @@
 """The dplr rule's chunked backward through its kernels (docs/design.md "DPLR's
 backward"): the host side of codegen/arch/sm90/dplr.py's dplr_bwd_plan.
 
-Not wired: the public functions (ops/dplr.py, ops/iplr.py) still train exactly in torch
-(ops/exact_train.py) until the kernels are checked on a GPU (tests/test_dplr_bwd_gpu.py).
+Wired: a 16-bit chunk_* call of the dplr rule that needs gradients, where the chunked
+forward fits, trains here (ops/dplr.py run -> :func:`train`); built and CPU-checked, its
+GPU check is tests/test_dplr_bwd_gpu.py (not yet run).
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def dplr_backward(spec, q, k, v, a, b, g, do, *, scale=None, initial_state=None,
 class DplrChunkFunction:
     """Namespace of the autograd Function of a dplr-rule call through the kernels (built
     lazily so importing needs no torch): the forward's plan (ops/chunk.py), the backward's
-    recompute and five stages (:func:`dplr_backward`). Not wired: ops/dplr.py and
-    ops/iplr.py call it once tests/test_dplr_bwd_gpu.py passes on a GPU."""
+    recompute and five stages (:func:`dplr_backward`); :func:`train` calls it for the
+    public chunk_* calls."""
     _fn = None
 
     @classmethod

@@ -417,7 +417,7 @@ def test_bwd_stage_compiles_without_spills(name, stage):
 
 @pytest.mark.parametrize("name,K", [("dplr", 48), ("iplr", 64)])
 def test_function_trains_through_the_plans(monkeypatch, name, K):
-    """ops/dplr_bwd.py's DplrChunkFunction (not wired): the forward's plan and the
+    """ops/dplr_bwd.py's DplrChunkFunction: the forward's plan and the
     backward's, their stages' fakes on the plans' f16 buffers (K = 48 padded to the
     kernels' 64 and cut back), give autograd's gradients of the fp64 reference."""
     from linattn.ops.dplr_bwd import DplrChunkFunction

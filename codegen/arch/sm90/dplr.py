@@ -110,7 +110,8 @@ def dplr_bwd_plan(p, config: dict) -> Plan:
     """The dplr rule's backward (codegen.pipeline.DplrBackwardProblem): the prepare again
     writing X and A_ak, the state pass saving h and r, the reverse walk, then per chunk
     dqkw, wy and pairs; dq, dk, da, db (dg) per value head f32 (the host sums each key
-    head's group), dv f32, dh0. Built and CPU-checked (tests/test_dplr_bwd.py), not wired."""
+    head's group), dv f32, dh0. CPU-checked (tests/test_dplr_bwd.py); GPU check:
+    tests/test_dplr_bwd_gpu.py (not yet run)."""
     if "tma" not in hw.FEATURES or not dplr_fits(p.K, p.V, False):
         raise ValueError(f"the dplr rule's chunked backward: sm90, K <= {DPLR_MAX_K}, V a "
                          f"multiple of {DPLR_V_MULTIPLE} up to {DPLR_MAX_V} (K={p.K}, V={p.V})")
