@@ -175,8 +175,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                     pk_s[jr, j] += eb * dr_s[HALF + x, j]
                 T.sync_threads()
 
-            # the direct terms and the diagonals; dl_s, dr_s, lt_s's f32 twins reused for
-            # the gate's row sums (dG + dGe, dGe) and the last row's terms
+            # the direct terms and the diagonals
             for i, j in T.Parallel(BT, BK):
                 ge = T.if_then_else(i > 0, G_s[T.max(i - 1, 0), j], T.float32(0))
                 dec = T.exp(G_s[T.max(rows - 1, 0), j] - G_s[i, j])
