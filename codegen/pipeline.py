@@ -203,6 +203,35 @@ class DeltaBackwardProblem:
 
 
 @dataclass(frozen=True)
+class DplrBackwardProblem:
+    """One chunked backward of the dplr rule (DPLR, IPLR, RWKV-7: docs/design.md "DPLR's
+    backward"), its six stages over token-first packed tensors, as the arch rules see it.
+    use_dht / store_dh0: the final state's gradient is given / the initial state's is
+    wanted; Ttot: the tokens; seq_chunks: each sequence's chunks."""
+    gate: str                     # "none" | "key"
+    H: int
+    HV: int
+    K: int
+    V: int
+    dtype: str
+    Ttot: int
+    seq_chunks: tuple
+    g_dtype: str = "float32"
+    has_initial_state: bool = False
+    use_dht: bool = False
+    store_dh0: bool = False
+    chunk_size: int = 64
+
+    @property
+    def N(self) -> int:
+        return len(self.seq_chunks)
+
+    @property
+    def NT(self) -> int:
+        return sum(self.seq_chunks)
+
+
+@dataclass(frozen=True)
 class AdditiveBackwardProblem:
     """One chunked backward of the additive rule (the GLA family), as the arch rules see
     it. grad_dtype: the dtype of dq, dk, dv ("float32" for the GLAChunkBwd contract, the

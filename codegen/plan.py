@@ -146,6 +146,34 @@ STAGE_TABLE: dict[str, tuple[Stage, ...]] = {
               skip=frozenset({"delta/none", "delta/scalar", "comba/none", "comba/scalar"})),
     ),
     "bwd": (
+        Stage("chunk_bwd_prepare_dplr", "chunk_prepare_dplr.py.jinja", "bwd",
+              doc="dplr rule, the backward's recompute: chunk_prepare_dplr writing X and "
+                  "A_ak too",
+              rules=DPLR_RULES, gates=frozenset({"key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_prepare_iplr", "chunk_prepare_iplr.py.jinja", "bwd",
+              doc="dplr rule without a decay, the backward's recompute: chunk_prepare_iplr "
+                  "writing X and A_ak too",
+              rules=DPLR_RULES, gates=frozenset({"none"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_state_dplr", "chunk_state_dplr.py.jinja", "bwd",
+              doc="dplr rule, the backward's recompute: chunk_state_dplr's walk saving h "
+                  "(the state entering each chunk) and r = w S + u, no output",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_dstate_dplr", "chunk_bwd_dstate_dplr.py.jinja", "bwd",
+              doc="dplr rule, reverse sequential pass: dh per chunk, dr = A_qb^T do + bg dS', "
+                  "dv = A_qk^T do + kg dS', dh0",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_dqkw_dplr", "chunk_bwd_dqkw_dplr.py.jinja", "bwd",
+              doc="dplr rule, per chunk and key block: dqg = do h^T, dw = dr h^T, "
+                  "dbg = r dh^T, dkg = v dh^T, dgl",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_wy_dplr", "chunk_bwd_wy_dplr.py.jinja", "bwd",
+              doc="dplr rule, per chunk: dx = X^T dw, dy = X^T du, the pairs' gradients "
+                  "dm, dv = dv_direct + A_ak^T dy",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
+        Stage("chunk_bwd_pairs_dplr", "chunk_bwd_pairs_dplr.py.jinja", "bwd",
+              doc="dplr rule, per chunk and key block: the pairs' gradients by the "
+                  "forward's bisection, the gate's terms: dq, dk, da, db, dg",
+              rules=DPLR_RULES, gates=frozenset({"none", "key"}), requires=DPLR_FEATURES),
         Stage("chunk_bwd_key_rebuild", "chunk_prepare_key.py.jinja", "bwd",
               doc="per chunk, per-key gate: w, u, qg, kg, g_last, G (and the l2-normalised "
                   "q, k) from the inverse A the training forward kept",

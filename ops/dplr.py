@@ -2,7 +2,7 @@
 b (a^T S) + k v^T, a, b keys of their own; RWKV-7's functions are its own with q = r,
 gk = w (fla's chunk_rwkv7 / fused_recurrent_rwkv7)."""
 from ..dsl import OpSpec
-from . import api
+from . import api, dplr_bwd
 
 SPEC = OpSpec(
     name="dplr", rule="dplr", gate="key", chunk_size=64, supports=frozenset(),
@@ -22,13 +22,18 @@ def _check_bound(lower_bound) -> None:
 
 def run(spec, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens,
         cu_seqlens_cpu, kwargs, chunk_sizes):
-    """The recurrent kernel of a DPLR-form spec (DPLR, IPLR) for a public call: fla's
-    keywords checked (``chunk_sizes``: a chunk_* call's allowed chunk_size, None for a
-    fused_recurrent_* one); a call that needs gradients trains exactly in torch
-    (ops/exact_train.py; no backward kernels yet)."""
+    """The kernels of a DPLR-form spec (DPLR, IPLR) for a public call: fla's keywords
+    checked (``chunk_sizes``: a chunk_* call's allowed chunk_size, None for a
+    fused_recurrent_* one); a chunk_* call the chunked kernels take that needs gradients
+    trains through the backward's kernels (ops/dplr_bwd.py), any other that needs them
+    exactly in torch (ops/exact_train.py)."""
     if chunk_sizes is not None and kwargs.get("chunk_size") is None:
         kwargs.pop("chunk_size", None)           # (fla's default: 16)
     opts = api.fla_options(kwargs=kwargs, chunk_sizes=chunk_sizes)
+    if (chunk_sizes is not None and dplr_bwd.trains(q, k, v, a, b, gk, initial_state)
+            and chunked(spec, q, v, opts)):
+        return dplr_bwd.train(spec, opts, q, k, v, a, b, gk, scale, initial_state,
+                              output_final_state, cu_seqlens, cu_seqlens_cpu)
     entry = (api.forward if chunk_sizes is not None and chunked(spec, q, v, opts)
              else api.recurrent)
     return entry(spec, q, k, v, gk, None, scale=scale, initial_state=initial_state,
@@ -71,8 +76,8 @@ def chunk_dplr_delta_rule(q, k, v, a, b, gk, scale=None, initial_state=None,
 
     Runs the chunked kernels (chunk_prepare_dplr, chunk_state_dplr) where they fit
     (sm90; K <= 128, V a multiple of 32 up to 256, key-first states), else the
-    recurrent kernel; no backward kernels yet (a call that needs gradients trains exactly
-    in torch: ops/exact_train.py).
+    recurrent kernel; a 16-bit call there that needs gradients trains through the
+    backward's kernels (ops/dplr_bwd.py), any other exactly in torch (ops/exact_train.py).
     """
     _check_bound(lower_bound)
     kw = dict(kwargs, chunk_size=chunk_size, cp_context=cp_context,

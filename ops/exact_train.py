@@ -3,8 +3,9 @@ torch.autograd (dsl/torch_reference.py chunked_forward).
 
 Two kinds of call train this way: float32 calls (the generated kernels take float16 /
 bfloat16; fla's own float32 tests train so), and calls of a spec with no generated
-backward (the generalized delta rules: Comba, GDN-2, DPLR / IPLR / RWKV-7; a user spec
-outside the trained rules and gates), in any dtype. The spec's chunked forward runs in
+backward (the generalized delta rules: Comba, GDN-2, DPLR / IPLR / RWKV-7, each where its
+kernels do not take the call; a user spec outside the trained rules and gates), in any
+dtype. The spec's chunked forward runs in
 fp64 on the call's device, every option applied as the kernels apply it, and
 torch.autograd gives the gradients: exact, at torch's speed (no generated kernel), for
 correctness work rather than for speed. Everything is checked first, as a kernel call is

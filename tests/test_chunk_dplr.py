@@ -31,9 +31,10 @@ def _exp(x, seen):
     return np.exp(x)
 
 
-def _prepare_tile(q, k, a, b, v, g, rows, scale, seen):
+def _prepare_tile(q, k, a, b, v, g, rows, scale, seen, save=False):
     """One (chunk, value head) CTA of chunk_prepare_dplr: tiles [BT, K] / [BT, V] with
-    zeros past rows; returns its written rows (w, u, qg, bg, kg, aqb, aqk) and g_last."""
+    zeros past rows; returns its written rows (w, u, qg, bg, kg, aqb, aqk; with save
+    chunk_bwd_prepare_dplr's xinv, aak too) and g_last."""
     G = np.cumsum(np.where(np.arange(BT)[:, None] < rows, g, 0.0), axis=0)
     t, ak, qb, qk = (np.zeros((BT, BT)) for _ in range(4))
     x = np.arange(HALF)
@@ -58,18 +59,21 @@ def _prepare_tile(q, k, a, b, v, g, rows, scale, seen):
     dec = _exp(gl - G, seen)
     out = dict(w=Xinv @ (a * _exp(Ge, seen)), u=Xinv @ (ak @ v), qg=scale * q * _exp(G, seen),
                bg=b * dec, kg=k * dec, aqb=qb, aqk=qk)
+    if save:
+        out.update(xinv=Xinv, aak=ak)
     return out, gl
 
 
-def _fake_prepare(x, chunks, HV, scale, seen):
+def _fake_prepare(x, chunks, HV, scale, seen, save=False):
     """chunk_prepare_dplr's grid: x the flat inputs (q, k, a, b [Ttot, H, K], v [Ttot,
     HV, V], g [Ttot, HV, K] or None), chunks (first token, rows) pairs. Unwritten rows
-    stay NaN."""
+    stay NaN. save: chunk_bwd_prepare_dplr's (xinv, aak too)."""
     q, k, a, b, v = (x[n] for n in "qkabv")
     Ttot, H, K = q.shape
     g = np.zeros((Ttot, HV, K)) if x.get("g") is None else x["g"]
-    outs = {n: np.full((Ttot, HV, BT if n.startswith("aq") else v.shape[-1] if n == "u" else K),
-                       np.nan) for n in ("w", "u", "qg", "bg", "kg", "aqb", "aqk")}
+    names = ("w", "u", "qg", "bg", "kg", "aqb", "aqk") + (("xinv", "aak") if save else ())
+    outs = {n: np.full((Ttot, HV, BT if n[0] in "ax" else v.shape[-1] if n == "u" else K),
+                       np.nan) for n in names}
     g_last = np.full((len(chunks), HV, K), np.nan)
     for c, (t0, rows) in enumerate(chunks):
         for hv in range(HV):
@@ -81,7 +85,7 @@ def _fake_prepare(x, chunks, HV, scale, seen):
                 return out
             o, gl = _prepare_tile(tile(q[:, hk]), tile(k[:, hk]), tile(a[:, hk]),
                                   tile(b[:, hk]), tile(v[:, hv]), tile(g[:, hv]), rows,
-                                  scale, seen)
+                                  scale, seen, save)
             for n, val in o.items():
                 outs[n][t0:t0 + rows, hv] = val[:rows]
             g_last[c, hv] = gl

@@ -22,7 +22,7 @@ __path__.append(str(Path(__file__).parent.parent / "sm90"))   # noqa: F821  (sm9
 
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: E402,F401
 from .stages import chunk_head_limits  # noqa: E402,F401
-from .dplr import dplr_chunked, dplr_fits  # noqa: E402,F401  (the dplr rule's chunked forward: on, and the calls it takes)
+from .dplr import dplr_bwd_plan, dplr_chunked, dplr_fits  # noqa: E402,F401  (the dplr rule's chunked forward: on, and the calls it takes)
 from .backward import DQKVG_TERMS, additive_backward_plan, backward_dims, save_states  # noqa: E402,F401
 from .backward import (DELTA_STAGES, FOLD_STAGES, delta_backward_params,  # noqa: E402,F401
                        delta_backward_plan, delta_stages, dh_config)

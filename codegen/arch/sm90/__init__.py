@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .forward import CHUNK_SIZES, CONFIG_KEYS, forward_plan, walks  # noqa: F401  (the chunked forward's plan)
 from .stages import chunk_head_limits  # noqa: F401  (the chunked forward's head dims)
-from .dplr import dplr_chunked, dplr_fits  # noqa: F401  (the dplr rule's chunked forward: on, and the calls it takes)
+from .dplr import dplr_bwd_plan, dplr_chunked, dplr_fits  # noqa: F401  (the dplr rule's chunked forward: on, and the calls it takes)
 from .backward import DQKVG_TERMS, additive_backward_plan, backward_dims, save_states  # noqa: F401  (the additive rule's backward)
 from .backward import (DELTA_STAGES, FOLD_STAGES, delta_backward_params,  # noqa: F401
                        delta_backward_plan, delta_stages, dh_config)  # (the delta rule's backward)

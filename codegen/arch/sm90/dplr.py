@@ -80,3 +80,61 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
     return Plan("dplr-chunked", NAME, launches, tuple(bufs),
                 reasons=("the dplr rule: its prepare (one inverse, four pair sums) and "
                          "state pass (r = w S + u; writes along b and k)",))
+
+
+def _bwd_buffers(p) -> tuple:
+    """The backward's intermediates (docs/design.md "DPLR's backward"): the recompute's,
+    the walk's, the per-chunk stages' (f32 gradients) and the outputs per value head."""
+    T, HV, K, V, C, NT = p.Ttot, p.HV, p.K, p.V, p.chunk_size, p.NT
+    bufs = [Buffer(n, (T, HV, K), "input") for n in ("w", "qg", "bg", "kg")]
+    bufs += [Buffer(n, (T, HV, C), "input") for n in ("aqb", "aqk", "xinv", "aak")]
+    bufs += [Buffer("u", (T, HV, V), "input"), Buffer("g_last", (NT, HV, K), "float32"),
+             Buffer("h", (NT, HV, K, V), "input", at="chunk_bwd_state_dplr"),
+             Buffer("r", (T, HV, V), "input", at="chunk_bwd_state_dplr"),
+             Buffer("dh", (NT, HV, K, V), "input", at="chunk_bwd_dstate_dplr"),
+             Buffer("dr", (T, HV, V), "input", at="chunk_bwd_dstate_dplr"),
+             Buffer("dv_direct", (T, HV, V), "float32", at="chunk_bwd_dstate_dplr")]
+    bufs += [Buffer(n, (T, HV, K), "float32", at="chunk_bwd_dqkw_dplr")
+             for n in ("dqg", "dw", "dbg", "dkg")]
+    bufs += [Buffer("dgl", (NT, HV, K), "float32", at="chunk_bwd_dqkw_dplr"),
+             Buffer("dx", (T, HV, K), "float32", at="chunk_bwd_wy_dplr"),
+             Buffer("dm", (T, HV, 4 * C), "float32", at="chunk_bwd_wy_dplr"),
+             Buffer("dv", (T, HV, V), "float32", at="chunk_bwd_wy_dplr", output=True)]
+    outs = ("dq", "dk", "da", "db") + (("dg",) if p.gate == "key" else ())
+    bufs += [Buffer(n, (T, HV, K), "float32", at="chunk_bwd_pairs_dplr", output=True)
+             for n in outs]
+    return tuple(bufs)
+
+
+def dplr_bwd_plan(p, config: dict) -> Plan:
+    """The dplr rule's backward (codegen.pipeline.DplrBackwardProblem): the prepare again
+    writing X and A_ak, the state pass saving h and r, the reverse walk, then per chunk
+    dqkw, wy and pairs; dq, dk, da, db (dg) per value head f32 (the host sums each key
+    head's group), dv f32, dh0. CPU-checked (tests/test_dplr_bwd.py); GPU check:
+    tests/test_dplr_bwd_gpu.py (not yet run)."""
+    if "tma" not in hw.FEATURES or not dplr_fits(p.K, p.V, False):
+        raise ValueError(f"the dplr rule's chunked backward: sm90, K <= {DPLR_MAX_K}, V a "
+                         f"multiple of {DPLR_V_MULTIPLE} up to {DPLR_MAX_V} (K={p.K}, V={p.V})")
+    common = dict(H=p.H, HV=p.HV, K=p.K, V=p.V, dtype=p.dtype)
+    keyed = p.gate == "key"
+    prepare = "chunk_bwd_prepare_dplr" if keyed else "chunk_bwd_prepare_iplr"
+    block_v = 64 if p.V % 64 == 0 else 32
+    gd = {"g_dtype": p.g_dtype} if keyed else {}
+    launches = (
+        launch(prepare, dict(common, threads=config.get(
+            "prepare_threads", PREPARE_THREADS[prepare.replace("_bwd", "")]), **gd),
+               a="a_in", b="b_in"),
+        launch("chunk_bwd_state_dplr", dict(common, has_initial_state=p.has_initial_state,
+                                            block_v=block_v, num_stages=DPLR_STATE_STAGES)),
+        launch("chunk_bwd_dstate_dplr", dict(common, use_dht=p.use_dht, store_dh0=p.store_dh0,
+                                             block_v=block_v, num_stages=DPLR_STATE_STAGES),
+               release=("qg", "bg", "kg", "aqb", "aqk")),
+        launch("chunk_bwd_dqkw_dplr", dict(common, block_v=block_v),
+               release=("h", "dh", "g_last")),
+        launch("chunk_bwd_wy_dplr", dict(common, block_v=block_v),
+               release=("xinv", "aak", "w", "u", "r", "dr", "dw", "dv_direct")),
+        launch("chunk_bwd_pairs_dplr", dict(common, **gd), a="a_in", b="b_in",
+               release=("dm", "dx", "dqg", "dbg", "dkg", "dgl")))
+    return Plan("dplr-chunked-bwd", NAME, launches, _bwd_buffers(p),
+                reasons=("the dplr rule's backward: the recompute (X, A_ak, h, r), the "
+                         "reverse walk, then dqkw, wy and pairs per chunk",))
