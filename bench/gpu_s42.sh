@@ -59,6 +59,11 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
     (cd abtree && PYTHONPATH=/tmp/lpab:${PYTHONPATH#/tmp/lp:} $T 170 python3 bench/walk_probe.py $W \
       --out "$OUT/walk_base.json" > "$OUT/walk_base.log" 2>&1; echo "base rc=$?")
     tail -n 8 "$OUT/walk_base.log" ;;
+  tests1)  # the new kernels' GPU tests in one pytest: Comba / GDN-2 backward, DPLR backward, the
+           # fused walk with k's own barriers (carry the merged CPU-built cache)
+    gpu_tests 450 tests/test_rule_bwd_gpu.py tests/test_dplr_bwd_gpu.py tests/test_chunk_fwd_gpu.py \
+      -k "rule or dplr or inverse_in_walk1"
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
   rule_bwd)
     gpu_tests 420 tests/test_rule_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
