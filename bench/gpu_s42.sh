@@ -64,6 +64,19 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
     gpu_tests 450 tests/test_rule_bwd_gpu.py tests/test_dplr_bwd_gpu.py tests/test_chunk_fwd_gpu.py \
       -k "rule or dplr or inverse_in_walk1"
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
+  gen2)    # every family's training row (backward kernels compiled by five parallel untimed
+           # passes first: the probe's own precompile covers forward and decode only), then
+           # timed one at a time; then every decode row
+    for f in comba gdn2 dplr rwkv7 iplr; do
+      $T 260 python3 bench/generalized_probe.py --families $f --rows '*/train-*' \
+        --out /tmp/warm_$f.json > /tmp/warm_$f.txt 2>&1 &
+    done; wait; tail -n 2 /tmp/warm_*.txt
+    $T 150 python3 bench/generalized_probe.py --rows '*/train-*' \
+      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
+    echo "train rc=$?"; tail -n 6 "$OUT/generalized_train.txt"
+    $T 100 python3 bench/generalized_probe.py --rows '*/decode-*' \
+      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
+    echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
   rule_bwd)
     gpu_tests 420 tests/test_rule_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
