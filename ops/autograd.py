@@ -81,6 +81,7 @@ def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
     if rule_inputs:
         extra["rule_inputs"] = rule_inputs
+    beta = beta if call.spec.has_beta else None     # (GDN-2: the backward's ones only)
     return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
                        initial_state=initial_state,
                        output_final_state=call.output_final_state,

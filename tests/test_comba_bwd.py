@@ -70,6 +70,10 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
+    return install_comba_fakes(monkeypatch)
+
+
+def install_comba_fakes(monkeypatch):
     """Every compile routed to fakes: the backward's stages test_chunk_bwd's EMULATE,
     the rebuild's COMBA; the forward the fp64 reference. Returns the stages compiled."""
     names = []

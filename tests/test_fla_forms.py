@@ -825,13 +825,16 @@ COMBA_FORMS = {
 
 
 @pytest.mark.parametrize("fid", list(COMBA_FORMS))
-def test_comba_forms(cpu_ops, fid):
+def test_comba_forms(cpu_ops, monkeypatch, fid):
     """fla's test_comba: fused_recurrent_comba / chunk_comba with keywords (q, k, v, p, beta,
     g), inputs that require grad; o and the final state against fla's naive_chunk_comba
     (per sequence with varlen), the reference fla's tests use for both functions (its
     naive_recurrent_comba reads the state after the token's decay, which fla's kernels
     do not)."""
     f = COMBA_FORMS[fid]
+    if f["dtype"] != F32:          # (16-bit training: the generated backward's emulators)
+        import test_comba_bwd
+        test_comba_bwd.install_comba_fakes(monkeypatch)
     naive = fla_fn("fla.ops.comba.naive", "naive_chunk_comba")
     randn, rand = gen(2)
     dt, K, cu = f["dtype"], f.get("K", 32), f.get("cu")
@@ -909,12 +912,15 @@ GDN2_FORMS = {
 
 
 @pytest.mark.parametrize("fid", list(GDN2_FORMS))
-def test_gdn2_forms(cpu_ops, fid):
+def test_gdn2_forms(cpu_ops, monkeypatch, fid):
     """fla's test_gdn2: fused_recurrent_gdn2 / chunk_gdn2 with keywords (q, k, v, g, b, w),
     the gate in the kernel (A_log / dt_bias optional with lower_bound), state_v_first,
     varlen (int64 offsets, cu_seqlens_cpu): o and the final state against fla's
     naive_recurrent_gdn2 (gates by naive_kda_gate / naive_kda_lowerbound_gate)."""
     f = GDN2_FORMS[fid]
+    if f.get("train") and f["dtype"] != F32:   # (the generated backward's emulators)
+        import test_gdn2_bwd
+        test_gdn2_bwd.install_gdn2_fakes(monkeypatch)
     naive = fla_fn("fla.ops.gdn2.naive", "naive_recurrent_gdn2")
     dt, cu, gik = f["dtype"], f.get("cu"), f.get("gik")
     B, T, H, K, V = 2, 37, 2, 32, f.get("V", 32)

@@ -120,6 +120,11 @@ def _reference_forward(call, q, k, v, beta, initial_state, g=None, A_log=None, d
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
+    return install_gdn2_fakes(monkeypatch)
+
+
+def install_gdn2_fakes(monkeypatch):
+    """The backward's stages by their emulators, the forward the fp64 reference."""
     names = install_fakes(monkeypatch)
     monkeypatch.setattr(autograd, "run_forward", _reference_forward)
     return names
