@@ -22,9 +22,8 @@ Warpgroups (512 threads, register budgets per warpgroup via setmaxnreg):
   1 WY:     U = k S_s; W = v - U in registers, over v in shared memory; Vd = A_b W
   2 output: P = q k^T (causal, gated, scaled); O = q S_s; O += P Vd; o (a TMA store of
             whole chunks)
-  3 WY inverse and loads, ahead of the others: one warp issues the TMA loads of k as soon
-            as the three groups have read its stage's previous k (k_free, early in a step),
-            and of q, v when the whole stage is free (empty); the group reads the chunk's beta and A_b = (I + L)^-1 diag(beta), L = strict_tril(beta_i k_i.k_j)
+  3 WY inverse and loads, a chunk ahead of the others: one warp issues the TMA loads of q,
+            k, v into two stages; the group reads the chunk's beta and A_b = (I + L)^-1 diag(beta), L = strict_tril(beta_i k_i.k_j)
             (the Gram by one tensor-core product, the inverse in f32 in place: the 16 x 16
             diagonal blocks by forward substitution, then block columns by tf32 products),
             into A_b's stage (a_full), as chunk_kkt_inverse does for the
@@ -155,9 +154,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             kk = T.alloc_fragment((BT, BT), f32)
             # full / empty: the loads' stages; s_full / s_free: S_s written / read by its
             # readers; v_full: Vd written; vd_free: Vd read by the output group;
-            # a_full: A_b of a stage formed; k_full / k_free: k's stages on
-            # their own (full / empty then guard q, v, A_b), so the inverse
-            # group reads the next k while the walk is still on the stage's other tensors
+            # a_full: A_b of a stage formed
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([(readers + 1) * WG, (readers + 1) * WG])
             s_full = T.alloc_barrier(WG)
@@ -165,8 +162,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
-            k_full = T.alloc_barrier([32, 32])
-            k_free = T.alloc_barrier([(readers + 1) * WG, (readers + 1) * WG])
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -185,12 +180,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.copy(S, S_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
-                    T.barrier_wait(k_full[c % 2], (c // 2) % 2)
+                    T.barrier_wait(full[c % 2], (c // 2) % 2)
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     for i, j in T.Parallel(BT, K):
                         kr_s[i, j] = T.if_then_else(i < rows, k_s[c % 2, i, j], T.cast(0, dtype))
-                    T.barrier_arrive(k_free[c % 2])
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -207,11 +201,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    T.barrier_wait(k_full[s], (c // 2) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     T.barrier_wait(s_full, c % 2)
                     T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
-                    T.barrier_arrive(k_free[s])
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(BT, BV):
                         U[i, j] = T.cast(v_s[s, i, j], f32) - U[i, j]
@@ -231,9 +223,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    T.barrier_wait(k_full[s], (c // 2) % 2)
                     T.gemm(q_s[s, :, :], k_s[c % 2, :, :], P, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(k_free[s])
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
                         P[i, j] = T.if_then_else(i >= j, P[i, j] * scale, T.float32(0))
@@ -262,10 +252,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     st = c % 2                              # ("s" is the inverse's own name)
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
-                    T.barrier_wait(k_free[st], (c // 2 + 1) % 2)
+                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
                     if w3 < 32:
-                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=k_full[st])
-                        T.barrier_arrive(k_full[st])
+                        T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
                     # (the previous chunk's reads of b_s and l_s are done)
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
@@ -275,7 +267,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                             b_s[w3] = T.if_then_else(
                                 w3 < rows, (2.0 if allow_neg_eigval else 1.0) / (1.0 + T.exp(-b_s[w3])),
                                 T.float32(0))
-                    T.barrier_wait(k_full[st], (c // 2) % 2)
+                    T.barrier_wait(full[st], (c // 2) % 2)
                     if inverse_stub == 0:
                         T.gemm(k_s[c % 2, :, :], k_s[c % 2, :, :], kk, transpose_B=True,
                                clear_accum=True)
@@ -327,11 +319,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for i, j in T.Parallel(BT, BT):
                             l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
                     T.sync_threads(INVERSE_BARRIER, WG)
-                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)     # the stage's q, v, A_b read
-                    if w3 < 32:
-                        T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
                     for i, j in T.Parallel(BT, BT):         # A_b = X diag(beta)
                         a_s[st, i, j] = T.cast(l_s[i, j] * b_s[j], dtype)
                     T.fence_proxy_async()

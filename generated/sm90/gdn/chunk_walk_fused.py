@@ -22,9 +22,8 @@ Warpgroups (512 threads, register budgets per warpgroup via setmaxnreg):
   1 WY:     U = k S_s; W = v - e^g . U in registers, over v in shared memory; Vd = A_b W
   2 output: P = q k^T (causal, gated, scaled); O = q S_s; O += P Vd; o (a TMA store of
             whole chunks)
-  3 WY inverse and loads, ahead of the others: one warp issues the TMA loads of k as soon
-            as the three groups have read its stage's previous k (k_free, early in a step),
-            and of q, v when the whole stage is free (empty); the group reads the chunk's beta and gate, forms its
+  3 WY inverse and loads, a chunk ahead of the others: one warp issues the TMA loads of q,
+            k, v into two stages; the group reads the chunk's beta and gate, forms its
             cumsum g and A_b = (I + L)^-1 diag(beta), L = strict_tril(beta_i k_i.k_j e^(g_i - g_j))
             (the Gram by one tensor-core product, the inverse in f32 in place: the 16 x 16
             diagonal blocks by forward substitution, then block columns by tf32 products),
@@ -162,9 +161,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             kk = T.alloc_fragment((BT, BT), f32)
             # full / empty: the loads' stages; s_full / s_free: S_s written / read by its
             # readers; v_full: Vd written; vd_free: Vd read by the output group;
-            # a_full: A_b and g of a stage formed; k_full / k_free: k's stages on
-            # their own (full / empty then guard q, v, A_b and g), so the inverse
-            # group reads the next k while the walk is still on the stage's other tensors
+            # a_full: A_b and g of a stage formed
             full = T.alloc_barrier([32, 32])
             empty = T.alloc_barrier([(readers + 1) * WG, (readers + 1) * WG])
             s_full = T.alloc_barrier(WG)
@@ -172,8 +169,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
             v_full = T.alloc_barrier(WG)
             vd_free = T.alloc_barrier(WG)
             a_full = T.alloc_barrier([WG, WG])
-            k_full = T.alloc_barrier([32, 32])
-            k_free = T.alloc_barrier([(readers + 1) * WG, (readers + 1) * WG])
             tx = T.get_thread_binding()
 
             if tx < WG:                                     # state
@@ -192,7 +187,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     T.copy(S, S_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(s_full)
-                    T.barrier_wait(k_full[c % 2], (c // 2) % 2)
+                    T.barrier_wait(full[c % 2], (c // 2) % 2)
                     T.barrier_wait(a_full[c % 2], (c // 2) % 2)
                     rows = T.min(BT, seqlen - (first + c) * BT)
                     decay = T.alloc_var(f32)
@@ -204,7 +199,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                                                  T.float32(0))
                     for i, j in T.Parallel(BT, K):
                         kr_s[i, j] = k_s[c % 2, i, j] * er_s[i]
-                    T.barrier_arrive(k_free[c % 2])
                     T.barrier_wait(v_full, c % 2)
                     T.gemm(kr_s, vd_s, S, transpose_A=True)
                     T.barrier_arrive(empty[c % 2])
@@ -221,13 +215,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                 for c in T.serial(n_chunks):
                     s = c % 2
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    T.barrier_wait(k_full[s], (c // 2) % 2)
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i in T.Parallel(BT):
                         eu_s[i] = T.exp(g_s[s, i])
                     T.barrier_wait(s_full, c % 2)
                     T.gemm(k_s[c % 2, :, :], S_s, U, clear_accum=True)
-                    T.barrier_arrive(k_free[s])
                     T.barrier_arrive(s_free)
                     for i, j in T.Parallel(BT, BV):
                         U[i, j] = T.cast(v_s[s, i, j], f32) - eu_s[i] * U[i, j]
@@ -247,9 +239,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
                     T.barrier_wait(full[s], (c // 2) % 2)
-                    T.barrier_wait(k_full[s], (c // 2) % 2)
                     T.gemm(q_s[s, :, :], k_s[c % 2, :, :], P, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(k_free[s])
                     T.barrier_wait(a_full[s], (c // 2) % 2)
                     for i, j in T.Parallel(BT, BT):
                         P[i, j] = T.if_then_else(
@@ -281,10 +271,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                     st = c % 2                              # ("s" is the inverse's own name)
                     t0 = bos + c * BT
                     rows = T.min(BT, seqlen - c * BT)
-                    T.barrier_wait(k_free[st], (c // 2 + 1) % 2)
+                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)
                     if w3 < 32:
-                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=k_full[st])
-                        T.barrier_arrive(k_full[st])
+                        T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
+                        T.tma_copy(k[t0:t0 + BT, hk, 0:K], k_s[st, :, :], barrier=full[st])
+                        T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
+                        T.barrier_arrive(full[st])
                     # (the previous chunk's reads of b_s, gl_s and l_s are done)
                     T.sync_threads(INVERSE_BARRIER, WG)
                     if w3 < BT:
@@ -310,7 +302,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for j in T.unroll(BT):
                             gsum = gsum + T.if_then_else(j <= w3, gl_s[j], T.float32(0))
                         gc_s[w3] = gsum
-                    T.barrier_wait(k_full[st], (c // 2) % 2)
+                    T.barrier_wait(full[st], (c // 2) % 2)
                     if inverse_stub == 0:
                         T.gemm(k_s[c % 2, :, :], k_s[c % 2, :, :], kk, transpose_B=True,
                                clear_accum=True)
@@ -363,11 +355,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", beta_dtype="float32", beta_sigm
                         for i, j in T.Parallel(BT, BT):
                             l_s[i, j] = T.if_then_else(i == j, T.float32(1), T.float32(0))
                     T.sync_threads(INVERSE_BARRIER, WG)
-                    T.barrier_wait(empty[st], (c // 2 + 1) % 2)     # the stage's q, v, A_b and g read
-                    if w3 < 32:
-                        T.tma_copy(q[t0:t0 + BT, hk, 0:K], q_s[st, :, :], barrier=full[st])
-                        T.tma_copy(v[t0:t0 + BT, hv, v0:v0 + BV], v_s[st, :, :], barrier=full[st])
-                        T.barrier_arrive(full[st])
                     if w3 < BT:
                         g_s[st, w3] = gc_s[w3]
                     for i, j in T.Parallel(BT, BT):         # A_b = X diag(beta)
