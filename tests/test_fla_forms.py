@@ -825,16 +825,13 @@ COMBA_FORMS = {
 
 
 @pytest.mark.parametrize("fid", list(COMBA_FORMS))
-def test_comba_forms(cpu_ops, monkeypatch, fid):
+def test_comba_forms(cpu_ops, fid):
     """fla's test_comba: fused_recurrent_comba / chunk_comba with keywords (q, k, v, p, beta,
     g), inputs that require grad; o and the final state against fla's naive_chunk_comba
     (per sequence with varlen), the reference fla's tests use for both functions (its
     naive_recurrent_comba reads the state after the token's decay, which fla's kernels
     do not)."""
     f = COMBA_FORMS[fid]
-    if f["dtype"] != F32:          # (16-bit training: the generated backward's emulators)
-        import test_comba_bwd
-        test_comba_bwd.install_comba_fakes(monkeypatch)
     naive = fla_fn("fla.ops.comba.naive", "naive_chunk_comba")
     randn, rand = gen(2)
     dt, K, cu = f["dtype"], f.get("K", 32), f.get("cu")
@@ -874,16 +871,18 @@ def test_comba_forms(cpu_ops, monkeypatch, fid):
         _trains(leaves, o, ht)
 
 
-def _gdn2_inputs(B, T, H, K, V, dtype, gik=False, seed=3):
+def _gdn2_inputs(B, T, H, K, V, dtype, gik=False, seed=3, mild=False):
     """fla's test_gdn2 _rand_inputs: g a contracting log decay U(-5, -0.1) (raw N(0, 1)
-    with the gate in the kernel, A_log log U(1, 16), dt_bias [H * K])."""
+    with the gate in the kernel, A_log log U(1, 16), dt_bias [H * K]); mild: A_log log
+    U(0.01, 0.06) (the 16-bit training forms' emulators run the chunked fp64 reference,
+    whose in-chunk factors pass e^709 at fla's strength)."""
     randn, rand = gen(seed)
     x = dict(q=randn(B, T, H, K, dtype=dtype), k=randn(B, T, H, K, dtype=dtype),
              v=(randn(B, T, H, V) * 0.5).to(dtype), b=rand(B, T, H, K, dtype=dtype),
              w=rand(B, T, H, V, dtype=dtype))
     if gik:
-        x.update(g=randn(B, T, H, K, dtype=dtype), A_log=torch.log(rand(H) * 15 + 1),
-                 dt_bias=randn(H * K))
+        A = rand(H) * 0.05 + 0.01 if mild else rand(H) * 15 + 1
+        x.update(g=randn(B, T, H, K, dtype=dtype), A_log=torch.log(A), dt_bias=randn(H * K))
     else:
         x["g"] = (rand(B, T, H, K) * -4.9 - 0.1).to(dtype)
     return x
@@ -927,7 +926,8 @@ def test_gdn2_forms(cpu_ops, monkeypatch, fid):
     if cu:
         B, T = 1, cu[-1]
     N = B if cu is None else len(cu) - 1
-    x = _gdn2_inputs(B, T, H, K, V, dt, gik is not None)
+    fakes = f.get("train") and dt != F32
+    x = _gdn2_inputs(B, T, H, K, V, dt, gik is not None, mild=fakes)
     if gik is not None:
         for n in ("A_log", "dt_bias"):
             if gik.get(n, True) is False:
