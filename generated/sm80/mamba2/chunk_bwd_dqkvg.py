@@ -192,6 +192,7 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
                 for i, j in T.Parallel(BT, BK):
                     q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
                     k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                for i, j in T.Parallel(BT, BK):
                     dqs_s[i, j] = T.float32(0)
                     dks_s[i, j] = T.float32(0)
                 for gi in T.serial(group):
