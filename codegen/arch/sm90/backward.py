@@ -332,7 +332,7 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk, loop))
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at
-    # 128); never under group_loop (128 registers spill there: 32 bytes at block_k 64)
+    # 128); never under group_loop (128 registers spill there: 24 bytes at block_k 64)
     two = (hw.DQKVG_TWO_CTAS and 2 * (dqkvg_smem(p, dbv, dbk, loop) + 1024) <= SM_SMEM_BYTES
            and dbk <= 64 and not loop)
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
