@@ -43,7 +43,7 @@ from linattn.ops import library, runtime
 from linattn.ops.registry import get_spec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_lib import device_times  # noqa: E402  (each kernel's ms)
+from probe_lib import device_times, parse_config  # noqa: E402  (each kernel's ms)
 
 DEVICE = "cuda"
 #: name -> (B, T, kind, H, K = V)
@@ -312,7 +312,7 @@ def main():
     ap.add_argument("--config", nargs="*", default=[],
                     help="probe: plan config KEY=VALUE for the dplr rule's families")
     a = ap.parse_args()
-    config = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.config}
+    config = parse_config(a.config)
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
     precompile([(f, WORKLOADS[w]) for f, w in rows], config)

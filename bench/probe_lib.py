@@ -18,6 +18,12 @@ def parse_knobs(text):
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
 
 
+def parse_config(items):
+    """A probe's --config KEY=VALUE ... (["iplr_direct=1", "dqkvg_group_loop=1"]) -> the
+    plan config {"iplr_direct": 1, ...} (integer values)."""
+    return parse_knobs(",".join(items)) if items else {}
+
+
 def device_times(fn, iters=30, warmup=5):
     """Median device ms per call (union of kernels) and per kernel name."""
     from torch.profiler import ProfilerActivity, profile

@@ -12,7 +12,10 @@ kernel union per call, L2 flushed, median). Each row of linattn also records the
 median time of each kernel of a call (``kernels``: name -> ms) and, for the forward at
 4k and 16k without z, the chunked forward's plan forms (``variants``: plan config ->
 ms, from ops/chunk.py run_chunk_forward with the same call terms), so a run shows where
-the time goes and which plan the arch's rules should pick.
+the time goes and which plan the arch's rules should pick. --config KEY=VALUE ... (a
+backward plan config, codegen/arch/sm90/backward.py BACKWARD_CONFIG_KEYS, e.g.
+dqkvg_group_loop=1) times each training row again under it (``config``: its gradients
+checked against mamba_ssm's, ms, kernels), beside the default in the same run.
 
 mamba_ssm's Triton functions load from a source checkout without its CUDA extensions
 (--mamba-src: the folder holding mamba_ssm/). Rows go to --out as a JSON list of
@@ -20,6 +23,7 @@ mamba_ssm's Triton functions load from a source checkout without its CUDA extens
 "ratio"} (the project's check reads bench/results/ssd_h200.json).
 
     python3 bench/ssd_probe.py [--mamba-src DIR] [--rows GLOB] [--out FILE.json]
+                               [--config KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -37,7 +41,10 @@ import torch
 import linattn
 from linattn.cli.bench.timer import device_time, flush_l2
 from linattn.dsl import Options, call_terms
-from linattn.ops import chunk, mamba2
+from linattn.ops import additive_bwd, chunk, mamba2
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_lib import parse_config  # noqa: E402
 
 NEMOTRON = dict(HV=128, V=64, G=8, K=128)
 WORKLOAD = "nemotron-h-8b layer: nheads 128, headdim 64, ngroups 8, dstate 128, bf16"
@@ -57,6 +64,8 @@ VARIANTS_ON = False     # --variants
 #: --decode-tiles: the decode kernel's tiles to time beside the arch's on the decode rows
 #: ("block_v=16,threads=64,vec=4,warps_k=1"; ops/recurrent.py tuning_override)
 DECODE_TILES: list = []
+#: --config: the backward plan config the training rows are timed under again
+BACKWARD_CONFIG: dict = {}
 TOL = 2e-2
 V_FIRST = Options(state_v_first=True)
 
@@ -278,11 +287,30 @@ def run_row(kind, size, z, name, m_scan, m_update) -> dict:
             lin["variants"] = variants(size)
         if DECODE_TILES and kind == "decode":
             lin["tiles"] = decode_tiles(size)
+        if BACKWARD_CONFIG and kind == "train":
+            lin["config"] = configured(kind, size, z, ours, theirs)
         if "mamba_ssm" in row["impls"]:
             row["ratio"] = row["impls"]["mamba_ssm"]["ms"] / lin["ms"]
     except Exception as e:      # noqa: BLE001 (one row never stops the rest)
         lin.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     return row
+
+
+def configured(kind, size, z, ours, theirs) -> dict:
+    """The row again under BACKWARD_CONFIG (additive_bwd.backward_config): checked, then
+    timed and split by kernel, as the default."""
+    out = {"plan_config": dict(BACKWARD_CONFIG)}
+    try:
+        with additive_bwd.backward_config(**BACKWARD_CONFIG):
+            out["rel_err"] = check(kind, size, z, ours, theirs)
+            out["ok"] = all(v < TOL for v in out["rel_err"].values())
+            if out["ok"]:
+                t = device_time(call_of(kind, size, z, ours))
+                out.update(ms=t["ms"], p10=t["p10"], p90=t["p90"],
+                           kernels=kernel_split(call_of(kind, size, z, ours)))
+    except Exception as e:      # noqa: BLE001 (reported beside the default's row)
+        out.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+    return out
 
 
 def warm(rows):
@@ -293,7 +321,17 @@ def warm(rows):
                      else linattn.mamba_chunk_scan_combined) for k, s, z in rows]
     steps += [variant_call(s, c) for k, s, z in rows if VARIANTS_ON
               and f"{k}-{s}" in VARIANT_ROWS and not z for c in VARIANTS.values()]           # (the plan's tiles follow T)
+    steps += [_under_config(call_of(k, s, z, linattn.mamba_chunk_scan_combined))
+              for k, s, z in rows if BACKWARD_CONFIG and k == "train"]
     print("precompile:", precompile(*steps), flush=True)
+
+
+def _under_config(step):
+    """step run under BACKWARD_CONFIG (warm's: its backward's kernels)."""
+    def run():
+        with additive_bwd.backward_config(**BACKWARD_CONFIG):
+            step()
+    return run
 
 
 def main():
@@ -306,7 +344,11 @@ def main():
                     help="also time the plan forms of VARIANTS on VARIANT_ROWS")
     ap.add_argument("--decode-tiles", nargs="*", default=[],
                     help="decode tiles to time beside the arch's (knobs k=v,...)")
+    ap.add_argument("--config", nargs="*", default=[],
+                    help="backward plan config KEY=VALUE the training rows are timed under "
+                         "again (e.g. dqkvg_group_loop=1)")
     a = ap.parse_args()
+    BACKWARD_CONFIG.update(parse_config(a.config))
     global VARIANTS_ON
     VARIANTS_ON = a.variants
     DECODE_TILES.extend(a.decode_tiles)

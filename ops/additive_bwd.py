@@ -50,9 +50,13 @@ bf16 written: ~0.6 GB, reduce_kernel 0.20 ms in run s38); now 34 MB of zeros, th
 the group's 16 heads add into the same 2 x 32 KB while they run) with ~34 MB written
 back, and the cast (34 MB read, 17 written): ~0.12 GB instead of ~1.1 GB. The adds'
 cost (L2 atomics, 16 CTAs on the same addresses) is what a GPU run has to tell.
+The plan config dqkvg_group_loop (off by default; :func:`group_sums`) runs a CTA per
+key head that walks its group's value heads and stores dq, dk once in grad_dtype: no
+zeros, no cast, no atomic adds.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -90,8 +94,27 @@ def _plan(problem: AdditiveBackwardProblem, config: tuple, arch: str):
 
 def backward_plan(problem: AdditiveBackwardProblem, config=None, arch: str = DEFAULT_ARCH):
     """The arch's plan (codegen.pipeline.Plan) of a backward; config: a dict forcing
-    choices (a probe's variant, e.g. {"scan_stages": 2})."""
-    return _plan(problem, tuple(sorted((config or {}).items())), arch)
+    choices (a probe's variant, e.g. {"scan_stages": 2}; None: :func:`backward_config`'s)."""
+    return _plan(problem, tuple(sorted((config or _CONFIG).items())), arch)
+
+
+#: the plan config of backwards called without one (probes: see backward_config)
+_CONFIG: dict = {}
+
+
+@contextlib.contextmanager
+def backward_config(**config):
+    """Within the block, backwards that pass no ``config`` (training through autograd:
+    Mamba-2's, the additive families') take this plan config (the arch's
+    BACKWARD_CONFIG_KEYS): lets a probe time a plan form on the public functions."""
+    prev = dict(_CONFIG)
+    _CONFIG.clear()
+    _CONFIG.update(config)
+    try:
+        yield
+    finally:
+        _CONFIG.clear()
+        _CONFIG.update(prev)
 
 
 def _name(dtype) -> str:
@@ -102,8 +125,20 @@ def key_blocks(plan) -> int:
     """dqkvg's CTAs a chunk and head: > 1 when it sums dv over them in f32 (atomic adds into
     a zeroed buffer) and writes a scalar gate's dg as f32 partials per key block, [K /
     block_k, ...], which the host sums."""
-    kw = next(la.kwargs for la in plan.launches if la.stage == "chunk_bwd_dqkvg")
+    kw = _dqkvg_params(plan)
     return kw["K"] // kw.get("block_k", kw["K"])
+
+
+def group_sums(plan) -> bool:
+    """Whether dqkvg adds a GVA group's dq, dk by f32 atomic adds (into zeros the host
+    allocates and casts after); else it stores them in grad_dtype, per value head or
+    (group_loop: a CTA per key head walks its group) the group's sums once."""
+    kw = _dqkvg_params(plan)
+    return kw["HV"] > kw["H"] and not kw.get("group_loop")
+
+
+def _dqkvg_params(plan) -> dict:
+    return next(la.kwargs for la in plan.launches if la.stage == "chunk_bwd_dqkvg")
 
 
 def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
@@ -128,7 +163,6 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
         return _padded_backward(spec, q, k, v, g, states, do, dht, scale=scale, cu=cu,
                                 want_dh0=want_dh0, grad_dtype=grad_dtype, config=config,
                                 raw_dv=raw_dv, terms=terms)
-    group = HV // H
     seq_chunks = tuple(-(-(e - b) // CHUNK) for b, e in zip(cu, cu[1:]))
     gated, scalar = spec.gate is not Gate.NONE, spec.gate is Gate.SCALAR
     problem = AdditiveBackwardProblem(
@@ -140,7 +174,7 @@ def run_backward(spec, q, k, v, g, states, do, dht, *, scale: float, cu: tuple,
     N, nkb = len(seq_chunks), key_blocks(plan)
     part = (nkb,) if nkb > 1 else ()            # a scalar gate's dg: partials
     f32 = dict(dtype=torch.float32, device=q.device)
-    sums = group > 1        # GVA: dq, dk the group's sums, added by the kernel into zeroed f32
+    sums = group_sums(plan)     # dq, dk added by the kernel into zeroed f32 (else stored)
     dqk = dict(dtype=torch.float32 if sums else grad_dtype, device=q.device)
     new = torch.zeros if sums else torch.empty
     x = dict(chunk._tables(cu, CHUNK, q.device, 0), q=q, k=k, v=v, do=do, states=states,

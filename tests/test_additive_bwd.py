@@ -142,6 +142,32 @@ def test_backward_plan_key_blocks():
         additive_bwd.backward_plan(dataclasses.replace(small, K=144))
 
 
+def test_group_loop_plan():
+    """The plan config dqkvg_group_loop (backward_config: the plan of backwards called
+    without one, restored after): at Mamba-2's Nemotron-H row one key block of 128 (x, do
+    read once, dx stored), value block 32 (64 does not fit: dqkvg_smem's loop model), one
+    CTA an SM, dq, dk stored (group_sums false); K 256 in two key blocks of 128; refused
+    without GVA and with a per-key gate."""
+    p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=128, V=64, dtype="bfloat16",
+                                g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
+                                state_dtype="bfloat16", terms=("skip", "skip_per_head",
+                                                               "value_scale"))
+    dqkvg = lambda pl: pl.launches[-1].kwargs  # noqa: E731
+    assert additive_bwd.group_sums(additive_bwd.backward_plan(p))
+    with additive_bwd.backward_config(dqkvg_group_loop=True):
+        pl = additive_bwd.backward_plan(p)
+        assert additive_bwd.backward_plan(dataclasses.replace(p, K=256)).launches[-1].kwargs[
+            "block_k"] == 128
+    assert additive_bwd._CONFIG == {}
+    kw = dqkvg(pl)
+    assert kw["group_loop"] and "block_k" not in kw and kw["block_v"] == 32
+    assert kw["min_blocks"] == 1 and not additive_bwd.group_sums(pl)
+    assert additive_bwd.key_blocks(pl) == 1
+    for bad in (dataclasses.replace(p, HV=8), dataclasses.replace(p, gate="key")):
+        with pytest.raises(SpecError, match="dqkvg_group_loop"):
+            additive_bwd.backward_plan(bad, {"dqkvg_group_loop": True})
+
+
 def test_plans_with_the_call_terms():
     """The backward's terms are dqkvg's flags (sm90; sm80 forms none: its calls keep
     torch's), x's tile in its shared-memory model; a recompute of the states forms the
@@ -284,8 +310,10 @@ class BackwardMath:
         bk = p.get("block_k", self.K)
         self.key_blocks = self.K // bk
         pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, C - x.shape[0])).numpy()  # noqa: E731
+        self.group_loop = bool(p.get("group_loop"))
         for c, (t0, n) in self._chunks(chunk_bos, chunk_len):
             sr = int(state_row[c])
+            sums = {}
             for hv in range(self.HV):
                 hk = hv // self.group
                 rows = lambda x, h: pad(x[t0:t0 + n, h].to(F64))[None]  # noqa: E731
@@ -306,7 +334,14 @@ class BackwardMath:
                     Dv = (skip_D[hv] if p.get("skip_per_head") else skip_D[hv]).to(F64)
                     dvc[0] += Dv * do[t0:t0 + n, hv].to(F64)
                     dD_part[c, hv] = (do[t0:t0 + n, hv].to(F64) * x).sum(0).float()
-                if self.group > 1:              # (atomic adds into the caller's zeros)
+                if self.group_loop:     # (a CTA per key head: the group's sums stored once)
+                    sq, sk = sums.get(hk, (0.0, 0.0))
+                    sums[hk] = (sq + scale * dqc, sk + dkc)
+                    if hv % self.group == self.group - 1:
+                        assert dq.dtype == dk.dtype == q.dtype and dq.shape[1] == self.H
+                        dq[t0:t0 + n, hk] = sums[hk][0].to(dq.dtype)
+                        dk[t0:t0 + n, hk] = sums[hk][1].to(dk.dtype)
+                elif self.group > 1:            # (atomic adds into the caller's zeros)
                     assert dq.dtype == dk.dtype == torch.float32
                     dq[t0:t0 + n, hk] += (scale * dqc).float()
                     dk[t0:t0 + n, hk] += dkc.float()
@@ -668,25 +703,35 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
     (128, 64, ("skip", "value_scale"), "bfloat16"),
     (256, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16")],
     ids=["K64-saved", "K128-recomputed", "K128-D-channels", "K256"])
-def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states):
+@pytest.mark.parametrize("group_loop", [False, True], ids=["atomic", "group-loop"])
+def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states, group_loop):
     """Mamba-2's dqkvg with the call terms' backward (Nemotron-H-like: 8 key heads, 128
     value heads, bf16) compiles for sm_90a within its plan's register cap (128 a thread
-    at two CTAs an SM), no spills; the plan's launch carries the flags."""
+    at two CTAs an SM), no spills; the plan's launch carries the flags. group_loop: under
+    the plan config dqkvg_group_loop (a CTA per key head), its shared memory within the
+    plan's model (dqkvg_smem) and one CTA's share of an SM."""
+    from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops import mamba2
     from linattn.ops.runtime import stage_module
     p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=K, V=V, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
                                 state_dtype=states, terms=terms)
-    la = next(la for la in additive_bwd.backward_plan(p).launches
+    config = {"dqkvg_group_loop": True} if group_loop else {}
+    la = next(la for la in additive_bwd.backward_plan(p, config).launches
               if la.stage == "chunk_bwd_dqkvg")
     assert all(la.kwargs.get(t) for t in terms), la.kwargs
+    assert la.kwargs.get("group_loop", False) == group_loop, la.kwargs
     rec = compile_stage(stage_module(mamba2.SPEC, la.stage, "sm90"), la.kwargs, "sm90")
     print(format_record(rec))
     assert "error" not in rec and "ptxas_error" not in rec, rec
     cap = 65536 // (256 * la.kwargs["min_blocks"])
     assert rec["registers"] <= min(cap, 255) and rec["spill_store_bytes"] == 0, rec
     assert not rec["barriers_in_branches"], rec
+    if group_loop:
+        bk = la.kwargs.get("block_k", K)
+        model = sm90_backward.dqkvg_smem(p, la.kwargs["block_v"], bk, True)
+        assert rec["dynamic_smem_bytes"] <= model <= sm90_backward.SM_SMEM_BYTES - 1024, rec
 
 
 @pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])
@@ -771,10 +816,11 @@ SSD_CASES += [
 ]
 
 
+@pytest.mark.parametrize("group_loop", [False, True], ids=["atomic", "loop"])
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
 @pytest.mark.parametrize("lens, G, K, D_channels, z, lim", SSD_CASES)
-def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, lens,  # noqa: F811
-                                            G, K, D_channels, z, lim):
+def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, group_loop,  # noqa: F811
+                                            lens, G, K, D_channels, z, lim):
     """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
     the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
     signatures carry the call terms' tensors, off there) and the backward stages run
@@ -784,11 +830,15 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     and o + D x; dqkvg forms the terms' backward: it reads x and s, writes dx = s dv' +
     D do (f32 where the key blocks add it), ds's key-block partials and dD's chunk
     partials, and torch's terms_backward is not called); every input's gradient against
-    the fp64 reference."""
+    the fp64 reference. group_loop: under the plan config dqkvg_group_loop (a CTA per key
+    head: dq, dk the group's sums stored once in the input dtype, no zeros, no cast)."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
     from linattn.ops import mamba2, terms, validate
-    HV, V = SSD_HV.get(request.node.callspec.id.rsplit("-", 1)[0], 4), 16
+    HV, V = SSD_HV.get(request.node.callspec.id.rsplit("-", 2)[0], 4), 16
+    if group_loop and HV == G:
+        pytest.skip("group 1: no group to walk")
+    monkeypatch.setattr(additive_bwd, "_CONFIG", {"dqkvg_group_loop": True} if group_loop else {})
     bwd = install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
@@ -832,6 +882,7 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
                for n, a in zip(names, got))
     assert seen == [], seen         # (the terms' backward formed by dqkvg: no torch pass)
+    assert bwd.group_loop == group_loop
     assert bwd.terms == ("value_scale", "skip") + (() if D_channels else ("skip_per_head",))
     kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
                     "value_scale"] + (["skip_per_head"] if not D_channels else [])

@@ -32,12 +32,12 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def inputs(Bn, T, HV, G, K, V=64, seed=0, h0=True):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+def inputs(Bn, T, HV, G, K, V=64, seed=0, h0=True, dev="cuda"):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     return dict(
         x=r(Bn, T, HV, V).to(BF), dt=r(Bn, T, HV) - 2.0,
-        A=-torch.rand(HV, device="cuda", generator=gen) * 4 - 0.5,
+        A=-torch.rand(HV, device=dev, generator=gen) * 4 - 0.5,
         B=(r(Bn, T, G, K) / math.sqrt(K)).to(BF), C=(r(Bn, T, G, K) / math.sqrt(K)).to(BF),
         D=r(HV), z=r(Bn, T, HV, V).to(BF), dt_bias=r(HV) * 0.5,
         h0=(0.1 * r(Bn, HV, V, K)) if h0 else None)
@@ -128,30 +128,88 @@ def test_chunk_scan_combined_varlen(by):
     if by == "cu_seqlens":
         assert rel(out[2], wh) < 1e-2
 
+def _gradients(G, K, D_channels, z, lim, cu, dev="cuda"):
+    """test_chunk_scan_combined_gradients' call on ``dev``: (its inputs, the names of
+    those that need gradients, their gradients, dy, dh, cu_seqlens)."""
+    T = 500 if cu is None else cu[-1]
+    p = inputs(1, T, 16, G, K, dev=dev)
+    if D_channels:
+        p["D"] = torch.randn(16, 64, device=dev)
+    names = tuple(n for n in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
+                  if z or n != "z")
+    leaves = {n: p[n].detach().clone().requires_grad_(True) for n in names}
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=dev)
+    y, hT = linattn.mamba_chunk_scan_combined(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 256,
+        D=leaves["D"], z=leaves.get("z"), dt_bias=leaves["dt_bias"],
+        initial_states=leaves["h0"], dt_softplus=True, dt_limit=lim, cu_seqlens=cu_t,
+        return_final_states=True)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    dy, dh = torch.randn(y.shape, device=dev, generator=gen), torch.randn(
+        hT.shape, device=dev, generator=gen)
+    got = torch.autograd.grad((y, hT), [leaves[n] for n in names], (dy.to(BF), dh))
+    return p, names, got, dy, dh, cu_t
 
-@pytest.mark.parametrize("G, K, D_channels, z, lim, cu", [
-    (1, 128, False, True, (0.0, 1.0), None),
-    (8, 128, False, True, (0.0, 1.0), None),           # (dqkvg's key blocks: dv' f32)
-    (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900]),   # (one key block)
-    (8, 128, True, True, (0.01, 0.5), [0, 70, 500]),
-    (2, 256, False, True, (0.0, INF), None),           # (K 256: dqkvg's 4 key blocks)
-    (8, 128, False, False, (0.0, 1.0), None),
+
+def precompile_jobs(items, device="cuda"):
+    """The (spec, stage, arch, params) jobs of test_chunk_scan_combined_gradients' selected
+    cases among ``items`` (bench/cpu_cache.py; this module's other tests compile as they
+    run): each case's call and gradients on ``device`` with every kernel a no-op that
+    notes its job, so the backward's stages are reached without a GPU (the values are
+    garbage; nothing is checked)."""
+    from linattn.ops import additive_bwd, runtime
+    jobs = {}
+
+    def noted(spec, stage, arch, params, target=None):
+        key = runtime._key(spec, stage, arch, params)
+        if key not in jobs:
+            names = runtime.arg_names(runtime.stage_module(spec, stage, arch).build(**params))
+            jobs[key] = ((spec, stage, arch, dict(params)), names)
+        return (lambda *args: None), jobs[key][1]
+    cases = [it.callspec.params for it in items
+             if it.originalname == "test_chunk_scan_combined_gradients"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runtime, "_compiled", noted)
+        for c in cases:
+            config = {"dqkvg_group_loop": True} if c["group_loop"] else {}
+            with additive_bwd.backward_config(**config):
+                _gradients(*(c[n] for n in ("G", "K", "D_channels", "z", "lim", "cu")),
+                           dev=device)
+    return [job for job, _ in jobs.values()]
+
+
+@pytest.mark.parametrize("G, K, D_channels, z, lim, cu, group_loop", [
+    (1, 128, False, True, (0.0, 1.0), None, False),
+    (8, 128, False, True, (0.0, 1.0), None, False),    # (dqkvg's key blocks: dv' f32)
+    (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900], False),  # (one key block)
+    (8, 128, True, True, (0.01, 0.5), [0, 70, 500], False),
+    (2, 256, False, True, (0.0, INF), None, False),    # (K 256: dqkvg's 4 key blocks)
+    (8, 128, False, False, (0.0, 1.0), None, False),
+    # the plan config dqkvg_group_loop: a CTA per key head walks its group (16 heads at
+    # G 1, 2 at G 8), dq, dk stored once; one key block up to K 128 (dx stored), two of
+    # 128 at K 256 (dx added in f32)
+    (1, 128, False, True, (0.0, 1.0), None, True),
+    (8, 128, False, False, (0.0, 1.0), None, True),
+    (8, 64, False, False, (0.0, INF), [0, 1, 300, 300, 365, 900], True),  # (states saved)
+    (1, 64, False, True, (0.01, 0.5), [0, 70, 500], True),
+    (2, 256, False, True, (0.0, INF), None, True),
 ], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-D-channels-limit-varlen", "G2-K256",
-        "G8-no-z"])
-def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch):
+        "G8-no-z", "G1-loop", "G8-no-z-loop", "G8-K64-no-z-varlen-loop",
+        "G1-K64-limit-varlen-loop", "G2-K256-loop"])
+def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, group_loop, monkeypatch):
     """Every input's gradient through the one Function of the value scale, the additive
     call and the skip term (ops/terms.py train; without z the forward's kernels form dt x
     and o + D x: K 64 with the states saved, K 128 recomputed; dqkvg forms the terms'
     backward: reads x and s, writes dx = s dv' + D do, ds and dD's partials, torch's
     terms_backward not called; without z the states' recompute forms the step and x s in
-    its kernels), against torch autograd of the fp64 reference."""
+    its kernels), against torch autograd of the fp64 reference. group_loop: the backward
+    under the plan config dqkvg_group_loop (set as additive_bwd.backward_config sets it)."""
     from linattn.ops import additive_bwd, terms
-    T = 500 if cu is None else cu[-1]
-    p = inputs(1, T, 16, G, K)
-    if D_channels:
-        p["D"] = torch.randn(16, 64, device="cuda")
-    names = tuple(n for n in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "h0")
-                  if z or n != "z")
+    if group_loop:
+        monkeypatch.setattr(additive_bwd, "_CONFIG", {"dqkvg_group_loop": True})
+    plans, real_plan = [], additive_bwd.backward_plan
+    monkeypatch.setattr(additive_bwd, "backward_plan", lambda *a, **k: plans.append(
+        real_plan(*a, **k)) or plans[-1])
     seen, real = [], terms.terms_backward
     monkeypatch.setattr(terms, "terms_backward",
                         lambda *a, **k: seen.append(a[4].dtype) or real(*a, **k))
@@ -165,17 +223,7 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     fwd, real_fwd = [], additive_bwd.run_forward
     monkeypatch.setattr(additive_bwd, "run_forward", lambda *a, **k: fwd.append(
         k.get("terms") is not None) or real_fwd(*a, **k))
-    leaves = {n: p[n].detach().clone().requires_grad_(True) for n in names}
-    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-    y, hT = linattn.mamba_chunk_scan_combined(
-        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 256,
-        D=leaves["D"], z=leaves.get("z"), dt_bias=leaves["dt_bias"],
-        initial_states=leaves["h0"], dt_softplus=True, dt_limit=lim, cu_seqlens=cu_t,
-        return_final_states=True)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    dy, dh = torch.randn(y.shape, device="cuda", generator=gen), torch.randn(
-        hT.shape, device="cuda", generator=gen)
-    got = torch.autograd.grad((y, hT), [leaves[n] for n in names], (dy.to(BF), dh))
+    p, names, got, dy, dh, cu_t = _gradients(G, K, D_channels, z, lim, cu)
     ref = {n: p[n].detach().double().requires_grad_(True) for n in names}
     h0 = ref["h0"] if cu is None else torch.cat(
         [ref["h0"], ref["h0"].new_zeros((len(cu) - 2,) + tuple(ref["h0"].shape[1:]))])
@@ -187,13 +235,14 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch
     want = torch.autograd.grad((wy, wh[-1:]), [ref[n] for n in names],
                                (dy.to(BF).double(), dh.double()))
     for n, a, b in zip(names, got, want):
-        assert a.dtype == leaves[n].dtype and rel(a, b) < 2e-2, (n, rel(a, b))
+        assert a.dtype == p[n].dtype and rel(a, b) < 2e-2, (n, rel(a, b))
     assert seen == [], seen                 # (the terms' backward in dqkvg)
     flags = ("skip",) + (() if D_channels else ("skip_per_head",)) + ("value_scale",)
     assert bwd == [flags], bwd
     step = ["step_bias_on", "step_clamp", "step_dt", "step_softplus", "value_scale"]
     assert bool(rec) == (K * 64 > 64 * 64) and all(r == ([] if z else step) for r in rec), rec
     assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
+    assert [additive_bwd.group_sums(pl) for pl in plans] == [not group_loop], plans
 
 
 @pytest.mark.parametrize("b, HV, G, K, pool, state_dtype", [

@@ -204,12 +204,14 @@ def key_block(K: int) -> int:
     return MAX_BLOCK_K if K % MAX_BLOCK_K == 0 else BLOCK_K_MULTIPLE
 
 
-def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int) -> int:
+def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int, group_loop: bool = False) -> int:
     """Bytes of shared memory chunk_bwd_dqkvg holds at its peak (the pair terms or the
     state terms; buffers of disjoint lifetimes share memory) at value block bv and key
-    block bk, 16-bit inputs."""
+    block bk, 16-bit inputs; group_loop: :func:`_group_loop_smem`."""
     C, K = p.chunk_size, bk
     x = 2 * C * bv if {"value_scale", "skip"} & set(p.terms) else 0    # (the terms: x)
+    if group_loop:
+        return _group_loop_smem(p, bv, bk, x)
     if p.gate != "key":                 # q, k, A, dA, v, do, h, dh, kd
         return 2 * (4 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv) + x
     held = C * K * (2 + 2 + 4 + 8) + 16 * K + 4 * C * C        # q, k, G, dq / dk diag, A, dA
@@ -217,11 +219,30 @@ def dqkvg_smem(p: AdditiveBackwardProblem, bv: int, bk: int) -> int:
                       2 * C * K + 4 * C * bv + 4 * K * bv + 4 * K + x)   # kd, v, do, h, dh
 
 
-def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int) -> int:
+#: dqkvg under group_loop: the small buffers (gate rows, dg's sums, reductions' scratch)
+#: beside the tiles _group_loop_smem counts, from three sm_90a compiles at the
+#: Nemotron-H row (5.5 to 7.5 KB)
+GROUP_LOOP_SMEM_SLACK = 8192
+
+
+def _group_loop_smem(p: AdditiveBackwardProblem, bv: int, bk: int, x: int) -> int:
+    """dqkvg_smem under group_loop: every tile is live across the loop over the group's
+    value heads, so none shares memory (q, k, kd, A, dA, v, do, h, dh, x, the state
+    stages of 16-bit states) and the group's dq, dk sums (f32) come on top. Within 1 %
+    above the compiles (sm_90a, K 128, V 64, the terms, 16-bit states): 118016 bytes at
+    block_k 64 / block_v 32, 200192 at 128 / 32, 259584 at 128 / 64."""
+    C, K = p.chunk_size, bk
+    stages = DQKVG_STATE_STAGES * 2 * 2 * K * bv if p.state_dtype != "float32" else 0
+    return (2 * (3 * C * K + 2 * C * C + 2 * C * bv + 2 * K * bv) + x + stages
+            + 8 * C * K + GROUP_LOOP_SMEM_SLACK)
+
+
+def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int, group_loop: bool) -> int:
     """dqkvg's value block: DQKVG_WIDE_BLOCK_V for key blocks over 64 channels where V
     takes it and its shared memory fits one CTA, else DQKVG_BLOCK_V (or what divides V)."""
     wide = DQKVG_WIDE_BLOCK_V
-    if block_k > 64 and p.V % wide == 0 and dqkvg_smem(p, wide, block_k) + 1024 <= SM_SMEM_BYTES:
+    if block_k > 64 and p.V % wide == 0 and \
+            dqkvg_smem(p, wide, block_k, group_loop) + 1024 <= SM_SMEM_BYTES:
         return wide
     return value_block(p.V, DQKVG_BLOCK_V)
 
@@ -276,7 +297,7 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
                         "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass",
-                        "dqkvg_state_stages", "dqkvg_direct_states")
+                        "dqkvg_state_stages", "dqkvg_direct_states", "dqkvg_group_loop")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -303,21 +324,25 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     g = {"g_dtype": p.g_dtype} if gated else {}
     kbk = key_block(p.K)
     kblocks = {"block_k": kbk} if kbk < p.K else {}
-    dbk = config.get("dqkvg_block_k", DQKVG_BLOCK_K if p.K % DQKVG_BLOCK_K == 0 else kbk)
+    loop = _group_loop(p, config)
+    dbk = config.get("dqkvg_block_k", kbk if loop else
+                     DQKVG_BLOCK_K if p.K % DQKVG_BLOCK_K == 0 else kbk)
     if p.K % dbk or dbk % 16:
         raise ValueError(f"plan config dqkvg_block_k={dbk}: a multiple of 16 dividing K={p.K}")
-    dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk))
+    dbv = config.get("dqkvg_block_v", _dqkvg_block_v(p, dbk, loop))
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
-    # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at 128)
-    two = (hw.DQKVG_TWO_CTAS and 2 * (dqkvg_smem(p, dbv, dbk) + 1024) <= SM_SMEM_BYTES
-           and dbk <= 64)
+    # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at
+    # 128); never under group_loop (128 registers spill there: 24 bytes at block_k 64)
+    two = (hw.DQKVG_TWO_CTAS and 2 * (dqkvg_smem(p, dbv, dbk, loop) + 1024) <= SM_SMEM_BYTES
+           and dbk <= 64 and not loop)
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
                  **({"state_stages": config["dqkvg_state_stages"]}
                     if "dqkvg_state_stages" in config else {}),
                  **({"direct_states": config["dqkvg_direct_states"]}
                     if "dqkvg_direct_states" in config else {}),
-                 **({"block_k": dbk} if dbk < p.K else {}), **{t: True for t in p.terms})
+                 **({"block_k": dbk} if dbk < p.K else {}), **{t: True for t in p.terms},
+                 **({"group_loop": True} if loop else {}))
     launches, bufs, why = _dstate_pass(p, config, heads, g, kblocks, order)
     # dstate as the states (the walk rounds its rows as it writes them; the scan sums into
     # its rows in place, so they stay f32)
@@ -332,6 +357,22 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     if gated:
         bufs += (Buffer("decay", (p.NT, p.HV, p.K)),)
     return Plan("additive-backward", NAME, launches, bufs, reasons=(why,))
+
+
+def _group_loop(p: AdditiveBackwardProblem, config: dict) -> bool:
+    """config["dqkvg_group_loop"] (a probe's A/B, off by default): dqkvg's CTA per (chunk,
+    key head, key block) walks the group's value heads in turn, dq, dk summed on chip and
+    stored once in grad_dtype (no f32 atomic adds, no host zeros and cast). GVA specs
+    without a per-key gate (the template's group_loop flag). Its key block is the per-chunk
+    stages' (key_block: all of K up to 128, so x and do are read once and dx stored, not
+    added), its value block the widest whose shared memory fits (_group_loop_smem), one
+    CTA an SM (design.md, "Next: dqkvg": the model and the compile report)."""
+    if not config.get("dqkvg_group_loop"):
+        return False
+    if p.gate == "key" or p.HV == p.H:
+        raise ValueError(f"plan config dqkvg_group_loop: GVA (HV={p.HV} > H={p.H}) without a "
+                         f"per-key gate (gate {p.gate!r})")
+    return True
 
 
 def _dstate_pass(p: AdditiveBackwardProblem, config: dict, heads: dict, g: dict,

@@ -25,6 +25,9 @@ GVA (HV = group x H, group > 1): dq, dk are sums over the group's value heads, w
 CTAs add by f32 atomic adds into the key head's rows of [Ttot, H, K] (zeroed by the caller;
 the sum's rounding follows the arrival order); dg stays per value head (from that head's
 own dq, dk before the adds).
+group_loop: one CTA per (key block, chunk, key head) walks the group's value heads in turn
+(q, k loaded once), adds each head's dq, dk into f32 sums in shared memory and stores the
+sums once in grad_dtype: no atomic adds, nothing zeroed by the caller.
 
 Key blocks (block_k < K): every term above but dv and dg is per key channel, and dA needs
 no key channel, so a CTA forms the dq, dk of its block_k channels; A and
@@ -70,7 +73,7 @@ def pass_configs(**params):
 
 def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=64,
           threads=256, min_blocks=1, heads_fastest=False, block_k=None, state_stages=0,
-          state_dtype="float32", dstate_dtype="float32", direct_states=False,
+          state_dtype="float32", dstate_dtype="float32", direct_states=False, group_loop=False,
           value_scale=False, skip=False, skip_per_head=False):
     """prim_func for chunk_bwd_dqkvg.
 
@@ -78,6 +81,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
       heads of a chunk together (the key blocks of a head always adjacent).
     block_k: key channels per CTA (None: K).
     min_blocks: CTAs an SM should hold at once (> 1: registers capped to fit them).
+    group_loop: GVA: a CTA per (key block, chunk, key head) walking the group's value heads;
+      dq, dk [Ttot, H, K] grad_dtype, the group's sums stored once (grid: H for HV).
     state_stages: 0: h_in, dh read element by element into the GEMM tiles; >= 1: their
       tiles copied asynchronously into shared stages (T.Pipelined), converted from there.
     direct_states (a probe's knob, not yet measured): with state_stages and both state
@@ -111,8 +116,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         "direct_states needs state_stages and both state dtypes equal to dtype"
     f32 = "float32"
     group = HV // H
-    sum_group = group > 1           # GVA: dq, dk summed over the group by atomic adds
+    sum_group = group > 1 and not group_loop  # GVA: dq, dk summed over the group by atomic adds
     dqk_heads, dqk_type = (H, f32) if sum_group else (HV, grad_dtype)
+    if group_loop:              # a CTA per (key head, key block): dq, dk stored once
+        dqk_heads, dqk_type = H, grad_dtype
+    grid_heads = H if group_loop else HV
     Ttot, NT, NS = T.dynamic("Ttot, NT, NS")
     # (key blocks: dv summed in f32 by atomic adds, dg per-block f32 partials)
     dv_type = f32 if split else grad_dtype
@@ -145,12 +153,12 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
         dD_part: T.Tensor(dD_part_shape, f32),
         scale: T.float32,
     ):
-        with T.Kernel(NKB * HV if heads_fastest else NT, NT if heads_fastest else NKB * HV,
+        with T.Kernel(NKB * grid_heads if heads_fastest else NT, NT if heads_fastest else NKB * grid_heads,
                       threads=threads) as (bx, by):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             c = by if heads_fastest else bx
-            hv = (bx if heads_fastest else by) // NKB
+            hv = (bx if heads_fastest else by) // NKB * (group if group_loop else 1)
             kb = (bx if heads_fastest else by) % NKB
             k0 = kb * BK
             hk = hv // group
@@ -176,209 +184,433 @@ def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_v=6
             kdk_col = T.alloc_fragment((BK,), f32)
             dgl_s = T.alloc_shared((BK,), f32)
             tx = T.get_thread_binding()
-            # (None where off: a flag's buffers exist only under it, the others' names untouched)
-            xr_s = T.alloc_shared((BT, BV), dtype) if value_scale or skip else None     # x as read
-            st_s = T.alloc_shared((BT,), f32) if value_scale else None                  # s per row
-            tv_f = T.alloc_fragment((BT, BV), f32) if value_scale or skip else None
-            ds_f = T.alloc_fragment((BT,), f32) if value_scale else None
-            dD_col = T.alloc_fragment((BV,), f32) if skip else None
-            if value_scale:
-                for i in T.Parallel(BT):
-                    st_s[i] = T.if_then_else(i < rows, dt_tok[t0 + i, hv], T.float32(0))
-                T.clear(ds_f)
+            if group_loop:
+                # the key head's q, k once; then each value head of its group in turn, its
+                # dq, dk summed in shared memory (f32) and stored once after the group
+                dqs_s = T.alloc_shared((BT, BK), f32)
+                dks_s = T.alloc_shared((BT, BK), f32)
+                for i, j in T.Parallel(BT, BK):
+                    q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                    k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                for i, j in T.Parallel(BT, BK):
+                    dqs_s[i, j] = T.float32(0)
+                    dks_s[i, j] = T.float32(0)
+                for gi in T.serial(group):
+                    hv = hk * group + gi
+                    # (None where off: a flag's buffers exist only under it, the others' names untouched)
+                    xr_s = T.alloc_shared((BT, BV), dtype) if value_scale or skip else None     # x as read
+                    st_s = T.alloc_shared((BT,), f32) if value_scale else None                  # s per row
+                    tv_f = T.alloc_fragment((BT, BV), f32) if value_scale or skip else None
+                    ds_f = T.alloc_fragment((BT,), f32) if value_scale else None
+                    dD_col = T.alloc_fragment((BV,), f32) if skip else None
+                    if value_scale:
+                        for i in T.Parallel(BT):
+                            st_s[i] = T.if_then_else(i < rows, dt_tok[t0 + i, hv], T.float32(0))
+                        T.clear(ds_f)
+                    G_s = T.alloc_shared((BT,), f32)
+                    graw_s = T.alloc_shared((BT,), g_dtype)
+                    for i in T.Parallel(BT):
+                        graw_s[i] = T.if_then_else(i < rows, g[t0 + i, hv], T.cast(0, g_dtype))
+                    for i in T.Parallel(BT):
+                        G_s[i] = T.cast(graw_s[i], f32)
+                    T.cumsum(G_s, dim=0)
 
-            for i, j in T.Parallel(BT, BK):
-                q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
-                k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
-            G_s = T.alloc_shared((BT,), f32)
-            graw_s = T.alloc_shared((BT,), g_dtype)
-            for i in T.Parallel(BT):
-                graw_s[i] = T.if_then_else(i < rows, g[t0 + i, hv], T.cast(0, g_dtype))
-            for i in T.Parallel(BT):
-                G_s[i] = T.cast(graw_s[i], f32)
-            T.cumsum(G_s, dim=0)
+                    # A = scale tril_incl(q k^T) * E
+                    a_f = T.alloc_fragment((BT, BT), f32)
+                    T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(BT, BT):
+                        A_s[i, j] = T.if_then_else(
+                            i >= j, T.cast(a_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
+                            T.cast(0, dtype))
 
-            # A = scale tril_incl(q k^T) * E
-            a_f = T.alloc_fragment((BT, BT), f32)
-            T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
-            for i, j in T.Parallel(BT, BT):
-                A_s[i, j] = T.if_then_else(
-                    i >= j, T.cast(a_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
-                    T.cast(0, dtype))
+                    # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
+                    # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
+                    for i, j in T.Parallel(BT, BK):
+                        kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
+                    for j in T.Parallel(BK):
+                        dgl_s[j] = T.float32(0)
+                    T.clear(dq_f)
+                    T.clear(dk_f)
+                    T.clear(dA_f)
+                    if state_stages == 0:
+                        for vb in T.serial(NVB):
+                            for i, j in T.Parallel(BT, BV):
+                                v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                                do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                                if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                                    xr_s[i, j] = v_s[i, j]
+                                if value_scale:
+                                    v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
+                            for i, j in T.Parallel(BK, BV):
+                                if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                                    h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                                    dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                                hd_f[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], f32) * T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], f32)     # rowsum(h_in * dh)
+                            T.reduce_sum(hd_f, hd_row, dim=1)
+                            for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                                dgl_s[j] = dgl_s[j] + hd_row[j]
+                            # five tensor-core products in flight together, one wait
+                            T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                            T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                            T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                            T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                            T.wgmma_gemm(kd_s, dh_s, dv_f)
+                            T.wait_wgmma(0)
+                            if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                                for i, j in T.Parallel(BT, BV):
+                                    tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                                T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                            if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                                for i, j in T.Parallel(BT, BV):
+                                    tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                                T.reduce_sum(tv_f, dD_col, dim=0)
+                                for j in T.Parallel(BV):
+                                    if kb == 0:
+                                        dD_part[c, hv, vb * BV + j] = dD_col[j]
+                            if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                                for i, j in T.Parallel(BT, BV):
+                                    if value_scale:
+                                        dv_f[i, j] = dv_f[i, j] * st_s[i]
+                                    if skip:
+                                        if skip_per_head:
+                                            dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                                kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                        else:
+                                            dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                                kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                                T.float32(0))
+                            for i, j in T.Parallel(BT, BV):
+                                if i < rows:
+                                    if split:
+                                        T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                                    else:
+                                        dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
 
-            # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
-            # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
-            for i, j in T.Parallel(BT, BK):
-                kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
-            for j in T.Parallel(BK):
-                dgl_s[j] = T.float32(0)
-            T.clear(dq_f)
-            T.clear(dk_f)
-            T.clear(dA_f)
-            if state_stages == 0:
-                for vb in T.serial(NVB):
-                    for i, j in T.Parallel(BT, BV):
-                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                        if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
-                            xr_s[i, j] = v_s[i, j]
-                        if value_scale:
-                            v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
-                    for i, j in T.Parallel(BK, BV):
-                        if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
-                            h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
-                            dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
-                        hd_f[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], f32) * T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], f32)     # rowsum(h_in * dh)
-                    T.reduce_sum(hd_f, hd_row, dim=1)
-                    for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
-                        dgl_s[j] = dgl_s[j] + hd_row[j]
-                    # five tensor-core products in flight together, one wait
-                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
-                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
-                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
-                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(kd_s, dh_s, dv_f)
-                    T.wait_wgmma(0)
-                    if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
-                        for i, j in T.Parallel(BT, BV):
-                            tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
-                        T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
-                    if skip:                    # dD's chunk partial: colsum(do x), key block 0's
-                        for i, j in T.Parallel(BT, BV):
-                            tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
-                        T.reduce_sum(tv_f, dD_col, dim=0)
-                        for j in T.Parallel(BV):
-                            if kb == 0:
-                                dD_part[c, hv, vb * BV + j] = dD_col[j]
-                    if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
-                        for i, j in T.Parallel(BT, BV):
-                            if value_scale:
-                                dv_f[i, j] = dv_f[i, j] * st_s[i]
-                            if skip:
-                                if skip_per_head:
-                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
-                                        kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
-                                else:
-                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
-                                        kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
-                                        T.float32(0))
-                    for i, j in T.Parallel(BT, BV):
+                    else:
+                        # the state tiles by asynchronous copies, state_stages value blocks ahead, into
+                        # shared stages converted from there (direct_states: the GEMM tiles themselves)
+                        hf_s = h_s if direct_states else T.alloc_shared((BK, BV), state_dtype)
+                        dhf_s = dh_s if direct_states else T.alloc_shared((BK, BV), dstate_dtype)
+                        for vb in T.Pipelined(NVB, num_stages=state_stages):
+                            T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
+                            T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
+                            for i, j in T.Parallel(BT, BV):
+                                v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                                do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                                if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                                    xr_s[i, j] = v_s[i, j]
+                                if value_scale:
+                                    v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
+                            for i, j in T.Parallel(BK, BV):
+                                if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                                    h_s[i, j] = T.cast(hf_s[i, j], dtype)
+                                    dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
+                                hd_f[i, j] = T.cast(hf_s[i, j], f32) * T.cast(dhf_s[i, j], f32)     # rowsum(h_in * dh)
+                            T.reduce_sum(hd_f, hd_row, dim=1)
+                            for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                                dgl_s[j] = dgl_s[j] + hd_row[j]
+                            # five tensor-core products in flight together, one wait
+                            T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                            T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                            T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                            T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                            T.wgmma_gemm(kd_s, dh_s, dv_f)
+                            T.wait_wgmma(0)
+                            if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                                for i, j in T.Parallel(BT, BV):
+                                    tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                                T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                            if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                                for i, j in T.Parallel(BT, BV):
+                                    tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                                T.reduce_sum(tv_f, dD_col, dim=0)
+                                for j in T.Parallel(BV):
+                                    if kb == 0:
+                                        dD_part[c, hv, vb * BV + j] = dD_col[j]
+                            if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                                for i, j in T.Parallel(BT, BV):
+                                    if value_scale:
+                                        dv_f[i, j] = dv_f[i, j] * st_s[i]
+                                    if skip:
+                                        if skip_per_head:
+                                            dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                                kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                        else:
+                                            dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                                kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                                T.float32(0))
+                            for i, j in T.Parallel(BT, BV):
+                                if i < rows:
+                                    if split:
+                                        T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                                    else:
+                                        dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
+                    if value_scale:             # ds's key-block partial
+                        for i in T.Parallel(BT):
+                            if i < rows:
+                                ds_part[kb, t0 + i, hv] = ds_f[i]
+                    for i, j in T.Parallel(BT, BK):
+                        dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
+                        dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                    # rowsum(h_out * dh) = e^{G_l} rowsum(h_in * dh) + colsum(k * dk_state): h_out
+                    # = diag(e^{G_l}) h_in + kd^T v, and v dh^T is dk's state term (not read)
+                    for i, j in T.Parallel(BT, BK):
+                        p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
+                    T.reduce_sum(p_f, kdk_col, dim=0)
+                    for j in T.Parallel(BK):
+                        dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1]) + kdk_col[j]
+
+                    # dA = scale tril_incl(do v^T) * E (summed in the value loop)
+                    for i, j in T.Parallel(BT, BT):
+                        dA_s[i, j] = T.if_then_else(
+                            i >= j, T.cast(dA_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
+                            T.cast(0, dtype))
+
+                    # the pair terms: dq += dA k, dk += dA^T q
+                    T.gemm(dA_s, k_s, dq_f)
+                    T.gemm(dA_s, q_s, dk_f, transpose_A=True)
+
+                    for i, j in T.Parallel(BT, BK):
+                        if i < rows:
+                            if group_loop:              # (the group's sums: stored after its last head)
+                                dqs_s[i, j] = dqs_s[i, j] + dq_f[i, j]
+                                dks_s[i, j] = dks_s[i, j] + dk_f[i, j]
+                            elif sum_group:
+                                T.atomic_add(dq[t0 + i, hk, k0 + j], dq_f[i, j])
+                                T.atomic_add(dk[t0 + i, hk, k0 + j], dk_f[i, j])
+                            else:
+                                dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
+                                dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
+                    # dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)
+                    dgr = T.alloc_fragment((BT,), f32)
+                    dgc_s = T.alloc_shared((BT,), f32)
+                    tot = T.alloc_local((1,), f32)
+                    for i, j in T.Parallel(BT, BK):
+                        p_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], f32) - dk_f[i, j] * T.cast(k_s[i, j], f32)
+                    T.reduce_sum(p_f, dgr, dim=1)
+                    T.copy(dgr, dgc_s)
+                    T.cumsum(dgc_s, dim=0, reverse=True)
+                    tot[0] = T.float32(0)
+                    for j in T.serial(BK):
+                        tot[0] = tot[0] + dgl_s[j]
+                    for i in T.Parallel(BT):
                         if i < rows:
                             if split:
-                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                                dg[kb, t0 + i, hv] = dgc_s[i] + tot[0]
                             else:
-                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
-
+                                dg[t0 + i, hv] = dgc_s[i] + tot[0]
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        dq[t0 + i, hk, k0 + j] = T.cast(dqs_s[i, j], grad_dtype)
+                        dk[t0 + i, hk, k0 + j] = T.cast(dks_s[i, j], grad_dtype)
             else:
-                # the state tiles by asynchronous copies, state_stages value blocks ahead, into
-                # shared stages converted from there (direct_states: the GEMM tiles themselves)
-                hf_s = h_s if direct_states else T.alloc_shared((BK, BV), state_dtype)
-                dhf_s = dh_s if direct_states else T.alloc_shared((BK, BV), dstate_dtype)
-                for vb in T.Pipelined(NVB, num_stages=state_stages):
-                    T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
-                    T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
-                    for i, j in T.Parallel(BT, BV):
-                        v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                        do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
-                        if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
-                            xr_s[i, j] = v_s[i, j]
-                        if value_scale:
-                            v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
-                    for i, j in T.Parallel(BK, BV):
-                        if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
-                            h_s[i, j] = T.cast(hf_s[i, j], dtype)
-                            dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
-                        hd_f[i, j] = T.cast(hf_s[i, j], f32) * T.cast(dhf_s[i, j], f32)     # rowsum(h_in * dh)
-                    T.reduce_sum(hd_f, hd_row, dim=1)
-                    for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
-                        dgl_s[j] = dgl_s[j] + hd_row[j]
-                    # five tensor-core products in flight together, one wait
-                    T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
-                    T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
-                    T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
-                    T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
-                    T.wgmma_gemm(kd_s, dh_s, dv_f)
-                    T.wait_wgmma(0)
-                    if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
-                        for i, j in T.Parallel(BT, BV):
-                            tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
-                        T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
-                    if skip:                    # dD's chunk partial: colsum(do x), key block 0's
-                        for i, j in T.Parallel(BT, BV):
-                            tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
-                        T.reduce_sum(tv_f, dD_col, dim=0)
-                        for j in T.Parallel(BV):
-                            if kb == 0:
-                                dD_part[c, hv, vb * BV + j] = dD_col[j]
-                    if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
-                        for i, j in T.Parallel(BT, BV):
-                            if value_scale:
-                                dv_f[i, j] = dv_f[i, j] * st_s[i]
-                            if skip:
-                                if skip_per_head:
-                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
-                                        kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
-                                else:
-                                    dv_f[i, j] = dv_f[i, j] + T.if_then_else(
-                                        kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
-                                        T.float32(0))
-                    for i, j in T.Parallel(BT, BV):
-                        if i < rows:
-                            if split:
-                                T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
-                            else:
-                                dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+                # (None where off: a flag's buffers exist only under it, the others' names untouched)
+                xr_s = T.alloc_shared((BT, BV), dtype) if value_scale or skip else None     # x as read
+                st_s = T.alloc_shared((BT,), f32) if value_scale else None                  # s per row
+                tv_f = T.alloc_fragment((BT, BV), f32) if value_scale or skip else None
+                ds_f = T.alloc_fragment((BT,), f32) if value_scale else None
+                dD_col = T.alloc_fragment((BV,), f32) if skip else None
+                if value_scale:
+                    for i in T.Parallel(BT):
+                        st_s[i] = T.if_then_else(i < rows, dt_tok[t0 + i, hv], T.float32(0))
+                    T.clear(ds_f)
 
-            if value_scale:             # ds's key-block partial
+                for i, j in T.Parallel(BT, BK):
+                    q_s[i, j] = T.if_then_else(i < rows, q[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                    k_s[i, j] = T.if_then_else(i < rows, k[t0 + i, hk, k0 + j], T.cast(0, dtype))
+                G_s = T.alloc_shared((BT,), f32)
+                graw_s = T.alloc_shared((BT,), g_dtype)
+                for i in T.Parallel(BT):
+                    graw_s[i] = T.if_then_else(i < rows, g[t0 + i, hv], T.cast(0, g_dtype))
+                for i in T.Parallel(BT):
+                    G_s[i] = T.cast(graw_s[i], f32)
+                T.cumsum(G_s, dim=0)
+
+                # A = scale tril_incl(q k^T) * E
+                a_f = T.alloc_fragment((BT, BT), f32)
+                T.gemm(q_s, k_s, a_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(BT, BT):
+                    A_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(a_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
+                        T.cast(0, dtype))
+
+                # over the value blocks: dA, the state terms and dv; kd = k e^{G_l - G}; dA, dq,
+                # dk sum do v^T, do h_in^T and v dh^T over the blocks as they come, scaled after
+                for i, j in T.Parallel(BT, BK):
+                    kd_s[i, j] = T.cast(T.cast(k_s[i, j], f32) * T.exp(G_s[BT - 1] - G_s[i]), dtype)
+                for j in T.Parallel(BK):
+                    dgl_s[j] = T.float32(0)
+                T.clear(dq_f)
+                T.clear(dk_f)
+                T.clear(dA_f)
+                if state_stages == 0:
+                    for vb in T.serial(NVB):
+                        for i, j in T.Parallel(BT, BV):
+                            v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                            do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                            if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                                xr_s[i, j] = v_s[i, j]
+                            if value_scale:
+                                v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
+                        for i, j in T.Parallel(BK, BV):
+                            if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                                h_s[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], dtype)
+                                dh_s[i, j] = T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], dtype)
+                            hd_f[i, j] = T.cast(states[sr, hv, k0 + i, vb * BV + j], f32) * T.cast(dstate[sr + 1, hv, k0 + i, vb * BV + j], f32)     # rowsum(h_in * dh)
+                        T.reduce_sum(hd_f, hd_row, dim=1)
+                        for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                            dgl_s[j] = dgl_s[j] + hd_row[j]
+                        # five tensor-core products in flight together, one wait
+                        T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                        T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                        T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                        T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                        T.wgmma_gemm(kd_s, dh_s, dv_f)
+                        T.wait_wgmma(0)
+                        if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                            for i, j in T.Parallel(BT, BV):
+                                tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                            T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                        if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                            for i, j in T.Parallel(BT, BV):
+                                tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                            T.reduce_sum(tv_f, dD_col, dim=0)
+                            for j in T.Parallel(BV):
+                                if kb == 0:
+                                    dD_part[c, hv, vb * BV + j] = dD_col[j]
+                        if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                            for i, j in T.Parallel(BT, BV):
+                                if value_scale:
+                                    dv_f[i, j] = dv_f[i, j] * st_s[i]
+                                if skip:
+                                    if skip_per_head:
+                                        dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                            kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                    else:
+                                        dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                            kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                            T.float32(0))
+                        for i, j in T.Parallel(BT, BV):
+                            if i < rows:
+                                if split:
+                                    T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                                else:
+                                    dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
+                else:
+                    # the state tiles by asynchronous copies, state_stages value blocks ahead, into
+                    # shared stages converted from there (direct_states: the GEMM tiles themselves)
+                    hf_s = h_s if direct_states else T.alloc_shared((BK, BV), state_dtype)
+                    dhf_s = dh_s if direct_states else T.alloc_shared((BK, BV), dstate_dtype)
+                    for vb in T.Pipelined(NVB, num_stages=state_stages):
+                        T.copy(states[sr, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], hf_s)
+                        T.copy(dstate[sr + 1, hv, k0:k0 + BK, vb * BV:(vb + 1) * BV], dhf_s)
+                        for i, j in T.Parallel(BT, BV):
+                            v_s[i, j] = T.if_then_else(i < rows, v[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                            do_s[i, j] = T.if_then_else(i < rows, do[t0 + i, hv, vb * BV + j], T.cast(0, dtype))
+                            if value_scale or skip:     # x kept (v_s: v' = x s rounded once, the forward's)
+                                xr_s[i, j] = v_s[i, j]
+                            if value_scale:
+                                v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * st_s[i], dtype)
+                        for i, j in T.Parallel(BK, BV):
+                            if not direct_states:       # (direct: the copies landed in h_s, dh_s themselves)
+                                h_s[i, j] = T.cast(hf_s[i, j], dtype)
+                                dh_s[i, j] = T.cast(dhf_s[i, j], dtype)
+                            hd_f[i, j] = T.cast(hf_s[i, j], f32) * T.cast(dhf_s[i, j], f32)     # rowsum(h_in * dh)
+                        T.reduce_sum(hd_f, hd_row, dim=1)
+                        for j in T.Parallel(BK):        # (each channel's sum by one thread throughout)
+                            dgl_s[j] = dgl_s[j] + hd_row[j]
+                        # five tensor-core products in flight together, one wait
+                        T.wgmma_gemm(do_s, v_s, dA_f, transpose_B=True)
+                        T.wgmma_gemm(do_s, h_s, dq_f, transpose_B=True)
+                        T.wgmma_gemm(v_s, dh_s, dk_f, transpose_B=True)
+                        T.wgmma_gemm(A_s, do_s, dv_f, transpose_A=True, clear_accum=True)
+                        T.wgmma_gemm(kd_s, dh_s, dv_f)
+                        T.wait_wgmma(0)
+                        if value_scale:             # ds += rowsum(dv' x) (this key block's dv')
+                            for i, j in T.Parallel(BT, BV):
+                                tv_f[i, j] = dv_f[i, j] * T.cast(xr_s[i, j], f32)
+                            T.reduce_sum(tv_f, ds_f, dim=1, clear=False)
+                        if skip:                    # dD's chunk partial: colsum(do x), key block 0's
+                            for i, j in T.Parallel(BT, BV):
+                                tv_f[i, j] = T.cast(do_s[i, j], f32) * T.cast(xr_s[i, j], f32)
+                            T.reduce_sum(tv_f, dD_col, dim=0)
+                            for j in T.Parallel(BV):
+                                if kb == 0:
+                                    dD_part[c, hv, vb * BV + j] = dD_col[j]
+                        if value_scale or skip:     # dv_f <- x's gradient s dv' + D do (D do: block 0's)
+                            for i, j in T.Parallel(BT, BV):
+                                if value_scale:
+                                    dv_f[i, j] = dv_f[i, j] * st_s[i]
+                                if skip:
+                                    if skip_per_head:
+                                        dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                            kb == 0, skip_D[hv] * T.cast(do_s[i, j], f32), T.float32(0))
+                                    else:
+                                        dv_f[i, j] = dv_f[i, j] + T.if_then_else(
+                                            kb == 0, skip_D[hv, vb * BV + j] * T.cast(do_s[i, j], f32),
+                                            T.float32(0))
+                        for i, j in T.Parallel(BT, BV):
+                            if i < rows:
+                                if split:
+                                    T.atomic_add(dv[t0 + i, hv, vb * BV + j], dv_f[i, j])
+                                else:
+                                    dv[t0 + i, hv, vb * BV + j] = T.cast(dv_f[i, j], grad_dtype)
+
+                if value_scale:             # ds's key-block partial
+                    for i in T.Parallel(BT):
+                        if i < rows:
+                            ds_part[kb, t0 + i, hv] = ds_f[i]
+                for i, j in T.Parallel(BT, BK):
+                    dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
+                    dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
+                # rowsum(h_out * dh) = e^{G_l} rowsum(h_in * dh) + colsum(k * dk_state): h_out
+                # = diag(e^{G_l}) h_in + kd^T v, and v dh^T is dk's state term (not read)
+                for i, j in T.Parallel(BT, BK):
+                    p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
+                T.reduce_sum(p_f, kdk_col, dim=0)
+                for j in T.Parallel(BK):
+                    dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1]) + kdk_col[j]
+
+                # dA = scale tril_incl(do v^T) * E (summed in the value loop)
+                for i, j in T.Parallel(BT, BT):
+                    dA_s[i, j] = T.if_then_else(
+                        i >= j, T.cast(dA_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
+                        T.cast(0, dtype))
+
+                # the pair terms: dq += dA k, dk += dA^T q
+                T.gemm(dA_s, k_s, dq_f)
+                T.gemm(dA_s, q_s, dk_f, transpose_A=True)
+
+                for i, j in T.Parallel(BT, BK):
+                    if i < rows:
+                        if group_loop:              # (the group's sums: stored after its last head)
+                            dqs_s[i, j] = dqs_s[i, j] + dq_f[i, j]
+                            dks_s[i, j] = dks_s[i, j] + dk_f[i, j]
+                        elif sum_group:
+                            T.atomic_add(dq[t0 + i, hk, k0 + j], dq_f[i, j])
+                            T.atomic_add(dk[t0 + i, hk, k0 + j], dk_f[i, j])
+                        else:
+                            dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
+                            dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
+                # dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)
+                dgr = T.alloc_fragment((BT,), f32)
+                dgc_s = T.alloc_shared((BT,), f32)
+                tot = T.alloc_local((1,), f32)
+                for i, j in T.Parallel(BT, BK):
+                    p_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], f32) - dk_f[i, j] * T.cast(k_s[i, j], f32)
+                T.reduce_sum(p_f, dgr, dim=1)
+                T.copy(dgr, dgc_s)
+                T.cumsum(dgc_s, dim=0, reverse=True)
+                tot[0] = T.float32(0)
+                for j in T.serial(BK):
+                    tot[0] = tot[0] + dgl_s[j]
                 for i in T.Parallel(BT):
                     if i < rows:
-                        ds_part[kb, t0 + i, hv] = ds_f[i]
-            for i, j in T.Parallel(BT, BK):
-                dq_f[i, j] = dq_f[i, j] * scale * T.exp(G_s[i])
-                dk_f[i, j] = dk_f[i, j] * T.exp(G_s[BT - 1] - G_s[i])
-            # rowsum(h_out * dh) = e^{G_l} rowsum(h_in * dh) + colsum(k * dk_state): h_out
-            # = diag(e^{G_l}) h_in + kd^T v, and v dh^T is dk's state term (not read)
-            for i, j in T.Parallel(BT, BK):
-                p_f[i, j] = dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, kdk_col, dim=0)
-            for j in T.Parallel(BK):
-                dgl_s[j] = dgl_s[j] * T.exp(G_s[BT - 1]) + kdk_col[j]
-
-            # dA = scale tril_incl(do v^T) * E (summed in the value loop)
-            for i, j in T.Parallel(BT, BT):
-                dA_s[i, j] = T.if_then_else(
-                    i >= j, T.cast(dA_f[i, j] * scale * T.exp(T.min(G_s[i] - G_s[j], 0.0)), dtype),
-                    T.cast(0, dtype))
-
-            # the pair terms: dq += dA k, dk += dA^T q
-            T.gemm(dA_s, k_s, dq_f)
-            T.gemm(dA_s, q_s, dk_f, transpose_A=True)
-
-            for i, j in T.Parallel(BT, BK):
-                if i < rows:
-                    if sum_group:
-                        T.atomic_add(dq[t0 + i, hk, k0 + j], dq_f[i, j])
-                        T.atomic_add(dk[t0 + i, hk, k0 + j], dk_f[i, j])
-                    else:
-                        dq[t0 + i, hv, k0 + j] = T.cast(dq_f[i, j], grad_dtype)
-                        dk[t0 + i, hv, k0 + j] = T.cast(dk_f[i, j], grad_dtype)
-            # dg = revcumsum(rowsum(q dq - k dk)) + sum(h_out * dh)
-            dgr = T.alloc_fragment((BT,), f32)
-            dgc_s = T.alloc_shared((BT,), f32)
-            tot = T.alloc_local((1,), f32)
-            for i, j in T.Parallel(BT, BK):
-                p_f[i, j] = dq_f[i, j] * T.cast(q_s[i, j], f32) - dk_f[i, j] * T.cast(k_s[i, j], f32)
-            T.reduce_sum(p_f, dgr, dim=1)
-            T.copy(dgr, dgc_s)
-            T.cumsum(dgc_s, dim=0, reverse=True)
-            tot[0] = T.float32(0)
-            for j in T.serial(BK):
-                tot[0] = tot[0] + dgl_s[j]
-            for i in T.Parallel(BT):
-                if i < rows:
-                    if split:
-                        dg[kb, t0 + i, hv] = dgc_s[i] + tot[0]
-                    else:
-                        dg[t0 + i, hv] = dgc_s[i] + tot[0]
+                        if split:
+                            dg[kb, t0 + i, hv] = dgc_s[i] + tot[0]
+                        else:
+                            dg[t0 + i, hv] = dgc_s[i] + tot[0]
 
     return chunk_bwd_dqkvg
