@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# Session 42's device calls, back to back on one warm machine (it goes back after 30 s
-# idle; a start may be refused: each refusal costs device time; a call returns at most 8
-# files; never let a helper call the device). Carry .gpu/site.tar.xz .gpu/prelude.sh
-# .gpu/savecache.sh .gpu/mamba .gpu/xdist and the compile cache of the call's tests as
-# .gpu/cache.tar.xz.00 (bench/cpu_cache.py builds it here; without it a precompiling GPU
-# test file does not finish in 9 min: runs s40-3, s41-4).
+# Session 43's device calls, back to back on one warm machine (it goes back after 30 s
+# idle; a start may be refused: each refusal costs ~90 s of device time; a call returns at
+# most 8 files: keep results in few files; never let a helper call the device). Carry
+# .gpu/site.tar.xz .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .gpu/xdist and the compile
+# cache of the call's tests as .gpu/cache.tar.xz.00 (bench/cpu_cache.py builds it here;
+# .gpu/s43/cache.tar.xz.00 holds test_mamba2_gpu's gradients and test_rule_bwd_gpu's).
 #
 # In this order (the first call also pays the start, ~3.5 min):
-#   rule_bwd: with branch comba-bwd merged into the working tree and .gpu/rule_bwd/
-#     cache.tar.xz.00 (built at 6e7c810) carried as .gpu/cache.tar.xz.00: Comba's and
-#     GDN-2's backward kernels against fp64 and fla (tests/test_rule_bwd_gpu.py); keep
-#     the merge only if they pass
-#   ncu:  the fused walk at 8x8192, default and with X = I (stall reasons: is the WY group
-#     waiting on a_full? docs/design.md's hypothesis), then Mamba-2's dqkvg (1.0 of 2.0 ms)
-#   ssd | gen | gates | train | tests | walk | models | decode | verify: as named
+#   verify: Mamba-2's gradients with dqkvg_group_loop, Comba / GDN-2's backward (Comba's
+#     dk failed in s42-1: its fix, if any, on branch comba-dk)
+#   ssdab: Mamba-2's training rows, default against dqkvg_group_loop=1 (one run)
+#   gen2 | side | ncu | ssd | gen | gates | train | tests | walk | models | decode: as named
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -31,16 +28,7 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     | grep -E "PASSED|FAILED|ERROR|^E |passed|failed|skipped|precompiled" >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or models} in
-  first)   # rule_bwd, then (passing) the Comba / GDN-2 training rows and every decode row
-    gpu_tests 330 tests/test_rule_bwd_gpu.py
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
-    $T 150 python3 bench/generalized_probe.py --families comba,gdn2 --rows '*/train-*' \
-      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
-    echo "train rc=$?"; tail -n 4 "$OUT/generalized_train.txt"
-    $T 100 python3 bench/generalized_probe.py --rows '*/decode-*' \
-      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
-    echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
+case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, gates, train or models} in
   side)    # (source .gpu/prelude_both.sh instead) issue 45's rows side by side at HEAD:
            # linattn, fla, the seed release (and flashinfer where .gpu/fi_bundle.tar.xz came)
     I=linattn,fla,seed; [ -f .gpu/fi_bundle.tar.xz ] && I=$I,flashinfer
@@ -48,22 +36,13 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
       bash bench/table_run.sh side --dtype bf16 --op GDNFwd,KDAFwd,DeltaNetFwd,GLAFwd,DeltaNetChunkBwd \
       --workload 'prefill-4k,q35-2b-16384,q35-397b-tp1-65536,q35-397b-tp8-8192,q35-2b-8x8192,q35-397b-tp4-8x1024,decode-b8,q35-gva-decode-b256,kda-tp1-4096,kda-tp8-16384,prefill-16k,prefill-8k,train-2k'
     cp /tmp/table/* "$OUT/" ;;
-  walkab)  # the fused walk with k's own barriers (HEAD) against abtree/ (bash bench/ab_tree.sh
-           # 8556798 abtree: the base): its GPU tests, then both trees timed on the fused rows
-    gpu_tests 200 tests/test_chunk_fwd_gpu.py -k inverse_in_walk1
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 6
-    W="--only q35-2b-8x8192 q35-397b-tp4-8x1024 q35-2b-8x8192-trained --configs default inverse_stub=1 --iters 20"
-    $T 170 python3 bench/walk_probe.py $W --out "$OUT/walk_new.json" > "$OUT/walk_new.log" 2>&1
-    echo "new rc=$?"; tail -n 8 "$OUT/walk_new.log"
-    mkdir -p /tmp/lpab && ln -sfn "$PWD/abtree" /tmp/lpab/linattn
-    (cd abtree && PYTHONPATH=/tmp/lpab:${PYTHONPATH#/tmp/lp:} $T 170 python3 bench/walk_probe.py $W \
-      --out "$OUT/walk_base.json" > "$OUT/walk_base.log" 2>&1; echo "base rc=$?")
-    tail -n 8 "$OUT/walk_base.log" ;;
-  tests1)  # the new kernels' GPU tests in one pytest: Comba / GDN-2 backward, DPLR backward, the
-           # fused walk with k's own barriers (carry the merged CPU-built cache)
-    gpu_tests 450 tests/test_rule_bwd_gpu.py tests/test_dplr_bwd_gpu.py tests/test_chunk_fwd_gpu.py \
-      -k "rule or dplr or inverse_in_walk1"
+  verify)
+    gpu_tests 420 tests/test_mamba2_gpu.py tests/test_rule_bwd_gpu.py -k "gradients or comba or gdn2"
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
+  ssdab)
+    $T 500 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
+      --config dqkvg_group_loop=1 --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
+    echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 8 ;;
   gen2)    # every family's training row (backward kernels compiled by five parallel untimed
            # passes first: the probe's own precompile covers forward and decode only), then
            # timed one at a time; then every decode row
@@ -77,9 +56,6 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
     $T 100 python3 bench/generalized_probe.py --rows '*/decode-*' \
       --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
     echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
-  rule_bwd)
-    gpu_tests 420 tests/test_rule_bwd_gpu.py
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
   ncu)
     $T 240 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \
       --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -93,7 +69,7 @@ case ${1:?rule_bwd, ncu, verify, decode, ssd, gen, tests, walk, gates, train or 
       > "$OUT/ncu_dqkvg.csv" 2> "$OUT/ncu_dqkvg.err"
     echo "ncu dqkvg rc=$?"; grep -hE "Duration|Achieved Occupancy|Memory Throughput|No Eligible" \
       "$OUT"/ncu_walk.csv "$OUT"/ncu_dqkvg.csv | cut -c1-200 | head -n 16 ;;
-  verify)
+  fwd)     # the forward and decode GPU tests
     gpu_tests 330 tests/test_chunk_fwd_gpu.py tests/test_mamba2_gpu.py
     gpu_tests 100 tests/test_decode_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 20 ;;
