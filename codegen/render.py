@@ -130,6 +130,58 @@ def _check_contract(text: str, where: str) -> None:
     if missing:
         raise RenderError(f"{where}: rendered module lacks {missing} "
                           "(see the contract in codegen/__init__.py)")
+    shadowed = shadowed_allocs(tree)
+    if shadowed:
+        raise RenderError(f"{where}: " + "; ".join(shadowed))
+
+
+def _is_alloc(node) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr.startswith("alloc_")
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "T")
+
+
+def _own_nodes(fn):
+    """fn's nodes, not descending into the functions it defines (each checked apart)."""
+    todo = list(ast.iter_child_nodes(fn))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def shadowed_allocs(tree: ast.AST) -> list[str]:
+    """Buffers a kernel allocates again before ever reading them: two members' macros (a
+    rule's and a gate's, say) naming their buffers alike, the later allocation silently
+    rebinding the name, so that the earlier member's reads and writes (after both) land in
+    the other's buffer. TileLang compiles that (Comba's chunk_bwd_wy wrote the scalar
+    gate's P = beta Q over the erase key's tile p_s, its dk then reading P for p); a name
+    reused on purpose (y_f, a second panel's fragment) is read between its allocations.
+    Source order within each function; the messages, one a buffer."""
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        events = []                                 # (line, col, kind, name)
+        for node in _own_nodes(fn):             # (a nested function's allocations: its own)
+            if (isinstance(node, ast.Assign) and _is_alloc(node.value)
+                    and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                t = node.targets[0]
+                events.append((t.lineno, t.col_offset, "alloc", t.id))
+        for node in ast.walk(fn):               # (its reads: the enclosing one's too)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                events.append((node.lineno, node.col_offset, "use", node.id))
+        unread = {}                                 # name -> line of an allocation unread
+        for line, _, kind, name in sorted(events):
+            if kind == "use":
+                unread.pop(name, None)
+            elif name in unread:
+                out.append(f"{fn.name}: {name} allocated at line {unread[name]} and again at "
+                           f"line {line}, unread between (two buffers of one name)")
+            else:
+                unread[name] = line
+    return out
 
 
 def _package_init(doc: str) -> str:

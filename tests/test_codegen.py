@@ -97,6 +97,38 @@ def test_sm80_tree_has_no_hopper_constructs():
     assert not list(root.rglob("chunk_walk*.py"))
 
 
+_SHADOWED = """
+def build(K):
+    @T.prim_func
+    def kern(x: T.Tensor((64, K), "float16")):
+        with T.Kernel(1) as c:
+            p_s = T.alloc_shared((64, 64), "float32")       # one member's buffer
+            p_s = T.alloc_shared((64, K), "float16")        # another's, the same name
+            for i, j in T.Parallel(64, K):
+                p_s[i, j] = x[i, j]
+            y_f = T.alloc_fragment((64, 64), "float32")     # reused on purpose: read
+            T.copy(p_s, y_f)
+            y_f = T.alloc_fragment((64, K), "float32")
+            T.copy(y_f, p_s)
+    return kern
+"""
+
+
+def test_shadowed_allocation_fails_the_render():
+    """A buffer allocated again before it is read (two members' macros naming theirs
+    alike: Comba's erase key tile p_s and the scalar gate's P in chunk_bwd_wy, whose dk
+    then read P for p on the GPU) is a render error; a name reused after its reads is not.
+    Every rendered stage passes through the check (codegen/render.py _check_contract)."""
+    from linattn.codegen.render import RenderError, _check_contract, shadowed_allocs
+    msgs = shadowed_allocs(ast.parse(_SHADOWED))
+    assert len(msgs) == 1 and "p_s" in msgs[0] and "kern" in msgs[0]
+    head = "".join(f"{n} = None\n" for n in REQUIRED_NAMES if n != "build")
+    with pytest.raises(RenderError, match="p_s allocated at line"):
+        _check_contract(head + _SHADOWED, "x/y")
+    assert not shadowed_allocs(ast.parse(_SHADOWED.replace(
+        'p_s = T.alloc_shared((64, 64), "float32")', "pass")))
+
+
 def test_check_reports_stale_missing_extra(tmp_path):
     spec = specs()["gdn"]
     files = render_tree([spec])

@@ -219,6 +219,32 @@ def test_wy_stage_takes_the_erase_key():
     assert list(runtime.arg_names(mod.build(**mod.EXAMPLES[0]))) == names
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm80"])
+def test_wy_erase_tile_holds_p(arch):
+    """In chunk_bwd_wy's source the tile p loads into is written by that load alone and is
+    the operand of dk's column GEMM ((beta dM E)^T p): the emulator (by argument name)
+    cannot see a buffer of the kernel's; the old module's p_s was the scalar gate's P =
+    beta Q too (two allocations of one name), so dk read P for p on the GPU."""
+    import ast
+    with open(runtime.stage_module(SPEC, "chunk_bwd_wy", arch).__file__) as f:
+        tree = ast.parse(f.read())
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)
+             and isinstance(n.targets[0], ast.Subscript)
+             and "p[t0 + i, hk, j]" in ast.unparse(n.value)]
+    assert len(loads) == 1
+    tile = loads[0].targets[0].value.id
+    allocs = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Name) and n.targets[0].id == tile]
+    writes = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Subscript)
+              and isinstance(n.targets[0].value, ast.Name) and n.targets[0].value.id == tile]
+    assert len(allocs) == 1 and "(BT, K)" in ast.unparse(allocs[0].value)
+    assert writes == loads
+    gemms = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and ast.unparse(n.func) == "T.gemm" and "dk_f" in ast.unparse(n)]
+    assert gemms == [f"T.gemm(m_s, {tile}, dk_f, transpose_A=True)"]
+
+
 def test_bad_p_fails_in_one_line(rng):
     x, _, _ = _inputs(rng, 1, 70, 1, 2, 64, 64, F16, 1, False)
     leaves = {n: t.requires_grad_() for n, t in x.items() if t is not None}

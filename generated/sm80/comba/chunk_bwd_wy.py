@@ -124,7 +124,8 @@ def build(H, HV, K, V, dtype, threads=128):
             p_s = T.alloc_shared((BT, BT), f32)
             for i in T.Parallel(BT):
                 g_s[i] = g_cum[h, c * BT + i]
-            p_s = T.alloc_shared((BT, K), dtype)           # the erase key p (normalised)
+            pe_s = T.alloc_shared((BT, K), dtype)          # the erase key p (normalised; not p_s,
+                                                           # the scalar gate's P = beta Q)
             ex_s = T.alloc_shared((BT,), f32)              # the gradient of g_cum - g
 
             for i in T.Parallel(BT):
@@ -136,12 +137,12 @@ def build(H, HV, K, V, dtype, threads=128):
                 k_s[i, j] = T.if_then_else(i < nrow, k[t0 + i, hk, j], T.cast(0, dtype))
                 dw_s[i, j] = T.if_then_else(i < nrow, dw[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
-                p_s[i, j] = T.if_then_else(i < nrow, p[t0 + i, hk, j], T.cast(0, dtype))
+                pe_s[i, j] = T.if_then_else(i < nrow, p[t0 + i, hk, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, V):
                 v_s[i, j] = T.if_then_else(i < nrow, v[t0 + i, h, j], T.cast(0, dtype))
                 du_s[i, j] = T.if_then_else(i < nrow, du[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
-                bk_s[i, j] = T.cast(T.cast(p_s[i, j], f32) * b_s[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0))), dtype)
+                bk_s[i, j] = T.cast(T.cast(pe_s[i, j], f32) * b_s[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0))), dtype)
             for i, j in T.Parallel(BT, V):
                 bv_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * b_s[i], dtype)
 
@@ -158,7 +159,7 @@ def build(H, HV, K, V, dtype, threads=128):
             for i in T.Parallel(BT):
                 db_s[i] = row[i]
             for i, j in T.Parallel(BT, K):
-                prod_k[i, j] = dbk_f[i, j] * T.cast(p_s[i, j], f32)
+                prod_k[i, j] = dbk_f[i, j] * T.cast(pe_s[i, j], f32)
             T.reduce_sum(prod_k, row, dim=1)
             for i in T.Parallel(BT):
                 db_s[i] = db_s[i] + row[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0)))
@@ -176,7 +177,7 @@ def build(H, HV, K, V, dtype, threads=128):
             T.gemm(a_s, m_s, m_f, transpose_A=True, clear_accum=True)
             T.copy(m_f, m_s)
             T.gemm(m_s, a_s, m_f, transpose_B=True, clear_accum=True)
-            T.gemm(p_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+            T.gemm(pe_s, k_s, kk_f, transpose_B=True, clear_accum=True)
             # Q = dM k k^T E: dbeta += rowsum(Q); P = beta Q: dg += rowsum(P) - colsum(P)
             for i, j in T.Parallel(BT, BT):
                 prod_a[i, j] = T.if_then_else(
@@ -208,7 +209,7 @@ def build(H, HV, K, V, dtype, threads=128):
                     i > j, T.cast(-m_f[i, j] * b_s[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0)) - g_s[j]), dtype),
                     T.cast(0, dtype))
             T.gemm(m_s, k_s, dbk_f)
-            T.gemm(m_s, p_s, dk_f, transpose_A=True)
+            T.gemm(m_s, pe_s, dk_f, transpose_A=True)
             for i, j in T.Parallel(BT, K):
                 if i < nrow:
                     dk[t0 + i, h, j] = T.cast(dk_f[i, j], dtype)

@@ -200,7 +200,7 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
             b_s = T.alloc_shared((BT,), f32)
             g_s = T.alloc_shared((BT,), f32)
             d_s = T.alloc_shared((BT,), f32)               # |kn_i|^2
-            p_s = T.alloc_shared((BT, K), dtype)           # the erase key p (normalised: pn)
+            pe_s = T.alloc_shared((BT, K), dtype)          # the erase key p (normalised: pn)
             x_col = T.alloc_local((SUB,), f32)
             acc = T.alloc_var(f32)
             tx = T.get_thread_binding()
@@ -221,14 +221,14 @@ def build(H, HV, K, dtype, g_dtype="float32", beta_dtype="float32", l2norm_qk=Fa
                         gi < rows,
                         -T.exp(A_log[hv]) * T.if_then_else(xg > 20.0, xg, T.log1p(T.exp(xg))),
                         T.float32(0))
-            row_pass(p_in, pn, p_s, d_s, rows, t0, hk, tx, l2norm_qk and hv % group == 0)
+            row_pass(p_in, pn, pe_s, d_s, rows, t0, hk, tx, l2norm_qk and hv % group == 0)
             row_pass(k, kn, k_s, d_s, rows, t0, hk, tx, l2norm_qk and hv % group == 0)
             T.sync_threads()
 
             # gram
             T.cumsum(g_s, dim=0)                # (warp 0)
             kk = T.alloc_fragment((BT, BT), f32)
-            T.gemm(p_s, k_s, kk, transpose_B=True, clear_accum=True)
+            T.gemm(pe_s, k_s, kk, transpose_B=True, clear_accum=True)
             T.sync_threads()                    # (g_s's cumsum; k_s is dead from here)
             for i, j in T.Parallel(BT, BT):     # (b_s, g_s read unconditionally: one load a row)
                 gap = T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0)) - g_s[j]
