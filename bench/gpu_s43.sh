@@ -8,7 +8,7 @@
 #
 # In this order (the first call also pays the start, ~3.5 min):
 #   verify: Mamba-2's gradients with dqkvg_group_loop, Comba / GDN-2's backward (Comba's
-#     dk failed in s42-1: its fix, if any, on branch comba-dk)
+#     dk failed in s42-1: a shadowed p_s tile, renamed; re-enable CombaRule.backward_gates if it passes)
 #   ssdab: Mamba-2's training rows, default against dqkvg_group_loop=1 (one run)
 #   gen2 | side | ncu | ssd | gen | gates | train | tests | walk | models | decode: as named
 set -u
