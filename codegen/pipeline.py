@@ -40,8 +40,19 @@ PROVIDED = {
 }
 
 
+class _Chunked:
+    """N (sequences) and NT (chunks) of a problem's seq_chunks, each sequence's chunks."""
+    @property
+    def N(self) -> int:
+        return len(self.seq_chunks)
+
+    @property
+    def NT(self) -> int:
+        return sum(self.seq_chunks)
+
+
 @dataclass(frozen=True)
-class ForwardProblem:
+class ForwardProblem(_Chunked):
     """One chunked-forward call, as the arch rules see it (sizes, dtypes, flags; no data).
 
     seq_chunks: each sequence's chunk count (the split and the value block depend on it).
@@ -81,14 +92,6 @@ class ForwardProblem:
     #: (("b_dtype", "float32"), ("w_dtype", "bfloat16")))
     rule_dtypes: tuple = ()
     terms: tuple = ()
-
-    @property
-    def N(self) -> int:
-        return len(self.seq_chunks)
-
-    @property
-    def NT(self) -> int:
-        return sum(self.seq_chunks)
 
     @property
     def rule_kind(self) -> str:
@@ -203,7 +206,7 @@ class DeltaBackwardProblem:
 
 
 @dataclass(frozen=True)
-class DplrBackwardProblem:
+class DplrBackwardProblem(_Chunked):
     """One chunked backward of the dplr rule (DPLR, IPLR, RWKV-7: docs/design.md "DPLR's
     backward"), its six stages over token-first packed tensors, as the arch rules see it.
     use_dht / store_dh0: the final state's gradient is given / the initial state's is
@@ -222,17 +225,9 @@ class DplrBackwardProblem:
     store_dh0: bool = False
     chunk_size: int = 64
 
-    @property
-    def N(self) -> int:
-        return len(self.seq_chunks)
-
-    @property
-    def NT(self) -> int:
-        return sum(self.seq_chunks)
-
 
 @dataclass(frozen=True)
-class AdditiveBackwardProblem:
+class AdditiveBackwardProblem(_Chunked):
     """One chunked backward of the additive rule (the GLA family), as the arch rules see
     it. grad_dtype: the dtype of dq, dk, dv ("float32" for the GLAChunkBwd contract, the
     input dtype under autograd); use_dht / store_dh0: the final state's gradient is given
@@ -254,11 +249,3 @@ class AdditiveBackwardProblem:
     state_dtype: str = "float32"
     chunk_size: int = 64
     terms: tuple = ()
-
-    @property
-    def N(self) -> int:
-        return len(self.seq_chunks)
-
-    @property
-    def NT(self) -> int:
-        return sum(self.seq_chunks)

@@ -107,14 +107,8 @@ def backward_config(**config):
     """Within the block, backwards that pass no ``config`` (training through autograd:
     Mamba-2's, the additive families') take this plan config (the arch's
     BACKWARD_CONFIG_KEYS): lets a probe time a plan form on the public functions."""
-    prev = dict(_CONFIG)
-    _CONFIG.clear()
-    _CONFIG.update(config)
-    try:
+    with runtime.overriding(_CONFIG, config):
         yield
-    finally:
-        _CONFIG.clear()
-        _CONFIG.update(prev)
 
 
 def _name(dtype) -> str:

@@ -22,14 +22,8 @@ GATE_PARAM_DTYPES = ("float32", "bfloat16", "float16")
 def tuning_override(**knobs):
     """Within the block, calls without ``tuning=`` use these knobs (block_v, threads, vec,
     warps_k) instead of the arch table's: lets a probe sweep the fla-named wrappers."""
-    prev = dict(_OVERRIDE)
-    _OVERRIDE.clear()
-    _OVERRIDE.update(knobs)
-    try:
+    with runtime.overriding(_OVERRIDE, knobs):
         yield
-    finally:
-        _OVERRIDE.clear()
-        _OVERRIDE.update(prev)
 
 
 def fused_recurrent(spec: OpSpec, q, k, v, g=None, beta=None, scale=None, initial_state=None,

@@ -220,6 +220,20 @@ def _compiled(spec: OpSpec, stage: str, arch: str, params: dict, target=None):
     return entry
 
 
+@contextlib.contextmanager
+def overriding(table: dict, values: dict):
+    """Within the block, ``table`` (a module's probe defaults: calls that pass no tuning of
+    their own read it) holds ``values``; restored after. A probe's knob, not thread-safe."""
+    prev = dict(table)
+    table.clear()
+    table.update(values)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(prev)
+
+
 def arg_names(func) -> tuple:
     """A prim_func's argument names in order (buffers by their buffer name)."""
     return tuple(func.buffer_map[p].name if p in func.buffer_map else p.name

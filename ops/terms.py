@@ -135,8 +135,10 @@ def _products(a, b):
 
 def _scaled(x, s, dtype=None):
     """x s[..., None] rounded once into ``dtype`` (x's): the value scale v' = x s, or its
-    gradient's dx = dv' s."""
+    gradient's dx = dv' s; x itself without a scale (s None)."""
     import torch
+    if s is None:
+        return x
     return torch.mul(x, s.unsqueeze(-1), out=torch.empty_like(x, dtype=dtype or x.dtype))
 
 
@@ -224,7 +226,7 @@ def _terms_call():
                 o, final, states = additive_bwd.run_forward(call, q, k, x, kernel[1],
                                                             initial_state, terms=kernel[0])
             else:
-                v = x if s is None else _scaled(x, s)
+                v = _scaled(x, s)
                 o, final, states = additive_bwd.run_forward(call, q, k, v, g, initial_state)
                 if D is not None:
                     o = _skip(o, x, D, dtype)
@@ -250,7 +252,7 @@ def _terms_call():
                         dg if need[6] else None, dh0 if need[7] else None,
                         dD if need[8] else None, None)
             if any(need[2:8]):      # (else only dD: the call's gradients unused)
-                v = (x if s is None else _scaled(x, s)) if v is None else v
+                v = _scaled(x, s) if v is None else v
                 dq, dk, dv, dg, dh0 = additive_bwd.additive_backward(
                     ctx.call, q, k, v, g, h0, states, dy, dht, raw_dv=True)
             dx, ds, dD = terms_backward(x, s, D, dy, dv, need[4], need[5], need[8])
