@@ -240,7 +240,9 @@ def train_row(row, family, ours, theirs, B, T, H, K):
         return
     for who, fn in (("linattn", ours), ("fla", theirs)):
         if fn is not None:
-            row["impls"][who] = device_time(step(family, fn, inputs(family, B, T, True, H, K)))
+            run = step(family, fn, inputs(family, B, T, True, H, K))
+            row["impls"][who] = device_time(run)
+            row["impls"][who]["split"] = device_times(run, iters=5)[1]
 
 
 def decode_row(row, family, B, H, K):

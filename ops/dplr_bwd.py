@@ -59,8 +59,9 @@ def dplr_backward(spec, q, k, v, a, b, g, do, *, scale=None, initial_state=None,
     x["dh0"] = torch.empty((p.N,) + one[1:] if store_dh0 else one, **f32)
     x.update(chunk._tables(cu, spec.chunk_size, q.device, 0))
     out = runtime.run_plan(spec, plan, x)
-    grads = {f"d{n}": out[f"d{n}"].view(B * T, H, HV // H, K).sum(2).view(B, T, H, K)
-             for n in "qkab"}
+    group = lambda t: t.view(B, T, H, K) if HV == H else \
+        t.view(B * T, H, HV // H, K).sum(2).view(B, T, H, K)  # noqa: E731
+    grads = {f"d{n}": group(out[f"d{n}"]) for n in "qkab"}
     grads["dv"] = out["dv"].view(B, T, HV, V)
     if g is not None:
         grads["dg"] = out["dg"].view(B, T, HV, K)
