@@ -40,9 +40,28 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     gpu_tests 420 tests/test_mamba2_gpu.py tests/test_rule_bwd_gpu.py -k "gradients or comba or gdn2"
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
   ssdab)
-    $T 500 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
+    $T 330 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
       --config dqkvg_group_loop=1 --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
-    echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 8 ;;
+    echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 8
+    # the small-batch decode tiles (decode-1 0.81x mamba_ssm at block_v 8, 32 threads, vec 8)
+    $T 120 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'decode-[18]' \
+      --decode-tiles block_v=16,threads=64,vec=8,warps_k=1 block_v=16,threads=128,vec=4,warps_k=1 \
+      block_v=8,threads=64,vec=4,warps_k=1 block_v=32,threads=128,vec=8,warps_k=1 \
+      --out "$OUT/ssd_dtiles.json" > "$OUT/ssd_dtiles.txt" 2>&1
+    echo "dtiles rc=$?"; grep -v '^{' "$OUT/ssd_dtiles.txt" | tail -n 6 ;;
+  gen2c)   # Comba / GDN-2's backward GPU tests (Comba's dk fix), then gen2 in less time
+    gpu_tests 170 tests/test_rule_bwd_gpu.py
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
+    for f in comba gdn2 dplr rwkv7 iplr; do
+      $T 190 python3 bench/generalized_probe.py --families $f --rows '*/train-*' \
+        --out /tmp/warm_$f.json > /tmp/warm_$f.txt 2>&1 &
+    done; wait; tail -qn 1 /tmp/warm_*.txt
+    $T 120 python3 bench/generalized_probe.py --rows '*/train-*' \
+      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
+    echo "train rc=$?"; tail -n 6 "$OUT/generalized_train.txt"
+    $T 80 python3 bench/generalized_probe.py --rows '*/decode-*' \
+      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
+    echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
   gen2)    # every family's training row (backward kernels compiled by five parallel untimed
            # passes first: the probe's own precompile covers forward and decode only), then
            # timed one at a time; then every decode row
