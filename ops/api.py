@@ -15,13 +15,12 @@ runs in three steps:
      every ``fused_recurrent_*`` call;
    * ``"chunk"``, the chunked forward (ops/chunk.py), otherwise;
 
-3. :func:`kernel_inputs` puts the arguments in the form the kernels take (A_log /
-   dt_bias as f32 [HV] / [HV * K], zeros for a missing dt_bias, gates and beta in f32 or
-   q's dtype, KDA's lower-bounded gate applied, states in f32), zero-padded once to the
-   head dims of the path's kernels (the chunked ones' K: the arch's chunk_k), and the
-   call goes through
-   the torch.library op of its spec and path (ops/library.py), so torch.compile and CUDA
-   graphs see one opaque op.
+3. ``inputs.kernel_inputs`` (ops/inputs.py) puts the arguments in the form the kernels
+   take (A_log / dt_bias as f32 [HV] / [HV * K], zeros for a missing dt_bias, gates and
+   beta in f32 or q's dtype, KDA's lower-bounded gate applied, states in f32),
+   zero-padded once to the head dims of the path's kernels (the chunked ones' K: the
+   arch's chunk_k), and the call goes through the torch.library op of its spec and path
+   (ops/library.py), so torch.compile and CUDA graphs see one opaque op.
 
 ``fla_options`` maps fla's keyword names onto :class:`Options` and checks fla's keywords
 that change nothing here (``chunk_size``, ``chunk_indices``, ...); anything else is
@@ -29,12 +28,11 @@ refused in one line (:func:`reject`) instead of being silently ignored.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ..codegen.arch import DEFAULT_ARCH, get_arch
 from ..codegen.plan import plan
 from ..dsl import OpSpec, Options
-from . import exact_train, gates, runtime, split, validate
+from . import exact_train, runtime, split, validate
+from .inputs import head_dims, kernel_inputs, ones_beta
 from .padding import pad_heads, round_up, unpad
 from .recurrent import GATE_PARAM_DTYPES
 from .recurrent import fused_recurrent  # noqa: F401 (the kernel entry point, re-exported)
@@ -66,15 +64,6 @@ def choose_path(spec: OpSpec, dims: validate.Dims, dtype, varlen: bool,
     """"chunk" or "recurrent" for a chunk_* call on ``arch`` (see the module docstring)."""
     decode = dims.T == 1 and not varlen
     return "chunk" if not decode and chunk_supports(spec, dims, dtype, arch) else "recurrent"
-
-
-def _head_dims(dims) -> None:
-    """Head dims some kernel takes, zero-padded where needed (:func:`padded_dims`): the
-    recurrent kernel's limits are the wider ones (the chunked kernels' calls outside
-    theirs take it, see choose_path)."""
-    validate.check_head_dims(dims.K, dims.V, k_multiple=1, v_multiple=1,
-                             what="linattn (the recurrent kernel; the chunked ones: K, V up "
-                             "to 256)")
 
 
 def padded_dims(dims: validate.Dims, v_first: bool = False) -> validate.Dims:
@@ -117,7 +106,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                  initial_state=initial_state)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
-        if rule_inputs and _trains(spec):
+        if rule_inputs and has_backward(spec):
             from . import autograd
             ones = beta is None and (beta_ones or not spec.has_beta)   # (GDN-2: no beta)
             return autograd.train(spec, options, q, k, v, g, ones_beta(q, v) if ones else beta,
@@ -133,7 +122,7 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
     chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               values=validate.host_checks(), rule_inputs=rule_inputs,
-                              beta_optional=beta_ones, sizes=None if wide else _head_dims,
+                              beta_optional=beta_ones, sizes=None if wide else head_dims,
                               **extra)
     if wide:
         def block(q, k, g, initial_state, scale):
@@ -163,39 +152,17 @@ def forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_sta
                  ht if output_final_state else None)
 
 
-def _trains(spec: OpSpec) -> bool:
-    """Whether a rule with vector inputs trains through the generated backward
-    (ops/build.py has_backward: its RuleMaths.backward_gates)."""
-    from .build import has_backward
-    return has_backward(spec)
-
-
-def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
-                  initial_state=None, output_final_state=False, options: Options = Options(),
-                  cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None,
-                  lower_bound=None, rule_inputs=None):
-    """(o, final_state or None, saved) of a training forward (ops/autograd.py's Function):
-    the chunked forward for every T, keeping what its backward reads (ops/chunk.py
-    chunk_forward's save_states: h [NT, HV, K, V] in q's dtype, the state entering each
-    chunk; the per-key gate's A and aqk too). Checks and kernel inputs as :func:`forward`; called
-    inside the autograd Function, not through a torch.library op (as the additive rule's
-    training forward)."""
-    from .chunk import run_chunk_forward
-    extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                 initial_state=initial_state)
-    chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
-                              cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
-                              values=validate.host_checks(), sizes=_head_dims,
-                              rule_inputs=rule_inputs, **extra)
-    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
-                            rule_inputs=rule_inputs)
-    return run_chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                             scale=spec.scale_for(chk.dims.K, scale),
-                             initial_state=x["initial_state"],
-                             output_final_state=bool(output_final_state), options=opts,
-                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                             A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True,
-                             rule_inputs=x.get("rule_inputs"))
+def has_backward(spec: OpSpec) -> bool:
+    """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
+    the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
+    any gate (the value gate through its key-gated twin), at DeltaNet's chunk size (the
+    generated backward's, ops/chunk_bwd.py CHUNK); a rule with vector inputs at the gates
+    its backward is generated for (RuleMaths.backward_gates: Comba's scalar gate, trained
+    through :func:`forward`'s route to ops/autograd.py)."""
+    from .chunk_bwd import CHUNK
+    maths = spec.rule.maths
+    return spec.chunk_size == CHUNK and (
+        not maths.vector_inputs or spec.gate.value in maths.backward_gates)
 
 
 def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=None,
@@ -204,7 +171,7 @@ def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=
     or None, h), h the state entering each 64-token chunk in q's dtype, [B, NT, HV, K, V]
     ([..., V, K] with state_v_first; with cu_seqlens B == 1 and NT counts every
     sequence's chunks, sequence by sequence): the training forward's saved states
-    (:func:`train_forward`, whose keywords ``kw`` are)."""
+    (ops/autograd.py train_forward, whose keywords ``kw`` are)."""
     import torch
     refuse_states_grad(q, k, v, g, beta, kw.get("initial_state"), kw.get("A_log"),
                        kw.get("dt_bias"))
@@ -222,7 +189,8 @@ def intermediate_states(spec: OpSpec, q, k, v, g=None, beta=None, *, chunk_size=
                 f"return_intermediate_states=True runs the chunked kernels: float16 / "
                 f"bfloat16, K up to {k_max}, V a multiple of 16 up to {v_max}; got "
                 f"{validate._name(q.dtype)}, K={K}, V={V}")
-    o, final, saved = train_forward(spec, q, k, v, g, beta, **kw)
+    from . import autograd
+    o, final, saved = autograd.train_forward(spec, q, k, v, g, beta, **kw)
     h = saved["h"]
     h = h.unsqueeze(0) if kw.get("cu_seqlens") is not None else h.unflatten(0, (q.shape[0], -1))
     if kw["options"].state_v_first:
@@ -249,15 +217,15 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
     ``inplace_final_state`` writes the final states into initial_state, which is
     returned as the final state. A call autograd would record (a family whose chunk_*
     twin has no backward kernels: the same function of its inputs) trains exactly in torch
-    (ops/exact_train.py), one whose twin has (Comba's: :func:`_trains`) as that twin; a
-    state pool does not train."""
+    (ops/exact_train.py), one whose twin has (Comba's: :func:`has_backward`) as that twin;
+    a state pool does not train."""
     extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, g_gamma=g_gamma,
                  initial_state=initial_state)
     pool = dict(ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens)
     if validate.needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias, g_gamma,
                            *(rule_inputs or {}).values()):
         _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_state)
-        if rule_inputs and _trains(spec):       # (as its chunk_* twin: the kernels)
+        if rule_inputs and has_backward(spec):      # (as its chunk_* twin: the kernels)
             return forward(spec, q, k, v, g, beta, scale=scale,
                            output_final_state=output_final_state, options=options,
                            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -273,7 +241,7 @@ def recurrent(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None, initial_s
                               cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
                               inplace_final_state=inplace_final_state, beta_optional=beta_ones,
                               values=validate.host_checks(), rule_inputs=rule_inputs,
-                              sizes=None if wide else _head_dims, **extra, **pool)
+                              sizes=None if wide else head_dims, **extra, **pool)
     if wide:
         def block(q, k, g, initial_state, scale):
             return recurrent(spec, q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -361,64 +329,6 @@ def _refuse_pool_grad(ssm_state_indices, num_accepted_tokens, inplace_final_stat
         raise validate.error("a state pool (ssm_state_indices / num_accepted_tokens / "
                              "inplace_final_state) has no backward: run it under "
                              "torch.no_grad()")
-
-
-def ones_beta(q, v):
-    """fla's missing beta: ones [B, T, HV] in q's dtype."""
-    import torch
-    return torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-
-
-def kernel_inputs(spec: OpSpec, options: Options, dims, q, k, v, g, beta, *, A_log=None,
-                  dt_bias=None, lower_bound=None, g_gamma=None, initial_state=None,
-                  rule_inputs=None, param_dtypes=("float32",)):
-    """({q, k, v, g, beta, A_log, dt_bias, initial_state}, options) in the kernels' form
-    (after check_call): contiguous (an in-place state is already), gates and beta in f32
-    or q's dtype (ones for a missing beta), simple
-    GLA's g_gamma added to g, A_log / dt_bias [HV] / [HV * K] / [HV * V] (zeros for no
-    dt_bias) f32, or both in their dtype where they share one of ``param_dtypes`` (the
-    recurrent kernel reads bf16 / f16 ones: no cast per decode step).
-    KDA's ``lower_bound`` with use_gate_in_kernel: the gate lower_bound * sigmoid(
-    exp(A_log) * (g + dt_bias)) (exp(A_log) -> 1 without A_log) is formed here in f32 and
-    the kernels take it as a ready log decay. States: f32, f16 and bf16 as they are
-    (the kernels read them as f32; an in-place one is updated in its dtype), f64 as f32.
-    q, k, v of mixed dtypes (fla's kernels read each as it is): all three in their
-    promoted dtype (an exact upcast; the caller returns o in q's dtype)."""
-    import torch
-    common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    q, k, v = (t if t.dtype == common else t.to(common) for t in (q, k, v))
-
-    def f32(x):
-        return x if x is None else (x if x.dtype in (torch.float32, q.dtype)
-                                    else x.float()).contiguous()
-    if g_gamma is not None:
-        gam = g_gamma.reshape(1, 1, dims.HV).float()
-        g = (gam if g is None else g.float() + gam).expand(dims.B, dims.T, dims.HV).contiguous()
-    if spec.has_beta and beta is None:
-        beta = ones_beta(q, v)
-    gate_params = options.gate_in_kernel and spec.has_gate
-    HV, n = dims.HV, dims.HV * spec.gate.n_channels(dims.K, dims.V)
-    keep = (A_log is not None and dt_bias is not None and A_log.dtype == dt_bias.dtype
-            and runtime.dtype_name(A_log.dtype) in param_dtypes)
-    param = (lambda t: t) if keep else (lambda t: t.float())  # noqa: E731
-    a = param(A_log.reshape(HV)).contiguous() if gate_params and A_log is not None else None
-    b = param(dt_bias.reshape(n)).contiguous() if gate_params and dt_bias is not None else None
-    if gate_params and lower_bound is not None:
-        g = gates.activate(g, a, b, lower_bound, per_channel=True)
-        options, a, b = dataclasses.replace(options, gate_in_kernel=False), None, None
-    elif gate_params and b is None:
-        from .runtime import zeros
-        b = zeros(q.device, n)
-    h0 = initial_state
-    if h0 is not None:       # (an in-place state passed the checks contiguous, not f64)
-        h0 = (h0.float() if h0.dtype == torch.float64 else h0).contiguous()
-    x = dict(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=f32(g),
-             beta=f32(beta), A_log=a, dt_bias=b, initial_state=h0)
-    if rule_inputs:     # the rule's vector inputs: a key (p) in q's dtype, gates f32 or q's
-        axes = spec.rule.maths.vector_axes
-        x["rule_inputs"] = {n: t.to(common).contiguous() if axes[n][0] == "H" else f32(t)
-                            for n, t in rule_inputs.items()}
-    return x, options
 
 
 def fla_options(use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..dsl import Options, SpecError
-from . import chunk_bwd, exact_train, padding
+from ..dsl import OpSpec, Options, SpecError
+from . import chunk_bwd, exact_train, padding, validate
+from .inputs import head_dims, kernel_inputs
 from .validate import needs_grad  # noqa: F401 (the families' test: autograd.needs_grad)
 
 #: head dims the backward stages are generated for (a call of smaller dims runs zero-padded
@@ -76,18 +77,46 @@ def run_forward(call: DeltaRuleCall, q, k, v, beta, initial_state, g=None, A_log
     """(o, final_state or None, saved) from the chunked forward (tests replace this on the
     CPU); saved: h [NT, HV, K, V] in q's dtype, the state entering each chunk, and the
     WY inverse: A_inv (none / scalar gate) or A, aqk (per-key gate), [Ttot, HV, 64]
-    (api.train_forward, the plan's saved); rule_inputs: the rule's vector inputs by name."""
-    from . import api
+    (:func:`train_forward`, the plan's saved); rule_inputs: the rule's vector inputs by
+    name."""
     extra = {"lower_bound": call.lower_bound} if call.lower_bound is not None else {}
     if rule_inputs:
         extra["rule_inputs"] = rule_inputs
     beta = beta if call.spec.has_beta else None     # (GDN-2: the backward's ones only)
-    return api.train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
-                       initial_state=initial_state,
-                       output_final_state=call.output_final_state,
-                       options=call.options, cu_seqlens=call.cu_seqlens,
-                       cu_seqlens_cpu=call.cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-                       **extra)
+    return train_forward(call.spec, q, k, v, g, beta, scale=call.scale,
+                         initial_state=initial_state,
+                         output_final_state=call.output_final_state,
+                         options=call.options, cu_seqlens=call.cu_seqlens,
+                         cu_seqlens_cpu=call.cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
+                         **extra)
+
+
+def train_forward(spec: OpSpec, q, k, v, g=None, beta=None, *, scale=None,
+                  initial_state=None, output_final_state=False, options: Options = Options(),
+                  cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None,
+                  lower_bound=None, rule_inputs=None):
+    """(o, final_state or None, saved) of a training forward (this module's Function):
+    the chunked forward for every T, keeping what its backward reads (ops/chunk.py
+    chunk_forward's save_states: h [NT, HV, K, V] in q's dtype, the state entering each
+    chunk; the per-key gate's A and aqk too). Checks and kernel inputs as ops/api.py
+    forward; called inside the autograd Function, not through a torch.library op (as the
+    additive rule's training forward)."""
+    from .chunk import run_chunk_forward
+    extra = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                 initial_state=initial_state)
+    chk = validate.check_call(spec, options, q, k, v, g, beta, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu, scale=scale,
+                              values=validate.host_checks(), sizes=head_dims,
+                              rule_inputs=rule_inputs, **extra)
+    x, opts = kernel_inputs(spec, options, chk.dims, q, k, v, g, beta, **extra,
+                            rule_inputs=rule_inputs)
+    return run_chunk_forward(spec, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                             scale=spec.scale_for(chk.dims.K, scale),
+                             initial_state=x["initial_state"],
+                             output_final_state=bool(output_final_state), options=opts,
+                             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                             A_log=x["A_log"], dt_bias=x["dt_bias"], save_states=True,
+                             rule_inputs=x.get("rule_inputs"))
 
 
 class ChunkDeltaRuleFunction:

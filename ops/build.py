@@ -45,6 +45,8 @@ from typing import Callable
 from ..dsl import Gate, OpSpec, Rule, SpecError
 from ..dsl.spec import OPTION_NAMES
 from . import api
+from .api import has_backward
+from .inputs import ones_beta
 
 #: Options field -> fla's keyword for it
 FLA_OPTION = {"l2norm_qk": "use_qk_l2norm_in_kernel",
@@ -80,18 +82,6 @@ def build(spec: OpSpec) -> Ops:
     return Ops(spec=spec, chunk=_function(spec, recurrent=False),
                fused_recurrent=_function(spec, recurrent=True),
                has_backward=has_backward(spec))
-
-
-def has_backward(spec: OpSpec) -> bool:
-    """Whether ``chunk`` is differentiable: the delta rule without a gate (DeltaNet), with
-    the scalar gate (Gated DeltaNet) or the per-key gate (KDA), and the additive rule with
-    any gate (the value gate through its key-gated twin), at DeltaNet's chunk size; a rule
-    with vector inputs at the gates its backward is generated for (RuleMaths.backward_gates:
-    Comba's scalar gate, trained through ops/api.py forward's route to ops/autograd.py)."""
-    from . import deltanet
-    maths = spec.rule.maths
-    return spec.chunk_size == deltanet.SPEC.chunk_size and (
-        not maths.vector_inputs or spec.gate.value in maths.backward_gates)
 
 
 def signature(spec: OpSpec, recurrent: bool) -> inspect.Signature:
@@ -163,7 +153,7 @@ def _call(spec: OpSpec, recurrent: bool, a: dict):
         # (a missing beta means ones, as in fla)
         return api.recurrent(spec, q, k, v, g, beta, options=opts, beta_ones=True, **a)
     if recurrent and spec.has_beta and beta is None:    # (trains as ``chunk``)
-        beta = api.ones_beta(q, v)
+        beta = ones_beta(q, v)
     if has_backward(spec) and spec.rule is Rule.ADDITIVE:
         from . import additive_bwd
         if additive_bwd.needs_grad(q, k, v, g, a["initial_state"], a.get("A_log"),

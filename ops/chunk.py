@@ -253,7 +253,7 @@ def run_chunk_forward(spec: OpSpec, q, k, v, g=None, beta=None, scale=None,
     """:func:`chunk_forward` on arguments already checked (its own checks, or the public
     call's ops/validate.py check_call: torch.library's chunk op, the training forward), so
     that a call is checked once. rule_inputs: the rule's vector inputs (GDN-2's b, w),
-    name -> [B, T, H or HV, K or V], as ops/api.py kernel_inputs gives them. ``terms``: a
+    name -> [B, T, H or HV, K or V], as ops/inputs.py kernel_inputs gives them. ``terms``: a
     spec's call terms formed in the kernels (dsl/call_terms.py), as
     recurrent.run_recurrent's: {"flags": the build() flags on, "tensors": step_A,
     step_bias, step_limit, skip_D, gate_z as the kernels read them}; g is then the raw

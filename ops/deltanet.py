@@ -1,6 +1,7 @@
 """DeltaNet: the delta rule without a gate."""
 from ..dsl import OpSpec
 from . import api
+from .inputs import ones_beta
 
 SPEC = OpSpec(
     name="deltanet", rule="delta", gate="none", chunk_size=64,
@@ -62,7 +63,7 @@ def fused_recurrent_delta_rule(q, k, v, beta=None, scale=None, initial_state=Non
     if api.recurrent_trains(q, k, v, beta, initial_state, ssm_state_indices=ssm_state_indices,
                             num_accepted_tokens=num_accepted_tokens,
                             inplace_final_state=inplace_final_state, kwargs=kwargs):
-        beta = api.ones_beta(q, v) if beta is None else beta
+        beta = ones_beta(q, v) if beta is None else beta
         return chunk_delta_rule(q, k, v, beta, scale, initial_state, output_final_state,
                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu, **kwargs)
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=None)

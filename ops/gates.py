@@ -62,7 +62,7 @@ def check_safe_gate(safe_gate, lower_bound, use_gate_in_kernel) -> None:
     """fla's rules for KDA's safe gate: with use_gate_in_kernel, safe_gate needs a
     lower_bound in [-5, 0). safe_gate itself changes no result here (linattn's per-key
     chunk stages only ever exponentiate non-positive numbers); lower_bound changes the
-    gate activation when use_gate_in_kernel (see api.kernel_inputs), else nothing."""
+    gate activation when use_gate_in_kernel (see inputs.kernel_inputs), else nothing."""
     if lower_bound is not None and (isinstance(lower_bound, bool)
                                     or not isinstance(lower_bound, (int, float))):
         raise validate.error(f"lower_bound must be a number or None, got "

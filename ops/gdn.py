@@ -1,6 +1,7 @@
 """Gated DeltaNet: the delta rule with one scalar log decay per value head and token."""
 from ..dsl import OpSpec
 from . import api
+from .inputs import ones_beta
 
 SPEC = OpSpec(
     name="gdn", rule="delta", gate="scalar", chunk_size=64,
@@ -90,7 +91,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                             num_accepted_tokens=num_accepted_tokens,
                             inplace_final_state=inplace_final_state):
         from . import autograd
-        beta = api.ones_beta(q, v) if beta is None else beta
+        beta = ones_beta(q, v) if beta is None else beta
         return autograd.train(spec, opts, q, k, v, gate, beta, scale, initial_state,
                               output_final_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
     return api.recurrent(spec, q, k, v, gate, beta, scale=scale, initial_state=initial_state,

@@ -367,7 +367,7 @@ def check_call(spec: OpSpec, options: Options, q, k, v, g=None, beta=None, *, A_
                values=True, sizes=None, rule_inputs=None) -> Checked:
     """Every argument of one public call, in fla's terms, before any device work; the
     device check comes last (a bad g on the CPU reports g). As fla's input_guard, any
-    strides are accepted (api.kernel_inputs makes copies), except for a state updated in
+    strides are accepted (inputs.kernel_inputs makes copies), except for a state updated in
     place. See the public functions for
     the shapes; ``g_gamma``: simple GLA's per-head decay [HV] (then g may be None);
     ``beta_optional``: beta None means ones; ``values``: check cu_seqlens' values too

@@ -248,14 +248,15 @@ def test_gate_params_reach_the_recurrent_kernel_in_their_dtype():
     """fla's layers hold A_log / dt_bias in the model's dtype: the recurrent kernel reads
     them as they are (a cast per decode step cost two launches); the chunk kernels, or
     two different dtypes, get f32."""
+    from linattn.ops.inputs import kernel_inputs
     from linattn.ops.recurrent import GATE_PARAM_DTYPES, _problem
     q, k, v, g, beta = inputs()
     spec, opts = get_spec("gdn"), Options(gate_in_kernel=True)
     dims = validate.Dims(2, 5, 2, 4, 32, 16)
 
     def params(a, b, dtypes=GATE_PARAM_DTYPES):
-        x, _ = api.kernel_inputs(spec, opts, dims, q, k, v, g, beta, A_log=a, dt_bias=b,
-                                 param_dtypes=dtypes)
+        x, _ = kernel_inputs(spec, opts, dims, q, k, v, g, beta, A_log=a, dt_bias=b,
+                             param_dtypes=dtypes)
         return x["A_log"].dtype, x["dt_bias"].dtype
     a16, b16 = torch.randn(1, 1, 4, 1, dtype=BF), torch.randn(4, dtype=BF)
     assert params(a16, b16) == (BF, BF)
@@ -625,7 +626,7 @@ def test_return_intermediate_states_rules_and_shapes(monkeypatch):
     """chunk_kda's return_intermediate_states: refused in one line under autograd, with
     another chunk size, f32 or an unsupported head dim; otherwise the training forward's
     saved states come back as fla's h (the kernels replaced by a stub on the CPU)."""
-    from linattn.ops import api
+    from linattn.ops import autograd
     q, k, v, g, beta = inputs(B=2, T=130, K=32, V=16, gate="key")
     ris = dict(return_intermediate_states=True)
     with pytest.raises(SpecError, match="for inference"):
@@ -646,7 +647,7 @@ def test_return_intermediate_states_rules_and_shapes(monkeypatch):
     def fake(spec, q, k, v, g, beta, **kw):
         seen.update(kw)
         return "o", "ht", {"h": rows}
-    monkeypatch.setattr(api, "train_forward", fake)
+    monkeypatch.setattr(autograd, "train_forward", fake)
     o, ht, h = linattn.chunk_kda(q, k, v, g, beta, lower_bound=-5.0, **ris)
     assert (o, ht) == ("o", "ht") and seen["lower_bound"] == -5.0
     assert h.shape == (2, 3, 4, 32, 16) and h.dtype == q.dtype

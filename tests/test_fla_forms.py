@@ -1103,7 +1103,7 @@ def test_kda_return_intermediate_states_form(cpu_ops, monkeypatch):
     with cu_seqlens), h[:, c] the state entering chunk c: against fla's naive_recurrent_kda
     on the first 64 c tokens. (The training forward that keeps h is replaced by the fp64
     chunked reference on the CPU.)"""
-    from linattn.ops import api
+    from linattn.ops import autograd
 
     def train_forward(spec, q, k, v, g, beta, *, options, scale, initial_state,
                       output_final_state, cu_seqlens, **kw):
@@ -1114,7 +1114,7 @@ def test_kda_return_intermediate_states_form(cpu_ops, monkeypatch):
         h = r["h"].transpose(-1, -2) if options.state_v_first else r["h"]
         return (r["o"].to(q.dtype), r["final_state"].float() if output_final_state else None,
                 {"h": h.flatten(0, 1).to(q.dtype)})
-    monkeypatch.setattr(api, "train_forward", train_forward)
+    monkeypatch.setattr(autograd, "train_forward", train_forward)
     naive = fla_fn("fla.ops.kda.naive", "naive_recurrent_kda")
     randn, rand = gen(8)
     B, T, H, D = 2, 150, 2, 32

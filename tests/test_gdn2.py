@@ -90,13 +90,13 @@ def test_generated_decode_kernel_takes_b_and_w():
 def test_gates_read_in_their_dtype():
     """b, w reach the kernel in f32 or q's dtype as given (no conversion pass), named in
     the problem as g and beta are."""
-    from linattn.ops import api, recurrent, validate
+    from linattn.ops import inputs, recurrent, validate
     q = torch.zeros(1, 3, 2, 32, dtype=torch.bfloat16)
     v = torch.zeros(1, 3, 2, 16, dtype=torch.bfloat16)
     b, w = torch.zeros(1, 3, 2, 32, dtype=torch.bfloat16), torch.zeros(1, 3, 2, 16)
     dims = validate.Dims(1, 3, 2, 2, 32, 16)
-    x, _ = api.kernel_inputs(SPEC, Options(), dims, q, q, v, torch.zeros(1, 3, 2, 32), None,
-                             rule_inputs={"b": b, "w": w.double()})
+    x, _ = inputs.kernel_inputs(SPEC, Options(), dims, q, q, v, torch.zeros(1, 3, 2, 32),
+                                None, rule_inputs={"b": b, "w": w.double()})
     assert x["rule_inputs"]["b"] is b and x["rule_inputs"]["w"].dtype == torch.float32
     problem = recurrent._problem(SPEC, Options(), dims, q, x["g"], None, None, torch.float32,
                                  False, None, rule_inputs=x["rule_inputs"])
