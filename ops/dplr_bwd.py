@@ -3,7 +3,8 @@ backward"): the host side of codegen/arch/sm90/dplr.py's dplr_bwd_plan.
 
 Wired: a 16-bit chunk_* call of the dplr rule that needs gradients, where the chunked
 forward fits, trains here (ops/dplr.py run -> :func:`train`); its GPU check is
-tests/test_dplr_bwd_gpu.py (passed in runs s42-1 / s42-3).
+tests/test_dplr_bwd_gpu.py (passed in runs s42-1 / s42-3, before the kernels stored the
+gradients in the caller's dtypes and dw, dm in 16 bits: not yet run since).
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def dplr_backward(spec, q, k, v, a, b, g, do, *, scale=None, initial_state=None,
 
     q, k, a, b [B, T, H, K] and v, do in one 16-bit dtype; g [B, T, HV, K] (None: IPLR);
     K a multiple of 64 up to 128 (the kernels' own K; no padding here). Returns dq, dk,
-    da, db [B, T, H, K], dv [B, T, HV, V], dg [B, T, HV, K] (with g), all f32, and
-    dinitial_state [N, HV, K, V] f32 (store_dh0 and an initial state).
+    da, db [B, T, H, K] (q's dtype where HV == H, as the kernel stored them; f32 sums of
+    each key head's group where HV != H), dv [B, T, HV, V] in v's dtype, dg [B, T, HV, K]
+    in g's (with g), and dinitial_state [N, HV, K, V] f32 (store_dh0 and an initial state).
     """
     import torch
     (B, T, H, K), (HV, V) = q.shape, v.shape[2:]
@@ -123,7 +125,7 @@ def _make_function():
             d = dplr_backward(ctx.spec, qp, kp, v, ap, bp, gp, do, scale=ctx.scale,
                               initial_state=h0p, dht=dhtp, store_dh0=h0 is not None, **ctx.cu)
             cut = lambda n, x, axis=-1: None if x is None else d[n].narrow(  # noqa: E731
-                axis, 0, K).to(x.dtype)
+                axis, 0, K).to(x.dtype).contiguous()   # (no copy where stored so, unpadded)
             return (None, None, None, None, cut("dq", q), cut("dk", k), d["dv"].to(v.dtype),
                     cut("da", a), cut("db", b), cut("dg", g), cut("dinitial_state", h0, -2))
 

@@ -283,6 +283,13 @@ def test_staged_backward_matches_autograd(name, lens, K):
         np.testing.assert_allclose(got[n], want, atol=1e-9, rtol=1e-8, err_msg=n)
 
 
+def _diagonal(chunks):
+    """(token, its row in its chunk) of every token: the diagonals of a [Ttot, HV, BT]
+    block of per-chunk pairs (chunks in token order, covering every token)."""
+    i = np.concatenate([np.arange(rows) for _, rows in chunks])
+    return np.arange(len(i)), i
+
+
 def _fake_bwd_body(spec, stage, params):
     """fake_compiles' body: the backward stages' fakes on the plan's tensors, by name."""
     from linattn.ops import runtime
@@ -326,7 +333,9 @@ def _fake_bwd_body(spec, stage, params):
             d = dict(dw=f64(t["dw"]), du=f64(t["dr"]), dv=f64(t["dv_direct"]))
             outs = _fake_wy(p, f64(t["v"]), f64(t["r"]), f64(t["do"]), d, chunks, HV,
                             t["scale"])
-            put(t, dict(dx=outs["dx"], dm=outs["dM"], dv=outs["dv"]))
+            tok, i = _diagonal(chunks)
+            dmd = np.stack([outs["dM"][tok, :, (2 + m) * BT + i] for m in (0, 1)], -1)
+            put(t, dict(dx=outs["dx"], dm=outs["dM"], dmd=dmd, dv=outs["dv"]))
         else:                                             # chunk_bwd_pairs_dplr
             x = {n: f64(t[n]) for n in "qkab"}
             Ttot, K = x["q"].shape[0], x["q"].shape[2]
@@ -334,27 +343,34 @@ def _fake_bwd_body(spec, stage, params):
             d = {n: f64(t[n]) for n in ("dx", "dqg", "dbg", "dkg")}
             d.update(dM=f64(t["dm"]), dgl=f64(t["dgl"]) if "dgl" in t
                      else np.zeros((len(chunks), HV, K)))
+            tok, i = _diagonal(chunks)                    # dm in 16 bits, dmd in f32
+            for m in (0, 1):
+                d["dM"][tok, :, (2 + m) * BT + i] = f64(t["dmd"])[..., m]
             outs = _fake_pairs(x, d, chunks, HV, t["scale"], [])
             put(t, {n: z for n, z in outs.items() if n in t})
     return run
 
 
 @pytest.mark.parametrize("name", ["dplr", "iplr"])
-def test_plan_runs_the_backward_stages(monkeypatch, name):
+@pytest.mark.parametrize("HV,g_dtype", [(4, torch.float32), (2, torch.bfloat16)],
+                         ids=["GVA2-gf32", "HV=H-gbf16"])
+def test_plan_runs_the_backward_stages(monkeypatch, name, HV, g_dtype):
     """ops/dplr_bwd.py's dplr_backward (codegen/arch/sm90/dplr.py's dplr_bwd_plan through
     ops.runtime.run_plan): its launches' arguments match the six kernels' signatures (the
-    rule's a, b bound to a_in, b_in) and the fakes on its f16 buffers give autograd's
-    gradients of the fp64 reference (each key head's group summed by the host)."""
+    rule's a, b bound to a_in, b_in; the outputs' dtypes the plan's) and the fakes on its
+    f16 buffers give autograd's gradients of the fp64 reference: dq, dk, da, db f16 as
+    the kernel stores them where HV == H, f32 where the host sums each key head's group;
+    dv f16, dg in g's dtype."""
     from linattn.ops.dplr_bwd import dplr_backward
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
     spec, rng = specs()[name], np.random.default_rng(3)
     ref_spec = SPECS[f"dplr_{spec.gate.value}"]
-    H, HV, K, V, lens = 2, 4, 64, 32, (3, 70, 200)
+    H, K, V, lens = 2, 64, 32, (3, 70, 200)
     cu = np.concatenate([[0], np.cumsum(lens)])
     x = R.random_inputs(ref_spec, Options(), 1, int(cu[-1]), H, HV, K, V, rng, cu_seqlens=cu)
     h = {n: None if x[n] is None else torch.tensor(x[n][0]).half() for n in "qkabv"}
-    g = None if x["g"] is None else torch.tensor(x["g"][0]).float()
+    g = None if x["g"] is None else torch.tensor(x["g"][0]).to(g_dtype)
     h0 = torch.tensor(x["initial_state"]).float()
     do = torch.tensor(rng.standard_normal((int(cu[-1]), HV, V))).half()
     dht = torch.tensor(rng.standard_normal(h0.shape)).float()
@@ -368,6 +384,10 @@ def test_plan_runs_the_backward_stages(monkeypatch, name):
     assert [s for s, _ in calls] == [prepare, "chunk_bwd_state_dplr", "chunk_bwd_dstate_dplr",
                                      "chunk_bwd_dqkw_dplr", "chunk_bwd_wy_dplr",
                                      "chunk_bwd_pairs_dplr"]
+    want_dtype = dict.fromkeys(("dq", "dk", "da", "db"),
+                               torch.float16 if HV == H else torch.float32)
+    want_dtype.update(dv=torch.float16, dg=g_dtype, dinitial_state=torch.float32)
+    assert {n: z.dtype for n, z in grads.items()} == {n: want_dtype[n] for n in grads}
     got = {n: z[0].double() if n != "dinitial_state" else z.double() for n, z in grads.items()}
     ref_x = {n: None if z is None else z.double().numpy()[None] for n, z in h.items()}
     ref_x.update(g=None if g is None else g.double().numpy()[None], cu_seqlens=cu,
@@ -379,6 +399,35 @@ def test_plan_runs_the_backward_stages(monkeypatch, name):
         want = torch.tensor(z[0] if n != "dinitial_state" else z)
         rel = ((got[n] - want).norm() / want.norm()).item()
         assert rel < 1e-2, (n, rel)
+
+
+@pytest.mark.parametrize("gate", ["key", "none"])
+@pytest.mark.parametrize("H,HV,dtype,g_dtype", [
+    (4, 4, "bfloat16", "float32"), (4, 4, "float16", "bfloat16"), (2, 4, "bfloat16", "float32"),
+    (2, 8, "float16", "float16")], ids=["HV=H-bf16", "HV=H-f16-gbf16", "GVA2", "GVA4-f16"])
+def test_plan_stores_gradients_in_the_returned_dtype(gate, H, HV, dtype, g_dtype):
+    """dplr_bwd_plan's outputs: dq, dk, da, db in the input dtype where HV == H (the
+    caller's, so its cast is a no-op), f32 where the host sums each key head's group; dv in
+    the input dtype and dg in the gate's either way (per value head, never summed); dw and
+    dm in the input dtype (the next stage's GEMM operands), the other intermediates
+    between stages f32 (dmd, dm's diagonals, too); chunk_bwd_pairs_dplr built with that
+    grad_dtype."""
+    from linattn.codegen.arch import get_arch
+    from linattn.codegen.pipeline import DplrBackwardProblem
+    p = DplrBackwardProblem(gate=gate, H=H, HV=HV, K=64, V=32, dtype=dtype, Ttot=273,
+                            seq_chunks=(1, 2, 2), g_dtype=g_dtype)
+    plan = get_arch("sm90").dplr_bwd_plan(p, {})
+    bufs = {b.name: b for b in plan.buffers}
+    grad = dtype if HV == H else "float32"
+    outs = {"dq": grad, "dk": grad, "da": grad, "db": grad, "dv": "input"}
+    if gate == "key":
+        outs["dg"] = g_dtype
+    assert {n: b.dtype for n, b in bufs.items() if b.output} == outs
+    for n in ("dv_direct", "dqg", "dbg", "dkg", "dgl", "dx", "dmd"):
+        assert bufs[n].dtype == "float32", n
+    assert bufs["dw"].dtype == bufs["dm"].dtype == "input"
+    pairs = {la.stage: la.kwargs for la in plan.launches}["chunk_bwd_pairs_dplr"]
+    assert pairs["grad_dtype"] == grad
 
 
 BWD_STAGES = ("chunk_bwd_state_dplr", "chunk_bwd_dstate_dplr", "chunk_bwd_dqkw_dplr",
@@ -415,18 +464,21 @@ def test_bwd_stage_compiles_without_spills(name, stage):
     assert not rec["barriers_in_branches"], rec["barriers_in_branches"]
 
 
-@pytest.mark.parametrize("name,K", [("dplr", 48), ("iplr", 64)])
-def test_function_trains_through_the_plans(monkeypatch, name, K):
+@pytest.mark.parametrize("name,K,HV", [("dplr", 48, 4), ("iplr", 64, 4), ("dplr", 48, 2)],
+                         ids=["dplr-K48-GVA2", "iplr-K64-GVA2", "dplr-K48-HV=H"])
+def test_function_trains_through_the_plans(monkeypatch, name, K, HV):
     """ops/dplr_bwd.py's DplrChunkFunction: the forward's plan and the
     backward's, their stages' fakes on the plans' f16 buffers (K = 48 padded to the
-    kernels' 64 and cut back), give autograd's gradients of the fp64 reference."""
+    kernels' 64 and cut back: from f32 sums under GVA, from the kernel's f16 stores where
+    HV == H), give autograd's gradients of the fp64 reference, contiguous, in the inputs'
+    dtypes."""
     from linattn.ops.dplr_bwd import DplrChunkFunction
     from linattn.ops.registry import specs
     from _kernel_check import fake_compiles
     from test_chunk_dplr import _fake_body
     spec, rng = specs()[name], np.random.default_rng(9)
     ref_spec = SPECS[f"dplr_{spec.gate.value}"]
-    H, HV, V, lens = 2, 4, 32, (3, 70, 200)
+    H, V, lens = 2, 32, (3, 70, 200)
     cu = np.concatenate([[0], np.cumsum(lens)])
     x = R.random_inputs(ref_spec, Options(), 1, int(cu[-1]), H, HV, K, V, rng, cu_seqlens=cu)
     xs = {n: torch.tensor(x[n]).half() for n in "qkabv"}
@@ -449,6 +501,7 @@ def test_function_trains_through_the_plans(monkeypatch, name, K):
     for n, z in ref.items():
         got = leaves[n[1:]].grad
         assert got is not None and got.dtype == xs[n[1:]].dtype and got.shape == z.shape, n
+        assert got.is_contiguous(), n
         want = torch.tensor(z)
         rel = ((got.double() - want).norm() / want.norm()).item()
         assert rel < 1e-2, (n, rel)

@@ -82,9 +82,20 @@ def dplr_plan(p: ForwardProblem, config: dict) -> Plan:
                          "state pass (r = w S + u; writes along b and k)",))
 
 
+def grad_dtype(p) -> str:
+    """The dtype chunk_bwd_pairs_dplr stores dq, dk, da, db in: the input dtype, the one
+    the caller returns (the kernel's store rounds as the host's cast would, without an f32
+    copy written and read back: 4 x 134 MB at train-4k), but f32 where the host sums each
+    key head's group of value heads (HV != H). dv and dg, per value head and never
+    summed, are stored in the input dtype and the gate's by their stages."""
+    return "float32" if p.HV != p.H else p.dtype
+
+
 def _bwd_buffers(p) -> tuple:
     """The backward's intermediates (docs/design.md "DPLR's backward"): the recompute's,
-    the walk's, the per-chunk stages' (f32 gradients) and the outputs per value head."""
+    the walk's, the per-chunk stages' (f32 gradients, but dw and dm in the input dtype)
+    and the outputs per value head (dq, dk, da, db in grad_dtype's, dv in the input dtype,
+    dg in the gate's)."""
     T, HV, K, V, C, NT = p.Ttot, p.HV, p.K, p.V, p.chunk_size, p.NT
     bufs = [Buffer(n, (T, HV, K), "input") for n in ("w", "qg", "bg", "kg")]
     bufs += [Buffer(n, (T, HV, C), "input") for n in ("aqb", "aqk", "xinv", "aak")]
@@ -94,24 +105,32 @@ def _bwd_buffers(p) -> tuple:
              Buffer("dh", (NT, HV, K, V), "input", at="chunk_bwd_dstate_dplr"),
              Buffer("dr", (T, HV, V), "input", at="chunk_bwd_dstate_dplr"),
              Buffer("dv_direct", (T, HV, V), "float32", at="chunk_bwd_dstate_dplr")]
-    bufs += [Buffer(n, (T, HV, K), "float32", at="chunk_bwd_dqkw_dplr")
-             for n in ("dqg", "dw", "dbg", "dkg")]
+    # dw and dm in the input dtype: the next stage's GEMMs take them so (the same rounding
+    # at the store as at the load; f32 would be 134 MB and 268 MB more written and read at
+    # train-4k); dmd f32: dm's diagonals the pairs take outside their GEMMs
+    bufs += [Buffer(n, (T, HV, K), "input" if n == "dw" else "float32",
+                    at="chunk_bwd_dqkw_dplr") for n in ("dqg", "dw", "dbg", "dkg")]
     bufs += [Buffer("dgl", (NT, HV, K), "float32", at="chunk_bwd_dqkw_dplr"),
              Buffer("dx", (T, HV, K), "float32", at="chunk_bwd_wy_dplr"),
-             Buffer("dm", (T, HV, 4 * C), "float32", at="chunk_bwd_wy_dplr"),
-             Buffer("dv", (T, HV, V), "float32", at="chunk_bwd_wy_dplr", output=True)]
-    outs = ("dq", "dk", "da", "db") + (("dg",) if p.gate == "key" else ())
-    bufs += [Buffer(n, (T, HV, K), "float32", at="chunk_bwd_pairs_dplr", output=True)
-             for n in outs]
+             Buffer("dm", (T, HV, 4 * C), "input", at="chunk_bwd_wy_dplr"),
+             Buffer("dmd", (T, HV, 2), "float32", at="chunk_bwd_wy_dplr"),
+             Buffer("dv", (T, HV, V), "input", at="chunk_bwd_wy_dplr", output=True)]
+    bufs += [Buffer(n, (T, HV, K), grad_dtype(p), at="chunk_bwd_pairs_dplr", output=True)
+             for n in ("dq", "dk", "da", "db")]
+    if p.gate == "key":
+        bufs.append(Buffer("dg", (T, HV, K), p.g_dtype, at="chunk_bwd_pairs_dplr",
+                           output=True))
     return tuple(bufs)
 
 
 def dplr_bwd_plan(p, config: dict) -> Plan:
     """The dplr rule's backward (codegen.pipeline.DplrBackwardProblem): the prepare again
     writing X and A_ak, the state pass saving h and r, the reverse walk, then per chunk
-    dqkw, wy and pairs; dq, dk, da, db (dg) per value head f32 (the host sums each key
-    head's group), dv f32, dh0. CPU-checked (tests/test_dplr_bwd.py); GPU check:
-    tests/test_dplr_bwd_gpu.py (not yet run)."""
+    dqkw, wy and pairs; dq, dk, da, db per value head in grad_dtype's (f32 where the host
+    sums each key head's group), dv in the input dtype, dg in the gate's, dh0 f32.
+    CPU-checked (tests/test_dplr_bwd.py); GPU check: tests/test_dplr_bwd_gpu.py (passed
+    in runs s42-1 / s42-3 with every gradient stored f32; the 16-bit stores not yet run
+    there)."""
     if "tma" not in hw.FEATURES or not dplr_fits(p.K, p.V, False):
         raise ValueError(f"the dplr rule's chunked backward: sm90, K <= {DPLR_MAX_K}, V a "
                          f"multiple of {DPLR_V_MULTIPLE} up to {DPLR_MAX_V} (K={p.K}, V={p.V})")
@@ -133,8 +152,12 @@ def dplr_bwd_plan(p, config: dict) -> Plan:
                release=("h", "dh", "g_last")),
         launch("chunk_bwd_wy_dplr", dict(common, block_v=block_v),
                release=("xinv", "aak", "w", "u", "r", "dr", "dw", "dv_direct")),
-        launch("chunk_bwd_pairs_dplr", dict(common, **gd), a="a_in", b="b_in",
-               release=("dm", "dx", "dqg", "dbg", "dkg", "dgl")))
+        launch("chunk_bwd_pairs_dplr", dict(common, grad_dtype=grad_dtype(p), **gd),
+               a="a_in", b="b_in",
+               release=("dm", "dmd", "dx", "dqg", "dbg", "dkg", "dgl")))
     return Plan("dplr-chunked-bwd", NAME, launches, _bwd_buffers(p),
                 reasons=("the dplr rule's backward: the recompute (X, A_ak, h, r), the "
-                         "reverse walk, then dqkw, wy and pairs per chunk",))
+                         "reverse walk, then dqkw, wy and pairs per chunk",
+                         f"dq, dk, da, db stored {grad_dtype(p)}: "
+                         + ("the host sums each key head's group" if p.HV != p.H
+                            else "the caller's dtype, no host cast")))

@@ -11,6 +11,9 @@ the gradient of the state leaving it (chunk_bwd_dstate_dplr's); rows i < len val
   dqg = do h^T,   dw = dr h^T,   dbg = r dh^T,   dkg = v dh^T     ([BT, BK], f32)
   dgl = e^(g_last) sum_v h dh                                       ([BK], f32)
 
+dw is stored in the input dtype, the dtype chunk_bwd_wy_dplr's GEMM takes it in (the
+same rounding, at the store instead of the load); the others f32.
+
 (qg, w, bg, kg and g_last are chunk_prepare_dplr's; chunk_bwd_pairs_dplr takes these back
 through the gate and the scale, chunk_bwd_wy_dplr dw through the inverse.) Each output
 row depends on its own input row only, so the whole-tile loads' rows past len (the next
@@ -49,7 +52,8 @@ def build(H, HV, K, V, dtype, block_k=64, block_v=64, num_stages=2, threads=128)
     Tensors (Ttot tokens, NT chunks; dynamic):
       h, dh [NT, HV, K, V], r, v, do, dr [Ttot, HV, V] (input dtype), g_last [NT, HV, K]
       f32, chunk_bos, chunk_len [NT] int32
-      -> dqg, dw, dbg, dkg [Ttot, HV, K] f32, dgl [NT, HV, K] f32
+      -> dqg, dbg, dkg [Ttot, HV, K] f32, dw [Ttot, HV, K] (input dtype), dgl [NT, HV, K]
+      f32
     Tuning: block_k (the CTA's key block), block_v (the value loop's block), num_stages
     (TMA pipeline stages of the value loop), threads.
     """
@@ -72,7 +76,7 @@ def build(H, HV, K, V, dtype, block_k=64, block_v=64, num_stages=2, threads=128)
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         dqg: T.Tensor((Ttot, HV, K), f32),
-        dw: T.Tensor((Ttot, HV, K), f32),
+        dw: T.Tensor((Ttot, HV, K), dtype),
         dbg: T.Tensor((Ttot, HV, K), f32),
         dkg: T.Tensor((Ttot, HV, K), f32),
         dgl: T.Tensor((NT, HV, K), f32),
@@ -120,7 +124,7 @@ def build(H, HV, K, V, dtype, block_k=64, block_v=64, num_stages=2, threads=128)
             for i, j in T.Parallel(BT, BK):
                 if i < rows:
                     dqg[t0 + i, hv, k0 + j] = dqg_f[i, j]
-                    dw[t0 + i, hv, k0 + j] = dw_f[i, j]
+                    dw[t0 + i, hv, k0 + j] = T.cast(dw_f[i, j], dtype)
                     dbg[t0 + i, hv, k0 + j] = dbg_f[i, j]
                     dkg[t0 + i, hv, k0 + j] = dkg_f[i, j]
 

@@ -8,7 +8,8 @@ One CTA per (chunk, value head, key block of BK channels): every term here is pe
 channel (the pairs contract over rows), so a key block is independent. Rows i < len
 valid (rows past len read as 0); G the in-chunk cumsum of the log decay per channel,
 Ge_i = G_(i-1). dm [BT, 4 BT] is chunk_bwd_wy_dplr's
-(the gradients of A_ab, A_ak, A_qb, A_qk, the scale folded in), dx too; dqg, dbg, dkg, dgl
+(the gradients of A_ab, A_ak, A_qb, A_qk, the scale folded in; in the input dtype, the
+GEMMs'), dmd (the diagonals of the last two, f32) and dx too; dqg, dbg, dkg, dgl
 chunk_bwd_dqkw_dplr's.
 
 The pairs by the forward's bisection (chunk_prepare_dplr): at level W (32, .., 1) rows
@@ -30,8 +31,10 @@ valid row's dG += dgl + sum_i (b e^(G_last - G) dbg + k e^(G_last - G) dkg)_i, a
 
   dg = revcumsum(dG + dGe) - dGe                                 (one thread a channel)
 
-Outputs per value head (f32; the host sums each key head's group). No exponential of a
-positive number is taken. (tests/test_dplr_bwd.py `_pairs_tile`.)
+Outputs per value head, each cast at its store from the f32 sums: dq, dk, da, db in
+grad_dtype (the plan's: the input dtype, f32 where the host sums each key head's
+group), dg in g_dtype. No exponential of a positive number is taken.
+(tests/test_dplr_bwd.py `_pairs_tile`.)
 """
 import tilelang
 import tilelang.language as T
@@ -43,11 +46,11 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset([])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "g_dtype", "grad_dtype")
 EXAMPLES = [
-    dict(H=4, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32"),
-    dict(H=2, HV=8, K=64, V=64, dtype="float16", g_dtype="bfloat16"),
-    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16", g_dtype="float32"),
+    dict(H=4, HV=4, K=128, V=128, dtype="bfloat16", g_dtype="float32", grad_dtype="bfloat16"),
+    dict(H=2, HV=8, K=64, V=64, dtype="float16", g_dtype="bfloat16", grad_dtype="float32"),
+    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16", g_dtype="float32", grad_dtype="float32"),
 ]
 CHUNK = 64
 #: the levels' half-widths (chunk_prepare_dplr's)
@@ -62,14 +65,15 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
+def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_k=32,
+          threads=128):
     """prim_func for chunk_bwd_pairs_dplr.
 
     Tensors (Ttot tokens, NT chunks; dynamic):
-      q, k, a, b [Ttot, H, K] (input dtype), g [Ttot, HV, K] (g_dtype), dm [Ttot, HV, 4 x 64],
-      dx, dqg, dbg, dkg [Ttot, HV, K], dgl [NT, HV, K] (f32), chunk_bos, chunk_len [NT]
-      int32, scale f32
-      -> dq, dk, da, db, dg [Ttot, HV, K] f32
+      q, k, a, b [Ttot, H, K], dm [Ttot, HV, 4 x 64] (input dtype), g [Ttot, HV, K] (g_dtype),
+      dmd [Ttot, HV, 2], dx, dqg, dbg, dkg [Ttot, HV, K], dgl [NT, HV, K] (f32), chunk_bos,
+      chunk_len [NT] int32, scale f32
+      -> dq, dk, da, db [Ttot, HV, K] grad_dtype, dg [Ttot, HV, K] g_dtype
     Tuning: block_k (the CTA's key block), threads (>= block_k).
     """
     BT = CHUNK
@@ -87,7 +91,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
         a: T.Tensor((Ttot, H, K), dtype),
         b: T.Tensor((Ttot, H, K), dtype),
         g: T.Tensor((Ttot, HV, K), g_dtype),
-        dm: T.Tensor((Ttot, HV, 4 * BT), f32),
+        dm: T.Tensor((Ttot, HV, 4 * BT), dtype),
+        dmd: T.Tensor((Ttot, HV, 2), f32),
         dx: T.Tensor((Ttot, HV, K), f32),
         dqg: T.Tensor((Ttot, HV, K), f32),
         dbg: T.Tensor((Ttot, HV, K), f32),
@@ -96,11 +101,11 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         scale: T.float32,
-        dq: T.Tensor((Ttot, HV, K), f32),
-        dk: T.Tensor((Ttot, HV, K), f32),
-        da: T.Tensor((Ttot, HV, K), f32),
-        db: T.Tensor((Ttot, HV, K), f32),
-        dg: T.Tensor((Ttot, HV, K), f32),
+        dq: T.Tensor((Ttot, HV, K), grad_dtype),
+        dk: T.Tensor((Ttot, HV, K), grad_dtype),
+        da: T.Tensor((Ttot, HV, K), grad_dtype),
+        db: T.Tensor((Ttot, HV, K), grad_dtype),
+        dg: T.Tensor((Ttot, HV, K), g_dtype),
     ):
         with T.Kernel(NT, HV, K // BK, threads=threads) as (c, hv, ik):
             hk = hv // group
@@ -142,11 +147,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                 pb_s[i, j] = T.float32(0)
                 pk_s[i, j] = T.float32(0)
             for i, j in T.Parallel(BT, 4 * BT):
-                dm_s[i, j] = T.if_then_else(i < rows, T.cast(dm[t0 + i, hv, j], dtype),
-                                            T.cast(0, dtype))
+                dm_s[i, j] = T.if_then_else(i < rows, dm[t0 + i, hv, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, 2):
-                dd_s[i, j] = T.if_then_else(i < rows, dm[t0 + i, hv, (2 + j) * BT + i],
-                                            T.float32(0))
+                dd_s[i, j] = T.if_then_else(i < rows, dmd[t0 + i, hv, j], T.float32(0))
             T.sync_threads()
             if tx < BK:                                 # G: one thread a channel
                 run = T.float32(0)
@@ -211,10 +214,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                 dbv = dbd + pb_s[i, j] + dd_s[i, 0] * qf
                 dkv = dkd + pk_s[i, j] + dd_s[i, 1] * qf
                 if live:
-                    dq[t0 + i, hv, k0 + j] = dqv
-                    dk[t0 + i, hv, k0 + j] = dkv
-                    da[t0 + i, hv, k0 + j] = dav
-                    db[t0 + i, hv, k0 + j] = dbv
+                    dq[t0 + i, hv, k0 + j] = T.cast(dqv, grad_dtype)
+                    dk[t0 + i, hv, k0 + j] = T.cast(dkv, grad_dtype)
+                    da[t0 + i, hv, k0 + j] = T.cast(dav, grad_dtype)
+                    db[t0 + i, hv, k0 + j] = T.cast(dbv, grad_dtype)
                 dl_s[i, j] = qf * dqv - bf * dbv - kf * dkv + af * dav
                 dr_s[i, j] = af * dav
                 pa_s[i, j] = bf * dbd + kf * dkd
@@ -230,6 +233,6 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                     run = run + dl_s[i, tx] + T.if_then_else(i == rows - 1, tot, T.float32(0))
                     dgv = run - dr_s[i, tx]
                     if i < rows:
-                        dg[t0 + i, hv, k0 + tx] = dgv
+                        dg[t0 + i, hv, k0 + tx] = T.cast(dgv, g_dtype)
 
     return chunk_bwd_pairs_dplr

@@ -12,13 +12,17 @@ chunk_bwd_dstate_dplr:
   dx   = X^T dw                     ([BT, K] f32: a e^Ge's gradient)
   dy   = X^T du                     (per value block: A_ak v's gradient)
   dm   = [dx w^T + dy u^T | dy v^T | scale do r^T | scale do v^T]
-                                    ([BT, 4 BT] f32: the gradients of the pairs A_ab, A_ak
+                                    ([BT, 4 BT]: the gradients of the pairs A_ab, A_ak
                                      and of A_qb, A_qk before the scale; whole blocks,
                                      chunk_bwd_pairs_dplr keeps their lower triangles)
-  dv   = dv_direct + A_ak^T dy      ([BT, V] f32)
+  dmd  = the diagonals of dm's last two blocks ([BT, 2] f32)
+  dv   = dv_direct + A_ak^T dy      ([BT, V] summed in f32, stored in the input dtype:
+                                     per value head, never summed by the host)
 
 (dA_ab's sign: X = (I - L)^-1, so dL = X^T dX X^T = dx w^T + dy u^T.) The value blocks'
-products are summed in the CTA. (tests/test_dplr_bwd.py `_wy_tile`.)
+products are summed in the CTA. dm is stored in the input dtype, the dtype
+chunk_bwd_pairs_dplr's GEMMs take it in (the same rounding, at the store instead of the
+load), dmd in f32: the pairs' diagonal terms, outside the GEMMs, take f32. (tests/test_dplr_bwd.py `_wy_tile`.)
 """
 import tilelang
 import tilelang.language as T
@@ -51,10 +55,10 @@ def build(H, HV, K, V, dtype, block_v=64, threads=256):
     """prim_func for chunk_bwd_wy_dplr.
 
     Tensors (Ttot tokens, NT chunks; dynamic):
-      xinv, aak [Ttot, HV, 64], w [Ttot, HV, K], u, v, r, do, dr [Ttot, HV, V] (input
-      dtype), dw [Ttot, HV, K] f32, dv_direct [Ttot, HV, V] f32, chunk_bos, chunk_len
-      [NT] int32, scale f32
-      -> dx [Ttot, HV, K], dm [Ttot, HV, 4 x 64], dv [Ttot, HV, V] (f32)
+      xinv, aak [Ttot, HV, 64], w, dw [Ttot, HV, K], u, v, r, do, dr [Ttot, HV, V] (input
+      dtype), dv_direct [Ttot, HV, V] f32, chunk_bos, chunk_len [NT] int32, scale f32
+      -> dx [Ttot, HV, K] f32, dm [Ttot, HV, 4 x 64] (input dtype), dmd [Ttot, HV, 2] f32,
+      dv [Ttot, HV, V] (input dtype)
     Tuning: block_v (the value loop's block), threads.
     """
     BT = CHUNK
@@ -73,14 +77,15 @@ def build(H, HV, K, V, dtype, block_v=64, threads=256):
         r: T.Tensor((Ttot, HV, V), dtype),
         do: T.Tensor((Ttot, HV, V), dtype),
         dr: T.Tensor((Ttot, HV, V), dtype),
-        dw: T.Tensor((Ttot, HV, K), f32),
+        dw: T.Tensor((Ttot, HV, K), dtype),
         dv_direct: T.Tensor((Ttot, HV, V), f32),
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         scale: T.float32,
         dx: T.Tensor((Ttot, HV, K), f32),
-        dm: T.Tensor((Ttot, HV, 4 * BT), f32),
-        dv: T.Tensor((Ttot, HV, V), f32),
+        dm: T.Tensor((Ttot, HV, 4 * BT), dtype),
+        dmd: T.Tensor((Ttot, HV, 2), f32),
+        dv: T.Tensor((Ttot, HV, V), dtype),
     ):
         with T.Kernel(NT, HV, threads=threads) as (c, hv):
             t0 = chunk_bos[c]
@@ -109,8 +114,7 @@ def build(H, HV, K, V, dtype, block_v=64, threads=256):
                 ak_s[i, j] = T.if_then_else(i < rows, aak[t0 + i, hv, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 w_s[i, j] = T.if_then_else(i < rows, w[t0 + i, hv, j], T.cast(0, dtype))
-                dw_s[i, j] = T.if_then_else(i < rows, T.cast(dw[t0 + i, hv, j], dtype),
-                                            T.cast(0, dtype))
+                dw_s[i, j] = T.if_then_else(i < rows, dw[t0 + i, hv, j], T.cast(0, dtype))
             # dx = X^T dw; A_ab's gradient starts at dx w^T
             T.gemm(x_s, dw_s, dx_f, transpose_A=True, clear_accum=True)
             for i, j in T.Parallel(BT, K):
@@ -146,13 +150,17 @@ def build(H, HV, K, V, dtype, block_v=64, threads=256):
                 T.gemm(ak_s, dy_s, dv_f, transpose_A=True, clear_accum=True)
                 for i, j in T.Parallel(BT, BV):
                     if i < rows:
-                        dv[t0 + i, hv, v0 + j] = dv_f[i, j] + dv_direct[t0 + i, hv, v0 + j]
+                        dv[t0 + i, hv, v0 + j] = T.cast(
+                            dv_f[i, j] + dv_direct[t0 + i, hv, v0 + j], dtype)
 
             for i, j in T.Parallel(BT, BT):
                 if i < rows:
-                    dm[t0 + i, hv, j] = dab_f[i, j]
-                    dm[t0 + i, hv, BT + j] = dak_f[i, j]
-                    dm[t0 + i, hv, 2 * BT + j] = dqb_f[i, j] * scale
-                    dm[t0 + i, hv, 3 * BT + j] = dqk_f[i, j] * scale
+                    dm[t0 + i, hv, j] = T.cast(dab_f[i, j], dtype)
+                    dm[t0 + i, hv, BT + j] = T.cast(dak_f[i, j], dtype)
+                    dm[t0 + i, hv, 2 * BT + j] = T.cast(dqb_f[i, j] * scale, dtype)
+                    dm[t0 + i, hv, 3 * BT + j] = T.cast(dqk_f[i, j] * scale, dtype)
+                    if i == j:
+                        dmd[t0 + i, hv, 0] = dqb_f[i, j] * scale
+                        dmd[t0 + i, hv, 1] = dqk_f[i, j] * scale
 
     return chunk_bwd_wy_dplr

@@ -9,7 +9,8 @@ channel (the pairs contract over rows), so a key block is independent. Rows i < 
 valid (rows past len read as 0); G the in-chunk cumsum of the log decay per channel,
 Ge_i = G_(i-1) (without a decay G = 0: every factor 1; the levels kept
 as they are, a plain form left to do). dm [BT, 4 BT] is chunk_bwd_wy_dplr's
-(the gradients of A_ab, A_ak, A_qb, A_qk, the scale folded in), dx too; dqg, dbg, dkg
+(the gradients of A_ab, A_ak, A_qb, A_qk, the scale folded in; in the input dtype, the
+GEMMs'), dmd (the diagonals of the last two, f32) and dx too; dqg, dbg, dkg
 chunk_bwd_dqkw_dplr's.
 
 The pairs by the forward's bisection (chunk_prepare_dplr): at level W (32, .., 1) rows
@@ -27,8 +28,10 @@ then the diagonals of A_qb, A_qk (no exponent) and the direct terms:
   dq = scale e^G dqg + (pairs) + dm_qb[i, i] b + dm_qk[i, i] k,   da = e^Ge dx + (pairs)
   db = e^(G_last - G) dbg + (pairs) + dm_qb[i, i] q,   dk = e^(G_last - G) dkg + (pairs) + dm_qk[i, i] q
 
-Outputs per value head (f32; the host sums each key head's group). No exponential of a
-positive number is taken. (tests/test_dplr_bwd.py `_pairs_tile`.)
+Outputs per value head, each cast at its store from the f32 sums: dq, dk, da, db in
+grad_dtype (the plan's: the input dtype, f32 where the host sums each key head's
+group). No exponential of a positive number is taken.
+(tests/test_dplr_bwd.py `_pairs_tile`.)
 """
 import tilelang
 import tilelang.language as T
@@ -40,11 +43,11 @@ VARIANT = "bwd"
 ARCH = "sm90"
 SUPPORTS = frozenset([])
 L2NORM_EPS = 1e-06    # the in-kernel l2norm: x * rsqrt(sum x^2 + L2NORM_EPS)
-PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype")
+PROBLEM_KEYS = ("H", "HV", "K", "V", "dtype", "grad_dtype")
 EXAMPLES = [
-    dict(H=4, HV=4, K=128, V=128, dtype="bfloat16"),
-    dict(H=2, HV=8, K=64, V=64, dtype="float16"),
-    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16"),
+    dict(H=4, HV=4, K=128, V=128, dtype="bfloat16", grad_dtype="bfloat16"),
+    dict(H=2, HV=8, K=64, V=64, dtype="float16", grad_dtype="float32"),
+    dict(H=2, HV=4, K=128, V=32, dtype="bfloat16", grad_dtype="float32"),
 ]
 CHUNK = 64
 #: the levels' half-widths (chunk_prepare_dplr's)
@@ -59,14 +62,15 @@ def pass_configs(**params):
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
-def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
+def build(H, HV, K, V, dtype, g_dtype="float32", grad_dtype="float32", block_k=32,
+          threads=128):
     """prim_func for chunk_bwd_pairs_dplr.
 
     Tensors (Ttot tokens, NT chunks; dynamic):
-      q, k, a, b [Ttot, H, K] (input dtype), dm [Ttot, HV, 4 x 64],
-      dx, dqg, dbg, dkg [Ttot, HV, K] (f32), chunk_bos, chunk_len [NT]
-      int32, scale f32
-      -> dq, dk, da, db [Ttot, HV, K] f32
+      q, k, a, b [Ttot, H, K], dm [Ttot, HV, 4 x 64] (input dtype),
+      dmd [Ttot, HV, 2], dx, dqg, dbg, dkg [Ttot, HV, K] (f32), chunk_bos,
+      chunk_len [NT] int32, scale f32
+      -> dq, dk, da, db [Ttot, HV, K] grad_dtype
     Tuning: block_k (the CTA's key block), threads (>= block_k).
     """
     BT = CHUNK
@@ -83,7 +87,8 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
         k: T.Tensor((Ttot, H, K), dtype),
         a: T.Tensor((Ttot, H, K), dtype),
         b: T.Tensor((Ttot, H, K), dtype),
-        dm: T.Tensor((Ttot, HV, 4 * BT), f32),
+        dm: T.Tensor((Ttot, HV, 4 * BT), dtype),
+        dmd: T.Tensor((Ttot, HV, 2), f32),
         dx: T.Tensor((Ttot, HV, K), f32),
         dqg: T.Tensor((Ttot, HV, K), f32),
         dbg: T.Tensor((Ttot, HV, K), f32),
@@ -91,10 +96,10 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
         chunk_bos: T.Tensor((NT,), "int32"),
         chunk_len: T.Tensor((NT,), "int32"),
         scale: T.float32,
-        dq: T.Tensor((Ttot, HV, K), f32),
-        dk: T.Tensor((Ttot, HV, K), f32),
-        da: T.Tensor((Ttot, HV, K), f32),
-        db: T.Tensor((Ttot, HV, K), f32),
+        dq: T.Tensor((Ttot, HV, K), grad_dtype),
+        dk: T.Tensor((Ttot, HV, K), grad_dtype),
+        da: T.Tensor((Ttot, HV, K), grad_dtype),
+        db: T.Tensor((Ttot, HV, K), grad_dtype),
     ):
         with T.Kernel(NT, HV, K // BK, threads=threads) as (c, hv, ik):
             hk = hv // group
@@ -132,11 +137,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                 pb_s[i, j] = T.float32(0)
                 pk_s[i, j] = T.float32(0)
             for i, j in T.Parallel(BT, 4 * BT):
-                dm_s[i, j] = T.if_then_else(i < rows, T.cast(dm[t0 + i, hv, j], dtype),
-                                            T.cast(0, dtype))
+                dm_s[i, j] = T.if_then_else(i < rows, dm[t0 + i, hv, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, 2):
-                dd_s[i, j] = T.if_then_else(i < rows, dm[t0 + i, hv, (2 + j) * BT + i],
-                                            T.float32(0))
+                dd_s[i, j] = T.if_then_else(i < rows, dmd[t0 + i, hv, j], T.float32(0))
             T.sync_threads()
 
             for W in LEVELS:                            # (a Python loop)
@@ -194,9 +197,9 @@ def build(H, HV, K, V, dtype, g_dtype="float32", block_k=32, threads=128):
                 dbv = dbd + pb_s[i, j] + dd_s[i, 0] * qf
                 dkv = dkd + pk_s[i, j] + dd_s[i, 1] * qf
                 if live:
-                    dq[t0 + i, hv, k0 + j] = dqv
-                    dk[t0 + i, hv, k0 + j] = dkv
-                    da[t0 + i, hv, k0 + j] = dav
-                    db[t0 + i, hv, k0 + j] = dbv
+                    dq[t0 + i, hv, k0 + j] = T.cast(dqv, grad_dtype)
+                    dk[t0 + i, hv, k0 + j] = T.cast(dkv, grad_dtype)
+                    da[t0 + i, hv, k0 + j] = T.cast(dav, grad_dtype)
+                    db[t0 + i, hv, k0 + j] = T.cast(dbv, grad_dtype)
 
     return chunk_bwd_pairs_dplr
