@@ -227,17 +227,35 @@ def check(family, ours, theirs, x, T):
     return out, vs_fla, "; ".join(b for b in bad if b) or None
 
 
+def grads(family, fn, B, T, H, K):
+    """Each input's gradient after one training step of fn (fresh inputs)."""
+    x = inputs(family, B, T, True, H, K)
+    step(family, fn, x)()
+    return {n: t.grad for n, t in x.items()}
+
+
 def train_row(row, family, ours, theirs, B, T, H, K):
-    """Time a training step of both libraries, unless linattn trains exactly in torch."""
+    """Time a training step of both libraries, unless linattn trains exactly in torch;
+    linattn's gradients are checked against fla's first (relative L2, TOL_FLA)."""
     from linattn.ops import exact_train
     try:
-        step(family, ours, inputs(family, B, T, True, H, K))()
+        mine = grads(family, ours, B, T, H, K)
     except Exception as e:      # noqa: BLE001 (linattn's failure: reported)
         row["error"] = f"linattn's training of {family} failed: {str(e)[:200]}"
         return
     if get_spec({"rwkv7": "dplr"}.get(family, family)).name in exact_train._NOTED:
         row["error"] = f"linattn trains {family} exactly in torch (no backward kernels)"
         return
+    try:
+        fla = grads(family, theirs, B, T, H, K) if theirs is not None else None
+    except Exception as e:      # noqa: BLE001 (fla's failure: reported, linattn timed)
+        fla, row["fla_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    if fla is not None:
+        row["grad_vs_fla"] = {n: rel(mine[n], fla[n]) for n in mine}
+        bad = {n: e for n, e in row["grad_vs_fla"].items() if not e <= TOL_FLA}
+        if bad:
+            row["error"] = f"gradients off fla's past {TOL_FLA}: {bad}"
+            return
     for who, fn in (("linattn", ours), ("fla", theirs)):
         if fn is not None:
             run = step(family, fn, inputs(family, B, T, True, H, K))
