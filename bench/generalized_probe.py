@@ -256,7 +256,7 @@ def train_row(row, family, ours, theirs, B, T, H, K):
         if bad:
             row["error"] = f"gradients off fla's past {TOL_FLA}: {bad}"
             return
-    for who, fn in (("linattn", ours), ("fla", theirs)):
+    for who, fn in (("linattn", ours), ("fla", theirs if fla is not None else None)):
         if fn is not None:
             run = step(family, fn, inputs(family, B, T, True, H, K))
             row["impls"][who] = device_time(run)

@@ -308,10 +308,7 @@ class CombaRule(DeltaRule):
     A = (I + strict_tril(beta_i p_i.k_j e^(G_i - g_i - G_j)))^-1, w = A (beta p e^(G - g))."""
     name = "comba"
     erase_key = "p"
-    #: none: its generated backward's dk is wrong on the GPU (run s42-1: 0.12-0.18 relative
-    #: error, every other gradient right), so Comba trains exactly in torch until it passes
-    #: tests/test_rule_bwd_gpu.py (which, as the CPU tests, sets ("scalar",) to reach it)
-    backward_gates = ()
+    backward_gates = ("scalar",)
     vector_inputs = ("p",)
     vector_axes = {"p": ("H", "K")}
     reads_decayed = False
