@@ -49,6 +49,19 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
       block_v=8,threads=64,vec=4,warps_k=1 block_v=32,threads=128,vec=8,warps_k=1 \
       --out "$OUT/ssd_dtiles.json" > "$OUT/ssd_dtiles.txt" 2>&1
     echo "dtiles rc=$?"; grep -v '^{' "$OUT/ssd_dtiles.txt" | tail -n 6 ;;
+  final)   # one call for all (device time short): every family's training row (five
+           # parallel passes: compiles and each family's gradients against fla's), then
+           # timed one at a time; then Mamba-2's training rows, default and dqkvg_group_loop
+    for f in comba gdn2 dplr rwkv7 iplr; do
+      $T 200 python3 bench/generalized_probe.py --families $f --rows '*/train-*' \
+        --out /tmp/warm_$f.json > /tmp/warm_$f.txt 2>&1 &
+    done; wait; tail -qn 1 /tmp/warm_*.txt; cat /tmp/warm_*.json > "$OUT/generalized_warm.json"
+    $T 110 python3 bench/generalized_probe.py --rows '*/train-*' \
+      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
+    echo "train rc=$?"; tail -n 6 "$OUT/generalized_train.txt"
+    $T 240 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
+      --config dqkvg_group_loop=1 --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
+    echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 4 ;;
   gen2c)   # Comba / GDN-2's backward GPU tests (Comba's dk fix), then gen2 in less time
     gpu_tests 170 tests/test_rule_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
