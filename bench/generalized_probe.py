@@ -112,7 +112,8 @@ def decode_call(family, fn, x, h0):
     names = {"comba": "q k v p g beta", "gdn2": "q k v g b w", "dplr": "q k v a b gk",
              "iplr": "q k v a b"}.get(family)
     if family == "rwkv7":
-        return fn(r=x["q"], w=x["gk"], k=x["k"], v=x["v"], a=x["a"], b=x["b"], **kw)
+        return fn(r=x["q"], w=x["gk"], k=x["k"], v=x["v"], a=x["a"], b=x["b"], scale=1.0,
+                  **kw)     # (fused_recurrent_rwkv7's default is K^-0.5, chunk_rwkv7's 1)
     return fn(**{n: x[n] for n in names.split()}, **kw)
 
 
