@@ -27,10 +27,10 @@ def chunk_comba(q, k, v, p, g, beta=None, scale=None, initial_state=None,
 
     Runs the chunked kernels (the scalar gate's kkt inverse and w, u with p as the erase
     key under the exclusive decay, then GDN's state and output stages) where they take
-    the call (ops/api.py choose_path), the recurrent kernel otherwise. A call that needs
-    gradients trains exactly in torch (ops/exact_train.py): the generated backward (the
-    delta rule's stages with p as the erase key) gives a wrong dk on the GPU and stays off
-    (dsl/family.py CombaRule.backward_gates) until its GPU test passes.
+    the call (ops/api.py choose_path), the recurrent kernel otherwise. A 16-bit call that
+    needs gradients trains through the generated backward (the delta rule's stages with p
+    as the erase key; GPU-checked against fla's gradients in run s43-1), a float32 one
+    exactly in torch (ops/exact_train.py).
     """
     opts = api.fla_options(use_qk_l2norm_in_kernel, kwargs=kwargs, chunk_sizes=(64,))
     p = k if p is None else p

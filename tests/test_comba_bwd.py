@@ -79,7 +79,6 @@ def install_comba_fakes(monkeypatch):
     the rebuild's COMBA; the forward the fp64 reference. Returns the stages compiled."""
     names = []
     emulate, rebuild = by_name(EMULATE), by_name(COMBA)
-    monkeypatch.setattr(CombaRule, "backward_gates", ("scalar",))   # (off: dsl/family.py)
 
     def body(spec, stage, params):
         names.append(stage)
@@ -197,15 +196,15 @@ def test_float32_trains_exactly(monkeypatch, rng):
 
 def test_plan_and_build(monkeypatch):
     """Comba's scalar gate has the delta rule's backward stages (its rebuild, the four
-    stages, the key gradients), trained through where the rule's backward_gates take it
-    (off until its GPU test passes); its no-gate form trains exactly in torch (no
-    generated backward: the folded form takes no erase key)."""
+    stages, the key gradients) and trains through them (the rule's backward_gates); its
+    no-gate form trains exactly in torch (no generated backward: the folded form takes no
+    erase key)."""
     from linattn.dsl.spec import comba_specs
     assert [s.name for s in plan(SPEC, "bwd")] == [chunk_bwd.ROWS, *chunk_bwd.STAGES,
                                                    "chunk_bwd_key_grads"]
-    assert not build.has_backward(SPEC)
-    monkeypatch.setattr(CombaRule, "backward_gates", ("scalar",))
     assert build.has_backward(SPEC)
+    monkeypatch.setattr(CombaRule, "backward_gates", ())
+    assert not build.has_backward(SPEC)
     none = next(s for s in comba_specs() if s.gate.value == "none")
     assert not build.has_backward(none) and plan(none, "bwd") == []
 

@@ -801,10 +801,9 @@ def test_linear_attn_normalize_forms(cpu_ops, fn):
 
 # ------------------------------------------------------------------ Comba, GDN-2, DPLR, IPLR
 def _trains(leaves, *outs):
-    """fla's tests of these families train; with no backward kernels yet linattn trains
-    them exactly in torch (ops/exact_train.py; its gradients against the fp64 recurrence:
-    tests/test_exact_train.py): every input that needs one gets a finite gradient of its
-    dtype."""
+    """fla's tests of these families train (16-bit through the generated backward, here its
+    emulators; float32 exactly in torch, ops/exact_train.py): every input that needs one
+    gets a finite gradient of its dtype."""
     sum(o.float().sum() for o in outs if o is not None).backward()
     for n, t in leaves.items():
         if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -825,13 +824,16 @@ COMBA_FORMS = {
 
 
 @pytest.mark.parametrize("fid", list(COMBA_FORMS))
-def test_comba_forms(cpu_ops, fid):
+def test_comba_forms(cpu_ops, monkeypatch, fid):
     """fla's test_comba: fused_recurrent_comba / chunk_comba with keywords (q, k, v, p, beta,
     g), inputs that require grad; o and the final state against fla's naive_chunk_comba
     (per sequence with varlen), the reference fla's tests use for both functions (its
     naive_recurrent_comba reads the state after the token's decay, which fla's kernels
     do not)."""
     f = COMBA_FORMS[fid]
+    if f["dtype"] != F32:   # (16-bit inputs that need gradients: the generated backward's emulators)
+        import test_comba_bwd
+        test_comba_bwd.install_comba_fakes(monkeypatch)
     naive = fla_fn("fla.ops.comba.naive", "naive_chunk_comba")
     randn, rand = gen(2)
     dt, K, cu = f["dtype"], f.get("K", 32), f.get("cu")

@@ -89,14 +89,6 @@ def precompile_jobs(items=None, device="cuda"):
     return [j for f in FAMILIES for c in CASES + FLA_CASES for j in _jobs(f, c.values[0])]
 
 
-@pytest.fixture(autouse=True)
-def comba_kernels(monkeypatch):
-    """Comba's calls reach its generated backward (off in the product until these pass:
-    dsl/family.py CombaRule.backward_gates)."""
-    from linattn.dsl.family import CombaRule
-    monkeypatch.setattr(CombaRule, "backward_gates", ("scalar",))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def precompiled():
     """Every case's kernels compiled in parallel processes first (TileLang's disk cache)."""
