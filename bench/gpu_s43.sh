@@ -7,9 +7,11 @@
 # .gpu/s43/cache.tar.xz.00 holds test_mamba2_gpu's gradients and test_rule_bwd_gpu's).
 #
 # In this order (the first call also pays the start, ~3.5 min):
-#   verify: Mamba-2's gradients with dqkvg_group_loop, Comba / GDN-2's backward (Comba's
-#     dk failed in s42-1: a shadowed p_s tile, renamed; re-enable CombaRule.backward_gates if it passes)
-#   ssdab: Mamba-2's training rows, default against dqkvg_group_loop=1 (one run)
+#   verify: Mamba-2's gradients (the group loop: the plan's choice since run s43-1, no
+#     config), Comba / GDN-2's backward (Comba's dk failed in s42-1: a shadowed p_s tile,
+#     renamed; re-enable CombaRule.backward_gates if it passes)
+#   ssdab: Mamba-2's training rows (run s43-1 timed them against the plan config
+#     dqkvg_group_loop=1, since removed: the loop is the plan's choice)
 #   gen2 | side | ncu | ssd | gen | gates | train | tests | walk | models | decode: as named
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,7 +43,7 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
   ssdab)
     $T 330 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
-      --config dqkvg_group_loop=1 --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
+      --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
     echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 8
     # the small-batch decode tiles (decode-1 0.81x mamba_ssm at block_v 8, 32 threads, vec 8)
     $T 120 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'decode-[18]' \
@@ -51,7 +53,8 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     echo "dtiles rc=$?"; grep -v '^{' "$OUT/ssd_dtiles.txt" | tail -n 6 ;;
   final)   # one call for all (device time short): every family's training row (five
            # parallel passes: compiles and each family's gradients against fla's), then
-           # timed one at a time; then Mamba-2's training rows, default and dqkvg_group_loop
+           # timed one at a time; then Mamba-2's training rows (run s43-1: default and the
+           # plan config dqkvg_group_loop, since removed: the loop is the plan's choice)
     for f in comba gdn2 dplr rwkv7 iplr; do
       $T 200 python3 bench/generalized_probe.py --families $f --rows '*/train-*' \
         --out /tmp/warm_$f.json > /tmp/warm_$f.txt 2>&1 &
@@ -60,7 +63,7 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
       --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
     echo "train rc=$?"; tail -n 6 "$OUT/generalized_train.txt"
     $T 240 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
-      --config dqkvg_group_loop=1 --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
+      --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
     echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 4 ;;
   gen2c)   # Comba / GDN-2's backward GPU tests (Comba's dk fix), then gen2 in less time
     gpu_tests 170 tests/test_rule_bwd_gpu.py

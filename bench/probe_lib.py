@@ -19,7 +19,7 @@ def parse_knobs(text):
 
 
 def parse_config(items):
-    """A probe's --config KEY=VALUE ... (["iplr_direct=1", "dqkvg_group_loop=1"]) -> the
+    """A probe's --config KEY=VALUE ... (["iplr_direct=1", "scan_stages=2"]) -> the
     plan config {"iplr_direct": 1, ...} (integer values)."""
     return parse_knobs(",".join(items)) if items else {}
 

@@ -14,7 +14,7 @@ median time of each kernel of a call (``kernels``: name -> ms) and, for the forw
 ms, from ops/chunk.py run_chunk_forward with the same call terms), so a run shows where
 the time goes and which plan the arch's rules should pick. --config KEY=VALUE ... (a
 backward plan config, codegen/arch/sm90/backward.py BACKWARD_CONFIG_KEYS, e.g.
-dqkvg_group_loop=1) times each training row again under it (``config``: its gradients
+scan_stages=2) times each training row again under it (``config``: its gradients
 checked against mamba_ssm's, ms, kernels), beside the default in the same run.
 
 mamba_ssm's Triton functions load from a source checkout without its CUDA extensions
@@ -346,7 +346,7 @@ def main():
                     help="decode tiles to time beside the arch's (knobs k=v,...)")
     ap.add_argument("--config", nargs="*", default=[],
                     help="backward plan config KEY=VALUE the training rows are timed under "
-                         "again (e.g. dqkvg_group_loop=1)")
+                         "again (e.g. scan_stages=2)")
     a = ap.parse_args()
     BACKWARD_CONFIG.update(parse_config(a.config))
     global VARIANTS_ON

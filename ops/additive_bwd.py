@@ -12,7 +12,8 @@ The kernels read the call's token-first tensors directly ([B, T, H, D] viewed as
                              a scalar gate's dg as f32 partials, summed here; dv
                              summed over the key blocks in f32 by the kernel; GVA:
                              dq, dk summed over a key head's value heads by the
-                             kernel's f32 atomic adds, dg per value head; a
+                             kernel (a CTA walking the group, or f32 atomic
+                             adds: see GVA below), dg per value head; a
                              spec's call terms: v' = x s formed where v is read, dx,
                              ds and dD's partials: dqkvg_terms)
 
@@ -39,20 +40,24 @@ are recomputed, that plan's buffers (per-key gate: k e^(G_l - G), w and h in the
 dtype, g_last in f32; h is not written). At [2, 16384, 4, 64] bf16: 34 MB of states kept,
 34 MB of their gradients in the backward.
 
-GVA (HV = group x H, group > 1): dqkvg adds each value head's dq, dk into f32 [Ttot, H,
+GVA (HV = group x H, group > 1) without a per-key gate (Mamba-2's): the plan's group
+loop (codegen/arch/<arch>/backward.py _group_loop; :func:`group_sums` False): dqkvg's
+CTA per (chunk, key head, key block) walks the group's value heads, sums dq, dk on chip
+and stores them once in grad_dtype: no zeros, no cast, no atomic adds. Measured against
+the atomic adds below in run s43-1 (H100, Mamba-2 training at the Nemotron-H-8B layer,
+bench/ssd_probe.py): train-4096 2.020 -> 1.854 ms, train-8192 3.867 -> 3.590 ms.
+
+GVA with a per-key gate, or where the loop's shared memory does not fit one CTA (sm80
+at K = 128 with 16-bit states): dqkvg adds each value head's dq, dk into f32 [Ttot, H,
 K] (zeroed here, cast to grad_dtype after; TileLang vectorizes the adds of the scalar /
 no gate's fragments as pairs, AtomicAddx2, of the per-key gate's shared tiles as fours).
-Bytes at Mamba-2's Nemotron-H layer (Ttot 4096, H 8, HV 128, K 128), a model not yet
-measured on a GPU: before, dqkvg wrote dq, dk per value head in f32 (2 x 268 MB) and
-torch summed the group (those 537 MB read, 34 MB of f32 sums written and read, 17 MB of
-bf16 written: ~0.6 GB, reduce_kernel 0.20 ms in run s38); now 34 MB of zeros, the same
-2 x 67 M f32 adds landing in L2 (a chunk's value heads are adjacent CTAs, heads_fastest:
-the group's 16 heads add into the same 2 x 32 KB while they run) with ~34 MB written
-back, and the cast (34 MB read, 17 written): ~0.12 GB instead of ~1.1 GB. The adds'
-cost (L2 atomics, 16 CTAs on the same addresses) is what a GPU run has to tell.
-The plan config dqkvg_group_loop (off by default; :func:`group_sums`) runs a CTA per
-key head that walks its group's value heads and stores dq, dk once in grad_dtype: no
-zeros, no cast, no atomic adds.
+Bytes at Mamba-2's Nemotron-H layer (Ttot 4096, H 8, HV 128, K 128), the model that
+first replaced torch's sum: before, dqkvg wrote dq, dk per value head in f32 (2 x 268
+MB) and torch summed the group (those 537 MB read, 34 MB of f32 sums written and read,
+17 MB of bf16 written: ~0.6 GB, reduce_kernel 0.20 ms in run s38); the adds: 34 MB of
+zeros, the same 2 x 67 M f32 adds landing in L2 (a chunk's value heads are adjacent
+CTAs, heads_fastest) with ~34 MB written back, and the cast (34 MB read, 17 written):
+~0.12 GB instead of ~1.1 GB.
 """
 from __future__ import annotations
 
@@ -125,8 +130,10 @@ def key_blocks(plan) -> int:
 
 def group_sums(plan) -> bool:
     """Whether dqkvg adds a GVA group's dq, dk by f32 atomic adds (into zeros the host
-    allocates and casts after); else it stores them in grad_dtype, per value head or
-    (group_loop: a CTA per key head walks its group) the group's sums once."""
+    allocates and casts after: a per-key gate's GVA, or where the plan's group loop does
+    not fit); else it stores them in grad_dtype, per value head (HV == H) or the group's
+    sums once (group_loop, the plan's choice for GVA otherwise: a CTA per key head walks
+    its group)."""
     kw = _dqkvg_params(plan)
     return kw["HV"] > kw["H"] and not kw.get("group_loop")
 

@@ -143,29 +143,39 @@ def test_backward_plan_key_blocks():
 
 
 def test_group_loop_plan():
-    """The plan config dqkvg_group_loop (backward_config: the plan of backwards called
-    without one, restored after): at Mamba-2's Nemotron-H row one key block of 128 (x, do
-    read once, dx stored), value block 32 (64 does not fit: dqkvg_smem's loop model), one
-    CTA an SM, dq, dk stored (group_sums false); K 256 in two key blocks of 128; refused
-    without GVA and with a per-key gate."""
+    """The plan's group loop (sm90 _group_loop): every GVA spec without a per-key gate. At
+    Mamba-2's Nemotron-H row one key block of 128 (x, do read once, dx stored), value
+    block 32 (64 does not fit: dqkvg_smem's loop model), one CTA an SM, dq, dk stored
+    (group_sums false); K 256 in two key blocks of 128; no gate likewise. A per-key
+    gate's GVA keeps the f32 atomic adds (group_sums), HV == H neither (dq, dk per head).
+    sm80 where the loop's shared memory does not fit (K 128, 16-bit states): the atomic
+    adds; with f32 states the loop. The old plan config is no key."""
     p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=128, V=64, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
                                 state_dtype="bfloat16", terms=("skip", "skip_per_head",
                                                                "value_scale"))
-    dqkvg = lambda pl: pl.launches[-1].kwargs  # noqa: E731
-    assert additive_bwd.group_sums(additive_bwd.backward_plan(p))
-    with additive_bwd.backward_config(dqkvg_group_loop=True):
-        pl = additive_bwd.backward_plan(p)
-        assert additive_bwd.backward_plan(dataclasses.replace(p, K=256)).launches[-1].kwargs[
-            "block_k"] == 128
-    assert additive_bwd._CONFIG == {}
+    dqkvg = additive_bwd._dqkvg_params
+    pl = additive_bwd.backward_plan(p)
     kw = dqkvg(pl)
     assert kw["group_loop"] and "block_k" not in kw and kw["block_v"] == 32
     assert kw["min_blocks"] == 1 and not additive_bwd.group_sums(pl)
     assert additive_bwd.key_blocks(pl) == 1
-    for bad in (dataclasses.replace(p, HV=8), dataclasses.replace(p, gate="key")):
-        with pytest.raises(SpecError, match="dqkvg_group_loop"):
-            additive_bwd.backward_plan(bad, {"dqkvg_group_loop": True})
+    wide = dqkvg(additive_bwd.backward_plan(dataclasses.replace(p, K=256)))
+    assert wide["group_loop"] and wide["block_k"] == 128
+    plain = dataclasses.replace(p, gate="none", g_dtype="float32", terms=())
+    assert dqkvg(additive_bwd.backward_plan(plain))["group_loop"]
+    keyed = additive_bwd.backward_plan(dataclasses.replace(p, gate="key", terms=()))
+    assert "group_loop" not in dqkvg(keyed) and additive_bwd.group_sums(keyed)
+    own = additive_bwd.backward_plan(dataclasses.replace(p, HV=8))
+    assert "group_loop" not in dqkvg(own) and not additive_bwd.group_sums(own)
+    sm80 = dataclasses.replace(p, terms=())
+    tight = additive_bwd.backward_plan(sm80, None, "sm80")
+    assert "group_loop" not in dqkvg(tight) and additive_bwd.group_sums(tight)
+    roomy = additive_bwd.backward_plan(dataclasses.replace(sm80, state_dtype="float32"),
+                                       None, "sm80")
+    assert dqkvg(roomy)["group_loop"] and not additive_bwd.group_sums(roomy)
+    with pytest.raises(SpecError, match="unknown backward plan config"):
+        additive_bwd.backward_plan(p, {"dqkvg_group_loop": True})
 
 
 def test_plans_with_the_call_terms():
@@ -703,13 +713,12 @@ def test_stages_compile_without_spills(family, K, V, dtype, states):
     (128, 64, ("skip", "value_scale"), "bfloat16"),
     (256, 64, ("skip", "skip_per_head", "value_scale"), "bfloat16")],
     ids=["K64-saved", "K128-recomputed", "K128-D-channels", "K256"])
-@pytest.mark.parametrize("group_loop", [False, True], ids=["atomic", "group-loop"])
-def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states, group_loop):
+def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states):
     """Mamba-2's dqkvg with the call terms' backward (Nemotron-H-like: 8 key heads, 128
-    value heads, bf16) compiles for sm_90a within its plan's register cap (128 a thread
-    at two CTAs an SM), no spills; the plan's launch carries the flags. group_loop: under
-    the plan config dqkvg_group_loop (a CTA per key head), its shared memory within the
-    plan's model (dqkvg_smem) and one CTA's share of an SM."""
+    value heads, bf16) compiles for sm_90a within its plan's register cap (65536 / (256
+    threads x min_blocks), at most 255), no spills; the plan's launch carries the flags.
+    GVA without a per-key gate: the plan's group loop (a CTA per key head, one an SM),
+    its shared memory within the plan's model (dqkvg_smem) and one CTA's share of an SM."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.codegen.compile import compile_stage, format_record
     from linattn.ops import mamba2
@@ -717,21 +726,19 @@ def test_mamba2_dqkvg_terms_compile_without_spills(K, V, terms, states, group_lo
     p = AdditiveBackwardProblem(gate="scalar", H=8, HV=128, K=K, V=V, dtype="bfloat16",
                                 g_dtype="float32", grad_dtype="bfloat16", seq_chunks=(64,),
                                 state_dtype=states, terms=terms)
-    config = {"dqkvg_group_loop": True} if group_loop else {}
-    la = next(la for la in additive_bwd.backward_plan(p, config).launches
+    la = next(la for la in additive_bwd.backward_plan(p).launches
               if la.stage == "chunk_bwd_dqkvg")
     assert all(la.kwargs.get(t) for t in terms), la.kwargs
-    assert la.kwargs.get("group_loop", False) == group_loop, la.kwargs
+    assert la.kwargs.get("group_loop"), la.kwargs
     rec = compile_stage(stage_module(mamba2.SPEC, la.stage, "sm90"), la.kwargs, "sm90")
     print(format_record(rec))
     assert "error" not in rec and "ptxas_error" not in rec, rec
     cap = 65536 // (256 * la.kwargs["min_blocks"])
     assert rec["registers"] <= min(cap, 255) and rec["spill_store_bytes"] == 0, rec
     assert not rec["barriers_in_branches"], rec
-    if group_loop:
-        bk = la.kwargs.get("block_k", K)
-        model = sm90_backward.dqkvg_smem(p, la.kwargs["block_v"], bk, True)
-        assert rec["dynamic_smem_bytes"] <= model <= sm90_backward.SM_SMEM_BYTES - 1024, rec
+    bk = la.kwargs.get("block_k", K)
+    model = sm90_backward.dqkvg_smem(p, la.kwargs["block_v"], bk, True)
+    assert rec["dynamic_smem_bytes"] <= model <= sm90_backward.SM_SMEM_BYTES - 1024, rec
 
 
 @pytest.mark.parametrize("name", ["additive_key", "additive_scalar"])
@@ -816,10 +823,10 @@ SSD_CASES += [
 ]
 
 
-@pytest.mark.parametrize("group_loop", [False, True], ids=["atomic", "loop"])
+@pytest.mark.parametrize("dqkvg", ["plan", "atomic"])
 @pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
 @pytest.mark.parametrize("lens, G, K, D_channels, z, lim", SSD_CASES)
-def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, group_loop,  # noqa: F811
+def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save, dqkvg,  # noqa: F811
                                             lens, G, K, D_channels, z, lim):
     """mamba_chunk_scan_combined with 16-bit inputs that need gradients: the forward and
     the backward's recompute of the states (chunk_prepare, the state pass: kernels whose
@@ -830,15 +837,21 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     and o + D x; dqkvg forms the terms' backward: it reads x and s, writes dx = s dv' +
     D do (f32 where the key blocks add it), ds's key-block partials and dD's chunk
     partials, and torch's terms_backward is not called); every input's gradient against
-    the fp64 reference. group_loop: under the plan config dqkvg_group_loop (a CTA per key
-    head: dq, dk the group's sums stored once in the input dtype, no zeros, no cast)."""
+    the fp64 reference. dqkvg "plan": the plan's choice, at GVA (HV > G) its group loop
+    (a CTA per key head: dq, dk the group's sums stored once in the input dtype, no
+    zeros, no cast), else dq, dk per head; "atomic" (GVA only): the plan's group loop
+    ruled out (sm90 _group_loop, as where its shared memory does not fit: sm80 at K 128
+    with 16-bit states), dq, dk added by f32 atomic adds into the host's zeros, cast."""
     from linattn.codegen.arch.sm90 import backward as sm90_backward
     from linattn.dsl import call_terms
     from linattn.ops import mamba2, terms, validate
     HV, V = SSD_HV.get(request.node.callspec.id.rsplit("-", 2)[0], 4), 16
-    if group_loop and HV == G:
-        pytest.skip("group 1: no group to walk")
-    monkeypatch.setattr(additive_bwd, "_CONFIG", {"dqkvg_group_loop": True} if group_loop else {})
+    if dqkvg == "atomic":
+        if HV == G:
+            pytest.skip("group 1: no group to add")
+        monkeypatch.setattr(sm90_backward, "_group_loop", lambda p: False)
+        additive_bwd._plan.cache_clear()
+        request.addfinalizer(additive_bwd._plan.cache_clear)
     bwd = install_fakes(monkeypatch, mamba2.SPEC, G, HV, K, V)
     monkeypatch.setattr(chunk, "_check_device", lambda n, t: None)
     monkeypatch.setattr(validate, "check_devices", lambda q, **t: None)
@@ -882,7 +895,7 @@ def test_mamba2_trains_through_every_launch(monkeypatch, request, poisoned, save
     assert all(a.dtype == mine[n].dtype and a.shape == mine[n].shape
                for n, a in zip(names, got))
     assert seen == [], seen         # (the terms' backward formed by dqkvg: no torch pass)
-    assert bwd.group_loop == group_loop
+    assert bwd.group_loop == (dqkvg == "plan" and HV > G)
     assert bwd.terms == ("value_scale", "skip") + (() if D_channels else ("skip_per_head",))
     kernel_terms = ["skip", "step_bias_on", "step_clamp", "step_dt", "step_softplus",
                     "value_scale"] + (["skip_per_head"] if not D_channels else [])

@@ -157,7 +157,7 @@ def precompile_jobs(items, device="cuda"):
     run): each case's call and gradients on ``device`` with every kernel a no-op that
     notes its job, so the backward's stages are reached without a GPU (the values are
     garbage; nothing is checked)."""
-    from linattn.ops import additive_bwd, runtime
+    from linattn.ops import runtime
     jobs = {}
 
     def noted(spec, stage, arch, params, target=None):
@@ -171,42 +171,32 @@ def precompile_jobs(items, device="cuda"):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runtime, "_compiled", noted)
         for c in cases:
-            config = {"dqkvg_group_loop": True} if c["group_loop"] else {}
-            with additive_bwd.backward_config(**config):
-                _gradients(*(c[n] for n in ("G", "K", "D_channels", "z", "lim", "cu")),
-                           dev=device)
+            _gradients(*(c[n] for n in ("G", "K", "D_channels", "z", "lim", "cu")), dev=device)
     return [job for job, _ in jobs.values()]
 
 
-@pytest.mark.parametrize("G, K, D_channels, z, lim, cu, group_loop", [
-    (1, 128, False, True, (0.0, 1.0), None, False),
-    (8, 128, False, True, (0.0, 1.0), None, False),    # (dqkvg's key blocks: dv' f32)
-    (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900], False),  # (one key block)
-    (8, 128, True, True, (0.01, 0.5), [0, 70, 500], False),
-    (2, 256, False, True, (0.0, INF), None, False),    # (K 256: dqkvg's 4 key blocks)
-    (8, 128, False, False, (0.0, 1.0), None, False),
-    # the plan config dqkvg_group_loop: a CTA per key head walks its group (16 heads at
-    # G 1, 2 at G 8), dq, dk stored once; one key block up to K 128 (dx stored), two of
-    # 128 at K 256 (dx added in f32)
-    (1, 128, False, True, (0.0, 1.0), None, True),
-    (8, 128, False, False, (0.0, 1.0), None, True),
-    (8, 64, False, False, (0.0, INF), [0, 1, 300, 300, 365, 900], True),  # (states saved)
-    (1, 64, False, True, (0.01, 0.5), [0, 70, 500], True),
-    (2, 256, False, True, (0.0, INF), None, True),
-], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-D-channels-limit-varlen", "G2-K256",
-        "G8-no-z", "G1-loop", "G8-no-z-loop", "G8-K64-no-z-varlen-loop",
-        "G1-K64-limit-varlen-loop", "G2-K256-loop"])
-def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, group_loop, monkeypatch):
+@pytest.mark.parametrize("G, K, D_channels, z, lim, cu", [
+    (1, 128, False, True, (0.0, 1.0), None),
+    (8, 128, False, True, (0.0, 1.0), None),
+    (8, 64, True, False, (0.0, INF), [0, 1, 300, 300, 365, 900]),  # (states saved)
+    (8, 64, False, False, (0.0, INF), [0, 1, 300, 300, 365, 900]),
+    (1, 64, False, True, (0.01, 0.5), [0, 70, 500]),
+    (8, 128, True, True, (0.01, 0.5), [0, 70, 500]),
+    (2, 256, False, True, (0.0, INF), None),    # (K 256: dqkvg's 2 key blocks of 128)
+    (8, 128, False, False, (0.0, 1.0), None),
+], ids=["G1", "G8", "G8-K64-D-channels-no-z-varlen", "G8-K64-no-z-varlen",
+        "G1-K64-limit-varlen", "G8-D-channels-limit-varlen", "G2-K256", "G8-no-z"])
+def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, monkeypatch):
     """Every input's gradient through the one Function of the value scale, the additive
     call and the skip term (ops/terms.py train; without z the forward's kernels form dt x
     and o + D x: K 64 with the states saved, K 128 recomputed; dqkvg forms the terms'
     backward: reads x and s, writes dx = s dv' + D do, ds and dD's partials, torch's
     terms_backward not called; without z the states' recompute forms the step and x s in
-    its kernels), against torch autograd of the fp64 reference. group_loop: the backward
-    under the plan config dqkvg_group_loop (set as additive_bwd.backward_config sets it)."""
+    its kernels), against torch autograd of the fp64 reference. 16 value heads, so GVA at
+    every G: the plan's group loop (a CTA per key head walks its group, 16 heads at G 1,
+    2 at G 8; dq, dk stored once, no atomic adds; one key block up to K 128, dx stored,
+    two of 128 at K 256, dx added in f32)."""
     from linattn.ops import additive_bwd, terms
-    if group_loop:
-        monkeypatch.setattr(additive_bwd, "_CONFIG", {"dqkvg_group_loop": True})
     plans, real_plan = [], additive_bwd.backward_plan
     monkeypatch.setattr(additive_bwd, "backward_plan", lambda *a, **k: plans.append(
         real_plan(*a, **k)) or plans[-1])
@@ -242,7 +232,8 @@ def test_chunk_scan_combined_gradients(G, K, D_channels, z, lim, cu, group_loop,
     step = ["step_bias_on", "step_clamp", "step_dt", "step_softplus", "value_scale"]
     assert bool(rec) == (K * 64 > 64 * 64) and all(r == ([] if z else step) for r in rec), rec
     assert fwd == [not z], fwd                 # (the forward's terms in the kernels)
-    assert [additive_bwd.group_sums(pl) for pl in plans] == [not group_loop], plans
+    assert [(additive_bwd.group_sums(pl), additive_bwd._dqkvg_params(pl).get("group_loop"))
+            for pl in plans] == [(False, True)], plans
 
 
 @pytest.mark.parametrize("b, HV, G, K, pool, state_dtype", [

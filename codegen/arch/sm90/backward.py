@@ -297,7 +297,7 @@ def walk_tile(p: AdditiveBackwardProblem):
 #: or "scan")
 BACKWARD_CONFIG_KEYS = ("scan_block_k", "scan_block_v", "scan_stages", "dqkvg_threads",
                         "dqkvg_min_blocks", "dqkvg_block_v", "dqkvg_block_k", "dstate_pass",
-                        "dqkvg_state_stages", "dqkvg_direct_states", "dqkvg_group_loop")
+                        "dqkvg_state_stages", "dqkvg_direct_states")
 
 
 def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Plan:
@@ -324,7 +324,7 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     g = {"g_dtype": p.g_dtype} if gated else {}
     kbk = key_block(p.K)
     kblocks = {"block_k": kbk} if kbk < p.K else {}
-    loop = _group_loop(p, config)
+    loop = _group_loop(p)
     dbk = config.get("dqkvg_block_k", kbk if loop else
                      DQKVG_BLOCK_K if p.K % DQKVG_BLOCK_K == 0 else kbk)
     if p.K % dbk or dbk % 16:
@@ -359,20 +359,22 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     return Plan("additive-backward", NAME, launches, bufs, reasons=(why,))
 
 
-def _group_loop(p: AdditiveBackwardProblem, config: dict) -> bool:
-    """config["dqkvg_group_loop"] (a probe's A/B, off by default): dqkvg's CTA per (chunk,
-    key head, key block) walks the group's value heads in turn, dq, dk summed on chip and
-    stored once in grad_dtype (no f32 atomic adds, no host zeros and cast). GVA specs
-    without a per-key gate (the template's group_loop flag). Its key block is the per-chunk
-    stages' (key_block: all of K up to 128, so x and do are read once and dx stored, not
-    added), its value block the widest whose shared memory fits (_group_loop_smem), one
-    CTA an SM (design.md, "Next: dqkvg": the model and the compile report)."""
-    if not config.get("dqkvg_group_loop"):
+def _group_loop(p: AdditiveBackwardProblem) -> bool:
+    """Whether dqkvg's CTA per (chunk, key head, key block) walks the group's value heads
+    in turn, dq, dk summed on chip and stored once in grad_dtype (no f32 atomic adds, no
+    host zeros and cast): the plan's choice for every GVA spec (HV > H) without a
+    per-key gate (the template's group_loop flag; a per-key gate's dqkvg keeps the atomic
+    adds). Its key block is the per-chunk stages' (key_block: all of K up to 128, so x
+    and do are read once and dx stored, not added), its value block the widest whose
+    shared memory fits (_group_loop_smem), one CTA an SM. Measured in run s43-1 (H100,
+    Mamba-2 training at the Nemotron-H-8B layer, bench/ssd_probe.py: train-4096 2.020 ->
+    1.854 ms, train-8192 3.867 -> 3.590 ms against the atomic adds; design.md, "Next:
+    dqkvg"). Where its shared memory does not fit one CTA at the narrowest value block
+    (sm80 at K = 128 with 16-bit states: ~192 KB), the atomic adds."""
+    if p.HV == p.H or p.gate == "key":
         return False
-    if p.gate == "key" or p.HV == p.H:
-        raise ValueError(f"plan config dqkvg_group_loop: GVA (HV={p.HV} > H={p.H}) without a "
-                         f"per-key gate (gate {p.gate!r})")
-    return True
+    return dqkvg_smem(p, value_block(p.V, DQKVG_BLOCK_V), key_block(p.K), True) + 1024 \
+        <= SM_SMEM_BYTES
 
 
 def _dstate_pass(p: AdditiveBackwardProblem, config: dict, heads: dict, g: dict,
