@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
-# Session 43's device calls, back to back on one warm machine (it goes back after 30 s
-# idle; a start may be refused: each refusal costs ~90 s of device time; a call returns at
-# most 8 files: keep results in few files; never let a helper call the device). Carry
-# .gpu/site.tar.xz .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .gpu/xdist and the compile
-# cache of the call's tests as .gpu/cache.tar.xz.00 (bench/cpu_cache.py builds it here;
-# .gpu/s43/cache.tar.xz.00 holds test_mamba2_gpu's gradients and test_rule_bwd_gpu's).
+# Session 44's device calls, back to back on one warm machine (it goes back after 30 s
+# idle; a start may be refused: each refusal costs ~90 s or more of device time; a call
+# returns at most 8 files; never let a helper call the device). Carry .gpu/site.tar.xz
+# .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba .gpu/xdist and .gpu/cache.tar.xz.00 (copy
+# .gpu/s44/cache.tar.xz.00 there: bench/cpu_cache.py built it from test_rule_bwd_gpu,
+# test_dplr_bwd_gpu and test_mamba2_gpu's gradients).
 #
 # In this order (the first call also pays the start, ~3.5 min):
-#   verify: Mamba-2's gradients (the group loop: the plan's choice since run s43-1, no
-#     config), Comba / GDN-2's backward (Comba's dk failed in s42-1: a shadowed p_s tile,
-#     renamed; re-enable CombaRule.backward_gates if it passes)
-#   ssdab: Mamba-2's training rows (run s43-1 timed them against the plan config
-#     dqkvg_group_loop=1, since removed: the loop is the plan's choice)
-#   gen2 | side | ncu | ssd | gen | gates | train | tests | walk | models | decode: as named
+#   verify: the GPU tests not run since their fixes: Comba / GDN-2's backward (Comba on
+#     since s43-1's gradients against fla), DPLR's 16-bit gradient stores, Mamba-2's group loop
+#   final | ssdab | gen2 | side | ncu | ssd | gen | gates | train | tests | walk | models | decode
 set -u
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/lp && ln -sfn "$PWD" /tmp/lp/linattn
@@ -39,7 +36,8 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
       --workload 'prefill-4k,q35-2b-16384,q35-397b-tp1-65536,q35-397b-tp8-8192,q35-2b-8x8192,q35-397b-tp4-8x1024,decode-b8,q35-gva-decode-b256,kda-tp1-4096,kda-tp8-16384,prefill-16k,prefill-8k,train-2k'
     cp /tmp/table/* "$OUT/" ;;
   verify)
-    gpu_tests 420 tests/test_mamba2_gpu.py tests/test_rule_bwd_gpu.py -k "gradients or comba or gdn2"
+    gpu_tests 200 tests/test_rule_bwd_gpu.py tests/test_dplr_bwd_gpu.py
+    gpu_tests 200 tests/test_mamba2_gpu.py -k gradients
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
   ssdab)
     $T 330 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
