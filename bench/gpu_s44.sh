@@ -63,19 +63,6 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     $T 240 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
       --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
     echo "ssdab rc=$?"; grep -v '^{' "$OUT/ssd_loop.txt" | tail -n 4 ;;
-  gen2c)   # Comba / GDN-2's backward GPU tests (Comba's dk fix), then gen2 in less time
-    gpu_tests 170 tests/test_rule_bwd_gpu.py
-    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12
-    for f in comba gdn2 dplr rwkv7 iplr; do
-      $T 190 python3 bench/generalized_probe.py --families $f --rows '*/train-*' \
-        --out /tmp/warm_$f.json > /tmp/warm_$f.txt 2>&1 &
-    done; wait; tail -qn 1 /tmp/warm_*.txt
-    $T 120 python3 bench/generalized_probe.py --rows '*/train-*' \
-      --out "$OUT/generalized_train.json" > "$OUT/generalized_train.txt" 2>&1
-    echo "train rc=$?"; tail -n 6 "$OUT/generalized_train.txt"
-    $T 80 python3 bench/generalized_probe.py --rows '*/decode-*' \
-      --out "$OUT/generalized_decode.json" > "$OUT/generalized_decode.txt" 2>&1
-    echo "decode rc=$?"; tail -n 4 "$OUT/generalized_decode.txt" ;;
   gen2)    # every family's training row (backward kernels compiled by five parallel untimed
            # passes first: the probe's own precompile covers forward and decode only), then
            # timed one at a time; then every decode row

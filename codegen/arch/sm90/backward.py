@@ -58,6 +58,13 @@ DQKVG_BLOCK_K = 64
 DQKVG_BLOCK_V = 32
 DQKVG_WIDE_BLOCK_V = 64
 SM_SMEM_BYTES = hw.SMEM_PER_SM      # shared memory of one SM (a CTA reserves 1 KB more)
+
+
+def _ctas_fit(smem: int, ctas: int = 1) -> bool:
+    """Whether ``ctas`` CTAs of ``smem`` bytes of shared memory each fit one SM."""
+    return ctas * (smem + 1024) <= SM_SMEM_BYTES
+
+
 #: the scan: state elements per CTA (block_k x block_v), largest first. Every CTA walks
 #: all chunks of its sequence (the chain is as long whatever the tile); the tile decides
 #: how many SMs share the streaming of X and dh (2 x 4 bytes a state element a chunk), so
@@ -242,7 +249,7 @@ def _dqkvg_block_v(p: AdditiveBackwardProblem, block_k: int, group_loop: bool) -
     takes it and its shared memory fits one CTA, else DQKVG_BLOCK_V (or what divides V)."""
     wide = DQKVG_WIDE_BLOCK_V
     if block_k > 64 and p.V % wide == 0 and \
-            dqkvg_smem(p, wide, block_k, group_loop) + 1024 <= SM_SMEM_BYTES:
+            _ctas_fit(dqkvg_smem(p, wide, block_k, group_loop)):
         return wide
     return value_block(p.V, DQKVG_BLOCK_V)
 
@@ -333,7 +340,7 @@ def additive_backward_plan(p: AdditiveBackwardProblem, config: tuple = ()) -> Pl
     # two CTAs: their shared memory fits, and block_k <= 64 (dq, dk and a product in flight
     # are three 64 x block_k f32 fragments, 3 block_k / 4 registers a thread: over 128 at
     # 128); never under group_loop (128 registers spill there: 24 bytes at block_k 64)
-    two = (hw.DQKVG_TWO_CTAS and 2 * (dqkvg_smem(p, dbv, dbk, loop) + 1024) <= SM_SMEM_BYTES
+    two = (hw.DQKVG_TWO_CTAS and _ctas_fit(dqkvg_smem(p, dbv, dbk, loop), 2)
            and dbk <= 64 and not loop)
     dqkvg = dict(DQKVG, block_v=dbv, min_blocks=config.get("dqkvg_min_blocks", 2 if two else 1),
                  **({"threads": config["dqkvg_threads"]} if "dqkvg_threads" in config else {}),
@@ -373,8 +380,7 @@ def _group_loop(p: AdditiveBackwardProblem) -> bool:
     (sm80 at K = 128 with 16-bit states: ~192 KB), the atomic adds."""
     if p.HV == p.H or p.gate == "key":
         return False
-    return dqkvg_smem(p, value_block(p.V, DQKVG_BLOCK_V), key_block(p.K), True) + 1024 \
-        <= SM_SMEM_BYTES
+    return _ctas_fit(dqkvg_smem(p, value_block(p.V, DQKVG_BLOCK_V), key_block(p.K), True))
 
 
 def _dstate_pass(p: AdditiveBackwardProblem, config: dict, heads: dict, g: dict,
