@@ -39,6 +39,23 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     gpu_tests 200 tests/test_rule_bwd_gpu.py tests/test_dplr_bwd_gpu.py
     gpu_tests 200 tests/test_mamba2_gpu.py -k gradients
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 24 ;;
+  wyab)    # branch wy2 (chunk_bwd_wy without bv_s: Comba 1 -> 2 CTAs an SM) in abtree/ (bash
+           # bench/ab_tree.sh wy2) against the working tree: Comba's and GDN's training rows,
+           # alternating trees, then abtree's backward GPU tests for gdn and comba
+    mkdir -p /tmp/lpab && ln -sfn "$PWD/abtree" /tmp/lpab/linattn
+    AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
+    for t in base ab base ab; do
+      if [ $t = base ]; then P=env; D=.; else P=$AB; D=abtree; fi
+      (cd $D && $T 150 $P python3 bench/generalized_probe.py --families comba --rows '*/train-*' \
+        --out "$OUT/wy_${t}_comba.json" >> "$OUT/wy_${t}.txt" 2>&1)
+      (cd $D && $T 150 $P python3 bench/train_probe.py --ops GDNTrain --workload 'train-4k' \
+        --budget-s 120 >> "$OUT/wy_${t}.txt" 2>&1)
+      echo "$t rc=$?"
+    done
+    tail -n 3 "$OUT"/wy_base.txt "$OUT"/wy_ab.txt | cut -c1-300
+    (cd abtree && PYTHONPATH=/tmp/lpab:$PYTHONPATH gpu_tests 150 tests/test_rule_bwd_gpu.py \
+      -k comba tests/test_chunk_bwd_gpu.py)
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 12 ;;
   ssdab)
     $T 330 python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows 'train-*' \
       --out "$OUT/ssd_loop.json" > "$OUT/ssd_loop.txt" 2>&1
@@ -144,3 +161,6 @@ case ${1:?verify, ssdab, gen2, side, ncu, fwd, ssd, gen, decode, tests, walk, ga
     tail -n 10 "$OUT"/probe_split.log ;;
 esac
 cp -r /tmp/out_dir/. "$OUT/" 2>/dev/null   # (the tests' JSON summaries)
+# a call returns at most 8 files: everything in one archive, gpu.txt beside it
+(cd "$OUT" && tar czf /tmp/all.tar.gz --exclude=gpu.txt . && find . -mindepth 1 ! -name gpu.txt -delete \
+  && mv /tmp/all.tar.gz .)
