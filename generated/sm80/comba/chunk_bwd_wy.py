@@ -106,8 +106,7 @@ def build(H, HV, K, V, dtype, threads=128):
             k_s = T.alloc_shared((BT, K), dtype)
             bk_s = T.alloc_shared((BT, K), dtype)
             dw_s = T.alloc_shared((BT, K), dtype)
-            v_s = T.alloc_shared((BT, V), dtype)
-            bv_s = T.alloc_shared((BT, V), dtype)
+            v_s = T.alloc_shared((BT, V), dtype)    # v, then beta v in place (no bv_s)
             du_s = T.alloc_shared((BT, V), dtype)
             m_s = T.alloc_shared((BT, BT), dtype)
             dbk_f = T.alloc_fragment((BT, K), f32)
@@ -143,8 +142,6 @@ def build(H, HV, K, V, dtype, threads=128):
                 du_s[i, j] = T.if_then_else(i < nrow, du[t0 + i, h, j], T.cast(0, dtype))
             for i, j in T.Parallel(BT, K):
                 bk_s[i, j] = T.cast(T.cast(pe_s[i, j], f32) * b_s[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0))), dtype)
-            for i, j in T.Parallel(BT, V):
-                bv_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * b_s[i], dtype)
 
             # dbk = A^T dw, dbv = A^T du; dv = beta dbv
             T.gemm(a_s, dw_s, dbk_f, transpose_A=True, clear_accum=True)
@@ -158,6 +155,11 @@ def build(H, HV, K, V, dtype, threads=128):
             T.reduce_sum(prod_v, row, dim=1)
             for i in T.Parallel(BT):
                 db_s[i] = row[i]
+            # v_s's last read as v was above: scale it in place to beta v, dA's operand (one
+            # 64 x V buffer fewer). No explicit barrier: TileLang's thread sync puts one
+            # before the loop's first read of v_s and one before dA's GEMM (lowered source)
+            for i, j in T.Parallel(BT, V):
+                v_s[i, j] = T.cast(T.cast(v_s[i, j], f32) * b_s[i], dtype)
             for i, j in T.Parallel(BT, K):
                 prod_k[i, j] = dbk_f[i, j] * T.cast(pe_s[i, j], f32)
             T.reduce_sum(prod_k, row, dim=1)
@@ -171,7 +173,7 @@ def build(H, HV, K, V, dtype, threads=128):
                 dbk_f[i, j] = b_s[i] * T.exp(T.if_then_else(i > 0, g_s[T.max(i - 1, 0)], T.float32(0))) * dbk_f[i, j]
 
             # dA = du (beta v)^T + dw (beta k)^T, then dM = strict_tril(-A^T dA A^T)
-            T.gemm(du_s, bv_s, m_f, transpose_B=True, clear_accum=True)
+            T.gemm(du_s, v_s, m_f, transpose_B=True, clear_accum=True)
             T.gemm(dw_s, bk_s, m_f, transpose_B=True)
             T.copy(m_f, m_s)
             T.gemm(a_s, m_s, m_f, transpose_A=True, clear_accum=True)
