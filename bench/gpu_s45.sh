@@ -6,9 +6,12 @@
 # .gpu/xdist (and a .gpu/cache.tar.xz.00 if one was built for the call).
 #
 # In this order (the first call also pays the start, ~3.5 min):
-#   first: needs abtree/ = ceaa6db (`bash bench/ab_tree.sh ceaa6db abtree`, then rm -rf
-#     abtree/bench/results abtree/generated/sm80): GDN's training row (qwen3-next-4k) with
-#     chunk_bwd_wy's in-place beta v (HEAD) against without (ceaa6db), then GDN's backward tests
+#   A / B trees live under .gpu/ (git-ignored: a call carries only the one it names):
+#   `bash bench/ab_tree.sh COMMIT .gpu/ab_X && rm -rf .gpu/ab_X/bench/results .gpu/ab_X/generated/sm80`
+#   first: carry .gpu/ab_wy (= ceaa6db): GDN's training row (qwen3-next-4k) with chunk_bwd_wy's
+#     in-place beta v (HEAD) against without (ceaa6db), then GDN's backward tests
+#   dq: carry .gpu/ab_dq (= branch dqkvg-sync): Mamba-2's training rows, HEAD against the
+#     branch (dqkvg with 36 barriers a value head, not 64), then the branch's GPU tests
 #   ncu2: source-level stall samples (SASS) of chunk_walk_fused (8x8192), Mamba-2's
 #     chunk_bwd_dqkvg and Comba's chunk_bwd_wy / chunk_bwd_dqkw
 #   rest | ssd | gen | gates | train | tests | walk | models | decode | side
@@ -40,22 +43,35 @@ case ${1:?first, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train o
     cp /tmp/table/* "$OUT/" ;;
   first)   # GDNTrain qwen3-next-4k, HEAD (wy in place) against abtree/ (ceaa6db): both trees
            # compile in parallel untimed passes, then timed passes alternate
-    mkdir -p /tmp/lpab && ln -sfn "$PWD/abtree" /tmp/lpab/linattn
+    D=.gpu/ab_wy; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
     AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
     $T 240 python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k --iters 2 \
       --impls linattn > /tmp/warm_base.txt 2>&1 &
-    (cd abtree && $T 240 $AB python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k \
+    (cd $D && $T 240 $AB python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k \
       --iters 2 --impls linattn > /tmp/warm_ab.txt 2>&1) &
     wait; tail -qn 1 /tmp/warm_base.txt /tmp/warm_ab.txt | cut -c1-200
     for t in base ab base ab; do
-      if [ $t = base ]; then P=env; D=.; else P=$AB; D=abtree; fi
-      (cd $D && OUT_DIR=/tmp/od_$t $T 100 $P python3 bench/train_probe.py --ops GDNTrain \
+      if [ $t = base ]; then P=env; W=.; else P=$AB; W=$D; fi
+      (cd $W && OUT_DIR=/tmp/od_$t $T 100 $P python3 bench/train_probe.py --ops GDNTrain \
         --workload qwen3-next-4k >> "$OUT/gdn_train_$t.txt" 2>&1)
       echo "$t rc=$?"
     done
     grep -h "GDNTrain" "$OUT"/gdn_train_*.txt | cut -c1-240
     gpu_tests 200 tests/test_chunk_bwd_gpu.py
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 8 ;;
+  dq)      # Mamba-2's dqkvg with fewer barriers (branch dqkvg-sync in .gpu/ab_dq) against HEAD
+    D=.gpu/ab_dq; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
+    AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
+    (cd $D && PYTHONPATH=/tmp/lpab:$PYTHONPATH gpu_tests 150 tests/test_mamba2_gpu.py -k gradients \
+      tests/test_additive_bwd_gpu.py)
+    grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 6
+    for t in base ab base ab; do
+      if [ $t = base ]; then P=env; W=.; else P=$AB; W=$D; fi
+      (cd $W && $T 150 $P python3 bench/ssd_probe.py --mamba-src "$MAMBA_SRC" --rows 'train-*' \
+        --out "$OUT/ssd_$t.json" >> "$OUT/ssd_$t.txt" 2>&1)
+      echo "$t rc=$?"
+    done
+    grep -h "geomean" "$OUT"/ssd_base.txt "$OUT"/ssd_ab.txt ;;
   ncu2)    # per-instruction stall samples: one launch of each kernel, full set, SASS source page
     prof() {  # name regex command...
       local n=$1 k=$2; shift 2
