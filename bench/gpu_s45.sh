@@ -3,7 +3,9 @@
 # idle; a start may be refused: each refusal costs ~90 s or more of device time; a call
 # returns at most 8 files, so everything comes back in one archive; never let a helper
 # call the device). Carry .gpu/site.tar.xz .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba
-# .gpu/xdist (and a .gpu/cache.tar.xz.00 if one was built for the call).
+# .gpu/xdist and .gpu/cache.tar.xz.00 (copy .gpu/s45/cache.tar.xz.00 there: bench/cpu_cache.py
+# built it from test_chunk_bwd_gpu, test_rule_bwd_gpu, test_dplr_bwd_gpu at 85ed957 and
+# test_mamba2_gpu's gradients at dqkvg-sync: 269 kernels).
 #
 # In this order (the first call also pays the start, ~3.5 min):
 #   A / B trees live under .gpu/ (git-ignored: a call carries only the one it names):
@@ -11,7 +13,8 @@
 #   first: carry .gpu/ab_wy (= ceaa6db): GDN's training row (qwen3-next-4k) with chunk_bwd_wy's
 #     in-place beta v (HEAD) against without (ceaa6db), then GDN's backward tests
 #   dq: carry .gpu/ab_dq (= branch dqkvg-sync): Mamba-2's training rows, HEAD against the
-#     branch (dqkvg with 36 barriers a value head, not 64), then the branch's GPU tests
+#     branch (dqkvg with 36 barriers a value head, not 64; its Mamba-2 gradient tests passed in
+#     s44-6), then its GLA-family backward tests (simple GLA / retention / lightning's dqkvg)
 #   ncu2: source-level stall samples (SASS) of chunk_walk_fused (8x8192), Mamba-2's
 #     chunk_bwd_dqkvg and Comba's chunk_bwd_wy / chunk_bwd_dqkw
 #   rest | ssd | gen | gates | train | tests | walk | models | decode | side
@@ -62,8 +65,7 @@ case ${1:?first, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train o
   dq)      # Mamba-2's dqkvg with fewer barriers (branch dqkvg-sync in .gpu/ab_dq) against HEAD
     D=.gpu/ab_dq; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
     AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
-    (cd $D && PYTHONPATH=/tmp/lpab:$PYTHONPATH gpu_tests 150 tests/test_mamba2_gpu.py -k gradients \
-      tests/test_additive_bwd_gpu.py)
+    (cd $D && PYTHONPATH=/tmp/lpab:$PYTHONPATH gpu_tests 150 tests/test_additive_bwd_gpu.py)
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 6
     for t in base ab base ab; do
       if [ $t = base ]; then P=env; W=.; else P=$AB; W=$D; fi
