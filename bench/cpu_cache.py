@@ -23,7 +23,7 @@ fixture's jobs for the selected tests) runs with device "cpu" inside
 tests/_cpu_plan.py's planning_on_cpu(): the dry calls plan for sm90 as on an H100 / H200.
 The jobs are compiled with runtime.precompile (``--workers`` processes) into a fresh
 ``--cache`` dir (default /tmp/gpu-cache/tilelang: the GPU side's path), then
-``tar -C /tmp -cf - gpu-cache | xz -9 -T2 | split -b 15M -d`` writes
+``tar | xz -9 -T2 | split -b 15M -d`` (the cache stored as gpu-cache/tilelang) writes
 ``--out``/cache.tar.xz.NN (old parts removed first). A file may carry its own -k
 expression (``PATH:KEXPR``; else ``-k``); ``-m`` is the GPU run's marker expression;
 ``--rows GLOBS`` adds linattn-bench rows (their first kernels: a training row's backward
@@ -108,12 +108,18 @@ def unique(jobs: list) -> list:
     return list({runtime._key(*j[:3], j[3]): j for j in jobs}.values())
 
 
-def pack(out: Path, cache_root: Path) -> list:
-    """tar | xz -9 | split into out/cache.tar.xz.NN; returns [(part, bytes)]."""
+#: where .gpu/prelude.sh's TILELANG_CACHE_DIR is, relative to the /tmp it unpacks into
+PACKED_AS = "gpu-cache/tilelang"
+
+
+def pack(out: Path, cache: Path) -> list:
+    """tar | xz -9 | split into out/cache.tar.xz.NN, the cache dir stored as PACKED_AS
+    whatever its name here (a --cache elsewhere once packed as its own path, which the GPU
+    side never read); returns [(part, bytes)]."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("cache.tar.xz.*"):
         old.unlink()
-    cmd = (f"tar -C {cache_root.parent} -cf - {cache_root.name} | xz -9 -T2 | "
+    cmd = (f"tar -C {cache} --transform 's,^\\.,{PACKED_AS},' -cf - . | xz -9 -T2 | "
            f"split -b 15M -d - {out}/cache.tar.xz.")
     subprocess.run(cmd, shell=True, check=True)
     return [(p, p.stat().st_size) for p in sorted(out.glob("cache.tar.xz.*"))]
@@ -182,7 +188,7 @@ def main(argv=None):
           f"{len(kernels)} cache entries; {len(errors)} failed")
     for e in errors:
         print("  failed:", e)
-    parts = pack(Path(a.out), cache.parent)
+    parts = pack(Path(a.out), cache)
     total = sum(n for _, n in parts)
     print(f"packed {len(parts)} part(s), {total / 2**20:.2f} MiB "
           f"({total / max(1, len(kernels)) / 1024:.0f} KiB a kernel): "

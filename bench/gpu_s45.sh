@@ -5,7 +5,8 @@
 # call the device). Carry .gpu/site.tar.xz .gpu/prelude.sh .gpu/savecache.sh .gpu/mamba
 # .gpu/xdist and .gpu/cache.tar.xz.00 (copy .gpu/s45/cache.tar.xz.00 there: bench/cpu_cache.py
 # built it from test_chunk_bwd_gpu, test_rule_bwd_gpu, test_dplr_bwd_gpu at 85ed957 and
-# test_mamba2_gpu's gradients at dqkvg-sync: 269 kernels).
+# test_mamba2_gpu's gradients at dqkvg-sync, plus GDN's qwen3-next-4k and Comba's train-4k
+# training kernels at main and ceaa6db: 293 kernels, 6.3 MiB).
 #
 # In this order (the first call also pays the start, ~3.5 min):
 #   A / B trees live under .gpu/ (git-ignored: a call carries only the one it names):
