@@ -19,6 +19,10 @@ families (dplr, rwkv7, iplr) through ops.chunk.run_chunk_forward with it: a prob
 variant (e.g. iplr_direct=1, prepare_threads=256), checked like the default.
 
     python3 bench/generalized_probe.py [--families comba,gdn2] [--rows GLOB] [--out FILE]
+        [--steps N]
+
+--steps N: for a profiler (ncu --launch-skip / --launch-count), only N of linattn's calls
+of each selected row (a training row: forward and backward), nothing checked or timed.
 
 Writes rows {"family", "workload", "gpu", "impls": {"linattn": {"ms", ...}, "fla":
 {"ms", ...}}, "ratio"} to --out (default $OUT/generalized_h200.json).
@@ -323,6 +327,22 @@ def run_row(family, workload, paths, config=None):
     return row
 
 
+def just_steps(rows, n, config):
+    """n of linattn's calls of each row (a training row's: forward and backward of every
+    input; a prefill's: the forward), for a profiler; nothing checked or timed."""
+    for family, workload in rows:
+        B, T, kind, H, K = WORKLOADS[workload]
+        if kind == "decode":
+            continue
+        ours = functions(family, config)[0]
+        x = inputs(family, B, T, kind == "train", H=H, K=K)
+        run = step(family, ours, x) if kind == "train" else (lambda: call(family, ours, x))
+        for _ in range(n):
+            run()
+        torch.cuda.synchronize()
+        print(f"{family}/{workload}: {n} calls")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default="comba,gdn2,dplr,rwkv7,iplr")
@@ -330,6 +350,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT_DIR") or
                                                   os.environ.get("OUT") or ".",
                                                   "generalized_h200.json"))
+    ap.add_argument("--steps", type=int, default=0,
+                    help="only N of linattn's calls a row (for a profiler): no check, no time")
     ap.add_argument("--config", nargs="*", default=[],
                     help="probe: plan config KEY=VALUE for the dplr rule's families")
     a = ap.parse_args()
@@ -337,6 +359,8 @@ def main():
     rows = [(f, w) for f in a.families.split(",") for w in WORKLOADS
             if fnmatch.fnmatch(f"{f}/{w}", a.rows)]
     precompile([(f, WORKLOADS[w]) for f, w in rows], config)
+    if a.steps:
+        return just_steps(rows, a.steps, config)
     paths, real_run = [], library.run
 
     def run(spec, path, *args, **kw):     # (which kernels linattn's call took)
