@@ -38,7 +38,14 @@ gpu_tests() {  # seconds args...: PASSED / FAILED lines as they come, the summar
     >> "$OUT/tests.txt"
   echo "rc=${PIPESTATUS[0]}" >> "$OUT/tests.txt"
 }
-case ${1:?first, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train or models} in
+ab_tree() {  # DIR: the A / B tree carried there, importable as linattn by in_tree ab
+  D=$1; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
+}
+in_tree() {  # base|ab command...: the command in the working tree, or in $D with its package
+  local t=$1; shift
+  if [ "$t" = base ]; then "$@"; else (cd "$D" && env PYTHONPATH="/tmp/lpab:$PYTHONPATH" "$@"); fi
+}
+case ${1:?first, dq, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train or models} in
   side)    # (source .gpu/prelude_both.sh instead) issue 45's rows side by side at HEAD:
            # linattn, fla, the seed release (and flashinfer where .gpu/fi_bundle.tar.xz came)
     I=linattn,fla,seed; [ -f .gpu/fi_bundle.tar.xz ] && I=$I,flashinfer
@@ -46,32 +53,28 @@ case ${1:?first, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train o
       bash bench/table_run.sh side --dtype bf16 --op GDNFwd,KDAFwd,DeltaNetFwd,GLAFwd,DeltaNetChunkBwd \
       --workload 'prefill-4k,q35-2b-16384,q35-397b-tp1-65536,q35-397b-tp8-8192,q35-2b-8x8192,q35-397b-tp4-8x1024,decode-b8,q35-gva-decode-b256,kda-tp1-4096,kda-tp8-16384,prefill-16k,prefill-8k,train-2k'
     cp /tmp/table/* "$OUT/" ;;
-  first)   # GDNTrain qwen3-next-4k, HEAD (wy in place) against abtree/ (ceaa6db): both trees
-           # compile in parallel untimed passes, then timed passes alternate
-    D=.gpu/ab_wy; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
-    AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
-    $T 240 python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k --iters 2 \
-      --impls linattn > /tmp/warm_base.txt 2>&1 &
-    (cd $D && $T 240 $AB python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k \
-      --iters 2 --impls linattn > /tmp/warm_ab.txt 2>&1) &
+  first)   # GDNTrain qwen3-next-4k, HEAD (wy in place) against .gpu/ab_wy (ceaa6db): both
+           # trees compile in parallel untimed passes, then timed passes alternate
+    ab_tree .gpu/ab_wy
+    for t in base ab; do
+      in_tree $t $T 240 python3 bench/train_probe.py --ops GDNTrain --workload qwen3-next-4k \
+        --iters 2 --impls linattn > /tmp/warm_$t.txt 2>&1 &
+    done
     wait; tail -qn 1 /tmp/warm_base.txt /tmp/warm_ab.txt | cut -c1-200
     I="linattn fla"             # (fla's time once: its first pass autotunes)
     for t in base ab base ab; do
-      if [ $t = base ]; then P=env; W=.; else P=$AB; W=$D; fi
-      (cd $W && OUT_DIR=/tmp/od_$t $T 120 $P python3 bench/train_probe.py --ops GDNTrain \
-        --workload qwen3-next-4k --impls $I >> "$OUT/gdn_train_$t.txt" 2>&1)
+      in_tree $t env OUT_DIR=/tmp/od_$t $T 120 python3 bench/train_probe.py --ops GDNTrain \
+        --workload qwen3-next-4k --impls $I >> "$OUT/gdn_train_$t.txt" 2>&1
       echo "$t rc=$?"; I=linattn
     done
     grep -h "GDNTrain" "$OUT"/gdn_train_*.txt | cut -c1-240 ;;
   dq)      # Mamba-2's dqkvg with fewer barriers (branch dqkvg-sync in .gpu/ab_dq) against HEAD
-    D=.gpu/ab_dq; mkdir -p /tmp/lpab && ln -sfn "$PWD/$D" /tmp/lpab/linattn
-    AB="env PYTHONPATH=/tmp/lpab:$PYTHONPATH"
+    ab_tree .gpu/ab_dq
     (cd $D && PYTHONPATH=/tmp/lpab:$PYTHONPATH gpu_tests 150 tests/test_additive_bwd_gpu.py)
     grep -E "^==|FAILED|ERROR|passed|failed|rc=" "$OUT/tests.txt" | tail -n 6
     for t in base ab base ab; do
-      if [ $t = base ]; then P=env; W=.; else P=$AB; W=$D; fi
-      (cd $W && $T 150 $P python3 bench/ssd_probe.py --mamba-src "$MAMBA_SRC" --rows 'train-*' \
-        --out "$OUT/ssd_$t.json" >> "$OUT/ssd_$t.txt" 2>&1)
+      in_tree $t $T 150 python3 bench/ssd_probe.py --mamba-src "$MAMBA_SRC" --rows 'train-*' \
+        --out "$OUT/ssd_$t.json" >> "$OUT/ssd_$t.txt" 2>&1
       echo "$t rc=$?"
     done
     grep -h "geomean" "$OUT"/ssd_base.txt "$OUT"/ssd_ab.txt ;;
@@ -89,9 +92,9 @@ case ${1:?first, ncu2, rest, side, ssd, gen, decode, tests, walk, gates, train o
     prof dqkvg chunk_bwd_dqkvg python3 bench/ssd_probe.py --mamba-src .gpu/mamba --rows train-4096 \
       --out /tmp/ssd_ncu.json
     prof wy chunk_bwd_wy python3 bench/generalized_probe.py --families comba --rows '*/train-*' \
-      --steps 3 --out /tmp/gen_ncu.json
+      --steps 3
     prof dqkw chunk_bwd_dqkw python3 bench/generalized_probe.py --families comba --rows '*/train-*' \
-      --steps 3 --out /tmp/gen_ncu2.json
+      --steps 3
     ls -la "$OUT" | tail -n 12 ;;
   rest)    # GDN's backward with wy in place (not run since), and the GPU tests s44-1 did not
            # reach: the rules' vs-fla cases and DPLR's backward
